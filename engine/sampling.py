@@ -1,0 +1,129 @@
+"""Choosing the next token from logits, with llama.cpp's semantics and order.
+
+The chain is llama.cpp's default: penalties, then top_k, top_p, min_p (all on the untempered distribution), then
+temperature, then a draw. Temperature 0 is greedy: the argmax of the penalized logits. Each request owns its
+Sampler (and its numpy Generator), so a `seed` makes a sampled run reproducible whatever ran before it.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import numpy as np
+
+from engine.protocol import GEN_KEYS
+
+
+class SamplingError(ValueError):
+    """The logits cannot be sampled from (NaN, or every token masked)."""
+
+
+class Sampler:
+    def __init__(self, params: dict | None = None):
+        params = dict(params or {})
+        unknown = set(params) - set(GEN_KEYS)
+        if unknown:
+            raise ValueError(f"unknown sampling keys: {', '.join(sorted(unknown))}")
+        p = {k: params.get(k, default) for k, (_, default) in GEN_KEYS.items()}
+        self.temperature = float(p["temperature"] or 0.0)
+        self.top_k = int(p["top_k"] or 0)
+        self.top_p = float(p["top_p"] if p["top_p"] is not None else 1.0)
+        self.min_p = float(p["min_p"] or 0.0)
+        self.seed = p["seed"]
+        self.penalty_repeat = float(p["penalty_repeat"] if p["penalty_repeat"] is not None else 1.0)
+        self.penalty_freq = float(p["penalty_freq"] or 0.0)
+        self.penalty_present = float(p["penalty_present"] or 0.0)
+        self.penalty_last_n = int(p["penalty_last_n"] if p["penalty_last_n"] is not None else 64)
+        # seed None: fresh OS entropy, so unseeded sampled runs differ, as in llama.cpp's default.
+        self.rng = np.random.default_rng(self.seed)
+        # -1 means the whole context; a deque with maxlen=None keeps everything.
+        maxlen = None if self.penalty_last_n < 0 else self.penalty_last_n
+        self.history: deque[int] = deque(maxlen=maxlen)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def penalties_active(self) -> bool:
+        return self.penalty_last_n != 0 and (
+            self.penalty_repeat != 1.0 or self.penalty_freq != 0.0 or self.penalty_present != 0.0)
+
+    def accept(self, token: int) -> None:
+        """Record a token of the sequence (prompt or generated): the penalties look at these."""
+        if self.history.maxlen != 0:
+            self.history.append(int(token))
+
+    def accept_many(self, tokens) -> None:
+        for t in tokens:
+            self.accept(t)
+
+    # --- the chain -------------------------------------------------------------------------------------------
+    def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
+        if not self.penalties_active or not self.history:
+            return logits
+        logits = logits.copy()
+        counts = Counter(self.history)
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        ids_ok = ids[(ids >= 0) & (ids < logits.shape[0])]
+        c = np.array([counts[int(i)] for i in ids_ok], dtype=np.float32)
+        x = logits[ids_ok]
+        # llama.cpp: the repeat penalty shrinks a logit's magnitude toward "less likely" whatever its sign.
+        x = np.where(x <= 0, x * self.penalty_repeat, x / self.penalty_repeat)
+        x = x - c * self.penalty_freq - self.penalty_present
+        logits[ids_ok] = x
+        return logits
+
+    def filter(self, logits: np.ndarray) -> np.ndarray:
+        """top_k, top_p, min_p on the untempered distribution; removed tokens become -inf. Always keeps one."""
+        out = logits
+        n = logits.shape[0]
+        if 0 < self.top_k < n:
+            # ties at the k-th value: keep exactly k, like llama.cpp's partial sort.
+            keep = np.argpartition(-out, self.top_k - 1)[: self.top_k]
+            masked = np.full_like(out, -np.inf)
+            masked[keep] = out[keep]
+            out = masked
+        if self.top_p < 1.0:
+            order = np.argsort(-out, kind="stable")
+            probs = _softmax(out[order])
+            cum = np.cumsum(probs)
+            # the smallest set whose mass reaches top_p: the token that crosses it stays.
+            n_keep = int(np.searchsorted(cum, self.top_p, side="left")) + 1
+            n_keep = min(max(n_keep, 1), n)
+            masked = np.full_like(out, -np.inf)
+            masked[order[:n_keep]] = out[order[:n_keep]]
+            out = masked
+        if self.min_p > 0.0:
+            # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p)
+            thresh = np.max(out) + np.log(self.min_p)
+            out = np.where(out >= thresh, out, -np.inf).astype(out.dtype, copy=False)
+        return out
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution a sampled (temperature > 0) draw uses, after the whole chain."""
+        x = self.filter(self.apply_penalties(_checked(logits)))
+        return _softmax(x / self.temperature)
+
+    def sample(self, logits: np.ndarray) -> int:
+        logits = _checked(logits)
+        if self.greedy:
+            return int(np.argmax(self.apply_penalties(logits)))
+        probs = self.probabilities(logits)
+        cum = np.cumsum(probs, dtype=np.float64)
+        r = self.rng.random() * cum[-1]
+        return int(min(np.searchsorted(cum, r, side="right"), len(cum) - 1))
+
+
+def _checked(logits) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float32).reshape(-1)
+    if np.isnan(x).any():
+        raise SamplingError("the model produced NaN logits")
+    if not np.isfinite(x).any():
+        raise SamplingError("every logit is -inf: nothing to sample")
+    return x
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    m = np.max(x)
+    e = np.exp((x - m).astype(np.float64))
+    return e / e.sum()
