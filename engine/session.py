@@ -1,0 +1,168 @@
+"""One request at a time over one backend: prefix reuse, the prompt pass in chunks, the decode loop, cancel, DONE.
+
+The session remembers which tokens the backend's KV cache holds, so the next request (which carries the whole
+conversation again) only reads what is new. It emits protocol lines through `emit` and never writes anywhere else.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from engine import protocol
+from engine.protocol import Done, GenRequest
+from engine.sampling import Sampler
+
+# Room kept free beyond prompt + max_new (DESIGN §3: prompt + max_new + 8 > context is an ERR).
+CONTEXT_MARGIN = 8
+
+
+class RequestError(ValueError):
+    """A request the worker refuses (bad ids, too long, bad keys); the message says what to do."""
+
+
+class BackendBroken(RuntimeError):
+    """The backend can no longer serve (e.g. a sticky CUDA error); the worker must exit after its ERR."""
+
+
+class Session:
+    def __init__(self, backend, eog_ids):
+        self.backend = backend
+        self.eog_ids = frozenset(int(t) for t in eog_ids)
+        self.n_vocab = int(backend.config.n_vocab)
+        self.max_context = int(backend.max_context)
+        # The tokens whose K/V the backend holds, position by position: always len == backend.n_cached.
+        self.tokens: list[int] = []
+
+    # --- validation ------------------------------------------------------------------------------------------
+    def validate(self, req: GenRequest) -> None:
+        for i, t in enumerate(req.prompt):
+            if not 0 <= t < self.n_vocab:
+                raise RequestError(
+                    f"token id {t} at prompt position {i} is outside this model's vocabulary (0..{self.n_vocab - 1}): "
+                    f"tokenize with the model's own vocabulary")
+        need = len(req.prompt) + req.max_new + CONTEXT_MARGIN
+        if need > self.max_context:
+            room = self.max_context - len(req.prompt) - CONTEXT_MARGIN
+            hint = (f"lower max_new to {room} or less" if room >= 0
+                    else f"shorten the prompt to {self.max_context - CONTEXT_MARGIN - req.max_new} tokens or less")
+            raise RequestError(
+                f"prompt {len(req.prompt)} + max_new {req.max_new} + {CONTEXT_MARGIN} = {need} tokens exceeds the "
+                f"context of {self.max_context}: {hint}, or restart the worker with a larger --ctx "
+                f"(the model was trained on {getattr(self.backend.config, 'n_ctx_train', '?')})")
+        try:
+            Sampler(req.params)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    # --- one request -----------------------------------------------------------------------------------------
+    def run(self, req: GenRequest, emit, stop_event: threading.Event | None = None) -> Done | None:
+        """Serve one request: emit its lines and return its Done, or emit ERR and return None.
+
+        Raises BackendBroken (after emitting ERR) when the backend cannot serve another request.
+        """
+        stop_event = stop_event or threading.Event()
+        try:
+            self.validate(req)
+        except RequestError as e:
+            emit(protocol.format_err(str(e)))
+            return None
+        try:
+            return self._run(req, emit, stop_event)
+        except BackendBroken as e:
+            emit(protocol.format_err(f"the engine failed and must restart: {e}"))
+            raise
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            try:
+                self._forget()
+            except Exception as e2:
+                emit(protocol.format_err(f"request failed ({reason}); the engine cannot recover and exits"))
+                raise BackendBroken(f"{reason}; resetting the KV cache then failed: {e2}") from e
+            emit(protocol.format_err(f"request failed: {reason}"))
+            return None
+
+    def _forget(self) -> None:
+        # After a failure mid-forward we cannot know how much of the cache is valid: start from nothing.
+        self.tokens = []
+        self.backend.truncate(0)
+
+    def _run(self, req: GenRequest, emit, stop_event: threading.Event) -> Done:
+        backend = self.backend
+        prompt = req.prompt
+        sampler = Sampler(req.params)
+        sampler.accept_many(prompt)
+        backend.reset_stats()
+
+        # Prefix reuse: the last prompt token is always run again, because its logits pick the first new token.
+        reused = _common_prefix(self.tokens, prompt, limit=len(prompt) - 1)
+        if backend.n_cached != len(self.tokens):
+            # A bug, not a broken device: the generic handler forgets the cache and the next request starts cold.
+            raise RuntimeError(f"the backend holds {backend.n_cached} tokens but the session expected "
+                               f"{len(self.tokens)}")
+        backend.truncate(reused)
+        del self.tokens[reused:]
+        emit(f"RESUME {reused}")
+
+        chunk = max(1, int(backend.prompt_chunk_size()))
+        t0 = time.perf_counter()
+        pos = reused
+        read = 0
+        first_token = None
+        cancelled = False
+        while pos < len(prompt):
+            if stop_event.is_set():
+                cancelled = True
+                break
+            part = prompt[pos: pos + chunk]
+            last = pos + len(part) == len(prompt)
+            if last and req.max_new > 0:
+                # The backend picks the first new token with the prompt's last logits (on the GPU for cuda).
+                first_token = int(backend.next_token(part, sampler))
+            else:
+                backend.forward(part)
+            self.tokens.extend(part)
+            pos += len(part)
+            read += len(part)
+            ms = (time.perf_counter() - t0) * 1000.0
+            emit(protocol.format_pp(pos, len(prompt), ms, read / max(ms / 1000.0, 1e-9)))
+        prompt_ms = (time.perf_counter() - t0) * 1000.0
+        if cancelled:
+            return self._done(emit, req, [], prompt_ms, 0.0, "cancel", reused, read)
+        emit(f"REUSED {reused}")
+
+        t1 = time.perf_counter()
+        generated: list[int] = []
+        finish = "length"
+        tok = first_token
+        while len(generated) < req.max_new:
+            if generated:
+                if stop_event.is_set():
+                    finish = "cancel"
+                    break
+                # The token fed is the one just sampled and emitted: its K/V go in, the next id comes out.
+                tok = int(backend.next_token([generated[-1]], sampler))
+                self.tokens.append(generated[-1])
+            if tok in self.eog_ids:
+                finish = "stop"
+                break
+            sampler.accept(tok)
+            generated.append(tok)
+            emit(f"T {tok}")
+        decode_ms = (time.perf_counter() - t1) * 1000.0
+        return self._done(emit, req, generated, prompt_ms, decode_ms, finish, reused, read)
+
+    def _done(self, emit, req, generated, prompt_ms, decode_ms, finish, reused, read) -> Done:
+        st = self.backend.get_stats()
+        done = Done(generated=len(generated), prompt=len(req.prompt), prompt_ms=prompt_ms, decode_ms=decode_ms,
+                    finish=finish, reused=reused, hits=st.hits, lookups=st.lookups, ram_blobs=st.ram_blobs,
+                    file_blobs=st.file_blobs, file_mb=float(st.file_mb), prompt_read=read)
+        emit(protocol.format_done(done))
+        return done
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), max(limit, 0))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
