@@ -25,8 +25,10 @@ class BackendBroken(RuntimeError):
 
 
 class Session:
-    def __init__(self, backend, eog_ids):
+    def __init__(self, backend, eog_ids, prompt_chunk: int | None = None):
         self.backend = backend
+        # None: the backend's own size; the worker's --prompt-chunk can only lower it.
+        self.prompt_chunk = prompt_chunk
         self.eog_ids = frozenset(int(t) for t in eog_ids)
         self.n_vocab = int(backend.config.n_vocab)
         self.max_context = int(backend.max_context)
@@ -103,7 +105,7 @@ class Session:
         del self.tokens[reused:]
         emit(f"RESUME {reused}")
 
-        chunk = max(1, int(backend.prompt_chunk_size()))
+        chunk = max(1, int(self.prompt_chunk or backend.prompt_chunk_size()))
         t0 = time.perf_counter()
         pos = reused
         read = 0
