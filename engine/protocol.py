@@ -79,7 +79,7 @@ def _parse_number(key: str, text: str, typ: type):
 
 def parse_gen(line: str) -> GenRequest:
     """Parse a GEN line. Ranges of the sampling values are checked here so the worker can answer ERR at once."""
-    parts = line.strip().split(" ")
+    parts = line.split()  # any run of spaces separates fields; a stray double space is not an error
     if not parts or parts[0] != "GEN":
         raise ProtocolError("expected a line starting with GEN")
     if len(parts) < 3:
@@ -122,6 +122,8 @@ def _check_params(p: dict) -> None:
         bad("min_p must be in [0, 1]")
     if p.get("penalty_repeat", 1.0) <= 0:
         bad("penalty_repeat must be > 0 (1 = off)")
+    if p.get("seed", 0) < 0:
+        bad("seed must be >= 0 (leave it out for a fresh random seed)")
     if p.get("penalty_last_n", 64) < -1:
         bad("penalty_last_n must be >= -1 (-1 = the whole context)")
 
