@@ -1,0 +1,480 @@
+// quant.cuh: the GGUF (ggml) quantization formats, shared by every Strata kernel.
+//
+// Contract (cuda-engine codes against this; owner: cuda-kernels)
+// ---------------------------------------------------------------
+// For every supported ggml type T with ggml type id QT (STRATA_Q_* below: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, MXFP4):
+//
+//   template <int QT> struct QTraits { static constexpr int QK; static constexpr int BYTES; };  // elements/bytes per block
+//   template <int QT> QFN void dequant8(const uint8_t* __restrict__ block, int j, float (&v)[8]);
+//       elements j*8 .. j*8+7 of one block (0 <= j < QK/8), as gguf.quants.dequantize computes them (up to fp32
+//       rounding: nvcc may fuse a*b+c into one fma).
+//   template <int QT> QFN float dot_row(const uint8_t* __restrict__ row, const float* __restrict__ x, int ncols, int lane);
+//       THIS LANE's partial of dot(row, x); the caller sums the 32 lanes (strata_warp_sum) to get the row's dot.
+//   template <int QT, int NV> QFN void dot_row_nv(const uint8_t* row, const float* x, int ldx, int ncols, int lane,
+//                                                  float (&acc)[NV]);
+//       the same for NV activation vectors x + v*ldx (v < NV), each weight chunk dequantized once; acc is added to.
+//
+// Layout and alignment: a row is ncols/QK blocks back to back (ggml layout: weight rows = output features, contiguous
+// along the input dimension); ncols must be a multiple of QK. Row pointers must be 16-byte aligned (GGUF aligns tensor
+// data to 32 bytes and every K-quant row is a multiple of 16 bytes; expert slabs must keep that), x 16-byte aligned.
+// F32/F16/BF16 have no blocks in ggml (block size 1); here they use pseudo-blocks of 8 elements (QK=8) so every type
+// has the same shape; a float row is still just ncols values.
+//
+// Differences from the first sketch of this contract: none in the signatures; dot_row returns the lane's partial (no
+// shuffle inside, so the same code runs on the host for tests) and dot_row_nv was added for windows of <= 8 tokens.
+// Activations stay fp32 (no int8 dp4a path yet): decode reads weights at a few bytes per 8 elements while x sits in L1.
+//
+// Host builds: define STRATA_HOST before including (tests compile this file with g++ to check it against gguf without
+// a GPU); device builds need no headers at all, so NVRTC (CuPy RawModule) and nvcc compile it alike.
+#pragma once
+
+#if defined(STRATA_HOST)
+#include <cstdint>
+#include <cstring>
+#define QFN inline
+#define STRATA_TABLE static const
+#else
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef signed char int8_t;
+#define QFN __device__ __forceinline__
+#define STRATA_TABLE static __device__ const
+#endif
+
+#include "iq_tables.cuh"
+
+// ggml type ids (gguf.GGMLQuantizationType)
+#define STRATA_Q_F32 0
+#define STRATA_Q_F16 1
+#define STRATA_Q_Q4_0 2
+#define STRATA_Q_Q4_1 3
+#define STRATA_Q_Q5_0 6
+#define STRATA_Q_Q5_1 7
+#define STRATA_Q_Q8_0 8
+#define STRATA_Q_Q2_K 10
+#define STRATA_Q_Q3_K 11
+#define STRATA_Q_Q4_K 12
+#define STRATA_Q_Q5_K 13
+#define STRATA_Q_Q6_K 14
+#define STRATA_Q_IQ2_XXS 16
+#define STRATA_Q_IQ2_XS 17
+#define STRATA_Q_IQ3_XXS 18
+#define STRATA_Q_IQ4_NL 20
+#define STRATA_Q_IQ3_S 21
+#define STRATA_Q_IQ2_S 22
+#define STRATA_Q_IQ4_XS 23
+#define STRATA_Q_BF16 30
+#define STRATA_Q_MXFP4 39
+
+template <int QT> struct QTraits;
+#define STRATA_TRAITS(T, qk, bytes) \
+    template <> struct QTraits<STRATA_Q_##T> { static constexpr int QK = qk; static constexpr int BYTES = bytes; };
+STRATA_TRAITS(F32, 8, 32)
+STRATA_TRAITS(F16, 8, 16)
+STRATA_TRAITS(BF16, 8, 16)
+STRATA_TRAITS(Q4_0, 32, 18)
+STRATA_TRAITS(Q4_1, 32, 20)
+STRATA_TRAITS(Q5_0, 32, 22)
+STRATA_TRAITS(Q5_1, 32, 24)
+STRATA_TRAITS(Q8_0, 32, 34)
+STRATA_TRAITS(Q2_K, 256, 84)
+STRATA_TRAITS(Q3_K, 256, 110)
+STRATA_TRAITS(Q4_K, 256, 144)
+STRATA_TRAITS(Q5_K, 256, 176)
+STRATA_TRAITS(Q6_K, 256, 210)
+STRATA_TRAITS(IQ2_XXS, 256, 66)
+STRATA_TRAITS(IQ2_XS, 256, 74)
+STRATA_TRAITS(IQ2_S, 256, 82)
+STRATA_TRAITS(IQ3_XXS, 256, 98)
+STRATA_TRAITS(IQ3_S, 256, 110)
+STRATA_TRAITS(IQ4_NL, 32, 18)
+STRATA_TRAITS(IQ4_XS, 256, 136)
+STRATA_TRAITS(MXFP4, 32, 17)
+#undef STRATA_TRAITS
+
+// ---- scalar helpers -------------------------------------------------------------------------------------------------
+
+QFN float strata_h2f(uint16_t h) {
+#if defined(STRATA_HOST)
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {  // subnormal half: renormalise
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f; memcpy(&f, &bits, 4); return f;
+#else
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+#endif
+}
+
+QFN float strata_u2f(uint32_t u) {
+#if defined(STRATA_HOST)
+    float f; memcpy(&f, &u, 4); return f;
+#else
+    return __uint_as_float(u);
+#endif
+}
+
+// Loads by the alignment the layout guarantees (rows 16-byte aligned; see the contract).
+QFN uint16_t ld2(const uint8_t* p) {
+#if defined(STRATA_HOST)
+    uint16_t v; memcpy(&v, p, 2); return v;
+#else
+    return *(const uint16_t*)p;
+#endif
+}
+QFN uint32_t ld4_a2(const uint8_t* p) { return (uint32_t)ld2(p) | ((uint32_t)ld2(p + 2) << 16); }
+QFN uint32_t ld4(const uint8_t* p) {
+#if defined(STRATA_HOST)
+    uint32_t v; memcpy(&v, p, 4); return v;
+#else
+    return *(const uint32_t*)p;
+#endif
+}
+QFN void ld8(const uint8_t* p, uint32_t& a, uint32_t& b) {
+#if defined(STRATA_HOST)
+    memcpy(&a, p, 4); memcpy(&b, p + 4, 4);
+#else
+    uint2 t = *(const uint2*)p; a = t.x; b = t.y;
+#endif
+}
+QFN void ld8_a2(const uint8_t* p, uint32_t& a, uint32_t& b) { a = ld4_a2(p); b = ld4_a2(p + 4); }
+QFN uint32_t ld4_a1(const uint8_t* p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+QFN float h2f_at(const uint8_t* p) { return strata_h2f(ld2(p)); }
+
+// byte k (0..7) of the 8 bytes (a, b)
+QFN uint32_t byte8(uint32_t a, uint32_t b, int k) { return ((k < 4 ? a : b) >> (8 * (k & 3))) & 0xff; }
+
+// ---- dequant8 --------------------------------------------------------------------------------------------------------
+
+template <int QT> QFN void dequant8(const uint8_t* __restrict__ block, int j, float (&v)[8]);
+
+template <> QFN void dequant8<STRATA_Q_F32>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+#if defined(STRATA_HOST)
+    memcpy(v, b, 32);
+#else
+    float4 p = ((const float4*)b)[0], q = ((const float4*)b)[1];
+    v[0] = p.x; v[1] = p.y; v[2] = p.z; v[3] = p.w; v[4] = q.x; v[5] = q.y; v[6] = q.z; v[7] = q.w;
+#endif
+}
+
+template <> QFN void dequant8<STRATA_Q_F16>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    uint32_t w[4];
+#if defined(STRATA_HOST)
+    memcpy(w, b, 16);
+#else
+    uint4 t = *(const uint4*)b; w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
+#endif
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        v[2 * k] = strata_h2f((uint16_t)(w[k] & 0xffff));
+        v[2 * k + 1] = strata_h2f((uint16_t)(w[k] >> 16));
+    }
+}
+
+template <> QFN void dequant8<STRATA_Q_BF16>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    uint32_t w[4];
+#if defined(STRATA_HOST)
+    memcpy(w, b, 16);
+#else
+    uint4 t = *(const uint4*)b; w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
+#endif
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        v[2 * k] = strata_u2f(w[k] << 16);
+        v[2 * k + 1] = strata_u2f(w[k] & 0xffff0000u);
+    }
+}
+
+// Q4_0 / Q4_1 / IQ4_NL / MXFP4 / Q5_x: 32 elements; element i < 16 is the low nibble of qs[i], i >= 16 the high
+// nibble of qs[i-16]. Chunk j: bytes (j&1)*8 .. +8, nibble shift (j>>1)*4.
+template <> QFN void dequant8<STRATA_Q_Q4_0>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    const float d = h2f_at(b);
+    uint32_t q0, q1; ld8_a2(b + 2 + (j & 1) * 8, q0, q1);
+    const int sh = (j >> 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = d * (float)((int)((byte8(q0, q1, k) >> sh) & 0xf) - 8);
+}
+
+template <> QFN void dequant8<STRATA_Q_Q4_1>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    const float d = h2f_at(b), m = h2f_at(b + 2);
+    uint32_t q0 = ld4(b + 4 + (j & 1) * 8), q1 = ld4(b + 8 + (j & 1) * 8);
+    const int sh = (j >> 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = d * (float)((byte8(q0, q1, k) >> sh) & 0xf) + m;
+}
+
+template <> QFN void dequant8<STRATA_Q_Q5_0>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    const float d = h2f_at(b);
+    const uint32_t qh = ld4_a2(b + 2) >> (j * 8);
+    uint32_t q0, q1; ld8_a2(b + 6 + (j & 1) * 8, q0, q1);
+    const int sh = (j >> 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int q = (int)(((byte8(q0, q1, k) >> sh) & 0xf) | (((qh >> k) & 1) << 4));
+        v[k] = d * (float)(q - 16);
+    }
+}
+
+template <> QFN void dequant8<STRATA_Q_Q5_1>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    const float d = h2f_at(b), m = h2f_at(b + 2);
+    const uint32_t qh = ld4(b + 4) >> (j * 8);
+    uint32_t q0, q1; ld8(b + 8 + (j & 1) * 8, q0, q1);
+    const int sh = (j >> 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const uint32_t q = ((byte8(q0, q1, k) >> sh) & 0xf) | (((qh >> k) & 1) << 4);
+        v[k] = d * (float)q + m;
+    }
+}
+
+template <> QFN void dequant8<STRATA_Q_Q8_0>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    const float d = h2f_at(b);
+    uint32_t q0, q1; ld8_a2(b + 2 + j * 8, q0, q1);
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = (float)(int8_t)byte8(q0, q1, k) * d;
+}
+
+template <> QFN void dequant8<STRATA_Q_IQ4_NL>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    const float d = h2f_at(b);
+    uint32_t q0, q1; ld8_a2(b + 2 + (j & 1) * 8, q0, q1);
+    const int sh = (j >> 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = d * (float)strata_kvalues_iq4nl[(byte8(q0, q1, k) >> sh) & 0xf];
+}
+
+// e8m0 exponent to float, halved (ggml_e8m0_to_fp32_half): the doubled e2m1 values in kvalues undo the half.
+QFN float strata_e8m0_half(uint32_t x) {
+    return strata_u2f(x < 2 ? (0x00200000u << x) : ((x - 1) << 23));
+}
+
+template <> QFN void dequant8<STRATA_Q_MXFP4>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    const float d = strata_e8m0_half(b[0]);
+    const uint32_t q0 = ld4_a1(b + 1 + (j & 1) * 8), q1 = ld4_a1(b + 5 + (j & 1) * 8);
+    const int sh = (j >> 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = d * (float)strata_kvalues_mxfp4[(byte8(q0, q1, k) >> sh) & 0xf];
+}
+
+// ---- K-quants (256 elements) -----------------------------------------------------------------------------------------
+
+template <> QFN void dequant8<STRATA_Q_Q2_K>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    // scales[16] @0, qs[64] @16, d @80, dmin @82; element e = 128h + 32s + l: (qs[32h + l] >> 2s) & 3, scale e/16
+    const uint32_t sc = b[j >> 1];
+    const float dl = h2f_at(b + 80) * (float)(sc & 0xf), ml = h2f_at(b + 82) * (float)(sc >> 4);
+    uint32_t q0, q1; ld8(b + 16 + (j >> 4) * 32 + (j & 3) * 8, q0, q1);
+    const int sh = ((j >> 2) & 3) * 2;
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = dl * (float)((byte8(q0, q1, k) >> sh) & 3) - ml;
+}
+
+template <> QFN void dequant8<STRATA_Q_Q3_K>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    // hmask[32] @0, qs[64] @32, scales[12] @96, d @108
+    const int s = j >> 1;  // 16-element sub-block
+    const uint8_t* sc = b + 96;
+    const uint32_t lo = s < 8 ? (sc[s] & 0xf) : (sc[s - 8] >> 4);
+    const uint32_t hi = (sc[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
+    const float dl = h2f_at(b + 108) * (float)((int)(lo | (hi << 4)) - 32);
+    const int l0 = (j & 3) * 8;
+    uint32_t q0, q1; ld8_a2(b + 32 + (j >> 4) * 32 + l0, q0, q1);
+    uint32_t h0, h1; ld8_a2(b + l0, h0, h1);
+    const int sh = ((j >> 2) & 3) * 2, hb = j >> 2;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int q = (int)((byte8(q0, q1, k) >> sh) & 3) - (int)((((byte8(h0, h1, k) >> hb) & 1) ^ 1) << 2);
+        v[k] = dl * (float)q;
+    }
+}
+
+// 6-bit scale and min of sub-block s (0..7) of Q4_K / Q5_K (gguf Q4_K.get_scale_min)
+QFN void strata_scale_min_k4(const uint8_t* __restrict__ q, int s, uint32_t& sc, uint32_t& m) {
+    if (s < 4) {
+        sc = q[s] & 0x3f;
+        m = q[s + 4] & 0x3f;
+    } else {
+        sc = (q[s + 4] & 0x0f) | ((q[s - 4] >> 2) & 0x30);
+        m = (q[s + 4] >> 4) | ((q[s] >> 2) & 0x30);
+    }
+}
+
+template <> QFN void dequant8<STRATA_Q_Q4_K>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    // d @0, dmin @2, scales[12] @4, qs[128] @16; sub-block s = j/4 takes nibble s&1 of qs[32(s/2) ..]
+    const int s = j >> 2;
+    uint32_t sc, m; strata_scale_min_k4(b + 4, s, sc, m);
+    const float dl = h2f_at(b) * (float)sc, ml = h2f_at(b + 2) * (float)m;
+    uint32_t q0, q1; ld8(b + 16 + (s >> 1) * 32 + (j & 3) * 8, q0, q1);
+    const int sh = (s & 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = dl * (float)((byte8(q0, q1, k) >> sh) & 0xf) - ml;
+}
+
+template <> QFN void dequant8<STRATA_Q_Q5_K>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    // d @0, dmin @2, scales[12] @4, qh[32] @16, qs[128] @48; high bit s of qh[l]
+    const int s = j >> 2, l0 = (j & 3) * 8;
+    uint32_t sc, m; strata_scale_min_k4(b + 4, s, sc, m);
+    const float dl = h2f_at(b) * (float)sc, ml = h2f_at(b + 2) * (float)m;
+    uint32_t q0, q1; ld8(b + 48 + (s >> 1) * 32 + l0, q0, q1);
+    uint32_t h0, h1; ld8(b + 16 + l0, h0, h1);
+    const int sh = (s & 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const uint32_t q = ((byte8(q0, q1, k) >> sh) & 0xf) | (((byte8(h0, h1, k) >> s) & 1) << 4);
+        v[k] = dl * (float)q - ml;
+    }
+}
+
+template <> QFN void dequant8<STRATA_Q_Q6_K>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    // ql[128] @0, qh[64] @128, scales int8[16] @192, d @208; element e = 128h + r:
+    // low 4 bits: nibble r/64 of ql[64h + r%64]; high 2 bits: (qh[32h + r%32] >> 2(r/32)) & 3
+    const int h = j >> 4, r0 = (j & 15) * 8;
+    const float dl = h2f_at(b + 208) * (float)(int8_t)b[192 + (j >> 1)];
+    uint32_t q0, q1; ld8_a2(b + h * 64 + (r0 & 63), q0, q1);
+    uint32_t h0, h1; ld8_a2(b + 128 + h * 32 + (r0 & 31), h0, h1);
+    const int sl = (r0 >> 6) * 4, shh = (r0 >> 5) * 2;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int q = (int)(((byte8(q0, q1, k) >> sl) & 0xf) | (((byte8(h0, h1, k) >> shh) & 3) << 4)) - 32;
+        v[k] = dl * (float)q;
+    }
+}
+
+template <> QFN void dequant8<STRATA_Q_IQ4_XS>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    // d @0, scales_h u16 @2, scales_l[4] @4, qs[128] @8; sub-block s = j/4: 16 bytes at 8+16s, low nibbles first
+    const int s = j >> 2;
+    const uint32_t lo = (b[4 + (s >> 1)] >> (4 * (s & 1))) & 0xf, hi = (ld2(b + 2) >> (2 * s)) & 3;
+    const float dl = h2f_at(b) * (float)((int)(lo | (hi << 4)) - 32);
+    uint32_t q0, q1; ld8(b + 8 + s * 16 + (j & 1) * 8, q0, q1);
+    const int sh = ((j >> 1) & 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = dl * (float)strata_kvalues_iq4nl[(byte8(q0, q1, k) >> sh) & 0xf];
+}
+
+// ---- i-quants with grids (256 elements) -------------------------------------------------------------------------------
+
+QFN void strata_grid8(float db, unsigned long long g, uint32_t signs, float (&v)[8]) {
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const float x = db * (float)((g >> (8 * k)) & 0xff);
+        v[k] = ((signs >> k) & 1) ? -x : x;
+    }
+}
+
+template <> QFN void dequant8<STRATA_Q_IQ2_XXS>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    // d @0, then 8 groups of (aux0: 4 grid indices, aux1: 4x7 sign bits + 4-bit scale) for 32 elements each
+    const int g = j >> 2, i = j & 3;
+    const uint32_t aux0 = ld4_a2(b + 2 + 8 * g), aux1 = ld4_a2(b + 6 + 8 * g);
+    const float db = h2f_at(b) * (0.5f + (float)(aux1 >> 28)) * 0.25f;
+    strata_grid8(db, strata_iq2xxs_grid[(aux0 >> (8 * i)) & 0xff], strata_ksigns[(aux1 >> (7 * i)) & 0x7f], v);
+}
+
+template <> QFN void dequant8<STRATA_Q_IQ2_XS>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    // d @0, qs u16[32] @2 (9-bit grid index, 7-bit sign index), scales[8] @66 (a 4-bit scale per 16 elements)
+    const uint32_t q = ld2(b + 2 + 2 * j);
+    const uint32_t sc = (b[66 + (j >> 2)] >> (4 * ((j >> 1) & 1))) & 0xf;
+    const float db = h2f_at(b) * (0.5f + (float)sc) * 0.25f;
+    strata_grid8(db, strata_iq2xs_grid[q & 511], strata_ksigns[q >> 9], v);
+}
+
+template <> QFN void dequant8<STRATA_Q_IQ2_S>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    // d @0, qs[32] @2, signs[32] @34, qh[8] @66 (2 high index bits per chunk), scales[8] @74
+    const uint32_t idx = b[2 + j] | (((b[66 + (j >> 2)] >> (2 * (j & 3))) & 3) << 8);
+    const uint32_t sc = (b[74 + (j >> 2)] >> (4 * ((j >> 1) & 1))) & 0xf;
+    const float db = h2f_at(b) * (0.5f + (float)sc) * 0.25f;
+    strata_grid8(db, strata_iq2s_grid[idx], b[34 + j], v);
+}
+
+QFN void strata_grid4x2(float db, uint32_t g0, uint32_t g1, uint32_t signs, float (&v)[8]) {
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const float x = db * (float)(((k < 4 ? g0 : g1) >> (8 * (k & 3))) & 0xff);
+        v[k] = ((signs >> k) & 1) ? -x : x;
+    }
+}
+
+template <> QFN void dequant8<STRATA_Q_IQ3_XXS>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    // d @0, qs[64] @2 (one 4-value grid index each), then u32[8] @66: 4x7 sign bits + 4-bit scale per 32 elements
+    const uint32_t aux = ld4_a2(b + 66 + 4 * (j >> 2));
+    const float db = h2f_at(b) * (0.5f + (float)(aux >> 28)) * 0.5f;
+    strata_grid4x2(db, strata_iq3xxs_grid[b[2 + 2 * j]], strata_iq3xxs_grid[b[3 + 2 * j]],
+                   strata_ksigns[(aux >> (7 * (j & 3))) & 0x7f], v);
+}
+
+template <> QFN void dequant8<STRATA_Q_IQ3_S>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    // d @0, qs[64] @2, qh[8] @66 (9th index bit), signs[32] @74, scales[4] @106 (a 4-bit scale per 32 elements)
+    const uint32_t qh = b[66 + (j >> 2)] >> (2 * (j & 3));
+    const uint32_t i0 = b[2 + 2 * j] | ((qh & 1) << 8), i1 = b[3 + 2 * j] | (((qh >> 1) & 1) << 8);
+    const uint32_t sc = (b[106 + (j >> 3)] >> (4 * ((j >> 2) & 1))) & 0xf;
+    const float db = h2f_at(b) * (float)(1 + 2 * sc);
+    strata_grid4x2(db, strata_iq3s_grid[i0], strata_iq3s_grid[i1], b[74 + j], v);
+}
+
+// ---- dot products ---------------------------------------------------------------------------------------------------
+
+QFN void strata_load8(const float* __restrict__ x, float (&xv)[8]) {
+#if defined(STRATA_HOST)
+    memcpy(xv, x, 32);
+#else
+    const float4 a = ((const float4*)x)[0], c = ((const float4*)x)[1];
+    xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w; xv[4] = c.x; xv[5] = c.y; xv[6] = c.z; xv[7] = c.w;
+#endif
+}
+
+// Lane `lane` of 32 takes the 8-element chunks lane, lane+32, ...: consecutive lanes read consecutive bytes of the
+// same block, so a warp's loads coalesce; four chunks are in flight per lane to cover memory latency.
+template <int QT> QFN float dot_row(const uint8_t* __restrict__ row, const float* __restrict__ x, int ncols, int lane) {
+    constexpr int CPB = QTraits<QT>::QK / 8, BYTES = QTraits<QT>::BYTES;
+    const int nchunks = ncols >> 3;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int c = lane; c < nchunks; c += 32) {
+        float w[8], xv[8];
+        dequant8<QT>(row + (c / CPB) * BYTES, c % CPB, w);
+        strata_load8(x + c * 8, xv);
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc += w[k] * xv[k];
+    }
+    return acc;
+}
+
+template <int QT, int NV>
+QFN void dot_row_nv(const uint8_t* __restrict__ row, const float* __restrict__ x, int ldx, int ncols, int lane,
+                    float (&acc)[NV]) {
+    constexpr int CPB = QTraits<QT>::QK / 8, BYTES = QTraits<QT>::BYTES;
+    const int nchunks = ncols >> 3;
+#pragma unroll 2
+    for (int c = lane; c < nchunks; c += 32) {
+        float w[8];
+        dequant8<QT>(row + (c / CPB) * BYTES, c % CPB, w);
+#pragma unroll
+        for (int n = 0; n < NV; n++) {
+            float xv[8];
+            strata_load8(x + n * ldx + c * 8, xv);
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc[n] += w[k] * xv[k];
+        }
+    }
+}
+
+#if !defined(STRATA_HOST)
+QFN float strata_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+#endif
+
+// Every type id above, for X-macro instantiation: STRATA_FOR_EACH_QTYPE(M) expands M(NAME) for each.
+#define STRATA_FOR_EACH_QTYPE(M) \
+    M(F32) M(F16) M(BF16) M(Q4_0) M(Q4_1) M(Q5_0) M(Q5_1) M(Q8_0) M(Q2_K) M(Q3_K) M(Q4_K) M(Q5_K) M(Q6_K) \
+    M(IQ4_NL) M(IQ4_XS) M(IQ2_XXS) M(IQ2_XS) M(IQ2_S) M(IQ3_XXS) M(IQ3_S) M(MXFP4)
