@@ -1,0 +1,87 @@
+// Attention of one query token per head over the fp16 KV cache (decode), split over positions so that a long
+// context still fills the GPU: attn_partial writes each split's running max, sum and weighted V; attn_combine
+// merges them. The number of positions is read from device state, so a captured graph serves every step.
+#include "common.cuh"
+
+#define ATT_MAX_DPL 8   // head_dim up to 256 (8 values per lane)
+
+// Grid (n_head, n_split), blockDim 128 (4 warps). n_pos = state[1] + 1 + n_extra (or n_fixed when state is null).
+// part: (n_head, n_split, 2 + head_dim) = m, l, acc.
+extern "C" __global__ void attn_partial(const float* __restrict__ q, const unsigned short* __restrict__ kc,
+                                        const unsigned short* __restrict__ vc, const int* __restrict__ state, int n_fixed,
+                                        float* __restrict__ part, int n_head, int n_head_kv, int head_dim,
+                                        int max_ctx, float scale) {
+    __shared__ float sm[4], sl[4];
+    __shared__ float sacc[4][256];
+    const int h = blockIdx.x, split = blockIdx.y, n_split = gridDim.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int n_pos = state ? state[1] + 1 : n_fixed;
+    const int chunk = (n_pos + n_split - 1) / n_split;
+    const int p0 = split * chunk, p1 = min(n_pos, p0 + chunk);
+    const int kvh = h / (n_head / n_head_kv);
+    const int dpl = head_dim / 32;
+    float qv[ATT_MAX_DPL], acc[ATT_MAX_DPL];
+#pragma unroll
+    for (int i = 0; i < ATT_MAX_DPL; ++i) {
+        qv[i] = i < dpl ? q[h * head_dim + lane * dpl + i] * scale : 0.f;
+        acc[i] = 0.f;
+    }
+    float m = NEG_INF, l = 0.f;
+    const unsigned short* kbase = kc + (long long)kvh * max_ctx * head_dim;
+    const unsigned short* vbase = vc + (long long)kvh * max_ctx * head_dim;
+    for (int p = p0 + warp; p < p1; p += nw) {
+        const unsigned short* kp = kbase + (long long)p * head_dim + lane * dpl;
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_DPL; ++i)
+            if (i < dpl) s += qv[i] * h2f(kp[i]);
+        s = warp_sum(s);
+        const float mn = fmaxf(m, s);
+        const float corr = __expf(m - mn), w = __expf(s - mn);
+        l = l * corr + w;
+        const unsigned short* vp = vbase + (long long)p * head_dim + lane * dpl;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_DPL; ++i)
+            if (i < dpl) acc[i] = acc[i] * corr + w * h2f(vp[i]);
+        m = mn;
+    }
+    if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+#pragma unroll
+    for (int i = 0; i < ATT_MAX_DPL; ++i)
+        if (i < dpl) sacc[warp][lane * dpl + i] = acc[i];
+    __syncthreads();
+    float M = NEG_INF;
+    for (int w = 0; w < nw; ++w) M = fmaxf(M, sm[w]);
+    float* out = part + ((long long)h * n_split + split) * (2 + head_dim);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float a = 0.f;
+        for (int w = 0; w < nw; ++w)
+            if (sm[w] > NEG_INF) a += sacc[w][d] * __expf(sm[w] - M);
+        out[2 + d] = a;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0.f;
+        for (int w = 0; w < nw; ++w)
+            if (sm[w] > NEG_INF) L += sl[w] * __expf(sm[w] - M);
+        out[0] = M;
+        out[1] = L;
+    }
+}
+
+// Grid n_head, blockDim head_dim: out[h*head_dim + d] = merged softmax(QK) V.
+extern "C" __global__ void attn_combine(const float* __restrict__ part, float* __restrict__ out, int n_split,
+                                        int head_dim) {
+    const int h = blockIdx.x, d = threadIdx.x;
+    const float* ph = part + (long long)h * n_split * (2 + head_dim);
+    float M = NEG_INF;
+    for (int s = 0; s < n_split; ++s) M = fmaxf(M, ph[s * (2 + head_dim)]);
+    float L = 0.f, a = 0.f;
+    for (int s = 0; s < n_split; ++s) {
+        const float* p = ph + s * (2 + head_dim);
+        if (p[0] == NEG_INF) continue;
+        const float c = __expf(p[0] - M);
+        L += p[1] * c;
+        a += p[2 + d] * c;
+    }
+    out[h * head_dim + d] = a / L;
+}

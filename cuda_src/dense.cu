@@ -1,0 +1,76 @@
+// Dense layers of one token (decode): quantized mat-vec with its epilogues, the SwiGLU pair, token embedding.
+// Weights stay in their GGUF quant format; quant.cuh's dot_row<QT> reads one row against a float vector.
+#include "quant.cuh"
+#include "common.cuh"
+
+// y[r] = (accumulate ? y[r] : 0) + gate * (W[r] . x + bias[r]); gate = sigmoid(*gate_logit) when given.
+// One warp per row; blockDim.x = 32 * rows per block.
+template <int QT>
+__global__ void mv(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
+                   float* __restrict__ y, const float* __restrict__ bias, const float* __restrict__ gate_logit,
+                   int nrows, int ncols, int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= nrows) return;
+    float s = warp_sum(dot_row<QT>(W + (long long)r * row_bytes, x, ncols, lane));
+    if (lane == 0) {
+        if (bias) s += bias[r];
+        if (gate_logit) s *= 1.f / (1.f + __expf(-gate_logit[0]));
+        y[r] = accumulate ? y[r] + s : s;
+    }
+}
+
+// h[r] = silu(Wg[r] . x) * (Wu[r] . x): the gate and up halves of a SwiGLU FFN in one pass.
+template <int QT>
+__global__ void swiglu_mv(const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long row_bytes,
+                          const float* __restrict__ x, float* __restrict__ h, int nrows, int ncols) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= nrows) return;
+    float g = warp_sum(dot_row<QT>(Wg + (long long)r * row_bytes, x, ncols, lane));
+    float u = warp_sum(dot_row<QT>(Wu + (long long)r * row_bytes, x, ncols, lane));
+    if (lane == 0) h[r] = silu(g) * u;
+}
+
+// out[t, :] = dequant(W[tok_t]). Tokens come from `tokens` (device) or, for a decode step, from the mapped host
+// params (then block 0 also copies the step's token and position into device state and clears the argmax word).
+template <int QT>
+__global__ void embed(const uint8_t* __restrict__ W, long long row_bytes, const int* __restrict__ tokens,
+                      const int* __restrict__ params, int* __restrict__ state, float* __restrict__ out, int ncols) {
+    const int t = blockIdx.x;
+    const int tok = tokens ? tokens[t] : params[P_TOKEN];
+    if (!tokens && t == 0 && threadIdx.x == 0) {
+        state[0] = params[P_TOKEN];
+        state[1] = params[P_POS];
+        reinterpret_cast<unsigned long long*>(state + 2)[0] = 0ull;
+        state[4] = 0;
+    }
+    const uint8_t* row = W + (long long)tok * row_bytes;
+    constexpr int BV = QTraits<QT>::QK, BB = QTraits<QT>::BYTES;
+    for (int g = threadIdx.x; g < ncols / 8; g += blockDim.x) {
+        const int i = g * 8;
+        float v[8];
+        dequant8<QT>(row + (long long)(i / BV) * BB, (i % BV) / 8, v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) out[(long long)t * ncols + i + j] = v[j];
+    }
+}
+
+// out[r, :] = dequant(src row r), rows of a quantized matrix to float (prompt-pass scratch). src may be any
+// device-readable address: a VRAM tensor, a VRAM cache slot or the mapped pinned arena.
+template <int QT>
+__global__ void dequant_rows(const uint8_t* __restrict__ src, long long row_bytes, float* __restrict__ out,
+                             int nrows, int ncols) {
+    constexpr int BV = QTraits<QT>::QK, BB = QTraits<QT>::BYTES;
+    const int groups = ncols / 8;
+    const long long total = (long long)nrows * groups;
+    for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < total;
+         q += (long long)gridDim.x * blockDim.x) {
+        const int r = (int)(q / groups), i = (int)(q % groups) * 8;
+        float v[8];
+        dequant8<QT>(src + r * row_bytes + (long long)(i / BV) * BB, (i % BV) / 8, v);
+        float* o = out + (long long)r * ncols + i;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = v[j];
+    }
+}

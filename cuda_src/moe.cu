@@ -1,0 +1,42 @@
+// The routed expert FFN of one token (or a small window), reading every expert through the per-(layer, expert)
+// pointer table: an entry is the expert's VRAM cache slot or its address in the mapped pinned arena, so a missed
+// expert is read over PCIe in place by these same kernels. An expert blob is gate | up | down, each the GGUF's
+// rows for that expert.
+#include "quant.cuh"
+#include "common.cuh"
+
+// Grid (ceil(n_ff / warps per block), k, T). h[t, j, r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t), e = ids[t, j].
+template <int QT>
+__global__ void moe_gate_up(const unsigned long long* __restrict__ table, const int* __restrict__ ids,
+                            long long up_off, long long row_bytes, const float* __restrict__ x,
+                            float* __restrict__ h, int n_ff, int ncols, int k) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= n_ff) return;
+    const int j = blockIdx.y, t = blockIdx.z;
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(table[ids[t * k + j]]);
+    const float* xt = x + (long long)t * ncols;
+    const float g = warp_sum(dot_row<QT>(base + (long long)r * row_bytes, xt, ncols, lane));
+    const float u = warp_sum(dot_row<QT>(base + up_off + (long long)r * row_bytes, xt, ncols, lane));
+    if (lane == 0) h[((long long)t * k + j) * n_ff + r] = silu(g) * u;
+}
+
+// Grid (ceil(n_embd / warps per block), T). out[t, r] += sum_j w[t, j] * (down_e[r] . h[t, j]).
+// One warp sums a row over all k experts, so the result does not depend on scheduling.
+template <int QT>
+__global__ void moe_down(const unsigned long long* __restrict__ table, const int* __restrict__ ids,
+                         const float* __restrict__ weights, long long down_off, long long row_bytes,
+                         const float* __restrict__ h, float* __restrict__ out, int n_embd, int n_ff, int k) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= n_embd) return;
+    const int t = blockIdx.y;
+    float s = 0.f;
+    for (int j = 0; j < k; ++j) {
+        const uint8_t* base = reinterpret_cast<const uint8_t*>(table[ids[t * k + j]]);
+        const float d = dot_row<QT>(base + down_off + (long long)r * row_bytes, h + ((long long)t * k + j) * n_ff,
+                                    n_ff, lane);
+        s += weights[t * k + j] * warp_sum(d);
+    }
+    if (lane == 0) out[(long long)t * n_embd + r] += s;
+}
