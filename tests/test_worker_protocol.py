@@ -1,0 +1,318 @@
+"""The real worker as a subprocess, driven through its pipes (issue 2's protocol checks), on the CPU backend.
+
+Every read has a deadline, so a worker that hangs fails the test instead of hanging the suite.
+"""
+import queue
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import protocol
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = [sys.executable, str(ROOT / "strata_worker.py")]
+TIMEOUT = 120.0
+MODEL = "tiny-llama-legacy.gguf"
+
+
+class Worker:
+    def __init__(self, model, *flags):
+        self.proc = subprocess.Popen([*WORKER, "--model", str(model), "--backend", "cpu", *flags],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, bufsize=1, cwd=ROOT)
+        self.lines: queue.Queue = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines), daemon=True).start()
+        threading.Thread(target=self._drain_err, daemon=True).start()
+        self.info = {}
+        while True:
+            line = self.read()
+            if line.startswith("READY"):
+                self.ready = line
+                break
+            assert protocol.kind(line) == "INFO", f"before READY only INFO lines may come, got {line!r}"
+            self.info.update(protocol.parse_info(line))
+
+    @staticmethod
+    def _pump(stream, q):
+        for line in stream:
+            q.put(line.rstrip("\n"))
+        q.put(None)
+
+    def _drain_err(self):
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def read(self) -> str:
+        try:
+            line = self.lines.get(timeout=TIMEOUT)
+        except queue.Empty:
+            self.proc.kill()
+            raise AssertionError(f"worker silent for {TIMEOUT} s; stderr: {''.join(self.stderr)[-2000:]}")
+        assert line is not None, f"worker exited ({self.proc.wait()}); stderr: {''.join(self.stderr)[-2000:]}"
+        return line
+
+    def send(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def request(self, line) -> list[str]:
+        """Send a GEN and read to its DONE or ERR (CACHE lines, if any, are skipped)."""
+        self.send(line)
+        return self.collect()
+
+    def collect(self) -> list[str]:
+        out = []
+        while True:
+            line = self.read()
+            if protocol.kind(line) in ("CACHE", "INFO"):
+                continue
+            out.append(line)
+            if line.startswith(("DONE", "ERR")):
+                return out
+
+    def quit(self) -> int:
+        self.send("QUIT")
+        return self.proc.wait(timeout=TIMEOUT)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def model(fixtures_dir):
+    return fixtures_dir / "reference" / MODEL
+
+
+@pytest.fixture
+def worker(model):
+    w = Worker(model)
+    yield w
+    w.kill()
+
+
+def gen(max_new, prompt, **params):
+    return protocol.format_gen(protocol.GenRequest(max_new, list(prompt), params))
+
+
+def tokens(lines):
+    return [int(l.split()[1]) for l in lines if l.startswith("T ")]
+
+
+def shape(lines):
+    # The protocol's order for one request, as a string of message kinds.
+    return " ".join(protocol.kind(l) for l in lines)
+
+
+PROMPT = [1021, 1022, 87, 301, 45, 600, 12, 999, 250, 77, 31, 402, 5, 18, 700, 66, 90]
+
+
+def test_ready_info_and_one_request_in_order(worker):
+    assert worker.ready == f"READY {worker.info['ctx']} stop"
+    assert worker.info["backend"] == "cpu" and worker.info["arch"] == "llama"
+    assert set(worker.info["eog"].split(",")) >= {"1023"}  # <|im_end|>, CONTROL in the tiny vocabulary
+    lines = worker.request(gen(6, PROMPT))
+    assert re.fullmatch(r"RESUME( PP)+ REUSED( T)* DONE", shape(lines)), lines
+    assert lines[0] == "RESUME 0"
+    pps = [protocol.parse_pp(l) for l in lines if l.startswith("PP")]
+    assert pps[-1][:2] == (len(PROMPT), len(PROMPT))
+    done = protocol.parse_done(lines[-1])
+    assert len(lines[-1].split()) == 15
+    assert done.prompt == len(PROMPT) and done.prompt_read == len(PROMPT) and done.reused == 0
+    assert done.generated == len(tokens(lines))
+    assert (done.finish, done.generated) == ("length", 6) or done.finish == "stop"
+    assert worker.quit() == 0
+
+
+def test_prefix_reuse_matches_a_cold_run(worker):
+    first = worker.request(gen(5, PROMPT))
+    follow = PROMPT + tokens(first) + [400, 401, 402]
+    warm = worker.request(gen(8, follow))
+    warm_done = protocol.parse_done(warm[-1])
+    assert warm[0] == f"RESUME {warm_done.reused}" and warm_done.reused > 0
+    assert warm_done.prompt_read == len(follow) - warm_done.reused
+    # a different first token makes the worker read everything again: a cold run in the same process
+    worker.request(gen(2, [3, 4, 5]))
+    cold = worker.request(gen(8, follow))
+    assert cold[0] == "RESUME 0"
+    assert tokens(warm) == tokens(cold)
+
+
+def test_stop_mid_prompt_cancels_and_the_worker_keeps_serving(model):
+    w = Worker(model, "--prompt-chunk", "2")
+    try:
+        long_prompt = [(i * 37 + 11) % 1000 for i in range(1000)]
+        w.send(gen(4, long_prompt))
+        assert w.read() == "RESUME 0"
+        assert w.read().startswith("PP 2 1000 ")
+        w.send("STOP")
+        lines = w.collect()
+        done = protocol.parse_done(lines[-1])
+        assert done.finish == "cancel" and 0 < done.prompt_read < len(long_prompt) and done.generated == 0
+        assert "T" not in shape(lines)
+        # What was read stays cached; a STOP between requests is ignored.
+        w.send("STOP")
+        again = w.request(gen(3, long_prompt[:600]))
+        d2 = protocol.parse_done(again[-1])
+        assert d2.finish in ("length", "stop") and d2.reused == min(done.prompt_read, 599)
+        assert w.quit() == 0
+    finally:
+        w.kill()
+
+
+def test_stop_mid_decode_cancels(worker):
+    worker.send(gen(1500, [1, 2, 3]))
+    while not worker.read().startswith("T "):
+        pass
+    worker.send("STOP")
+    lines = worker.collect()
+    done = protocol.parse_done(lines[-1])
+    assert done.finish in ("cancel", "stop") and done.generated < 1500
+
+
+@pytest.mark.parametrize("line,needle", [
+    ("GEN five 1,2,3", "max_new"),
+    ("GEN 4 1,two,3", "comma-separated token ids"),
+    ("GEN 4 temprature=0.5 1,2,3", "unknown key 'temprature'"),
+    ("GEN 4 top_p=2 1,2,3", "top_p"),
+    ("GEN 4 1,2,1024", "outside this model's vocabulary (0..1023)"),
+    ("GEN 4 -3", "outside"),
+    ("GEN 2040 1,2,3", "exceeds the context of 2048: lower max_new to 2037"),
+    ("HELLO", "expected GEN, STOP or QUIT"),
+])
+def test_errors_are_one_err_line_and_the_worker_keeps_serving(worker, line, needle):
+    lines = worker.request(line) if line.startswith("GEN") else (worker.send(line) or [worker.read()])
+    assert len(lines) == 1 and lines[0].startswith("ERR ") and needle in lines[0], lines
+    ok = worker.request(gen(2, [5, 6, 7]))
+    assert protocol.parse_done(ok[-1]).finish in ("length", "stop")
+
+
+def test_context_limit_counts_prompt_max_new_and_margin(model):
+    w = Worker(model, "--ctx", "64")
+    try:
+        assert w.ready == "READY 64 stop"
+        assert w.request(gen(6, list(range(50))))[-1].startswith("DONE")   # 50 + 6 + 8 = 64
+        err = w.request(gen(7, list(range(50))))                           # 65
+        assert err[0].startswith("ERR prompt 50 + max_new 7 + 8 = 65 tokens exceeds the context of 64")
+        assert "--ctx" in err[0]
+    finally:
+        w.kill()
+
+
+def test_max_new_zero_reads_the_prompt_only(worker):
+    lines = worker.request(gen(0, PROMPT))
+    assert re.fullmatch(r"RESUME( PP)+ REUSED DONE", shape(lines))
+    d = protocol.parse_done(lines[-1])
+    assert (d.generated, d.finish, d.prompt_read) == (0, "length", len(PROMPT))
+
+
+def test_seeded_sampling_is_reproducible(worker):
+    a = worker.request(gen(12, PROMPT, temperature=1.5, top_k=50, seed=7))
+    b = worker.request(gen(12, PROMPT, temperature=1.5, top_k=50, seed=7))
+    greedy = worker.request(gen(12, PROMPT))
+    assert tokens(a) == tokens(b)
+    assert tokens(a) != tokens(greedy) or len(tokens(a)) < 3
+
+
+def test_end_of_stdin_exits_zero_after_answering(model):
+    p = subprocess.run([*WORKER, "--model", str(model), "--backend", "cpu"], input=gen(3, PROMPT) + "\n",
+                       capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout.splitlines()
+    assert all(protocol.kind(l) for l in out), out  # stdout carries protocol lines only
+    assert out[-1].startswith("DONE")
+
+
+def _one_clear_line(p):
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1, err
+    assert p.stdout == ""
+    return err[0]
+
+
+def _start(model_path, *flags):
+    return subprocess.run([*WORKER, "--model", str(model_path), "--backend", "cpu", *flags], input="",
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+
+
+def test_truncated_gguf(model, tmp_path):
+    bad = tmp_path / "cut.gguf"
+    data = model.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    assert "truncated" in _one_clear_line(_start(bad))
+
+
+def test_text_file_named_gguf(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("these are not weights\n")
+    assert "not a GGUF file" in _one_clear_line(_start(bad))
+
+
+def test_unknown_architecture(model, tmp_path):
+    data = bytearray(model.read_bytes())
+    key = b"general.architecture"
+    at = data.index(key) + len(key)
+    vtype, n = struct.unpack_from("<IQ", data, at)
+    assert (vtype, bytes(data[at + 12: at + 12 + n])) == (8, b"llama")
+    data[at + 12: at + 12 + n] = b"zlama"  # same length: the rest of the file stays valid
+    bad = tmp_path / "zlama.gguf"
+    bad.write_bytes(bytes(data))
+    line = _one_clear_line(_start(bad))
+    assert "zlama" in line and "llama" in line.split("zlama", 1)[1]  # names it and lists the supported ones
+
+
+def test_missing_model_and_bad_flags(model, tmp_path):
+    assert "no model file" in _one_clear_line(_start(tmp_path / "absent.gguf"))
+    assert "--no-such-flag" in _one_clear_line(_start(model, "--no-such-flag"))
+    assert "--ctx" in _one_clear_line(_start(model, "--ctx", "0"))
+    assert "--prompt-chunk" in _one_clear_line(_start(model, "--prompt-chunk", "0"))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-legacy", "tiny-llama-kquants", "tiny-qwen3moe-q4k",
+                                  "tiny-qwen2moe-mixed"])
+def test_worker_greedy_tokens_follow_llama_cpp(fixtures_dir, name):
+    """End to end through the protocol: llama.cpp's greedy ids, up to its first unclear step or end of turn."""
+    import json
+    ref = json.loads((fixtures_dir / "reference" / f"{name}.json").read_text())
+    clear = ref["tolerance"]["top1_equal_where_margin_at_least"]
+    w = Worker(fixtures_dir / "reference" / f"{name}.gguf", "--prompt-chunk", "3")
+    try:
+        eog = {int(x) for x in w.info["eog"].split(",")}
+
+        def comparable(case):
+            out = []
+            for tok, step in zip(case["greedy_ids"], case["steps"]):
+                if step["margin"] < clear or tok in eog:
+                    break
+                out.append(tok)
+            return out
+        # the case whose clear prefix is longest, so the comparison is never vacuous
+        case = max(ref["cases"], key=lambda c: len(comparable(c)))
+        expect = comparable(case)
+        assert len(expect) >= 2
+        lines = w.request(gen(len(case["greedy_ids"]), case["prompt_ids"]))
+        assert tokens(lines)[: len(expect)] == expect
+        assert protocol.parse_done(lines[-1]).prompt_read == len(case["prompt_ids"])
+    finally:
+        w.kill()
+
+
+def test_eog_ids_come_from_metadata_and_control_texts():
+    import strata_worker
+    md = {"tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 7,
+          "tokenizer.ggml.tokens": ["a", "<|im_end|>", "b", "<|endoftext|>", "<|eot_id|>", "<|im_start|>"],
+          "tokenizer.ggml.token_type": [1, 3, 1, 1, 3, 3]}
+    # <|endoftext|> here is a NORMAL token (type 1), so it does not end a turn; <|im_start|> is not an end text
+    assert strata_worker.eog_ids_from_metadata(md) == {1, 2, 4, 7}
+    assert strata_worker.eog_ids_from_metadata({}) == set()
