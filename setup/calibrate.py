@@ -1,0 +1,133 @@
+"""Calibration: run the worker's `--calibrate` once on the GPU and keep what it measured and chose.
+
+THE CONTRACT with strata_worker.py (`python strata_worker.py --model M.gguf --backend cuda --calibrate
+[--ctx N] [--vram-reserve-mib N] [--vram-budget-mib N] [--mmap-experts | --resident-budget-gib N]`):
+
+- The worker measures, prints, and exits 0. It does not wait for GEN lines: stdin is closed at once.
+- Every result is on stdout in lines of the form
+
+      CALIBRATE key=value key=value ...
+
+  split like a shell line (`shlex.split`), so a value with spaces is written in double quotes: `why="..."`.
+  Lines that do not start with `CALIBRATE ` are ignored here (INFO lines, READY, ...), so the worker may print them.
+  Several CALIBRATE lines are merged in order; a later key replaces an earlier one.
+- Keys this parser REQUIRES (a missing one fails the step, naming it):
+    pcie_gbps       host-to-device copy from pinned memory, GB/s: the fastest of four 256 MiB bursts
+    vram_free_mib   VRAM free on the card after the model's dense part and KV were placed, MiB
+    decode_tok_s    tokens/s of a short greedy decode at the chosen settings
+    prompt_tok_s    tokens/s of a short prompt pass at the chosen settings
+- Keys it understands when present:
+    vram_total_mib, expert_slots (experts the VRAM cache holds), experts_total, gpu (name, quoted),
+    why="one sentence: what it chose and why" (printed to the person as is)
+    arg.<flag>=<value>  a worker flag the calibration chose, to be put into the server config's `args` as
+                        `--<flag> <value>`; `arg.<flag>=true` puts `--<flag>` alone; `arg.<flag>=false` nothing.
+                        e.g. `arg.vram-budget-mib=10800 arg.expert-slots=2310`
+- Values are numbers where they parse as numbers (int, then float), strings otherwise.
+- A non-zero exit status fails the step; the last lines of stderr are shown.
+
+Example of a complete, valid answer:
+
+    CALIBRATE gpu="NVIDIA H200" vram_total_mib=143771 pcie_gbps=55.5
+    CALIBRATE vram_free_mib=120000 expert_slots=6144 experts_total=6144
+    CALIBRATE decode_tok_s=210.4 prompt_tok_s=8123.0 arg.vram-budget-mib=131000
+    CALIBRATE why="all 6144 experts fit in VRAM: no PCIe traffic while decoding"
+
+The results are written to `strata-<model>.calibration.json` beside the server config (the server's config schema
+stays as DESIGN section 6 has it); the `arg.*` choices go into the config's `args`.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+PREFIX = "CALIBRATE "
+REQUIRED = ("pcie_gbps", "vram_free_mib", "decode_tok_s", "prompt_tok_s")
+
+
+class CalibrationError(RuntimeError):
+    pass
+
+
+def _value(v: str):
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
+
+
+def parse(stdout: str) -> dict:
+    """The merged key/values of every CALIBRATE line; raises CalibrationError on a malformed or incomplete answer."""
+    out: dict = {}
+    for line in stdout.splitlines():
+        if not line.startswith(PREFIX):
+            continue
+        try:
+            tokens = shlex.split(line[len(PREFIX):])
+        except ValueError as e:
+            raise CalibrationError(f"unreadable calibration line ({e}): {line.strip()}") from None
+        for tok in tokens:
+            key, eq, val = tok.partition("=")
+            if not eq or not key:
+                raise CalibrationError(f"calibration line has {tok!r}, expected key=value: {line.strip()}")
+            out[key] = _value(val)
+    missing = [k for k in REQUIRED if k not in out]
+    if missing:
+        raise CalibrationError(f"the worker's calibration did not report {', '.join(missing)}"
+                               + ("" if out else " (no CALIBRATE lines on its stdout)"))
+    return out
+
+
+def chosen_args(result: dict) -> list[str]:
+    """The worker flags the calibration chose (`arg.*` keys), in the order they came."""
+    args: list[str] = []
+    for key, val in result.items():
+        if not key.startswith("arg."):
+            continue
+        flag = "--" + key[4:]
+        if val is True or (isinstance(val, str) and val.lower() == "true"):
+            args.append(flag)
+        elif isinstance(val, str) and val.lower() == "false":
+            continue
+        else:
+            args += [flag, str(val)]
+    return args
+
+
+def run(worker: list[str], model: Path, args: list[str], cwd: Path, timeout: float = 900) -> dict:
+    cmd = [*worker, "--model", str(model), *args, "--calibrate"]
+    try:
+        res = subprocess.run(cmd, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise CalibrationError(f"calibration did not finish within {timeout:.0f} s: {shlex.join(cmd)}") from None
+    except OSError as e:
+        raise CalibrationError(f"cannot start the worker ({e}): {shlex.join(cmd)}") from None
+    if res.returncode != 0:
+        tail = "\n".join(res.stderr.strip().splitlines()[-8:]) or "(no output on stderr)"
+        raise CalibrationError(f"the worker's --calibrate exited with status {res.returncode}:\n{tail}")
+    return parse(res.stdout)
+
+
+def save(path: Path, model: Path, gpus: list[str], result: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"model": str(model), "gpus": gpus, "result": result}, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def load(path: Path, model: Path, gpus: list[str]) -> dict | None:
+    """An earlier calibration for the same model file on the same GPUs, or None."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if d.get("model") != str(model) or d.get("gpus") != gpus:
+        return None
+    return d.get("result")
+
+
+def default_worker() -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve().parent.parent / "strata_worker.py")]
