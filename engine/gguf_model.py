@@ -267,6 +267,8 @@ class GGUFModel:
                 nbytes = row_bytes * int(np.prod(shape[:-1], dtype=np.int64))
                 data = mm[start:start + nbytes].reshape(*shape[:-1], row_bytes)
                 self._tensors[t.name] = TensorInfo(t.name, qt, shape, data, p, start)
+        if not self._tensors:
+            raise ModelError(f"{path.name} holds no tensors (a vocabulary-only GGUF?); point --model at a model")
         n_split = int(self.metadata.get("split.count", 1) or 1)
         if n_split != len(self.paths):
             raise ModelError(f"{path.name} says the model is split into {n_split} files but its name does not "
@@ -373,8 +375,8 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
         n_rot=int(get("rope.dimension_count", head_dim)),
         rope_scaling=scaling, rope_freq_scale=freq_scale,
         rope_n_ctx_orig=int(get("rope.scaling.original_context_length", n_ctx_train)),
-        yarn_ext_factor=1.0 if scaling == "yarn" else 0.0,
-        yarn_attn_factor=float(get("rope.scaling.attn_factor", 1.0) or 1.0),
+        yarn_ext_factor=float(get("rope.scaling.yarn_ext_factor", 1.0)) if scaling == "yarn" else 0.0,
+        yarn_attn_factor=float(get("rope.scaling.yarn_attn_factor", get("rope.scaling.attn_factor", 1.0)) or 1.0),
         yarn_beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
         yarn_beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
         attn_scale=float(get("attention.scale", 0.0) or 0.0),
@@ -393,9 +395,10 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
         gate = model.tensor("blk.0.ffn_gate_exps.weight")
         if not cfg.n_ff_exp:
             cfg.n_ff_exp = gate.shape[1]
-    # What llama.cpp does per architecture (its build_moe_ffn calls): qwen3moe and llama-MoE renormalize the
-    # top-k weights; qwen2moe keeps the raw softmax weights and adds a sigmoid-gated shared expert.
-    cfg.expert_weights_norm = bool(md.get(f"{arch}.expert_weights_norm", arch in ("qwen3moe", "llama")))
+    # What llama.cpp does per architecture (the arguments of its build_moe_ffn calls), whatever the file says:
+    # qwen3moe and llama-MoE renormalize the top-k softmax weights; qwen2moe keeps them raw and adds a
+    # sigmoid-gated shared expert.
+    cfg.expert_weights_norm = arch in ("qwen3moe", "llama")
     cfg.qk_norm = model.has("blk.0.attn_q_norm.weight")
     cfg.attn_bias = model.has("blk.0.attn_q.bias")
     cfg.shared_expert = model.has("blk.0.ffn_up_shexp.weight")

@@ -1,0 +1,26 @@
+"""One module per architecture family; build() picks the one a model needs."""
+from __future__ import annotations
+
+from engine.gguf_model import GGUFModel, ModelError, SUPPORTED_ARCHS
+
+
+def family(model: GGUFModel):
+    from engine.arch.dense import Dense
+    from engine.arch.mixtral import Mixtral
+    from engine.arch.qwen2moe import Qwen2MoE
+    from engine.arch.qwen3moe import Qwen3MoE
+
+    arch = model.config.arch
+    if arch == "llama":
+        return Mixtral if model.config.is_moe else Dense
+    if arch in ("qwen2", "qwen3"):
+        return Dense
+    if arch == "qwen3moe":
+        return Qwen3MoE
+    if arch == "qwen2moe":
+        return Qwen2MoE
+    raise ModelError(f"architecture {arch!r} has no forward pass here; supported: {', '.join(SUPPORTED_ARCHS)}")
+
+
+def build(model: GGUFModel, weights, max_context: int):
+    return family(model)(model, weights, max_context)

@@ -1,0 +1,72 @@
+"""The NumPy reference backend: float32 activations, weights dequantized by gguf's reference code, any machine.
+
+It is the yardstick the CUDA backend is checked against, and the engine on a PC without a GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.arch import build
+from engine.arch.base import KVCache, Weights
+from engine.backend import Backend, ExpertStats
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, model, max_context: int, expert_cache_mb: float = 256.0, chunk: int = 256,
+                 warm: bool = True):
+        super().__init__(model, max_context)
+        if max_context < 1:
+            raise ValueError(f"context must be at least 1 token, not {max_context}")
+        self.weights = Weights(model, expert_cache_mb)
+        self.net = build(model, self.weights, max_context)
+        self.kv = KVCache(self.config, max_context)
+        self.chunk = chunk
+        if warm:
+            self.net.warm()
+
+    def forward(self, tokens, all_logits: bool = False) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if len(tokens) == 0:
+            raise ValueError("forward() needs at least one token")
+        if self.n_cached + len(tokens) > self.max_context:
+            raise ValueError(f"{self.n_cached} cached + {len(tokens)} new tokens exceed the context of "
+                             f"{self.max_context}")
+        bad = tokens[(tokens < 0) | (tokens >= self.config.n_vocab)]
+        if len(bad):
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.config.n_vocab - 1})")
+        outs = []
+        # Chunks bound the attention scores' memory (heads x chunk x context) for long prompts.
+        for s in range(0, len(tokens), self.chunk):
+            part = tokens[s:s + self.chunk]
+            last = s + self.chunk >= len(tokens)
+            logits = self.net.forward(part, self.n_cached, self.kv, all_logits)
+            self.n_cached += len(part)
+            if all_logits:
+                outs.append(logits)
+            elif last:
+                outs.append(logits)
+        return np.concatenate(outs, axis=0) if all_logits else outs[-1]
+
+    def prompt_chunk_size(self) -> int:
+        return self.chunk
+
+    def reset_stats(self) -> None:
+        self.weights.stats = ExpertStats()
+
+    def get_stats(self) -> ExpertStats:
+        return self.weights.stats
+
+    def info(self) -> dict:
+        cfg = self.config
+        out = {"backend": "cpu", "arch": cfg.arch, "n_layer": cfg.n_layer, "n_vocab": cfg.n_vocab}
+        if cfg.is_moe:
+            out.update(n_expert=cfg.n_expert, n_expert_used=cfg.n_expert_used,
+                       expert_cache_mib=round(self.weights.expert_cache_bytes / 2**20))
+        return out
+
+    def close(self) -> None:
+        self.weights = None
+        self.net = None
+        self.kv = None
