@@ -22,11 +22,16 @@ import time
 
 ENGINE_VERSION = "0.1.0"
 
-# Token texts that end a turn in the chat formats we know, when the vocabulary marks them CONTROL (llama.cpp
-# treats the same texts as end-of-generation).
-EOG_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|return|>",
-             "<|call|>", "<｜end▁of▁sentence｜>")
-TOKEN_TYPE_CONTROL = 3  # gguf.TokenType.CONTROL
+# End-of-generation, as llama.cpp decides it (llama-vocab.cpp): eos/eot/eom ids, every token with one of these texts
+# whatever its declared type (llama.cpp overrides the type to CONTROL, warning that the model is wrong), and the FIM
+# pad/repo/file-separator tokens. The server's tokenizer (engine/tokenizer.py) follows the same rule, so both sides
+# agree on where an answer ends.
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+             "<end_of_utterance>", "<｜end▁of▁sentence｜>")
+FIM_EOG = (("fim_pad_token_id", ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")),
+           ("fim_rep_token_id", ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")),
+           ("fim_sep_token_id", ("<|file_sep|>",)))
 
 
 def log(msg: str) -> None:
@@ -98,18 +103,27 @@ def _cupy_gpu() -> tuple[bool, str]:
 
 
 def eog_ids_from_metadata(md: dict) -> set[int]:
-    """End-of-generation ids: eos, eot, eom, and the CONTROL tokens whose text ends a turn."""
-    ids = set()
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        v = md.get(key)
-        if isinstance(v, int) and v >= 0:
-            ids.add(v)
+    """End-of-generation ids from GGUF metadata (llama.cpp's rule, see EOG_TEXTS)."""
     tokens = md.get("tokenizer.ggml.tokens") or []
-    types = md.get("tokenizer.ggml.token_type") or []
-    wanted = set(EOG_TEXTS)
-    for i, text in enumerate(tokens):
-        if text in wanted and i < len(types) and int(types[i]) == TOKEN_TYPE_CONTROL:
-            ids.add(i)
+    n = len(tokens)
+    index: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        index.setdefault(t, i)
+
+    def valid(v):
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n
+
+    ids = {md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                           "tokenizer.ggml.eom_token_id") if valid(md.get(k))}
+    ids |= {index[t] for t in EOG_TEXTS if t in index}
+    for key, texts in FIM_EOG:
+        v = md.get("tokenizer.ggml." + key)
+        found = v if valid(v) else next((index[t] for t in texts if t in index), None)
+        if found is not None:
+            ids.add(found)
+    # gpt-oss (harmony): <|end|> closes one message, not the answer, when <|return|> and <|call|> exist.
+    if "<|end|>" in index and ({"<|return|>", "<|call|>"} <= index.keys() or {"<|calls|>", "<|flush|>"} <= index.keys()):
+        ids.discard(index["<|end|>"])
     return ids
 
 

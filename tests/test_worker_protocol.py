@@ -308,11 +308,25 @@ def test_worker_greedy_tokens_follow_llama_cpp(fixtures_dir, name):
         w.kill()
 
 
-def test_eog_ids_come_from_metadata_and_control_texts():
+def test_eog_ids_come_from_metadata_and_end_texts():
     import strata_worker
     md = {"tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 7,
-          "tokenizer.ggml.tokens": ["a", "<|im_end|>", "b", "<|endoftext|>", "<|eot_id|>", "<|im_start|>"],
-          "tokenizer.ggml.token_type": [1, 3, 1, 1, 3, 3]}
-    # <|endoftext|> here is a NORMAL token (type 1), so it does not end a turn; <|im_start|> is not an end text
-    assert strata_worker.eog_ids_from_metadata(md) == {1, 2, 4, 7}
+          "tokenizer.ggml.tokens": ["a", "<|im_end|>", "b", "<|endoftext|>", "<|eot_id|>", "<|im_start|>", "c", "d",
+                                    "<|file_sep|>"],
+          "tokenizer.ggml.token_type": [1, 3, 1, 1, 3, 3, 1, 1, 3]}
+    # like llama.cpp: end texts count whatever their declared type; <|im_start|> is not an end
+    assert strata_worker.eog_ids_from_metadata(md) == {1, 2, 3, 4, 7, 8}
     assert strata_worker.eog_ids_from_metadata({}) == set()
+    harmony = {"tokenizer.ggml.tokens": ["<|end|>", "<|return|>", "<|call|>", "x"]}
+    assert strata_worker.eog_ids_from_metadata(harmony) == {1, 2}
+
+
+def test_worker_and_tokenizer_agree_on_where_answers_end(fixtures_dir):
+    """Two implementations of llama.cpp's rule (the worker's and the server's tokenizer) on every vocabulary."""
+    import strata_worker
+    from engine import tokenizer
+    paths = sorted((fixtures_dir / "vocab").glob("*.gguf")) + sorted((fixtures_dir / "reference").glob("*.gguf"))
+    assert paths
+    for path in paths:
+        md = tokenizer.read_gguf_metadata(path)
+        assert strata_worker.eog_ids_from_metadata(md) == tokenizer.Tokenizer.from_metadata(md).eog_ids, path.name
