@@ -32,6 +32,7 @@ GPU_WORKSPACE = 512 * MIB             # activations, prompt-chunk buffers, the e
 DISK_MARGIN = 1 * GIB                 # never fill a disk to the last byte
 MIN_BUDGET_SHARE = 0.2                # below this share of the experts pinned, "budget" is no better than mmap
 CPU_MAX_BYTES = 4 * GIB               # model size the NumPy CPU backend runs at a usable speed (a few tok/s)
+CPU_MAX_ACTIVE_B = 1.0                # billions of parameters read per token, likewise
 
 
 class CatalogError(ValueError):
@@ -266,7 +267,7 @@ def assess(model: CatalogModel, m: Machine, backend: str | None = None, ctx: int
                 n.problems.append(f"needs {(size + WORKER_OVERHEAD) / GIB:.1f} GiB of RAM, "
                                   f"{budget / GIB:.1f} GiB usable")
     else:
-        if size > CPU_MAX_BYTES:
+        if size > CPU_MAX_BYTES or model.active_b > CPU_MAX_ACTIVE_B:
             n.problems.append(f"too large for the CPU backend (the NumPy reference, usable up to about "
                               f"{fmt_gib(CPU_MAX_BYTES)} of model): it needs an NVIDIA GPU")
         if n.ram_need > budget:

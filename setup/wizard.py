@@ -181,7 +181,7 @@ def bytes_present(model: CatalogModel, models_dir: Path) -> int:
 def short_verdict(n: Needs) -> str:
     if not n.fits:
         text = " ".join(n.problems)
-        for word, verdict in (("GPU", "no: needs a GPU"), ("VRAM", "no: VRAM"), ("disk", "no: disk")):
+        for word, verdict in (("NVIDIA GPU", "no: needs a GPU"), ("VRAM", "no: VRAM"), ("disk", "no: disk")):
             if word in text:
                 return verdict
         return "no: RAM"

@@ -1,0 +1,150 @@
+"""The catalog and the fit arithmetic on golden machines (no network, no GPU: machine facts are injected)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from setup.catalog import (GIB, CatalogError, assess, find_model, load_catalog, memory_mode, model_from_gguf,
+                           ram_budget, recommend, split_parts)
+from setup.machine import GPU, Machine
+
+GB = 10 ** 9
+
+
+def machine(gpus=(), ram_gib=32, disk_gb=500):
+    return Machine(gpus=[GPU(i, f"Test GPU {v} GB", v * 1024, v * 1024 - 300) for i, v in enumerate(gpus)],
+                   driver="560.1" if gpus else None, cuda="12.6" if gpus else None,
+                   gpu_note="" if gpus else "nvidia-smi not found", ram_total=ram_gib * GIB,
+                   ram_available=int(ram_gib * GIB * 0.8), cpu="Test CPU", cpu_cores=8, disk_free=disk_gb * GB,
+                   disk_path="/models", os="Linux")
+
+
+GOLDEN = {
+    "no_gpu": machine((), 16),
+    "one_12gb_32gb": machine((12,), 32),
+    "one_24gb_64gb": machine((24,), 64),
+    "two_cards": machine((24, 24), 128),
+    "low_disk": machine((24,), 64, disk_gb=12),
+}
+
+EXPECTED = {
+    "no_gpu": "smollm2-135m",
+    "one_12gb_32gb": "qwen3-30b-a3b-q6_k",
+    "one_24gb_64gb": "qwen3-30b-a3b-q8_0",
+    "two_cards": "qwen3-235b-a22b-q2_k",
+    "low_disk": "smollm2-135m",
+}
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return load_catalog()
+
+
+def test_catalog_is_complete_and_honest(catalog):
+    names = {m.name for m in catalog}
+    for family in ("qwen3-30b-a3b", "qwen3-coder-30b-a3b", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "gpt-oss-120b"):
+        assert sum(n.startswith(family) for n in names) >= 2, family
+    for m in catalog:
+        assert m.files and m.size > 0
+        assert m.size_note, m.name
+        for f in m.files:
+            assert f.sha256 is None or len(f.sha256) == 64
+        if m.source == "hf":
+            assert m.repo and m.revision
+        if len(m.files) > 1:   # split sets list every part, first part first
+            assert f"-00001-of-{len(m.files):05d}.gguf" in m.files[0].name
+    assert find_model(catalog, "smollm2-135m").source == "pypi"
+
+
+@pytest.mark.parametrize("profile", sorted(GOLDEN))
+def test_golden_machines_get_the_expected_recommendation(catalog, profile):
+    m = GOLDEN[profile]
+    rows = [assess(model, m) for model in catalog]
+    rec = recommend(rows)
+    assert rec.model.name == EXPECTED[profile]
+    assert rec.fits
+
+
+def test_no_gpu_marks_every_large_model_as_needing_one(catalog):
+    rows = {n.model.name: n for n in (assess(model, GOLDEN["no_gpu"]) for model in catalog)}
+    assert rows["smollm2-135m"].backend == "cpu" and rows["smollm2-135m"].fits
+    for name, n in rows.items():
+        if name != "smollm2-135m":
+            assert not n.fits and any("NVIDIA GPU" in p for p in n.problems), name
+
+
+def test_12gb_card_and_32gb_ram(catalog):
+    m = GOLDEN["one_12gb_32gb"]
+    q4 = assess(find_model(catalog, "qwen3-30b-a3b-q4_k_m"), m)
+    assert q4.fits and q4.mode == "ram" and q4.backend == "cuda"
+    assert q4.vram_need < 12 * GIB
+    q8 = assess(find_model(catalog, "qwen3-30b-a3b-q8_0"), m)
+    # fits (VRAM, disk) but its experts do not all fit in RAM: a RAM budget, said as a warning
+    assert q8.fits and q8.mode == "budget" and 2 <= q8.resident_gib < 28
+    assert any("read from the disk" in w for w in q8.warnings)
+    big = assess(find_model(catalog, "qwen3-235b-a22b-q4_k_m"), m)
+    assert not big.fits and any("VRAM" in p for p in big.problems)
+    # a smaller context shrinks the KV, which is what the message suggests
+    assert assess(find_model(catalog, "qwen3-235b-a22b-q4_k_m"), m, ctx=4096).vram_need < big.vram_need
+
+
+def test_two_cards_add_their_vram(catalog):
+    one = assess(find_model(catalog, "qwen3-235b-a22b-q4_k_m"), machine((12,), 256))
+    two = assess(find_model(catalog, "qwen3-235b-a22b-q4_k_m"), machine((12, 12), 256))
+    assert not one.fits and two.fits
+    assert two.vram_have == 24 * 1024 * 1024 * 1024
+
+
+def test_low_disk_says_how_much_is_needed(catalog):
+    n = assess(find_model(catalog, "qwen3-30b-a3b-q4_k_m"), GOLDEN["low_disk"])
+    assert not n.fits
+    assert any("18.6 GB of disk" in p and "12.0 GB free" in p for p in n.problems)
+    # bytes already downloaded count: with most of it here the rest fits
+    n2 = assess(find_model(catalog, "qwen3-30b-a3b-q4_k_m"), GOLDEN["low_disk"], already=10 * GB)
+    assert n2.fits and n2.download == 8.6 * GB
+
+
+def test_memory_modes_from_ram_vs_experts():
+    assert memory_mode(10 * GIB, 20 * GIB) == ("ram", 0)
+    mode, n = memory_mode(40 * GIB, 20 * GIB)
+    assert mode == "budget" and n == 18
+    assert memory_mode(200 * GIB, 10 * GIB) == ("mmap", 0)     # 8 GiB of 200 is below a useful share
+    assert ram_budget(machine((), 16)) == 12 * GIB              # 4 GiB kept for the system
+    assert ram_budget(machine((), 128)) == 128 * GIB - int(0.15 * 128 * GIB)   # 15% kept on a big PC
+
+
+def test_gguf_measured_from_its_tensor_table(fixtures_dir):
+    moe = model_from_gguf(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf")
+    assert moe.arch == "qwen3moe" and moe.is_moe and 0.3 < moe.expert_share < 1
+    assert moe.kv_bytes_per_token > 0
+    dense = model_from_gguf(fixtures_dir / "reference" / "tiny-llama-legacy.gguf")
+    assert dense.expert_share == 0 and not dense.is_moe
+
+
+def test_split_sets_and_bad_files(tmp_path):
+    for i in (1, 2):
+        (tmp_path / f"m-{i:05d}-of-00003.gguf").write_bytes(b"GGUF")
+    with pytest.raises(CatalogError, match="missing m-00003-of-00003.gguf"):
+        split_parts(tmp_path / "m-00001-of-00003.gguf")
+    (tmp_path / "m-00003-of-00003.gguf").write_bytes(b"GGUF")
+    assert len(split_parts(tmp_path / "m-00001-of-00003.gguf")) == 3
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(CatalogError, match="not a readable GGUF"):
+        model_from_gguf(tmp_path / "bad.gguf")
+
+
+def test_bad_catalog_is_named(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"models": [{"name": "x", "files": [], "bogus": 1}]}))
+    with pytest.raises(CatalogError, match="catalog entry x"):
+        load_catalog(p)
+    with pytest.raises(CatalogError, match="cannot read"):
+        load_catalog(tmp_path / "none.json")
+
+
+def test_machine_round_trips_through_a_dict():
+    m = GOLDEN["two_cards"]
+    assert Machine.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    with pytest.raises(ValueError, match="unknown machine fields: vram"):
+        Machine.from_dict({"vram": 1})
