@@ -1,0 +1,621 @@
+"""Make GGUF models with random weights: llama.cpp's tensor names and keys, valid quant blocks, real shapes.
+
+    python -m tools.make_moe --preset tiny --out data/models/tiny-moe.gguf [--arch qwen3moe|qwen2moe|llama]
+    python -m tools.make_moe --preset qwen3-30b-a3b --out data/models/qwen3-30b-a3b-q4k.gguf
+    python -m tools.make_moe --preset qwen3-30b-a3b --dry-run
+
+Weights are random bytes inside each quant block with the block's fp16 scales set so that every weight row
+dequantizes to RMS ~ 1/sqrt(n_in): a unit-RMS input gives a unit-RMS output, so activations stay finite through
+48 layers. The file streams to disk one tensor at a time (a 17 GB model never sits in memory), under a .part
+name renamed at the end. Deterministic from --seed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import struct
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as Q, GGUFValueType, MODEL_TENSOR as MT
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB_DIR = ROOT.parent / "shared" / "fixtures" / "vocab"
+
+# --- valid random quant blocks --------------------------------------------------------------------------------
+
+# Byte offsets of the fp16 block scales (ggml-common.h). "d" multiplies the quants; "dmin"/"m" is an offset whose
+# size (in units of d) cancels the mean of the unsigned quants, so weights come out centred on zero.
+_F16_FIELDS: dict[Q, tuple[tuple[int, float], ...]] = {
+    Q.Q4_0: ((0, 1.0),),
+    Q.Q4_1: ((0, 1.0), (2, -7.5)),        # x = d*q + m, q in 0..15
+    Q.Q5_0: ((0, 1.0),),
+    Q.Q5_1: ((0, 1.0), (2, -15.5)),       # q in 0..31
+    Q.Q8_0: ((0, 1.0),),
+    Q.Q2_K: ((80, 1.0), (82, 1.5)),       # x = d*sc*q - dmin*m, q in 0..3, sc and m both 4-bit
+    Q.Q3_K: ((108, 1.0),),
+    Q.Q4_K: ((0, 1.0), (2, 7.5)),         # sc and m both 6-bit, q in 0..15
+    Q.Q5_K: ((0, 1.0), (2, 15.5)),
+    Q.Q6_K: ((208, 1.0),),
+    Q.IQ4_NL: ((0, 1.0),),
+    Q.IQ4_XS: ((0, 1.0),),
+    Q.IQ2_XXS: ((0, 1.0),),
+    Q.IQ2_XS: ((0, 1.0),),
+    Q.IQ2_S: ((0, 1.0),),
+    Q.IQ3_XXS: ((0, 1.0),),
+    Q.IQ3_S: ((0, 1.0),),
+}
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+# Every type DESIGN §2 lists. In the quantized ones every byte pattern of the quants and packed sub-scales is a
+# valid block (grid indices cover their whole range), so only the fp16/E8M0 scales need choosing.
+QUANT_TYPES = tuple(_F16_FIELDS) + (Q.MXFP4,)
+SUPPORTED_TYPES = FLOAT_TYPES + QUANT_TYPES
+
+_MXFP4_REF_E = 128          # E8M0 exponent whose half-scale is 1.0 (gguf.quants.MXFP4.e8m0_to_fp32_half)
+_CALIBRATION_BLOCKS = 8192
+
+
+def _raw_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
+    # random_raw is the fastest way numpy has to fill bytes (several GB/s, GIL released)
+    return rng.bit_generator.random_raw((n + 7) // 8).view(np.uint8)[:n]
+
+
+def _quant_blocks(rng: np.random.Generator, qtype: Q, n_blocks: int, d_base: float) -> np.ndarray:
+    """n_blocks random blocks of qtype, shape (n_blocks, type_size), scales d_base times a per-block jitter."""
+    type_size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = _raw_bytes(rng, n_blocks * type_size).reshape(n_blocks, type_size)
+    if qtype == Q.MXFP4:
+        # The scale is a power of two: mix exponents k and k+1 so the mean square lands on d_base^2 exactly.
+        k = int(np.floor(np.log2(d_base)))
+        p_up = (d_base * d_base / 4.0 ** k - 1.0) / 3.0
+        e = _MXFP4_REF_E + k + (rng.random(n_blocks) < p_up)
+        if e.min() < 2 or e.max() > 254:
+            raise ValueError(f"MXFP4 scale {d_base:g} is out of the E8M0 range")
+        blocks[:, 0] = e.astype(np.uint8)
+        return blocks
+    # Real quantizers give every block its own scale; a jitter of 0.5..1.5 keeps rows from being copies in scale.
+    d = d_base * (0.5 + rng.random(n_blocks))
+    for offset, mult in _F16_FIELDS[qtype]:
+        blocks[:, offset:offset + 2] = (d * mult).astype("<f2").view(np.uint8).reshape(n_blocks, 2)
+    return blocks
+
+
+@cache
+def _unit_rms(qtype: Q) -> float:
+    """RMS of the dequantized weights when the block scale is 1, measured through gguf.quants (the reference)."""
+    rng = np.random.Generator(np.random.SFC64(20260))
+    blocks = _quant_blocks(rng, qtype, _CALIBRATION_BLOCKS, 1.0)
+    x = gguf.quants.dequantize(blocks, qtype).astype(np.float64)
+    return float(np.sqrt(np.mean(x * x)))
+
+
+def random_rows(rng: np.random.Generator, qtype: Q, n_rows: int, n_in: int, rms: float) -> np.ndarray:
+    """n_rows weight rows of n_in values with the given RMS, as GGUF bytes: shape (n_rows, row_bytes) uint8."""
+    if qtype in FLOAT_TYPES:
+        x = rng.standard_normal((n_rows, n_in), dtype=np.float32)
+        x *= np.float32(rms)
+        if qtype == Q.F32:
+            return x.view(np.uint8)
+        if qtype == Q.F16:
+            return x.astype("<f2").view(np.uint8)
+        # bf16: round to nearest even on the upper 16 bits
+        u = x.view(np.uint32)
+        u = (u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16
+        return u.astype("<u2").view(np.uint8)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if n_in % block_size:
+        raise ValueError(f"{qtype.name} needs rows that are a multiple of {block_size} values, not {n_in}")
+    per_row = n_in // block_size
+    blocks = _quant_blocks(rng, qtype, n_rows * per_row, rms / _unit_rms(qtype))
+    return blocks.reshape(n_rows, per_row * type_size)
+
+
+def row_bytes(qtype: Q, n_in: int) -> int:
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    return n_in // block_size * type_size
+
+
+# --- model shapes -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str                 # llama | qwen3moe | qwen2moe
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int                 # dense FFN width (qwen*moe: the HF intermediate_size llama.cpp records but does not use)
+    n_expert: int             # 0: dense (llama only)
+    n_expert_used: int
+    n_ff_exp: int             # width of one expert (llama MoE: written as feed_forward_length, as mixtral's)
+    n_ff_shexp: int           # qwen2moe shared expert width
+    n_ctx_train: int
+    rope_base: float
+    rms_eps: float
+    tied: bool                # no output.weight: token_embd is the output head
+    vocab: str                # file name in the fixtures' vocab/ directory, or a path
+
+
+@dataclass(frozen=True)
+class Preset:
+    shape: Shape
+    note: str
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(Shape("qwen3moe", 4, 256, 4, 2, 64, 512, 8, 2, 256, 256, 2048, 1e6, 1e-6, False,
+                         "tiny-bpe-1024.gguf"),
+                   "a few MB for tests: 4 layers, hidden 256, 4/2 heads of 64, 8 experts (2 used) of width 256"),
+    "qwen3-30b-a3b": Preset(Shape("qwen3moe", 48, 2048, 32, 4, 128, 6144, 128, 8, 768, 0, 40960, 1e6, 1e-6, False,
+                                  "ggml-vocab-qwen2.gguf"),
+                            "Qwen3-30B-A3B's shapes: 48 layers, hidden 2048, 32/4 heads of 128, 128 experts "
+                            "(8 used) of width 768, 151936-token vocabulary"),
+    # Qwen3-Next-80B-A3B's real layers are Gated DeltaNet hybrids (llama.cpp arch qwen3next), which the engine
+    # does not run yet. Its expert side (512 experts, 10 used, width 512, one shared expert behind a sigmoid gate)
+    # is what matters for expert streaming, and qwen2moe is the supported architecture with exactly that layout;
+    # the attention keeps Qwen3-Next's 16/2 heads of 256 (full rotary), with qwen2moe's q/k/v biases.
+    "qwen3-next-80b": Preset(Shape("qwen2moe", 48, 2048, 16, 2, 256, 5120, 512, 10, 512, 512, 262144, 1e7, 1e-6,
+                                   False, "ggml-vocab-qwen2.gguf"),
+                             "Qwen3-Next-80B-A3B's expert shapes as arch qwen2moe: 48 layers, hidden 2048, 16/2 "
+                             "heads of 256, 512 experts (10 used) of width 512 plus a shared expert of 512"),
+}
+ARCHES = ("llama", "qwen3moe", "qwen2moe")
+
+# Weight scales. Matrices: RMS 1/sqrt(n_in), so x@W keeps a unit-RMS input at unit RMS. The embedding and the
+# output head: RMS 2/sqrt(n_embd), so the logits after the final norm spread with a standard deviation of ~2,
+# as trained models' do (a clear top token, not a flat distribution).
+HEAD_GAIN = 2.0
+NORM_JITTER = 0.05         # norm weights 1 + N(0, 0.05)
+BIAS_RMS = 0.02
+# Router rows: expert e of layer l has norm ROUTER_NORM / (rank_l(e) + 1)^s, rank_l a random permutation per
+# layer. With a unit-RMS hidden state the logit of expert e is ~N(0, norm_e^2), so big-norm experts win the top-k
+# more often. The skew compounds through the top-k: on isotropic inputs s = 0.25 gives the top quarter of 128
+# experts ~50% of the routings (s = 0.5: 72%; at 512 experts s = 0.5 leaves most experts almost unused), which
+# is in line with the per-domain skew measured on real MoE routers. --zipf-s changes it.
+ROUTER_NORM = 2.0
+ZIPF_S = 0.25
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]    # numpy order, rows first: (n_out, n_in) or (n_expert, n_out, n_in)
+    qtype: Q
+    group: str                # size class for --dry-run: embd output attn norm bias router ffn experts shexp
+    init: str                 # matrix | head | norm | bias | router | shexp_gate
+    layer: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        rows = int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
+        return rows * row_bytes(self.qtype, self.shape[-1])
+
+
+def _name(t: MT, bid: int | None = None) -> str:
+    return gguf.TENSOR_NAMES[t].format(bid=bid) + ".weight"
+
+
+def _bias(t: MT, bid: int) -> str:
+    return gguf.TENSOR_NAMES[t].format(bid=bid) + ".bias"
+
+
+def plan(shape: Shape, types: dict[str, Q], n_vocab: int) -> list[TensorSpec]:
+    """Every tensor of the model, in file order (that of llama.cpp's converters: embedding, output, then blocks)."""
+    s = shape
+    q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    specs = [TensorSpec(_name(MT.TOKEN_EMBD), (n_vocab, s.n_embd), types["embd"], "embd", "head"),
+             TensorSpec(_name(MT.OUTPUT_NORM), (s.n_embd,), types["norm"], "norm", "norm")]
+    if not s.tied:
+        specs.append(TensorSpec(_name(MT.OUTPUT), (n_vocab, s.n_embd), types["output"], "output", "head"))
+    for i in range(s.n_layer):
+        def add(t, shp, group, init, bias=False):
+            name = _bias(t, i) if bias else _name(t, i)
+            qtype = Q.F32 if group in ("bias", "router") else types[group]
+            specs.append(TensorSpec(name, shp, qtype, group, init, i))
+
+        add(MT.ATTN_NORM, (s.n_embd,), "norm", "norm")
+        add(MT.FFN_NORM, (s.n_embd,), "norm", "norm")
+        if s.arch == "qwen3moe":
+            add(MT.ATTN_Q_NORM, (s.head_dim,), "norm", "norm")
+            add(MT.ATTN_K_NORM, (s.head_dim,), "norm", "norm")
+        add(MT.ATTN_Q, (q_dim, s.n_embd), "attn", "matrix")
+        add(MT.ATTN_K, (kv_dim, s.n_embd), "attn", "matrix")
+        add(MT.ATTN_V, (kv_dim, s.n_embd), "attn", "matrix")
+        if s.arch == "qwen2moe":
+            add(MT.ATTN_Q, (q_dim,), "bias", "bias", bias=True)
+            add(MT.ATTN_K, (kv_dim,), "bias", "bias", bias=True)
+            add(MT.ATTN_V, (kv_dim,), "bias", "bias", bias=True)
+        add(MT.ATTN_OUT, (s.n_embd, q_dim), "attn", "matrix")
+        if s.n_expert == 0:
+            add(MT.FFN_GATE, (s.n_ff, s.n_embd), "ffn", "matrix")
+            add(MT.FFN_UP, (s.n_ff, s.n_embd), "ffn", "matrix")
+            add(MT.FFN_DOWN, (s.n_embd, s.n_ff), "ffn", "matrix")
+            continue
+        # llama.cpp keeps the router in F32 (convert_hf_to_gguf and llama-quantize both exempt ffn_gate_inp)
+        add(MT.FFN_GATE_INP, (s.n_expert, s.n_embd), "router", "router")
+        add(MT.FFN_GATE_EXP, (s.n_expert, s.n_ff_exp, s.n_embd), "experts", "matrix")
+        add(MT.FFN_UP_EXP, (s.n_expert, s.n_ff_exp, s.n_embd), "experts", "matrix")
+        add(MT.FFN_DOWN_EXP, (s.n_expert, s.n_embd, s.n_ff_exp), "experts", "matrix")
+        if s.arch == "qwen2moe":
+            # the shared expert's gate is one row (HF shape [1, n_embd]), F32 like the fixtures' and llama.cpp's
+            add(MT.FFN_GATE_INP_SHEXP, (1, s.n_embd), "router", "shexp_gate")
+            add(MT.FFN_GATE_SHEXP, (s.n_ff_shexp, s.n_embd), "shexp", "matrix")
+            add(MT.FFN_UP_SHEXP, (s.n_ff_shexp, s.n_embd), "shexp", "matrix")
+            add(MT.FFN_DOWN_SHEXP, (s.n_embd, s.n_ff_shexp), "shexp", "matrix")
+    return specs
+
+
+# --- tensor data ------------------------------------------------------------------------------------------------
+
+_CHUNK_BYTES = 32 << 20     # rows are generated in chunks of about this size, one random stream per chunk
+
+
+def _router_norms(shape: Shape, layer: int, seed: int, zipf_s: float) -> np.ndarray:
+    rank = np.random.Generator(np.random.SFC64([seed, 7, layer])).permutation(shape.n_expert)
+    return ROUTER_NORM / (rank + 1.0) ** zipf_s
+
+
+def tensor_bytes(spec: TensorSpec, index: int, shape: Shape, seed: int, zipf_s: float,
+                 pool: ThreadPoolExecutor | None = None) -> np.ndarray:
+    """The raw bytes of one tensor, shape (rows, row_bytes). Depends only on (seed, index, spec), not on threads."""
+    n_in = spec.shape[-1]
+    n_rows = int(np.prod(spec.shape[:-1], dtype=np.int64)) if len(spec.shape) > 1 else 1
+
+    def rng(chunk: int) -> np.random.Generator:
+        return np.random.Generator(np.random.SFC64([seed, index, chunk]))
+
+    if spec.init == "norm":
+        x = 1.0 + NORM_JITTER * rng(0).standard_normal(n_in)
+        return _float_bytes(x.reshape(1, -1), spec.qtype)
+    if spec.init == "bias":
+        return random_rows(rng(0), spec.qtype, 1, n_in, BIAS_RMS)
+    if spec.init == "router":
+        w = rng(0).standard_normal((n_rows, n_in))
+        w *= (_router_norms(shape, spec.layer, seed, zipf_s) / np.linalg.norm(w, axis=1))[:, None]
+        return _float_bytes(w, spec.qtype)
+    if spec.init == "shexp_gate":
+        return random_rows(rng(0), spec.qtype, 1, n_in, 1.0 / np.sqrt(n_in))
+    rms = HEAD_GAIN / np.sqrt(n_in) if spec.init == "head" else 1.0 / np.sqrt(n_in)
+    out = np.empty((n_rows, row_bytes(spec.qtype, n_in)), np.uint8)
+    step = max(1, _CHUNK_BYTES // out.shape[1])
+
+    def fill(c: int) -> None:
+        lo = c * step
+        hi = min(n_rows, lo + step)
+        out[lo:hi] = random_rows(rng(c), spec.qtype, hi - lo, n_in, rms)
+
+    chunks = range((n_rows + step - 1) // step)
+    if pool is None or len(chunks) == 1:
+        for c in chunks:
+            fill(c)
+    else:
+        list(pool.map(fill, chunks))
+    return out
+
+
+def _float_bytes(x: np.ndarray, qtype: Q) -> np.ndarray:
+    if qtype == Q.F32:
+        return x.astype("<f4").view(np.uint8)
+    if qtype == Q.F16:
+        return x.astype("<f2").view(np.uint8)
+    if qtype == Q.BF16:
+        u = x.astype(np.float32).view(np.uint32)
+        return ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype("<u2").view(np.uint8)
+    raise ValueError(f"{qtype.name} is not a float type")
+
+
+# --- metadata ---------------------------------------------------------------------------------------------------
+
+_FILE_TYPE = {Q.F32: "ALL_F32", Q.F16: "MOSTLY_F16", Q.BF16: "MOSTLY_BF16", Q.Q8_0: "MOSTLY_Q8_0",
+              Q.Q4_0: "MOSTLY_Q4_0", Q.Q4_1: "MOSTLY_Q4_1", Q.Q5_0: "MOSTLY_Q5_0", Q.Q5_1: "MOSTLY_Q5_1",
+              Q.Q2_K: "MOSTLY_Q2_K", Q.Q3_K: "MOSTLY_Q3_K_M", Q.Q4_K: "MOSTLY_Q4_K_M", Q.Q5_K: "MOSTLY_Q5_K_M",
+              Q.Q6_K: "MOSTLY_Q6_K", Q.IQ4_NL: "MOSTLY_IQ4_NL", Q.IQ4_XS: "MOSTLY_IQ4_XS",
+              Q.IQ2_XXS: "MOSTLY_IQ2_XXS", Q.IQ2_XS: "MOSTLY_IQ2_XS", Q.IQ2_S: "MOSTLY_IQ2_S",
+              Q.IQ3_XXS: "MOSTLY_IQ3_XXS", Q.IQ3_S: "MOSTLY_IQ3_S", Q.MXFP4: "MOSTLY_MXFP4_MOE"}
+
+
+_SCALAR = {GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
+           GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
+           GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "<u1", GGUFValueType.UINT64: "<u8",
+           GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8"}
+
+
+def read_vocab(path: Path) -> list[tuple[str, object, list[GGUFValueType]]]:
+    """Every tokenizer.* key of a vocabulary GGUF as (key, value, [type, sub_type]).
+
+    A small parser of the KV section rather than gguf.GGUFReader, which takes ~20 s to index the 300,000
+    strings of the Qwen2 vocabulary; test_make_moe checks that both read the same.
+    """
+    try:
+        buf = memoryview(path.read_bytes())
+        out = _parse_kv(buf)
+    except (OSError, ValueError, IndexError, KeyError) as e:
+        raise SystemExit(f"make_moe: cannot read the vocabulary {path} ({e}); pass --vocab with a GGUF file "
+                         f"that has tokenizer.* keys")
+    if not any(k == "tokenizer.ggml.tokens" for k, _, _ in out):
+        raise SystemExit(f"make_moe: {path} has no tokenizer.ggml.tokens; pass --vocab with a vocabulary GGUF")
+    return out
+
+
+def _parse_kv(buf: memoryview) -> list[tuple[str, object, list[GGUFValueType]]]:
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError("not a GGUF file")
+    version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is too old")
+    pos = 24
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        s = bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8")
+        pos += 8 + n
+        return s
+
+    def scalar(t: GGUFValueType):
+        nonlocal pos
+        if t == GGUFValueType.STRING:
+            return string()
+        dt = np.dtype(_SCALAR[t])
+        v = np.frombuffer(buf, dt, 1, pos)[0].item()
+        pos += dt.itemsize
+        return bool(v) if t == GGUFValueType.BOOL else v
+
+    out = []
+    for _ in range(n_kv):
+        key = string()
+        (t,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        t = GGUFValueType(t)
+        if t != GGUFValueType.ARRAY:
+            out.append((key, scalar(t), [t]))
+            continue
+        sub, n = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        sub = GGUFValueType(sub)
+        if sub in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+            if sub == GGUFValueType.ARRAY:
+                raise ValueError(f"nested arrays ({key}) are not supported")
+            value = [string() for _ in range(n)]
+        else:
+            dt = np.dtype(_SCALAR[sub])
+            arr = np.frombuffer(buf, dt, n, pos)
+            pos += n * dt.itemsize
+            value = [bool(x) for x in arr] if sub == GGUFValueType.BOOL else arr.tolist()
+        out.append((key, value, [t, sub]))
+    return [kv for kv in out if kv[0].startswith("tokenizer.")]
+
+
+def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
+                 vocab: list[tuple[str, object, list[GGUFValueType]]], chat_template: str | None) -> None:
+    s = shape
+    w.add_name(name)
+    w.add_block_count(s.n_layer)
+    w.add_context_length(s.n_ctx_train)
+    w.add_embedding_length(s.n_embd)
+    # mixtral-style llama MoE: feed_forward_length is the expert width (llama.cpp sizes *_exps by n_ff)
+    w.add_feed_forward_length(s.n_ff_exp if s.arch == "llama" and s.n_expert else s.n_ff)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    if s.arch != "llama" or s.head_dim * s.n_head != s.n_embd:
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+    w.add_rope_freq_base(s.rope_base)
+    w.add_layer_norm_rms_eps(s.rms_eps)
+    w.add_rope_dimension_count(s.head_dim)
+    if s.n_expert:
+        w.add_expert_count(s.n_expert)
+        w.add_expert_used_count(s.n_expert_used)
+        if s.arch != "llama":
+            w.add_expert_feed_forward_length(s.n_ff_exp)
+        if s.arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
+    n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
+    if s.arch == "llama":
+        w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType[_FILE_TYPE[file_qtype]])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value, types in vocab:
+        if key == "tokenizer.chat_template" and chat_template is not None:
+            continue
+        sub = types[1] if types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(key, value, types[0], sub_type=sub)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
+
+# --- sizes, writing, CLI ----------------------------------------------------------------------------------------
+
+GROUPS = ("embd", "output", "attn", "norm", "bias", "router", "ffn", "experts", "shexp")
+
+
+def size_table(specs: list[TensorSpec]) -> str:
+    by: dict[str, tuple[int, int, set]] = {}
+    for t in specs:
+        n, b, q = by.get(t.group, (0, 0, set()))
+        by[t.group] = (n + 1, b + t.nbytes, q | {t.qtype.name})
+    total = sum(t.nbytes for t in specs)
+    lines = [f"{'class':<8} {'tensors':>7} {'types':<12} {'MB':>10} {'GiB':>8}"]
+    for g in GROUPS:
+        if g in by:
+            n, b, q = by[g]
+            lines.append(f"{g:<8} {n:>7} {','.join(sorted(q)):<12} {b / 1e6:>10.1f} {b / 2**30:>8.3f}")
+    lines.append(f"{'total':<8} {len(specs):>7} {'':<12} {total / 1e6:>10.1f} {total / 2**30:>8.3f}")
+    exp = by.get("experts", (0, 0, set()))[1]
+    lines.append(f"experts total: {exp / 1e9:.2f} GB ({exp / 2**30:.2f} GiB)")
+    return "\n".join(lines)
+
+
+def _resolve_vocab(v: str) -> Path:
+    p = Path(v)
+    if not p.is_file() and (VOCAB_DIR / v).is_file():
+        p = VOCAB_DIR / v
+    if not p.is_file():
+        raise SystemExit(f"make_moe: vocabulary {v} not found (looked in . and {VOCAB_DIR}); pass --vocab PATH")
+    return p
+
+
+def write_model(path: Path, shape: Shape, specs: list[TensorSpec], vocab, name: str, file_qtype: Q, seed: int,
+                zipf_s: float, chat_template: str | None = None, threads: int | None = None,
+                progress: bool = True) -> None:
+    """Stream the model to path+'.part' tensor by tensor, then rename it to path."""
+    total = sum(t.nbytes for t in specs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    free = _free_bytes(path.parent)
+    if free is not None and free < total + (64 << 20):
+        raise SystemExit(f"make_moe: {path.parent} has {free / 1e9:.1f} GB free, the model needs "
+                         f"{total / 1e9:.1f} GB; free space or choose another --out")
+    tmp = path.with_name(path.name + ".part")
+    w = gguf.GGUFWriter(tmp, shape.arch)
+    add_metadata(w, shape, name, file_qtype, vocab, chat_template)
+    for t in specs:
+        w.add_tensor_info(t.name, (*t.shape[:-1], row_bytes(t.qtype, t.shape[-1])), np.dtype(np.uint8), t.nbytes,
+                          raw_dtype=t.qtype)
+    threads = threads or min(16, os.cpu_count() or 1)
+    t0, done, last = time.monotonic(), 0, 0.0
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(1) as ahead:
+            # make tensor i+1 while tensor i is being written
+            nxt = ahead.submit(tensor_bytes, specs[0], 0, shape, seed, zipf_s, pool)
+            for i, t in enumerate(specs):
+                data = nxt.result()
+                if i + 1 < len(specs):
+                    nxt = ahead.submit(tensor_bytes, specs[i + 1], i + 1, shape, seed, zipf_s, pool)
+                w.write_tensor_data(data)
+                done += t.nbytes
+                now = time.monotonic()
+                if progress and (now - last > 0.5 or i + 1 == len(specs)):
+                    last = now
+                    rate = done / max(now - t0, 1e-9) / 1e9
+                    print(f"\rmake_moe: {done / 1e9:7.2f} / {total / 1e9:.2f} GB written, {rate:.2f} GB/s",
+                          end="", file=sys.stderr, flush=True)
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    if progress:
+        print(f"\nmake_moe: wrote {path} ({total / 1e9:.2f} GB in {time.monotonic() - t0:.1f} s)",
+              file=sys.stderr)
+
+
+def _free_bytes(d: Path) -> int | None:
+    try:
+        st = os.statvfs(d)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _qtype(s: str) -> Q:
+    try:
+        q = Q[s.upper()]
+    except KeyError:
+        q = None
+    if q not in SUPPORTED_TYPES:
+        raise argparse.ArgumentTypeError(f"unknown quant type {s!r}; one of {', '.join(t.name for t in SUPPORTED_TYPES)}")
+    return q
+
+
+def build_parser() -> argparse.ArgumentParser:
+    presets = "\n".join(f"  {k}: {p.note}" for k, p in PRESETS.items())
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.make_moe", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Make a random-weight GGUF with llama.cpp's tensor names and metadata keys.",
+        epilog=f"presets:\n{presets}\n\nqwen3-next-80b is written as arch qwen2moe (shared expert with a sigmoid "
+               f"gate): the real\nqwen3next layers (Gated DeltaNet) are not supported by the engine yet.\n"
+               f"Router rows have Zipf-like norms {ROUTER_NORM}/(rank+1)^s, a random rank order per layer.")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--out", type=Path, help="output .gguf (written as OUT.part, renamed when complete)")
+    ap.add_argument("--arch", choices=ARCHES, help="override the preset's architecture")
+    ap.add_argument("--n-layer", type=int)
+    ap.add_argument("--n-expert", type=int, help="number of experts (with --arch llama: a mixtral-style MoE)")
+    ap.add_argument("--n-expert-used", type=int)
+    ap.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                    help="tie the output head to token_embd (no output.weight)")
+    ap.add_argument("--vocab", help="vocabulary GGUF whose tokenizer.* keys are copied (default: the preset's, "
+                                    f"from {VOCAB_DIR})")
+    ap.add_argument("--chat-template", type=Path, help="a .jinja file to use instead of the vocabulary's template")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--zipf-s", type=float, default=ZIPF_S, help=f"router norm exponent s (default {ZIPF_S})")
+    ap.add_argument("--threads", type=int, help="generator threads (default: CPU count, at most 16)")
+    ap.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
+    for group, default in (("experts", "Q4_K"), ("shexp", "Q4_K"), ("attn", "Q4_K"), ("ffn", "Q4_K"),
+                           ("embd", "Q4_K"), ("output", "Q4_K"), ("norm", "F32")):
+        ap.add_argument(f"--{group}", type=_qtype, default=_qtype(default), metavar="TYPE",
+                        help=f"quant type of the {group} tensors (default {default})")
+    return ap
+
+
+def resolve_shape(args: argparse.Namespace) -> Shape:
+    s = PRESETS[args.preset].shape
+    if args.arch:
+        s = replace(s, arch=args.arch)
+        if args.arch == "llama" and args.n_expert is None:
+            s = replace(s, n_expert=0, n_expert_used=0, rope_base=10000.0)   # llama means dense unless asked
+    if args.n_layer is not None:
+        s = replace(s, n_layer=args.n_layer)
+    if args.n_expert is not None:
+        s = replace(s, n_expert=args.n_expert)
+    if args.n_expert_used is not None:
+        s = replace(s, n_expert_used=args.n_expert_used)
+    if args.tied is not None:
+        s = replace(s, tied=args.tied)
+    if args.vocab:
+        s = replace(s, vocab=args.vocab)
+    if s.arch != "llama" and s.n_expert == 0:
+        raise SystemExit(f"make_moe: arch {s.arch} needs experts; pass --n-expert N (or --arch llama for dense)")
+    if s.n_expert and not 0 < s.n_expert_used <= s.n_expert:
+        raise SystemExit(f"make_moe: --n-expert-used must be between 1 and {s.n_expert}, not {s.n_expert_used}")
+    if s.n_layer < 1:
+        raise SystemExit("make_moe: --n-layer must be at least 1")
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    shape = resolve_shape(args)
+    vocab = read_vocab(_resolve_vocab(shape.vocab))
+    n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
+    types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
+    if types["norm"] not in FLOAT_TYPES:
+        raise SystemExit(f"make_moe: --norm must be F32, F16 or BF16 (norms are 1-D), not {types['norm'].name}")
+    specs = plan(shape, types, n_vocab)
+    for t in specs:
+        block = gguf.GGML_QUANT_SIZES[t.qtype][0]
+        if t.shape[-1] % block:
+            raise SystemExit(f"make_moe: {t.name} has rows of {t.shape[-1]} values, not a multiple of "
+                             f"{t.qtype.name}'s block of {block}; choose another --{t.group} type")
+    arch_desc = shape.arch + (f" MoE {shape.n_expert}x{shape.n_expert_used}" if shape.n_expert else " dense")
+    print(f"make_moe: preset {args.preset}, {arch_desc}, {shape.n_layer} layers, hidden {shape.n_embd}, "
+          f"vocab {n_vocab}, seed {args.seed}")
+    print(size_table(specs))
+    if args.dry_run:
+        return 0
+    if args.out is None:
+        raise SystemExit("make_moe: pass --out PATH.gguf (or --dry-run)")
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = args.chat_template.read_text(encoding="utf-8")
+        except OSError as e:
+            raise SystemExit(f"make_moe: cannot read --chat-template {args.chat_template}: {e.strerror}")
+    file_qtype = types["experts"] if shape.n_expert else types["ffn"]
+    name = f"strata-random-{args.preset}-{shape.arch}"
+    write_model(args.out, shape, specs, vocab, name, file_qtype, args.seed, args.zipf_s, template, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
