@@ -35,7 +35,9 @@ class WorkerClient:
     def __init__(self, model, worker_args=(), stderr=None, python=sys.executable):
         self.cmd = [python, str(WORKER), "--model", str(model), *worker_args]
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                     text=True, encoding="utf-8", bufsize=1, cwd=ROOT)
+                                     text=True, encoding="utf-8", bufsize=1, cwd=ROOT,
+                                     # Ctrl-C reaches us alone: we answer it with STOP, the protocol's way.
+                                     start_new_session=True)
         self.info: dict[str, str] = {}
         self.max_context = 0
         self.cache_line: str | None = None
@@ -71,7 +73,11 @@ class WorkerClient:
     def generate(self, req: GenRequest, on_token=None, on_line=None) -> dict:
         """Send one GEN and read to its DONE or ERR. Returns {"tokens", "finish", DONE fields} or {"error"}."""
         self.send(protocol.format_gen(req))
-        tokens: list[int] = []
+        return self.read_result(on_token, on_line)
+
+    def read_result(self, on_token=None, on_line=None, tokens=None) -> dict:
+        """Read one request's lines to its DONE or ERR (after a STOP too: the request still ends with DONE)."""
+        tokens = [] if tokens is None else tokens
         while True:
             line = self._readline()
             if on_line:
