@@ -1,0 +1,50 @@
+"""python -m server --config strata-<model>.json: the service, until Ctrl-C."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from server.config import ConfigError, load_config
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m server", description="Strata's OpenAI-compatible service.")
+    ap.add_argument("--config", required=True, help="strata-<model>.json (written by python -m setup)")
+    ap.add_argument("--preload", action="store_true", help="start the worker now rather than at the first request")
+    a = ap.parse_args(argv)
+    try:
+        cfg = load_config(a.config)
+    except ConfigError as e:
+        print(f"strata: {e}", file=sys.stderr)
+        return 2
+    from server.app import build
+    try:
+        httpd = build(cfg)
+    except OSError as e:
+        print(f"strata: cannot listen on {cfg.host}:{cfg.port}: {e.strerror}; pick another port in the config",
+              file=sys.stderr)
+        return 2
+    except Exception as e:  # the tokenizer could not read the model's vocabulary, for one
+        print(f"strata: cannot start: {e}", file=sys.stderr)
+        return 2
+    host, port = httpd.server_address[:2]
+    print(f"strata: serving {cfg.model_name} at http://{host}:{port}/ (chat in the browser, OpenAI API under /v1); "
+          f"worker log: {cfg.log}", file=sys.stderr, flush=True)
+    if a.preload:
+        from server.service import Job
+        httpd.service.submit(Job("load", endpoint="--preload"))
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
+    try:
+        httpd.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+        httpd.service.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

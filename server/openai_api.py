@@ -1,0 +1,664 @@
+"""HTTP: the OpenAI-compatible API (+ Anthropic's /v1/messages), /health, /metrics, /load, /unload, the web app.
+
+Stdlib http.server, one thread per connection. Handlers tokenize, submit a job to the service and turn its events
+into JSON or server-sent events. Safety first: Host/Origin checks against DNS rebinding, the API key, CORS only for
+the configured origins, a body size limit, and every JSON field checked for its type.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import mimetypes
+import queue
+import select
+import socket
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from server import metrics
+from server.service import Job, Result, Service, ServiceError
+from server.text import THINK_OPEN, PromptError
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+MAX_BODY = 32 * 1024 * 1024
+POLL_S = 0.2
+OPEN_PATHS = {"/health"}     # no API key needed (the web app's files are public too: they hold no data)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+class ClientGone(Exception):
+    pass
+
+
+# --- field-by-field checks -----------------------------------------------------------------------------------------
+_KINDS = {
+    "str": ((str,), "a string"), "int": ((int,), "an integer"), "num": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"), "list": ((list,), "an array"), "dict": ((dict,), "an object"),
+}
+
+
+def field(body: dict, key: str, kind: str, default=None, nullable=True, lo=None, hi=None, lo_open=False):
+    if key not in body or (body[key] is None and nullable):
+        return default
+    v = body[key]
+    types, what = _KINDS[kind]
+    if (isinstance(v, bool) and kind != "bool") or not isinstance(v, types):
+        raise ApiError(400, f"'{key}' must be {what}, got {type(v).__name__} {json.dumps(v)[:40]}", param=key)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise ApiError(400, f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {v}", param=key)
+    if hi is not None and v > hi:
+        raise ApiError(400, f"'{key}' must be <= {hi}, got {v}", param=key)
+    return v
+
+
+def sampling_params(body: dict, defaults: dict) -> dict:
+    p = dict(defaults)
+    pairs = [("temperature", "temperature", "num", dict(lo=0)), ("top_p", "top_p", "num", dict(lo=0, hi=1, lo_open=True)),
+             ("top_k", "top_k", "int", dict(lo=0)), ("min_p", "min_p", "num", dict(lo=0, hi=1)),
+             ("seed", "seed", "int", {}), ("frequency_penalty", "penalty_freq", "num", dict(lo=-2, hi=2)),
+             ("presence_penalty", "penalty_present", "num", dict(lo=-2, hi=2)),
+             ("repeat_penalty", "penalty_repeat", "num", dict(lo=0, lo_open=True)),
+             ("repeat_last_n", "penalty_last_n", "int", dict(lo=-1))]
+    for key, gen_key, kind, rng in pairs:
+        v = field(body, key, kind, **rng)
+        if v is not None:
+            p[gen_key] = v
+    return p
+
+
+def stop_list(body: dict, key: str = "stop") -> list[str]:
+    v = body.get(key)
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v) and len(v) <= 16:
+        return v
+    raise ApiError(400, f"'{key}' must be a string or an array of up to 16 strings", param=key)
+
+
+def max_new_tokens(body: dict, *keys: str) -> int | None:
+    for key in keys:
+        v = field(body, key, "int", lo=-1)
+        if v is not None:
+            return None if v in (0, -1) else v      # 0 or -1: the rest of the context
+    return None
+
+
+def text_content(content, where: str) -> str:
+    """A message's content: a string, or an array of text parts (other parts are refused: text-only models)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        out = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ApiError(400, f"{where}.content[{i}] must be an object with a 'type'", param="messages")
+            if part["type"] != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}.content[{i}] has type {part['type']!r}: this server reads text only "
+                               "(parts of type 'text' with a string 'text')", param="messages")
+            out.append(part["text"])
+        return "".join(out)
+    raise ApiError(400, f"{where}.content must be a string or an array of text parts", param="messages")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    msgs = field(body, "messages", "list")
+    if not msgs:
+        raise ApiError(400, "'messages' must be a non-empty array of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", param="messages")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ApiError(400, f"messages[{i}].role must be one of system, developer, user, assistant, tool; "
+                           f"got {json.dumps(role)[:40]}", param="messages")
+        msg = dict(m)
+        msg["role"] = "system" if role == "developer" else role
+        msg["content"] = text_content(m.get("content"), f"messages[{i}]")
+        for key in ("reasoning_content", "name", "tool_call_id"):
+            if key in m and m[key] is not None and not isinstance(m[key], str):
+                raise ApiError(400, f"messages[{i}].{key} must be a string", param="messages")
+        out.append(msg)
+    return out
+
+
+# --- the server ----------------------------------------------------------------------------------------------------
+class StrataServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, cfg, service: Service, codec):
+        self.cfg, self.service, self.codec = cfg, service, codec
+        super().__init__((cfg.host, cfg.port), Handler)
+        self.started = time.time()
+        names = {"localhost"}
+        try:
+            names |= {socket.gethostname().lower(), socket.gethostname().lower() + ".local"}
+        except OSError:
+            pass
+        if cfg.host not in ("0.0.0.0", "::", ""):
+            names.add(cfg.host.lower())
+        for origin in cfg.cors_origins:
+            names.add((urlsplit(origin).hostname or "").lower())
+        self.host_names = names
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "strata"
+    timeout = 120        # a client that stops reading cannot hold a thread (or a socket write) forever
+    server: StrataServer
+
+    def log_message(self, fmt, *args):  # quiet: the Monitor and /metrics are the record
+        pass
+
+    # --- plumbing -------------------------------------------------------------------------------------------------
+    def _cors_headers(self) -> None:
+        origin = self.headers.get("Origin")
+        if origin and origin in self.server.cfg.cors_origins:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+
+    def send_json(self, status: int, obj, headers: dict | None = None) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self._cors_headers()
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_error_json(self, e: ApiError) -> None:
+        if self.path.startswith("/v1/messages"):
+            kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                     404: "not_found_error", 413: "request_too_large", 503: "overloaded_error"}
+            body = {"type": "error", "error": {"type": kinds.get(e.status, "api_error"), "message": e.message}}
+        else:
+            body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code or e.status}}
+        self.send_json(e.status, body)
+
+    def client_gone(self) -> bool:
+        """True when the client has closed its side (a readable socket with nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            if not readable:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def read_json(self) -> dict:
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise ApiError(411, "send the body with a Content-Length (chunked uploads are not accepted)")
+        try:
+            n = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            self.close_connection = True
+            raise ApiError(400, "Content-Length is not a number") from None
+        if n > MAX_BODY:
+            self.close_connection = True
+            raise ApiError(413, f"the request body is {n} bytes; the limit is {MAX_BODY}", code="body_too_large")
+        raw = self.rfile.read(n) if n > 0 else b""
+        try:
+            body = json.loads(raw or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        return body
+
+    # --- safety ---------------------------------------------------------------------------------------------------
+    def check_host_origin(self) -> None:
+        host = self.headers.get("Host")
+        if not host:
+            raise ApiError(400, "the request has no Host header")
+        name = urlsplit("//" + host).hostname or ""
+        if not self._name_allowed(name):
+            raise ApiError(403, f"Host {host!r} is not this server's: open it as http://127.0.0.1:{self.server.server_port}"
+                           " or http://localhost (requests through foreign host names are refused: DNS rebinding)",
+                           kind="permission_error")
+        origin = self.headers.get("Origin")
+        if origin is None or origin in self.server.cfg.cors_origins:
+            return
+        parts = urlsplit(origin)
+        if parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower():
+            return          # our own web app
+        raise ApiError(403, f"Origin {origin!r} is not allowed: add it to cors_origins in the config to let that "
+                       "site call this server", kind="permission_error")
+
+    def _name_allowed(self, name: str) -> bool:
+        name = name.lower().rstrip(".")
+        try:
+            ipaddress.ip_address(name)
+            return True       # an address cannot be re-pointed by DNS
+        except ValueError:
+            pass
+        return name in self.server.host_names or name.endswith(".localhost")
+
+    def check_key(self, path: str) -> None:
+        key = self.server.cfg.api_key
+        if not key or path in OPEN_PATHS or self.is_static(path):
+            return
+        given = self.headers.get("x-api-key") or ""
+        auth = self.headers.get("Authorization") or ""
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+                           " (the key is api_key in the server's config)", kind="authentication_error",
+                           code="invalid_api_key")
+
+    # --- routing --------------------------------------------------------------------------------------------------
+    def do_OPTIONS(self):
+        origin = self.headers.get("Origin")
+        try:
+            self.check_host_origin()
+        except ApiError as e:
+            return self.send_error_json(e)
+        if not origin or origin not in self.server.cfg.cors_origins:
+            return self.send_error_json(ApiError(403, "CORS is not enabled for this origin (see cors_origins)",
+                                                 kind="permission_error"))
+        self.send_response(204)
+        self._cors_headers()
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type, x-api-key, anthropic-version")
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        url = urlsplit(self.path)
+        path = url.path.rstrip("/") or "/"
+        try:
+            self.check_host_origin()
+            self.check_key(path)
+            route = ROUTES.get((method, path))
+            if route is None:
+                if method == "GET" and self.is_static(path):
+                    return self.send_static(path)
+                if method == "POST":
+                    self.read_json()   # drain the body so the connection stays in step
+                raise ApiError(404, f"no such endpoint: {method} {path}", code="not_found")
+            route(self, parse_qs(url.query))
+        except ApiError as e:
+            self.send_error_json(e)
+        except ServiceError as e:
+            self.send_error_json(ApiError(e.status, e.message, e.kind))
+        except ClientGone:
+            self.close_connection = True
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            self.close_connection = True
+
+    # --- the web app ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def is_static(path: str) -> bool:
+        name = "index.html" if path == "/" else path.lstrip("/")
+        return "/" not in name and (STATIC_DIR / name).is_file()
+
+    def send_static(self, path: str) -> None:
+        name = "index.html" if path == "/" else path.lstrip("/")
+        data = (STATIC_DIR / name).read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Type", (mimetypes.guess_type(name)[0] or "application/octet-stream") + "; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self.wfile.write(data)
+
+    # --- simple endpoints -----------------------------------------------------------------------------------------
+    def get_health(self, q):
+        svc = self.server.service
+        self.send_json(200, {"status": "ok", "phase": svc.phase, "model": self.server.cfg.model_name})
+
+    def get_models(self, q):
+        cfg = self.server.cfg
+        w = self.server.service.worker
+        self.send_json(200, {"object": "list", "data": [{
+            "id": cfg.model_name, "object": "model", "created": int(self.server.started), "owned_by": "strata",
+            "meta": {"path": cfg.model, "n_ctx": w.max_context if w else None}}]})
+
+    def get_metrics(self, q):
+        snap = self.server.service.snapshot()
+        if q.get("format", [""])[0] == "prometheus":
+            data = metrics.prometheus(snap).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self._cors_headers()
+            self.end_headers()
+            self.wfile.write(data)
+        else:
+            self.send_json(200, snap)
+
+    def post_load(self, q):
+        self.read_json()
+        job = self.server.service.submit(Job("load", endpoint="/load"))
+        for ev in self.events(job):
+            if ev[0] == "error":
+                raise ApiError(ev[1], ev[2], kind="server_error")
+        self.send_json(200, {"status": "loaded", "phase": self.server.service.phase})
+
+    def post_unload(self, q):
+        self.read_json()
+        job = self.server.service.submit(Job("unload", endpoint="/unload"))
+        for _ in self.events(job):
+            pass
+        self.send_json(200, {"status": "unloaded"})
+
+    # --- generation -----------------------------------------------------------------------------------------------
+    def events(self, job: Job):
+        """The job's events, up to done/error; watches the client meanwhile and cancels the job if it leaves."""
+        while True:
+            try:
+                ev = job.events.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.client_gone():
+                    job.cancel.set()
+                    raise ClientGone()
+                continue
+            yield ev
+            if ev[0] in ("done", "error"):
+                return
+
+    def _common(self, body: dict) -> dict:
+        field(body, "model", "str")
+        n = field(body, "n", "int")
+        if n not in (None, 1):
+            raise ApiError(400, "'n' must be 1: this server makes one answer per request", param="n")
+        if field(body, "logprobs", "bool"):
+            raise ApiError(400, "'logprobs' is not supported by this server", param="logprobs")
+        rf = field(body, "response_format", "dict")
+        if rf is not None and rf.get("type") != "text":
+            raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported", param="response_format")
+        budget = field(body, "reasoning_budget_tokens", "int", lo=-1)
+        if budget is None:
+            budget = self.server.cfg.reasoning_budget_tokens
+        return dict(params=sampling_params(body, self.server.cfg.sampling),
+                    stream=field(body, "stream", "bool", default=False),
+                    budget=None if budget is None or budget < 0 else budget)
+
+    def _submit(self, endpoint: str, prompt: list[int], max_new, common: dict, stops: list[str],
+                thinking_open: bool) -> Job:
+        if not prompt:
+            raise ApiError(400, "the prompt is empty: send some text")
+        return self.server.service.submit(Job(
+            "gen", endpoint=endpoint, prompt=prompt, max_new=max_new, params=common["params"], stops=stops,
+            reasoning_budget=common["budget"], thinking_open=thinking_open))
+
+    def post_chat(self, q):
+        body = self.read_json()
+        common = self._common(body)
+        msgs = chat_messages(body)
+        stops = stop_list(body)
+        max_new = max_new_tokens(body, "max_completion_tokens", "max_tokens")
+        tools = field(body, "tools", "list")
+        kwargs = field(body, "chat_template_kwargs", "dict", default={})
+        so = field(body, "stream_options", "dict", default={})
+        include_usage = bool(so.get("include_usage"))
+        try:
+            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, template_kwargs=kwargs)
+        except PromptError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        thinking_open = self.server.codec.thinks and text.rstrip().endswith(THINK_OPEN)
+        job = self._submit("/v1/chat/completions", prompt, max_new, common, stops, thinking_open)
+        rid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
+        if not common["stream"]:
+            reasoning, content, res = self.collect(job)
+            msg = {"role": "assistant", "content": content}
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+            return self.send_json(200, {
+                "id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(res), "logprobs": None}],
+                "usage": usage(res), "timings": timings(res)})
+
+        def chunk(delta, finish=None, **extra):
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+
+        def on_delta(r, c):
+            d = {}
+            if r:
+                d["reasoning_content"] = r
+            if c:
+                d["content"] = c
+            return [chunk(d)]
+
+        def on_done(res):
+            out = [chunk({}, finish_reason(res), timings=timings(res))]
+            if include_usage:
+                out.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": usage(res)})
+            return out
+
+        self.stream_sse(job, [chunk({"role": "assistant", "content": ""})], on_delta, on_done)
+
+    def post_completions(self, q):
+        body = self.read_json()
+        common = self._common(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
+                                        all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+        if not ok:
+            raise ApiError(400, "'prompt' must be a string or an array of token ids (one prompt per request)",
+                           param="prompt")
+        if field(body, "echo", "bool"):
+            raise ApiError(400, "'echo' is not supported", param="echo")
+        stops = stop_list(body)
+        max_new = max_new_tokens(body, "max_tokens")
+        if "max_tokens" not in body:
+            max_new = 16     # OpenAI's default for completions
+        try:
+            ids = self.server.codec.completion_prompt(prompt)
+        except PromptError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+        job = self._submit("/v1/completions", ids, max_new, common, stops, False)
+        rid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
+        if not common["stream"]:
+            reasoning, content, res = self.collect(job)
+            return self.send_json(200, {
+                "id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": reasoning + content, "finish_reason": finish_reason(res),
+                             "logprobs": None}],
+                "usage": usage(res), "timings": timings(res)})
+
+        def chunk(text, finish=None, **extra):
+            return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], **extra}
+
+        self.stream_sse(job, [], lambda r, c: [chunk(r + c)],
+                        lambda res: [chunk("", finish_reason(res), usage=usage(res), timings=timings(res))])
+
+    def post_messages(self, q):
+        body = self.read_json()
+        common = self._common(body)
+        max_new = field(body, "max_tokens", "int", lo=1)
+        if max_new is None:
+            raise ApiError(400, "'max_tokens' is required (a positive integer)", param="max_tokens")
+        msgs = []
+        system = body.get("system")
+        if system is not None:
+            msgs.append({"role": "system", "content": text_content(system, "system")})
+        raw = field(body, "messages", "list")
+        if not raw:
+            raise ApiError(400, "'messages' must be a non-empty array", param="messages")
+        for i, m in enumerate(raw):
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+                raise ApiError(400, f"messages[{i}] must be an object with role 'user' or 'assistant'", param="messages")
+            msgs.append({"role": m["role"], "content": text_content(m.get("content"), f"messages[{i}]")})
+        thinking = field(body, "thinking", "dict")
+        if thinking and thinking.get("type") == "enabled" and isinstance(thinking.get("budget_tokens"), int):
+            common["budget"] = thinking["budget_tokens"]
+        stops = stop_list(body, "stop_sequences")
+        try:
+            prompt, text = self.server.codec.chat_prompt(msgs)
+        except PromptError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        thinking_open = self.server.codec.thinks and text.rstrip().endswith(THINK_OPEN)
+        job = self._submit("/v1/messages", prompt, max_new, common, stops, thinking_open)
+        rid, model = "msg_" + uuid.uuid4().hex[:24], self.server.cfg.model_name
+
+        def stop_reason(res: Result):
+            return "max_tokens" if res.finish == "length" else ("stop_sequence" if res.stop_string else "end_turn")
+
+        if not common["stream"]:
+            reasoning, content, res = self.collect(job)
+            blocks = ([{"type": "thinking", "thinking": reasoning}] if reasoning else []) + \
+                     [{"type": "text", "text": content}]
+            return self.send_json(200, {
+                "id": rid, "type": "message", "role": "assistant", "model": model, "content": blocks,
+                "stop_reason": stop_reason(res), "stop_sequence": res.stop_string,
+                "usage": {"input_tokens": res.prompt_tokens, "output_tokens": res.generated,
+                          "cache_read_input_tokens": res.cached_tokens}})
+
+        state = {"index": -1, "type": None}
+
+        def block(kind):
+            out = []
+            if state["type"] != kind:
+                if state["type"] is not None:
+                    out.append(("content_block_stop", {"type": "content_block_stop", "index": state["index"]}))
+                state["index"] += 1
+                state["type"] = kind
+                cb = {"type": "thinking", "thinking": ""} if kind == "thinking" else {"type": "text", "text": ""}
+                out.append(("content_block_start", {"type": "content_block_start", "index": state["index"],
+                                                    "content_block": cb}))
+            return out
+
+        def on_delta(r, c):
+            out = []
+            if r:
+                out += block("thinking")
+                out.append(("content_block_delta", {"type": "content_block_delta", "index": state["index"],
+                                                    "delta": {"type": "thinking_delta", "thinking": r}}))
+            if c:
+                out += block("text")
+                out.append(("content_block_delta", {"type": "content_block_delta", "index": state["index"],
+                                                    "delta": {"type": "text_delta", "text": c}}))
+            return out
+
+        def on_done(res):
+            out = block("text") if state["type"] is None else []
+            out.append(("content_block_stop", {"type": "content_block_stop", "index": state["index"]}))
+            out.append(("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason(res),
+                                                                             "stop_sequence": res.stop_string},
+                                          "usage": {"output_tokens": res.generated}}))
+            out.append(("message_stop", {"type": "message_stop"}))
+            return out
+
+        start = ("message_start", {"type": "message_start", "message": {
+            "id": rid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
+            "stop_sequence": None, "usage": {"input_tokens": len(prompt), "output_tokens": 0}}})
+        self.stream_sse(job, [start], on_delta, on_done, named=True)
+
+    def collect(self, job: Job) -> tuple[str, str, Result]:
+        reasoning, content = [], []
+        for ev in self.events(job):
+            if ev[0] == "delta":
+                reasoning.append(ev[1])
+                content.append(ev[2])
+            elif ev[0] == "error":
+                raise ApiError(ev[1], ev[2], kind="invalid_request_error" if ev[1] == 400 else "server_error")
+            elif ev[0] == "done":
+                return "".join(reasoning), "".join(content), ev[1]
+        raise ApiError(500, "the request ended without a result")
+
+    def stream_sse(self, job: Job, first: list, on_delta, on_done, named: bool = False) -> None:
+        """Server-sent events. Headers wait for the first event, so a request refused at once gets its HTTP status."""
+        events = self.events(job)
+        ev = next(events)
+        if ev[0] == "error":
+            raise ApiError(ev[1], ev[2], kind="invalid_request_error" if ev[1] == 400 else "server_error")
+        self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("X-Accel-Buffering", "no")
+        self.send_header("Connection", "close")
+        self._cors_headers()
+        self.end_headers()
+
+        def send(items):
+            for item in items:
+                if named:
+                    name, obj = item
+                    data = f"event: {name}\ndata: {json.dumps(obj)}\n\n"
+                else:
+                    data = f"data: {json.dumps(item)}\n\n"
+                self.wfile.write(data.encode())
+            self.wfile.flush()
+
+        try:
+            send(first)
+            while True:
+                if ev[0] == "delta":
+                    send(on_delta(ev[1], ev[2]))
+                elif ev[0] == "done":
+                    send(on_done(ev[1]))
+                    if not named:
+                        self.wfile.write(b"data: [DONE]\n\n")
+                        self.wfile.flush()
+                    return
+                elif ev[0] == "error":
+                    err = {"message": ev[2], "type": "server_error" if ev[1] >= 500 else "invalid_request_error",
+                           "code": ev[1]}
+                    send([("error", {"type": "error", "error": err})] if named else [{"error": err}])
+                    return
+                ev = next(events)
+        except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
+            job.cancel.set()
+            raise ClientGone() from None
+
+
+def finish_reason(res: Result) -> str:
+    return "length" if res.finish == "length" else "stop"
+
+
+def usage(res: Result) -> dict:
+    return {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.generated,
+            "total_tokens": res.prompt_tokens + res.generated,
+            "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}
+
+
+def timings(res: Result) -> dict:
+    return {"cache_n": res.cached_tokens, "prompt_n": res.prompt_read, "prompt_ms": round(res.prompt_ms, 3),
+            "prompt_per_second": round(res.prompt_read / res.prompt_ms * 1000, 2) if res.prompt_ms else 0.0,
+            "predicted_n": res.generated, "predicted_ms": round(res.decode_ms, 3),
+            "predicted_per_second": round(res.generated / res.decode_ms * 1000, 2) if res.decode_ms else 0.0}
+
+
+ROUTES = {
+    ("GET", "/health"): Handler.get_health,
+    ("GET", "/v1/models"): Handler.get_models,
+    ("GET", "/metrics"): Handler.get_metrics,
+    ("POST", "/load"): Handler.post_load,
+    ("POST", "/unload"): Handler.post_unload,
+    ("POST", "/v1/chat/completions"): Handler.post_chat,
+    ("POST", "/v1/completions"): Handler.post_completions,
+    ("POST", "/v1/messages"): Handler.post_messages,
+}

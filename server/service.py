@@ -1,0 +1,362 @@
+"""The request FIFO over one worker: one request at a time, cancel, thinking budget, history and metrics (DESIGN §4).
+
+One engine thread owns the worker and runs the jobs in order. HTTP handler threads submit jobs and read their
+events from a queue of their own; they never touch the worker, so a slow or vanished client cannot hold the FIFO.
+A client that goes away sets its job's cancel flag: the engine sends STOP and reads on to that job's own DONE
+before the next job starts, so no job ever reads another's lines.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine.protocol import GenRequest
+from server.text import THINK_CLOSING_WORDS, TextCodec, TextStream
+from server.worker import Worker, WorkerError
+
+CONTEXT_MARGIN = 8          # DESIGN §3: prompt + max_new + 8 must fit the context
+HISTORY_LEN = 500
+RATE_WINDOW_S = 2.0
+
+
+class ServiceError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "server_error"):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+@dataclass
+class Result:
+    finish: str                     # stop | length | cancel
+    prompt_tokens: int = 0
+    cached_tokens: int = 0          # reused from the worker's cache (first pass)
+    prompt_read: int = 0
+    generated: int = 0
+    prompt_ms: float = 0.0
+    decode_ms: float = 0.0
+    stop_string: str | None = None
+    hits: int = 0
+    lookups: int = 0
+    passes: int = 0
+
+
+@dataclass
+class Job:
+    kind: str                                   # gen | load | unload
+    endpoint: str = ""
+    prompt: list[int] = field(default_factory=list)
+    max_new: int | None = None                  # None: the rest of the context
+    params: dict = field(default_factory=dict)
+    stops: list[str] = field(default_factory=list)
+    reasoning_budget: int | None = None
+    thinking_open: bool = False                 # the rendered prompt ends inside a thought
+    id: str = ""
+    created: float = field(default_factory=time.time)
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, *ev) -> None:
+        self.events.put(ev)
+
+
+class Service:
+    def __init__(self, cfg, codec: TextCodec, worker_factory=None):
+        self.cfg = cfg
+        self.codec = codec
+        self.worker_factory = worker_factory or (lambda: Worker(
+            cfg.worker_command(), cfg.cwd, cfg.log, env=cfg.worker_env(), silence_s=cfg.engine_silence_s))
+        self.worker: Worker | None = None
+        self._ids = itertools.count(1)
+        self._cv = threading.Condition()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._running: Job | None = None
+        self._closing = False
+        self._last_activity = time.monotonic()
+        # Live state for /metrics (written by the engine thread, read under the lock).
+        self.phase = "unloaded"
+        self.progress: dict | None = None
+        self.last_error: str | None = None
+        self.worker_starts = 0
+        self.worker_failures = 0
+        self._token_times: collections.deque[float] = collections.deque()
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_LEN)
+        self.totals = dict(requests=0, stop=0, length=0, cancel=0, error=0, prompt_tokens=0, prompt_read=0,
+                           cached_tokens=0, generated=0, prompt_ms=0.0, decode_ms=0.0, hits=0, lookups=0)
+        self._thread = threading.Thread(target=self._engine_loop, daemon=True, name="engine")
+        self._thread.start()
+
+    # --- the handlers' side -----------------------------------------------------------------------------------
+    def submit(self, job: Job) -> Job:
+        with self._cv:
+            if self._closing:
+                raise ServiceError(503, "the server is shutting down")
+            if job.kind == "unload" and (self._running is not None or self._waiting_locked()):
+                raise ServiceError(409, "requests are running or waiting; unload when they are done",
+                                   "invalid_request_error")
+            job.id = f"{job.kind}-{next(self._ids)}"
+            self._pending.append(job)
+            self._cv.notify_all()
+        return job
+
+    def _waiting_locked(self) -> int:
+        return sum(1 for j in self._pending if not j.cancel.is_set())
+
+    def busy(self) -> bool:
+        with self._cv:
+            return self._running is not None or self._waiting_locked() > 0
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        with self._cv:
+            self._closing = True
+            for j in self._pending:
+                j.cancel.set()
+            if self._running is not None:
+                self._running.cancel.set()
+            self._cv.notify_all()
+        self._thread.join(timeout_s)
+
+    # --- the engine thread ------------------------------------------------------------------------------------
+    def _engine_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._closing:
+                    idle = self.cfg.idle_unload_s
+                    if idle and self.worker is not None and self.worker.alive and \
+                            time.monotonic() - self._last_activity >= idle:
+                        break
+                    self._cv.wait(timeout=min(idle, 1.0) if idle else None)
+                if self._closing:
+                    break
+                job = self._pending.popleft() if self._pending else None
+                self._running = job
+            try:
+                if job is None:
+                    self._unload("idle for idle_unload_s")
+                else:
+                    self._run(job)
+            except Exception as e:  # a bug here must not kill the engine thread and hang every later request
+                if job is not None:
+                    job.emit("error", 500, f"internal error in the server: {type(e).__name__}: {e}")
+            finally:
+                with self._cv:
+                    self._running = None
+                    self._last_activity = time.monotonic()
+        for j in list(self._pending):
+            j.emit("error", 503, "the server is shutting down")
+        self._unload("the server is shutting down")
+
+    def _run(self, job: Job) -> None:
+        if job.cancel.is_set():
+            if job.kind == "gen":
+                self._record(job, Result("cancel"), None, time.time())
+            return
+        if job.kind == "load":
+            try:
+                self._ensure_worker()
+                job.emit("done", None)
+            except WorkerError as e:
+                job.emit("error", 503, str(e))
+        elif job.kind == "unload":
+            self._unload("asked to by /unload")
+            job.emit("done", None)
+        else:
+            self._generate(job)
+
+    def _set(self, **kw) -> None:
+        with self._cv:
+            for k, v in kw.items():
+                setattr(self, k, v)
+
+    def _ensure_worker(self) -> Worker:
+        if self.worker is not None and self.worker.alive:
+            return self.worker
+        if self.worker is not None:
+            self.worker.close()
+        self.worker = self.worker_factory()
+        self._set(phase="loading")
+        self.worker_starts += 1
+        try:
+            self.worker.start()
+        except WorkerError as e:
+            self.worker_failures += 1
+            self._set(phase="failed", last_error=str(e))
+            raise
+        self._set(phase="idle")
+        return self.worker
+
+    def _unload(self, why: str) -> None:
+        if self.worker is not None and self.worker.alive:
+            self.worker.note(f"closing the worker: {why}")
+            self._set(phase="unloading")
+            self.worker.close()
+        self._set(phase="unloaded")
+
+    def _generate(self, job: Job) -> None:
+        started = time.time()
+        try:
+            w = self._ensure_worker()
+        except WorkerError as e:
+            job.emit("error", 503, str(e))
+            self._record(job, None, str(e), started)
+            return
+        room = w.max_context - len(job.prompt) - CONTEXT_MARGIN
+        if room < 1:
+            msg = (f"the prompt has {len(job.prompt)} tokens but the context holds {w.max_context} "
+                   f"({CONTEXT_MARGIN} kept free, at least 1 to answer): shorten the conversation, or restart the "
+                   f"worker with a larger --ctx")
+            job.emit("error", 400, msg)
+            self._record(job, None, msg, started)
+            return
+        max_new = room if job.max_new is None else min(job.max_new, room)
+        text = TextStream(self.codec, job.stops, job.thinking_open)
+        res = Result("stop", prompt_tokens=len(job.prompt))
+        generated: list[int] = []
+        stopped_for = None          # client | stop | budget
+        budget = job.reasoning_budget
+        while True:
+            if budget is not None and text.thinking and text.think_tokens >= budget:
+                self._close_thought(job, text, generated)
+                budget = None       # one budget per request: a thought the model opens again is its own choice
+            left = max_new - len(generated)
+            if left <= 0:
+                res.finish = "length"
+                break
+            stopped_for, done, err = None, None, None
+            self._set(phase="prompt", progress=None)
+            try:
+                for ev in w.generate(GenRequest(left, job.prompt + generated, job.params)):
+                    if job.cancel.is_set() and stopped_for is None:
+                        stopped_for = "client"
+                        self._set(phase="stopping")
+                        w.stop()
+                    if ev.kind == "T":
+                        generated.append(ev.value)
+                        self._tick_token()
+                        if stopped_for in ("client", "stop"):
+                            continue
+                        r, c = text.feed_token(ev.value)
+                        if r or c:
+                            job.emit("delta", r, c)
+                        if text.stop_hit is not None and stopped_for is None:
+                            stopped_for = "stop"
+                            res.stop_string = text.stop_hit
+                            w.stop()
+                        elif budget is not None and text.thinking and text.think_tokens >= budget \
+                                and stopped_for is None:
+                            stopped_for = "budget"
+                            w.stop()
+                    elif ev.kind == "PP":
+                        pos, total, ms, tps = ev.value
+                        self._set(progress=dict(position=pos, prompt_tokens=total, ms=ms, tok_s=tps))
+                    elif ev.kind == "RESUME":
+                        if res.passes == 0:
+                            res.cached_tokens = ev.value
+                    elif ev.kind == "REUSED":
+                        if stopped_for is None:
+                            self._set(phase="generating")
+                    elif ev.kind == "DONE":
+                        done = ev.value
+                    elif ev.kind == "ERR":
+                        err = ev.value
+            except WorkerError as e:
+                self.worker_failures += 1
+                self._set(phase="failed", last_error=str(e), progress=None)
+                job.emit("error", 503, str(e))
+                res.generated = len(generated)
+                self._record(job, res, str(e), started)
+                return
+            res.passes += 1
+            if err is not None:
+                msg = f"the engine refused the request: {err}"
+                job.emit("error", 400 if res.passes == 1 and not generated else 500, msg)
+                self._set(phase="idle", progress=None)
+                self._record(job, res, msg, started)
+                return
+            res.prompt_read += done.prompt_read
+            res.prompt_ms += done.prompt_ms
+            res.decode_ms += done.decode_ms
+            res.hits += done.hits
+            res.lookups += done.lookups
+            if stopped_for == "budget" and done.finish == "cancel" and not job.cancel.is_set():
+                continue    # replay: the loop head closes the thought, the next GEN continues from the cache
+            res.finish = {"client": "cancel", "stop": "stop"}.get(stopped_for, done.finish)
+            break
+        r, c = text.finish()
+        if r or c:
+            job.emit("delta", r, c)
+        res.generated = len(generated)
+        self._set(phase="idle", progress=None)
+        job.emit("done", res)
+        self._record(job, res, None, started)
+
+    def _close_thought(self, job: Job, text: TextStream, generated: list[int]) -> None:
+        generated.extend(self.codec.encode_special(THINK_CLOSING_WORDS))
+        r, c = text.feed_text(THINK_CLOSING_WORDS)
+        text.thinking = False
+        if r or c:
+            job.emit("delta", r, c)
+
+    def _tick_token(self) -> None:
+        now = time.monotonic()
+        with self._cv:
+            self._token_times.append(now)
+            while self._token_times and self._token_times[0] < now - RATE_WINDOW_S:
+                self._token_times.popleft()
+
+    def _record(self, job: Job, res: Result | None, error: str | None, started: float) -> None:
+        res = res or Result("error")
+        finish = "error" if error else res.finish
+        entry = dict(id=job.id, endpoint=job.endpoint, queued=job.created, started=started, ended=time.time(),
+                     finish=finish, error=error.splitlines()[0] if error else None, prompt_tokens=res.prompt_tokens,
+                     cached_tokens=res.cached_tokens, prompt_read=res.prompt_read, generated=res.generated,
+                     prompt_ms=round(res.prompt_ms, 1), decode_ms=round(res.decode_ms, 1),
+                     prompt_tok_s=round(res.prompt_read / res.prompt_ms * 1000, 1) if res.prompt_ms else None,
+                     decode_tok_s=round(res.generated / res.decode_ms * 1000, 1) if res.decode_ms else None,
+                     hits=res.hits, lookups=res.lookups, passes=res.passes)
+        with self._cv:
+            self.history.append(entry)
+            t = self.totals
+            t["requests"] += 1
+            t[finish] += 1
+            for k in ("prompt_tokens", "prompt_read", "cached_tokens", "generated", "prompt_ms", "decode_ms",
+                      "hits", "lookups"):
+                t[k] += entry[k]
+
+    # --- /metrics ---------------------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        w = self.worker
+        with self._cv:
+            now = time.monotonic()
+            recent = [t for t in self._token_times if t >= now - RATE_WINDOW_S]
+            running = self._running
+            snap = dict(
+                model=self.cfg.model_name,
+                phase=self.phase,
+                worker=dict(alive=bool(w and w.alive), pid=w.pid if w and w.alive else None,
+                            max_context=w.max_context if w else 0, info=dict(w.info) if w else {},
+                            starts=self.worker_starts, failures=self.worker_failures, last_error=self.last_error),
+                queue=dict(running=running.id if running is not None and running.kind == "gen" else None,
+                           waiting=self._waiting_locked()),
+                progress=self.progress,
+                tok_s=round(len(recent) / RATE_WINDOW_S, 1),
+                totals=dict(self.totals),
+                history=list(self.history),
+            )
+        t = snap["totals"]
+        snap["totals"]["hit_rate"] = round(t["hits"] / t["lookups"], 4) if t["lookups"] else None
+        snap["cache"] = cache_picture(w.cache_line if w else None)
+        return snap
+
+
+def cache_picture(line: str | None) -> dict | None:
+    """The CACHE line as JSON for the Monitor; None for a model without experts (or before any CACHE line)."""
+    if not line:
+        return None
+    from engine.protocol import parse_cache
+    n_layer, n_expert, resident, heat = parse_cache(line)
+    return dict(n_layer=n_layer, n_expert=n_expert, resident=resident.astype(int).tolist(),
+                heat=heat.astype(int).tolist(), resident_count=int(resident.sum()))

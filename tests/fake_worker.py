@@ -1,0 +1,183 @@
+"""A stand-in worker speaking the line protocol (DESIGN §3), with misbehaviours chosen by flags.
+
+Its answer is a function of the prompt: the prompt's own ids again, in order (repeated if max_new is larger), so a
+test can tell whose tokens a client received. Finish `stop` after len(prompt) tokens, `length` at max_new.
+
+    python tests/fake_worker.py --model M.gguf [--ctx N] [--chunk N] [--pp-delay S] [--token-delay S]
+        [--silent-after-tokens N] [--silent-in-prompt] [--ignore-stop] [--die-in-prompt] [--exit-before-ready]
+        [--moe] [--load-delay S] [--ignore-quit] [--plan FILE]
+
+--plan FILE: a JSON list of flag strings, one per start (the last one repeats); the start count is kept in
+FILE.count, so a test can make the first start misbehave and the restarted worker behave.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine import protocol  # noqa: E402
+
+N_LAYER, N_EXPERT = 4, 16
+
+
+def out(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def log(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def hang() -> None:
+    # Silent but alive, as a stuck engine would be; it never reads stdin again.
+    while True:
+        time.sleep(3600)
+
+
+def cache_line(step: int) -> str:
+    n = N_LAYER * N_EXPERT
+    resident = [((i * 7 + step) % 5) < 2 for i in range(n)]
+    heat = bytes((i * 37 + step * 11) % 256 for i in range(n))
+    return protocol.format_cache(N_LAYER, N_EXPERT, resident, heat)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=8)
+    ap.add_argument("--pp-delay", type=float, default=0.0)
+    ap.add_argument("--token-delay", type=float, default=0.0)
+    ap.add_argument("--load-delay", type=float, default=0.0)
+    ap.add_argument("--silent-after-tokens", type=int, default=-1)
+    ap.add_argument("--silent-in-prompt", action="store_true")
+    ap.add_argument("--ignore-stop", action="store_true")
+    ap.add_argument("--die-in-prompt", action="store_true")
+    ap.add_argument("--exit-before-ready", action="store_true")
+    ap.add_argument("--moe", action="store_true")
+    ap.add_argument("--ignore-quit", action="store_true", help="ignore QUIT, stdin's end and SIGTERM")
+    ap.add_argument("--plan")
+    a = ap.parse_args()
+    if a.plan:
+        count_file = Path(a.plan + ".count")
+        n = int(count_file.read_text()) if count_file.exists() else 0
+        count_file.write_text(str(n + 1))
+        plan = json.loads(Path(a.plan).read_text())
+        a = ap.parse_args(sys.argv[1:] + shlex.split(plan[min(n, len(plan) - 1)]))
+    if a.ignore_quit:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    log(f"fake worker pid {os.getpid()}: loading {a.model}")
+    if a.exit_before_ready:
+        for i in range(30):
+            log(f"loading step {i}")
+        log("error: cannot open the model: this fake worker was told to fail")
+        return 2
+    time.sleep(a.load_delay)
+    out(protocol.format_info(engine="fake", pid=os.getpid(), backend="fake", prompt_chunk=a.chunk,
+                             arch="fakemoe" if a.moe else "fake", n_expert=N_EXPERT if a.moe else 0))
+    if a.moe:
+        out(cache_line(0))
+    out(f"READY {a.ctx} stop")
+
+    gens: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def read_stdin():
+        for line in sys.stdin:
+            line = line.strip()
+            if line == "STOP":
+                stop.set()
+            elif line == "QUIT" and not a.ignore_quit:
+                break
+            elif line.startswith("GEN"):
+                gens.put(line)
+        log("fake worker: QUIT")
+        if a.ignore_quit:
+            hang()
+        os._exit(0)
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    held: list[int] = []
+    step = 0
+    while True:
+        line = gens.get()
+        stop.clear()
+        try:
+            req = protocol.parse_gen(line)
+        except protocol.ProtocolError as e:
+            out(protocol.format_err(str(e)))
+            continue
+        if len(req.prompt) + req.max_new + 8 > a.ctx:
+            out(protocol.format_err(f"prompt {len(req.prompt)} + max_new {req.max_new} + 8 exceeds the context {a.ctx}"))
+            continue
+        log(f"fake worker: GEN max_new={req.max_new} prompt={','.join(map(str, req.prompt))}")
+        reused = 0
+        while reused < min(len(held), len(req.prompt) - 1) and held[reused] == req.prompt[reused]:
+            reused += 1
+        out(f"RESUME {reused}")
+        t0 = time.monotonic()
+        pos, cancelled = reused, False
+        while pos < len(req.prompt):
+            if stop.is_set() and not a.ignore_stop:
+                cancelled = True
+                break
+            time.sleep(a.pp_delay)
+            pos = min(len(req.prompt), pos + a.chunk)
+            ms = (time.monotonic() - t0) * 1000
+            out(protocol.format_pp(pos, len(req.prompt), ms, (pos - reused) / max(ms, 1e-3) * 1000))
+            if a.die_in_prompt:
+                log("CUDA error: out of memory")
+                log("Killed")
+                os._exit(137)
+            if a.silent_in_prompt:
+                hang()
+        prompt_ms = (time.monotonic() - t0) * 1000
+        held = req.prompt[:pos]
+        generated, finish = 0, "cancel" if cancelled else None
+        if not cancelled:
+            out(f"REUSED {reused}")
+        t1 = time.monotonic()
+        while finish is None:
+            if stop.is_set():
+                if a.ignore_stop:
+                    # Never acknowledges: keeps talking, never DONE (the server must kill it).
+                    while True:
+                        time.sleep(a.token_delay or 0.05)
+                        out(f"T {req.prompt[0]}")
+                finish = "cancel"
+                break
+            if generated == a.silent_after_tokens:
+                hang()
+            if generated >= req.max_new:
+                finish = "length"
+                break
+            if generated >= len(req.prompt):
+                finish = "stop"
+                break
+            time.sleep(a.token_delay)
+            out(f"T {req.prompt[generated % len(req.prompt)]}")
+            generated += 1
+        decode_ms = (time.monotonic() - t1) * 1000
+        lookups = generated * 8 if a.moe else 0
+        out(protocol.format_done(protocol.Done(
+            generated=generated, prompt=len(req.prompt), prompt_ms=prompt_ms, decode_ms=decode_ms, finish=finish,
+            reused=reused, hits=lookups * 3 // 4, lookups=lookups, prompt_read=pos - reused)))
+        step += 1
+        if a.moe:
+            out(cache_line(step))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

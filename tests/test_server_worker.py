@@ -1,0 +1,226 @@
+"""Worker supervision through the HTTP API, against fake workers that misbehave (DESIGN §4).
+
+Each misbehaving worker must cost the request an error that names the cause, leave no process behind, and the next
+request must be answered by a fresh worker.
+"""
+import json
+import os
+import sys
+
+import psutil
+import pytest
+import requests
+
+from fakes.server_kit import (FAKE_WORKER, ByteTokenizer, make_config, metrics, running_server, sse_events,
+                              stand_in_codec)
+from server.worker import Worker, WorkerStartError
+
+VOCAB = "vocab/tiny-bpe-1024.gguf"
+
+
+def plan(tmp_path, *starts):
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(list(starts)))
+    return ["--plan", str(p)]
+
+
+def complete(base, prompt="hello there", **kw):
+    return requests.post(base + "/v1/completions", json=dict(prompt=prompt, max_tokens=64, **kw), timeout=60)
+
+
+def worker_pid(base):
+    return metrics(base)["worker"]["pid"]
+
+
+def gone(pid):
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_normal_answer_and_restart_not_needed(tmp_path, fixtures_dir):
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB)
+    with running_server(cfg, stand_in_codec()) as (_, base):
+        r = complete(base)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "hello there"
+        pid = worker_pid(base)
+        assert complete(base).status_code == 200
+        assert worker_pid(base) == pid
+        assert metrics(base)["worker"]["starts"] == 1
+
+
+def test_silent_mid_answer_is_killed_and_replaced(tmp_path, fixtures_dir):
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--silent-after-tokens 3", ""),
+                      engine_silence_s=0.5)
+    with running_server(cfg, stand_in_codec()) as (httpd, base):
+        r = complete(base)
+        assert r.status_code == 503
+        msg = r.json()["error"]["message"]
+        assert "printed nothing" in msg and "engine_silence_s=0.5" in msg and "next request" in msg
+        first = httpd.service.worker.proc.pid
+        assert gone(first)
+        r = complete(base)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "hello there"
+        assert worker_pid(base) != first
+        m = metrics(base)
+        assert m["worker"]["starts"] == 2 and m["totals"]["error"] == 1 and m["totals"]["stop"] == 1
+
+
+def test_silent_mid_stream_ends_the_stream_with_an_error(tmp_path, fixtures_dir):
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--silent-after-tokens 4", ""),
+                      engine_silence_s=0.5)
+    with running_server(cfg, stand_in_codec()) as (httpd, base):
+        r = requests.post(base + "/v1/chat/completions", stream=True, timeout=60,
+                          json=dict(messages=[{"role": "user", "content": "hi"}], stream=True))
+        assert r.status_code == 200
+        events = list(sse_events(r))
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if "choices" in e)
+        assert text == "<|im_start|>use"[:len(text)] and len(text) > 0
+        assert "printed nothing" in events[-1]["error"]["message"]
+        first = httpd.service.worker.proc.pid
+        assert gone(first)
+        r = complete(base)
+        assert r.status_code == 200 and worker_pid(base) != first
+
+
+def test_silent_in_prompt_is_killed(tmp_path, fixtures_dir):
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--silent-in-prompt", ""),
+                      engine_silence_s=0.5)
+    with running_server(cfg, stand_in_codec()) as (_, base):
+        r = complete(base)
+        assert r.status_code == 503 and "printed nothing" in r.json()["error"]["message"]
+        assert complete(base).status_code == 200
+
+
+def test_slow_prompt_with_regular_progress_is_not_killed(tmp_path, fixtures_dir):
+    # 12 chunks at 0.25 s each: three times the silence limit in all, but never silent for long.
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--chunk", "4", "--pp-delay", "0.25"], engine_silence_s=1.5)
+    with running_server(cfg, stand_in_codec()) as (_, base):
+        prompt = "a slow prompt of 48 tokens".ljust(48, "!")
+        assert len(prompt) == 48
+        r = complete(base, prompt=prompt)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == prompt
+        assert body["timings"]["prompt_n"] == 48 and body["timings"]["prompt_ms"] > 1500
+
+
+def test_ignored_stop_is_killed_within_the_deadline(tmp_path, fixtures_dir):
+    # The stop string makes the server send STOP; this worker keeps talking and never finishes the request.
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--ignore-stop --token-delay 0.02", ""),
+                      engine_silence_s=0.5)
+    with running_server(cfg, stand_in_codec()) as (httpd, base):
+        r = complete(base, prompt="abcXdefghij", stop=["X"])
+        assert r.status_code == 503
+        assert "told to STOP" in r.json()["error"]["message"]
+        first = httpd.service.worker.proc.pid
+        assert gone(first)
+        r = complete(base, prompt="abcXdefghij", stop=["X"])
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "abc" and r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_death_mid_prompt_reports_log_and_cause(tmp_path, fixtures_dir):
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--die-in-prompt", ""))
+    with running_server(cfg, stand_in_codec()) as (_, base):
+        r = complete(base)
+        assert r.status_code == 503
+        msg = r.json()["error"]["message"]
+        assert "exited mid-request" in msg and "out of memory" in msg and "next request restarts it" in msg
+        assert "CUDA error: out of memory" in msg       # the log tail
+        r = complete(base)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello there"
+
+
+def test_exit_before_ready_reports_the_last_20_log_lines(tmp_path, fixtures_dir):
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--exit-before-ready"])
+    with running_server(cfg, stand_in_codec()) as (_, base):
+        r = complete(base)
+        assert r.status_code == 503
+        msg = r.json()["error"]["message"]
+        assert "before it was ready" in msg and "status 2" in msg
+        assert "this fake worker was told to fail" in msg and "loading step 29" in msg
+        assert "loading step 10\n" not in msg + "\n" and "loading step 11" in msg   # exactly the last 20 lines
+        assert metrics(base)["worker"]["failures"] == 1
+
+
+def test_worker_start_failure_shows_only_this_starts_log(tmp_path, fixtures_dir):
+    log = tmp_path / "worker.log"
+    log.write_text("an old line from yesterday\n" * 50)
+    w = Worker([sys.executable, str(FAKE_WORKER), "--model", "m", "--exit-before-ready"], None, log, silence_s=5)
+    with pytest.raises(WorkerStartError) as e:
+        w.start()
+    assert "yesterday" not in str(e.value) and "told to fail" in str(e.value)
+
+
+def test_close_escalates_quit_term_kill(tmp_path):
+    w = Worker([sys.executable, str(FAKE_WORKER), "--model", "m", "--ignore-quit"], None, tmp_path / "w.log",
+               silence_s=5, quit_timeout_s=0.3)
+    w.start()
+    pid = w.pid
+    w.close(term_timeout_s=0.3)
+    assert not w.alive and gone(pid)
+    text = (tmp_path / "w.log").read_text()
+    assert "after QUIT; sending SIGTERM" in text and "after SIGTERM" in text
+
+
+def test_close_quits_politely(tmp_path):
+    w = Worker([sys.executable, str(FAKE_WORKER), "--model", "m"], None, tmp_path / "w.log", silence_s=5)
+    w.start()
+    w.close()
+    assert w.proc.returncode == 0 and "fake worker: QUIT" in (tmp_path / "w.log").read_text()
+
+
+def test_client_gone_mid_stream_is_stopped_and_drained(tmp_path, fixtures_dir):
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--token-delay", "0.02"])
+    with running_server(cfg, stand_in_codec()) as (_, base):
+        r = requests.post(base + "/v1/completions", stream=True, timeout=60,
+                          json=dict(prompt="x" * 200, max_tokens=200, stream=True))
+        it = sse_events(r)
+        for _ in range(3):
+            next(it)
+        r.close()
+        r = complete(base, prompt="the next one")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "the next one"
+        m = metrics(base)
+        assert [h["finish"] for h in m["history"]] == ["cancel", "stop"]
+        cancelled = m["history"][0]
+        assert 3 <= cancelled["generated"] < 200 and m["worker"]["starts"] == 1
+
+
+def test_thinking_budget_closes_the_thought_and_continues(tmp_path, fixtures_dir):
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--token-delay", "0.01"], reasoning_budget_tokens=5)
+    tok = ByteTokenizer()
+    with running_server(cfg, stand_in_codec(template_thinks=True)) as (_, base):
+        r = requests.post(base + "/v1/chat/completions", timeout=60,
+                          json=dict(messages=[{"role": "user", "content": "hi"}], max_tokens=60))
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        assert msg["reasoning_content"].startswith("<|im_start|>user")
+        assert "<|im_start|>user\nhi" in msg["content"]      # the second pass, after the thought was closed
+        gens = [ln for ln in (tmp_path / "worker.log").read_text().splitlines() if "fake worker: GEN" in ln]
+        assert len(gens) == 2
+        first = [int(x) for x in gens[0].split("prompt=")[1].split(",")]
+        second = [int(x) for x in gens[1].split("prompt=")[1].split(",")]
+        assert second[:len(first)] == first
+        continued = tok.decode(second[len(first):])
+        # the thought (5 or 6 tokens: STOP may cross one more) and then the closing words
+        assert continued.endswith("\n</think>\n\n")
+        assert 5 <= len(second) - len(first) - len(tok.encode("\n</think>\n\n")) <= 6
+        assert metrics(base)["history"][-1]["passes"] == 2
+        assert r.json()["usage"]["completion_tokens"] == metrics(base)["history"][-1]["generated"]
+
+
+def test_engine_silence_validated_at_start(tmp_path, fixtures_dir):
+    from server.config import ConfigError
+    with pytest.raises(ConfigError, match="engine_silence_s"):
+        make_config(tmp_path, fixtures_dir / VOCAB, engine_silence_s=-1)
+    with pytest.raises(ConfigError, match="engine_silence_s"):
+        make_config(tmp_path, fixtures_dir / VOCAB, engine_silence_s="300")
+
+
+def test_no_deadline_when_silence_is_zero(tmp_path, fixtures_dir):
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--pp-delay", "0.3"], engine_silence_s=0)
+    with running_server(cfg, stand_in_codec()) as (_, base):
+        assert complete(base, prompt="abcdefghijklmnop").status_code == 200
+    assert os.path.exists(tmp_path / "worker.log")
