@@ -1,0 +1,139 @@
+"""The pinned expert arena: every expert's gate, up and down bytes as one blob in page-locked host memory, allocated
+in ~1 GiB chunks and filled from the memory-mapped GGUF. Pinned memory from cudaHostAlloc is mapped into the GPU's
+address space (UVA), so a kernel can read a blob in place over PCIe through its device address."""
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import cupy as cp
+import numpy as np
+
+from engine.cuda.quant_types import qtype
+
+CHUNK_BYTES = 1 << 30
+ALIGN = 256                     # blob stride alignment (kernels need 16; 256 keeps copies on cache lines)
+HOST_ALLOC_PORTABLE, HOST_ALLOC_MAPPED = 1, 2
+
+
+@dataclass(frozen=True)
+class BlobLayout:
+    """Where gate, up and down sit inside one expert blob (the same for every layer)."""
+    qt_gate_up: int
+    qt_down: int
+    n_ff: int
+    n_embd: int
+    rb_gate_up: int            # bytes per gate/up row (n_embd values)
+    rb_down: int               # bytes per down row (n_ff values)
+    up_off: int
+    down_off: int
+    nbytes: int
+    stride: int
+
+
+def blob_layout(model) -> BlobLayout:
+    cfg = model.config
+    found = set()
+    for i in range(cfg.n_layer):
+        g, u, d = (model.tensor(model.expert_name(i, k)) for k in ("gate", "up", "down"))
+        if g.qtype != u.qtype:
+            raise ValueError(f"layer {i}: ffn_gate_exps is {g.qtype.name} but ffn_up_exps is {u.qtype.name}; "
+                             f"the CUDA engine needs gate and up in one quant type")
+        found.add((g.qtype, d.qtype, g.shape, d.shape))
+    if len(found) != 1:
+        raise ValueError("the expert tensors differ in quant type or shape between layers; the CUDA engine "
+                         "needs one layout for every layer")
+    (qg, qd, gshape, dshape), = found
+    n_ff, n_embd = gshape[1], gshape[2]
+    rb_gu = qtype(qg).row_bytes(n_embd)
+    rb_d = qtype(qd).row_bytes(n_ff)
+    up_off = n_ff * rb_gu
+    down_off = 2 * up_off
+    nbytes = down_off + n_embd * rb_d
+    stride = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return BlobLayout(int(qg), int(qd), n_ff, n_embd, rb_gu, rb_d, up_off, down_off, nbytes, stride)
+
+
+def _host_view(ptr: int, size: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr))
+
+
+class ExpertArena:
+    """blob_ptr[g] is the device address of expert g = layer * n_expert + e (mapped pinned memory)."""
+
+    def __init__(self, model, log=lambda m: print(m, file=sys.stderr, flush=True), threads: int = 8):
+        cfg = model.config
+        self.layout = lay = blob_layout(model)
+        self.n_layer, self.n_expert = cfg.n_layer, cfg.n_expert
+        self.n_total = cfg.n_layer * cfg.n_expert
+        per_chunk = max(1, CHUNK_BYTES // lay.stride)
+        self.chunks: list[int] = []           # host pointers from cudaHostAlloc
+        self.views: list[np.ndarray] = []
+        self.blob_ptr = np.zeros(self.n_total, dtype=np.uint64)
+        self._host_ptr = np.zeros(self.n_total, dtype=np.uint64)
+        left = self.n_total
+        g = 0
+        try:
+            while left:
+                n = min(per_chunk, left)
+                size = n * lay.stride
+                try:
+                    hp = cp.cuda.runtime.hostAlloc(size, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
+                except cp.cuda.runtime.CUDARuntimeError as e:
+                    done = sum(v.nbytes for v in self.views) / 2**30
+                    raise MemoryError(
+                        f"pinning host memory for the expert arena failed after {done:.1f} GiB of "
+                        f"{self.n_total * lay.stride / 2**30:.1f} GiB ({e}); free RAM or use a machine with more "
+                        f"(the pageable/mmap modes are not built yet)") from None
+                self.chunks.append(hp)
+                self.views.append(_host_view(hp, size))
+                dp = cp.cuda.runtime.hostGetDevicePointer(hp, 0)
+                for j in range(n):
+                    self.blob_ptr[g + j] = dp + j * lay.stride
+                    self._host_ptr[g + j] = hp + j * lay.stride
+                g += n
+                left -= n
+            self._fill(model, log, threads)
+        except BaseException:
+            self.close()
+            raise
+        self.nbytes = self.n_total * lay.stride
+
+    def _fill(self, model, log, threads):
+        lay = self.layout
+        total = self.n_total * lay.nbytes
+        t0 = time.perf_counter()
+        done = [0, t0]
+
+        def one_layer(i):
+            tens = [model.tensor(model.expert_name(i, k)).data for k in ("gate", "up", "down")]
+            offs = (0, lay.up_off, lay.down_off)
+            for e in range(self.n_expert):
+                hp = int(self._host_ptr[i * self.n_expert + e])
+                dst = _host_view(hp, lay.nbytes)
+                for t, off in zip(tens, offs):
+                    src = t[e].reshape(-1)
+                    dst[off:off + src.size] = src
+            return self.n_expert * lay.nbytes
+
+        with ThreadPoolExecutor(threads) as ex:
+            for nb in ex.map(one_layer, range(self.n_layer)):
+                done[0] += nb
+                now = time.perf_counter()
+                if now - done[1] > 1.0 or done[0] == total:
+                    done[1] = now
+                    log(f"expert arena: {done[0] / 2**30:.1f} / {total / 2**30:.1f} GiB pinned "
+                        f"({done[0] / 2**30 / max(now - t0, 1e-9):.1f} GiB/s)")
+        self.fill_seconds = time.perf_counter() - t0
+
+    def close(self):
+        self.views.clear()
+        for hp in self.chunks:
+            try:
+                cp.cuda.runtime.freeHost(hp)
+            except Exception:
+                pass
+        self.chunks.clear()

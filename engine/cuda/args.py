@@ -1,0 +1,28 @@
+"""The CUDA backend's command-line flags (added to strata_worker.py's parser; importing this needs no CuPy)."""
+from __future__ import annotations
+
+
+def add_cuda_args(parser) -> None:
+    g = parser
+    g.add_argument("--vram-reserve-mib", type=int, default=700, metavar="MIB",
+                   help="VRAM left free for the driver and other programs (default 700)")
+    g.add_argument("--vram-budget-mib", type=int, default=None, metavar="MIB",
+                   help="the most VRAM this worker takes in all (emulates a smaller card; default: all free VRAM)")
+    g.add_argument("--expert-slots", type=int, default=None, metavar="N",
+                   help="at most N experts cached in VRAM (default: as many as the VRAM budget holds)")
+    g.add_argument("--mmap-experts", action="store_true",
+                   help="read experts from the memory-mapped GGUF instead of pinning them all (not built yet)")
+    g.add_argument("--resident-budget-gib", type=float, default=None, metavar="GIB",
+                   help="pin only the hottest GIB of experts, read the rest from the file (not built yet)")
+    g.add_argument("--expert-profile", default=None, metavar="P",
+                   help="fill the VRAM expert cache in this profile's order (.bin, DESIGN §6)")
+    g.add_argument("--expert-profile-save", default=None, metavar="P",
+                   help="write the learned expert profile here at QUIT and every --expert-profile-save-every minutes")
+    g.add_argument("--expert-profile-save-every", type=float, default=10.0, metavar="MIN",
+                   help="minutes between profile saves (default 10; 0 = at QUIT only)")
+    g.add_argument("--adapt-every", type=int, default=32, metavar="N",
+                   help="decode tokens between rounds of the adaptive expert tier (default 32; 0 = off)")
+    g.add_argument("--no-graph", action="store_true",
+                   help="launch the decode step kernel by kernel instead of replaying a CUDA graph (debugging)")
+    g.add_argument("--calibrate", action="store_true",
+                   help="measure PCIe and HBM bandwidth at start and report them in INFO (pcie_gbps, hbm_gbps)")

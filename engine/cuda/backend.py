@@ -1,0 +1,300 @@
+"""The CUDA backend (engine/backend.py's contract): weights and KV cache in VRAM, experts in a pinned host arena with
+the hottest cached in VRAM, decode steps replayed from one CUDA graph with greedy picks on the GPU, the prompt pass
+as batched GEMMs."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, fields
+
+import cupy as cp
+import numpy as np
+
+from engine.backend import Backend, ExpertStats
+from engine.cuda.arena import ExpertArena, blob_layout
+from engine.cuda.decode import DecodeStep
+from engine.cuda.expert_cache import ExpertCache
+from engine.cuda.kv import KVCache
+from engine.cuda.prefill import Prefill
+from engine.cuda.programs import Kernels
+from engine.cuda.rope import rope_table
+from engine.cuda.weights import load_weights
+from engine.profile import from_flat, load_profile, save_profile
+from engine.sampling import SamplingError
+
+MiB = 1 << 20
+STEP_HEADROOM = 64 * MiB        # the prompt pass's scratch beyond what is allocated at start is taken per chunk
+
+
+def _log(msg: str) -> None:
+    print(f"strata cuda: {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class CudaOptions:
+    vram_reserve_mib: int = 700
+    vram_budget_mib: int | None = None
+    expert_slots: int | None = None
+    mmap_experts: bool = False
+    resident_budget_gib: float | None = None
+    expert_profile: str | None = None
+    expert_profile_save: str | None = None
+    expert_profile_save_every: float = 10.0
+    adapt_every: int = 32
+    no_graph: bool = False
+    calibrate: bool = False
+    prompt_chunk: int = 512
+
+    @classmethod
+    def from_args(cls, args) -> "CudaOptions":
+        kw = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
+        return cls(**kw)
+
+
+class CUDABackend(Backend):
+    name = "cuda"
+
+    def __init__(self, model, max_context: int, opts: CudaOptions | None = None, log=_log):
+        super().__init__(model, max_context)
+        self.opts = opts = opts or CudaOptions()
+        self.log = log
+        if opts.mmap_experts or opts.resident_budget_gib is not None:
+            raise ValueError("--mmap-experts and --resident-budget-gib are not built yet in the CUDA backend; "
+                             "run without them (every expert is pinned in RAM)")
+        cfg = self.config
+        if cfg.head_dim_v != cfg.head_dim or cfg.head_dim % 32 or cfg.head_dim > 256:
+            raise ValueError(f"the CUDA backend needs head_dim == head_dim_v, a multiple of 32 and <= 256 "
+                             f"(this model: {cfg.head_dim}/{cfg.head_dim_v}); use --backend cpu")
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.arena = None
+        self.step = None
+        self.stats = ExpertStats()
+        self._tokens_since_adapt = 0
+        self._last_save = time.monotonic()
+        pool = cp.get_default_memory_pool()
+        free0, total = cp.cuda.runtime.memGetInfo()
+        try:
+            with self.stream:
+                t0 = time.perf_counter()
+                self.weights = load_weights(model)
+                self.kv = KVCache(cfg, max_context)
+                self.rope = cp.asarray(rope_table(cfg, max_context))
+                self.layout = blob_layout(model) if cfg.is_moe else None
+                qts = self.weights.qtype_ids()
+                if self.layout:
+                    qts |= {self.layout.qt_gate_up, self.layout.qt_down}
+                self.kernels = Kernels(qts)
+                log(f"weights {pool.used_bytes() / MiB:.0f} MiB in VRAM, kernels ready "
+                    f"({time.perf_counter() - t0:.1f} s)")
+                self.cache = None
+                if cfg.is_moe:
+                    self.arena = ExpertArena(model, log=log)
+                    self.cache = ExpertCache(self.arena, self._slot_count(pool))
+                self.step = DecodeStep(self.kernels, cfg, self.weights, self.kv, self.rope, self.cache, self.layout,
+                                       self.stream)
+                self.prefill = Prefill(self.step)
+                self.stream.synchronize()
+        except cp.cuda.memory.OutOfMemoryError as e:
+            self.close()
+            free, _ = cp.cuda.runtime.memGetInfo()
+            raise MemoryError(f"out of VRAM while loading the model ({e}); {free0 / MiB:.0f} MiB were free at "
+                              f"start: lower --ctx ({max_context}) or use a GPU with more memory") from None
+        if self.cache is not None:
+            self._initial_fill()
+        if not opts.no_graph:
+            self.step.capture()
+        self.vram_free_mib = cp.cuda.runtime.memGetInfo()[0] / MiB
+        self.pcie_gbps = self._calibrate() if opts.calibrate else None
+
+    # --- set-up ----------------------------------------------------------------------------------------------
+    def _slot_count(self, pool) -> int:
+        opts, cfg = self.opts, self.config
+        stride = self.layout.stride
+        free, _ = cp.cuda.runtime.memGetInfo()
+        # what the decode step and a prompt chunk still need beyond what is allocated now
+        later = STEP_HEADROOM + self._prefill_scratch_bytes()
+        avail = free - opts.vram_reserve_mib * MiB - later
+        used = pool.total_bytes()
+        if opts.vram_budget_mib is not None:
+            left = opts.vram_budget_mib * MiB - used - later
+            if left < 0:
+                raise MemoryError(
+                    f"--vram-budget-mib {opts.vram_budget_mib} is too small: the weights and the KV cache alone take "
+                    f"{used / MiB:.0f} MiB and the prompt pass {later / MiB:.0f} MiB; raise it or lower --ctx")
+            avail = min(avail, left)
+        n = max(0, int(avail // stride))
+        if opts.expert_slots is not None:
+            n = min(n, max(0, opts.expert_slots))
+        n = min(n, cfg.n_layer * cfg.n_expert)
+        self.log(f"expert cache: {n} of {cfg.n_layer * cfg.n_expert} experts fit in VRAM "
+                 f"({n * stride / MiB:.0f} MiB; {free / MiB:.0f} MiB free, {opts.vram_reserve_mib} MiB reserved)")
+        return n
+
+    def _prefill_scratch_bytes(self) -> int:
+        c = self.config
+        T = self.prompt_chunk_size()
+        act = 8 * T * max(c.n_embd, c.n_head * c.head_dim, c.n_ff, c.n_ff_exp * 2) * 4
+        weights = 4 * 3 * max(c.n_ff_exp * c.n_embd, c.n_ff * c.n_embd, c.n_head * c.head_dim * c.n_embd)
+        return act + weights + (1 << 27) * 4 + (1 << 25) * 4
+
+    def _initial_fill(self):
+        cache, opts = self.cache, self.opts
+        t0 = time.perf_counter()
+        order = None
+        if opts.expert_profile:
+            prof = load_profile(opts.expert_profile, self.config.n_layer, self.config.n_expert)
+            order = prof.flat_order()
+            cache.prior = prof.ranks().astype(np.int64)
+            src = f"profile {opts.expert_profile}"
+        elif cache.n_slots >= cache.n_total:
+            order = np.arange(cache.n_total)
+            src = "all experts"
+        if order is not None and cache.n_slots:
+            n = cache.fill(order, self.stream)
+            dt = time.perf_counter() - t0
+            self.log(f"expert cache filled from {src}: {n} experts, {n * cache.stride / 2**30:.2f} GiB in {dt:.1f} s")
+
+    def _calibrate(self) -> float:
+        n = min(256 * MiB, self.arena.views[0].nbytes) if self.arena else 0
+        if not n:
+            return 0.0
+        dst = cp.empty(n, dtype=cp.uint8)
+        src = self.arena.chunks[0]
+        for _ in range(2):
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, src, n, cp.cuda.runtime.memcpyDefault, self.stream.ptr)
+        self.stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(4):
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, src, n, cp.cuda.runtime.memcpyDefault, self.stream.ptr)
+        self.stream.synchronize()
+        return 4 * n / (time.perf_counter() - t0) / 1e9
+
+    # --- the contract ----------------------------------------------------------------------------------------
+    def prompt_chunk_size(self) -> int:
+        return int(self.opts.prompt_chunk)
+
+    def _room(self, n: int):
+        if self.n_cached + n > self.max_context:
+            raise ValueError(f"{self.n_cached} cached + {n} new tokens exceed the context of {self.max_context}")
+
+    def _prefill(self, tokens, all_logits: bool) -> cp.ndarray:
+        self._room(len(tokens))
+        out = []
+        step = self.prompt_chunk_size()
+        with self.stream:
+            if self.cache is not None:
+                self.cache.poll(self.stream)
+            for i in range(0, len(tokens), step):
+                part = list(tokens[i:i + step])
+                last = i + step >= len(tokens)
+                lg = self.prefill.forward(part, self.n_cached, all_logits)
+                self.n_cached += len(part)
+                if all_logits or last:
+                    out.append(lg)
+            if self.cache is not None and self.opts.adapt_every:
+                self.cache.adapt(self.stream)    # the prompt's routing fills free slots and warms the tier
+            return out[0] if len(out) == 1 else cp.concatenate(out, axis=0)
+
+    def forward(self, tokens, all_logits: bool = False) -> np.ndarray:
+        tokens = [int(t) for t in tokens]
+        if len(tokens) == 1 and not all_logits:
+            self._decode(tokens[0])
+            with self.stream:
+                return self.step.logits.get(stream=self.stream)
+        lg = self._prefill(tokens, all_logits)
+        with self.stream:
+            h = lg.get(stream=self.stream)
+        return h if all_logits else h[-1]
+
+    def next_token(self, tokens, sampler) -> int:
+        tokens = [int(t) for t in tokens]
+        on_gpu = sampler.greedy and not sampler.penalties_active
+        if len(tokens) > 1:
+            lg = self._prefill(tokens, False)[-1]
+            if on_gpu:
+                with self.stream:
+                    if bool(cp.isnan(lg).any()):
+                        raise SamplingError("the model produced NaN logits")
+                    return int(cp.argmax(lg))
+            with self.stream:
+                return sampler.sample(lg.get(stream=self.stream))
+        tok, nan = self._decode(tokens[0])
+        if on_gpu:
+            if nan:
+                raise SamplingError("the model produced NaN logits")
+            return tok
+        with self.stream:
+            return sampler.sample(self.step.logits.get(stream=self.stream))
+
+    def _decode(self, token: int):
+        self._room(1)
+        if self.cache is not None:
+            self.cache.poll(self.stream)
+        self.step.launch(token, self.n_cached, use_graph=not self.opts.no_graph)
+        self.n_cached += 1
+        res = self.step.result()
+        self._tick()
+        return res
+
+    def _tick(self):
+        if self.cache is None:
+            return
+        self._tokens_since_adapt += 1
+        if self.opts.adapt_every and self._tokens_since_adapt >= self.opts.adapt_every:
+            self._tokens_since_adapt = 0
+            self.cache.adapt(self.stream)
+        every = self.opts.expert_profile_save_every
+        if self.opts.expert_profile_save and every and time.monotonic() - self._last_save > every * 60:
+            self.save_profile()
+
+    def save_profile(self, path=None):
+        path = path or self.opts.expert_profile_save
+        if self.cache is None or not path:
+            return
+        c = self.cache
+        c.heat += c.take_counts(self.stream)     # the counts since the last round count, undecayed
+        save_profile(path, from_flat(c.n_layer, c.n_expert, c.learned_order()))
+        self._last_save = time.monotonic()
+
+    def reset_stats(self) -> None:
+        self.stats = ExpertStats()
+        if self.cache is not None:
+            self.cache.reset_stats(self.stream)
+
+    def get_stats(self) -> ExpertStats:
+        if self.cache is None:
+            return ExpertStats()
+        hits, lookups = self.cache.read_stats(self.stream)
+        return ExpertStats(hits=hits, lookups=lookups, ram_blobs=lookups - hits)
+
+    def info(self) -> dict:
+        dev = cp.cuda.Device()
+        props = cp.cuda.runtime.getDeviceProperties(dev.id)
+        out = {"gpu": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
+               "kv": "f16", "graph": "off" if self.opts.no_graph else "on",
+               "vram_free_mib": int(self.vram_free_mib)}
+        if self.cache is not None:
+            out.update(expert_slots=self.cache.n_slots, experts_total=self.cache.n_total,
+                       arena_mib=int(self.arena.nbytes / MiB))
+        if self.pcie_gbps is not None:
+            out["pcie_gbps"] = round(self.pcie_gbps, 1)
+        return out
+
+    def cache_picture(self):
+        if self.cache is None:
+            return None
+        c = self.cache
+        return c.n_layer, c.n_expert, c.resident(), c.heat_bytes()
+
+    def close(self) -> None:
+        try:
+            if self.opts.expert_profile_save and getattr(self, "cache", None) is not None:
+                self.save_profile()
+        finally:
+            if self.step is not None:
+                self.step.close()
+                self.step = None
+            if self.arena is not None:
+                self.stream.synchronize()
+                self.arena.close()
+                self.arena = None

@@ -1,0 +1,184 @@
+"""One decode step (one token through every layer, greedy pick on the GPU) as a fixed sequence of kernel launches,
+captured once as a CUDA graph and replayed. Nothing that changes between steps is a kernel argument: the token and
+position are read from mapped pinned memory by the first kernel, the experts through the pointer table, so the same
+graph serves every step and every cache state."""
+from __future__ import annotations
+
+import ctypes
+
+import cupy as cp
+import numpy as np
+
+from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE
+
+U64, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
+NULL = U64(0)
+MV_WARPS = 4           # rows per block in the mat-vec kernels (one warp each)
+ATT_SPLITS = 16
+
+
+def ptr(a) -> U64:
+    return NULL if a is None else U64(a.data.ptr)
+
+
+class MappedInts:
+    """A few int32 in pinned host memory that kernels read and write through their device address."""
+
+    def __init__(self, n: int):
+        self.hptr = cp.cuda.runtime.hostAlloc(4 * n, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
+        self.dptr = U64(cp.cuda.runtime.hostGetDevicePointer(self.hptr, 0))
+        self.view = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(self.hptr))
+        self.view[:] = 0
+
+    def close(self):
+        if self.hptr:
+            self.view = None
+            cp.cuda.runtime.freeHost(self.hptr)
+            self.hptr = 0
+
+
+class Launcher:
+    """Kernel launches shared by the decode step and the prompt pass (the mat-vec family, norms, FFN pieces)."""
+
+    def __init__(self, kernels, cfg):
+        self.k = kernels
+        self.cfg = cfg
+
+    def mv(self, W, x, y, bias=None, gate_logit=None, accumulate=False):
+        f = self.k("mv", W.qt)
+        f(((W.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+          (U64(W.ptr), I64(W.row_bytes), ptr(x), ptr(y), ptr(bias), ptr(gate_logit), I32(W.rows), I32(W.cols),
+           I32(1 if accumulate else 0)))
+
+    def swiglu(self, Wg, Wu, x, h):
+        f = self.k("swiglu_mv", Wg.qt)
+        f(((Wg.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+          (U64(Wg.ptr), U64(Wu.ptr), I64(Wg.row_bytes), ptr(x), ptr(h), I32(Wg.rows), I32(Wg.cols)))
+
+    def rmsnorm(self, x, w, out, rows=1):
+        self.k("rmsnorm")((rows,), (256,), (ptr(x), ptr(w), ptr(out), I32(w.size), F32(self.cfg.rms_eps)))
+
+
+class DecodeStep:
+    def __init__(self, kernels, cfg, weights, kv, rope_cs, cache, layout, stream):
+        self.L = Launcher(kernels, cfg)
+        self.k = kernels
+        self.cfg = cfg
+        self.w = weights
+        self.kv = kv
+        self.rope = rope_cs
+        self.cache = cache
+        self.layout = layout
+        self.stream = stream
+        c = cfg
+        f32 = lambda n: cp.zeros(n, dtype=cp.float32)
+        with stream:
+            self.x = f32(c.n_embd)
+            self.xn = f32(c.n_embd)
+            self.q = f32(c.n_head * c.head_dim)
+            self.kk = f32(c.n_head_kv * c.head_dim)
+            self.v = f32(c.n_head_kv * c.head_dim)
+            self.att = f32(c.n_head * c.head_dim)
+            self.part = f32(c.n_head * ATT_SPLITS * (2 + c.head_dim))
+            k = max(c.n_expert_used, 1)
+            self.h = f32(max(c.n_ff, k * c.n_ff_exp, 8))
+            self.h2 = f32(max(c.n_ff_shexp, 8))
+            self.rlogits = f32(max(c.n_expert, 1))
+            self.ids = cp.zeros(k, dtype=cp.int32)
+            self.wts = f32(k)
+            self.sgate = f32(1)
+            self.logits = f32(c.n_vocab)
+            self.state = cp.zeros(8, dtype=cp.int32)
+        self.params = MappedInts(2)
+        self.out = MappedInts(2)
+        self.graph = None
+
+    # --- the launch sequence ---------------------------------------------------------------------------------
+    def enqueue(self):
+        c, w, L = self.cfg, self.w, self.L
+        te = w.tok_embd
+        self.k("embed", te.qt)((1,), (256,), (U64(te.ptr), I64(te.row_bytes), NULL, self.params.dptr,
+                                            ptr(self.state), ptr(self.x), I32(c.n_embd)))
+        scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
+        for li, ly in enumerate(w.layers):
+            L.rmsnorm(self.x, ly.attn_norm, self.xn)
+            L.mv(ly.wq, self.xn, self.q, bias=ly.bq)
+            L.mv(ly.wk, self.xn, self.kk, bias=ly.bk)
+            L.mv(ly.wv, self.xn, self.v, bias=ly.bv)
+            kc, vc = self.kv.layer(li)
+            self.k("qk_rope_store")((c.n_head + 2 * c.n_head_kv, 1), (c.head_dim,),
+                                    (ptr(self.q), ptr(self.kk), ptr(self.v), ptr(ly.q_norm), ptr(ly.k_norm),
+                                     ptr(self.rope), ptr(self.state), I32(0), U64(kc), U64(vc), I32(c.n_head),
+                                     I32(c.n_head_kv), I32(c.head_dim), I32(c.n_rot),
+                                     I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps), I32(self.kv.max_ctx)))
+            self.k("attn_partial")((c.n_head, ATT_SPLITS), (128,),
+                                   (ptr(self.q), U64(kc), U64(vc), ptr(self.state), I32(0), ptr(self.part),
+                                    I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(self.kv.max_ctx), scale))
+            self.k("attn_combine")((c.n_head,), (c.head_dim,),
+                                   (ptr(self.part), ptr(self.att), I32(ATT_SPLITS), I32(c.head_dim)))
+            L.mv(ly.wo, self.att, self.x, accumulate=True)
+            L.rmsnorm(self.x, ly.ffn_norm, self.xn)
+            if c.is_moe:
+                self.moe(li, ly, self.xn, self.x)
+            else:
+                L.swiglu(ly.w_gate, ly.w_up, self.xn, self.h)
+                L.mv(ly.w_down, self.h, self.x, accumulate=True)
+        L.rmsnorm(self.x, w.output_norm, self.xn)
+        L.mv(w.output, self.xn, self.logits)
+        self.k("argmax_word")((264,), (256,), (ptr(self.logits), I32(c.n_vocab), ptr(self.state)))
+        self.k("argmax_finish")((1,), (1,), (ptr(self.state), self.out.dptr))
+
+    def moe(self, li, ly, xn, x):
+        c, L, lay, cache = self.cfg, self.L, self.layout, self.cache
+        k = c.n_expert_used
+        L.mv(ly.router, xn, self.rlogits)
+        tab = U64(cache.table.data.ptr + 8 * li * c.n_expert)
+        self.k("router_topk")((1,), (128,),
+                              (ptr(self.rlogits), I32(c.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
+                               F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts), tab, U64(cache.slot_lo),
+                               U64(cache.slot_hi), U64(cache.counts.data.ptr + 4 * li * c.n_expert),
+                               ptr(cache.stats)),
+                              shared_mem=4 * c.n_expert)
+        self.k("moe_gate_up", lay.qt_gate_up)(((lay.n_ff + MV_WARPS - 1) // MV_WARPS, k, 1), (32 * MV_WARPS,),
+                                              (tab, ptr(self.ids), I64(lay.up_off), I64(lay.rb_gate_up), ptr(xn),
+                                               ptr(self.h), I32(lay.n_ff), I32(c.n_embd), I32(k)))
+        self.k("moe_down", lay.qt_down)(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,),
+                                        (tab, ptr(self.ids), ptr(self.wts), I64(lay.down_off), I64(lay.rb_down),
+                                         ptr(self.h), ptr(x), I32(c.n_embd), I32(lay.n_ff), I32(k)))
+        if ly.sh_up is not None:
+            if ly.sh_gate_inp is not None:
+                L.mv(ly.sh_gate_inp, xn, self.sgate)
+            L.swiglu(ly.sh_gate, ly.sh_up, xn, self.h2)
+            L.mv(ly.sh_down, self.h2, x, gate_logit=self.sgate if ly.sh_gate_inp is not None else None,
+                 accumulate=True)
+
+    # --- running ---------------------------------------------------------------------------------------------
+    def capture(self):
+        s = self.stream
+        s.synchronize()
+        s.begin_capture()
+        try:
+            with s:
+                self.enqueue()
+        finally:
+            self.graph = s.end_capture()
+        self.graph.upload(s) if hasattr(self.graph, "upload") else None
+
+    def launch(self, token: int, pos: int, use_graph: bool = True):
+        self.params.view[0] = token
+        self.params.view[1] = pos
+        if use_graph and self.graph is not None:
+            self.graph.launch(self.stream)
+        else:
+            with self.stream:
+                self.enqueue()
+
+    def result(self) -> tuple[int, int]:
+        """(greedy id, NaN count) of the last launched step; waits for it."""
+        self.stream.synchronize()
+        return int(self.out.view[0]), int(self.out.view[1])
+
+    def close(self):
+        self.graph = None
+        self.params.close()
+        self.out.close()

@@ -1,0 +1,106 @@
+"""The model's non-expert weights in VRAM, each matrix in its GGUF quant format (the kernels dequantize as they read);
+norm weights and biases as float32."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import cupy as cp
+import numpy as np
+
+from engine.cuda.quant_types import qtype
+
+
+@dataclass
+class DevMatrix:
+    data: cp.ndarray        # uint8 (rows, row_bytes)
+    qt: int                 # ggml type id
+    rows: int
+    cols: int
+    row_bytes: int
+
+    @property
+    def ptr(self) -> int:
+        return int(self.data.data.ptr)
+
+
+def upload_matrix(t) -> DevMatrix:
+    q = qtype(t.qtype)                      # ValueError naming the type when no kernel handles it
+    rows = int(np.prod(t.shape[:-1]))
+    cols = int(t.shape[-1])
+    rb = q.row_bytes(cols)
+    data = cp.asarray(np.ascontiguousarray(t.data).reshape(rows, rb))
+    return DevMatrix(data, q.id, rows, cols, rb)
+
+
+@dataclass
+class Layer:
+    attn_norm: cp.ndarray
+    wq: DevMatrix
+    wk: DevMatrix
+    wv: DevMatrix
+    wo: DevMatrix
+    ffn_norm: cp.ndarray
+    q_norm: cp.ndarray | None = None
+    k_norm: cp.ndarray | None = None
+    bq: cp.ndarray | None = None
+    bk: cp.ndarray | None = None
+    bv: cp.ndarray | None = None
+    # dense FFN (no experts)
+    w_gate: DevMatrix | None = None
+    w_up: DevMatrix | None = None
+    w_down: DevMatrix | None = None
+    # MoE
+    router: DevMatrix | None = None
+    sh_gate: DevMatrix | None = None
+    sh_up: DevMatrix | None = None
+    sh_down: DevMatrix | None = None
+    sh_gate_inp: DevMatrix | None = None
+
+
+@dataclass
+class DeviceWeights:
+    tok_embd: DevMatrix
+    output: DevMatrix
+    output_norm: cp.ndarray
+    layers: list[Layer] = field(default_factory=list)
+
+    def qtype_ids(self) -> set[int]:
+        ids = {self.tok_embd.qt, self.output.qt}
+        for L in self.layers:
+            for v in vars(L).values():
+                if isinstance(v, DevMatrix):
+                    ids.add(v.qt)
+        return ids
+
+
+def load_weights(model) -> DeviceWeights:
+    cfg = model.config
+
+    def f32(name):
+        return cp.asarray(model.dequant(name).reshape(-1).astype(np.float32))
+
+    def opt_f32(name):
+        return f32(name) if model.has(name) else None
+
+    def mat(name):
+        return upload_matrix(model.tensor(name))
+
+    tok = mat("token_embd.weight")
+    out = tok if cfg.tied_embeddings else mat("output.weight")
+    dw = DeviceWeights(tok_embd=tok, output=out, output_norm=f32("output_norm.weight"))
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        L = Layer(attn_norm=f32(b + "attn_norm.weight"), wq=mat(b + "attn_q.weight"), wk=mat(b + "attn_k.weight"),
+                  wv=mat(b + "attn_v.weight"), wo=mat(b + "attn_output.weight"), ffn_norm=f32(b + "ffn_norm.weight"),
+                  q_norm=opt_f32(b + "attn_q_norm.weight"), k_norm=opt_f32(b + "attn_k_norm.weight"),
+                  bq=opt_f32(b + "attn_q.bias"), bk=opt_f32(b + "attn_k.bias"), bv=opt_f32(b + "attn_v.bias"))
+        if cfg.is_moe:
+            L.router = mat(b + "ffn_gate_inp.weight")
+            if cfg.shared_expert:
+                L.sh_gate, L.sh_up, L.sh_down = (mat(b + f"ffn_{k}_shexp.weight") for k in ("gate", "up", "down"))
+            if cfg.shared_expert_gate:
+                L.sh_gate_inp = mat(b + "ffn_gate_inp_shexp.weight")
+        else:
+            L.w_gate, L.w_up, L.w_down = (mat(b + f"ffn_{k}.weight") for k in ("gate", "up", "down"))
+        dw.layers.append(L)
+    return dw

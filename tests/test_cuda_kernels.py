@@ -1,0 +1,299 @@
+"""The engine's decode kernels (cuda_src: dense, norm_rope, attention, router, moe, sample) against NumPy on fresh
+random data at several sizes, every output poisoned (NaN) before the launch."""
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+from engine.cuda.decode import F32, I32, I64, NULL, U64, MappedInts, ptr  # noqa: E402
+from engine.cuda.quant_types import qtype, random_rows  # noqa: E402
+from engine.gguf_model import dequantize  # noqa: E402
+
+QTS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_K", "Q4_K", "Q6_K", "Q2_K", "IQ4_XS")
+
+
+@pytest.fixture(scope="module")
+def K():
+    from engine.cuda.programs import Kernels
+    return Kernels({qtype(n).id for n in QTS})
+
+
+def poisoned(shape, dtype=np.float32):
+    return cp.full(shape, np.nan, dtype=dtype)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def rand_matrix(name, rows, cols, rng):
+    raw = random_rows(name, rows, cols, rng)
+    ref = dequantize(raw, qtype(name).ggml).reshape(rows, cols)
+    return raw, ref
+
+
+@pytest.mark.parametrize("name", QTS)
+@pytest.mark.parametrize("rows,cols", [(1, 256), (37, 512), (300, 2048)])
+def test_mv_epilogues(K, name, rows, cols):
+    rng = np.random.default_rng()
+    raw, W = rand_matrix(name, rows, cols, rng)
+    x = rng.standard_normal(cols).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    y0 = rng.standard_normal(rows).astype(np.float32)
+    g = np.float32(rng.standard_normal())
+    d_raw, d_x, d_b, d_g = cp.asarray(raw), cp.asarray(x), cp.asarray(bias), cp.asarray(np.array([g]))
+    f = K("mv", qtype(name).id)
+    rb = raw.shape[1]
+    grid = ((rows + 3) // 4,)
+    y = poisoned(rows)
+    f(grid, (128,), (ptr(d_raw), I64(rb), ptr(d_x), ptr(y), NULL, NULL, I32(rows), I32(cols), I32(0)))
+    ref = W.astype(np.float64) @ x
+    assert rel(y.get(), ref) < 1e-4
+    y = cp.asarray(y0)
+    f(grid, (128,), (ptr(d_raw), I64(rb), ptr(d_x), ptr(y), ptr(d_b), ptr(d_g), I32(rows), I32(cols), I32(1)))
+    ref2 = y0 + (ref + bias) / (1 + np.exp(-g))
+    assert rel(y.get(), ref2) < 1e-4
+
+
+@pytest.mark.parametrize("name", ("Q4_K", "Q8_0", "Q6_K"))
+@pytest.mark.parametrize("rows,cols", [(5, 256), (200, 1024)])
+def test_swiglu_mv(K, name, rows, cols):
+    rng = np.random.default_rng()
+    rg, Wg = rand_matrix(name, rows, cols, rng)
+    ru, Wu = rand_matrix(name, rows, cols, rng)
+    x = rng.standard_normal(cols).astype(np.float32)
+    h = poisoned(rows)
+    K("swiglu_mv", qtype(name).id)(((rows + 3) // 4,), (128,),
+                                   (ptr(cp.asarray(rg)), ptr(cp.asarray(ru)), I64(rg.shape[1]), ptr(cp.asarray(x)),
+                                    ptr(h), I32(rows), I32(cols)))
+    g, u = Wg.astype(np.float64) @ x, Wu.astype(np.float64) @ x
+    assert rel(h.get(), g / (1 + np.exp(-g)) * u) < 1e-4
+
+
+@pytest.mark.parametrize("name", QTS)
+def test_embed_and_dequant_rows(K, name):
+    rng = np.random.default_rng()
+    rows, cols = 50, 512
+    raw, W = rand_matrix(name, rows, cols, rng)
+    d_raw = cp.asarray(raw)
+    toks = rng.integers(0, rows, size=7).astype(np.int32)
+    out = poisoned((7, cols))
+    K("embed", qtype(name).id)((7,), (256,), (ptr(d_raw), I64(raw.shape[1]), ptr(cp.asarray(toks)), NULL, NULL,
+                                             ptr(out), I32(cols)))
+    np.testing.assert_allclose(out.get(), W[toks], rtol=1e-6, atol=1e-6)
+    full = poisoned((rows, cols))
+    K("dequant_rows", qtype(name).id)((64,), (256,), (ptr(d_raw), I64(raw.shape[1]), ptr(full), I32(rows),
+                                                      I32(cols)))
+    np.testing.assert_allclose(full.get(), W, rtol=1e-6, atol=1e-6)
+
+
+def test_embed_decode_params(K):
+    """In a decode step the token comes from mapped host memory and the step state is reset."""
+    rng = np.random.default_rng()
+    raw, W = rand_matrix("Q8_0", 20, 256, rng)
+    params = MappedInts(2)
+    params.view[:] = [13, 41]
+    state = cp.full(8, -5, dtype=cp.int32)
+    out = poisoned(256)
+    K("embed", qtype("Q8_0").id)((1,), (256,), (ptr(cp.asarray(raw)), I64(raw.shape[1]), NULL, params.dptr,
+                                               ptr(state), ptr(out), I32(256)))
+    np.testing.assert_allclose(out.get(), W[13], rtol=1e-6)
+    assert list(state.get()[:5]) == [13, 41, 0, 0, 0]
+    params.close()
+
+
+@pytest.mark.parametrize("rows,n", [(1, 256), (9, 2048), (3, 1000)])
+def test_rmsnorm(K, rows, n):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((rows, n)).astype(np.float32) * 3
+    w = rng.standard_normal(n).astype(np.float32)
+    out = poisoned((rows, n))
+    K("rmsnorm")((rows,), (256,), (ptr(cp.asarray(x)), ptr(cp.asarray(w)), ptr(out), I32(n), F32(1e-6)))
+    ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    assert rel(out.get(), ref) < 1e-5
+
+
+def _rope_ref(x, cos, sin, n_rot, neox):
+    x = x.astype(np.float64).copy()
+    if neox:
+        h = n_rot // 2
+        a, b = x[..., :h].copy(), x[..., h:n_rot].copy()
+        x[..., :h] = a * cos - b * sin
+        x[..., h:n_rot] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:n_rot:2].copy(), x[..., 1:n_rot:2].copy()
+        x[..., 0:n_rot:2] = a * cos - b * sin
+        x[..., 1:n_rot:2] = a * sin + b * cos
+    return x
+
+
+@pytest.mark.parametrize("neox", [0, 1])
+@pytest.mark.parametrize("head_dim,n_rot,norm", [(64, 64, True), (128, 128, False), (128, 64, True)])
+def test_qk_rope_store(K, neox, head_dim, n_rot, norm):
+    rng = np.random.default_rng()
+    n_head, n_kv, T, max_ctx, pos0 = 4, 2, 3, 16, 5
+    q = rng.standard_normal((T, n_head, head_dim)).astype(np.float32)
+    k = rng.standard_normal((T, n_kv, head_dim)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv, head_dim)).astype(np.float32)
+    qn = rng.standard_normal(head_dim).astype(np.float32) if norm else None
+    kn = rng.standard_normal(head_dim).astype(np.float32) if norm else None
+    ang = rng.uniform(0, 6, size=(max_ctx, n_rot // 2))
+    cs = np.stack([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    dq = cp.asarray(q)
+    kc = cp.full((n_kv, max_ctx, head_dim), np.nan, dtype=cp.float16)
+    vc = cp.full((n_kv, max_ctx, head_dim), np.nan, dtype=cp.float16)
+    K("qk_rope_store")((n_head + 2 * n_kv, T), (head_dim,),
+                       (ptr(dq), ptr(cp.asarray(k)), ptr(cp.asarray(v)), ptr(cp.asarray(qn) if norm else None),
+                        ptr(cp.asarray(kn) if norm else None), ptr(cp.asarray(cs)), NULL, I32(pos0), ptr(kc),
+                        ptr(vc), I32(n_head), I32(n_kv), I32(head_dim), I32(n_rot), I32(neox), F32(1e-6),
+                        I32(max_ctx)))
+
+    def nrm(a, w):
+        return a / np.sqrt((a.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * w if norm else a
+
+    c, s = cs[pos0:pos0 + T, :, 0][:, None, :], cs[pos0:pos0 + T, :, 1][:, None, :]
+    assert rel(dq.get(), _rope_ref(nrm(q, qn), c, s, n_rot, neox)) < 1e-5
+    kk = kc.get().astype(np.float32).transpose(1, 0, 2)[pos0:pos0 + T]
+    assert rel(kk, _rope_ref(nrm(k, kn), c, s, n_rot, neox)) < 2e-3
+    vv = vc.get().astype(np.float32).transpose(1, 0, 2)[pos0:pos0 + T]
+    assert rel(vv, v) < 2e-3
+
+
+@pytest.mark.parametrize("n_pos", [1, 7, 300, 1500])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_decode(K, n_pos, head_dim):
+    rng = np.random.default_rng()
+    n_head, n_kv, max_ctx, splits = 8, 2, 2048, 16
+    q = rng.standard_normal(n_head * head_dim).astype(np.float32)
+    kc = rng.standard_normal((n_kv, max_ctx, head_dim)).astype(np.float16)
+    vc = rng.standard_normal((n_kv, max_ctx, head_dim)).astype(np.float16)
+    state = cp.asarray(np.array([0, n_pos - 1, 0, 0, 0, 0, 0, 0], dtype=np.int32))
+    part = poisoned(n_head * splits * (2 + head_dim))
+    out = poisoned(n_head * head_dim)
+    scale = 1.0 / np.sqrt(head_dim)
+    K("attn_partial")((n_head, splits), (128,),
+                      (ptr(cp.asarray(q)), ptr(cp.asarray(kc)), ptr(cp.asarray(vc)), ptr(state), I32(0), ptr(part),
+                       I32(n_head), I32(n_kv), I32(head_dim), I32(max_ctx), F32(scale)))
+    K("attn_combine")((n_head,), (head_dim,), (ptr(part), ptr(out), I32(splits), I32(head_dim)))
+    ref = np.empty((n_head, head_dim))
+    for h in range(n_head):
+        kv = h // (n_head // n_kv)
+        s = kc[kv, :n_pos].astype(np.float64) @ q[h * head_dim:(h + 1) * head_dim] * scale
+        p = np.exp(s - s.max())
+        ref[h] = (p / p.sum()) @ vc[kv, :n_pos].astype(np.float64)
+    assert rel(out.get().reshape(n_head, head_dim), ref) < 1e-4
+
+
+@pytest.mark.parametrize("n_expert,k,renorm", [(8, 2, 1), (128, 8, 1), (60, 4, 0), (512, 10, 1)])
+def test_router_topk(K, n_expert, k, renorm):
+    rng = np.random.default_rng()
+    T = 5
+    logits = rng.standard_normal((T, n_expert)).astype(np.float32) * 2
+    ids = cp.full((T, k), -1, dtype=cp.int32)
+    wts = poisoned((T, k))
+    counts = cp.zeros(n_expert, dtype=cp.int32)
+    stats = cp.zeros(2, dtype=cp.uint64)
+    slot_lo, slot_hi = 1000, 2000
+    table = rng.choice([1500, 5000], size=n_expert).astype(np.uint64)   # 1500: inside the slot range
+    K("router_topk")((T,), (128,), (ptr(cp.asarray(logits)), I32(n_expert), I32(k), I32(renorm), F32(1.5),
+                                    ptr(ids), ptr(wts), ptr(cp.asarray(table)), U64(slot_lo), U64(slot_hi),
+                                    ptr(counts), ptr(stats)), shared_mem=4 * n_expert)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref_ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    ref_w = np.take_along_axis(p, ref_ids, -1)
+    if renorm:
+        ref_w = ref_w / ref_w.sum(-1, keepdims=True)
+    ref_w *= 1.5
+    np.testing.assert_array_equal(ids.get(), ref_ids)
+    np.testing.assert_allclose(wts.get(), ref_w, rtol=1e-5)
+    np.testing.assert_array_equal(counts.get(), np.bincount(ref_ids.ravel(), minlength=n_expert))
+    assert int(stats.get()[0]) == int((table[ref_ids] == 1500).sum())
+    assert int(stats.get()[1]) == T * k
+
+
+@pytest.mark.parametrize("qg,qd", [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q8_0", "Q2_K")])
+@pytest.mark.parametrize("n_embd,n_ff,k,T", [(256, 256, 2, 1), (512, 768, 8, 1), (256, 512, 4, 3)])
+def test_moe_through_table(K, qg, qd, n_embd, n_ff, k, T):
+    """Experts in VRAM and in mapped pinned host memory, read through one pointer table."""
+    from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE
+    rng = np.random.default_rng()
+    n_expert = 16
+    raws, refs = [], []
+    for e in range(n_expert):
+        g, Wg = rand_matrix(qg, n_ff, n_embd, rng)
+        u, Wu = rand_matrix(qg, n_ff, n_embd, rng)
+        d, Wd = rand_matrix(qd, n_embd, n_ff, rng)
+        raws.append(np.concatenate([g.ravel(), u.ravel(), d.ravel()]))
+        refs.append((Wg, Wu, Wd))
+    nb = raws[0].size
+    stride = (nb + 255) // 256 * 256
+    dev = cp.zeros(n_expert * stride, dtype=cp.uint8)
+    hp = cp.cuda.runtime.hostAlloc(n_expert * stride, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
+    try:
+        import ctypes
+        host = np.ctypeslib.as_array((ctypes.c_uint8 * (n_expert * stride)).from_address(hp))
+        dp = cp.cuda.runtime.hostGetDevicePointer(hp, 0)
+        table = np.zeros(n_expert, dtype=np.uint64)
+        for e in range(n_expert):
+            if e % 2:
+                host[e * stride:e * stride + nb] = raws[e]
+                table[e] = dp + e * stride
+            else:
+                dev[e * stride:e * stride + nb] = cp.asarray(raws[e])
+                table[e] = dev.data.ptr + e * stride
+        ids = np.stack([rng.choice(n_expert, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+        w = rng.uniform(0.1, 1, size=(T, k)).astype(np.float32)
+        x = rng.standard_normal((T, n_embd)).astype(np.float32)
+        up_off = n_ff * random_rows(qg, 1, n_embd, rng).shape[1]
+        rb_g = up_off // n_ff
+        rb_d = random_rows(qd, 1, n_ff, rng).shape[1]
+        h = poisoned((T, k, n_ff))
+        d_table, d_ids = cp.asarray(table), cp.asarray(ids)
+        K("moe_gate_up", qtype(qg).id)(((n_ff + 3) // 4, k, T), (128,),
+                                       (ptr(d_table), ptr(d_ids), I64(up_off), I64(rb_g), ptr(cp.asarray(x)), ptr(h),
+                                        I32(n_ff), I32(n_embd), I32(k)))
+        out0 = rng.standard_normal((T, n_embd)).astype(np.float32)
+        out = cp.asarray(out0)
+        K("moe_down", qtype(qd).id)(((n_embd + 3) // 4, T), (128,),
+                                    (ptr(d_table), ptr(d_ids), ptr(cp.asarray(w)), I64(2 * up_off), I64(rb_d), ptr(h),
+                                     ptr(out), I32(n_embd), I32(n_ff), I32(k)))
+        ref_h = np.zeros((T, k, n_ff))
+        ref = out0.astype(np.float64).copy()
+        for t in range(T):
+            for j in range(k):
+                Wg, Wu, Wd = refs[ids[t, j]]
+                g, u = Wg.astype(np.float64) @ x[t], Wu.astype(np.float64) @ x[t]
+                ref_h[t, j] = g / (1 + np.exp(-g)) * u
+                ref[t] += w[t, j] * (Wd.astype(np.float64) @ ref_h[t, j])
+        assert rel(h.get(), ref_h) < 1e-4
+        assert rel(out.get(), ref) < 1e-4
+    finally:
+        cp.cuda.runtime.freeHost(hp)
+
+
+@pytest.mark.parametrize("n", [10, 1024, 151936])
+def test_argmax(K, n):
+    rng = np.random.default_rng()
+    x = rng.standard_normal(n).astype(np.float32)
+    x[rng.integers(0, n)] = 50.0
+    if n > 100:
+        x[rng.integers(0, n, size=3)] = -np.inf
+    state = cp.full(8, 7, dtype=cp.int32)
+    state[2:5] = 0
+    out = MappedInts(2)
+    out.view[:] = -1
+    K("argmax_word")((264,), (256,), (ptr(cp.asarray(x)), I32(n), ptr(state)))
+    K("argmax_finish")((1,), (1,), (ptr(state), out.dptr))
+    cp.cuda.runtime.deviceSynchronize()
+    assert int(out.view[0]) == int(np.argmax(x)) and int(out.view[1]) == 0
+    x[5] = np.nan
+    state[2:5] = 0
+    K("argmax_word")((264,), (256,), (ptr(cp.asarray(x)), I32(n), ptr(state)))
+    K("argmax_finish")((1,), (1,), (ptr(state), out.dptr))
+    cp.cuda.runtime.deviceSynchronize()
+    assert int(out.view[1]) > 0
+    out.close()
