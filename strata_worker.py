@@ -184,6 +184,60 @@ class Input:
         self.queue.put(("EOF", "", None))
 
 
+# Keys setup/calibrate.py takes from the backend's INFO facts when the backend measured them.
+CALIBRATE_FROM_INFO = ("gpu", "vram_total_mib", "vram_free_mib", "pcie_gbps", "hbm_gbps", "expert_slots",
+                       "experts_total", "arena_mib")
+
+
+def run_calibration(backend, ctx: int, out, info: dict) -> int:
+    """--calibrate (setup/calibrate.py's contract): time a prompt pass and a greedy decode, print CALIBRATE lines
+    with those rates and the backend's measured facts, then exit without serving."""
+    import shlex
+
+    import numpy as np
+
+    from engine.protocol import GenRequest
+    from engine.session import Session
+
+    n_vocab = int(backend.config.n_vocab)
+    n_new = min(64, max(1, (ctx - 8) // 4))
+    n_prompt = max(2, min(512, ctx - 8 - n_new - 1))
+    rng = np.random.default_rng(0)
+    # No end-of-generation ids: the decode must run its full length to be timed.
+    session = Session(backend, eog_ids=())
+    runs = []
+    try:
+        # A short warm-up first, so kernel loads and graph capture are not timed.
+        for prompt_len, max_new in ((min(16, n_prompt), min(4, n_new)), (n_prompt, n_new)):
+            prompt = [int(t) for t in rng.integers(0, n_vocab, prompt_len)]
+            done = session.run(GenRequest(max_new, prompt), lambda line: None)
+            if done is None:
+                raise RuntimeError("a calibration request was refused")
+            runs.append(done)
+            session.tokens = []
+            backend.truncate(0)
+    except Exception as e:  # whatever failed, setup shows this line and the log
+        print(f"strata_worker: calibration failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        backend.close()
+        return 1
+    d = runs[-1]
+    # The first token comes out of the prompt pass; the decode time covers the other generated - 1.
+    decode_tok_s = (d.generated - 1) / (d.decode_ms / 1000.0) if d.decode_ms > 0 and d.generated > 1 else 0.0
+    prompt_tok_s = d.prompt_read / (d.prompt_ms / 1000.0) if d.prompt_ms > 0 else 0.0
+    facts = {k: info[k] for k in CALIBRATE_FROM_INFO if k in info}
+    facts.update(prompt_tok_s=round(prompt_tok_s, 1), decode_tok_s=round(decode_tok_s, 1),
+                 calib_prompt_tokens=d.prompt_read, calib_decode_tokens=d.generated)
+    out.emit("CALIBRATE " + " ".join(f"{k}={shlex.quote(_calib_value(v))}" for k, v in facts.items()))
+    log(f"calibration: prompt {prompt_tok_s:.1f} tok/s ({d.prompt_read} tokens), decode {decode_tok_s:.1f} tok/s "
+        f"({d.generated} tokens)")
+    backend.close()
+    return 0
+
+
+def _calib_value(v) -> str:
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
 def main(argv=None) -> int:
     out = Protocol()
     args = build_parser().parse_args(argv)
@@ -246,6 +300,8 @@ def main(argv=None) -> int:
     extra = backend.info()
     if extra:
         out.emit("INFO " + " ".join(f"{k}={_info_value(v)}" for k, v in extra.items()))
+    if getattr(args, "calibrate", False):
+        return run_calibration(backend, ctx, out, extra)
     out.emit(f"READY {ctx} stop")
 
     inp = Input(sys.stdin.buffer)

@@ -330,3 +330,16 @@ def test_worker_and_tokenizer_agree_on_where_answers_end(fixtures_dir):
     for path in paths:
         md = tokenizer.read_gguf_metadata(path)
         assert strata_worker.eog_ids_from_metadata(md) == tokenizer.Tokenizer.from_metadata(md).eog_ids, path.name
+
+
+def test_calibrate_times_a_prompt_and_a_decode_then_exits(model):
+    import shlex
+    p = subprocess.run([*WORKER, "--model", str(model), "--backend", "cpu", "--ctx", "64", "--calibrate"],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    lines = [l for l in p.stdout.splitlines() if l.startswith("CALIBRATE ")]
+    assert len(lines) == 1 and not any(l.startswith("READY") for l in p.stdout.splitlines())
+    facts = dict(t.split("=", 1) for t in shlex.split(lines[0][len("CALIBRATE "):]))
+    # ctx 64: (64 - 8) // 4 = 14 new tokens after a prompt of 64 - 8 - 14 - 1 = 41
+    assert (int(facts["calib_prompt_tokens"]), int(facts["calib_decode_tokens"])) == (41, 14)
+    assert float(facts["prompt_tok_s"]) > 0 and float(facts["decode_tok_s"]) > 0
