@@ -78,7 +78,7 @@ def build(model_name: str, model_path: Path, choices: Choices, config_dir: Path,
     profile = config_dir / f"strata-{model_name}.profile.bin" if moe and choices.backend == "cuda" else None
     cfg = {
         "model_name": model_name,
-        "model": str(Path(model_path).resolve()),
+        "model": os.path.abspath(model_path),   # not resolve(): a symlinked model stays where the person put it
         "worker": [sys.executable, str(ROOT / "strata_worker.py")],
         "args": worker_args(choices, profile),
         "cwd": str(ROOT),

@@ -52,7 +52,8 @@ def running_pid(config_path: Path) -> int | None:
 
 def start(config_path: Path, cfg: dict, wait_s: float = 180) -> int:
     """Start `python -m server --config ...` detached (it outlives the wizard); return its pid once it answers."""
-    log = Path(cfg["log"])
+    # The server's own lines go beside the worker's log (cfg["log"], which the server appends the worker's stderr to).
+    log = Path(cfg["log"]).with_suffix(".server.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(config_path)], cwd=ROOT,

@@ -551,7 +551,8 @@ def step_config_and_start(ui: UI, a, p: Paths, n: Needs, model_path: Path, c: cf
         ui.fail(f"the server module (server/__main__.py) is missing; the config is written, start it later with: "
                 f"{start_cmd}")
         return 1
-    ui.say(f"starting the server (log: {cfg['log']}) and waiting for it to answer ...")
+    ui.say(f"starting the server (logs: {Path(cfg['log']).with_suffix('.server.log')} and {cfg['log']}) and "
+           f"waiting for it to answer ...")
     try:
         pid = srv.start(path, cfg)
     except srv.StartError as e:

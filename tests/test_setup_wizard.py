@@ -264,3 +264,46 @@ def test_requirements_plan(tmp_path):
         assert notes and "no NVIDIA GPU" in notes[0]
         missing, _, _ = pkgs.plan(req, has_gpu=True)
         assert "cupy-cuda12x>=13" in [m.split(";")[0].strip() for m in missing]
+
+
+def test_memory_mode_is_asked_with_the_recommendation_as_default(env, monkeypatch):
+    monkeypatch.setattr(cal, "default_worker", lambda: [sys.executable, "-c", "pass"])
+    rc, out, asked = go(env, "--no-start", machine_=machine((12,), 32), answers=["", "mmap"])
+    assert asked[:2] == ["Which model? (number or name)", "Memory mode? (ram / budget / mmap)"]
+    assert "[ok] recommended: ram: all" in out
+    assert "--mmap-experts" in config_of(env, "tiny-moe")["args"]
+    # asking for more RAM than there is: said plainly, asked, and "no" takes the recommendation
+    rc, out, asked = go(env, "--no-start", "--model", "tiny-moe", machine_=machine((12,), 4), answers=["ram", ""])
+    assert asked == ["Memory mode? (ram / budget / mmap)", "Use ram anyway? [y/N]"]
+    assert "[!] ram asks more RAM than this PC can give" in out
+    assert "--mmap-experts" in config_of(env, "tiny-moe")["args"]
+
+
+@pytest.mark.parametrize("ram_gib,expect", [(32, "ram"), (4, "mmap")])
+def test_memory_recommendation_follows_ram(env, monkeypatch, ram_gib, expect):
+    monkeypatch.setattr(cal, "default_worker", lambda: [sys.executable, "-c", "pass"])
+    rc, out, _ = go(env, "--yes", "--no-start", "--model", "tiny-moe", machine_=machine((12,), ram_gib))
+    assert f"[ok] memory mode: {expect}" in out
+
+
+GOLDEN = {
+    "no_gpu": (machine((), 16), "smollm2-135m"),
+    "one_12gb_32gb": (machine((12,), 32), "qwen3-30b-a3b-q6_k"),
+    "one_24gb_64gb": (machine((24,), 64), "qwen3-30b-a3b-q8_0"),
+    "two_cards": (machine((24, 24), 128), "qwen3-235b-a22b-q2_k"),
+    "low_disk": (machine((24,), 64, disk_gb=12), "smollm2-135m"),
+}
+
+
+@pytest.mark.parametrize("profile", sorted(GOLDEN))
+def test_check_on_golden_machines_with_the_real_catalog(tmp_path, profile):
+    m, expect = GOLDEN[profile]
+    out = io.StringIO()
+    rc = wizard.run(["--check", "--data-dir", str(tmp_path)], machine=m, out=out)
+    text = out.getvalue()
+    assert rc == 0
+    assert f"[ok] recommended: {expect}:" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("*"))
+    assert expect in line and line.rstrip().endswith("yes")
+    if profile == "low_disk":
+        assert "no: disk" in text

@@ -1,0 +1,84 @@
+"""A new user's path on this machine: `python -m setup --yes --no-start`, then the server from the written config
+answers a chat request with the default model on the CPU, then stops. Real processes, no hub (the default model is
+the one from PyPI, already fetched into data/models when it is there)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2 = ROOT / "data" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _missing_parts() -> list[str]:
+    need = [ROOT / "server" / "__main__.py", ROOT / "strata_worker.py", ROOT / "engine" / "backend_cpu.py"]
+    return [str(p.relative_to(ROOT)) for p in need if not p.is_file()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_setup_yes_then_the_server_answers_a_chat(tmp_path):
+    missing = _missing_parts()
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (built by the server/worker owners) to run end to end")
+    models = tmp_path / "models"
+    models.mkdir()
+    if SMOLLM2.is_file():
+        # the same file setup would fetch from PyPI; linking it keeps the test off the network
+        (models / SMOLLM2.name).symlink_to(SMOLLM2)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("STRATA_SETUP_MACHINE", "DISPLAY", "WAYLAND_DISPLAY")}
+    env["CI"] = "1"
+    res = subprocess.run([sys.executable, "-m", "setup", "--yes", "--no-start", "--data-dir", str(tmp_path),
+                          "--port", str(port), "--backend", "cpu"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "=== Step 7: write the config and start the service ===" in res.stdout
+    assert "not started (--no-start)" in res.stdout
+    cfg_path = tmp_path / "strata-smollm2-135m.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["port"] == port and "--backend" in cfg["args"]
+
+    log = open(tmp_path / "server.out", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(cfg_path)], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.out").read_text()
+            try:
+                if requests.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "the server did not answer within 120 s"
+            time.sleep(0.3)
+        r = requests.post(url + "/v1/chat/completions", timeout=600, json={
+            "model": cfg["model_name"], "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        text = body["choices"][0]["message"]["content"]
+        assert isinstance(text, str) and text.strip(), body
+        assert body["usage"]["completion_tokens"] >= 1
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
