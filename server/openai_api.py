@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from server import metrics
 from server.service import Job, Result, Service, ServiceError
-from server.text import THINK_OPEN, PromptError
+from server.text import PromptError
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 MAX_BODY = 32 * 1024 * 1024
@@ -401,12 +401,12 @@ class Handler(BaseHTTPRequestHandler):
                     budget=None if budget is None or budget < 0 else budget)
 
     def _submit(self, endpoint: str, prompt: list[int], max_new, common: dict, stops: list[str],
-                thinking_open: bool) -> Job:
+                prompt_text: str | None) -> Job:
         if not prompt:
             raise ApiError(400, "the prompt is empty: send some text")
         return self.server.service.submit(Job(
             "gen", endpoint=endpoint, prompt=prompt, max_new=max_new, params=common["params"], stops=stops,
-            reasoning_budget=common["budget"], thinking_open=thinking_open))
+            reasoning_budget=common["budget"], prompt_text=prompt_text))
 
     def post_chat(self, q):
         body = self.read_json()
@@ -422,8 +422,7 @@ class Handler(BaseHTTPRequestHandler):
             prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, template_kwargs=kwargs)
         except PromptError as e:
             raise ApiError(400, str(e), param="messages") from None
-        thinking_open = self.server.codec.thinks and text.rstrip().endswith(THINK_OPEN)
-        job = self._submit("/v1/chat/completions", prompt, max_new, common, stops, thinking_open)
+        job = self._submit("/v1/chat/completions", prompt, max_new, common, stops, text)
         rid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
         if not common["stream"]:
             reasoning, content, res = self.collect(job)
@@ -477,7 +476,7 @@ class Handler(BaseHTTPRequestHandler):
             ids = self.server.codec.completion_prompt(prompt)
         except PromptError as e:
             raise ApiError(400, str(e), param="prompt") from None
-        job = self._submit("/v1/completions", ids, max_new, common, stops, False)
+        job = self._submit("/v1/completions", ids, max_new, common, stops, None)
         rid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
         if not common["stream"]:
             reasoning, content, res = self.collect(job)
@@ -519,8 +518,7 @@ class Handler(BaseHTTPRequestHandler):
             prompt, text = self.server.codec.chat_prompt(msgs)
         except PromptError as e:
             raise ApiError(400, str(e), param="messages") from None
-        thinking_open = self.server.codec.thinks and text.rstrip().endswith(THINK_OPEN)
-        job = self._submit("/v1/messages", prompt, max_new, common, stops, thinking_open)
+        job = self._submit("/v1/messages", prompt, max_new, common, stops, text)
         rid, model = "msg_" + uuid.uuid4().hex[:24], self.server.cfg.model_name
 
         def stop_reason(res: Result):

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.protocol import GenRequest
-from server.text import THINK_CLOSING_WORDS, TextCodec, TextStream
+from server.text import TextCodec, TextStream
 from server.worker import Worker, WorkerError
 
 CONTEXT_MARGIN = 8          # DESIGN §3: prompt + max_new + 8 must fit the context
@@ -53,7 +53,7 @@ class Job:
     params: dict = field(default_factory=dict)
     stops: list[str] = field(default_factory=list)
     reasoning_budget: int | None = None
-    thinking_open: bool = False                 # the rendered prompt ends inside a thought
+    prompt_text: str | None = None              # the rendered chat prompt (None: a plain completion)
     id: str = ""
     created: float = field(default_factory=time.time)
     events: queue.Queue = field(default_factory=queue.Queue)
@@ -212,7 +212,7 @@ class Service:
             self._record(job, None, msg, started)
             return
         max_new = room if job.max_new is None else min(job.max_new, room)
-        text = TextStream(self.codec, job.stops, job.thinking_open)
+        text = TextStream(self.codec, job.stops, job.prompt_text)
         res = Result("stop", prompt_tokens=len(job.prompt))
         generated: list[int] = []
         stopped_for = None          # client | stop | budget
@@ -294,9 +294,8 @@ class Service:
         self._record(job, res, None, started)
 
     def _close_thought(self, job: Job, text: TextStream, generated: list[int]) -> None:
-        generated.extend(self.codec.encode_special(THINK_CLOSING_WORDS))
-        r, c = text.feed_text(THINK_CLOSING_WORDS)
-        text.thinking = False
+        generated.extend(self.codec.encode_special(self.codec.closing_words))
+        r, c = text.feed_text(self.codec.closing_words)
         if r or c:
             job.emit("delta", r, c)
 

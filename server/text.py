@@ -5,9 +5,9 @@ split of thinking from the answer (engine/reasoning.py), and stop strings, which
 """
 from __future__ import annotations
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Appended when a thinking budget runs out: the model then answers as if it had closed the thought itself.
 THINK_CLOSING_WORDS = "\n</think>\n\n"
+HARMONY_CLOSING_WORDS = "<|end|><|start|>assistant<|channel|>final<|message|>"   # gpt-oss: on to the final channel
 
 
 class PromptError(ValueError):
@@ -21,7 +21,9 @@ class TextCodec:
         self.tok = tokenizer
         self.template = template
         self.eog_ids = frozenset(int(i) for i in tokenizer.eog_ids)
-        self.thinks = bool(template) and THINK_OPEN in template
+        # gpt-oss frames reasoning with control tokens, which only show when decoded as special.
+        self.harmony = bool(template) and "<|channel|>" in template
+        self.closing_words = HARMONY_CLOSING_WORDS if self.harmony else THINK_CLOSING_WORDS
 
     @classmethod
     def from_gguf(cls, path) -> "TextCodec":
@@ -34,13 +36,13 @@ class TextCodec:
 
     def chat_prompt(self, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> tuple[list[int], str]:
         from engine.chat import ChatTemplateError, render_chat
-        bos = self._special_text(getattr(self.tok, "bos_id", None))
-        eos = self._special_text(getattr(self.tok, "eos_id", None))
+        bos = self._special_text(self.tok.bos_id) if getattr(self.tok, "add_bos", False) else ""
+        eos = self._special_text(self.tok.eos_id)
         try:
             text = render_chat(self.template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos,
                                tools=tools, **(template_kwargs or {}))
         except ChatTemplateError as e:
-            raise PromptError(f"the model's chat template refused these messages: {e}") from None
+            raise PromptError(str(e)) from None
         # The template writes the BOS itself when the model wants one; never add a second.
         add = not (bos and text.startswith(bos))
         return self.tok.encode(text, add_special=add, parse_special=True), text
@@ -59,13 +61,11 @@ class TextCodec:
 
     def decoder(self):
         from engine.tokenizer import StreamDecoder
-        return StreamDecoder(self.tok)
+        return StreamDecoder(self.tok, special=self.harmony)
 
-    def splitter(self):
-        if not self.thinks:
-            return None
+    def splitter(self, prompt_text: str):
         from engine.reasoning import ReasoningSplitter
-        return ReasoningSplitter(self.template)
+        return ReasoningSplitter.for_prompt(self.template, prompt_text)
 
 
 class StopFilter:
@@ -107,19 +107,23 @@ class StopFilter:
 
 
 class TextStream:
-    """Generated ids in, (reasoning_delta, content_delta) out: decode, stop strings, thinking split."""
+    """Generated ids in, (reasoning_delta, content_delta) out: decode, stop strings, then the thinking split.
 
-    def __init__(self, codec: TextCodec, stops: list[str], thinking_open: bool):
+    prompt_text is the rendered chat prompt (it tells whether the answer starts inside a thought); None for plain
+    completions, whose text is never split.
+    """
+
+    def __init__(self, codec: TextCodec, stops: list[str], prompt_text: str | None):
         self.codec = codec
         self.decoder = codec.decoder()
         self.stops = StopFilter(stops)
-        self.splitter = codec.splitter()
-        self.raw = ""                 # everything decoded so far, before stop strings
-        # Thinking state for the budget: open from the prompt (a template that ends in <think>) or from the answer.
-        self.thinking = thinking_open
-        self.think_tokens = 0
-        if self.splitter is not None and thinking_open:
-            self.splitter.feed(THINK_OPEN)   # the splitter must know the answer starts inside a thought
+        self.splitter = codec.splitter(prompt_text) if prompt_text is not None else None
+        self.think_tokens = 0         # tokens generated inside a thought (the budget counts these)
+
+    @property
+    def thinking(self) -> bool:
+        from engine.reasoning import REASONING
+        return self.splitter is not None and self.splitter.state == REASONING
 
     def feed_token(self, token_id: int) -> tuple[str, str]:
         if token_id in self.codec.eog_ids:
@@ -129,39 +133,24 @@ class TextStream:
         return self.feed_text(self.decoder.feed(token_id))
 
     def feed_text(self, text: str) -> tuple[str, str]:
-        if not text:
-            return "", ""
-        before = len(self.raw)
-        self.raw += text
-        if self.codec.thinks:
-            tail = self.raw[max(0, before - len(THINK_CLOSE)):]
-            if not self.thinking and THINK_OPEN in tail and THINK_CLOSE not in self.raw[self.raw.rfind(THINK_OPEN):]:
-                self.thinking = True
-            elif self.thinking and THINK_CLOSE in tail:
-                self.thinking = False
-        return self._split(self.stops.feed(text))
+        return self._split(self.stops.feed(text)) if text else ("", "")
 
     def _split(self, text: str) -> tuple[str, str]:
         if not text:
             return "", ""
         if self.splitter is None:
             return "", text
-        r, c = self.splitter.feed(text)
-        return r or "", c or ""
+        return self.splitter.feed(text)
 
     def finish(self) -> tuple[str, str]:
         r, c = self._split(self.stops.feed(self.decoder.flush()))
         r2, c2 = self._split(self.stops.flush())
         r, c = r + r2, c + c2
         if self.splitter is not None:
-            tail = self.splitter.flush()
-            if tail:
-                r, c = r + (tail[0] or ""), c + (tail[1] or "")
+            r3, c3 = self.splitter.flush()
+            r, c = r + r3, c + c3
         return r, c
 
     @property
     def stop_hit(self) -> str | None:
         return self.stops.hit
-
-    def prompt_ends_thinking_open(self) -> bool:
-        return self.thinking

@@ -11,8 +11,7 @@ import psutil
 import pytest
 import requests
 
-from fakes.server_kit import (FAKE_WORKER, ByteTokenizer, make_config, metrics, running_server, sse_events,
-                              stand_in_codec)
+from fakes.server_kit import FAKE_WORKER, make_config, metrics, running_server, sse_events, tiny_codec
 from server.worker import Worker, WorkerStartError
 
 VOCAB = "vocab/tiny-bpe-1024.gguf"
@@ -38,7 +37,7 @@ def gone(pid):
 
 def test_normal_answer_and_restart_not_needed(tmp_path, fixtures_dir):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB)
-    with running_server(cfg, stand_in_codec()) as (_, base):
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
         r = complete(base)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == "hello there"
@@ -51,7 +50,7 @@ def test_normal_answer_and_restart_not_needed(tmp_path, fixtures_dir):
 def test_silent_mid_answer_is_killed_and_replaced(tmp_path, fixtures_dir):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--silent-after-tokens 3", ""),
                       engine_silence_s=0.5)
-    with running_server(cfg, stand_in_codec()) as (httpd, base):
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (httpd, base):
         r = complete(base)
         assert r.status_code == 503
         msg = r.json()["error"]["message"]
@@ -69,13 +68,13 @@ def test_silent_mid_answer_is_killed_and_replaced(tmp_path, fixtures_dir):
 def test_silent_mid_stream_ends_the_stream_with_an_error(tmp_path, fixtures_dir):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--silent-after-tokens 4", ""),
                       engine_silence_s=0.5)
-    with running_server(cfg, stand_in_codec()) as (httpd, base):
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (httpd, base):
         r = requests.post(base + "/v1/chat/completions", stream=True, timeout=60,
                           json=dict(messages=[{"role": "user", "content": "hi"}], stream=True))
         assert r.status_code == 200
         events = list(sse_events(r))
         text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if "choices" in e)
-        assert text == "<|im_start|>use"[:len(text)] and len(text) > 0
+        assert text == "user\nhi\nassistant\n"[:len(text)] and len(text) > 0
         assert "printed nothing" in events[-1]["error"]["message"]
         first = httpd.service.worker.proc.pid
         assert gone(first)
@@ -86,7 +85,7 @@ def test_silent_mid_stream_ends_the_stream_with_an_error(tmp_path, fixtures_dir)
 def test_silent_in_prompt_is_killed(tmp_path, fixtures_dir):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--silent-in-prompt", ""),
                       engine_silence_s=0.5)
-    with running_server(cfg, stand_in_codec()) as (_, base):
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
         r = complete(base)
         assert r.status_code == 503 and "printed nothing" in r.json()["error"]["message"]
         assert complete(base).status_code == 200
@@ -95,13 +94,12 @@ def test_silent_in_prompt_is_killed(tmp_path, fixtures_dir):
 def test_slow_prompt_with_regular_progress_is_not_killed(tmp_path, fixtures_dir):
     # 12 chunks at 0.25 s each: three times the silence limit in all, but never silent for long.
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--chunk", "4", "--pp-delay", "0.25"], engine_silence_s=1.5)
-    with running_server(cfg, stand_in_codec()) as (_, base):
-        prompt = "a slow prompt of 48 tokens".ljust(48, "!")
-        assert len(prompt) == 48
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
+        prompt = list(range(300, 348))
         r = complete(base, prompt=prompt)
         assert r.status_code == 200, r.text
         body = r.json()
-        assert body["choices"][0]["text"] == prompt
+        assert body["choices"][0]["text"] == tiny_codec(fixtures_dir).tok.decode(prompt)
         assert body["timings"]["prompt_n"] == 48 and body["timings"]["prompt_ms"] > 1500
 
 
@@ -109,7 +107,7 @@ def test_ignored_stop_is_killed_within_the_deadline(tmp_path, fixtures_dir):
     # The stop string makes the server send STOP; this worker keeps talking and never finishes the request.
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--ignore-stop --token-delay 0.02", ""),
                       engine_silence_s=0.5)
-    with running_server(cfg, stand_in_codec()) as (httpd, base):
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (httpd, base):
         r = complete(base, prompt="abcXdefghij", stop=["X"])
         assert r.status_code == 503
         assert "told to STOP" in r.json()["error"]["message"]
@@ -122,7 +120,7 @@ def test_ignored_stop_is_killed_within_the_deadline(tmp_path, fixtures_dir):
 
 def test_death_mid_prompt_reports_log_and_cause(tmp_path, fixtures_dir):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--die-in-prompt", ""))
-    with running_server(cfg, stand_in_codec()) as (_, base):
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
         r = complete(base)
         assert r.status_code == 503
         msg = r.json()["error"]["message"]
@@ -134,7 +132,7 @@ def test_death_mid_prompt_reports_log_and_cause(tmp_path, fixtures_dir):
 
 def test_exit_before_ready_reports_the_last_20_log_lines(tmp_path, fixtures_dir):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--exit-before-ready"])
-    with running_server(cfg, stand_in_codec()) as (_, base):
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
         r = complete(base)
         assert r.status_code == 503
         msg = r.json()["error"]["message"]
@@ -173,7 +171,7 @@ def test_close_quits_politely(tmp_path):
 
 def test_client_gone_mid_stream_is_stopped_and_drained(tmp_path, fixtures_dir):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--token-delay", "0.02"])
-    with running_server(cfg, stand_in_codec()) as (_, base):
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
         r = requests.post(base + "/v1/completions", stream=True, timeout=60,
                           json=dict(prompt="x" * 200, max_tokens=200, stream=True))
         it = sse_events(r)
@@ -189,26 +187,26 @@ def test_client_gone_mid_stream_is_stopped_and_drained(tmp_path, fixtures_dir):
 
 
 def test_thinking_budget_closes_the_thought_and_continues(tmp_path, fixtures_dir):
+    # Qwen3.5's template opens <think> in the prompt; the fake worker echoes the prompt, so its "thought" is known.
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--token-delay", "0.01"], reasoning_budget_tokens=5)
-    tok = ByteTokenizer()
-    with running_server(cfg, stand_in_codec(template_thinks=True)) as (_, base):
+    codec = tiny_codec(fixtures_dir, "Qwen3.5-4B.jinja")
+    with running_server(cfg, codec) as (_, base):
         r = requests.post(base + "/v1/chat/completions", timeout=60,
                           json=dict(messages=[{"role": "user", "content": "hi"}], max_tokens=60))
         assert r.status_code == 200, r.text
         msg = r.json()["choices"][0]["message"]
-        assert msg["reasoning_content"].startswith("<|im_start|>user")
-        assert "<|im_start|>user\nhi" in msg["content"]      # the second pass, after the thought was closed
         gens = [ln for ln in (tmp_path / "worker.log").read_text().splitlines() if "fake worker: GEN" in ln]
         assert len(gens) == 2
         first = [int(x) for x in gens[0].split("prompt=")[1].split(",")]
         second = [int(x) for x in gens[1].split("prompt=")[1].split(",")]
-        assert second[:len(first)] == first
-        continued = tok.decode(second[len(first):])
-        # the thought (5 or 6 tokens: STOP may cross one more) and then the closing words
-        assert continued.endswith("\n</think>\n\n")
-        assert 5 <= len(second) - len(first) - len(tok.encode("\n</think>\n\n")) <= 6
-        assert metrics(base)["history"][-1]["passes"] == 2
-        assert r.json()["usage"]["completion_tokens"] == metrics(base)["history"][-1]["generated"]
+        closing = codec.encode_special("\n</think>\n\n")
+        assert second[:len(first)] == first and second[-len(closing):] == closing
+        thought = second[len(first):-len(closing)]
+        assert len(thought) in (5, 6) and thought == first[:len(thought)]   # STOP may cross one more token
+        assert msg["reasoning_content"] == codec.tok.decode(thought).strip()
+        assert msg["content"].startswith("user\nhi")      # the second pass, after the thought was closed
+        last = metrics(base)["history"][-1]
+        assert last["passes"] == 2 and r.json()["usage"]["completion_tokens"] == last["generated"]
 
 
 def test_engine_silence_validated_at_start(tmp_path, fixtures_dir):
@@ -221,6 +219,6 @@ def test_engine_silence_validated_at_start(tmp_path, fixtures_dir):
 
 def test_no_deadline_when_silence_is_zero(tmp_path, fixtures_dir):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--pp-delay", "0.3"], engine_silence_s=0)
-    with running_server(cfg, stand_in_codec()) as (_, base):
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
         assert complete(base, prompt="abcdefghijklmnop").status_code == 200
     assert os.path.exists(tmp_path / "worker.log")

@@ -1,4 +1,4 @@
-"""Helpers for the server tests: a server on a free port over a fake worker, SSE reading, a stand-in tokenizer."""
+"""Helpers for the server tests: a server on a free port over a fake worker, SSE reading, the tiny vocabulary."""
 from __future__ import annotations
 
 import contextlib
@@ -13,119 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKE_WORKER = ROOT / "tests" / "fake_worker.py"
 
 
-class ByteTokenizer:
-    """Stand-in vocabulary: ids 0..255 are bytes, then ChatML specials. Tests only."""
-    SPECIALS = {"<|im_start|>": 256, "<|im_end|>": 257, "<|endoftext|>": 258}
-    n_vocab = 1024
-    bos_id = None
-    eos_id = 257
-    eog_ids = {257, 258}
-    chat_template = None
-
-    def encode(self, text, add_special=True, parse_special=False):
-        ids, i = [], 0
-        while i < len(text):
-            for s, sid in self.SPECIALS.items():
-                if parse_special and text.startswith(s, i):
-                    ids.append(sid)
-                    i += len(s)
-                    break
-            else:
-                ids.extend(text[i].encode())
-                i += 1
-        return ids
-
-    def token_text(self, i):
-        return {v: k for k, v in self.SPECIALS.items()}.get(i, bytes([i]).decode("latin-1") if i < 256 else "")
-
-    def decode(self, ids):
-        out, raw = [], bytearray()
-        for i in ids:
-            if i < 256:
-                raw.append(i)
-            else:
-                out.append(raw.decode("utf-8", "replace"))
-                raw = bytearray()
-                out.append(self.token_text(i))
-        out.append(raw.decode("utf-8", "replace"))
-        return "".join(out)
-
-
-class ByteDecoder:
-    def __init__(self, tok):
-        self.tok, self.buf = tok, bytearray()
-
-    def feed(self, i):
-        if i >= 256:
-            out = self.flush()
-            return out + self.tok.token_text(i)
-        self.buf.append(i)
-        try:
-            out = self.buf.decode("utf-8")
-        except UnicodeDecodeError:
-            return ""
-        self.buf = bytearray()
-        return out
-
-    def flush(self):
-        out = self.buf.decode("utf-8", "replace")
-        self.buf = bytearray()
-        return out
-
-
-def stand_in_codec(template_thinks: bool = False):
-    from server.text import PromptError, TextCodec
-
-    class StandInCodec(TextCodec):
-        def __init__(self):
-            super().__init__(ByteTokenizer(), "<think>" if template_thinks else None)
-
-        def chat_prompt(self, messages, tools=None, template_kwargs=None):
-            text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-            text += "<|im_start|>assistant\n"
-            if template_thinks:
-                text += "<think>\n"
-            return self.tok.encode(text, parse_special=True), text
-
-        def decoder(self):
-            return ByteDecoder(self.tok)
-
-        def splitter(self):
-            return ThinkSplitter() if template_thinks else None
-
-    return StandInCodec()
-
-
-class ThinkSplitter:
-    """Stand-in for engine.reasoning.ReasoningSplitter with <think> markers (tests only)."""
-
-    def __init__(self):
-        self.state, self.buf = "content", ""
-
-    def feed(self, text):
-        self.buf += text
-        r, c = "", ""
-        while self.buf:
-            marker = "<think>" if self.state == "content" else "</think>"
-            i = self.buf.find(marker)
-            if i < 0:
-                keep = next((n for n in range(min(len(marker) - 1, len(self.buf)), 0, -1)
-                             if self.buf.endswith(marker[:n])), 0)
-                emit, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-            else:
-                emit, self.buf = self.buf[:i], self.buf[i + len(marker):]
-            if self.state == "content":
-                c += emit
-            else:
-                r += emit
-            if i < 0:
-                break
-            self.state = "reasoning" if self.state == "content" else "content"
-        return r, c
-
-    def flush(self):
-        out, self.buf = self.buf, ""
-        return ("", out) if self.state == "content" else (out, "")
+def tiny_codec(fixtures_dir, template_file: str | None = None):
+    """The tiny 1,024-token vocabulary (its ChatML template, or a real model's template from the fixtures)."""
+    from engine.tokenizer import Tokenizer
+    from server.text import TextCodec
+    tok = Tokenizer.from_gguf(fixtures_dir / "vocab" / "tiny-bpe-1024.gguf")
+    template = (fixtures_dir / "templates" / template_file).read_text() if template_file else tok.chat_template
+    return TextCodec(tok, template)
 
 
 def make_config(tmp_path, model, flags=(), **over):
