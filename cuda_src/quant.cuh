@@ -2,16 +2,16 @@
 //
 // Contract (cuda-engine codes against this; owner: cuda-kernels)
 // ---------------------------------------------------------------
-// For every supported ggml type T with ggml type id QT (STRATA_Q_* below: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+// For every supported ggml type T with ggml type id Q (STRATA_Q_* below: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 // Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, MXFP4):
 //
-//   template <int QT> struct QTraits { static constexpr int QK; static constexpr int BYTES; };  // elements/bytes per block
-//   template <int QT> QFN void dequant8(const uint8_t* __restrict__ block, int j, float (&v)[8]);
+//   template <int Q> struct QTraits { static constexpr int QK; static constexpr int BYTES; };  // elements/bytes per block
+//   template <int Q> QFN void dequant8(const uint8_t* __restrict__ block, int j, float (&v)[8]);
 //       elements j*8 .. j*8+7 of one block (0 <= j < QK/8), as gguf.quants.dequantize computes them (up to fp32
 //       rounding: nvcc may fuse a*b+c into one fma).
-//   template <int QT> QFN float dot_row(const uint8_t* __restrict__ row, const float* __restrict__ x, int ncols, int lane);
+//   template <int Q> QFN float dot_row(const uint8_t* __restrict__ row, const float* __restrict__ x, int ncols, int lane);
 //       THIS LANE's partial of dot(row, x); the caller sums the 32 lanes (strata_warp_sum) to get the row's dot.
-//   template <int QT, int NV> QFN void dot_row_nv(const uint8_t* row, const float* x, int ldx, int ncols, int lane,
+//   template <int Q, int NV> QFN void dot_row_nv(const uint8_t* row, const float* x, int ldx, int ncols, int lane,
 //                                                  float (&acc)[NV]);
 //       the same for NV activation vectors x + v*ldx (v < NV), each weight chunk dequantized once; acc is added to.
 //
@@ -68,7 +68,7 @@ typedef signed char int8_t;
 #define STRATA_Q_BF16 30
 #define STRATA_Q_MXFP4 39
 
-template <int QT> struct QTraits;
+template <int Q> struct QTraits;
 #define STRATA_TRAITS(T, qk, bytes) \
     template <> struct QTraits<STRATA_Q_##T> { static constexpr int QK = qk; static constexpr int BYTES = bytes; };
 STRATA_TRAITS(F32, 8, 32)
@@ -156,9 +156,22 @@ QFN float h2f_at(const uint8_t* p) { return strata_h2f(ld2(p)); }
 // byte k (0..7) of the 8 bytes (a, b)
 QFN uint32_t byte8(uint32_t a, uint32_t b, int k) { return ((k < 4 ? a : b) >> (8 * (k & 3))) & 0xff; }
 
+// Byte k of (a, b) as a float, minus off. On the GPU one byte_perm builds the float 2^23 + byte and one add removes
+// 2^23 + off, both exact: cheaper than an int-to-float conversion, whose quarter-rate pipe would bound the mat-vec.
+QFN float bytef(uint32_t a, uint32_t b, int k, float off = 0.f) {
+#if defined(STRATA_HOST)
+    return (float)byte8(a, b, k) - off;
+#else
+    return __uint_as_float(__byte_perm(k < 4 ? a : b, 0x4B000000u, 0x7440 | (k & 3))) - (8388608.f + off);
+#endif
+}
+
+// 4 bits (bit i -> bit 0 of byte i), the high bits of Q5 / Q3_K / Q5_K values
+QFN uint32_t spread4(uint32_t bits) { return ((bits & 0xf) * 0x00204081u) & 0x01010101u; }
+
 // ---- dequant8 --------------------------------------------------------------------------------------------------------
 
-template <int QT> QFN void dequant8(const uint8_t* __restrict__ block, int j, float (&v)[8]);
+template <int Q> QFN void dequant8(const uint8_t* __restrict__ block, int j, float (&v)[8]);
 
 template <> QFN void dequant8<STRATA_Q_F32>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
 #if defined(STRATA_HOST)
@@ -203,16 +216,18 @@ template <> QFN void dequant8<STRATA_Q_Q4_0>(const uint8_t* __restrict__ b, int 
     const float d = h2f_at(b);
     uint32_t q0, q1; ld8_a2(b + 2 + (j & 1) * 8, q0, q1);
     const int sh = (j >> 1) * 4;
+    q0 = (q0 >> sh) & 0x0f0f0f0fu; q1 = (q1 >> sh) & 0x0f0f0f0fu;
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = d * (float)((int)((byte8(q0, q1, k) >> sh) & 0xf) - 8);
+    for (int k = 0; k < 8; k++) v[k] = d * bytef(q0, q1, k, 8.f);
 }
 
 template <> QFN void dequant8<STRATA_Q_Q4_1>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
     const float d = h2f_at(b), m = h2f_at(b + 2);
     uint32_t q0 = ld4(b + 4 + (j & 1) * 8), q1 = ld4(b + 8 + (j & 1) * 8);
     const int sh = (j >> 1) * 4;
+    q0 = (q0 >> sh) & 0x0f0f0f0fu; q1 = (q1 >> sh) & 0x0f0f0f0fu;
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = d * (float)((byte8(q0, q1, k) >> sh) & 0xf) + m;
+    for (int k = 0; k < 8; k++) v[k] = d * bytef(q0, q1, k) + m;
 }
 
 template <> QFN void dequant8<STRATA_Q_Q5_0>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
@@ -220,11 +235,9 @@ template <> QFN void dequant8<STRATA_Q_Q5_0>(const uint8_t* __restrict__ b, int 
     const uint32_t qh = ld4_a2(b + 2) >> (j * 8);
     uint32_t q0, q1; ld8_a2(b + 6 + (j & 1) * 8, q0, q1);
     const int sh = (j >> 1) * 4;
+    q0 = ((q0 >> sh) & 0x0f0f0f0fu) | (spread4(qh) << 4); q1 = ((q1 >> sh) & 0x0f0f0f0fu) | (spread4(qh >> 4) << 4);
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int q = (int)(((byte8(q0, q1, k) >> sh) & 0xf) | (((qh >> k) & 1) << 4));
-        v[k] = d * (float)(q - 16);
-    }
+    for (int k = 0; k < 8; k++) v[k] = d * bytef(q0, q1, k, 16.f);
 }
 
 template <> QFN void dequant8<STRATA_Q_Q5_1>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
@@ -232,18 +245,16 @@ template <> QFN void dequant8<STRATA_Q_Q5_1>(const uint8_t* __restrict__ b, int 
     const uint32_t qh = ld4(b + 4) >> (j * 8);
     uint32_t q0, q1; ld8(b + 8 + (j & 1) * 8, q0, q1);
     const int sh = (j >> 1) * 4;
+    q0 = ((q0 >> sh) & 0x0f0f0f0fu) | (spread4(qh) << 4); q1 = ((q1 >> sh) & 0x0f0f0f0fu) | (spread4(qh >> 4) << 4);
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const uint32_t q = ((byte8(q0, q1, k) >> sh) & 0xf) | (((qh >> k) & 1) << 4);
-        v[k] = d * (float)q + m;
-    }
+    for (int k = 0; k < 8; k++) v[k] = d * bytef(q0, q1, k) + m;
 }
 
 template <> QFN void dequant8<STRATA_Q_Q8_0>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
     const float d = h2f_at(b);
     uint32_t q0, q1; ld8_a2(b + 2 + j * 8, q0, q1);
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = (float)(int8_t)byte8(q0, q1, k) * d;
+    for (int k = 0; k < 8; k++) v[k] = bytef(q0 ^ 0x80808080u, q1 ^ 0x80808080u, k, 128.f) * d;  // int8 + 128
 }
 
 template <> QFN void dequant8<STRATA_Q_IQ4_NL>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
@@ -275,8 +286,9 @@ template <> QFN void dequant8<STRATA_Q_Q2_K>(const uint8_t* __restrict__ b, int 
     const float dl = h2f_at(b + 80) * (float)(sc & 0xf), ml = h2f_at(b + 82) * (float)(sc >> 4);
     uint32_t q0, q1; ld8(b + 16 + (j >> 4) * 32 + (j & 3) * 8, q0, q1);
     const int sh = ((j >> 2) & 3) * 2;
+    q0 = (q0 >> sh) & 0x03030303u; q1 = (q1 >> sh) & 0x03030303u;
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = dl * (float)((byte8(q0, q1, k) >> sh) & 3) - ml;
+    for (int k = 0; k < 8; k++) v[k] = dl * bytef(q0, q1, k) - ml;
 }
 
 template <> QFN void dequant8<STRATA_Q_Q3_K>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
@@ -290,11 +302,11 @@ template <> QFN void dequant8<STRATA_Q_Q3_K>(const uint8_t* __restrict__ b, int 
     uint32_t q0, q1; ld8_a2(b + 32 + (j >> 4) * 32 + l0, q0, q1);
     uint32_t h0, h1; ld8_a2(b + l0, h0, h1);
     const int sh = ((j >> 2) & 3) * 2, hb = j >> 2;
+    // q = low2 - 4 * (1 - hbit) = (low2 | hbit << 2) - 4
+    q0 = ((q0 >> sh) & 0x03030303u) | (((h0 >> hb) & 0x01010101u) << 2);
+    q1 = ((q1 >> sh) & 0x03030303u) | (((h1 >> hb) & 0x01010101u) << 2);
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int q = (int)((byte8(q0, q1, k) >> sh) & 3) - (int)((((byte8(h0, h1, k) >> hb) & 1) ^ 1) << 2);
-        v[k] = dl * (float)q;
-    }
+    for (int k = 0; k < 8; k++) v[k] = dl * bytef(q0, q1, k, 4.f);
 }
 
 // 6-bit scale and min of sub-block s (0..7) of Q4_K / Q5_K (gguf Q4_K.get_scale_min)
@@ -315,8 +327,9 @@ template <> QFN void dequant8<STRATA_Q_Q4_K>(const uint8_t* __restrict__ b, int 
     const float dl = h2f_at(b) * (float)sc, ml = h2f_at(b + 2) * (float)m;
     uint32_t q0, q1; ld8(b + 16 + (s >> 1) * 32 + (j & 3) * 8, q0, q1);
     const int sh = (s & 1) * 4;
+    q0 = (q0 >> sh) & 0x0f0f0f0fu; q1 = (q1 >> sh) & 0x0f0f0f0fu;
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = dl * (float)((byte8(q0, q1, k) >> sh) & 0xf) - ml;
+    for (int k = 0; k < 8; k++) v[k] = dl * bytef(q0, q1, k) - ml;
 }
 
 template <> QFN void dequant8<STRATA_Q_Q5_K>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
@@ -327,11 +340,10 @@ template <> QFN void dequant8<STRATA_Q_Q5_K>(const uint8_t* __restrict__ b, int 
     uint32_t q0, q1; ld8(b + 48 + (s >> 1) * 32 + l0, q0, q1);
     uint32_t h0, h1; ld8(b + 16 + l0, h0, h1);
     const int sh = (s & 1) * 4;
+    q0 = ((q0 >> sh) & 0x0f0f0f0fu) | (((h0 >> s) & 0x01010101u) << 4);
+    q1 = ((q1 >> sh) & 0x0f0f0f0fu) | (((h1 >> s) & 0x01010101u) << 4);
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const uint32_t q = ((byte8(q0, q1, k) >> sh) & 0xf) | (((byte8(h0, h1, k) >> s) & 1) << 4);
-        v[k] = dl * (float)q - ml;
-    }
+    for (int k = 0; k < 8; k++) v[k] = dl * bytef(q0, q1, k) - ml;
 }
 
 template <> QFN void dequant8<STRATA_Q_Q6_K>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
@@ -342,11 +354,10 @@ template <> QFN void dequant8<STRATA_Q_Q6_K>(const uint8_t* __restrict__ b, int 
     uint32_t q0, q1; ld8_a2(b + h * 64 + (r0 & 63), q0, q1);
     uint32_t h0, h1; ld8_a2(b + 128 + h * 32 + (r0 & 31), h0, h1);
     const int sl = (r0 >> 6) * 4, shh = (r0 >> 5) * 2;
+    q0 = ((q0 >> sl) & 0x0f0f0f0fu) | (((h0 >> shh) & 0x03030303u) << 4);
+    q1 = ((q1 >> sl) & 0x0f0f0f0fu) | (((h1 >> shh) & 0x03030303u) << 4);
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int q = (int)(((byte8(q0, q1, k) >> sl) & 0xf) | (((byte8(h0, h1, k) >> shh) & 3) << 4)) - 32;
-        v[k] = dl * (float)q;
-    }
+    for (int k = 0; k < 8; k++) v[k] = dl * bytef(q0, q1, k, 32.f);
 }
 
 template <> QFN void dequant8<STRATA_Q_IQ4_XS>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
@@ -432,14 +443,14 @@ QFN void strata_load8(const float* __restrict__ x, float (&xv)[8]) {
 
 // Lane `lane` of 32 takes the 8-element chunks lane, lane+32, ...: consecutive lanes read consecutive bytes of the
 // same block, so a warp's loads coalesce; four chunks are in flight per lane to cover memory latency.
-template <int QT> QFN float dot_row(const uint8_t* __restrict__ row, const float* __restrict__ x, int ncols, int lane) {
-    constexpr int CPB = QTraits<QT>::QK / 8, BYTES = QTraits<QT>::BYTES;
+template <int Q> QFN float dot_row(const uint8_t* __restrict__ row, const float* __restrict__ x, int ncols, int lane) {
+    constexpr int CPB = QTraits<Q>::QK / 8, BYTES = QTraits<Q>::BYTES;
     const int nchunks = ncols >> 3;
     float acc = 0.f;
 #pragma unroll 4
     for (int c = lane; c < nchunks; c += 32) {
         float w[8], xv[8];
-        dequant8<QT>(row + (c / CPB) * BYTES, c % CPB, w);
+        dequant8<Q>(row + (c / CPB) * BYTES, c % CPB, w);
         strata_load8(x + c * 8, xv);
 #pragma unroll
         for (int k = 0; k < 8; k++) acc += w[k] * xv[k];
@@ -447,15 +458,15 @@ template <int QT> QFN float dot_row(const uint8_t* __restrict__ row, const float
     return acc;
 }
 
-template <int QT, int NV>
+template <int Q, int NV>
 QFN void dot_row_nv(const uint8_t* __restrict__ row, const float* __restrict__ x, int ldx, int ncols, int lane,
                     float (&acc)[NV]) {
-    constexpr int CPB = QTraits<QT>::QK / 8, BYTES = QTraits<QT>::BYTES;
+    constexpr int CPB = QTraits<Q>::QK / 8, BYTES = QTraits<Q>::BYTES;
     const int nchunks = ncols >> 3;
 #pragma unroll 2
     for (int c = lane; c < nchunks; c += 32) {
         float w[8];
-        dequant8<QT>(row + (c / CPB) * BYTES, c % CPB, w);
+        dequant8<Q>(row + (c / CPB) * BYTES, c % CPB, w);
 #pragma unroll
         for (int n = 0; n < NV; n++) {
             float xv[8];

@@ -1,0 +1,145 @@
+"""Compile and cache the cuda_src/*.cu modules (CuPy RawModule through NVRTC, for the current device's architecture).
+
+Each .cu file declares the variants the engine builds in comment lines, so the loader and the no-GPU compile test
+(tests/test_cuda_compile.py) read one list:
+
+    // @build per-qtype            one variant per quant type, with -DSTRATA_QT=<ggml id> (matvec.cu, dequant.cu)
+    // @build HEAD_DIM=128 NQ=4    one variant with these defines (any number of such lines)
+    (no @build line)               one variant without defines
+
+`compile_all()` builds every declared variant (or those for the model's quant types) before the worker prints READY,
+so no kernel compiles mid-request. `load(name, defines)` returns the cached module for any defines, declared or not.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from engine.cuda.quant_types import QTYPES, qtype
+
+CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
+STD = "-std=c++17"
+_BUILD_RE = re.compile(r"^\s*//\s*@build\b(.*)$")
+
+
+@dataclass(frozen=True)
+class Build:
+    """One module to compile: cuda_src/<name>.cu with these defines."""
+    name: str
+    defines: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def path(self) -> Path:
+        return CUDA_SRC / f"{self.name}.cu"
+
+    def define_args(self) -> list[str]:
+        return [f"-D{k}={v}" if v != "" else f"-D{k}" for k, v in self.defines]
+
+    def label(self) -> str:
+        return self.name + "".join(f" {k}={v}" for k, v in self.defines)
+
+
+def _norm_defines(defines) -> tuple[tuple[str, str], ...]:
+    items = defines.items() if isinstance(defines, dict) else (defines or ())
+    return tuple(sorted((str(k), str(v)) for k, v in items))
+
+
+def parse_builds(path: Path, qtypes=None) -> list[Build]:
+    """The variants a .cu file declares; per-qtype variants only for `qtypes` (names or ids) when given."""
+    wanted = None if qtypes is None else {qtype(t).name for t in qtypes}
+    out: list[Build] = []
+    declared = False
+    for line in path.read_text().splitlines():
+        m = _BUILD_RE.match(line)
+        if not m:
+            continue
+        declared = True
+        words = m.group(1).split()
+        per_qtype = "per-qtype" in words
+        fixed = []
+        for w in words:
+            if w == "per-qtype":
+                continue
+            k, eq, v = w.partition("=")
+            if not re.fullmatch(r"[A-Za-z_]\w*", k):
+                raise ValueError(f"{path.name}: bad @build define {w!r}; write NAME=VALUE")
+            fixed.append((k, v if eq else ""))
+        if per_qtype:
+            for q in QTYPES.values():
+                if wanted is None or q.name in wanted:
+                    out.append(Build(path.stem, _norm_defines(fixed + [("STRATA_QT", str(q.id))])))
+        else:
+            out.append(Build(path.stem, _norm_defines(fixed)))
+    if not declared:
+        out.append(Build(path.stem))
+    return out
+
+
+def builds(qtypes=None) -> list[Build]:
+    """Every variant of every cuda_src/*.cu, in file order."""
+    return [b for p in sorted(CUDA_SRC.glob("*.cu")) for b in parse_builds(p, qtypes)]
+
+
+@lru_cache(maxsize=1)
+def _headers_digest() -> str:
+    # CuPy's on-disk cache keys on the source text and the options, not on included headers: a digest of every
+    # header as a define makes a header edit recompile everything that includes it.
+    h = hashlib.sha256()
+    for p in sorted(CUDA_SRC.glob("*.cuh")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def options(build: Build) -> tuple[str, ...]:
+    """NVRTC options for a build (the nvcc compile test uses the same defines and standard)."""
+    return (STD, f"-I{CUDA_SRC}", f"-DSTRATA_HEADERS={_headers_digest()}", *build.define_args())
+
+
+_modules: dict[Build, object] = {}
+
+
+def load(name: str, defines=None):
+    """The compiled cupy.RawModule for cuda_src/<name>.cu with these defines (compiled once per process)."""
+    build = Build(name, _norm_defines(defines))
+    mod = _modules.get(build)
+    if mod is not None:
+        return mod
+    import cupy
+
+    if not build.path.is_file():
+        raise FileNotFoundError(f"no kernel source {build.path}; the cuda_src/ folder is incomplete")
+    mod = cupy.RawModule(code=build.path.read_text(), options=options(build))
+    try:
+        mod.compile()  # NVRTC runs here, not at the first launch
+    except cupy.cuda.compiler.CompileException as e:
+        first = next((ln for ln in str(e).splitlines() if "error" in ln), str(e).splitlines()[0] if str(e) else "")
+        raise RuntimeError(f"kernel {build.label()} does not compile: {first.strip()}") from e
+    _modules[build] = mod
+    return mod
+
+
+def function(name: str, kernel: str, defines=None):
+    """One kernel (cupy RawKernel) of cuda_src/<name>.cu."""
+    return load(name, defines).get_function(kernel)
+
+
+def quant_function(name: str, kernel: str, t, **defines):
+    """A kernel of a per-qtype module (matvec.cu, dequant.cu) for quant type t (name, id or GGMLQuantizationType)."""
+    return function(name, kernel, {**defines, "STRATA_QT": qtype(t).id})
+
+
+def compile_all(qtypes=None, log=sys.stderr) -> int:
+    """Compile every declared variant (per-qtype ones only for `qtypes` when given); returns how many."""
+    t0 = time.perf_counter()
+    todo = builds(qtypes)
+    for b in todo:
+        load(b.name, dict(b.defines))
+    if log is not None:
+        print(f"kernels: {len(todo)} modules ready in {time.perf_counter() - t0:.1f} s", file=log, flush=True)
+    return len(todo)

@@ -1,0 +1,83 @@
+"""Every cuda_src/*.cu variant the engine builds (engine.cuda.kernels.builds()) compiles for sm_90 without a GPU.
+
+Same source, defines and C++ standard as the loader; compiled to PTX with the machine's nvcc (the front end, where
+source errors show; PTX keeps the whole set to about a minute on CI's two cores), else NVRTC through CuPy; skipped with
+the reason only when neither exists.
+"""
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from engine.cuda import kernels
+
+BUILDS = kernels.builds()
+
+
+def _nvcc() -> str | None:
+    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _compile_nvcc(nvcc: str, build: kernels.Build, out_dir: str) -> str:
+    out = Path(out_dir) / (build.label().replace(" ", "_").replace("=", "-") + ".ptx")
+    cmd = [nvcc, "-arch=sm_90", "--ptx", "-o", str(out), *kernels.options(build), str(build.path)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    return "" if p.returncode == 0 else f"{' '.join(cmd)}\n{p.stdout}{p.stderr}"
+
+
+def _compile_nvrtc(build: kernels.Build) -> str:
+    from cupy.cuda import compiler
+    try:
+        compiler.compile_using_nvrtc(build.path.read_text(), kernels.options(build), arch="90")
+    except compiler.CompileException as e:
+        return str(e)
+    return ""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Compile every variant once, in parallel; {Build: error text or ''}."""
+    nvcc = _nvcc()
+    if nvcc:
+        with tempfile.TemporaryDirectory() as d, ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as ex:
+            return dict(zip(BUILDS, ex.map(lambda b: _compile_nvcc(nvcc, b, d), BUILDS)))
+    try:
+        from cupy.cuda import compiler  # noqa: F401
+        _compile_nvrtc(BUILDS[0])
+    except Exception as e:  # ImportError, or CuPy present but no NVRTC library
+        pytest.skip(f"no nvcc on PATH or /usr/local/cuda/bin and no NVRTC through CuPy ({type(e).__name__}: {e}); "
+                    "install the CUDA toolkit or set NVCC=/path/to/nvcc")
+    return {b: _compile_nvrtc(b) for b in BUILDS}
+
+
+def test_every_source_has_a_build():
+    names = {b.name for b in BUILDS}
+    assert {p.stem for p in kernels.CUDA_SRC.glob("*.cu")} == names
+    assert {"matvec", "dequant"} <= names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", BUILDS, ids=[b.label().replace(" ", ":") for b in BUILDS])
+def test_compiles_for_sm90(compiled, build):
+    err = compiled[build]
+    assert not err, f"{build.label()} does not compile:\n{err[-3000:]}"
+
+
+def test_per_qtype_builds_follow_the_model_types():
+    got = kernels.builds(["Q4_K", "Q6_K"])
+    mv = [dict(b.defines)["STRATA_QT"] for b in got if b.name == "matvec"]
+    assert mv == ["12", "14"]
+
+
+def test_bad_build_line_is_refused(tmp_path):
+    p = tmp_path / "x.cu"
+    p.write_text("// @build 1BAD=2\n")
+    with pytest.raises(ValueError, match="bad @build define"):
+        kernels.parse_builds(p)
