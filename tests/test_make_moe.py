@@ -54,8 +54,8 @@ def test_vocab_parser_reads_what_gguf_reader_reads(fixtures_dir):
 
 CASES = {
     "qwen3moe": [],
-    "qwen2moe": ["--arch", "qwen2moe", "--tied"],
-    "llama": ["--arch", "llama"],
+    "qwen2moe": ["--arch", "qwen2moe"],
+    "llama": ["--arch", "llama", "--tied"],
     "llama-moe": ["--arch", "llama", "--n-expert", "4", "--n-expert-used", "2"],
 }
 TYPES = ["--experts", "Q4_K", "--shexp", "Q6_K", "--attn", "Q8_0", "--ffn", "Q5_0", "--embd", "Q8_0",
@@ -135,7 +135,7 @@ def test_tiny_reads_back_with_llama_cpp_names_keys_and_types(tiny_models, fixtur
     for n in names:
         base = re.sub(r"\.(weight|bias)$", "", re.sub(r"^blk\.\d+\.", "blk.{bid}.", n))
         assert base in allowed, f"{n} is not a {arch} tensor name in gguf-py"
-    assert ("output.weight" in names) == (case != "qwen2moe")     # --tied drops it
+    assert ("output.weight" in names) == (case != "llama")     # --tied drops it
     for i in range(4):
         assert f"blk.{i}.attn_q.weight" in names
         assert (f"blk.{i}.ffn_gate_exps.weight" in names) == bool(n_expert)
@@ -255,6 +255,7 @@ def test_dry_run_qwen3_next_is_qwen2moe_with_a_shared_expert(capsys):
     (["--n-expert-used", "9"], "between 1 and 8"),
     (["--arch", "qwen2moe", "--n-expert", "0"], "needs experts"),
     (["--norm", "Q8_0"], "--norm must be"),
+    (["--arch", "qwen2moe", "--tied"], "needs output.weight"),
     (["--vocab", "/nonexistent/v.gguf"], "not found"),
     ([], "pass --out"),
 ])
@@ -280,7 +281,7 @@ def test_engine_opens_tiny_models(tiny_models):
         if c.n_expert:
             assert c.n_ff_exp == 256
             assert m.expert_bytes(0, "up", 1).shape == (256, mm.row_bytes(Q.Q4_K, 256))
-        assert c.tied_embeddings == (case == "qwen2moe")
+        assert c.tied_embeddings == (case == "llama")
         assert c.shared_expert == (case == "qwen2moe")
 
 

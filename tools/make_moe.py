@@ -159,11 +159,12 @@ PRESETS: dict[str, Preset] = {
                             "(8 used) of width 768, 151936-token vocabulary"),
     # Qwen3-Next-80B-A3B's real layers are Gated DeltaNet hybrids (llama.cpp arch qwen3next), which the engine
     # does not run yet. Its expert side (512 experts, 10 used, width 512, one shared expert behind a sigmoid gate)
-    # is what matters for expert streaming, and qwen2moe is the supported architecture with exactly that layout;
-    # the attention keeps Qwen3-Next's 16/2 heads of 256 (full rotary), with qwen2moe's q/k/v biases.
-    "qwen3-next-80b": Preset(Shape("qwen2moe", 48, 2048, 16, 2, 256, 5120, 512, 10, 512, 512, 262144, 1e7, 1e-6,
+    # is what matters for expert streaming, and qwen2moe is the supported architecture with exactly that layout.
+    # llama.cpp's qwen2moe wants n_head * head_dim == n_embd, full rotary and q/k/v biases, so the attention is
+    # 8 heads of 256 with Qwen3-Next's 2 KV heads of 256 (the same KV cache per token).
+    "qwen3-next-80b": Preset(Shape("qwen2moe", 48, 2048, 8, 2, 256, 5120, 512, 10, 512, 512, 262144, 1e7, 1e-6,
                                    False, "ggml-vocab-qwen2.gguf"),
-                             "Qwen3-Next-80B-A3B's expert shapes as arch qwen2moe: 48 layers, hidden 2048, 16/2 "
+                             "Qwen3-Next-80B-A3B's expert shapes as arch qwen2moe: 48 layers, hidden 2048, 8/2 "
                              "heads of 256, 512 experts (10 used) of width 512 plus a shared expert of 512"),
 }
 ARCHES = ("llama", "qwen3moe", "qwen2moe")
@@ -535,7 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Make a random-weight GGUF with llama.cpp's tensor names and metadata keys.",
         epilog=f"presets:\n{presets}\n\nqwen3-next-80b is written as arch qwen2moe (shared expert with a sigmoid "
                f"gate): the real\nqwen3next layers (Gated DeltaNet) are not supported by the engine yet.\n"
-               f"Router rows have Zipf-like norms {ROUTER_NORM}/(rank+1)^s, a random rank order per layer.")
+               f"Router rows have Zipf-like norms {ROUTER_NORM}/(rank+1)^s, a random rank order per layer.\n"
+               f"The routers (ffn_gate_inp*) and attention biases are always F32, as llama.cpp keeps them.\n"
+               f"TYPE: {', '.join(t.name for t in SUPPORTED_TYPES)}")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--out", type=Path, help="output .gguf (written as OUT.part, renamed when complete)")
     ap.add_argument("--arch", choices=ARCHES, help="override the preset's architecture")
@@ -547,14 +550,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", help="vocabulary GGUF whose tokenizer.* keys are copied (default: the preset's, "
                                     f"from {VOCAB_DIR})")
     ap.add_argument("--chat-template", type=Path, help="a .jinja file to use instead of the vocabulary's template")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the same seed gives the same file, byte for byte")
     ap.add_argument("--zipf-s", type=float, default=ZIPF_S, help=f"router norm exponent s (default {ZIPF_S})")
     ap.add_argument("--threads", type=int, help="generator threads (default: CPU count, at most 16)")
     ap.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
-    for group, default in (("experts", "Q4_K"), ("shexp", "Q4_K"), ("attn", "Q4_K"), ("ffn", "Q4_K"),
-                           ("embd", "Q4_K"), ("output", "Q4_K"), ("norm", "F32")):
+    for group, default, what in (("experts", "Q4_K", "the routed experts, ffn_{gate,up,down}_exps"),
+                                 ("shexp", "Q4_K", "qwen2moe's shared expert, ffn_{gate,up,down}_shexp"),
+                                 ("attn", "Q4_K", "attn_q/k/v/output"),
+                                 ("ffn", "Q4_K", "a dense llama's ffn_gate/up/down"),
+                                 ("embd", "Q4_K", "token_embd"), ("output", "Q4_K", "output (the head)"),
+                                 ("norm", "F32", "the RMSNorm weights: F32, F16 or BF16; llama.cpp expects F32")):
         ap.add_argument(f"--{group}", type=_qtype, default=_qtype(default), metavar="TYPE",
-                        help=f"quant type of the {group} tensors (default {default})")
+                        help=f"{what} (default {default})")
     return ap
 
 
@@ -576,6 +583,11 @@ def resolve_shape(args: argparse.Namespace) -> Shape:
         s = replace(s, vocab=args.vocab)
     if s.arch != "llama" and s.n_expert == 0:
         raise SystemExit(f"make_moe: arch {s.arch} needs experts; pass --n-expert N (or --arch llama for dense)")
+    if s.arch == "qwen2moe" and s.tied:
+        raise SystemExit("make_moe: llama.cpp's qwen2moe needs output.weight; drop --tied for arch qwen2moe")
+    if s.arch == "qwen2moe" and s.n_head * s.head_dim != s.n_embd:
+        raise SystemExit(f"make_moe: llama.cpp's qwen2moe needs heads x head_dim = hidden, not "
+                         f"{s.n_head} x {s.head_dim} != {s.n_embd}")
     if s.n_expert and not 0 < s.n_expert_used <= s.n_expert:
         raise SystemExit(f"make_moe: --n-expert-used must be between 1 and {s.n_expert}, not {s.n_expert_used}")
     if s.n_layer < 1:
