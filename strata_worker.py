@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -304,7 +305,11 @@ def main(argv=None) -> int:
         return run_calibration(backend, ctx, out, extra)
     out.emit(f"READY {ctx} stop")
 
-    inp = Input(sys.stdin.buffer)
+    # SIGTERM (the server's second try after QUIT) still runs backend.close(), which saves the expert profile.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # A private reader on a duplicate of fd 0: a daemon thread blocked on sys.stdin's own buffer would make the
+    # interpreter abort at exit (it cannot take that buffer's lock to close it).
+    inp = Input(open(os.dup(0), "rb"))
     status = 0
     try:
         while True:
@@ -335,6 +340,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         log("stdout closed (the server went away); exiting")
         status = 1
+    except KeyboardInterrupt:
+        log("interrupted; exiting")
+        status = 130
     finally:
         try:
             backend.close()

@@ -343,3 +343,11 @@ def test_calibrate_times_a_prompt_and_a_decode_then_exits(model):
     # ctx 64: (64 - 8) // 4 = 14 new tokens after a prompt of 64 - 8 - 14 - 1 = 41
     assert (int(facts["calib_prompt_tokens"]), int(facts["calib_decode_tokens"])) == (41, 14)
     assert float(facts["prompt_tok_s"]) > 0 and float(facts["decode_tok_s"]) > 0
+
+
+def test_sigterm_closes_the_backend_and_exits_cleanly(worker):
+    import signal
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.proc.wait(timeout=TIMEOUT) == 143
+    time.sleep(0.2)  # let the stderr pump catch the last lines
+    assert "Fatal Python error" not in "".join(worker.stderr) and "Traceback" not in "".join(worker.stderr)
