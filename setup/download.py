@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -216,6 +217,17 @@ def fetch(url: str, dest: Path, size: int | None = None, sha256: str | None = No
     expected = remote.size if remote.size is not None else size
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
+    if dest.is_file() and not part.exists():
+        # A file already there without our note (put by hand, or an older run): check it rather than fetch it again;
+        # as a part file it is hashed once, and only a wrong or short one costs a download.
+        os.replace(dest, part)
+    have = part.stat().st_size if part.exists() else 0
+    if expected is not None:
+        free = shutil.disk_usage(dest.parent).free
+        if expected - have > free:
+            raise DownloadError(f"{label} needs {(expected - have) / 1e9:.1f} GB more and {dest.parent} has "
+                                f"{free / 1e9:.1f} GB free; free some space (or use --data-dir on a bigger disk) and "
+                                f"run again: the {have / 1e9:.2f} GB already fetched are kept")
     for attempt in (1, 2):
         got = _transfer(url, part, expected, label, s, timeout)
         if want is None or got == want:

@@ -324,9 +324,22 @@ def settle_named(ui: UI, n: Needs) -> Needs:
 
 # --- step 4 -------------------------------------------------------------------------------------------------
 
-def step_memory(ui: UI, a, n: Needs, m: Machine) -> cfgmod.Choices:
+def previous_choices(p: Paths, name: str) -> cfgmod.Choices | None:
+    """What an earlier run wrote for this model (its config's worker args), or None."""
+    path = cfgmod.config_path(p.config_dir, name)
+    try:
+        return cfgmod.choices_from_args(cfgmod.read(path).get("args", [])) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def step_memory(ui: UI, a, p: Paths, n: Needs, m: Machine) -> cfgmod.Choices:
     ui.step("memory mode")
-    c = cfgmod.Choices(backend=n.backend, ctx=n.ctx, vram_reserve_mib=a.vram_reserve_mib)
+    prev = previous_choices(p, n.model.name)
+    same_backend = prev is not None and prev.backend == n.backend
+    c = cfgmod.Choices(backend=n.backend, ctx=a.ctx or (prev.ctx if same_backend else n.ctx),
+                       vram_reserve_mib=a.vram_reserve_mib if a.vram_reserve_mib is not None
+                       else (prev.vram_reserve_mib if prev else None))
     if n.backend == "cpu":
         c.mode = "cpu"
         ui.ok(f"CPU backend: the whole model ({fmt_gib(n.model.size)}) is read from RAM; nothing to choose")
@@ -343,6 +356,12 @@ def step_memory(ui: UI, a, n: Needs, m: Machine) -> cfgmod.Choices:
     ui.say(f"RAM: {fmt_gib(m.ram_total)}, of which Strata may use {fmt_gib(n.ram_budget)}; experts: "
            f"{fmt_gib(n.expert_bytes)}")
     ui.ok(f"recommended: {rec_mode}: {explain[rec_mode]}")
+    if a.memory is None and same_backend and prev.mode in ("ram", "budget", "mmap"):
+        # Re-running keeps what was chosen before; --memory changes it.
+        c.mode, c.resident_gib = prev.mode, prev.resident_gib
+        ui.ok(f"memory mode: {c.mode}" + (f", {c.resident_gib} GiB of experts pinned" if c.mode == "budget" else "")
+              + " (as installed before; --memory changes it)")
+        return c
     choice = a.memory or ui.ask("Memory mode? (ram / budget / mmap)", rec_mode).lower()
     if choice not in ("ram", "budget", "mmap"):
         ui.warn(f"{choice!r} is not a memory mode; taking the recommendation")
@@ -693,7 +712,7 @@ def run(argv: list[str] | None = None, machine: Machine | None = None, ask=None,
         if a.update:
             return run_update(ui, a, p, m, catalog)
         n = step_model(ui, a, p, m, catalog)
-        c = step_memory(ui, a, n, m)
+        c = step_memory(ui, a, p, n, m)
         model_path = step_download(ui, a, p, n)
         step_calibrate(ui, a, p, n.model.name, model_path, c, m)
         status = step_config_and_start(ui, a, p, n, model_path, c, m)

@@ -247,3 +247,27 @@ def test_progress_line_has_rate_and_time_left(tmp_path):
     p.update(5_000_000, force=True)
     assert "50.0%" in s.text and "MB/s" in s.text and "left" in s.text
     assert os.linesep in s.text or "\n" in s.text
+
+
+def test_a_file_already_there_is_checked_not_fetched_again(hub, tmp_path):
+    data = payload()
+    hub.add("org/r", "m.gguf", data)
+    dest = tmp_path / "m.gguf"
+    dest.write_bytes(data)                       # put there by hand: no note beside it
+    dl.fetch(dl.hub_url("org/r", "main", "m.gguf", hub.url), dest, say=lambda s: None)
+    assert hub.gets() == [] and dl.verified(dest)
+    bad = tmp_path / "b.gguf"
+    hub.add("org/r", "b.gguf", data)
+    bad.write_bytes(bytes(len(data)))            # same size, wrong bytes: deleted and fetched
+    said = []
+    dl.fetch(dl.hub_url("org/r", "main", "b.gguf", hub.url), bad, say=said.append)
+    assert bad.read_bytes() == data and len(hub.gets()) == 1
+    assert any("fetched once more" in s for s in said)
+
+
+def test_not_enough_disk_is_said_before_fetching(hub, tmp_path, monkeypatch):
+    hub.add("org/r", "m.gguf", payload(10_000))
+    monkeypatch.setattr(dl.shutil, "disk_usage", lambda p: type("U", (), {"free": 5_000})())
+    with pytest.raises(dl.DownloadError, match="needs 0.0 GB more .* has 0.0 GB free"):
+        dl.fetch(dl.hub_url("org/r", "main", "m.gguf", hub.url), tmp_path / "m.gguf", say=lambda s: None)
+    assert hub.gets() == []

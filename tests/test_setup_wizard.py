@@ -272,7 +272,11 @@ def test_memory_mode_is_asked_with_the_recommendation_as_default(env, monkeypatc
     assert asked[:2] == ["Which model? (number or name)", "Memory mode? (ram / budget / mmap)"]
     assert "[ok] recommended: ram: all" in out
     assert "--mmap-experts" in config_of(env, "tiny-moe")["args"]
+    # a re-run keeps the choice without asking
+    rc, out, asked = go(env, "--no-start", machine_=machine((12,), 32), answers=[])
+    assert asked == [] and "memory mode: mmap (as installed before; --memory changes it)" in out
     # asking for more RAM than there is: said plainly, asked, and "no" takes the recommendation
+    (env / "data" / "strata-tiny-moe.json").unlink()
     rc, out, asked = go(env, "--no-start", "--model", "tiny-moe", machine_=machine((12,), 4), answers=["ram", ""])
     assert asked == ["Memory mode? (ram / budget / mmap)", "Use ram anyway? [y/N]"]
     assert "[!] ram asks more RAM than this PC can give" in out
