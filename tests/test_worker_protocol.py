@@ -351,3 +351,42 @@ def test_sigterm_closes_the_backend_and_exits_cleanly(worker):
     assert worker.proc.wait(timeout=TIMEOUT) == 143
     time.sleep(0.2)  # let the stderr pump catch the last lines
     assert "Fatal Python error" not in "".join(worker.stderr) and "Traceback" not in "".join(worker.stderr)
+
+
+# The real worker with CPUBackend.forward patched to fail: the first call raises `exc`, later calls work.
+FAILING_WORKER = """
+import sys
+sys.path.insert(0, {root!r})
+import engine.backend_cpu as b
+from engine.session import BackendBroken
+real, calls = b.CPUBackend.forward, []
+def forward(self, *a, **k):
+    calls.append(1)
+    if len(calls) == 1:
+        raise {exc}
+    return real(self, *a, **k)
+b.CPUBackend.forward = forward
+import strata_worker
+sys.exit(strata_worker.main())
+"""
+
+
+def _failing(model, exc):
+    return subprocess.Popen([sys.executable, "-c", FAILING_WORKER.format(root=str(ROOT), exc=exc), "--model",
+                             str(model), "--backend", "cpu"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def test_a_failure_inside_a_request_is_an_err_and_the_worker_keeps_serving(model):
+    p = _failing(model, "MemoryError('scratch buffer')")
+    out, err = p.communicate(gen(3, PROMPT) + "\n" + gen(3, PROMPT) + "\n", timeout=TIMEOUT)
+    lines = [l for l in out.splitlines() if protocol.kind(l) not in ("INFO", "READY")]
+    assert lines[0] == "RESUME 0" and lines[1] == "ERR request failed: MemoryError: scratch buffer"
+    assert lines[-1].startswith("DONE") and p.returncode == 0
+
+
+def test_a_broken_backend_errs_then_exits_nonzero_with_the_reason(model):
+    p = _failing(model, "BackendBroken('device lost')")
+    out, err = p.communicate(gen(3, PROMPT) + "\n" + gen(3, PROMPT) + "\n", timeout=TIMEOUT)
+    assert out.splitlines()[-1] == "ERR the engine failed and must restart: device lost"
+    assert p.returncode == 1 and "device lost" in err.strip().splitlines()[-1]
