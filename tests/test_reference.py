@@ -104,10 +104,14 @@ def test_all_logits_equal_step_by_step(fixtures_dir):
 
 @pytest.mark.slow
 def test_smollm2_reference(fixtures_dir):
-    from engine.default_model import default_model_path
+    from engine.default_model import DefaultModelError, default_model_path
+    try:
+        path = default_model_path()
+    except DefaultModelError as e:
+        pytest.skip(f"default model unavailable (no network?): {e}")
     ref = load(fixtures_dir, "smollm2-135m-chat")
     tol = ref["tolerance"]
-    be = CPUBackend(open_model(default_model_path()), 1024)
+    be = CPUBackend(open_model(path), 1024)
     agree = clear = 0
     for case in ref["cases"]:
         prompt, cont = case["prompt_ids"], case["greedy_ids"]
