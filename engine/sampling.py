@@ -73,30 +73,50 @@ class Sampler:
         logits[ids_ok] = x
         return logits
 
-    def filter(self, logits: np.ndarray) -> np.ndarray:
-        """top_k, top_p, min_p on the untempered distribution; removed tokens become -inf. Always keeps one."""
-        out = logits
-        n = logits.shape[0]
+    def candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, logits) that survive top_k, top_p and min_p on the untempered distribution; at least one.
+
+        Works on the survivors only, never sorting the whole vocabulary unless top_p needs most of it: with 150k
+        tokens a full sort per token would cost more than a decode step on the GPU.
+        """
+        x = logits
+        n = x.shape[0]
+        ids = None
+        vals = x
         if 0 < self.top_k < n:
             # ties at the k-th value: keep exactly k, like llama.cpp's partial sort.
-            keep = np.argpartition(-out, self.top_k - 1)[: self.top_k]
-            masked = np.full_like(out, -np.inf)
-            masked[keep] = out[keep]
-            out = masked
+            ids = np.argpartition(-x, self.top_k - 1)[: self.top_k]
+            vals = x[ids]
         if self.top_p < 1.0:
-            order = np.argsort(-out, kind="stable")
-            probs = _softmax(out[order])
-            cum = np.cumsum(probs)
+            m = float(np.max(vals))
+            lse = m + float(np.log(np.sum(np.exp((vals - m).astype(np.float64)))))
+            size = min(vals.shape[0], 256)
+            while True:
+                part = np.argpartition(-vals, size - 1)[:size] if size < vals.shape[0] else np.arange(vals.shape[0])
+                order = part[np.argsort(-vals[part], kind="stable")]
+                cum = np.cumsum(np.exp(vals[order].astype(np.float64) - lse))
+                if cum[-1] >= self.top_p or size >= vals.shape[0]:
+                    break
+                size = min(size * 8, vals.shape[0])
             # the smallest set whose mass reaches top_p: the token that crosses it stays.
-            n_keep = int(np.searchsorted(cum, self.top_p, side="left")) + 1
-            n_keep = min(max(n_keep, 1), n)
-            masked = np.full_like(out, -np.inf)
-            masked[order[:n_keep]] = out[order[:n_keep]]
-            out = masked
+            n_keep = min(int(np.searchsorted(cum, self.top_p, side="left")) + 1, order.shape[0])
+            sel = order[:n_keep]
+            ids = sel if ids is None else ids[sel]
+            vals = vals[sel]
         if self.min_p > 0.0:
             # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p)
-            thresh = np.max(out) + np.log(self.min_p)
-            out = np.where(out >= thresh, out, -np.inf).astype(out.dtype, copy=False)
+            keep = np.nonzero(vals >= np.max(vals) + np.log(self.min_p))[0]
+            ids = keep if ids is None else ids[keep]
+            vals = vals[keep]
+        if ids is None:
+            ids = np.arange(n)
+        return ids, vals
+
+    def filter(self, logits: np.ndarray) -> np.ndarray:
+        """The full-vocabulary view of candidates(): removed tokens become -inf."""
+        ids, vals = self.candidates(logits)
+        out = np.full_like(logits, -np.inf)
+        out[ids] = vals
         return out
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
@@ -108,10 +128,11 @@ class Sampler:
         logits = _checked(logits)
         if self.greedy:
             return int(np.argmax(self.apply_penalties(logits)))
-        probs = self.probabilities(logits)
-        cum = np.cumsum(probs, dtype=np.float64)
+        ids, vals = self.candidates(self.apply_penalties(logits))
+        probs = _softmax(vals / self.temperature)
+        cum = np.cumsum(probs)
         r = self.rng.random() * cum[-1]
-        return int(min(np.searchsorted(cum, r, side="right"), len(cum) - 1))
+        return int(ids[min(int(np.searchsorted(cum, r, side="right")), len(cum) - 1)])
 
 
 def _checked(logits) -> np.ndarray:

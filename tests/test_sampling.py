@@ -114,3 +114,34 @@ def test_nan_logits_raise():
 def test_unknown_key_is_refused():
     with pytest.raises(ValueError):
         Sampler({"temprature": 1.0})
+
+
+def _reference_filter(x, top_k, top_p, min_p):
+    """The chain's definition, written the slow obvious way: full sorts, masked arrays."""
+    out = x.astype(np.float64).copy()
+    order = np.argsort(-out, kind="stable")
+    if 0 < top_k < len(out):
+        out[order[top_k:]] = -np.inf
+    if top_p < 1.0:
+        order = np.argsort(-out, kind="stable")
+        p = np.exp(out[order] - out[order[0]])
+        cum = np.cumsum(p / p.sum())
+        n_keep = min(int(np.argmax(cum >= top_p)) + 1 if (cum >= top_p).any() else len(cum), len(cum))
+        out[order[n_keep:]] = -np.inf
+    if min_p > 0:
+        out[out < out.max() + np.log(min_p)] = -np.inf
+    return np.isfinite(out)
+
+
+@pytest.mark.parametrize("n", [7, 1000, 50_000])
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 0.9, 0.0), (40, 0.95, 0.0), (0, 1.0, 0.1), (20, 0.5, 0.05),
+                                               (0, 0.3, 0.0), (3, 1.0, 0.0)])
+def test_candidates_match_the_obvious_full_sort(n, top_k, top_p, min_p):
+    rng = np.random.default_rng(n + top_k)
+    # peaked like a language model's logits: a few large values over a wide low floor
+    logits = (rng.standard_normal(n) * 2 + np.where(rng.random(n) < 0.01, 8, 0)).astype(np.float32)
+    s = Sampler({"temperature": 1.0, "top_k": top_k, "top_p": top_p, "min_p": min_p})
+    kept = np.isfinite(s.filter(logits))
+    np.testing.assert_array_equal(kept, _reference_filter(logits, top_k, top_p, min_p))
+    ids, vals = s.candidates(logits)
+    np.testing.assert_array_equal(vals, logits[ids])
