@@ -166,15 +166,16 @@ def step_packages(ui: UI, m: Machine) -> None:
 
 # --- step 3 -------------------------------------------------------------------------------------------------
 
-def bytes_present(model: CatalogModel, models_dir: Path) -> int:
-    if model.source != "hf":
-        have = models_dir / model.first_file.basename
-        return have.stat().st_size if have.is_file() else 0
+def bytes_present(model: CatalogModel, models_dir: Path, gguf_dir: Path | None = None) -> int:
+    """Bytes of the model already on this PC (finished files, .part files, files placed in --gguf-dir)."""
+    if model.source == "local":
+        return model.size
     total = 0
     for f in model.files:
-        for cand in (models_dir / f.basename, models_dir / (f.basename + ".part")):
-            if cand.is_file():
-                total += cand.stat().st_size
+        cands = [models_dir / f.basename, models_dir / (f.basename + ".part")]
+        if gguf_dir is not None:
+            cands.append(Path(gguf_dir) / f.basename)
+        total += max((c.stat().st_size for c in cands if c.is_file()), default=0)
     return total
 
 
@@ -234,7 +235,7 @@ def step_model(ui: UI, a, p: Paths, m: Machine, catalog: list[CatalogModel]) -> 
     reserve = a.vram_reserve_mib if a.vram_reserve_mib is not None else 700
 
     def needs_of(model: CatalogModel) -> Needs:
-        return assess(model, m, backend, a.ctx, reserve, bytes_present(model, p.models_dir))
+        return assess(model, m, backend, a.ctx, reserve, bytes_present(model, p.models_dir, a.gguf_dir))
 
     if a.gguf:
         try:
@@ -701,7 +702,8 @@ def run(argv: list[str] | None = None, machine: Machine | None = None, ask=None,
         m = step_check(ui, a, p, machine)
         if a.check:
             backend = a.backend or ("cuda" if m.has_gpu else "cpu")
-            rows = [assess(mod, m, backend, a.ctx, a.vram_reserve_mib or 700, bytes_present(mod, p.models_dir))
+            rows = [assess(mod, m, backend, a.ctx, a.vram_reserve_mib or 700,
+                           bytes_present(mod, p.models_dir, a.gguf_dir))
                     for mod in catalog]
             rec = recommend(rows)
             ui.say("\nWhat fits (--check stops here):")

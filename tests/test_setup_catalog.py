@@ -1,6 +1,5 @@
 """The catalog and the fit arithmetic on golden machines (no network, no GPU: machine facts are injected)."""
 import json
-from pathlib import Path
 
 import pytest
 
