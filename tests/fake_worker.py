@@ -122,7 +122,7 @@ def main() -> int:
         if len(req.prompt) + req.max_new + 8 > a.ctx:
             out(protocol.format_err(f"prompt {len(req.prompt)} + max_new {req.max_new} + 8 exceeds the context {a.ctx}"))
             continue
-        log(f"fake worker: GEN max_new={req.max_new} prompt={','.join(map(str, req.prompt))}")
+        log(f"fake worker: GEN max_new={req.max_new} params={json.dumps(req.params, sort_keys=True)} prompt={','.join(map(str, req.prompt))}")
         reused = 0
         while reused < min(len(held), len(req.prompt) - 1) and held[reused] == req.prompt[reused]:
             reused += 1

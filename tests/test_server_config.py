@@ -1,0 +1,73 @@
+"""strata-<model>.json: every key checked at start, with a message naming it."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from server.config import ConfigError, load_config, validate
+
+VOCAB = "vocab/tiny-bpe-1024.gguf"
+
+
+def base(fixtures_dir, **kw):
+    return dict(model=str(fixtures_dir / VOCAB), **kw)
+
+
+def test_defaults(tmp_path, fixtures_dir):
+    cfg = validate(base(fixtures_dir), tmp_path)
+    assert cfg.model_name == "tiny-bpe-1024" and cfg.engine_silence_s == 300 and cfg.api_key is None
+    assert cfg.log == str(tmp_path / "strata-tiny-bpe-1024.log")
+    assert cfg.worker_command()[-2:] == ["--model", cfg.model]
+
+
+@pytest.mark.parametrize("key, value", [
+    ("port", "8080"), ("port", 70000), ("port", True), ("engine_silence_s", -1), ("engine_silence_s", "300"),
+    ("idle_unload_s", None), ("api_key", 123), ("cors_origins", "http://a"), ("cors_origins", ["http://a/"]),
+    ("worker", []), ("worker", ["python", 3]), ("args", "--ctx 8"), ("gpus", [0, "1"]), ("gpu", 1.5),
+    ("sampling", {"temperature": "hot"}), ("sampling", {"top_k": 1.5}), ("reasoning_budget_tokens", 1.0),
+    ("layer_split", [24, -1]), ("expert_profile_save_every", -2),
+])
+def test_ill_typed_values_name_the_key(tmp_path, fixtures_dir, key, value):
+    with pytest.raises(ConfigError, match=key):
+        validate(base(fixtures_dir, **{key: value}), tmp_path)
+
+
+def test_unknown_keys_name_the_key(tmp_path, fixtures_dir):
+    with pytest.raises(ConfigError, match="'prot' is unknown"):
+        validate(base(fixtures_dir, prot=8080), tmp_path)
+    with pytest.raises(ConfigError, match="sampling.temp"):
+        validate(base(fixtures_dir, sampling={"temp": 0.7}), tmp_path)
+
+
+def test_missing_model(tmp_path):
+    with pytest.raises(ConfigError, match="'model' is missing"):
+        validate({}, tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        validate({"model": "nowhere.gguf"}, tmp_path)
+
+
+def test_worker_flags_from_config(tmp_path, fixtures_dir):
+    cfg = validate(base(fixtures_dir, args=["--ctx", "2048"], expert_profile_save="p.bin",
+                        expert_profile_save_every=5, gpus=[0, 1]), tmp_path)
+    cmd = cfg.worker_command()
+    assert cmd[cmd.index("--ctx") + 1] == "2048" and cmd[cmd.index("--expert-profile-save") + 1] == "p.bin"
+    assert cmd[cmd.index("--expert-profile-save-every") + 1] == "5"
+    assert cfg.worker_env() == {"CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+def test_bad_file_messages(tmp_path):
+    p = tmp_path / "strata-x.json"
+    with pytest.raises(ConfigError, match="python -m setup"):
+        load_config(p)
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(p)
+
+
+def test_python_m_server_refuses_bad_config_with_one_line(tmp_path, fixtures_dir):
+    p = tmp_path / "strata-x.json"
+    p.write_text(json.dumps(base(fixtures_dir, engine_silence_s="soon")))
+    r = subprocess.run([sys.executable, "-m", "server", "--config", str(p)], capture_output=True, text=True,
+                       timeout=60, cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    assert r.returncode == 2 and "engine_silence_s" in r.stderr and len(r.stderr.strip().splitlines()) == 1
