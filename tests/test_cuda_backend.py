@@ -17,7 +17,8 @@ from engine.sampling import Sampler  # noqa: E402
 
 CTX = 256
 N_GREEDY = 64
-MODELS = ("tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed", "tiny-llama-legacy", "tiny-llama-kquants")
+# qwen2moe-mixed (Q2_K) and llama-kquants (Q3_K, IQ4_XS) last: see tools/gpu_suite.sh
+MODELS = ("tiny-qwen3moe-q4k", "tiny-llama-legacy", "tiny-qwen2moe-mixed", "tiny-llama-kquants")
 MOE = ("tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed")
 # The CPU's top-1/top-2 gap below which a greedy pick is a near-tie that fp16 KV rounding may flip.
 TIE = 1e-2

@@ -8,15 +8,22 @@ mkdir -p "$OUT"
 what=${1:-all}
 status=0
 if [[ $what == tests || $what == all ]]; then
-    python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
-        tests/test_cuda_kernels.py tests/test_cuda_backend.py tests/test_cuda_worker.py \
-        $(ls tests/test_cuda_quant.py 2>/dev/null) 2>&1 | tee "$OUT/tests.log"
+    # Q2_K blocks (tiny-qwen2moe-mixed) have tripped a misaligned load in quant.cuh, which poisons the CUDA context
+    # for the rest of a process: those tests run in a process of their own.
+    python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -k "not qwen2moe" \
+        tests/test_cuda_kernels.py tests/test_cuda_backend.py tests/test_cuda_worker.py 2>&1 | tee "$OUT/tests.log"
     status=$?
+    python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -k qwen2moe \
+        tests/test_cuda_backend.py tests/test_cuda_worker.py 2>&1 | tee "$OUT/tests-q2k.log" || status=1
+    if [[ -f tests/test_cuda_quant.py ]]; then
+        python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_cuda_quant.py 2>&1 \
+            | tee "$OUT/tests-quant.log" || status=1
+    fi
 fi
 if [[ $what == bench || $what == all ]]; then
     python3 -m bench.decode --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
 fi
 echo "==== summary ===="
-[[ -f $OUT/tests.log ]] && tail -n 1 "$OUT/tests.log"
-[[ -f $OUT/bench.log ]] && sed -n '/^| budget/,$p' "$OUT/bench.log"
+for f in "$OUT"/tests*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
+[[ -f $OUT/bench.log ]] && sed -n "/^model /,\$p" "$OUT/bench.log"
 exit $status

@@ -57,6 +57,16 @@ def blob_layout(model) -> BlobLayout:
     return BlobLayout(int(qg), int(qd), n_ff, n_embd, rb_gu, rb_d, up_off, down_off, nbytes, stride)
 
 
+def device_address(host_ptr: int) -> int:
+    """The device address of mapped pinned memory (cudaPointerGetAttributes; equal to the host address under UVA)."""
+    attrs = cp.cuda.runtime.pointerGetAttributes(host_ptr)
+    dp = int(attrs.devicePointer)
+    if not dp:
+        raise RuntimeError("pinned host memory has no device address (no unified addressing?); the CUDA backend "
+                           "needs a 64-bit OS and a GPU with UVA")
+    return dp
+
+
 def _host_view(ptr: int, size: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr))
 
@@ -90,7 +100,7 @@ class ExpertArena:
                         f"(the pageable/mmap modes are not built yet)") from None
                 self.chunks.append(hp)
                 self.views.append(_host_view(hp, size))
-                dp = cp.cuda.runtime.hostGetDevicePointer(hp, 0)
+                dp = device_address(hp)
                 for j in range(n):
                     self.blob_ptr[g + j] = dp + j * lay.stride
                     self._host_ptr[g + j] = hp + j * lay.stride

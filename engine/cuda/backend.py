@@ -169,6 +169,32 @@ class CUDABackend(Backend):
         self.stream.synchronize()
         return 4 * n / (time.perf_counter() - t0) / 1e9
 
+    def resize_expert_cache(self, vram_budget_mib=None, expert_slots=None) -> int:
+        """Rebuild the VRAM expert cache for another budget, keeping the arena, weights and KV cache (benchmarks
+        emulate several card sizes in one process). The learned heat carries over; returns the slot count."""
+        if self.cache is None:
+            return 0
+        self.stream.synchronize()
+        heat, prior = self.cache.heat.copy(), self.cache.prior.copy()
+        self.step.close()
+        self.step = self.prefill = self.cache = None
+        pool = cp.get_default_memory_pool()
+        pool.free_all_blocks()
+        self.opts.vram_budget_mib, self.opts.expert_slots = vram_budget_mib, expert_slots
+        with self.stream:
+            self.cache = ExpertCache(self.arena, self._slot_count(pool))
+            self.cache.heat[:], self.cache.prior[:] = heat, prior
+            self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache,
+                                   self.layout, self.stream)
+            self.prefill = Prefill(self.step)
+        order = np.argsort(-heat, kind="stable")
+        if self.cache.n_slots >= self.cache.n_total:
+            order = np.arange(self.cache.n_total)
+        self.cache.fill(order[heat[order] > 0] if self.cache.n_slots < self.cache.n_total else order, self.stream)
+        if not self.opts.no_graph:
+            self.step.capture()
+        return self.cache.n_slots
+
     # --- the contract ----------------------------------------------------------------------------------------
     def prompt_chunk_size(self) -> int:
         return int(self.opts.prompt_chunk)

@@ -9,7 +9,7 @@ import ctypes
 import cupy as cp
 import numpy as np
 
-from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE
+from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE, device_address
 
 U64, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
 NULL = U64(0)
@@ -26,7 +26,7 @@ class MappedInts:
 
     def __init__(self, n: int):
         self.hptr = cp.cuda.runtime.hostAlloc(4 * n, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
-        self.dptr = U64(cp.cuda.runtime.hostGetDevicePointer(self.hptr, 0))
+        self.dptr = U64(device_address(self.hptr))
         self.view = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(self.hptr))
         self.view[:] = 0
 

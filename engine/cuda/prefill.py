@@ -63,7 +63,7 @@ class Prefill:
             q = cp.ascontiguousarray(q)
             kc, vc = self.kv.layer(li)
             self.k("qk_rope_store")((c.n_head + 2 * c.n_head_kv, T), (c.head_dim,),
-                                    (ptr(q), ptr(cp.ascontiguousarray(k)), ptr(cp.ascontiguousarray(v)),
+                                    (q, cp.ascontiguousarray(k), cp.ascontiguousarray(v),
                                      ptr(ly.q_norm), ptr(ly.k_norm), ptr(self.step.rope), NULL, I32(pos0), U64(kc),
                                      U64(vc), I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(c.n_rot),
                                      I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps), I32(self.kv.max_ctx)))

@@ -16,7 +16,7 @@ FILES = ("dense.cu", "norm_rope.cu", "attention.cu", "router.cu", "moe.cu", "sam
 TEMPLATED = ("mv", "swiglu_mv", "embed", "dequant_rows", "moe_gate_up", "moe_down")
 OPTIONS = ("-std=c++17",)
 PLAIN = ("rmsnorm", "qk_rope_store", "attn_partial", "attn_combine", "router_topk", "argmax_word", "argmax_finish")
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)".*$', re.M)
 
 
 def source_text(files=FILES) -> str:

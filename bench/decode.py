@@ -1,0 +1,145 @@
+"""Decode speed of the CUDA engine at several VRAM budgets, with the ceilings next to each figure.
+
+    python -m bench.decode [--model data/models/qwen3-30b-a3b-q4k.gguf] [--budgets all,24,16,12,8]
+                           [--prompt 512] [--new 256] [--out bench.json]
+
+Makes the Qwen3-30B-A3B-shaped Q4_K model with tools/make_moe.py when it is not there (timed). One backend process:
+the pinned arena is filled once, and the VRAM expert cache is rebuilt for each budget (--vram-budget-mib semantics:
+everything the worker takes, weights and KV included). Per budget: a learning pass (prompt + decode, the adaptive
+tier running), then the measured pass on a fresh random prompt. Ceilings: PCIe-bound = expert bytes missed per token
+over 51 GB/s (DESIGN §5's in-place read rate); HBM-bound = bytes touched per token over 4.4 TB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = ROOT / "data" / "models" / "qwen3-30b-a3b-q4k.gguf"
+PCIE_BPS = 51e9
+HBM_BPS = 4.4e12
+
+
+def find_vocab() -> Path:
+    for cand in (ROOT.parent / "shared" / "fixtures" / "vocab", ROOT / ".fixtures" / "vocab"):
+        p = cand / "ggml-vocab-qwen2.gguf"
+        if p.is_file():
+            return p
+    raise SystemExit("bench.decode: ggml-vocab-qwen2.gguf not found in ../shared/fixtures/vocab or .fixtures/vocab")
+
+
+def make_model(path: Path) -> float:
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "tools.make_moe", "--preset", "qwen3-30b-a3b", "--out", str(path),
+           "--vocab", str(find_vocab())]
+    print("bench.decode: making the model:", " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return time.perf_counter() - t0
+
+
+def touched_bytes(model, k_used: int, expert_bytes: int) -> int:
+    """Weight bytes one decode step reads: every non-expert matrix once, k experts per layer, one embedding row."""
+    total = 0
+    for name in model.tensor_names():
+        t = model.tensor(name)
+        if "_exps." in name:
+            continue
+        if name == "token_embd.weight":
+            total += t.nbytes // t.shape[0]
+            if not model.config.tied_embeddings:
+                continue
+        total += t.nbytes
+    return total + model.config.n_layer * k_used * expert_bytes
+
+
+def run_pass(be, rng, n_prompt: int, n_new: int):
+    from engine.sampling import Sampler
+    cfg = be.config
+    be.truncate(0)
+    prompt = rng.integers(0, cfg.n_vocab, size=n_prompt).tolist()
+    s = Sampler({})
+    t0 = time.perf_counter()
+    tok = be.next_token(prompt, s)
+    t1 = time.perf_counter()
+    be.reset_stats()
+    for _ in range(n_new - 1):
+        tok = be.next_token([tok], s)
+    t2 = time.perf_counter()
+    st = be.get_stats()
+    return dict(prompt_s=t1 - t0, decode_s=t2 - t1, steps=n_new - 1, hits=st.hits, lookups=st.lookups)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--budgets", default="all,24,16,12,8", help="GiB, comma-separated; 'all' = no budget")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--adapt-every", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+
+    import cupy as cp
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.gguf_model import open_model
+
+    facts = {}
+    if not a.model.is_file():
+        facts["model_make_s"] = round(make_model(a.model), 1)
+    model = open_model(a.model)
+    t0 = time.perf_counter()
+    be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True))
+    facts["load_s"] = round(time.perf_counter() - t0, 1)
+    facts["arena_gib"] = round(be.arena.nbytes / 2**30, 2)
+    facts["arena_fill_gib_s"] = round(be.arena.nbytes / 2**30 / be.arena.fill_seconds, 1)
+    facts["pcie_copy_gbps"] = round(be.pcie_gbps, 1)
+    blob = be.layout.nbytes
+    touched = touched_bytes(model, model.config.n_expert_used, blob)
+    facts["touched_mb_per_token"] = round(touched / 1e6, 1)
+    print(f"bench.decode: {json.dumps(facts)}", file=sys.stderr, flush=True)
+
+    rows = []
+    rng = np.random.default_rng(a.seed)
+    for b in a.budgets.split(","):
+        mib = None if b == "all" else int(float(b) * 1024)
+        slots = be.resize_expert_cache(vram_budget_mib=mib)
+        used_mib = cp.get_default_memory_pool().total_bytes() / 2**20
+        learn = run_pass(be, rng, a.prompt, a.new)
+        m = run_pass(be, rng, a.prompt, a.new)
+        tps = m["steps"] / m["decode_s"]
+        hit = m["hits"] / max(m["lookups"], 1)
+        miss_bytes = (m["lookups"] - m["hits"]) * blob / m["steps"]
+        pcie_ceiling = PCIE_BPS / miss_bytes if miss_bytes else float("inf")
+        hbm_ceiling = HBM_BPS / touched
+        rows.append(dict(budget=b, slots=slots, experts_total=be.cache.n_total, vram_used_mib=round(used_mib),
+                         tok_s=round(tps, 1), hit_rate=round(hit, 4), learn_hit_rate=round(
+                             learn["hits"] / max(learn["lookups"], 1), 4),
+                         pcie_mb_per_token=round(miss_bytes / 1e6, 2), pcie_gbps=round(miss_bytes * tps / 1e9, 1),
+                         pcie_ceiling_tok_s=round(pcie_ceiling, 1), hbm_ceiling_tok_s=round(hbm_ceiling, 1),
+                         of_pcie_ceiling=round(tps / pcie_ceiling, 3), of_hbm_ceiling=round(tps / hbm_ceiling, 3),
+                         prompt_tok_s=round(a.prompt / m["prompt_s"], 1), swaps=be.cache.swaps))
+        print(f"bench.decode: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    be.close()
+    if a.out:
+        a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
+    print(f"model {a.model.name}: prompt {a.prompt}, {a.new} new tokens, ceilings PCIe {PCIE_BPS / 1e9:.0f} GB/s, "
+          f"HBM {HBM_BPS / 1e12:.1f} TB/s; {json.dumps(facts)}")
+    print("| budget GiB | slots | hit rate | tok/s | PCIe MB/tok | PCIe GB/s | PCIe ceiling | of it | HBM ceiling "
+          "| of it | prompt tok/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['budget']} | {r['slots']}/{r['experts_total']} | {r['hit_rate']:.3f} | {r['tok_s']:.1f} | "
+              f"{r['pcie_mb_per_token']:.1f} | {r['pcie_gbps']:.1f} | {r['pcie_ceiling_tok_s']:.0f} | "
+              f"{r['of_pcie_ceiling']:.2f} | {r['hbm_ceiling_tok_s']:.0f} | {r['of_hbm_ceiling']:.2f} | "
+              f"{r['prompt_tok_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
