@@ -241,6 +241,8 @@ def _calib_value(v) -> str:
 
 def main(argv=None) -> int:
     out = Protocol()
+    # SIGTERM (the server's second try after QUIT) unwinds like QUIT: backend.close() saves the expert profile.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = build_parser().parse_args(argv)
     if args.ctx is not None and args.ctx < 16:
         print(f"strata_worker: --ctx {args.ctx} is too small; use at least 16 (or leave it out)", file=sys.stderr)
@@ -305,8 +307,6 @@ def main(argv=None) -> int:
         return run_calibration(backend, ctx, out, extra)
     out.emit(f"READY {ctx} stop")
 
-    # SIGTERM (the server's second try after QUIT) still runs backend.close(), which saves the expert profile.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # A private reader on a duplicate of fd 0: a daemon thread blocked on sys.stdin's own buffer would make the
     # interpreter abort at exit (it cannot take that buffer's lock to close it).
     inp = Input(open(os.dup(0), "rb"))

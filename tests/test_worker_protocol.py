@@ -2,6 +2,7 @@
 
 Every read has a deadline, so a worker that hangs fails the test instead of hanging the suite.
 """
+import os
 import queue
 import re
 import shutil
@@ -20,11 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = [sys.executable, str(ROOT / "strata_worker.py")]
 TIMEOUT = 120.0
 MODEL = "tiny-llama-legacy.gguf"
+# The same protocol checks run against the CUDA backend on the GPU machine: STRATA_TEST_BACKEND=cuda.
+BACKEND = os.environ.get("STRATA_TEST_BACKEND", "cpu")
 
 
 class Worker:
     def __init__(self, model, *flags):
-        self.proc = subprocess.Popen([*WORKER, "--model", str(model), "--backend", "cpu", *flags],
+        self.proc = subprocess.Popen([*WORKER, "--model", str(model), "--backend", BACKEND, *flags],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, bufsize=1, cwd=ROOT)
         self.lines: queue.Queue = queue.Queue()
@@ -118,7 +121,7 @@ PROMPT = [1021, 1022, 87, 301, 45, 600, 12, 999, 250, 77, 31, 402, 5, 18, 700, 6
 
 def test_ready_info_and_one_request_in_order(worker):
     assert worker.ready == f"READY {worker.info['ctx']} stop"
-    assert worker.info["backend"] == "cpu" and worker.info["arch"] == "llama"
+    assert worker.info["backend"] == BACKEND and worker.info["arch"] == "llama"
     assert set(worker.info["eog"].split(",")) >= {"1023"}  # <|im_end|>, CONTROL in the tiny vocabulary
     lines = worker.request(gen(6, PROMPT))
     assert re.fullmatch(r"RESUME( PP)+ REUSED( T)* DONE", shape(lines)), lines
@@ -224,7 +227,7 @@ def test_seeded_sampling_is_reproducible(worker):
 
 
 def test_end_of_stdin_exits_zero_after_answering(model):
-    p = subprocess.run([*WORKER, "--model", str(model), "--backend", "cpu"], input=gen(3, PROMPT) + "\n",
+    p = subprocess.run([*WORKER, "--model", str(model), "--backend", BACKEND], input=gen(3, PROMPT) + "\n",
                        capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     out = p.stdout.splitlines()
@@ -242,7 +245,7 @@ def _one_clear_line(p):
 
 
 def _start(model_path, *flags):
-    return subprocess.run([*WORKER, "--model", str(model_path), "--backend", "cpu", *flags], input="",
+    return subprocess.run([*WORKER, "--model", str(model_path), "--backend", BACKEND, *flags], input="",
                           capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
 
 
