@@ -49,6 +49,12 @@ def _headers() -> dict:
     return h
 
 
+def _reason(e: Exception) -> str:
+    """The innermost cause of a requests error ("Connection refused"), not urllib3's nested repr."""
+    m = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", str(e))
+    return m.group(1).strip() if m else f"{type(e).__name__}: {str(e)[:160]}"
+
+
 @dataclass
 class Remote:
     size: int | None
@@ -60,7 +66,7 @@ def probe(url: str, session: requests.Session | None = None, timeout: float = 30
     try:
         r = s.head(url, headers=_headers(), allow_redirects=False, timeout=timeout)
     except requests.RequestException as e:
-        raise DownloadError(f"cannot reach {url} ({type(e).__name__}: {e}); check the network, or set HF_ENDPOINT "
+        raise DownloadError(f"cannot reach {url} ({_reason(e)}); check the network, or set HF_ENDPOINT "
                             f"to a mirror, or download by hand and use --gguf-dir") from None
     if r.status_code in (401, 403):
         raise DownloadError(f"{url} refused access (HTTP {r.status_code}); set HF_TOKEN if the repository is gated")

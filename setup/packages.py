@@ -33,6 +33,7 @@ def plan(requirements: Path, has_gpu: bool) -> tuple[list[str], list[str], list[
             raise ValueError(f"{requirements}: cannot read {line!r} ({e})") from None
         if req.marker is not None and not req.marker.evaluate():
             continue
+        spec = f"{req.name}{req.specifier}"      # the marker is settled here; pip gets the plain requirement
         if req.name.lower().startswith("cupy"):
             # Any CuPy build serves (the GPU machine has cupy-cuda13x); without an NVIDIA GPU none is of use.
             have = _installed_cupy()
@@ -41,15 +42,15 @@ def plan(requirements: Path, has_gpu: bool) -> tuple[list[str], list[str], list[
             elif not has_gpu:
                 notes.append(f"{req.name} not installed: no NVIDIA GPU here, and the CPU backend does not need it")
             else:
-                missing.append(str(req))
+                missing.append(spec)
             continue
         try:
             version = metadata.version(req.name)
         except metadata.PackageNotFoundError:
-            missing.append(str(req))
+            missing.append(spec)
             continue
         if req.specifier and not req.specifier.contains(version, prereleases=True):
-            missing.append(str(req))
+            missing.append(spec)
         else:
             ok.append(f"{req.name} {version}")
     return missing, ok, notes
