@@ -310,7 +310,7 @@ class CUDABackend(Backend):
         if self.cache is None:
             return None
         c = self.cache
-        return c.n_layer, c.n_expert, c.resident(), c.heat_bytes()
+        return c.n_layer, c.n_expert, c.resident(), c.heat_u8()
 
     def close(self) -> None:
         try:

@@ -163,7 +163,8 @@ class ExpertCache:
         pri = pri[np.argsort(self.prior[pri], kind="stable")]
         return np.concatenate([res, rest, pri]).astype(np.int64)
 
-    def heat_bytes(self) -> bytes:
+    def heat_u8(self) -> np.ndarray:
+        """Heat scaled to 0..255 (the hottest expert 255), one byte per expert, for the CACHE line."""
         h = self.heat
         top = h.max() if len(h) and h.max() > 0 else 1.0
-        return np.clip(np.round(255.0 * h / top), 0, 255).astype(np.uint8).tobytes()
+        return np.clip(np.round(255.0 * h / top), 0, 255).astype(np.uint8)
