@@ -12,16 +12,16 @@ import pytest
 from engine.arch.base import apply_rope, rope_tables
 from engine.backend_cpu import CPUBackend
 from engine.gguf_model import open_model
-from test_gguf_model import tiny_model
+from test_gguf_model import tiny_model, tiny_tensors, write_gguf
 
 RENORMALIZE = {"llama": True, "qwen3moe": True, "qwen2moe": False}   # llama.cpp's build_moe_ffn arguments
 
 
-def naive_rope(vec, pos, cfg):
+def naive_rope(vec, pos, cfg, freq_factors=None):
     out = vec.copy()
     half = cfg.n_rot // 2
     for i in range(half):
-        freq = cfg.rope_base ** (-2.0 * i / cfg.n_rot)
+        freq = cfg.rope_base ** (-2.0 * i / cfg.n_rot) / (1.0 if freq_factors is None else freq_factors[i])
         theta_ext = pos * freq
         theta = theta_ext * cfg.rope_freq_scale
         mscale = 1.0
@@ -47,6 +47,7 @@ def naive_logits(model, tokens):
     silu = lambda v: v / (1 + np.exp(-v))
     ffn = lambda v, g, u, d: d @ (silu(g @ v) * (u @ v))
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    ff = W("rope_freqs.weight") if has("rope_freqs.weight") else None
     x = W("token_embd.weight")[tokens]
     for il in range(cfg.n_layer):
         b = f"blk.{il}."
@@ -59,8 +60,8 @@ def naive_logits(model, tokens):
             if has(b + "attn_q_norm.weight"):
                 q = np.array([rms(r, W(b + "attn_q_norm.weight")) for r in q])
                 k = np.array([rms(r, W(b + "attn_k_norm.weight")) for r in k])
-            q = np.array([naive_rope(r, t, cfg) for r in q])
-            k = np.array([naive_rope(r, t, cfg) for r in k])
+            q = np.array([naive_rope(r, t, cfg, ff) for r in q])
+            k = np.array([naive_rope(r, t, cfg, ff) for r in k])
             ks.append(k)
             vs.append(v)
             heads = []
@@ -101,6 +102,7 @@ CASES = {
     "mixtral": dict(arch="llama", n_expert=4),
     "qwen3moe": dict(arch="qwen3moe", n_expert=6),
     "qwen2moe-shared": dict(arch="qwen2moe", n_expert=4, shexp=True),
+    "llama3-rope-freqs": dict(arch="llama"),
     "rope-linear": dict(arch="llama", extra_kv={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
     "rope-yarn": dict(arch="qwen3", extra_kv={"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0,
                                               "qwen3.rope.scaling.original_context_length": 64}),
@@ -110,7 +112,13 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_matches_naive(tmp_path, case):
     kw = dict(CASES[case])
-    model = open_model(tiny_model(tmp_path, kw.pop("arch"), seed=len(case), **kw))
+    if case == "llama3-rope-freqs":
+        kw.pop("arch")
+        tensors, hp = tiny_tensors("llama", **kw)
+        tensors["rope_freqs.weight"] = np.linspace(1.0, 8.0, hp["head_dim"] // 2).astype(np.float32)
+        model = open_model(write_gguf(tmp_path / "rf.gguf", "llama", tensors, hp))
+    else:
+        model = open_model(tiny_model(tmp_path, kw.pop("arch"), seed=len(case), **kw))
     tokens = [3, 17, 42, 8, 8, 61, 0, 29, 77]
     want = naive_logits(model, tokens)
     be = CPUBackend(model, 32, chunk=4)

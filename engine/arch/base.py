@@ -85,11 +85,17 @@ def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) ->
     return (silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
-def rope_tables(cfg: ModelConfig, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin (n_pos, n_rot/2) as ggml's rope computes them, with linear or YaRN scaling applied."""
+def rope_tables(cfg: ModelConfig, n_pos: int, freq_factors: np.ndarray | None = None):
+    """cos and sin (n_pos, n_rot/2) as ggml's rope computes them, with linear or YaRN scaling applied.
+
+    freq_factors (n_rot/2): the `rope_freqs.weight` tensor of Llama 3.1-style GGUFs, dividing each frequency.
+    """
     half = cfg.n_rot // 2
     i = np.arange(half, dtype=np.float64)
-    theta_extrap = np.arange(n_pos, dtype=np.float64)[:, None] * cfg.rope_base ** (-2.0 * i / cfg.n_rot)[None, :]
+    freq = cfg.rope_base ** (-2.0 * i / cfg.n_rot)
+    if freq_factors is not None:
+        freq = freq / np.asarray(freq_factors, dtype=np.float64)
+    theta_extrap = np.arange(n_pos, dtype=np.float64)[:, None] * freq[None, :]
     theta = theta_extrap * cfg.rope_freq_scale
     mscale = 1.0
     if cfg.rope_scaling == "yarn" and cfg.yarn_ext_factor != 0.0:
@@ -160,7 +166,7 @@ class Transformer:
         self.model = model
         self.cfg = model.config
         self.w = weights
-        self.cos, self.sin = rope_tables(self.cfg, max_context)
+        self.cos, self.sin = rope_tables(self.cfg, max_context, weights.opt("rope_freqs.weight"))
         cfg = self.cfg
         self.attn_scale = cfg.attn_scale or 1.0 / math.sqrt(cfg.head_dim)
         self.output_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
