@@ -271,3 +271,9 @@ def test_not_enough_disk_is_said_before_fetching(hub, tmp_path, monkeypatch):
     with pytest.raises(dl.DownloadError, match="needs 0.0 GB more .* has 0.0 GB free"):
         dl.fetch(dl.hub_url("org/r", "main", "m.gguf", hub.url), tmp_path / "m.gguf", say=lambda s: None)
     assert hub.gets() == []
+
+
+def test_unreachable_hub_names_the_cause():
+    with pytest.raises(dl.DownloadError, match=r"cannot reach http://127.0.0.1:9/a/b/resolve/main/x.gguf "
+                                               r"\(Connection refused\); .*HF_ENDPOINT"):
+        dl.probe(dl.hub_url("a/b", "main", "x.gguf", "http://127.0.0.1:9"))

@@ -82,3 +82,38 @@ def test_setup_yes_then_the_server_answers_a_chat(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+@pytest.mark.slow
+def test_setup_yes_starts_the_server_itself_and_a_rerun_finds_it_running(tmp_path):
+    missing = _missing_parts()
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (built by the server/worker owners) to run end to end")
+    models = tmp_path / "models"
+    models.mkdir()
+    if SMOLLM2.is_file():
+        (models / SMOLLM2.name).symlink_to(SMOLLM2)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("STRATA_SETUP_MACHINE", "DISPLAY", "WAYLAND_DISPLAY")}
+    env["CI"] = "1"
+    cmd = [sys.executable, "-m", "setup", "--yes", "--data-dir", str(tmp_path), "--port", str(port),
+           "--backend", "cpu"]
+    pid_file = tmp_path / "strata-smollm2-135m.pid"
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"Strata is running (pid " in res.stdout and f"open http://127.0.0.1:{port}/" in res.stdout
+        assert "not opening a browser (running in CI)" in res.stdout
+        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=600, json={
+            "max_tokens": 4, "messages": [{"role": "user", "content": "Hello"}]})
+        assert r.status_code == 200, r.text
+        again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "already running (pid" in again.stdout
+    finally:
+        if pid_file.is_file():
+            pid = int(pid_file.read_text())
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
