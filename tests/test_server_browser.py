@@ -1,0 +1,105 @@
+"""The web app in headless Chromium (Debian's chromium + chromium-driver): chat with streaming, Stop, the Monitor."""
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from fakes.server_kit import ROOT, make_config, metrics, running_server, tiny_codec
+
+pytestmark = pytest.mark.browser
+CHROMEDRIVER = "/usr/bin/chromedriver"
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+def browser_or_skip():
+    try:
+        from selenium import webdriver
+    except ImportError:
+        pytest.skip("selenium is not installed: pip install -r requirements-test.txt")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not chromium or not Path(CHROMEDRIVER).exists():
+        pytest.skip("headless Chromium is not installed: apt-get install -y chromium chromium-driver "
+                    f"(found chromium={chromium}, {CHROMEDRIVER} exists={Path(CHROMEDRIVER).exists()})")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1200,900"):
+        opts.add_argument(arg)
+    service = webdriver.ChromeService(executable_path=CHROMEDRIVER)
+    return webdriver.Chrome(options=opts, service=service)
+
+
+def wait_for(pred, what, timeout=30):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_chat_stream_stop_and_monitor(tmp_path, fixtures_dir):
+    driver = browser_or_skip()
+    from selenium.webdriver.common.by import By
+    # a slow fake worker (it echoes the prompt) so that Stop lands mid-answer; --moe for the cache picture
+    cfg = make_config(tmp_path, fixtures_dir / "vocab" / "tiny-bpe-1024.gguf", ["--moe", "--token-delay", "0.05"])
+    try:
+        with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
+            driver.get(base + "/")
+            driver.execute_script("localStorage.clear()")
+            driver.get(base + "/")
+            driver.find_element(By.ID, "input").send_keys("hello from the browser " * 4)
+            driver.find_element(By.ID, "send").click()
+
+            def answer():
+                nodes = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .content")
+                return nodes[-1].text if nodes else ""
+
+            wait_for(lambda: len(answer()) > 10, "the streamed answer")
+            assert answer().startswith("user")           # the echo of the ChatML prompt's text
+            assert driver.find_element(By.ID, "stop").is_enabled()
+            driver.find_element(By.ID, "stop").click()
+            wait_for(lambda: driver.find_element(By.ID, "send").is_enabled(), "the Send button back after Stop")
+            wait_for(lambda: [h["finish"] for h in metrics(base)["history"]] == ["cancel"], "the cancelled request")
+            stopped = answer()
+            assert stopped and len(stopped) < len("user\n" + "hello from the browser " * 4 + "\nassistant\n")
+            assert "stopped" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .meta").text
+            # the conversation survives a reload (localStorage)
+            driver.refresh()
+            wait_for(lambda: answer() == stopped, "the conversation after a reload")
+
+            driver.find_element(By.ID, "tab-monitor").click()
+            note = wait_for(lambda: driver.find_element(By.ID, "cache-note").text, "the cache note")
+            assert "4 layers × 16 experts" in note
+            wait_for(lambda: "cancel" in driver.find_element(By.ID, "history").text, "the history table")
+            colours = driver.execute_script("""
+                const c = document.getElementById('cache-canvas'); const d = c.getContext('2d')
+                    .getImageData(0, 0, c.width, c.height).data; const s = new Set();
+                for (let i = 0; i < d.length; i += 4) s.add(d[i] + ',' + d[i+1] + ',' + d[i+2]);
+                return [c.width, c.height, s.size];""")
+            assert colours[0] > 0 and colours[1] > 0 and colours[2] > 4     # resident/not, shaded by heat
+            assert driver.find_element(By.ID, "phase").text == "idle"
+            ARTIFACTS.mkdir(exist_ok=True)
+            driver.save_screenshot(str(ARTIFACTS / "server-monitor.png"))
+            driver.find_element(By.ID, "tab-chat").click()
+            driver.save_screenshot(str(ARTIFACTS / "server-chat.png"))
+    finally:
+        driver.quit()
+
+
+def test_dense_model_shows_no_experts(tmp_path, fixtures_dir):
+    driver = browser_or_skip()
+    from selenium.webdriver.common.by import By
+    cfg = make_config(tmp_path, fixtures_dir / "vocab" / "tiny-bpe-1024.gguf")
+    try:
+        with running_server(cfg, tiny_codec(fixtures_dir)) as (httpd, base):
+            import requests
+            requests.post(base + "/load", timeout=30)
+            driver.get(base + "/")
+            driver.find_element(By.ID, "tab-monitor").click()
+            note = wait_for(lambda: driver.find_element(By.ID, "cache-note").text, "the cache note")
+            assert note == "no experts: this model is dense"
+            assert not driver.find_element(By.ID, "cache-canvas").is_displayed()
+    finally:
+        driver.quit()
