@@ -256,6 +256,7 @@ def test_dry_run_qwen3_next_is_qwen2moe_with_a_shared_expert(capsys):
     (["--arch", "qwen2moe", "--n-expert", "0"], "needs experts"),
     (["--norm", "Q8_0"], "--norm must be"),
     (["--arch", "qwen2moe", "--tied"], "needs output.weight"),
+    (["--out", "/tmp"], "is a directory"),
     (["--vocab", "/nonexistent/v.gguf"], "not found"),
     ([], "pass --out"),
 ])

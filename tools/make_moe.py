@@ -450,7 +450,7 @@ def size_table(specs: list[TensorSpec]) -> str:
             lines.append(f"{g:<8} {n:>7} {','.join(sorted(q)):<12} {b / 1e6:>10.1f} {b / 2**30:>8.3f}")
     lines.append(f"{'total':<8} {len(specs):>7} {'':<12} {total / 1e6:>10.1f} {total / 2**30:>8.3f}")
     exp = by.get("experts", (0, 0, set()))[1]
-    lines.append(f"experts total: {exp / 1e9:.2f} GB ({exp / 2**30:.2f} GiB)")
+    lines.append(f"experts total: {exp / 1e9:.2f} GB ({exp / 2**30:.2f} GiB, {exp / 1e6:.1f} MB)")
     return "\n".join(lines)
 
 
@@ -617,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         raise SystemExit("make_moe: pass --out PATH.gguf (or --dry-run)")
+    if args.out.is_dir():
+        raise SystemExit(f"make_moe: --out {args.out} is a directory; give the file name, e.g. {args.out}/model.gguf")
     template = None
     if args.chat_template is not None:
         try:
