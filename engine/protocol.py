@@ -8,8 +8,10 @@ Worker -> server:
     RESUME <n>                    per request: prompt tokens reused from the cached prefix
     PP <pos> <prompt> <ms> <tps>  after every prompt chunk
     REUSED <n>                    once the prompt is read
-    T <id>                        every generated token, as soon as it is final
-    DONE <14 fields>              or ERR <message>: exactly one per request
+    T <id>                        every generated token, as soon as it is final; the end-of-generation token
+                                  that ends a request with `stop` is not sent (and not counted in DONE)
+    DONE <14 fields>              or ERR <message>: exactly one per request. A STOP during the prompt pass gives
+                                  RESUME, PP..., DONE ... cancel (no REUSED: the prompt was not read to its end)
     CACHE <n_layer> <n_expert> <resident_hex> <heat_hex>
                                   expert-cache picture (backends with an expert cache), may appear anywhere
                                   like INFO; resident_hex is a bitmap, bit (layer*n_expert+expert), LSB first

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine import protocol
@@ -393,3 +394,25 @@ def test_a_broken_backend_errs_then_exits_nonzero_with_the_reason(model):
     out, err = p.communicate(gen(3, PROMPT) + "\n" + gen(3, PROMPT) + "\n", timeout=TIMEOUT)
     assert out.splitlines()[-1] == "ERR the engine failed and must restart: device lost"
     assert p.returncode == 1 and "device lost" in err.strip().splitlines()[-1]
+
+
+CACHE_WORKER = """
+import sys
+sys.path.insert(0, {root!r})
+import numpy as np
+import engine.backend_cpu as b
+b.CPUBackend.cache_picture = lambda self: (2, 5, np.eye(2, 5, dtype=bool), np.arange(10, dtype=np.uint8) * 25)
+import strata_worker
+sys.exit(strata_worker.main())
+"""
+
+
+def test_a_backend_with_an_expert_cache_reports_it_after_each_done(model):
+    p = subprocess.run([sys.executable, "-c", CACHE_WORKER.format(root=str(ROOT)), "--model", str(model),
+                        "--backend", "cpu"], input=gen(2, PROMPT) + "\n", capture_output=True, text=True,
+                       timeout=TIMEOUT, cwd=ROOT)
+    out = p.stdout.splitlines()
+    assert p.returncode == 0 and out[-2].startswith("DONE") and out[-1].startswith("CACHE ")
+    n_layer, n_expert, resident, heat = protocol.parse_cache(out[-1])
+    assert (n_layer, n_expert) == (2, 5) and (resident == np.eye(2, 5, dtype=bool)).all()
+    assert heat.ravel().tolist() == [i * 25 for i in range(10)]
