@@ -345,8 +345,12 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
             v = v[0]
         return v
 
-    n_embd = int(get("embedding_length", required=True))
-    n_head = int(get("attention.head_count", required=True))
+    for key in ("block_count", "embedding_length", "attention.head_count"):
+        v = get(key, required=True)
+        if not isinstance(v, int) or v <= 0:
+            raise ModelError(f"{model.path.name}: {arch}.{key}={v!r} is not a positive count; the file is damaged")
+    n_embd = int(get("embedding_length"))
+    n_head = int(get("attention.head_count"))
     n_head_kv = int(get("attention.head_count_kv", n_head))
     head_dim = int(get("attention.key_length", n_embd // n_head))
     head_dim_v = int(get("attention.value_length", head_dim))
@@ -404,8 +408,11 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
     cfg.shared_expert_gate = model.has("blk.0.ffn_gate_inp_shexp.weight")
     if cfg.shared_expert and not cfg.n_ff_shexp:
         cfg.n_ff_shexp = model.tensor("blk.0.ffn_up_shexp.weight").shape[0]
-    if n_head % n_head_kv:
+    if n_head_kv <= 0 or head_dim <= 0 or n_head % n_head_kv:
         raise ModelError(f"{model.path.name}: {n_head} heads do not share {n_head_kv} KV heads evenly; damaged?")
+    if emb.shape[-1] != n_embd:
+        raise ModelError(f"{model.path.name}: token_embd.weight is {emb.shape[-1]} wide but {arch}.embedding_length is "
+                         f"{n_embd}; the file is damaged")
     if cfg.n_rot > head_dim or cfg.n_rot % 2:
         raise ModelError(f"{model.path.name}: rope.dimension_count={cfg.n_rot} does not fit heads of {head_dim}")
     return cfg
@@ -432,6 +439,33 @@ def required_tensors(cfg: ModelConfig, model: GGUFModel) -> list[str]:
     return names
 
 
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Numpy shapes of the main per-layer tensors (layer 0's names; every layer is the same)."""
+    E, q, kv, v = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_head_kv * cfg.head_dim_v
+    shapes = {"attn_q.weight": (q, E), "attn_k.weight": (kv, E), "attn_v.weight": (v, E),
+              "attn_output.weight": (E, cfg.n_head * cfg.head_dim_v), "attn_norm.weight": (E,), "ffn_norm.weight": (E,)}
+    if cfg.is_moe:
+        X, F = cfg.n_expert, cfg.n_ff_exp
+        shapes.update({"ffn_gate_inp.weight": (X, E), "ffn_gate_exps.weight": (X, F, E),
+                       "ffn_up_exps.weight": (X, F, E), "ffn_down_exps.weight": (X, E, F)})
+    else:
+        shapes.update({"ffn_gate.weight": (cfg.n_ff, E), "ffn_up.weight": (cfg.n_ff, E),
+                       "ffn_down.weight": (E, cfg.n_ff)})
+    return shapes
+
+
 def _check_required(model: GGUFModel) -> None:
-    for name in required_tensors(model.config, model):
+    cfg = model.config
+    for name in required_tensors(cfg, model):
         model.tensor(name)
+    shapes = expected_shapes(cfg)
+    for i in range(cfg.n_layer):
+        for suffix, want in shapes.items():
+            t = model.tensor(f"blk.{i}.{suffix}")
+            if t.shape != want:
+                raise ModelError(f"{model.path.name}: tensor {t.name} has shape {t.shape}, but the metadata implies "
+                                 f"{want}; the file is damaged or made for another program")
+    out = model.tensor("token_embd.weight" if cfg.tied_embeddings else "output.weight")
+    if out.shape != (cfg.n_vocab, cfg.n_embd):
+        raise ModelError(f"{model.path.name}: tensor {out.name} has shape {out.shape}, expected "
+                         f"{(cfg.n_vocab, cfg.n_embd)}; the file is damaged")

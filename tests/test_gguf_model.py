@@ -250,3 +250,10 @@ def test_copy_of_reference_still_opens(fixtures_dir, tmp_path):
     p = tmp_path / "ok.gguf"
     shutil.copy(fixtures_dir / REF / "tiny-qwen3moe-q4k.gguf", p)
     assert open_model(p).config.n_layer == 4
+
+
+def test_tensor_shape_against_metadata(tmp_path):
+    tensors, hp = tiny_tensors("qwen3", head_dim=16)
+    hp["head_dim"] = 32
+    with pytest.raises(ModelError, match=r"blk\.0\.attn_q\.weight has shape \(64, 64\).*\(128, 64\)"):
+        open_model(write_gguf(tmp_path / "bad.gguf", "qwen3", tensors, hp))
