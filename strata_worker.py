@@ -239,6 +239,24 @@ def _calib_value(v) -> str:
     return f"{v:.1f}" if isinstance(v, float) else str(v)
 
 
+def emit_cache_picture(backend, out) -> None:
+    """The CACHE line after a DONE, for backends with an expert cache. It is a picture for the Monitor, so a
+    failure to draw it is logged, never allowed to stop the worker serving."""
+    from engine import protocol
+    try:
+        pic = backend.cache_picture()
+        if pic is None:
+            return
+        import numpy as np
+        n_layer, n_expert, resident, heat = pic
+        line = protocol.format_cache(n_layer, n_expert, np.asarray(resident, bool).ravel(),
+                                     np.asarray(heat, np.uint8).ravel().tobytes())
+    except Exception as e:
+        log(f"warning: no CACHE line: the backend's cache picture failed ({type(e).__name__}: {e})")
+        return
+    out.emit(line)
+
+
 def main(argv=None) -> int:
     out = Protocol()
     # SIGTERM (the server's second try after QUIT) unwinds like QUIT: backend.close() saves the expert profile.
@@ -279,7 +297,8 @@ def main(argv=None) -> int:
     except Exception as e:
         import traceback
         traceback.print_exc()
-        print(f"strata_worker: starting the {backend_name} backend failed: {type(e).__name__}: {e}",
+        hint = "; --backend cpu runs the NumPy engine instead" if backend_name == "cuda" else ""
+        print(f"strata_worker: starting the {backend_name} backend failed: {type(e).__name__}: {e}{hint}",
               file=sys.stderr, flush=True)
         return 1
 
@@ -331,12 +350,7 @@ def main(argv=None) -> int:
                 status = 1
                 break
             if done is not None:
-                pic = backend.cache_picture()
-                if pic is not None:
-                    import numpy as np
-                    n_layer, n_expert, resident, heat = pic
-                    out.emit(protocol.format_cache(n_layer, n_expert, np.asarray(resident, bool).ravel(),
-                                                   np.asarray(heat, np.uint8).ravel().tobytes()))
+                emit_cache_picture(backend, out)
     except BrokenPipeError:
         log("stdout closed (the server went away); exiting")
         status = 1
