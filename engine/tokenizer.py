@@ -43,6 +43,7 @@ class TokenizerError(Exception):
 # --------------------------------------------------------------------------------------------------------------------
 # GGUF metadata (the key-value section only; a vocabulary-only GGUF or a 100 GB model read alike in a blink)
 
+_U64 = struct.Struct("<Q")
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
@@ -81,8 +82,20 @@ def read_gguf_metadata(path) -> dict:
                 if etype in _SCALARS:
                     fmt = _SCALARS[etype]
                     size = struct.calcsize(fmt)
+                    if p + count * size > len(buf):
+                        raise struct.error("array past the end")
                     vals = list(struct.unpack_from(f"<{count}{fmt[1]}", buf, p))
                     return vals, p + count * size
+                if etype == 8:   # string arrays (vocabularies, merges): the hot loop, kept tight
+                    out, end, unpack = [], len(buf), _U64.unpack_from
+                    for _ in range(count):
+                        (n,) = unpack(buf, p)
+                        q = p + 8 + n
+                        if q > end:
+                            raise struct.error("string past the end")
+                        out.append(buf[p + 8:q].decode("utf-8", errors="surrogateescape"))
+                        p = q
+                    return out, p
                 out = []
                 for _ in range(count):
                     v, p = read_value(p, etype)
@@ -285,16 +298,19 @@ class Tokenizer:
             raise TokenizerError("no tokenizer.ggml.tokens: this GGUF carries no vocabulary")
         self.model = model
         self.tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        self.n_vocab = len(self.tokens)
-        self.vocab: dict[str, int] = {}
-        for i, t in enumerate(self.tokens):
-            if self.vocab.setdefault(t, i) != i:
-                raise TokenizerError(f"duplicate token in vocabulary: {t!r} has ids {self.vocab[t]} and {i}")
-        types = md.get("tokenizer.ggml.token_type")
-        self.attr = [(_TYPE_TO_ATTR.get(t, ATTR_UNDEFINED) if types else ATTR_NORMAL)
-                     for t in (types or [1] * self.n_vocab)][:self.n_vocab]
-        scores = md.get("tokenizer.ggml.scores")
-        self.scores = [float(s) for s in scores] if scores else [0.0] * self.n_vocab
+        n = self.n_vocab = len(self.tokens)
+        self.vocab: dict[str, int] = dict(zip(self.tokens, range(n)))
+        if len(self.vocab) != n:
+            seen = {}
+            for i, t in enumerate(self.tokens):
+                if seen.setdefault(t, i) != i:
+                    raise TokenizerError(f"duplicate token in vocabulary: {t!r} has ids {seen[t]} and {i}")
+        types = md.get("tokenizer.ggml.token_type") or [1] * n
+        scores = md.get("tokenizer.ggml.scores") or [0.0] * n
+        if len(types) < n or len(scores) < n:
+            raise TokenizerError(f"tokenizer.ggml.token_type/scores are shorter than the {n} tokens; the file is damaged")
+        self.attr = [_TYPE_TO_ATTR.get(t, ATTR_UNDEFINED) for t in types[:n]]
+        self.scores = [float(x) for x in scores[:n]]
         self.chat_template: str | None = md.get("tokenizer.chat_template")
 
         self.pre = None
@@ -320,11 +336,9 @@ class Tokenizer:
             merges = md.get("tokenizer.ggml.merges")
             if merges is None:
                 raise TokenizerError("a gpt2 vocabulary without tokenizer.ggml.merges")
-            self.ranks: dict[tuple[str, str], int] = {}
-            for i, m in enumerate(merges):
-                p = m.find(" ", 1)   # the first space after the first character: "Ġ Ġ" splits at 1
-                if p >= 0:
-                    self.ranks.setdefault((m[:p], m[p + 1:]), i)
+            # Keyed by the merge line itself ("left right"): byte-level symbols never hold a space (it is "Ġ"), so
+            # looking up left + " " + right finds exactly llama.cpp's pair; reversed so the first duplicate wins.
+            self.ranks: dict[str, int] = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
             self._pretok = _compiled(pre)
         else:
             raise TokenizerError(f"tokenizer.ggml.model={model!r} is not supported (only 'gpt2' BPE and 'llama' "
@@ -536,7 +550,8 @@ class Tokenizer:
         vocab = self.vocab
         if self.ignore_merges and word in vocab:
             return (vocab[word],)
-        syms = self._merge(list(word), lambda a, b: self.ranks.get((a, b)))
+        ranks = self.ranks
+        syms = self._merge(list(word), lambda a, b: ranks.get(a + " " + b))
         out = []
         for s in syms:
             i = vocab.get(s)
