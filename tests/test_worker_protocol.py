@@ -137,7 +137,15 @@ def test_ready_info_and_one_request_in_order(worker):
     assert worker.quit() == 0
 
 
-def test_prefix_reuse_matches_a_cold_run(worker):
+@pytest.fixture(params=["tiny-llama-legacy.gguf", "tiny-qwen3moe-q4k.gguf"])
+def any_worker(request, fixtures_dir):
+    w = Worker(fixtures_dir / "reference" / request.param, "--prompt-chunk", "5")
+    yield w
+    w.kill()
+
+
+def test_prefix_reuse_matches_a_cold_run(any_worker):
+    worker = any_worker
     first = worker.request(gen(5, PROMPT))
     follow = PROMPT + tokens(first) + [400, 401, 402]
     warm = worker.request(gen(8, follow))
