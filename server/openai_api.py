@@ -371,13 +371,18 @@ class Handler(BaseHTTPRequestHandler):
     # --- generation -----------------------------------------------------------------------------------------------
     def events(self, job: Job):
         """The job's events, up to done/error; watches the client meanwhile and cancels the job if it leaves."""
+        last_check = time.monotonic()
         while True:
             try:
                 ev = job.events.get(timeout=POLL_S)
             except queue.Empty:
+                ev = None
+            if time.monotonic() - last_check >= POLL_S:   # also while events flow: a non-stream client may leave
+                last_check = time.monotonic()
                 if self.client_gone():
                     job.cancel.set()
                     raise ClientGone()
+            if ev is None:
                 continue
             yield ev
             if ev[0] in ("done", "error"):

@@ -84,6 +84,7 @@ class Worker:
         self.max_context = 0
         self.honours_stop = False
         self._q: queue.Queue = queue.Queue()
+        self._wq: queue.Queue = queue.Queue()
         self._log_offset = 0
         self._stop_at: float | None = None
 
@@ -122,6 +123,7 @@ class Worker:
         self._log_offset = self.log_path.stat().st_size
         self.info, self.cache_line, self.max_context, self.honours_stop = {}, None, 0, False
         self._q = queue.Queue()
+        self._wq = queue.Queue()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         with open(self.log_path, "ab") as logf:
             try:
@@ -132,6 +134,8 @@ class Worker:
                 raise WorkerStartError(f"could not start the worker ({shlex.join(self.cmd)}): {e}") from None
         threading.Thread(target=self._pump, args=(self.proc, self._q), daemon=True,
                          name=f"worker-pump-{self.proc.pid}").start()
+        threading.Thread(target=self._write, args=(self.proc, self._wq), daemon=True,
+                         name=f"worker-write-{self.proc.pid}").start()
         last = time.monotonic()
         while True:
             line = self._get(last + self.silence_s if self.silence_s else None)
@@ -144,8 +148,8 @@ class Worker:
             if line is _EOF:
                 rc = self._reap()
                 raise WorkerStartError(
-                    f"the worker exited (status {rc}) before it was ready. Last lines of its log "
-                    f"({self.log_path}):\n{self.log_tail()}")
+                    f"the worker exited (status {rc}) before it was ready; the next request tries again. Last lines "
+                    f"of its log ({self.log_path}):\n{self.log_tail()}")
             last = time.monotonic()
             if protocol.kind(line) == "READY":
                 parts = line.split()
@@ -268,16 +272,23 @@ class Worker:
             self._send("STOP")
 
     def _send(self, line: str) -> None:
-        try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except (OSError, ValueError):
-            # The worker is gone; its EOF explains how. Wait briefly for the pump to see it.
+        # The writer thread does the (possibly blocking) pipe write: a worker that stops reading stdin must not
+        # block the engine thread, which keeps timing the worker's silence and kills it at the deadline.
+        if not self.alive:
+            self._died("before a line could be sent to it")
+        self._wq.put(line)
+
+    def _write(self, proc, wq) -> None:
+        while True:
+            line = wq.get()
             try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-            self._died("while a line was sent to it")
+                if line is None:
+                    proc.stdin.close()
+                    return
+                proc.stdin.write(line + "\n")
+                proc.stdin.flush()
+            except (OSError, ValueError):
+                return     # the worker is gone; its stdout's end tells the engine thread how
 
     def _died(self, when: str):
         rc = self._reap()
@@ -310,12 +321,8 @@ class Worker:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("QUIT\n")
-                self.proc.stdin.flush()
-                self.proc.stdin.close()
-            except (OSError, ValueError):
-                pass
+            self._wq.put("QUIT")
+            self._wq.put(None)
             try:
                 self.proc.wait(timeout=self.quit_timeout_s)
             except subprocess.TimeoutExpired:
@@ -328,8 +335,6 @@ class Worker:
         self._close_pipes()
 
     def _close_pipes(self) -> None:
-        # Only stdin: the pump thread owns stdout and closes it at EOF (closing it under a blocked read is unsafe).
-        try:
-            self.proc.stdin.close()
-        except (OSError, ValueError):
-            pass
+        # The writer thread owns stdin and the pump thread stdout; each closes its own (closing a pipe under a
+        # blocked read or write from another thread is unsafe).
+        self._wq.put(None)

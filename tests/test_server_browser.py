@@ -30,9 +30,13 @@ def browser_or_skip():
 
 
 def wait_for(pred, what, timeout=30):
+    from selenium.common.exceptions import StaleElementReferenceException
     deadline = time.monotonic() + timeout
     while True:
-        value = pred()
+        try:
+            value = pred()
+        except StaleElementReferenceException:   # the app re-rendered that node meanwhile: look again
+            value = None
         if value:
             return value
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -56,15 +60,16 @@ def test_chat_stream_stop_and_monitor(tmp_path, fixtures_dir):
                 nodes = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .content")
                 return nodes[-1].text if nodes else ""
 
-            wait_for(lambda: len(answer()) > 10, "the streamed answer")
-            assert answer().startswith("user")           # the echo of the ChatML prompt's text
+            first = wait_for(lambda: len(answer()) > 10 and answer(), "the streamed answer")
+            assert first.startswith("user")           # the echo of the ChatML prompt's text
             assert driver.find_element(By.ID, "stop").is_enabled()
             driver.find_element(By.ID, "stop").click()
             wait_for(lambda: driver.find_element(By.ID, "send").is_enabled(), "the Send button back after Stop")
             wait_for(lambda: [h["finish"] for h in metrics(base)["history"]] == ["cancel"], "the cancelled request")
-            stopped = answer()
+            stopped = wait_for(answer, "the stopped answer")
             assert stopped and len(stopped) < len("user\n" + "hello from the browser " * 4 + "\nassistant\n")
-            assert "stopped" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .meta").text
+            wait_for(lambda: "stopped" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .meta").text,
+                     "the 'stopped' note")
             # the conversation survives a reload (localStorage)
             driver.refresh()
             wait_for(lambda: answer() == stopped, "the conversation after a reload")
@@ -79,7 +84,7 @@ def test_chat_stream_stop_and_monitor(tmp_path, fixtures_dir):
                 for (let i = 0; i < d.length; i += 4) s.add(d[i] + ',' + d[i+1] + ',' + d[i+2]);
                 return [c.width, c.height, s.size];""")
             assert colours[0] > 0 and colours[1] > 0 and colours[2] > 4     # resident/not, shaded by heat
-            assert driver.find_element(By.ID, "phase").text == "idle"
+            wait_for(lambda: driver.find_element(By.ID, "phase").text == "idle", "the idle phase")
             ARTIFACTS.mkdir(exist_ok=True)
             driver.save_screenshot(str(ARTIFACTS / "server-monitor.png"))
             driver.find_element(By.ID, "tab-chat").click()
