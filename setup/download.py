@@ -63,11 +63,21 @@ class Remote:
 
 def probe(url: str, session: requests.Session | None = None, timeout: float = 30) -> Remote:
     s = session or requests.Session()
-    try:
-        r = s.head(url, headers=_headers(), allow_redirects=False, timeout=timeout)
-    except requests.RequestException as e:
-        raise DownloadError(f"cannot reach {url} ({_reason(e)}); check the network, or set HF_ENDPOINT "
-                            f"to a mirror, or download by hand and use --gguf-dir") from None
+    where = url
+    for _ in range(5):
+        try:
+            r = s.head(where, headers=_headers(), allow_redirects=False, timeout=timeout)
+        except requests.RequestException as e:
+            raise DownloadError(f"cannot reach {url} ({_reason(e)}); check the network, or set HF_ENDPOINT "
+                                f"to a mirror, or download by hand and use --gguf-dir") from None
+        # A relative redirect stays on the hub (a renamed repository): follow it to the answer that carries the
+        # X-Linked headers; an absolute one goes to the storage, and the headers are on this answer already.
+        location = r.headers.get("Location", "")
+        linked = r.headers.get("X-Linked-Etag") or r.headers.get("X-Linked-Size")   # case-insensitive look-ups
+        if r.is_redirect and location.startswith("/") and not linked:
+            where = requests.compat.urljoin(where, location)
+            continue
+        break
     if r.status_code in (401, 403):
         raise DownloadError(f"{url} refused access (HTTP {r.status_code}); set HF_TOKEN if the repository is gated")
     if r.status_code == 404:

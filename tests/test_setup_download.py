@@ -22,6 +22,7 @@ class FakeHub:
         self.cut_next = 0                     # cut this many of the next GETs half-way through
         self.wrong_next = 0                   # serve this many of the next GETs with wrong bytes
         self.ignore_range = False
+        self.renamed: dict[str, str] = {}     # old repo -> new repo: a relative redirect, as the hub does
         self.requests: list[tuple[str, str, str | None]] = []   # (method, path, Range header)
         hub = self
 
@@ -33,8 +34,20 @@ class FakeHub:
                 m = re.match(r"^/(.+)/resolve/([^/]+)/(.+)$", self.path)
                 return f"{m.group(1)}/{m.group(2)}/{m.group(3)}" if m else None
 
+            def _renamed(self):
+                for old, new in hub.renamed.items():
+                    if self.path.startswith(f"/{old}/"):
+                        self.send_response(307)
+                        self.send_header("Location", self.path.replace(f"/{old}/", f"/{new}/", 1))
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return True
+                return False
+
             def do_HEAD(self):
                 hub.requests.append(("HEAD", self.path, self.headers.get("Range")))
+                if self._renamed():
+                    return
                 key = self._key()
                 if key not in hub.files:
                     self.send_response(404)
@@ -45,8 +58,8 @@ class FakeHub:
                 self.send_response(302)
                 self.send_header("Location", "/cdn/" + key)
                 if hub.publish_hash:
-                    self.send_header("X-Linked-Etag", '"%s"' % hashlib.sha256(data).hexdigest())
-                self.send_header("X-Linked-Size", str(len(data)))
+                    self.send_header("x-linked-etag", '"%s"' % hashlib.sha256(data).hexdigest())
+                self.send_header("x-linked-size", str(len(data)))
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -54,6 +67,8 @@ class FakeHub:
                 hub.requests.append(("GET", self.path, self.headers.get("Range")))
                 if self.path.startswith("/cdn/"):
                     return self._serve(self.path[len("/cdn/"):])
+                if self._renamed():
+                    return
                 key = self._key()
                 if key not in hub.files:
                     self.send_response(404)
@@ -277,3 +292,12 @@ def test_unreachable_hub_names_the_cause():
     with pytest.raises(dl.DownloadError, match=r"cannot reach http://127.0.0.1:9/a/b/resolve/main/x.gguf "
                                                r"\(Connection refused\); .*HF_ENDPOINT"):
         dl.probe(dl.hub_url("a/b", "main", "x.gguf", "http://127.0.0.1:9"))
+
+
+def test_a_renamed_repository_is_followed_to_its_hash(hub, tmp_path):
+    data = payload(20_000)
+    hub.add("new-org/r", "m.gguf", data)
+    hub.renamed["old-org/r"] = "new-org/r"
+    dest = tmp_path / "m.gguf"
+    digest = dl.fetch(dl.hub_url("old-org/r", "main", "m.gguf", hub.url), dest, say=lambda s: None)
+    assert digest == hashlib.sha256(data).hexdigest() and "unverified" not in dl.note_path(dest).read_text()
