@@ -30,3 +30,15 @@ def test_ask_refuses_bad_input_with_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "tools.ask", "--model", str(bad), "hi"], capture_output=True,
                        text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 2 and p.stderr.startswith("ask: ") and "Traceback" not in p.stderr
+
+
+def test_ctrl_c_stops_the_answer_through_the_protocol(fixtures_dir):
+    import signal
+    model = fixtures_dir / "reference" / "tiny-llama-legacy.gguf"
+    p = subprocess.Popen([sys.executable, "-m", "tools.ask", "--model", str(model), "--backend", "cpu",
+                          "--max-new", "1900", "hello"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    assert p.stdout.read(1)          # the answer has started streaming
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert b"tokens, cancel," in err
