@@ -153,3 +153,31 @@ def test_cli_matches_out_file(fixtures_dir):
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
     assert res.returncode == 0, res.stderr.decode()
     assert res.stdout.decode() == (fixtures_dir / "vocab" / "ggml-vocab-qwen2.gguf.out").read_text()
+
+
+def test_every_pre_tokenizer_compiles_and_loses_nothing(fixtures_dir):
+    from engine.tokenizer import PRE_TOKENIZERS
+    md = read_gguf_metadata(fixtures_dir / "vocab" / "tiny-bpe-1024.gguf")
+    for name in ("default", "gpt-2", "llama-bpe", "qwen2", "smollm", "phi-2", "deepseek-llm", "deepseek-coder",
+                 "starcoder", "falcon", "mpt", "command-r", "refact", "qwen35"):
+        assert name in PRE_TOKENIZERS
+    text = "Héllo  wörld's 12345 东京タワー 👋🏽\t\n\n  x = a+b; // Дом\u00a0!\r\n  "
+    for name in PRE_TOKENIZERS:
+        tok = Tokenizer.from_metadata({**md, "tokenizer.ggml.pre": name})
+        words = tok.pretokenize(text)
+        assert "".join(words) == text and all(words), name
+        assert tok.decode(tok.encode(text)) == text, name
+
+
+def test_pre_tokenizer_splits():
+    md_words = {  # hand-checked against the regexes llama.cpp uses for these pre-tokenizers
+        "gpt-2": ["Hello", "'s", " 1234", "  ", " world", "!!", "\n"],
+        "llama-bpe": ["Hello", "'s", " ", "123", "4", "  ", " world", "!!\n"],
+        "qwen2": ["Hello", "'s", " ", "1", "2", "3", "4", "  ", " world", "!!\n"],
+    }
+    text = "Hello's 1234   world!!\n"
+    for pre, want in md_words.items():
+        tok = Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+                                       "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": [],
+                                       "tokenizer.ggml.add_bos_token": False})
+        assert tok.pretokenize(text) == want, pre
