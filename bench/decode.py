@@ -84,6 +84,8 @@ def main(argv=None):
     ap.add_argument("--adapt-every", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="time each kind of kernel in the step graph (default on)")
     a = ap.parse_args(argv)
 
     import cupy as cp
@@ -125,6 +127,8 @@ def main(argv=None):
                          pcie_ceiling_tok_s=round(pcie_ceiling, 1), hbm_ceiling_tok_s=round(hbm_ceiling, 1),
                          of_pcie_ceiling=round(tps / pcie_ceiling, 3), of_hbm_ceiling=round(tps / hbm_ceiling, 3),
                          prompt_tok_s=round(a.prompt / m["prompt_s"], 1), swaps=be.cache.swaps))
+        if a.profile:
+            rows[-1]["profile_us"] = {k: round(v, 1) for k, v in be.step.profile().items()}
         print(f"bench.decode: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     be.close()
     if a.out:
@@ -139,6 +143,14 @@ def main(argv=None):
               f"{r['pcie_mb_per_token']:.1f} | {r['pcie_gbps']:.1f} | {r['pcie_ceiling_tok_s']:.0f} | "
               f"{r['of_pcie_ceiling']:.2f} | {r['hbm_ceiling_tok_s']:.0f} | {r['of_hbm_ceiling']:.2f} | "
               f"{r['prompt_tok_s']:.0f} |")
+    prof = [r for r in rows if "profile_us" in r]
+    if prof:
+        kinds = list(prof[0]["profile_us"])
+        print("\nmicroseconds per decode step by kind of kernel (a graph of only that kind, replayed)")
+        print("| kind | " + " | ".join(r["budget"] for r in prof) + " |")
+        print("| --- |" + " ---: |" * len(prof))
+        for k in kinds:
+            print(f"| {k} | " + " | ".join(f"{r['profile_us'].get(k, 0):.0f}" for r in prof) + " |")
 
 
 if __name__ == "__main__":

@@ -29,20 +29,38 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const unsig
     float m = NEG_INF, l = 0.f;
     const unsigned short* kbase = kc + (long long)kvh * max_ctx * head_dim;
     const unsigned short* vbase = vc + (long long)kvh * max_ctx * head_dim;
-    for (int p = p0 + warp; p < p1; p += nw) {
-        const unsigned short* kp = kbase + (long long)p * head_dim + lane * dpl;
-        float s = 0.f;
+    // Four positions per warp and round: their K loads and dot-product reductions are independent, so they overlap.
+    for (int p = p0 + warp * 4; p < p1; p += nw * 4) {
+        float s[4];
 #pragma unroll
-        for (int i = 0; i < ATT_MAX_DPL; ++i)
-            if (i < dpl) s += qv[i] * h2f(kp[i]);
-        s = warp_sum(s);
-        const float mn = fmaxf(m, s);
-        const float corr = __expf(m - mn), w = __expf(s - mn);
-        l = l * corr + w;
-        const unsigned short* vp = vbase + (long long)p * head_dim + lane * dpl;
+        for (int u = 0; u < 4; ++u) {
+            float d = 0.f;
+            if (p + u < p1) {
+                const unsigned short* kp = kbase + (long long)(p + u) * head_dim + lane * dpl;
 #pragma unroll
-        for (int i = 0; i < ATT_MAX_DPL; ++i)
-            if (i < dpl) acc[i] = acc[i] * corr + w * h2f(vp[i]);
+                for (int i = 0; i < ATT_MAX_DPL; ++i)
+                    if (i < dpl) d += qv[i] * h2f(kp[i]);
+            }
+            s[u] = d;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) s[u] = p + u < p1 ? warp_sum(s[u]) : NEG_INF;
+        const float mn = fmaxf(fmaxf(m, fmaxf(s[0], s[1])), fmaxf(s[2], s[3]));
+        const float corr = __expf(m - mn);
+        l *= corr;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_DPL; ++i) acc[i] *= corr;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            if (p + u < p1) {
+                const float w = __expf(s[u] - mn);
+                l += w;
+                const unsigned short* vp = vbase + (long long)(p + u) * head_dim + lane * dpl;
+#pragma unroll
+                for (int i = 0; i < ATT_MAX_DPL; ++i)
+                    if (i < dpl) acc[i] += w * h2f(vp[i]);
+            }
+        }
         m = mn;
     }
     if (lane == 0) { sm[warp] = m; sl[warp] = l; }

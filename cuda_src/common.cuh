@@ -42,6 +42,28 @@ __device__ __forceinline__ float h2f(unsigned short h) {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
+// This lane's partials of two rows' dot products with one x (gate and up): the two rows' loads interleave.
+template <int QT>
+__device__ __forceinline__ void dot2_row(const uint8_t* __restrict__ ra, const uint8_t* __restrict__ rb,
+                                         const float* __restrict__ x, int ncols, int lane, float& a, float& b) {
+    constexpr int CPB = QTraits<QT>::QK / 8, BYTES = QTraits<QT>::BYTES;
+    const int nchunks = ncols >> 3;
+    a = 0.f;
+    b = 0.f;
+#pragma unroll 2
+    for (int c = lane; c < nchunks; c += 32) {
+        float wa[8], wb[8], xv[8];
+        dequant8<QT>(ra + (c / CPB) * BYTES, c % CPB, wa);
+        dequant8<QT>(rb + (c / CPB) * BYTES, c % CPB, wb);
+        strata_load8(x + c * 8, xv);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            a += wa[i] * xv[i];
+            b += wb[i] * xv[i];
+        }
+    }
+}
+
 // Per-step values the host writes into mapped pinned memory before it launches the step graph; the first kernel
 // of a step copies them to device memory so later kernels do not cross PCIe for them.
 // params[0] = token, params[1] = position.   state[0] = token, state[1] = position, state[2..3] = argmax word.

@@ -20,6 +20,30 @@ __global__ void mv(const uint8_t* __restrict__ W, long long row_bytes, const flo
     }
 }
 
+// The Q, K and V projections in one launch (one quant type): rows [0, n0) of W0, then W1, then W2; bias optional.
+template <int QT>
+__global__ void mv3(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,
+                    long long row_bytes, const float* __restrict__ x, float* __restrict__ y0, float* __restrict__ y1,
+                    float* __restrict__ y2, const float* __restrict__ b0, const float* __restrict__ b1,
+                    const float* __restrict__ b2, int n0, int n1, int n2, int ncols) {
+    const int lane = threadIdx.x & 31;
+    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const uint8_t* W = W0;
+    float* y = y0;
+    const float* b = b0;
+    if (r >= n0) {
+        r -= n0;
+        W = W1; y = y1; b = b1;
+        if (r >= n1) {
+            r -= n1;
+            W = W2; y = y2; b = b2;
+            if (r >= n2) return;
+        }
+    }
+    float s = warp_sum(dot_row<QT>(W + (long long)r * row_bytes, x, ncols, lane));
+    if (lane == 0) y[r] = b ? s + b[r] : s;
+}
+
 // h[r] = silu(Wg[r] . x) * (Wu[r] . x): the gate and up halves of a SwiGLU FFN in one pass.
 template <int QT>
 __global__ void swiglu_mv(const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long row_bytes,
@@ -27,8 +51,10 @@ __global__ void swiglu_mv(const uint8_t* __restrict__ Wg, const uint8_t* __restr
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= nrows) return;
-    float g = warp_sum(dot_row<QT>(Wg + (long long)r * row_bytes, x, ncols, lane));
-    float u = warp_sum(dot_row<QT>(Wu + (long long)r * row_bytes, x, ncols, lane));
+    float g, u;
+    dot2_row<QT>(Wg + (long long)r * row_bytes, Wu + (long long)r * row_bytes, x, ncols, lane, g, u);
+    g = warp_sum(g);
+    u = warp_sum(u);
     if (lane == 0) h[r] = silu(g) * u;
 }
 

@@ -15,9 +15,11 @@ __global__ void moe_gate_up(const unsigned long long* __restrict__ table, const 
     if (r >= n_ff) return;
     const int j = blockIdx.y, t = blockIdx.z;
     const uint8_t* base = reinterpret_cast<const uint8_t*>(table[ids[t * k + j]]);
-    const float* xt = x + (long long)t * ncols;
-    const float g = warp_sum(dot_row<QT>(base + (long long)r * row_bytes, xt, ncols, lane));
-    const float u = warp_sum(dot_row<QT>(base + up_off + (long long)r * row_bytes, xt, ncols, lane));
+    float g, u;
+    dot2_row<QT>(base + (long long)r * row_bytes, base + up_off + (long long)r * row_bytes,
+                 x + (long long)t * ncols, ncols, lane, g, u);
+    g = warp_sum(g);
+    u = warp_sum(u);
     if (lane == 0) h[((long long)t * k + j) * n_ff + r] = silu(g) * u;
 }
 
@@ -31,12 +33,15 @@ __global__ void moe_down(const unsigned long long* __restrict__ table, const int
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= n_embd) return;
     const int t = blockIdx.y;
+    // Lane partials of all k rows first, one warp reduction at the end: the k rows' loads overlap, which is
+    // what hides PCIe latency when some of the experts are read in place from host memory.
     float s = 0.f;
+#pragma unroll 4
     for (int j = 0; j < k; ++j) {
         const uint8_t* base = reinterpret_cast<const uint8_t*>(table[ids[t * k + j]]);
-        const float d = dot_row<QT>(base + down_off + (long long)r * row_bytes, h + ((long long)t * k + j) * n_ff,
-                                    n_ff, lane);
-        s += weights[t * k + j] * warp_sum(d);
+        s += weights[t * k + j] * dot_row<QT>(base + down_off + (long long)r * row_bytes,
+                                              h + ((long long)t * k + j) * n_ff, n_ff, lane);
     }
+    s = warp_sum(s);
     if (lane == 0) out[(long long)t * n_embd + r] += s;
 }

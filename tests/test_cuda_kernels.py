@@ -200,9 +200,9 @@ def test_router_topk(K, n_expert, k, renorm):
     stats = cp.zeros(2, dtype=cp.uint64)
     slot_lo, slot_hi = 1000, 2000
     table = rng.choice([1500, 5000], size=n_expert).astype(np.uint64)   # 1500: inside the slot range
-    K("router_topk")((T,), (128,), (cp.asarray(logits), I32(n_expert), I32(k), I32(renorm), F32(1.5),
+    K("router_topk")((T,), (32,), (cp.asarray(logits), I32(n_expert), I32(k), I32(renorm), F32(1.5),
                                     ptr(ids), ptr(wts), cp.asarray(table), U64(slot_lo), U64(slot_hi),
-                                    ptr(counts), ptr(stats)), shared_mem=4 * n_expert)
+                                    ptr(counts), ptr(stats)))
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     ref_ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
@@ -300,3 +300,22 @@ def test_argmax(K, n):
     cp.cuda.runtime.deviceSynchronize()
     assert int(out.view[1]) > 0
     out.close()
+
+
+@pytest.mark.parametrize("name", ("Q4_K", "Q8_0", "Q5_K"))
+@pytest.mark.parametrize("n0,n1,n2,bias", [(256, 64, 64, False), (4096, 512, 512, True), (33, 7, 5, True)])
+def test_mv3(K, name, n0, n1, n2, bias):
+    rng = np.random.default_rng()
+    cols = 512
+    mats = [rand_matrix(name, n, cols, rng) for n in (n0, n1, n2)]
+    x = cp.asarray(rng.standard_normal(cols).astype(np.float32))
+    ds = [cp.asarray(raw) for raw, _ in mats]
+    bs = [cp.asarray(rng.standard_normal(n).astype(np.float32)) if bias else None for n in (n0, n1, n2)]
+    ys = [poisoned(n) for n in (n0, n1, n2)]
+    n = n0 + n1 + n2
+    K("mv3", qtype(name).id)(((n + 3) // 4,), (128,),
+                             (*ds, I64(mats[0][0].shape[1]), x, *ys, *((b if bias else NULL) for b in bs),
+                              I32(n0), I32(n1), I32(n2), I32(cols)))
+    for (raw, W), y, b in zip(mats, ys, bs):
+        ref = W.astype(np.float64) @ x.get() + (b.get() if bias else 0)
+        assert rel(y.get(), ref) < 1e-4

@@ -37,6 +37,20 @@ class MappedInts:
             self.hptr = 0
 
 
+class _Only:
+    """The kernel table with every kind but `tag` turned into a no-op (profiling); records the kinds it sees."""
+
+    def __init__(self, kernels, tag, seen: set):
+        self.kernels, self.tag, self.seen = kernels, tag, seen
+
+    def __call__(self, name, qt=None, tag=None):
+        kind = tag or name
+        self.seen.add(kind)
+        if self.tag is None or kind == self.tag:
+            return self.kernels(name, qt)
+        return lambda *a, **kw: None
+
+
 class Launcher:
     """Kernel launches shared by the decode step and the prompt pass (the mat-vec family, norms, FFN pieces)."""
 
@@ -44,11 +58,22 @@ class Launcher:
         self.k = kernels
         self.cfg = cfg
 
-    def mv(self, W, x, y, bias=None, gate_logit=None, accumulate=False):
-        f = self.k("mv", W.qt)
+    def mv(self, W, x, y, bias=None, gate_logit=None, accumulate=False, tag="mv"):
+        f = self.k("mv", W.qt, tag)
         f(((W.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
           (U64(W.ptr), I64(W.row_bytes), ptr(x), ptr(y), ptr(bias), ptr(gate_logit), I32(W.rows), I32(W.cols),
            I32(1 if accumulate else 0)))
+
+    def mv3(self, Ws, x, ys, biases):
+        """Q, K and V in one launch when they share a quant type and width, else three."""
+        if len({(W.qt, W.cols, W.row_bytes) for W in Ws}) != 1:
+            for W, y, b in zip(Ws, ys, biases):
+                self.mv(W, x, y, bias=b, tag="qkv")
+            return
+        n = sum(W.rows for W in Ws)
+        self.k("mv3", Ws[0].qt, "qkv")(((n + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+                                       (*(U64(W.ptr) for W in Ws), I64(Ws[0].row_bytes), ptr(x), *(ptr(y) for y in ys),
+                                        *(ptr(b) for b in biases), *(I32(W.rows) for W in Ws), I32(Ws[0].cols)))
 
     def swiglu(self, Wg, Wu, x, h):
         f = self.k("swiglu_mv", Wg.qt)
@@ -102,9 +127,7 @@ class DecodeStep:
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
         for li, ly in enumerate(w.layers):
             L.rmsnorm(self.x, ly.attn_norm, self.xn)
-            L.mv(ly.wq, self.xn, self.q, bias=ly.bq)
-            L.mv(ly.wk, self.xn, self.kk, bias=ly.bk)
-            L.mv(ly.wv, self.xn, self.v, bias=ly.bv)
+            L.mv3((ly.wq, ly.wk, ly.wv), self.xn, (self.q, self.kk, self.v), (ly.bq, ly.bk, ly.bv))
             kc, vc = self.kv.layer(li)
             self.k("qk_rope_store")((c.n_head + 2 * c.n_head_kv, 1), (c.head_dim,),
                                     (ptr(self.q), ptr(self.kk), ptr(self.v), ptr(ly.q_norm), ptr(ly.k_norm),
@@ -116,7 +139,7 @@ class DecodeStep:
                                     I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(self.kv.max_ctx), scale))
             self.k("attn_combine")((c.n_head,), (c.head_dim,),
                                    (ptr(self.part), ptr(self.att), I32(ATT_SPLITS), I32(c.head_dim)))
-            L.mv(ly.wo, self.att, self.x, accumulate=True)
+            L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo")
             L.rmsnorm(self.x, ly.ffn_norm, self.xn)
             if c.is_moe:
                 self.moe(li, ly, self.xn, self.x)
@@ -124,21 +147,20 @@ class DecodeStep:
                 L.swiglu(ly.w_gate, ly.w_up, self.xn, self.h)
                 L.mv(ly.w_down, self.h, self.x, accumulate=True)
         L.rmsnorm(self.x, w.output_norm, self.xn)
-        L.mv(w.output, self.xn, self.logits)
+        L.mv(w.output, self.xn, self.logits, tag="output")
         self.k("argmax_word")((264,), (256,), (ptr(self.logits), I32(c.n_vocab), ptr(self.state)))
         self.k("argmax_finish")((1,), (1,), (ptr(self.state), self.out.dptr))
 
     def moe(self, li, ly, xn, x):
         c, L, lay, cache = self.cfg, self.L, self.layout, self.cache
         k = c.n_expert_used
-        L.mv(ly.router, xn, self.rlogits)
+        L.mv(ly.router, xn, self.rlogits, tag="router_mv")
         tab = U64(cache.table.data.ptr + 8 * li * c.n_expert)
-        self.k("router_topk")((1,), (128,),
+        self.k("router_topk")((1,), (32,),
                               (ptr(self.rlogits), I32(c.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
                                F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts), tab, U64(cache.slot_lo),
                                U64(cache.slot_hi), U64(cache.counts.data.ptr + 4 * li * c.n_expert),
-                               ptr(cache.stats)),
-                              shared_mem=4 * c.n_expert)
+                               ptr(cache.stats)))
         self.k("moe_gate_up", lay.qt_gate_up)(((lay.n_ff + MV_WARPS - 1) // MV_WARPS, k, 1), (32 * MV_WARPS,),
                                               (tab, ptr(self.ids), I64(lay.up_off), I64(lay.rb_gate_up), ptr(xn),
                                                ptr(self.h), I32(lay.n_ff), I32(c.n_embd), I32(k)))
@@ -147,10 +169,10 @@ class DecodeStep:
                                          ptr(self.h), ptr(x), I32(c.n_embd), I32(lay.n_ff), I32(k)))
         if ly.sh_up is not None:
             if ly.sh_gate_inp is not None:
-                L.mv(ly.sh_gate_inp, xn, self.sgate)
+                L.mv(ly.sh_gate_inp, xn, self.sgate, tag="shexp")
             L.swiglu(ly.sh_gate, ly.sh_up, xn, self.h2)
             L.mv(ly.sh_down, self.h2, x, gate_logit=self.sgate if ly.sh_gate_inp is not None else None,
-                 accumulate=True)
+                 accumulate=True, tag="shexp")
 
     # --- running ---------------------------------------------------------------------------------------------
     def capture(self):
@@ -177,6 +199,37 @@ class DecodeStep:
         """(greedy id, NaN count) of the last launched step; waits for it."""
         self.stream.synchronize()
         return int(self.out.view[0]), int(self.out.view[1])
+
+    def profile(self, reps: int = 20) -> dict[str, float]:
+        """Microseconds per step of each kind of kernel: a graph of only that kind's launches, replayed. The full
+        step comes as 'step'; the kinds' sum exceeds it by the launch gaps the full graph overlaps."""
+        full = self.k
+        tags = set()
+        probe = _Only(full, None, tags)
+        self.k = self.L.k = probe
+        with self.stream:
+            self.enqueue()          # eager: records the kinds, and leaves state as a real step would
+        out = {"step": self._time_graph(reps)}
+        try:
+            for tag in sorted(tags):
+                self.k = self.L.k = _Only(full, tag, set())
+                out[tag] = self._time_graph(reps)
+        finally:
+            self.k = self.L.k = full
+            self.capture()
+        return out
+
+    def _time_graph(self, reps: int) -> float:
+        self.capture()
+        s = self.stream
+        self.graph.launch(s)
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(s)
+        for _ in range(reps):
+            self.graph.launch(s)
+        b.record(s)
+        b.synchronize()
+        return cp.cuda.get_elapsed_time(a, b) * 1000.0 / reps
 
     def close(self):
         self.graph = None

@@ -115,11 +115,10 @@ class Prefill:
         logits = self.linear(ly.router, xn)
         ids = cp.empty((T, k), dtype=cp.int32)
         wts = cp.empty((T, k), dtype=cp.float32)
-        self.k("router_topk")((T,), (128,),
+        self.k("router_topk")((T,), (32,),
                               (ptr(logits), I32(c.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
                                F32(c.expert_weights_scale), ptr(ids), ptr(wts), NULL, U64(0), U64(0),
-                               U64(cache.counts.data.ptr + 4 * li * c.n_expert), NULL),
-                              shared_mem=4 * c.n_expert)
+                               U64(cache.counts.data.ptr + 4 * li * c.n_expert), NULL))
         ids_h = ids.get()
         out = cp.zeros((T, c.n_embd), dtype=cp.float32)
         for e in np.unique(ids_h):

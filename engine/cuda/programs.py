@@ -13,7 +13,7 @@ import cupy as cp
 
 SRC_DIR = Path(__file__).resolve().parents[2] / "cuda_src"
 FILES = ("dense.cu", "norm_rope.cu", "attention.cu", "router.cu", "moe.cu", "sample.cu")
-TEMPLATED = ("mv", "swiglu_mv", "embed", "dequant_rows", "moe_gate_up", "moe_down")
+TEMPLATED = ("mv", "mv3", "swiglu_mv", "embed", "dequant_rows", "moe_gate_up", "moe_down")
 OPTIONS = ("-std=c++17",)
 PLAIN = ("rmsnorm", "qk_rope_store", "attn_partial", "attn_combine", "router_topk", "argmax_word", "argmax_finish")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)".*$', re.M)
@@ -46,7 +46,7 @@ class Kernels:
         for n in names + list(PLAIN):
             self.module.get_function(n)
 
-    def __call__(self, name: str, qt: int | None = None):
+    def __call__(self, name: str, qt: int | None = None, tag: str | None = None):
         key = (name, qt)
         f = self._cache.get(key)
         if f is None:
