@@ -26,8 +26,10 @@ def _nvcc() -> str | None:
 
 
 def _compile_nvcc(nvcc: str, build: kernels.Build, out_dir: str) -> str:
-    out = Path(out_dir) / (build.label().replace(" ", "_").replace("=", "-") + ".ptx")
-    cmd = [nvcc, "-arch=sm_90", "--ptx", "-o", str(out), *kernels.options(build), str(build.path)]
+    stem = "tu_" + build.label().replace(" ", "_").replace("=", "-")  # not the included file's own name
+    src = Path(out_dir) / f"{stem}.cu"
+    src.write_text(build.instantiation_source())
+    cmd = [nvcc, "-arch=sm_90", "--ptx", "-o", str(Path(out_dir) / f"{stem}.ptx"), *kernels.options(build), str(src)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     return "" if p.returncode == 0 else f"{' '.join(cmd)}\n{p.stdout}{p.stderr}"
 
@@ -35,7 +37,8 @@ def _compile_nvcc(nvcc: str, build: kernels.Build, out_dir: str) -> str:
 def _compile_nvrtc(build: kernels.Build) -> str:
     from cupy.cuda import compiler
     try:
-        compiler.compile_using_nvrtc(build.path.read_text(), kernels.options(build), arch="90")
+        compiler.compile_using_nvrtc(build.path.read_text(), kernels.options(build), arch="90",
+                                     name_expressions=list(build.instances) or None)
     except compiler.CompileException as e:
         return str(e)
     return ""
@@ -74,6 +77,14 @@ def test_per_qtype_builds_follow_the_model_types():
     got = kernels.builds(["Q4_K", "Q6_K"])
     mv = [dict(b.defines)["STRATA_QT"] for b in got if b.name == "matvec"]
     assert mv == ["12", "14"]
+
+
+def test_qt_templates_are_instantiated_for_every_type(tmp_path):
+    p = tmp_path / "t.cu"
+    p.write_text("template <int QT>\n__global__ void k1(int a) {}\ntemplate <int NV> __global__ void k2() {}\n")
+    (b,) = kernels.parse_builds(p)
+    assert b.instances == tuple(f"k1<{q.id}>" for q in kernels.QTYPES.values())
+    assert "(void*)&k1<12>" in b.instantiation_source()
 
 
 def test_bad_build_line_is_refused(tmp_path):

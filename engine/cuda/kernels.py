@@ -7,6 +7,9 @@ Each .cu file declares the variants the engine builds in comment lines, so the l
     // @build HEAD_DIM=128 NQ=4    one variant with these defines (any number of such lines)
     (no @build line)               one variant without defines
 
+A kernel template over a quant type names its parameter QT (`template <int QT> __global__ void mv(...)`): every
+variant instantiates it for each quant type (NVRTC name expressions `mv<12>`; the nvcc test takes their addresses), so
+a template that does not compile for some type fails the test even before a model of that type is loaded.
 `compile_all()` builds every declared variant (or those for the model's quant types) before the worker prints READY,
 so no kernel compiles mid-request. `load(name, defines)` returns the cached module for any defines, declared or not.
 """
@@ -25,6 +28,8 @@ from engine.cuda.quant_types import QTYPES, qtype
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 STD = "-std=c++17"
 _BUILD_RE = re.compile(r"^\s*//\s*@build\b(.*)$")
+_QT_TEMPLATE_RE = re.compile(r"template\s*<\s*int\s+QT\s*>\s*(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+                             r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)\s*\(")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class Build:
     """One module to compile: cuda_src/<name>.cu with these defines."""
     name: str
     defines: tuple[tuple[str, str], ...] = ()
+    instances: tuple[str, ...] = ()  # template instantiations, e.g. "mv<12>"
 
     @property
     def path(self) -> Path:
@@ -43,6 +49,13 @@ class Build:
     def label(self) -> str:
         return self.name + "".join(f" {k}={v}" for k, v in self.defines)
 
+    def instantiation_source(self) -> str:
+        """This build as one nvcc translation unit: the file, then a host function taking the address of every
+        template instance (which makes nvcc compile each one, as NVRTC's name expressions do)."""
+        refs = "".join(f"    out[{i}] = (void*)&{e};\n" for i, e in enumerate(self.instances))
+        tail = f"void strata_instantiate_all(void** out) {{\n{refs}}}\n" if self.instances else ""
+        return f'#include "{self.path.name}"\n{tail}'
+
 
 def _norm_defines(defines) -> tuple[tuple[str, str], ...]:
     items = defines.items() if isinstance(defines, dict) else (defines or ())
@@ -52,9 +65,12 @@ def _norm_defines(defines) -> tuple[tuple[str, str], ...]:
 def parse_builds(path: Path, qtypes=None) -> list[Build]:
     """The variants a .cu file declares; per-qtype variants only for `qtypes` (names or ids) when given."""
     wanted = None if qtypes is None else {qtype(t).name for t in qtypes}
+    text = path.read_text()
+    ids = [q.id for q in QTYPES.values() if wanted is None or q.name in wanted]
+    instances = tuple(f"{k}<{i}>" for k in _QT_TEMPLATE_RE.findall(text) for i in ids)
     out: list[Build] = []
     declared = False
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         m = _BUILD_RE.match(line)
         if not m:
             continue
@@ -72,11 +88,11 @@ def parse_builds(path: Path, qtypes=None) -> list[Build]:
         if per_qtype:
             for q in QTYPES.values():
                 if wanted is None or q.name in wanted:
-                    out.append(Build(path.stem, _norm_defines(fixed + [("STRATA_QT", str(q.id))])))
+                    out.append(Build(path.stem, _norm_defines(fixed + [("STRATA_QT", str(q.id))]), instances))
         else:
-            out.append(Build(path.stem, _norm_defines(fixed)))
+            out.append(Build(path.stem, _norm_defines(fixed), instances))
     if not declared:
-        out.append(Build(path.stem))
+        out.append(Build(path.stem, (), instances))
     return out
 
 
@@ -104,17 +120,20 @@ def options(build: Build) -> tuple[str, ...]:
 _modules: dict[Build, object] = {}
 
 
-def load(name: str, defines=None):
-    """The compiled cupy.RawModule for cuda_src/<name>.cu with these defines (compiled once per process)."""
-    build = Build(name, _norm_defines(defines))
+def load(name: str, defines=None, qtypes=None):
+    """The compiled cupy.RawModule for cuda_src/<name>.cu with these defines (compiled once per process); its QT
+    templates are instantiated for `qtypes` (all types when None): get them with get_function("mv<12>")."""
+    path = CUDA_SRC / f"{name}.cu"
+    if not path.is_file():
+        raise FileNotFoundError(f"no kernel source {path}; the cuda_src/ folder is incomplete")
+    instances = parse_builds(path, qtypes)[0].instances
+    build = Build(name, _norm_defines(defines), instances)
     mod = _modules.get(build)
     if mod is not None:
         return mod
     import cupy
 
-    if not build.path.is_file():
-        raise FileNotFoundError(f"no kernel source {build.path}; the cuda_src/ folder is incomplete")
-    mod = cupy.RawModule(code=build.path.read_text(), options=options(build))
+    mod = cupy.RawModule(code=path.read_text(), options=options(build), name_expressions=instances or None)
     try:
         mod.compile()  # NVRTC runs here, not at the first launch
     except cupy.cuda.compiler.CompileException as e:
@@ -139,7 +158,7 @@ def compile_all(qtypes=None, log=sys.stderr) -> int:
     t0 = time.perf_counter()
     todo = builds(qtypes)
     for b in todo:
-        load(b.name, dict(b.defines))
+        load(b.name, dict(b.defines), qtypes)
     if log is not None:
         print(f"kernels: {len(todo)} modules ready in {time.perf_counter() - t0:.1f} s", file=log, flush=True)
     return len(todo)

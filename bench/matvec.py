@@ -1,0 +1,142 @@
+"""Quantized mat-vec bandwidth on the GPU: GB/s of weights (+ activations) read per launch, against HBM's ceiling.
+
+    python bench/matvec.py [--quick] [--out results.json]
+
+Each case cycles through enough copies of its matrix (>= 400 MB together) that the 50 MB L2 cannot serve them, and is
+timed as a replayed CUDA graph of launches, so neither the L2 nor Python's launch cost flatters the figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.cuda.kernels import quant_function  # noqa: E402
+from engine.cuda.quant_types import NAMES, qtype, random_rows  # noqa: E402
+
+HBM_CEILING = 4.4e12  # bytes/s (DESIGN §5: 4,454 GB/s measured HBM read)
+
+# (type, rows, cols, vectors, what)
+SHAPES = [
+    ("Q6_K", 151936, 2048, 1, "Qwen3 output head"),
+    ("Q4_K", 151936, 2048, 1, "Qwen3 output head at Q4_K"),
+    ("Q4_K", 4096, 2048, 1, "Qwen3-30B q_proj"),
+    ("Q4_K", 2048, 4096, 1, "Qwen3-30B o_proj"),
+    ("Q4_K", 768, 2048, 1, "one expert's gate"),
+    ("Q4_K", 2048, 768, 1, "one expert's down"),
+    ("Q4_K", 16384, 8192, 1, "large Q4_K"),
+    ("Q4_K", 16384, 8192, 4, "large Q4_K, 4 vectors"),
+    ("Q4_K", 16384, 8192, 8, "large Q4_K, 8 vectors"),
+    ("Q8_0", 49152, 576, 1, "SmolLM2 embeddings as head"),
+    ("Q4_1", 49152, 576, 1, "SmolLM2 head at Q4_1"),
+]
+SWEEP = (8192, 8192)  # every type at this shape
+
+
+def measure_copy(cp, nbytes=1 << 30) -> float:
+    """Device-to-device copy, read + write bytes per second (the practical HBM figure on this card)."""
+    a = cp.empty(nbytes, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    b[...] = a
+    cp.cuda.Device().synchronize()
+    t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+    t0.record()
+    for _ in range(10):
+        b[...] = a
+    t1.record()
+    t1.synchronize()
+    return 2 * nbytes * 10 / (cp.cuda.get_elapsed_time(t0, t1) / 1e3)
+
+
+def bench_case(cp, name, nrows, ncols, nv, rng, min_total=400e6, reps=5):
+    q = qtype(name)
+    row_bytes = q.row_bytes(ncols)
+    mat_bytes = nrows * row_bytes
+    copies = max(1, math.ceil(min_total / mat_bytes))
+    w_host = random_rows(name, nrows, ncols, rng)
+    w_one = cp.asarray(w_host)
+    ws = [w_one] + [w_one.copy() for _ in range(copies - 1)]
+    x = cp.asarray(rng.standard_normal((nv, ncols), dtype=np.float32))
+    y = cp.empty((nv, nrows), dtype=cp.float32)
+    fn = quant_function("matvec", f"matvec_nv{nv}", name)
+    grid = ((nrows + 3) // 4,)
+    args = lambda w: (w, np.int64(row_bytes), x, np.int32(ncols), y, np.int32(nrows), np.int32(nrows),  # noqa: E731
+                      np.int32(ncols))
+    launches = max(copies, 20)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for w in ws:
+            fn(grid, (128,), args(w))
+        stream.synchronize()
+        graph = None
+        try:
+            stream.begin_capture()
+            for i in range(launches):
+                fn(grid, (128,), args(ws[i % copies]))
+            graph = stream.end_capture()
+        except Exception as e:  # capture unsupported: time plain launches (host launch cost included)
+            print(f"  (no CUDA graph: {type(e).__name__}: {e}; timing plain launches)", file=sys.stderr)
+        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+        best = float("inf")
+        for _ in range(reps):
+            t0.record(stream)
+            if graph is not None:
+                graph.launch(stream)
+            else:
+                for i in range(launches):
+                    fn(grid, (128,), args(ws[i % copies]))
+            t1.record(stream)
+            t1.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(t0, t1) / 1e3 / launches)
+    moved = mat_bytes + nv * (ncols + nrows) * 4
+    del ws, w_one
+    cp.get_default_memory_pool().free_all_blocks()
+    return {"type": name, "rows": nrows, "cols": ncols, "nv": nv, "mb": mat_bytes / 1e6, "us": best * 1e6,
+            "gbps": moved / best / 1e9, "of_hbm": moved / best / HBM_CEILING}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="only the named shapes, no sweep over every type")
+    ap.add_argument("--out", type=Path, help="write the rows as JSON here too")
+    args = ap.parse_args(argv)
+    import cupy as cp
+
+    rng = np.random.default_rng(0)
+    dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    t0 = time.perf_counter()
+    cases = [(n, r, c, v, what) for n, r, c, v, what in SHAPES]
+    if not args.quick:
+        cases += [(n, *SWEEP, 1, "sweep") for n in NAMES]
+    # compile first so the timings below are kernels only
+    for n in sorted({c[0] for c in cases}):
+        for v in sorted({c[3] for c in cases if c[0] == n}):
+            quant_function("matvec", f"matvec_nv{v}", n)
+    print(f"# {dev['name'].decode() if isinstance(dev['name'], bytes) else dev['name']}: "
+          f"compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    copy_bps = measure_copy(cp)
+    print(f"# device copy (read+write): {copy_bps / 1e9:,.0f} GB/s; HBM ceiling used below: "
+          f"{HBM_CEILING / 1e9:,.0f} GB/s", flush=True)
+    hdr = f"{'type':8s} {'rows x cols':>14s} {'nv':>2s} {'MB':>8s} {'us':>9s} {'GB/s':>7s} {'of 4.4 TB/s':>11s}  what"
+    print(hdr)
+    rows = []
+    for n, r, c, v, what in cases:
+        res = bench_case(cp, n, r, c, v, rng)
+        res["what"] = what
+        rows.append(res)
+        print(f"{n:8s} {r:>6d} x {c:<6d} {v:>2d} {res['mb']:8.1f} {res['us']:9.1f} {res['gbps']:7.0f} "
+              f"{res['of_hbm'] * 100:10.0f}%  {what}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"device_copy_gbps": copy_bps / 1e9, "hbm_ceiling_gbps": HBM_CEILING / 1e9,
+                                        "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""cuda_src/quant.cuh against gguf.quants.dequantize, for every quant type.
+
+Host tests (no GPU): quant.cuh compiled for the CPU (STRATA_HOST) with g++/nvcc runs dequant8 and dot_row on fresh
+random blocks. GPU tests (marked gpu): dequant.cu (fp32 and fp16 outputs) and matvec.cu (1..8 vectors) on the device,
+outputs poisoned with NaN first, against gguf's dequantize and NumPy's matrix product.
+"""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+
+from engine.cuda.kernels import CUDA_SRC
+from engine.cuda.quant_types import NAMES, qtype, random_rows
+
+HOST_MAIN = r"""
+#define STRATA_HOST
+#include "quant.cuh"
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+template <int Q> static void run(const std::vector<uint8_t>& in, int ncols, const std::vector<float>& x,
+                                 std::vector<float>& out, std::vector<float>& dots) {
+    constexpr int QK = QTraits<Q>::QK, B = QTraits<Q>::BYTES;
+    const size_t nb = in.size() / B, rb = (size_t)ncols / QK * B, nrows = in.size() / rb;
+    out.assign(nb * QK, 0.f);
+    for (size_t b = 0; b < nb; b++)
+        for (int j = 0; j < QK / 8; j++) {
+            float v[8];
+            dequant8<Q>(in.data() + b * B, j, v);
+            for (int k = 0; k < 8; k++) out[b * QK + j * 8 + k] = v[k];
+        }
+    dots.assign(nrows, 0.f);
+    for (size_t r = 0; r < nrows; r++)
+        for (int lane = 0; lane < 32; lane++) dots[r] += dot_row<Q>(in.data() + r * rb, x.data(), ncols, lane);
+}
+int main(int argc, char** argv) {
+    if (argc != 6) { fprintf(stderr, "usage: qt ncols blocks.bin x.bin out.bin\n"); return 2; }
+    const int qt = atoi(argv[1]), ncols = atoi(argv[2]);
+    std::vector<uint8_t> in; std::vector<float> x(ncols), out, dots;
+    FILE* f = fopen(argv[3], "rb"); int c; while ((c = fgetc(f)) != EOF) in.push_back((uint8_t)c); fclose(f);
+    f = fopen(argv[4], "rb"); if (fread(x.data(), 4, ncols, f) != (size_t)ncols) return 3; fclose(f);
+    switch (qt) {
+#define CASE(T) case STRATA_Q_##T: run<STRATA_Q_##T>(in, ncols, x, out, dots); break;
+        STRATA_FOR_EACH_QTYPE(CASE)
+        default: fprintf(stderr, "unknown type %d\n", qt); return 2;
+    }
+    f = fopen(argv[5], "wb"); fwrite(out.data(), 4, out.size(), f); fwrite(dots.data(), 4, dots.size(), f); fclose(f);
+    return 0;
+}
+"""
+
+
+def _host_compiler() -> list[str] | None:
+    for cxx in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if cxx and shutil.which(cxx):
+            return [cxx]
+    return None
+
+
+@pytest.fixture(scope="module")
+def host_bin(tmp_path_factory):
+    cxx = _host_compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++/c++/clang++ or $CXX) to build quant.cuh for the host")
+    d = tmp_path_factory.mktemp("quant_host")
+    (d / "main.cpp").write_text(HOST_MAIN)
+    exe = d / "quant_host"
+    p = subprocess.run([*cxx, "-O1", "-std=c++17", f"-I{CUDA_SRC}", str(d / "main.cpp"), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, f"quant.cuh does not compile for the host:\n{p.stderr[-3000:]}"
+    return exe
+
+
+def _sizes(name: str) -> list[tuple[int, int]]:
+    qk = qtype(name).qk
+    return [(1, qk), (3, 4 * qk), (5, 1024 if qk < 256 else 2048)]
+
+
+def _ref(rows: np.ndarray, name: str) -> np.ndarray:
+    return dequantize(rows, qtype(name).ggml).astype(np.float32).reshape(rows.shape[0], -1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_host_dequant8_and_dot_row_match_gguf(host_bin, tmp_path, name):
+    q = qtype(name)
+    rng = np.random.default_rng(1000 + q.id)
+    for n_rows, ncols in _sizes(name):
+        rows = random_rows(name, n_rows, ncols, rng)
+        x = rng.standard_normal(ncols, dtype=np.float32)
+        rows.tofile(tmp_path / "in.bin")
+        x.tofile(tmp_path / "x.bin")
+        (tmp_path / "out.bin").write_bytes(b"\xff" * 8)  # stale bytes must be overwritten
+        subprocess.run([str(host_bin), str(q.id), str(ncols), str(tmp_path / "in.bin"), str(tmp_path / "x.bin"),
+                        str(tmp_path / "out.bin")], check=True)
+        out = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
+        ref = _ref(rows, name)
+        assert out.size == ref.size + n_rows
+        np.testing.assert_allclose(out[:ref.size].reshape(ref.shape), ref, rtol=1e-6, atol=0,
+                                   err_msg=f"{name} dequant8 {n_rows}x{ncols}")
+        want = ref.astype(np.float64) @ x
+        scale = np.abs(ref).astype(np.float64) @ np.abs(x)
+        assert np.all(np.abs(out[ref.size:] - want) <= 1e-5 * scale), f"{name} dot_row {n_rows}x{ncols}"
+
+
+def test_random_rows_refuses_a_ragged_row():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        random_rows("Q4_K", 1, 100, np.random.default_rng(0))
+
+
+def test_unknown_type_names_the_supported_ones():
+    with pytest.raises(ValueError, match="supported: F32"):
+        qtype("TQ1_0")
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+def _launch_dequant(cp, name, rows, out_dtype):
+    from engine.cuda.kernels import quant_function
+    q = qtype(name)
+    src = cp.asarray(rows.reshape(-1))
+    n_blocks = rows.size // q.block_bytes
+    dst = cp.full(n_blocks * q.qk + 64, np.nan, dtype=out_dtype)  # poisoned, with a tail that must stay untouched
+    fn = quant_function("dequant", "dequant_f32" if out_dtype == np.float32 else "dequant_f16", name)
+    threads = 256
+    blocks = min(4096, max(1, (n_blocks * q.qk // 8 + threads - 1) // threads))
+    fn((blocks,), (threads,), (src, dst, np.int64(n_blocks)))
+    out = cp.asnumpy(dst)
+    return out[:-64], out[-64:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_dequant_matches_gguf(cp, name):
+    rng = np.random.default_rng(2000 + qtype(name).id)
+    for n_rows, ncols in _sizes(name) + [(37, 4096)]:
+        rows = random_rows(name, n_rows, ncols, rng)
+        ref = _ref(rows, name).reshape(-1)
+        # nvcc fuses d*q + m into one fma (numpy rounds twice): allow an ulp of the block's scale
+        atol = 1e-6 * float(np.abs(ref).max())
+        got32, tail32 = _launch_dequant(cp, name, rows, np.float32)
+        np.testing.assert_allclose(got32, ref, rtol=1e-6, atol=atol, err_msg=f"{name} f32 {n_rows}x{ncols}")
+        assert np.isnan(tail32).all(), f"{name} dequant_f32 wrote past its output"
+        got16, tail16 = _launch_dequant(cp, name, rows, np.float16)
+        np.testing.assert_allclose(got16.astype(np.float32), ref, rtol=2.0 ** -11, atol=atol + 2.0 ** -24,
+                                   err_msg=f"{name} f16 {n_rows}x{ncols}")
+        assert np.isnan(tail16).all(), f"{name} dequant_f16 wrote past its output"
+
+
+def matvec(cp, name, w_rows, x, row_stride=None, pad_rows_out=3):
+    """y (nv, nrows) = x (nv, ncols) @ W.T through matvec_nv<nv>; y poisoned with NaN first, with a tail checked."""
+    from engine.cuda.kernels import quant_function
+    nv, ncols = x.shape
+    nrows = w_rows.shape[0]
+    row_stride = row_stride or w_rows.shape[1]
+    wd = cp.asarray(w_rows)
+    xd = cp.asarray(x, dtype=cp.float32)
+    ldy = nrows + pad_rows_out
+    yd = cp.full((nv, ldy), np.nan, dtype=cp.float32)
+    fn = quant_function("matvec", f"matvec_nv{nv}", name)
+    fn(((nrows + 3) // 4,), (128,), (wd, np.int64(row_stride), xd, np.int32(ncols), yd, np.int32(ldy),
+                                     np.int32(nrows), np.int32(ncols)))
+    y = cp.asnumpy(yd)
+    return y[:, :nrows], y[:, nrows:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_matvec_matches_numpy(cp, name):
+    q = qtype(name)
+    rng = np.random.default_rng(3000 + q.id)
+    for (n_rows, ncols), nv in zip(_sizes(name) + [(300, 2048 + 2 * 256)], (1, 3, 8, 2)):
+        rows = random_rows(name, n_rows, ncols, rng)
+        x = rng.standard_normal((nv, ncols), dtype=np.float32)
+        y, tail = matvec(cp, name, rows, x)
+        w = _ref(rows, name).astype(np.float64)
+        want = x.astype(np.float64) @ w.T
+        scale = np.abs(x).astype(np.float64) @ np.abs(w).T
+        assert np.all(np.abs(y - want) <= 1e-3 * np.abs(want) + 1e-5 * scale), f"{name} {n_rows}x{ncols} nv={nv}"
+        assert np.isnan(tail).all(), f"{name} matvec wrote past nrows"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "F16", "IQ2_XS"])
+def test_gpu_matvec_row_stride_skips_padding(cp, name):
+    # rows inside a wider buffer (a slab with padding): bytes past each row are garbage the kernel must not read
+    q = qtype(name)
+    rng = np.random.default_rng(4000 + q.id)
+    ncols = 512
+    rows = random_rows(name, 9, ncols, rng)
+    stride = rows.shape[1] + 64
+    padded = np.full((9, stride), 0xFF, dtype=np.uint8)
+    padded[:, :rows.shape[1]] = rows
+    x = rng.standard_normal((1, ncols), dtype=np.float32)
+    y, _ = matvec(cp, name, padded, x, row_stride=stride)
+    want = x.astype(np.float64) @ _ref(rows, name).astype(np.float64).T
+    np.testing.assert_allclose(y, want, rtol=1e-3, atol=1e-4)
