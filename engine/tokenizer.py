@@ -391,6 +391,7 @@ class Tokenizer:
                     self.attr[self.vocab[t]] = (self.attr[self.vocab[t]] | ATTR_RSTRIP) if on else \
                         (self.attr[self.vocab[t]] & ~ATTR_RSTRIP)
         self._cache: dict[str, tuple[int, ...]] = {}
+        self._spm_pairs: set[str] | None = None
 
     # ----------------------------------------------------------------------------------------------------------------
     def _find_eog(self, md: dict) -> set[int]:
@@ -609,6 +610,30 @@ class Tokenizer:
 
     # ---- SentencePiece ---------------------------------------------------------------------------------------------
     def _encode_spm(self, text: str) -> list[int]:
+        """SentencePiece works on the whole text, but no merge can cross a place where the two characters either
+        side occur together in no token: cut there (before a ▁) and the pieces tokenize alone, exactly as in one
+        piece, so they can be cached like BPE words and the heap stays small."""
+        if self._spm_pairs is None:
+            self._spm_pairs = {t[i:i + 2] for t in self.tokens for i in range(len(t) - 1)}
+        pairs, cache, out = self._spm_pairs, self._cache, []
+        start, i = 0, text.find(_SPM_SPACE, 1)
+        while i >= 0 or start < len(text):
+            if i < 0:
+                i = len(text)
+            elif text[i - 1:i + 1] in pairs:
+                i = text.find(_SPM_SPACE, i + 1)
+                continue
+            piece = text[start:i]
+            ids = cache.get(piece)
+            if ids is None:
+                ids = self._spm_piece(piece)
+                if len(cache) < 500_000:
+                    cache[piece] = ids
+            out.extend(ids)
+            start, i = i, (text.find(_SPM_SPACE, i + 1) if i < len(text) else -1)
+        return out
+
+    def _spm_piece(self, text: str) -> tuple[int, ...]:
         vocab, scores = self.vocab, self.scores
 
         def priority(a, b):
@@ -622,7 +647,7 @@ class Tokenizer:
                 out.append(i)
             else:
                 out.extend(self._byte_token(b) for b in s.encode("utf-8", errors="surrogatepass"))
-        return out
+        return tuple(out)
 
     def _byte_token(self, b: int) -> int:
         i = self.vocab.get(f"<0x{b:02X}>")

@@ -181,3 +181,14 @@ def test_pre_tokenizer_splits():
                                        "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": [],
                                        "tokenizer.ggml.add_bos_token": False})
         assert tok.pretokenize(text) == want, pre
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "phi-3"])
+def test_spm_cut_points_change_nothing(fixtures_dir, name):
+    # SentencePiece text is cut where no token can span; the ids must equal one merge over the whole text
+    from bench.tokenizer import mixed_text
+    from engine.tokenizer import _SPM_SPACE
+    tok = Tokenizer.from_gguf(fixtures_dir / "vocab" / f"ggml-vocab-{name}.gguf")
+    text = mixed_text(20_000, seed=3) + "  a\u00a0  b\n\n\n  \t x  "
+    whole = list(tok._spm_piece((" " + text).replace(" ", _SPM_SPACE)))
+    assert tok.encode(text, add_special=False) == whole
