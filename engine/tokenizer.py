@@ -319,7 +319,8 @@ class Tokenizer:
         types = md.get("tokenizer.ggml.token_type") or [1] * n
         scores = md.get("tokenizer.ggml.scores") or [0.0] * n
         if len(types) < n or len(scores) < n:
-            raise TokenizerError(f"tokenizer.ggml.token_type/scores are shorter than the {n} tokens; the file is damaged")
+            raise TokenizerError(f"tokenizer.ggml.token_type or .scores is shorter than the {n} tokens; the file is "
+                                 f"damaged: download or convert it again")
         self.attr = [_TYPE_TO_ATTR.get(t, ATTR_UNDEFINED) for t in types[:n]]
         self.scores = [float(x) for x in scores[:n]]
         self.chat_template: str | None = md.get("tokenizer.chat_template")
@@ -335,8 +336,9 @@ class Tokenizer:
             self.kind = "bpe"
             pre = md.get("tokenizer.ggml.pre") or "default"
             if pre not in _PRE:
-                raise TokenizerError(f"unknown pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: "
-                                     f"{', '.join(PRE_TOKENIZERS)}")
+                raise TokenizerError(f"unknown pre-tokenizer tokenizer.ggml.pre={pre!r} (supported: "
+                                     f"{', '.join(PRE_TOKENIZERS)}); this model's vocabulary needs support added "
+                                     f"in engine/tokenizer.py")
             self.pre = pre
             flags = _PRE[pre][1]
             self.ignore_merges = flags.get("ignore_merges", False)
@@ -346,7 +348,8 @@ class Tokenizer:
                 bos = flags["bos_id"]
             merges = md.get("tokenizer.ggml.merges")
             if merges is None:
-                raise TokenizerError("a gpt2 vocabulary without tokenizer.ggml.merges")
+                raise TokenizerError("a gpt2 (BPE) vocabulary without tokenizer.ggml.merges; the file is incomplete: "
+                                     "convert it again with llama.cpp's convert_hf_to_gguf.py")
             # Keyed by the merge line itself ("left right"): byte-level symbols never hold a space (it is "Ġ"), so
             # looking up left + " " + right finds exactly llama.cpp's pair; reversed so the first duplicate wins.
             self.ranks: dict[str, int] = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
