@@ -152,7 +152,7 @@ class Service:
     def _run(self, job: Job) -> None:
         if job.cancel.is_set():
             if job.kind == "gen":
-                self._record(job, Result("cancel"), None, time.time())
+                self._record(job, Result("cancel", prompt_tokens=len(job.prompt)), None, time.time())
             return
         if job.kind == "load":
             try:

@@ -22,6 +22,7 @@ from engine.protocol import GenRequest
 FIRST_CHUNK_TOK_S = 50.0   # the slowest prompt rate we allow for before the first PP arrives
 CHUNK_SLACK = 3.0          # after a PP, the next chunk may take this many times the previous one
 TAIL_LINES = 20
+START_SILENCE_MIN_S = 30.0  # loading may be silent for this long even under a small engine_silence_s
 _EOF = object()
 
 
@@ -137,14 +138,14 @@ class Worker:
         threading.Thread(target=self._write, args=(self.proc, self._wq), daemon=True,
                          name=f"worker-write-{self.proc.pid}").start()
         last = time.monotonic()
+        allowance = max(self.silence_s, START_SILENCE_MIN_S)
         while True:
-            line = self._get(last + self.silence_s if self.silence_s else None)
+            line = self._get(last + allowance if self.silence_s else None)
             if line is None:
-                self.kill(f"it printed nothing for {self.silence_s:g} s while loading")
+                self.kill(f"it printed nothing for {allowance:g} s while loading")
                 raise WorkerStartError(
-                    f"the worker printed nothing for {self.silence_s:g} s while loading (engine_silence_s) and was "
-                    f"stopped; raise engine_silence_s if loading takes longer. Last lines of its log:\n"
-                    f"{self.log_tail()}")
+                    f"the worker printed nothing for {allowance:g} s while loading and was stopped; raise "
+                    f"engine_silence_s if loading takes longer. Last lines of its log:\n{self.log_tail()}")
             if line is _EOF:
                 rc = self._reap()
                 raise WorkerStartError(

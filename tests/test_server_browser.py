@@ -93,15 +93,26 @@ def test_chat_stream_stop_and_monitor(tmp_path, fixtures_dir):
         driver.quit()
 
 
-def test_dense_model_shows_no_experts(tmp_path, fixtures_dir):
+def test_reasoning_collapsed_and_dense_model_shows_no_experts(tmp_path, fixtures_dir):
     driver = browser_or_skip()
     from selenium.webdriver.common.by import By
-    cfg = make_config(tmp_path, fixtures_dir / "vocab" / "tiny-bpe-1024.gguf")
+    # Qwen3.5's template opens <think> in the prompt; a budget of 3 tokens closes it, then the answer follows.
+    cfg = make_config(tmp_path, fixtures_dir / "vocab" / "tiny-bpe-1024.gguf", reasoning_budget_tokens=3)
     try:
-        with running_server(cfg, tiny_codec(fixtures_dir)) as (httpd, base):
-            import requests
-            requests.post(base + "/load", timeout=30)
+        with running_server(cfg, tiny_codec(fixtures_dir, "Qwen3.5-4B.jinja")) as (httpd, base):
             driver.get(base + "/")
+            driver.execute_script("localStorage.clear()")
+            driver.get(base + "/")
+            driver.find_element(By.ID, "input").send_keys("think about it")
+            driver.find_element(By.ID, "send").click()
+            wait_for(lambda: driver.find_element(By.ID, "send").is_enabled() and
+                     driver.find_elements(By.CSS_SELECTOR, ".msg.assistant details"), "the answer with reasoning")
+            details = driver.find_element(By.CSS_SELECTOR, ".msg.assistant details")
+            assert details.get_attribute("open") is None                   # collapsed
+            assert driver.find_element(By.CSS_SELECTOR, ".msg.assistant .content").text.startswith("user")
+            driver.find_element(By.CSS_SELECTOR, ".msg.assistant summary").click()
+            assert driver.find_element(By.CSS_SELECTOR, ".msg.assistant .reasoning").text
+
             driver.find_element(By.ID, "tab-monitor").click()
             note = wait_for(lambda: driver.find_element(By.ID, "cache-note").text, "the cache note")
             assert note == "no experts: this model is dense"

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from fakes.server_kit import FAKE_WORKER, make_config, metrics, running_server, sse_events, tiny_codec
-from server.worker import Worker, WorkerStartError
+from server.worker import Worker, WorkerStartError, likely_cause
 
 VOCAB = "vocab/tiny-bpe-1024.gguf"
 
@@ -24,7 +24,7 @@ def plan(tmp_path, *starts):
 
 
 def complete(base, prompt="hello there", **kw):
-    return requests.post(base + "/v1/completions", json=dict(prompt=prompt, max_tokens=64, **kw), timeout=60)
+    return requests.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 64, **kw}, timeout=60)
 
 
 def worker_pid(base):
@@ -49,12 +49,12 @@ def test_normal_answer_and_restart_not_needed(tmp_path, fixtures_dir):
 
 def test_silent_mid_answer_is_killed_and_replaced(tmp_path, fixtures_dir):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--silent-after-tokens 3", ""),
-                      engine_silence_s=0.5)
+                      engine_silence_s=1.0)
     with running_server(cfg, tiny_codec(fixtures_dir)) as (httpd, base):
         r = complete(base)
         assert r.status_code == 503
         msg = r.json()["error"]["message"]
-        assert "printed nothing" in msg and "engine_silence_s=0.5" in msg and "next request" in msg
+        assert "printed nothing" in msg and "engine_silence_s=1" in msg and "next request" in msg
         first = httpd.service.worker.proc.pid
         assert gone(first)
         r = complete(base)
@@ -67,7 +67,7 @@ def test_silent_mid_answer_is_killed_and_replaced(tmp_path, fixtures_dir):
 
 def test_silent_mid_stream_ends_the_stream_with_an_error(tmp_path, fixtures_dir):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--silent-after-tokens 4", ""),
-                      engine_silence_s=0.5)
+                      engine_silence_s=1.0)
     with running_server(cfg, tiny_codec(fixtures_dir)) as (httpd, base):
         r = requests.post(base + "/v1/chat/completions", stream=True, timeout=60,
                           json=dict(messages=[{"role": "user", "content": "hi"}], stream=True))
@@ -84,7 +84,7 @@ def test_silent_mid_stream_ends_the_stream_with_an_error(tmp_path, fixtures_dir)
 
 def test_silent_in_prompt_is_killed(tmp_path, fixtures_dir):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--silent-in-prompt", ""),
-                      engine_silence_s=0.5)
+                      engine_silence_s=1.0)
     with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
         r = complete(base)
         assert r.status_code == 503 and "printed nothing" in r.json()["error"]["message"]
@@ -106,7 +106,7 @@ def test_slow_prompt_with_regular_progress_is_not_killed(tmp_path, fixtures_dir)
 def test_ignored_stop_is_killed_within_the_deadline(tmp_path, fixtures_dir):
     # The stop string makes the server send STOP; this worker keeps talking and never finishes the request.
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--ignore-stop --token-delay 0.02", ""),
-                      engine_silence_s=0.5)
+                      engine_silence_s=1.0)
     with running_server(cfg, tiny_codec(fixtures_dir)) as (httpd, base):
         r = complete(base, prompt="abcXdefghij", stop=["X"])
         assert r.status_code == 503
@@ -222,3 +222,46 @@ def test_no_deadline_when_silence_is_zero(tmp_path, fixtures_dir):
     with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
         assert complete(base, prompt="abcdefghijklmnop").status_code == 200
     assert os.path.exists(tmp_path / "worker.log")
+
+
+def test_a_chunk_may_take_three_times_the_previous_one(tmp_path, fixtures_dir):
+    # Every chunk takes twice engine_silence_s: the first is allowed for at 50 tok/s (100 tokens: +2 s), the next
+    # at 3x the one before.
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--chunk", "100", "--pp-delay", "1.5"], engine_silence_s=0.7)
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
+        r = complete(base, prompt=list(range(300, 500)))
+        assert r.status_code == 200, r.text
+        assert r.json()["timings"]["prompt_n"] == 200 and metrics(base)["worker"]["starts"] == 1
+
+
+def test_cancelled_prompt_counts_what_was_read(tmp_path, fixtures_dir):
+    import socket
+    import time
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--chunk", "4", "--pp-delay", "0.1"])
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (httpd, base):
+        body = json.dumps(dict(prompt=list(range(300, 500)), max_tokens=5)).encode()
+        s = socket.create_connection(("127.0.0.1", httpd.server_address[1]), timeout=30)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % len(body)
+                  + body)
+        deadline = time.monotonic() + 20
+        while not (metrics(base)["progress"] or {}).get("position"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        s.close()
+        while not metrics(base)["history"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        h = metrics(base)["history"][0]
+        assert h["finish"] == "cancel" and h["generated"] == 0
+        assert 0 < h["prompt_read"] < 200 and h["prompt_read"] % 4 == 0 and h["prompt_tokens"] == 200
+        assert metrics(base)["totals"]["prompt_read"] == h["prompt_read"]
+
+
+def test_likely_cause():
+    assert "out of memory" in likely_cause(-9, "loading\n")
+    assert "out of memory" in likely_cause(137, "")
+    assert "out of memory" in likely_cause(1, "RuntimeError: CUDA out of memory. Tried to allocate")
+    assert "out of memory" in likely_cause(-6, "step 3\nKilled")
+    assert "watchdog" in likely_cause(3, "watchdog: no progress for 600 s, exiting")
+    assert "SIGSEGV" in likely_cause(-11, "")
+    assert "status 1" in likely_cause(1, "Traceback ...")
