@@ -6,9 +6,44 @@ from __future__ import annotations
 
 import numpy as np
 
+import ctypes
+import re
+
 from engine.arch import build
 from engine.arch.base import KVCache, Weights
 from engine.backend import Backend, ExpertStats
+
+
+class BlasThreads:
+    """Set OpenBLAS's thread count at run time (what OPENBLAS_NUM_THREADS does at start).
+
+    A one-token step is a chain of matrix-vector products bound by memory bandwidth, where a second BLAS thread
+    gains little and, on a busy machine, costs a great deal: OpenBLAS's threads spin-wait for each other, and a
+    SmolLM2 step was measured 8x slower with 2 threads than with 1 while other processes ran. So decode steps use
+    one thread (and so do windows of up to 16 tokens); prompt chunks (real matrix products) keep the library's
+    default. Where NumPy's BLAS is not an OpenBLAS we can reach (another platform or BLAS), nothing changes.
+    """
+
+    def __init__(self):
+        self._set = None
+        self.default = None
+        try:
+            maps = open("/proc/self/maps").read()
+        except OSError:
+            return
+        for path in sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", maps))):
+            lib = ctypes.CDLL(path)
+            for prefix in ("scipy_openblas", "openblas"):
+                for suffix in ("64_", ""):
+                    setter = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+                    getter = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+                    if setter is not None and getter is not None:
+                        self._set, self.default = setter, int(getter())
+                        return
+
+    def use(self, n: int | None) -> None:
+        if self._set is not None:
+            self._set(ctypes.c_int(n or self.default))
 
 
 class CPUBackend(Backend):
@@ -23,6 +58,7 @@ class CPUBackend(Backend):
         self.net = build(model, self.weights, max_context)
         self.kv = KVCache(self.config, max_context)
         self.chunk = chunk
+        self.blas = BlasThreads()
         if warm:
             self.net.warm()
 
@@ -37,6 +73,7 @@ class CPUBackend(Backend):
         if len(bad):
             raise ValueError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.config.n_vocab - 1})")
         outs = []
+        self.blas.use(1 if len(tokens) <= 16 else None)
         # Chunks bound the attention scores' memory (heads x chunk x context) for long prompts.
         for s in range(0, len(tokens), self.chunk):
             part = tokens[s:s + self.chunk]

@@ -154,3 +154,14 @@ def test_context_and_vocabulary_limits(tmp_path):
         be.forward([80])
     with pytest.raises(ValueError, match="cannot truncate"):
         be.truncate(7)
+
+
+def test_blas_thread_switch_round_trips():
+    from engine.backend_cpu import BlasThreads
+    blas = BlasThreads()
+    if blas.default is None:
+        pytest.skip("NumPy's BLAS is not an OpenBLAS reachable here")
+    blas.use(1)
+    assert BlasThreads().default == 1     # a fresh reader sees what the last use() set
+    blas.use(None)
+    assert BlasThreads().default == blas.default
