@@ -26,6 +26,7 @@ from server.text import PromptError
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 MAX_BODY = 32 * 1024 * 1024
 POLL_S = 0.2
+KEEPALIVE_S = 10.0   # an SSE comment this often while nothing else is sent (a long prompt): proxies stay open
 OPEN_PATHS = {"/health"}     # no API key needed (the web app's files are public too: they hold no data)
 
 
@@ -369,21 +370,27 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(200, {"status": "unloaded"})
 
     # --- generation -----------------------------------------------------------------------------------------------
-    def events(self, job: Job):
-        """The job's events, up to done/error; watches the client meanwhile and cancels the job if it leaves."""
-        last_check = time.monotonic()
+    def events(self, job: Job, keepalive_s: float | None = None):
+        """The job's events, up to done/error; watches the client meanwhile and cancels the job if it leaves.
+        With keepalive_s, ("tick",) comes after that long without an event."""
+        last_check = last_event = time.monotonic()
         while True:
             try:
                 ev = job.events.get(timeout=POLL_S)
             except queue.Empty:
                 ev = None
-            if time.monotonic() - last_check >= POLL_S:   # also while events flow: a non-stream client may leave
-                last_check = time.monotonic()
+            now = time.monotonic()
+            if now - last_check >= POLL_S:   # also while events flow: a non-stream client may leave
+                last_check = now
                 if self.client_gone():
                     job.cancel.set()
                     raise ClientGone()
             if ev is None:
+                if keepalive_s is not None and now - last_event >= keepalive_s:
+                    last_event = now
+                    yield ("tick",)
                 continue
+            last_event = now
             yield ev
             if ev[0] in ("done", "error"):
                 return
@@ -592,9 +599,12 @@ class Handler(BaseHTTPRequestHandler):
         raise ApiError(500, "the request ended without a result")
 
     def stream_sse(self, job: Job, first: list, on_delta, on_done, named: bool = False) -> None:
-        """Server-sent events. Headers wait for the first event, so a request refused at once gets its HTTP status."""
-        events = self.events(job)
+        """Server-sent events. Headers wait until the worker has taken the request, so a request refused at once
+        (a prompt that does not fit, a failed start) gets its HTTP status."""
+        events = self.events(job, KEEPALIVE_S)
         ev = next(events)
+        while ev[0] == "tick":
+            ev = next(events)
         if ev[0] == "error":
             raise ApiError(ev[1], ev[2], kind="invalid_request_error" if ev[1] == 400 else "server_error")
         self.close_connection = True
@@ -619,7 +629,10 @@ class Handler(BaseHTTPRequestHandler):
         try:
             send(first)
             while True:
-                if ev[0] == "delta":
+                if ev[0] == "tick":
+                    self.wfile.write(b": keep-alive\n\n")   # a comment: clients ignore it
+                    self.wfile.flush()
+                elif ev[0] == "delta":
                     send(on_delta(ev[1], ev[2]))
                 elif ev[0] == "done":
                     send(on_done(ev[1]))

@@ -255,6 +255,7 @@ class Service:
                     elif ev.kind == "RESUME":
                         if res.passes == 0:
                             res.cached_tokens = ev.value
+                            job.emit("started")     # the worker took the request: a stream can begin
                     elif ev.kind == "REUSED":
                         if stopped_for is None:
                             self._set(phase="generating")

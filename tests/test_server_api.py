@@ -219,3 +219,15 @@ def test_json_bodies_round_trip_unicode(server):
     r = requests.post(base + "/v1/completions", timeout=30,
                       data=json.dumps(dict(prompt="héllo wörld ✓", max_tokens=50)).encode())
     assert r.json()["choices"][0]["text"] == "héllo wörld ✓"
+
+
+def test_stream_keepalive_while_a_prompt_is_read(tmp_path, fixtures_dir, monkeypatch):
+    import server.openai_api as api
+    monkeypatch.setattr(api, "KEEPALIVE_S", 0.2)
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--chunk", "4", "--pp-delay", "0.3"])
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
+        r = requests.post(base + "/v1/completions", json=dict(prompt=list(range(300, 316)), max_tokens=2,
+                                                              stream=True), stream=True, timeout=30)
+        lines = [ln for ln in r.iter_lines(decode_unicode=True) if ln]
+        assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"
+        assert lines.index(": keep-alive") < min(i for i, ln in enumerate(lines) if ln.startswith("data:"))
