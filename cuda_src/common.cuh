@@ -42,6 +42,65 @@ __device__ __forceinline__ float h2f(unsigned short h) {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
+// ---- wide Q4_K reads --------------------------------------------------------------------------------------------
+// quant.cuh's dot_row reads 8 elements per lane per step; for Q4_K (the benchmark model's type) a lane here takes a
+// 16-byte slice of a block's quants (32 elements: 16 low nibbles of one sub-block, 16 high of the next) in one load,
+// which halves the load instructions and the dependent rounds per row. Checked against gguf by the same tests.
+
+// scale and min of sub-block s (0..7) of a Q4_K block (ggml get_scale_min_k4)
+__device__ __forceinline__ void q4k_sm(const uint8_t* __restrict__ b, int s, float& sc, float& mn) {
+    const uint8_t* q = b + 4;
+    if (s < 4) {
+        sc = (float)(q[s] & 63);
+        mn = (float)(q[s + 4] & 63);
+    } else {
+        sc = (float)((q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4));
+        mn = (float)((q[s + 4] >> 4) | ((q[s] >> 6) << 4));
+    }
+}
+
+// unit u of a row (8 per 256-element block): bytes 16 + 32j + 16hh of block u/8, j = (u/2)%4, hh = u%2
+__device__ __forceinline__ float q4k_unit(const uint8_t* __restrict__ row, const float* __restrict__ x, int u) {
+    const int blk = u >> 3, j = (u >> 1) & 3, hh = u & 1;
+    const uint8_t* b = row + blk * 144;
+    const uint4 qv = *reinterpret_cast<const uint4*>(b + 16 + 32 * j + 16 * hh);
+    const unsigned int dd = *reinterpret_cast<const unsigned int*>(b);
+    const float d = h2f((unsigned short)(dd & 0xffff)), dmin = h2f((unsigned short)(dd >> 16));
+    float sc0, m0, sc1, m1;
+    q4k_sm(b, 2 * j, sc0, m0);
+    q4k_sm(b, 2 * j + 1, sc1, m1);
+    const float4* x0 = reinterpret_cast<const float4*>(x + blk * 256 + 64 * j + 16 * hh);
+    const float4* x1 = x0 + 8;   // +32 elements: the high nibbles
+    const unsigned int w[4] = {qv.x, qv.y, qv.z, qv.w};
+    float s0 = 0.f, s1 = 0.f, t0 = 0.f, t1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float4 a = x0[i], c = x1[i];
+        const unsigned int q = w[i];
+        s0 += (float)(q & 15) * a.x + (float)((q >> 8) & 15) * a.y + (float)((q >> 16) & 15) * a.z +
+              (float)((q >> 24) & 15) * a.w;
+        s1 += (float)((q >> 4) & 15) * c.x + (float)((q >> 12) & 15) * c.y + (float)((q >> 20) & 15) * c.z +
+              (float)(q >> 28) * c.w;
+        t0 += a.x + a.y + a.z + a.w;
+        t1 += c.x + c.y + c.z + c.w;
+    }
+    return d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * t0 + m1 * t1);
+}
+
+// This lane's partial of row . x: quant.cuh's dot_row, or the wide Q4_K read.
+template <int QT>
+__device__ __forceinline__ float dotw(const uint8_t* __restrict__ row, const float* __restrict__ x, int ncols,
+                                      int lane) {
+    return dot_row<QT>(row, x, ncols, lane);
+}
+template <>
+__device__ __forceinline__ float dotw<STRATA_Q_Q4_K>(const uint8_t* __restrict__ row, const float* __restrict__ x,
+                                                     int ncols, int lane) {
+    float acc = 0.f;
+    for (int u = lane; u < ncols / 32; u += 32) acc += q4k_unit(row, x, u);
+    return acc;
+}
+
 // This lane's partials of two rows' dot products with one x (gate and up): the two rows' loads interleave.
 template <int QT>
 __device__ __forceinline__ void dot2_row(const uint8_t* __restrict__ ra, const uint8_t* __restrict__ rb,
@@ -61,6 +120,17 @@ __device__ __forceinline__ void dot2_row(const uint8_t* __restrict__ ra, const u
             a += wa[i] * xv[i];
             b += wb[i] * xv[i];
         }
+    }
+}
+template <>
+__device__ __forceinline__ void dot2_row<STRATA_Q_Q4_K>(const uint8_t* __restrict__ ra,
+                                                        const uint8_t* __restrict__ rb, const float* __restrict__ x,
+                                                        int ncols, int lane, float& a, float& b) {
+    a = 0.f;
+    b = 0.f;
+    for (int u = lane; u < ncols / 32; u += 32) {
+        a += q4k_unit(ra, x, u);
+        b += q4k_unit(rb, x, u);
     }
 }
 

@@ -12,7 +12,7 @@ __global__ void mv(const uint8_t* __restrict__ W, long long row_bytes, const flo
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= nrows) return;
-    float s = warp_sum(dot_row<QT>(W + (long long)r * row_bytes, x, ncols, lane));
+    float s = warp_sum(dotw<QT>(W + (long long)r * row_bytes, x, ncols, lane));
     if (lane == 0) {
         if (bias) s += bias[r];
         if (gate_logit) s *= 1.f / (1.f + __expf(-gate_logit[0]));
@@ -40,7 +40,7 @@ __global__ void mv3(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ 
             if (r >= n2) return;
         }
     }
-    float s = warp_sum(dot_row<QT>(W + (long long)r * row_bytes, x, ncols, lane));
+    float s = warp_sum(dotw<QT>(W + (long long)r * row_bytes, x, ncols, lane));
     if (lane == 0) y[r] = b ? s + b[r] : s;
 }
 

@@ -39,7 +39,7 @@ __global__ void moe_down(const unsigned long long* __restrict__ table, const int
 #pragma unroll 4
     for (int j = 0; j < k; ++j) {
         const uint8_t* base = reinterpret_cast<const uint8_t*>(table[ids[t * k + j]]);
-        s += weights[t * k + j] * dot_row<QT>(base + down_off + (long long)r * row_bytes,
+        s += weights[t * k + j] * dotw<QT>(base + down_off + (long long)r * row_bytes,
                                               h + ((long long)t * k + j) * n_ff, n_ff, lane);
     }
     s = warp_sum(s);

@@ -14,7 +14,7 @@ from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE, device_add
 U64, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
 NULL = U64(0)
 MV_WARPS = 4           # rows per block in the mat-vec kernels (one warp each)
-ATT_SPLITS = 16
+ATT_TILE = 128        # positions one attention block covers per round (4 warps x 32 lanes)
 
 
 def ptr(a) -> U64:
@@ -104,7 +104,8 @@ class DecodeStep:
             self.kk = f32(c.n_head_kv * c.head_dim)
             self.v = f32(c.n_head_kv * c.head_dim)
             self.att = f32(c.n_head * c.head_dim)
-            self.part = f32(c.n_head * ATT_SPLITS * (2 + c.head_dim))
+            self.splits = max(1, min(64, -(-kv.max_ctx // ATT_TILE)))
+            self.part = f32(c.n_head * self.splits * (2 + c.head_dim))
             k = max(c.n_expert_used, 1)
             self.h = f32(max(c.n_ff, k * c.n_ff_exp, 8))
             self.h2 = f32(max(c.n_ff_shexp, 8))
@@ -134,11 +135,11 @@ class DecodeStep:
                                      ptr(self.rope), ptr(self.state), I32(0), U64(kc), U64(vc), I32(c.n_head),
                                      I32(c.n_head_kv), I32(c.head_dim), I32(c.n_rot),
                                      I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps), I32(self.kv.max_ctx)))
-            self.k("attn_partial")((c.n_head, ATT_SPLITS), (128,),
+            self.k("attn_partial")((c.n_head, self.splits), (128,),
                                    (ptr(self.q), U64(kc), U64(vc), ptr(self.state), I32(0), ptr(self.part),
                                     I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(self.kv.max_ctx), scale))
             self.k("attn_combine")((c.n_head,), (c.head_dim,),
-                                   (ptr(self.part), ptr(self.att), I32(ATT_SPLITS), I32(c.head_dim)))
+                                   (ptr(self.part), ptr(self.att), I32(self.splits), I32(c.head_dim)))
             L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo")
             L.rmsnorm(self.x, ly.ffn_norm, self.xn)
             if c.is_moe:
