@@ -71,3 +71,40 @@ def test_python_m_server_refuses_bad_config_with_one_line(tmp_path, fixtures_dir
     r = subprocess.run([sys.executable, "-m", "server", "--config", str(p)], capture_output=True, text=True,
                        timeout=60, cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
     assert r.returncode == 2 and "engine_silence_s" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_python_m_server_serves_and_quits_on_sigterm(tmp_path, fixtures_dir):
+    import signal
+    import socket
+    import time
+
+    import requests
+    from fakes.server_kit import FAKE_WORKER, ROOT
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = tmp_path / "strata-fake.json"
+    p.write_text(json.dumps(base(fixtures_dir, worker=[sys.executable, str(FAKE_WORKER)], port=port,
+                                 log=str(tmp_path / "w.log"))))
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(p), "--preload"], cwd=str(ROOT),
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).json()["worker"]["alive"]:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
+            time.sleep(0.1)
+        r = requests.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 5}, timeout=30)
+        assert r.json()["choices"][0]["text"] == "hi"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "fake worker: QUIT" in (tmp_path / "w.log").read_text()     # the worker was told to quit
+        assert f"http://127.0.0.1:{port}/" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
