@@ -227,8 +227,10 @@ function drawCache(cache, info) {
   const canvas = $("cache-canvas"), note = $("cache-note");
   if (!cache) {
     canvas.classList.add("hidden");
-    note.textContent = info.n_expert === "0" ? "no experts: this model is dense"
-                     : (info.n_expert ? "no cache picture yet" : "no experts (the worker is not loaded)");
+    if (info.n_expert === "0") note.textContent = "no experts: this model is dense";
+    else if (!info.n_expert) note.textContent = "no cache picture: the worker is not loaded";
+    else if (info.backend === "cpu") note.textContent = "no expert cache: the cpu backend keeps every expert in RAM";
+    else note.textContent = "no cache picture yet (the worker sends one after a request)";
     return;
   }
   canvas.classList.remove("hidden");
