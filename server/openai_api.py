@@ -186,6 +186,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def send_error_json(self, e: ApiError) -> None:
+        if self.command == "POST" and not getattr(self, "_body_read", False):
+            self.close_connection = True     # the unread body would be taken for the next request
         if self.path.startswith("/v1/messages"):
             kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                      404: "not_found_error", 413: "request_too_large", 503: "overloaded_error"}
@@ -217,6 +219,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise ApiError(413, f"the request body is {n} bytes; the limit is {MAX_BODY}", code="body_too_large")
         raw = self.rfile.read(n) if n > 0 else b""
+        self._body_read = True
         try:
             body = json.loads(raw or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -230,7 +233,10 @@ class Handler(BaseHTTPRequestHandler):
         host = self.headers.get("Host")
         if not host:
             raise ApiError(400, "the request has no Host header")
-        name = urlsplit("//" + host).hostname or ""
+        try:
+            name = urlsplit("//" + host).hostname or ""
+        except ValueError:
+            raise ApiError(400, f"the Host header {host!r} is malformed") from None
         if not self._name_allowed(name):
             raise ApiError(403, f"Host {host!r} is not this server's: open it as http://127.0.0.1:{self.server.server_port}"
                            " or http://localhost (requests through foreign host names are refused: DNS rebinding)",
@@ -291,6 +297,7 @@ class Handler(BaseHTTPRequestHandler):
         self._dispatch("POST")
 
     def _dispatch(self, method: str) -> None:
+        self._body_read = False
         url = urlsplit(self.path)
         path = url.path.rstrip("/") or "/"
         try:

@@ -97,3 +97,16 @@ def test_binds_loopback_by_default(tmp_path, fixtures_dir):
     from server.config import validate
     cfg = validate({"model": str(fixtures_dir / "vocab" / "tiny-bpe-1024.gguf")}, tmp_path)
     assert cfg.host == "127.0.0.1" and cfg.port == 8080
+
+
+def test_refused_post_does_not_poison_the_connection(server):
+    # A 401 sent before the body was read must close the connection, or the body would be parsed as a request.
+    s = requests.Session()
+    _, base = server
+    r = s.post(base + "/v1/completions", json=dict(prompt="abc", max_tokens=2), timeout=30)
+    assert r.status_code == 401 and r.headers.get("Connection") == "close"
+    r = s.post(base + "/v1/completions", json=dict(prompt="abc", max_tokens=2), timeout=30,
+               headers={"x-api-key": KEY})
+    assert r.status_code == 200
+    r, _ = raw(server, "GET", "/health", {"Host": "[::1"})
+    assert r.status == 400
