@@ -5,15 +5,12 @@
 
 #define ATT_MAX_DPL 8   // head_dim up to 256 (8 values per lane)
 
-// Grid (n_head, n_split), blockDim 128 (4 warps). n_pos = state[1] + 1 (or n_fixed when state is null).
-// Each warp takes tiles of 32 positions, one per lane: a lane reads its key row with 16-byte loads and computes its
-// score whole, the tile's softmax update is two warp reductions, and the V rows are summed with every lane holding
-// head_dim/32 of the output. part: (n_head, n_split, 2 + head_dim) = running max, sum, weighted V.
+// Grid (n_head, n_split), blockDim 128 (4 warps). n_pos = state[1] + 1 + n_extra (or n_fixed when state is null).
+// part: (n_head, n_split, 2 + head_dim) = m, l, acc.
 extern "C" __global__ void attn_partial(const float* __restrict__ q, const unsigned short* __restrict__ kc,
-                                        const unsigned short* __restrict__ vc, const int* __restrict__ state,
-                                        int n_fixed, float* __restrict__ part, int n_head, int n_head_kv,
-                                        int head_dim, int max_ctx, float scale) {
-    __shared__ __align__(16) float qsh[256];
+                                        const unsigned short* __restrict__ vc, const int* __restrict__ state, int n_fixed,
+                                        float* __restrict__ part, int n_head, int n_head_kv, int head_dim,
+                                        int max_ctx, float scale) {
     __shared__ float sm[4], sl[4];
     __shared__ float sacc[4][256];
     const int h = blockIdx.x, split = blockIdx.y, n_split = gridDim.y;
@@ -23,44 +20,45 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const unsig
     const int p0 = split * chunk, p1 = min(n_pos, p0 + chunk);
     const int kvh = h / (n_head / n_head_kv);
     const int dpl = head_dim / 32;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qsh[d] = q[h * head_dim + d] * scale;
-    __syncthreads();
-    float acc[ATT_MAX_DPL];
+    float qv[ATT_MAX_DPL], acc[ATT_MAX_DPL];
 #pragma unroll
-    for (int i = 0; i < ATT_MAX_DPL; ++i) acc[i] = 0.f;
+    for (int i = 0; i < ATT_MAX_DPL; ++i) {
+        qv[i] = i < dpl ? q[h * head_dim + lane * dpl + i] * scale : 0.f;
+        acc[i] = 0.f;
+    }
     float m = NEG_INF, l = 0.f;
     const unsigned short* kbase = kc + (long long)kvh * max_ctx * head_dim;
     const unsigned short* vbase = vc + (long long)kvh * max_ctx * head_dim;
-    for (int tile = p0 + warp * 32; tile < p1; tile += nw * 32) {
-        const int p = tile + lane;
-        float s = NEG_INF;
-        if (p < p1) {
-            const uint4* kr = reinterpret_cast<const uint4*>(kbase + (long long)p * head_dim);
-            s = 0.f;
-#pragma unroll 4
-            for (int c = 0; c < head_dim / 8; ++c) {
-                const uint4 kv = kr[c];
-                const float* qc = qsh + 8 * c;
-                s += qc[0] * h2f(kv.x & 0xffff) + qc[1] * h2f(kv.x >> 16) + qc[2] * h2f(kv.y & 0xffff) +
-                     qc[3] * h2f(kv.y >> 16) + qc[4] * h2f(kv.z & 0xffff) + qc[5] * h2f(kv.z >> 16) +
-                     qc[6] * h2f(kv.w & 0xffff) + qc[7] * h2f(kv.w >> 16);
+    // Four positions per warp and round: their K loads and dot-product reductions are independent, so they overlap.
+    for (int p = p0 + warp * 4; p < p1; p += nw * 4) {
+        float s[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            float d = 0.f;
+            if (p + u < p1) {
+                const unsigned short* kp = kbase + (long long)(p + u) * head_dim + lane * dpl;
+#pragma unroll
+                for (int i = 0; i < ATT_MAX_DPL; ++i)
+                    if (i < dpl) d += qv[i] * h2f(kp[i]);
             }
+            s[u] = d;
         }
-        const float mn = fmaxf(m, warp_max(s));
+#pragma unroll
+        for (int u = 0; u < 4; ++u) s[u] = p + u < p1 ? warp_sum(s[u]) : NEG_INF;
+        const float mn = fmaxf(fmaxf(m, fmaxf(s[0], s[1])), fmaxf(s[2], s[3]));
         const float corr = __expf(m - mn);
-        const float w = p < p1 ? __expf(s - mn) : 0.f;
-        l = l * corr + warp_sum(w);
+        l *= corr;
 #pragma unroll
         for (int i = 0; i < ATT_MAX_DPL; ++i) acc[i] *= corr;
-        const int nt = min(32, p1 - tile);
-#pragma unroll 8
-        for (int i = 0; i < 32; ++i) {
-            const float wi = __shfl_sync(0xffffffffu, w, i);
-            if (i < nt) {
-                const unsigned short* vp = vbase + (long long)(tile + i) * head_dim + lane * dpl;
 #pragma unroll
-                for (int e = 0; e < ATT_MAX_DPL; ++e)
-                    if (e < dpl) acc[e] += wi * h2f(vp[e]);
+        for (int u = 0; u < 4; ++u) {
+            if (p + u < p1) {
+                const float w = __expf(s[u] - mn);
+                l += w;
+                const unsigned short* vp = vbase + (long long)(p + u) * head_dim + lane * dpl;
+#pragma unroll
+                for (int i = 0; i < ATT_MAX_DPL; ++i)
+                    if (i < dpl) acc[i] += w * h2f(vp[i]);
             }
         }
         m = mn;

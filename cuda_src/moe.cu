@@ -36,7 +36,7 @@ __global__ void moe_down(const unsigned long long* __restrict__ table, const int
     // Lane partials of all k rows first, one warp reduction at the end: the k rows' loads overlap, which is
     // what hides PCIe latency when some of the experts are read in place from host memory.
     float s = 0.f;
-#pragma unroll 4
+#pragma unroll 8
     for (int j = 0; j < k; ++j) {
         const uint8_t* base = reinterpret_cast<const uint8_t*>(table[ids[t * k + j]]);
         s += weights[t * k + j] * dotw<QT>(base + down_off + (long long)r * row_bytes,

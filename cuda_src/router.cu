@@ -59,23 +59,27 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int n_e
                 if (i == (bi >> 5)) v[i] = -1.f;
         }
     }
-    if (lane == 0) {
-        unsigned long long hits = 0;
-        const float div = renorm ? tot : s;
+    // lane j < k writes choice j: the k counter updates and table reads run side by side
+    const float div = renorm ? tot : s;
+    unsigned long long hit = 0;
 #pragma unroll
-        for (int j = 0; j < ROUTER_MAX_K; ++j) {
-            if (j >= k) break;
+    for (int j = 0; j < ROUTER_MAX_K; ++j) {
+        if (j < k && lane == j) {
             const int e = chosen[j];
             ids[t * k + j] = e;
             weights[t * k + j] = chosen_v[j] / div * scale;
             if (counts) atomicAdd(counts + e, 1);
             if (table) {
                 const unsigned long long a = table[e];
-                hits += (a >= slot_lo && a < slot_hi) ? 1ull : 0ull;
+                hit = (a >= slot_lo && a < slot_hi) ? 1ull : 0ull;
             }
         }
-        if (stats) {
-            atomicAdd(stats, hits);
+    }
+    if (stats) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) hit += __shfl_xor_sync(0xffffffffu, hit, o);
+        if (lane == 0) {
+            atomicAdd(stats, hit);
             atomicAdd(stats + 1, (unsigned long long)k);
         }
     }

@@ -14,7 +14,7 @@ from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE, device_add
 U64, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
 NULL = U64(0)
 MV_WARPS = 4           # rows per block in the mat-vec kernels (one warp each)
-ATT_TILE = 128        # positions one attention block covers per round (4 warps x 32 lanes)
+ATT_MIN_SPAN = 16     # fewest positions an attention split covers (4 warps x 4 positions per round)
 
 
 def ptr(a) -> U64:
@@ -104,7 +104,7 @@ class DecodeStep:
             self.kk = f32(c.n_head_kv * c.head_dim)
             self.v = f32(c.n_head_kv * c.head_dim)
             self.att = f32(c.n_head * c.head_dim)
-            self.splits = max(1, min(64, -(-kv.max_ctx // ATT_TILE)))
+            self.splits = max(1, min(32, kv.max_ctx // ATT_MIN_SPAN))
             self.part = f32(c.n_head * self.splits * (2 + c.head_dim))
             k = max(c.n_expert_used, 1)
             self.h = f32(max(c.n_ff, k * c.n_ff_exp, 8))
