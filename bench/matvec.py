@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.cuda.kernels import quant_function  # noqa: E402
+from engine.cuda.kernels import MATVEC_ROWS, matvec_plan, quant_function  # noqa: E402
 from engine.cuda.quant_types import NAMES, qtype, random_rows  # noqa: E402
 
 HBM_CEILING = 4.4e12  # bytes/s (DESIGN §5: 4,454 GB/s measured HBM read)
@@ -56,50 +56,55 @@ def measure_copy(cp, nbytes=1 << 30) -> float:
 
 
 def bench_case(cp, name, nrows, ncols, nv, rng, min_total=400e6, reps=5):
+    """Time every rows-per-warp variant of matvec_r*_nv<nv> on one random matrix; a row dict per variant."""
     q = qtype(name)
     row_bytes = q.row_bytes(ncols)
     mat_bytes = nrows * row_bytes
     copies = max(1, math.ceil(min_total / mat_bytes))
-    w_host = random_rows(name, nrows, ncols, rng)
-    w_one = cp.asarray(w_host)
+    w_one = cp.asarray(random_rows(name, nrows, ncols, rng))
     ws = [w_one] + [w_one.copy() for _ in range(copies - 1)]
     x = cp.asarray(rng.standard_normal((nv, ncols), dtype=np.float32))
     y = cp.empty((nv, nrows), dtype=cp.float32)
-    fn = quant_function("matvec", f"matvec_nv{nv}", name)
-    grid = ((nrows + 3) // 4,)
-    args = lambda w: (w, np.int64(row_bytes), x, np.int32(ncols), y, np.int32(nrows), np.int32(nrows),  # noqa: E731
-                      np.int32(ncols))
     launches = max(copies, 20)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        for w in ws:
-            fn(grid, (128,), args(w))
-        stream.synchronize()
-        graph = None
-        try:
-            stream.begin_capture()
-            for i in range(launches):
-                fn(grid, (128,), args(ws[i % copies]))
-            graph = stream.end_capture()
-        except Exception as e:  # capture unsupported: time plain launches (host launch cost included)
-            print(f"  (no CUDA graph: {type(e).__name__}: {e}; timing plain launches)", file=sys.stderr)
-        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
-        best = float("inf")
-        for _ in range(reps):
-            t0.record(stream)
-            if graph is not None:
-                graph.launch(stream)
-            else:
-                for i in range(launches):
-                    fn(grid, (128,), args(ws[i % copies]))
-            t1.record(stream)
-            t1.synchronize()
-            best = min(best, cp.cuda.get_elapsed_time(t0, t1) / 1e3 / launches)
     moved = mat_bytes + nv * (ncols + nrows) * 4
+    _, _, _, planned = matvec_plan(nrows, nv)
+    out = []
+    for r in MATVEC_ROWS[nv]:
+        kernel, grid, block, _ = matvec_plan(nrows, nv, r)
+        fn = quant_function("matvec", kernel, name)
+        args = lambda w: (w, np.int64(row_bytes), x, np.int32(ncols), y, np.int32(nrows),  # noqa: E731
+                          np.int32(nrows), np.int32(ncols))
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            for w in ws:
+                fn(grid, block, args(w))
+            stream.synchronize()
+            graph = None
+            try:
+                stream.begin_capture()
+                for i in range(launches):
+                    fn(grid, block, args(ws[i % copies]))
+                graph = stream.end_capture()
+            except Exception as e:  # capture unsupported: time plain launches (host launch cost included)
+                print(f"  (no CUDA graph: {type(e).__name__}: {e}; timing plain launches)", file=sys.stderr)
+            t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+            best = float("inf")
+            for _ in range(reps):
+                t0.record(stream)
+                if graph is not None:
+                    graph.launch(stream)
+                else:
+                    for i in range(launches):
+                        fn(grid, block, args(ws[i % copies]))
+                t1.record(stream)
+                t1.synchronize()
+                best = min(best, cp.cuda.get_elapsed_time(t0, t1) / 1e3 / launches)
+        out.append({"type": name, "rows": nrows, "cols": ncols, "nv": nv, "rows_per_warp": r,
+                    "planned": r == planned, "mb": mat_bytes / 1e6, "us": best * 1e6,
+                    "gbps": moved / best / 1e9, "of_hbm": moved / best / HBM_CEILING})
     del ws, w_one
     cp.get_default_memory_pool().free_all_blocks()
-    return {"type": name, "rows": nrows, "cols": ncols, "nv": nv, "mb": mat_bytes / 1e6, "us": best * 1e6,
-            "gbps": moved / best / 1e9, "of_hbm": moved / best / HBM_CEILING}
+    return out
 
 
 def main(argv=None):
@@ -117,22 +122,28 @@ def main(argv=None):
         cases += [(n, *SWEEP, 1, "sweep") for n in NAMES]
     # compile first so the timings below are kernels only
     for n in sorted({c[0] for c in cases}):
-        for v in sorted({c[3] for c in cases if c[0] == n}):
-            quant_function("matvec", f"matvec_nv{v}", n)
+        quant_function("matvec", "matvec_r1_nv1", n)
     print(f"# {dev['name'].decode() if isinstance(dev['name'], bytes) else dev['name']}: "
           f"compiled in {time.perf_counter() - t0:.1f} s", flush=True)
     copy_bps = measure_copy(cp)
     print(f"# device copy (read+write): {copy_bps / 1e9:,.0f} GB/s; HBM ceiling used below: "
           f"{HBM_CEILING / 1e9:,.0f} GB/s", flush=True)
-    hdr = f"{'type':8s} {'rows x cols':>14s} {'nv':>2s} {'MB':>8s} {'us':>9s} {'GB/s':>7s} {'of 4.4 TB/s':>11s}  what"
+    print("# GB/s of rows/warp 1 | 2 | 4 ; '*' marks the variant matvec_plan() picks for that shape")
+    hdr = f"{'type':8s} {'rows x cols':>14s} {'nv':>2s} {'MB':>7s} {'r=1':>7s} {'r=2':>7s} {'r=4':>7s}" \
+          f" {'us*':>8s} {'of 4.4 TB/s*':>12s}  what"
     print(hdr)
     rows = []
     for n, r, c, v, what in cases:
         res = bench_case(cp, n, r, c, v, rng)
-        res["what"] = what
-        rows.append(res)
-        print(f"{n:8s} {r:>6d} x {c:<6d} {v:>2d} {res['mb']:8.1f} {res['us']:9.1f} {res['gbps']:7.0f} "
-              f"{res['of_hbm'] * 100:10.0f}%  {what}", flush=True)
+        for x in res:
+            x["what"] = what
+        rows += res
+        by_r = {x["rows_per_warp"]: x for x in res}
+        pick = next(x for x in res if x["planned"])
+        cells = " ".join((f"{by_r[k]['gbps']:6.0f}" + ("*" if by_r[k]["planned"] else " ")) if k in by_r
+                         else f"{'-':>6s} " for k in (1, 2, 4))
+        print(f"{n:8s} {r:>6d} x {c:<6d} {v:>2d} {res[0]['mb']:7.1f} {cells} {pick['us']:8.1f} "
+              f"{pick['of_hbm'] * 100:11.0f}%  {what}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"device_copy_gbps": copy_bps / 1e9, "hbm_ceiling_gbps": HBM_CEILING / 1e9,
                                         "rows": rows}, indent=1))

@@ -1,7 +1,10 @@
-// matvec.cu: y = W x for one to eight activation vectors, W in any GGUF quant type (one module per type: -DSTRATA_QT=<id>).
-// A warp per output row, fp32 accumulation; lanes walk the row in 8-element chunks (quant.cuh dot_row*).
+// matvec.cu: y = W x for one to eight activation vectors, W in any GGUF quant type (one module per type:
+// -DSTRATA_QT=<id>). A warp per R consecutive output rows, fp32 accumulation; lanes walk the rows in 8-element chunks
+// and load each x chunk once for the R rows (quant.cuh dot_rows).
 //   W: nrows rows of row_stride bytes (row_stride >= the row's ncols/QK blocks), 16-byte aligned
-//   x: NV vectors of ncols floats, vector v at x + v*ldx;  y: vector v's nrows outputs at y + v*ldy
+//   x: NV vectors of ncols floats, vector v at x + v*ldx (16-byte aligned);  y: vector v's outputs at y + v*ldy
+// Kernels matvec_r<R>_nv<NV>; launch blockDim 128 (4 warps), grid ceil(nrows / (4*R)). engine/cuda/kernels.py's
+// matvec_plan() picks R: more rows per warp for tall matrices (less x traffic), one for short ones (more warps).
 // @build per-qtype
 #include "quant.cuh"
 
@@ -9,42 +12,53 @@
 #error "compile matvec.cu with -DSTRATA_QT=<ggml type id> (engine/cuda/kernels.py does)"
 #endif
 
-#define MV_WARPS 4  // rows per block of 128 threads
+#define MV_WARPS 4
 
-template <int NV>
+template <int R, int NV>
 __device__ __forceinline__ void matvec_body(const uint8_t* __restrict__ W, long long row_stride,
                                             const float* __restrict__ x, int ldx, float* __restrict__ y, int ldy,
                                             int nrows, int ncols) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
-    if (row >= nrows) return;
-    const uint8_t* r = W + (long long)row * row_stride;
-    float acc[NV];
-    if (NV == 1) {
-        acc[0] = dot_row<STRATA_QT>(r, x, ncols, lane);
-    } else {
+    const int row0 = (blockIdx.x * MV_WARPS + (threadIdx.x >> 5)) * R;
+    if (row0 >= nrows) return;
+    const uint8_t* rows[R];
 #pragma unroll
-        for (int n = 0; n < NV; n++) acc[n] = 0.f;
-        dot_row_nv<STRATA_QT, NV>(r, x, ldx, ncols, lane, acc);
-    }
+    for (int r = 0; r < R; r++) rows[r] = W + (long long)min(row0 + r, nrows - 1) * row_stride;  // tail: re-read
+    float acc[R][NV];
 #pragma unroll
-    for (int n = 0; n < NV; n++) {
-        const float s = strata_warp_sum(acc[n]);
-        if (lane == n) y[(long long)n * ldy + row] = s;
-    }
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int n = 0; n < NV; n++) acc[r][n] = 0.f;
+    dot_rows<STRATA_QT, R, NV>(rows, x, ldx, ncols, lane, acc);
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int n = 0; n < NV; n++) {
+            const float s = strata_warp_sum(acc[r][n]);
+            if (lane == 0 && row0 + r < nrows) y[(long long)n * ldy + row0 + r] = s;
+        }
 }
 
-#define STRATA_MATVEC(NV)                                                                                        \
+#define STRATA_MATVEC(R, NV)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                                 \
-    matvec_nv##NV(const uint8_t* __restrict__ W, long long row_stride, const float* __restrict__ x, int ldx,   \
-                  float* __restrict__ y, int ldy, int nrows, int ncols) {                                       \
-        matvec_body<NV>(W, row_stride, x, ldx, y, ldy, nrows, ncols);                                           \
+    matvec_r##R##_nv##NV(const uint8_t* __restrict__ W, long long row_stride, const float* __restrict__ x,     \
+                         int ldx, float* __restrict__ y, int ldy, int nrows, int ncols) {                       \
+        matvec_body<R, NV>(W, row_stride, x, ldx, y, ldy, nrows, ncols);                                        \
     }
-STRATA_MATVEC(1)
-STRATA_MATVEC(2)
-STRATA_MATVEC(3)
-STRATA_MATVEC(4)
-STRATA_MATVEC(5)
-STRATA_MATVEC(6)
-STRATA_MATVEC(7)
-STRATA_MATVEC(8)
+STRATA_MATVEC(1, 1)
+STRATA_MATVEC(2, 1)
+STRATA_MATVEC(4, 1)
+STRATA_MATVEC(1, 2)
+STRATA_MATVEC(2, 2)
+STRATA_MATVEC(1, 3)
+STRATA_MATVEC(2, 3)
+STRATA_MATVEC(1, 4)
+STRATA_MATVEC(2, 4)
+STRATA_MATVEC(1, 5)
+STRATA_MATVEC(2, 5)
+STRATA_MATVEC(1, 6)
+STRATA_MATVEC(2, 6)
+STRATA_MATVEC(1, 7)
+STRATA_MATVEC(2, 7)
+STRATA_MATVEC(1, 8)
+STRATA_MATVEC(2, 8)

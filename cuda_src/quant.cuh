@@ -21,8 +21,15 @@
 // F32/F16/BF16 have no blocks in ggml (block size 1); here they use pseudo-blocks of 8 elements (QK=8) so every type
 // has the same shape; a float row is still just ncols values.
 //
+//   template <int Q, int R, int NV> QFN void dot_rows(const uint8_t* const (&rows)[R], const float* x, int ldx,
+//                                                     int ncols, int lane, float (&acc)[R][NV]);
+//       R rows at once, each x chunk loaded once for all of them. USE THIS for big mat-vecs: one row per warp reads
+//       x from L1 at 32 bytes per 8 weights, which caps a Q4_K mat-vec near 26% of HBM on the H200 (measured);
+//       R=4 divides that traffic by four (see matvec.cu and bench/matvec.py for the figures).
+//
 // Differences from the first sketch of this contract: none in the signatures; dot_row returns the lane's partial (no
-// shuffle inside, so the same code runs on the host for tests) and dot_row_nv was added for windows of <= 8 tokens.
+// shuffle inside, so the same code runs on the host for tests); dot_row_nv (windows of <= 8 tokens) and dot_rows
+// (several rows per warp) were added.
 // Activations stay fp32 (no int8 dp4a path yet): decode reads weights at a few bytes per 8 elements while x sits in L1.
 //
 // Host builds: define STRATA_HOST before including (tests compile this file with g++ to check it against gguf without
@@ -31,9 +38,13 @@
 
 #if defined(STRATA_HOST)
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #define QFN inline
 #define STRATA_TABLE static const
+// the host test checks every load against the alignment the GPU's vector loads need
+#define STRATA_ALIGNED(p, n) do { if ((uintptr_t)(p) % (n)) { fprintf(stderr, "misaligned %d-byte load at %p\n", n, (const void*)(p)); abort(); } } while (0)
+#include <cstdio>
 #else
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
@@ -127,6 +138,7 @@ QFN float strata_u2f(uint32_t u) {
 // Loads by the alignment the layout guarantees (rows 16-byte aligned; see the contract).
 QFN uint16_t ld2(const uint8_t* p) {
 #if defined(STRATA_HOST)
+    STRATA_ALIGNED(p, 2);
     uint16_t v; memcpy(&v, p, 2); return v;
 #else
     return *(const uint16_t*)p;
@@ -135,6 +147,7 @@ QFN uint16_t ld2(const uint8_t* p) {
 QFN uint32_t ld4_a2(const uint8_t* p) { return (uint32_t)ld2(p) | ((uint32_t)ld2(p + 2) << 16); }
 QFN uint32_t ld4(const uint8_t* p) {
 #if defined(STRATA_HOST)
+    STRATA_ALIGNED(p, 4);
     uint32_t v; memcpy(&v, p, 4); return v;
 #else
     return *(const uint32_t*)p;
@@ -142,6 +155,7 @@ QFN uint32_t ld4(const uint8_t* p) {
 }
 QFN void ld8(const uint8_t* p, uint32_t& a, uint32_t& b) {
 #if defined(STRATA_HOST)
+    STRATA_ALIGNED(p, 8);
     memcpy(&a, p, 4); memcpy(&b, p + 4, 4);
 #else
     uint2 t = *(const uint2*)p; a = t.x; b = t.y;
@@ -175,6 +189,7 @@ template <int Q> QFN void dequant8(const uint8_t* __restrict__ block, int j, flo
 
 template <> QFN void dequant8<STRATA_Q_F32>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
 #if defined(STRATA_HOST)
+    STRATA_ALIGNED(b, 16);
     memcpy(v, b, 32);
 #else
     float4 p = ((const float4*)b)[0], q = ((const float4*)b)[1];
@@ -185,6 +200,7 @@ template <> QFN void dequant8<STRATA_Q_F32>(const uint8_t* __restrict__ b, int j
 template <> QFN void dequant8<STRATA_Q_F16>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
     uint32_t w[4];
 #if defined(STRATA_HOST)
+    STRATA_ALIGNED(b, 16);
     memcpy(w, b, 16);
 #else
     uint4 t = *(const uint4*)b; w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
@@ -199,6 +215,7 @@ template <> QFN void dequant8<STRATA_Q_F16>(const uint8_t* __restrict__ b, int j
 template <> QFN void dequant8<STRATA_Q_BF16>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
     uint32_t w[4];
 #if defined(STRATA_HOST)
+    STRATA_ALIGNED(b, 16);
     memcpy(w, b, 16);
 #else
     uint4 t = *(const uint4*)b; w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
@@ -284,7 +301,8 @@ template <> QFN void dequant8<STRATA_Q_Q2_K>(const uint8_t* __restrict__ b, int 
     // scales[16] @0, qs[64] @16, d @80, dmin @82; element e = 128h + 32s + l: (qs[32h + l] >> 2s) & 3, scale e/16
     const uint32_t sc = b[j >> 1];
     const float dl = h2f_at(b + 80) * (float)(sc & 0xf), ml = h2f_at(b + 82) * (float)(sc >> 4);
-    uint32_t q0, q1; ld8(b + 16 + (j >> 4) * 32 + (j & 3) * 8, q0, q1);
+    const uint8_t* qs = b + 16 + (j >> 4) * 32 + (j & 3) * 8;  // 84-byte blocks: 4-byte aligned only
+    uint32_t q0 = ld4(qs), q1 = ld4(qs + 4);
     const int sh = ((j >> 2) & 3) * 2;
     q0 = (q0 >> sh) & 0x03030303u; q1 = (q1 >> sh) & 0x03030303u;
 #pragma unroll
@@ -434,6 +452,7 @@ template <> QFN void dequant8<STRATA_Q_IQ3_S>(const uint8_t* __restrict__ b, int
 
 QFN void strata_load8(const float* __restrict__ x, float (&xv)[8]) {
 #if defined(STRATA_HOST)
+    STRATA_ALIGNED(x, 16);
     memcpy(xv, x, 32);
 #else
     const float4 a = ((const float4*)x)[0], c = ((const float4*)x)[1];
@@ -473,6 +492,32 @@ QFN void dot_row_nv(const uint8_t* __restrict__ row, const float* __restrict__ x
             strata_load8(x + n * ldx + c * 8, xv);
 #pragma unroll
             for (int k = 0; k < 8; k++) acc[n] += w[k] * xv[k];
+        }
+    }
+}
+
+// R rows (any addresses) x NV vectors: acc[r][v] += this lane's partial of dot(rows[r], x + v*ldx). Each x chunk is
+// loaded once for all R rows: with one row per warp, reading x from L1 (32 bytes per 8 weights) rather than the
+// weights from HBM bounds a 4-bit mat-vec near a quarter of HBM bandwidth; four rows cut that traffic four times.
+template <int Q, int R, int NV>
+QFN void dot_rows(const uint8_t* const (&rows)[R], const float* __restrict__ x, int ldx, int ncols, int lane,
+                  float (&acc)[R][NV]) {
+    constexpr int CPB = QTraits<Q>::QK / 8, BYTES = QTraits<Q>::BYTES;
+    const int nchunks = ncols >> 3;
+#pragma unroll 2
+    for (int c = lane; c < nchunks; c += 32) {
+        const int off = (c / CPB) * BYTES, j = c % CPB;
+        float w[R][8];
+#pragma unroll
+        for (int r = 0; r < R; r++) dequant8<Q>(rows[r] + off, j, w[r]);
+#pragma unroll
+        for (int n = 0; n < NV; n++) {
+            float xv[8];
+            strata_load8(x + n * ldx + c * 8, xv);
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[r][n] += w[r][k] * xv[k];
         }
     }
 }

@@ -33,9 +33,16 @@ template <int Q> static void run(const std::vector<uint8_t>& in, int ncols, cons
             dequant8<Q>(in.data() + b * B, j, v);
             for (int k = 0; k < 8; k++) out[b * QK + j * 8 + k] = v[k];
         }
-    dots.assign(nrows, 0.f);
+    dots.assign(2 * nrows, 0.f);
     for (size_t r = 0; r < nrows; r++)
         for (int lane = 0; lane < 32; lane++) dots[r] += dot_row<Q>(in.data() + r * rb, x.data(), ncols, lane);
+    for (size_t r = 0; r < nrows; r += 2) {  // dot_rows, two rows at a time (the last pair may repeat a row)
+        const uint8_t* rows[2] = {in.data() + r * rb, in.data() + (r + 1 < nrows ? r + 1 : r) * rb};
+        float acc[2][1] = {{0.f}, {0.f}};
+        for (int lane = 0; lane < 32; lane++) dot_rows<Q, 2, 1>(rows, x.data(), ncols, ncols, lane, acc);
+        dots[nrows + r] = acc[0][0];
+        if (r + 1 < nrows) dots[nrows + r + 1] = acc[1][0];
+    }
 }
 int main(int argc, char** argv) {
     if (argc != 6) { fprintf(stderr, "usage: qt ncols blocks.bin x.bin out.bin\n"); return 2; }
@@ -98,12 +105,14 @@ def test_host_dequant8_and_dot_row_match_gguf(host_bin, tmp_path, name):
                         str(tmp_path / "out.bin")], check=True)
         out = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
         ref = _ref(rows, name)
-        assert out.size == ref.size + n_rows
+        assert out.size == ref.size + 2 * n_rows
         np.testing.assert_allclose(out[:ref.size].reshape(ref.shape), ref, rtol=1e-6, atol=0,
                                    err_msg=f"{name} dequant8 {n_rows}x{ncols}")
         want = ref.astype(np.float64) @ x
         scale = np.abs(ref).astype(np.float64) @ np.abs(x)
-        assert np.all(np.abs(out[ref.size:] - want) <= 1e-5 * scale), f"{name} dot_row {n_rows}x{ncols}"
+        dots, dots2 = out[ref.size:ref.size + n_rows], out[ref.size + n_rows:]
+        assert np.all(np.abs(dots - want) <= 1e-5 * scale), f"{name} dot_row {n_rows}x{ncols}"
+        assert np.all(np.abs(dots2 - want) <= 1e-5 * scale), f"{name} dot_rows {n_rows}x{ncols}"
 
 
 def test_random_rows_refuses_a_ragged_row():
@@ -156,9 +165,9 @@ def test_gpu_dequant_matches_gguf(cp, name):
         assert np.isnan(tail16).all(), f"{name} dequant_f16 wrote past its output"
 
 
-def matvec(cp, name, w_rows, x, row_stride=None, pad_rows_out=3):
-    """y (nv, nrows) = x (nv, ncols) @ W.T through matvec_nv<nv>; y poisoned with NaN first, with a tail checked."""
-    from engine.cuda.kernels import quant_function
+def matvec(cp, name, w_rows, x, row_stride=None, pad_rows_out=3, rows_per_warp=1):
+    """y (nv, nrows) = x (nv, ncols) @ W.T through matvec.cu; y poisoned with NaN first, with a tail checked."""
+    from engine.cuda.kernels import matvec_plan, quant_function
     nv, ncols = x.shape
     nrows = w_rows.shape[0]
     row_stride = row_stride or w_rows.shape[1]
@@ -166,27 +175,49 @@ def matvec(cp, name, w_rows, x, row_stride=None, pad_rows_out=3):
     xd = cp.asarray(x, dtype=cp.float32)
     ldy = nrows + pad_rows_out
     yd = cp.full((nv, ldy), np.nan, dtype=cp.float32)
-    fn = quant_function("matvec", f"matvec_nv{nv}", name)
-    fn(((nrows + 3) // 4,), (128,), (wd, np.int64(row_stride), xd, np.int32(ncols), yd, np.int32(ldy),
-                                     np.int32(nrows), np.int32(ncols)))
+    kernel, grid, block, r = matvec_plan(nrows, nv, rows_per_warp)
+    assert r == rows_per_warp
+    quant_function("matvec", kernel, name)(grid, block, (wd, np.int64(row_stride), xd, np.int32(ncols), yd,
+                                                         np.int32(ldy), np.int32(nrows), np.int32(ncols)))
     y = cp.asnumpy(yd)
     return y[:, :nrows], y[:, nrows:]
+
+
+def _check_matvec(name, rows, x, y, tail, what):
+    w = _ref(rows, name).astype(np.float64)
+    want = x.astype(np.float64) @ w.T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T
+    assert np.all(np.abs(y - want) <= 1e-3 * np.abs(want) + 1e-5 * scale), f"{name} {what}"
+    assert np.isnan(tail).all(), f"{name} matvec wrote past nrows ({what})"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_matvec_matches_numpy(cp, name):
+    from engine.cuda.kernels import MATVEC_ROWS
     q = qtype(name)
     rng = np.random.default_rng(3000 + q.id)
-    for (n_rows, ncols), nv in zip(_sizes(name) + [(300, 2048 + 2 * 256)], (1, 3, 8, 2)):
+    for (n_rows, ncols), nv in zip(_sizes(name) + [(301, 2048 + 2 * 256)], (1, 3, 8, 2)):
         rows = random_rows(name, n_rows, ncols, rng)
         x = rng.standard_normal((nv, ncols), dtype=np.float32)
-        y, tail = matvec(cp, name, rows, x)
-        w = _ref(rows, name).astype(np.float64)
-        want = x.astype(np.float64) @ w.T
-        scale = np.abs(x).astype(np.float64) @ np.abs(w).T
-        assert np.all(np.abs(y - want) <= 1e-3 * np.abs(want) + 1e-5 * scale), f"{name} {n_rows}x{ncols} nv={nv}"
-        assert np.isnan(tail).all(), f"{name} matvec wrote past nrows"
+        for r in MATVEC_ROWS[nv]:
+            y, tail = matvec(cp, name, rows, x, rows_per_warp=r)
+            _check_matvec(name, rows, x, y, tail, f"{n_rows}x{ncols} nv={nv} rows/warp={r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "F16"])
+def test_gpu_matvec_every_kernel_variant(cp, name):
+    # every (rows per warp, vectors) kernel, with row counts that leave a partial block and a partial warp
+    from engine.cuda.kernels import MATVEC_ROWS
+    rng = np.random.default_rng(5000 + qtype(name).id)
+    ncols = 512
+    rows = random_rows(name, 45, ncols, rng)
+    for nv, rs in MATVEC_ROWS.items():
+        x = rng.standard_normal((nv, ncols), dtype=np.float32)
+        for r in rs:
+            y, tail = matvec(cp, name, rows, x, rows_per_warp=r)
+            _check_matvec(name, rows, x, y, tail, f"45x{ncols} nv={nv} rows/warp={r}")
 
 
 @pytest.mark.gpu
@@ -201,6 +232,6 @@ def test_gpu_matvec_row_stride_skips_padding(cp, name):
     padded = np.full((9, stride), 0xFF, dtype=np.uint8)
     padded[:, :rows.shape[1]] = rows
     x = rng.standard_normal((1, ncols), dtype=np.float32)
-    y, _ = matvec(cp, name, padded, x, row_stride=stride)
+    y, _ = matvec(cp, name, padded, x, row_stride=stride, rows_per_warp=2)
     want = x.astype(np.float64) @ _ref(rows, name).astype(np.float64).T
     np.testing.assert_allclose(y, want, rtol=1e-3, atol=1e-4)

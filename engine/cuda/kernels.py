@@ -162,3 +162,18 @@ def compile_all(qtypes=None, log=sys.stderr) -> int:
     if log is not None:
         print(f"kernels: {len(todo)} modules ready in {time.perf_counter() - t0:.1f} s", file=log, flush=True)
     return len(todo)
+
+
+MATVEC_ROWS = {1: (1, 2, 4), 2: (1, 2), 3: (1, 2), 4: (1, 2), 5: (1, 2), 6: (1, 2), 7: (1, 2), 8: (1, 2)}
+MATVEC_WARPS = 4  # warps per block in matvec.cu
+
+
+def matvec_plan(nrows: int, nv: int = 1, rows_per_warp: int | None = None) -> tuple[str, tuple[int], tuple[int], int]:
+    """(kernel name, grid, block, rows per warp) for matvec.cu. Tall matrices take several rows per warp (x is read
+    once for all of them); short ones one row per warp, so that enough warps run to keep HBM busy."""
+    if nv not in MATVEC_ROWS:
+        raise ValueError(f"matvec takes 1 to 8 vectors at once, got {nv}")
+    r = rows_per_warp or (4 if nrows >= 32768 else 2 if nrows >= 8192 else 1)
+    r = max(x for x in MATVEC_ROWS[nv] if x <= r)
+    per_block = MATVEC_WARPS * r
+    return f"matvec_r{r}_nv{nv}", ((nrows + per_block - 1) // per_block,), (32 * MATVEC_WARPS,), r
