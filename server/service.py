@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.protocol import GenRequest
 from server.text import TextCodec, TextStream
-from server.worker import Worker, WorkerError
+from server.worker import Worker, WorkerDied, WorkerError
 
 CONTEXT_MARGIN = 8          # DESIGN §3: prompt + max_new + 8 must fit the context
 HISTORY_LEN = 500
@@ -217,6 +217,7 @@ class Service:
         generated: list[int] = []
         stopped_for = None          # client | stop | budget
         budget = job.reasoning_budget
+        took, retried = False, False    # took: the worker answered RESUME (it has begun this request)
         while True:
             if budget is not None and text.thinking and text.think_tokens >= budget:
                 self._close_thought(job, text, generated)
@@ -255,6 +256,7 @@ class Service:
                     elif ev.kind == "RESUME":
                         if res.passes == 0:
                             res.cached_tokens = ev.value
+                            took = True
                             job.emit("started")     # the worker took the request: a stream can begin
                     elif ev.kind == "REUSED":
                         if stopped_for is None:
@@ -265,6 +267,16 @@ class Service:
                         err = ev.value
             except WorkerError as e:
                 self.worker_failures += 1
+                if isinstance(e, WorkerDied) and not took and not retried and not job.cancel.is_set():
+                    # It was gone before it began this request (it exited after its last ERR, or died while
+                    # idle): nothing of this request is lost, so start it again and replay the request once.
+                    retried = True
+                    self.worker.note("the worker was gone before it took the request; starting it again")
+                    try:
+                        w = self._ensure_worker()
+                        continue
+                    except WorkerError as e2:
+                        e = e2
                 self._set(phase="failed", last_error=str(e), progress=None)
                 job.emit("error", 503, str(e))
                 res.generated = len(generated)

@@ -5,7 +5,7 @@ test can tell whose tokens a client received. Finish `stop` after len(prompt) to
 
     python tests/fake_worker.py --model M.gguf [--ctx N] [--chunk N] [--pp-delay S] [--token-delay S]
         [--silent-after-tokens N] [--silent-in-prompt] [--ignore-stop] [--die-in-prompt] [--exit-before-ready]
-        [--moe] [--load-delay S] [--ignore-quit] [--plan FILE]
+        [--moe] [--load-delay S] [--ignore-quit] [--die-on-gen N] [--plan FILE]
 
 --plan FILE: a JSON list of flag strings, one per start (the last one repeats); the start count is kept in
 FILE.count, so a test can make the first start misbehave and the restarted worker behave.
@@ -66,6 +66,7 @@ def main() -> int:
     ap.add_argument("--die-in-prompt", action="store_true")
     ap.add_argument("--exit-before-ready", action="store_true")
     ap.add_argument("--moe", action="store_true")
+    ap.add_argument("--die-on-gen", type=int, default=0, help="exit when the Nth GEN arrives, before answering it")
     ap.add_argument("--ignore-quit", action="store_true", help="ignore QUIT, stdin's end and SIGTERM")
     ap.add_argument("--plan")
     a = ap.parse_args()
@@ -110,10 +111,14 @@ def main() -> int:
 
     threading.Thread(target=read_stdin, daemon=True).start()
     held: list[int] = []
-    step = 0
+    step = n_gen = 0
     while True:
         line = gens.get()
         stop.clear()
+        n_gen += 1
+        if n_gen == a.die_on_gen:
+            log("fake worker: exiting before it answers this GEN")
+            os._exit(3)
         try:
             req = protocol.parse_gen(line)
         except protocol.ProtocolError as e:

@@ -265,3 +265,15 @@ def test_likely_cause():
     assert "watchdog" in likely_cause(3, "watchdog: no progress for 600 s, exiting")
     assert "SIGSEGV" in likely_cause(-11, "")
     assert "status 1" in likely_cause(1, "Traceback ...")
+
+
+def test_worker_gone_before_it_took_the_request_is_restarted_and_the_request_replayed(tmp_path, fixtures_dir):
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--die-on-gen 2", ""))
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
+        assert complete(base, prompt="first").json()["choices"][0]["text"] == "first"
+        r = complete(base, prompt="second")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "second"
+        m = metrics(base)
+        assert m["worker"]["starts"] == 2 and m["worker"]["failures"] == 1
+        assert [h["finish"] for h in m["history"]] == ["stop", "stop"]
+        assert "exiting before it answers" in (tmp_path / "worker.log").read_text()
