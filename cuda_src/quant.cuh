@@ -460,66 +460,63 @@ QFN void strata_load8(const float* __restrict__ x, float (&xv)[8]) {
 #endif
 }
 
-// Lane `lane` of 32 takes the 8-element chunks lane, lane+32, ...: consecutive lanes read consecutive bytes of the
-// same block, so a warp's loads coalesce; four chunks are in flight per lane to cover memory latency.
-template <int Q> QFN float dot_row(const uint8_t* __restrict__ row, const float* __restrict__ x, int ncols, int lane) {
+// U chunks per lane and step, c0, c0+32, ..., c0+32(U-1), for R rows and NV vectors. The step has no branch, so the
+// compiler issues all U*R chunks' loads before the arithmetic: a mat-vec is bound by the bytes in flight per SM, and
+// one 4.5-byte Q4_K chunk per lane at a time held the first version to ~25% of HBM (measured on the H200).
+template <int Q, int R, int NV, int U>
+QFN void strata_dot_step(const uint8_t* const (&rows)[R], const float* __restrict__ x, int ldx, int c0,
+                         float (&acc)[R][NV]) {
     constexpr int CPB = QTraits<Q>::QK / 8, BYTES = QTraits<Q>::BYTES;
-    const int nchunks = ncols >> 3;
-    float acc = 0.f;
-#pragma unroll 4
-    for (int c = lane; c < nchunks; c += 32) {
-        float w[8], xv[8];
-        dequant8<Q>(row + (c / CPB) * BYTES, c % CPB, w);
-        strata_load8(x + c * 8, xv);
+    float w[U][R][8];
 #pragma unroll
-        for (int k = 0; k < 8; k++) acc += w[k] * xv[k];
+    for (int u = 0; u < U; u++) {
+        const int c = c0 + 32 * u, off = (c / CPB) * BYTES, j = c % CPB;
+#pragma unroll
+        for (int r = 0; r < R; r++) dequant8<Q>(rows[r] + off, j, w[u][r]);
     }
-    return acc;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int n = 0; n < NV; n++) {
+            float xv[8];
+            strata_load8(x + n * ldx + (c0 + 32 * u) * 8, xv);
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[r][n] += w[u][r][k] * xv[k];
+        }
+}
+
+// R rows (any addresses) x NV vectors: acc[r][n] += this lane's partial of dot(rows[r], x + n*ldx). Lane `lane` of 32
+// takes the 8-element chunks lane, lane+32, ...: consecutive lanes read consecutive bytes of a block, so a warp's
+// loads coalesce. Each x chunk is loaded once for all R rows (x comes from L1 at 32 bytes per 8 weights).
+template <int Q, int R, int NV>
+QFN void dot_rows(const uint8_t* const (&rows)[R], const float* __restrict__ x, int ldx, int ncols, int lane,
+                  float (&acc)[R][NV]) {
+    constexpr int U = R >= 4 ? 1 : 4 / R;  // about four chunks of loads in flight per lane
+    const int nchunks = ncols >> 3;
+    int c = lane;
+    for (; c + 32 * (U - 1) < nchunks; c += 32 * U) strata_dot_step<Q, R, NV, U>(rows, x, ldx, c, acc);
+    for (; c < nchunks; c += 32) strata_dot_step<Q, R, NV, 1>(rows, x, ldx, c, acc);
+}
+
+template <int Q> QFN float dot_row(const uint8_t* __restrict__ row, const float* __restrict__ x, int ncols, int lane) {
+    const uint8_t* rows[1] = {row};
+    float acc[1][1] = {{0.f}};
+    dot_rows<Q, 1, 1>(rows, x, 0, ncols, lane, acc);
+    return acc[0][0];
 }
 
 template <int Q, int NV>
 QFN void dot_row_nv(const uint8_t* __restrict__ row, const float* __restrict__ x, int ldx, int ncols, int lane,
                     float (&acc)[NV]) {
-    constexpr int CPB = QTraits<Q>::QK / 8, BYTES = QTraits<Q>::BYTES;
-    const int nchunks = ncols >> 3;
-#pragma unroll 2
-    for (int c = lane; c < nchunks; c += 32) {
-        float w[8];
-        dequant8<Q>(row + (c / CPB) * BYTES, c % CPB, w);
+    const uint8_t* rows[1] = {row};
+    float a[1][NV];
 #pragma unroll
-        for (int n = 0; n < NV; n++) {
-            float xv[8];
-            strata_load8(x + n * ldx + c * 8, xv);
+    for (int n = 0; n < NV; n++) a[0][n] = 0.f;
+    dot_rows<Q, 1, NV>(rows, x, ldx, ncols, lane, a);
 #pragma unroll
-            for (int k = 0; k < 8; k++) acc[n] += w[k] * xv[k];
-        }
-    }
-}
-
-// R rows (any addresses) x NV vectors: acc[r][v] += this lane's partial of dot(rows[r], x + v*ldx). Each x chunk is
-// loaded once for all R rows: with one row per warp, reading x from L1 (32 bytes per 8 weights) rather than the
-// weights from HBM bounds a 4-bit mat-vec near a quarter of HBM bandwidth; four rows cut that traffic four times.
-template <int Q, int R, int NV>
-QFN void dot_rows(const uint8_t* const (&rows)[R], const float* __restrict__ x, int ldx, int ncols, int lane,
-                  float (&acc)[R][NV]) {
-    constexpr int CPB = QTraits<Q>::QK / 8, BYTES = QTraits<Q>::BYTES;
-    const int nchunks = ncols >> 3;
-#pragma unroll 2
-    for (int c = lane; c < nchunks; c += 32) {
-        const int off = (c / CPB) * BYTES, j = c % CPB;
-        float w[R][8];
-#pragma unroll
-        for (int r = 0; r < R; r++) dequant8<Q>(rows[r] + off, j, w[r]);
-#pragma unroll
-        for (int n = 0; n < NV; n++) {
-            float xv[8];
-            strata_load8(x + n * ldx + c * 8, xv);
-#pragma unroll
-            for (int r = 0; r < R; r++)
-#pragma unroll
-                for (int k = 0; k < 8; k++) acc[r][n] += w[r][k] * xv[k];
-        }
-    }
+    for (int n = 0; n < NV; n++) acc[n] += a[0][n];
 }
 
 #if !defined(STRATA_HOST)
