@@ -5,7 +5,6 @@ service (shapes, usage, finish reasons, cancel), not the model (the engine's own
 """
 import json
 import sys
-import time
 
 import pytest
 
