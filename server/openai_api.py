@@ -390,8 +390,6 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, "'echo' is not supported", param="echo")
         stops = stop_list(body)
         max_new = max_new_tokens(body, "max_tokens")
-        if "max_tokens" not in body:
-            max_new = 16     # OpenAI's default for completions
         try:
             ids = self.server.codec.completion_prompt(prompt)
         except PromptError as e:

@@ -85,6 +85,13 @@ def test_max_tokens_zero_means_rest_of_context(server):
     assert "max_new=208" in gen                              # 256 - 40 - 8
 
 
+def test_max_tokens_unset_means_rest_of_context(server):
+    _, base = server
+    requests.post(base + "/v1/completions", json=dict(prompt=list(range(300, 310))), timeout=30)
+    gen = [ln for ln in open(server[0].cfg.log).read().splitlines() if "GEN" in ln][-1]
+    assert "max_new=238" in gen                              # 256 - 10 - 8
+
+
 def test_prompt_too_long_is_a_400_never_truncated(server):
     _, base = server
     r = requests.post(base + "/v1/completions", json=dict(prompt=list(range(300, 550))), timeout=30)

@@ -115,6 +115,7 @@ def test_ignored_stop_is_killed_within_the_deadline(tmp_path, fixtures_dir):
         assert gone(first)
         r = complete(base, prompt="abcXdefghij", stop=["X"])
         assert r.status_code == 200, r.text
+        assert worker_pid(base) != first
         assert r.json()["choices"][0]["text"] == "abc" and r.json()["choices"][0]["finish_reason"] == "stop"
 
 
