@@ -429,8 +429,12 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(400, f"messages[{i}] must be an object with role 'user' or 'assistant'", param="messages")
             msgs.append({"role": m["role"], "content": text_content(m.get("content"), f"messages[{i}]")})
         thinking = field(body, "thinking", "dict")
-        if thinking and thinking.get("type") == "enabled" and isinstance(thinking.get("budget_tokens"), int):
-            common["budget"] = thinking["budget_tokens"]
+        if thinking and thinking.get("type") == "enabled":
+            budget = thinking.get("budget_tokens")
+            if budget is not None:
+                if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                    raise ApiError(400, "'thinking.budget_tokens' must be an integer >= 0", param="thinking")
+                common["budget"] = budget
         stops = stop_list(body, "stop_sequences")
         try:
             prompt, text = self.server.codec.chat_prompt(msgs)
