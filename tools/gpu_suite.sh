@@ -15,6 +15,8 @@ if [[ $what == tests || $what == all ]]; then
     status=$?
     python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -k qwen2moe \
         tests/test_cuda_backend.py tests/test_cuda_worker.py 2>&1 | tee "$OUT/tests-q2k.log" || status=1
+    STRATA_TEST_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_worker_protocol.py 2>&1 \
+        | tee "$OUT/tests-worker-cuda.log" || status=1
     if [[ -f tests/test_cuda_quant.py ]]; then
         python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_cuda_quant.py 2>&1 \
             | tee "$OUT/tests-quant.log" || status=1
