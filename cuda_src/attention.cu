@@ -7,10 +7,30 @@
 
 // Grid (n_head, n_split), blockDim 128 (4 warps). n_pos = state[1] + 1 + n_extra (or n_fixed when state is null).
 // part: (n_head, n_split, 2 + head_dim) = m, l, acc.
+// With counters given (one int per head, zero), the last split of each head to finish merges them all into out
+// (n_head * head_dim) in the same launch; attn_combine does that merge as a kernel of its own.
+__device__ __forceinline__ void merge_splits(const float* ph, float* __restrict__ out, int n_split, int head_dim) {
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float M = NEG_INF;
+        for (int s = 0; s < n_split; ++s) M = fmaxf(M, __ldcg(ph + s * (2 + head_dim)));
+        float L = 0.f, a = 0.f;
+        for (int s = 0; s < n_split; ++s) {
+            const float* p = ph + s * (2 + head_dim);
+            const float m = __ldcg(p);
+            if (m == NEG_INF) continue;
+            const float c = __expf(m - M);
+            L += __ldcg(p + 1) * c;
+            a += __ldcg(p + 2 + d) * c;
+        }
+        out[d] = a / L;
+    }
+}
+
 extern "C" __global__ void attn_partial(const float* __restrict__ q, const unsigned short* __restrict__ kc,
                                         const unsigned short* __restrict__ vc, const int* __restrict__ state, int n_fixed,
                                         float* __restrict__ part, int n_head, int n_head_kv, int head_dim,
-                                        int max_ctx, float scale) {
+                                        int max_ctx, float scale, int* __restrict__ counters,
+                                        float* __restrict__ out_merged) {
     __shared__ float sm[4], sl[4];
     __shared__ float sacc[4][256];
     const int h = blockIdx.x, split = blockIdx.y, n_split = gridDim.y;
@@ -83,6 +103,20 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const unsig
             if (sm[w] > NEG_INF) L += sl[w] * __expf(sm[w] - M);
         out[0] = M;
         out[1] = L;
+    }
+    if (counters) {
+        __shared__ int is_last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            is_last = atomicAdd(counters + h, 1) == n_split - 1;
+            if (is_last) counters[h] = 0;
+        }
+        __syncthreads();
+        if (is_last) {
+            __threadfence();
+            merge_splits(part + (long long)h * n_split * (2 + head_dim), out_merged + h * head_dim, n_split, head_dim);
+        }
     }
 }
 

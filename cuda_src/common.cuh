@@ -42,6 +42,39 @@ __device__ __forceinline__ float h2f(unsigned short h) {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
+// ---- "the last block does the epilogue" -------------------------------------------------------------------------
+// A kernel whose blocks each write part of a vector can finish a reduction over all of it without another launch
+// (inside a graph a launch costs more than the work here): every block fences its writes and counts itself in; the
+// block that counts last sees everything and runs the epilogue, then resets the counter for the next launch.
+// All threads of every block must call it (no early returns before it).
+__device__ __forceinline__ bool last_block(int* counter) {
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int total = gridDim.x * gridDim.y * gridDim.z;
+        is_last = atomicAdd(counter, 1) == total - 1;
+        if (is_last) *counter = 0;
+    }
+    __syncthreads();
+    if (is_last) __threadfence();
+    return is_last;
+}
+
+// out = x / rms(x) * w over n values, by the calling block (x read past L1: other blocks wrote it).
+__device__ __forceinline__ void block_rmsnorm(const float* x, const float* __restrict__ w, float* __restrict__ out,
+                                              int n, float eps) {
+    __shared__ float nbuf[32];
+    float s = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = __ldcg(x + i);
+        s += v * v;
+    }
+    s = block_sum(s, nbuf);
+    const float inv = rsqrtf(s / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = __ldcg(x + i) * inv * w[i];
+}
+
 // ---- wide Q4_K reads --------------------------------------------------------------------------------------------
 // quant.cuh's dot_row reads 8 elements per lane per step; for Q4_K (the benchmark model's type) a lane here takes a
 // 16-byte slice of a block's quants (32 elements: 16 low nibbles of one sub-block, 16 high of the next) in one load,

@@ -4,20 +4,24 @@
 #include "common.cuh"
 
 // y[r] = (accumulate ? y[r] : 0) + gate * (W[r] . x + bias[r]); gate = sigmoid(*gate_logit) when given.
-// One warp per row; blockDim.x = 32 * rows per block.
+// One warp per row; blockDim.x = 32 * rows per block. With norm_w given, the last block then writes
+// norm_out = rmsnorm(y) * norm_w (the next layer's input norm, fused: y is the residual stream).
 template <int QT>
 __global__ void mv(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
                    float* __restrict__ y, const float* __restrict__ bias, const float* __restrict__ gate_logit,
-                   int nrows, int ncols, int accumulate) {
+                   int nrows, int ncols, int accumulate, const float* __restrict__ norm_w, float* __restrict__ norm_out,
+                   int* __restrict__ counter, float eps) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= nrows) return;
-    float s = warp_sum(dotw<QT>(W + (long long)r * row_bytes, x, ncols, lane));
-    if (lane == 0) {
-        if (bias) s += bias[r];
-        if (gate_logit) s *= 1.f / (1.f + __expf(-gate_logit[0]));
-        y[r] = accumulate ? y[r] + s : s;
+    if (r < nrows) {
+        float s = warp_sum(dotw<QT>(W + (long long)r * row_bytes, x, ncols, lane));
+        if (lane == 0) {
+            if (bias) s += bias[r];
+            if (gate_logit) s *= 1.f / (1.f + __expf(-gate_logit[0]));
+            y[r] = accumulate ? y[r] + s : s;
+        }
     }
+    if (norm_w && last_block(counter)) block_rmsnorm(y, norm_w, norm_out, nrows, eps);
 }
 
 // The Q, K and V projections in one launch (one quant type): rows [0, n0) of W0, then W1, then W2; bias optional.

@@ -24,24 +24,29 @@ __global__ void moe_gate_up(const unsigned long long* __restrict__ table, const 
 }
 
 // Grid (ceil(n_embd / warps per block), T). out[t, r] += sum_j w[t, j] * (down_e[r] . h[t, j]).
-// One warp sums a row over all k experts, so the result does not depend on scheduling.
+// One warp sums a row over all k experts, so the result does not depend on scheduling. With norm_w given (decode,
+// T = 1), the last block writes norm_out = rmsnorm(out) * norm_w, the next layer's input.
 template <int QT>
 __global__ void moe_down(const unsigned long long* __restrict__ table, const int* __restrict__ ids,
                          const float* __restrict__ weights, long long down_off, long long row_bytes,
-                         const float* __restrict__ h, float* __restrict__ out, int n_embd, int n_ff, int k) {
+                         const float* __restrict__ h, float* __restrict__ out, int n_embd, int n_ff, int k,
+                         const float* __restrict__ norm_w, float* __restrict__ norm_out, int* __restrict__ counter,
+                         float eps) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= n_embd) return;
     const int t = blockIdx.y;
-    // Lane partials of all k rows first, one warp reduction at the end: the k rows' loads overlap, which is
-    // what hides PCIe latency when some of the experts are read in place from host memory.
-    float s = 0.f;
+    if (r < n_embd) {
+        // Lane partials of all k rows first, one warp reduction at the end: the k rows' loads overlap, which is
+        // what hides PCIe latency when some of the experts are read in place from host memory.
+        float s = 0.f;
 #pragma unroll 8
-    for (int j = 0; j < k; ++j) {
-        const uint8_t* base = reinterpret_cast<const uint8_t*>(table[ids[t * k + j]]);
-        s += weights[t * k + j] * dotw<QT>(base + down_off + (long long)r * row_bytes,
-                                              h + ((long long)t * k + j) * n_ff, n_ff, lane);
+        for (int j = 0; j < k; ++j) {
+            const uint8_t* base = reinterpret_cast<const uint8_t*>(table[ids[t * k + j]]);
+            s += weights[t * k + j] * dotw<QT>(base + down_off + (long long)r * row_bytes,
+                                               h + ((long long)t * k + j) * n_ff, n_ff, lane);
+        }
+        s = warp_sum(s);
+        if (lane == 0) out[(long long)t * n_embd + r] += s;
     }
-    s = warp_sum(s);
-    if (lane == 0) out[(long long)t * n_embd + r] += s;
+    if (norm_w && last_block(counter)) block_rmsnorm(out, norm_w, norm_out, n_embd, eps);
 }

@@ -9,19 +9,20 @@
 // stats[0] += hits, stats[1] += k (when stats given).
 #define ROUTER_MAX_PER_LANE 16
 #define ROUTER_MAX_K 16
-extern "C" __global__ void router_topk(const float* __restrict__ logits, int n_expert, int k, int renorm,
-                                       float scale, int* __restrict__ ids, float* __restrict__ weights,
-                                       const unsigned long long* __restrict__ table, unsigned long long slot_lo,
-                                       unsigned long long slot_hi, int* __restrict__ counts,
-                                       unsigned long long* __restrict__ stats) {
-    const int t = blockIdx.x, lane = threadIdx.x;
+// The routing of token t by one warp.
+__device__ __forceinline__ void route_warp(int t, const float* logits, int n_expert, int k, int renorm, float scale,
+                                           int* __restrict__ ids, float* __restrict__ weights,
+                                           const unsigned long long* __restrict__ table, unsigned long long slot_lo,
+                                           unsigned long long slot_hi, int* __restrict__ counts,
+                                           unsigned long long* __restrict__ stats) {
+    const int lane = threadIdx.x & 31;
     const float* lg = logits + (long long)t * n_expert;
     float v[ROUTER_MAX_PER_LANE];
     float mx = NEG_INF;
 #pragma unroll
     for (int i = 0; i < ROUTER_MAX_PER_LANE; ++i) {
         const int e = lane + 32 * i;
-        v[i] = e < n_expert ? lg[e] : NEG_INF;
+        v[i] = e < n_expert ? __ldcg(lg + e) : NEG_INF;
         mx = fmaxf(mx, v[i]);
     }
     mx = warp_max(mx);
@@ -83,4 +84,31 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int n_e
             atomicAdd(stats + 1, (unsigned long long)k);
         }
     }
+}
+
+extern "C" __global__ void router_topk(const float* __restrict__ logits, int n_expert, int k, int renorm,
+                                       float scale, int* __restrict__ ids, float* __restrict__ weights,
+                                       const unsigned long long* __restrict__ table, unsigned long long slot_lo,
+                                       unsigned long long slot_hi, int* __restrict__ counts,
+                                       unsigned long long* __restrict__ stats) {
+    route_warp(blockIdx.x, logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
+}
+
+// Decode (one token): the router logits (one warp per expert row of W) and, in the last block, the routing.
+// Grid ceil(n_expert / warps per block).
+template <int QT>
+__global__ void router_fused(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
+                             int ncols, float* __restrict__ logits, int n_expert, int k, int renorm, float scale,
+                             int* __restrict__ ids, float* __restrict__ weights,
+                             const unsigned long long* __restrict__ table, unsigned long long slot_lo,
+                             unsigned long long slot_hi, int* __restrict__ counts,
+                             unsigned long long* __restrict__ stats, int* __restrict__ counter) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r < n_expert) {
+        const float s = warp_sum(dotw<QT>(W + (long long)r * row_bytes, x, ncols, lane));
+        if (lane == 0) logits[r] = s;
+    }
+    if (last_block(counter) && threadIdx.x < 32)
+        route_warp(0, logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
 }

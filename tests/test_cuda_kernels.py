@@ -51,13 +51,25 @@ def test_mv_epilogues(K, name, rows, cols):
     rb = raw.shape[1]
     grid = ((rows + 3) // 4,)
     y = poisoned(rows)
-    f(grid, (128,), (ptr(d_raw), I64(rb), ptr(d_x), ptr(y), NULL, NULL, I32(rows), I32(cols), I32(0)))
+    f(grid, (128,), (ptr(d_raw), I64(rb), ptr(d_x), ptr(y), NULL, NULL, I32(rows), I32(cols), I32(0), NULL, NULL,
+                     NULL, F32(0)))
     ref = W.astype(np.float64) @ x
     assert rel(y.get(), ref) < 1e-4
+    # accumulate, bias, sigmoid gate, and the fused RMSNorm of the result by the last block
     y = cp.asarray(y0)
-    f(grid, (128,), (ptr(d_raw), I64(rb), ptr(d_x), ptr(y), ptr(d_b), ptr(d_g), I32(rows), I32(cols), I32(1)))
-    ref2 = y0 + (ref + bias) / (1 + np.exp(-g))
-    assert rel(y.get(), ref2) < 1e-4
+    nw = cp.asarray(rng.standard_normal(rows).astype(np.float32))
+    nout = poisoned(rows)
+    counter = cp.zeros(1, dtype=cp.int32)
+    for _ in range(2):          # twice: the counter must be back at zero after a launch
+        y = cp.asarray(y0)
+        nout.fill(np.nan)
+        f(grid, (128,), (ptr(d_raw), I64(rb), ptr(d_x), ptr(y), ptr(d_b), ptr(d_g), I32(rows), I32(cols), I32(1),
+                         ptr(nw), ptr(nout), ptr(counter), F32(1e-6)))
+        ref2 = y0 + (ref + bias) / (1 + np.exp(-g))
+        assert rel(y.get(), ref2) < 1e-4
+        ref_n = ref2 / np.sqrt((ref2 ** 2).mean() + 1e-6) * nw.get()
+        assert rel(nout.get(), ref_n) < 1e-4
+        assert int(counter.get()[0]) == 0
 
 
 @pytest.mark.parametrize("name", ("Q4_K", "Q8_0", "Q6_K"))
@@ -178,8 +190,13 @@ def test_attention_decode(K, n_pos, head_dim):
     scale = 1.0 / np.sqrt(head_dim)
     K("attn_partial")((n_head, splits), (128,),
                       (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), ptr(state), I32(0), ptr(part),
-                       I32(n_head), I32(n_kv), I32(head_dim), I32(max_ctx), F32(scale)))
+                       I32(n_head), I32(n_kv), I32(head_dim), I32(max_ctx), F32(scale), NULL, NULL))
     K("attn_combine")((n_head,), (head_dim,), (ptr(part), ptr(out), I32(splits), I32(head_dim)))
+    fused = poisoned(n_head * head_dim)
+    counters = cp.zeros(n_head, dtype=cp.int32)
+    K("attn_partial")((n_head, splits), (128,),
+                      (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), ptr(state), I32(0), ptr(part),
+                       I32(n_head), I32(n_kv), I32(head_dim), I32(max_ctx), F32(scale), ptr(counters), ptr(fused)))
     ref = np.empty((n_head, head_dim))
     for h in range(n_head):
         kv = h // (n_head // n_kv)
@@ -187,6 +204,8 @@ def test_attention_decode(K, n_pos, head_dim):
         p = np.exp(s - s.max())
         ref[h] = (p / p.sum()) @ vc[kv, :n_pos].astype(np.float64)
     assert rel(out.get().reshape(n_head, head_dim), ref) < 1e-4
+    assert rel(fused.get().reshape(n_head, head_dim), ref) < 1e-4
+    assert not counters.get().any()
 
 
 @pytest.mark.parametrize("n_expert,k,renorm", [(8, 2, 1), (128, 8, 1), (60, 4, 0), (512, 10, 1)])
@@ -263,7 +282,7 @@ def test_moe_through_table(K, qg, qd, n_embd, n_ff, k, T):
         out = cp.asarray(out0)
         K("moe_down", qtype(qd).id)(((n_embd + 3) // 4, T), (128,),
                                     (ptr(d_table), ptr(d_ids), cp.asarray(w), I64(2 * up_off), I64(rb_d), ptr(h),
-                                     ptr(out), I32(n_embd), I32(n_ff), I32(k)))
+                                     ptr(out), I32(n_embd), I32(n_ff), I32(k), NULL, NULL, NULL, F32(0)))
         ref_h = np.zeros((T, k, n_ff))
         ref = out0.astype(np.float64).copy()
         for t in range(T):
@@ -319,3 +338,31 @@ def test_mv3(K, name, n0, n1, n2, bias):
     for (raw, W), y, b in zip(mats, ys, bs):
         ref = W.astype(np.float64) @ x.get() + (b.get() if bias else 0)
         assert rel(y.get(), ref) < 1e-4
+
+
+@pytest.mark.parametrize("name", ("F32", "Q8_0"))
+@pytest.mark.parametrize("n_expert,k,ncols", [(8, 2, 256), (128, 8, 2048), (60, 4, 512)])
+def test_router_fused(K, name, n_expert, k, ncols):
+    """Router logits and the routing in one launch (the last block routes)."""
+    rng = np.random.default_rng()
+    raw, W = rand_matrix(name, n_expert, ncols, rng)
+    x = rng.standard_normal(ncols).astype(np.float32)
+    logits = poisoned(n_expert)
+    ids = cp.full(k, -1, dtype=cp.int32)
+    wts = poisoned(k)
+    counts = cp.zeros(n_expert, dtype=cp.int32)
+    stats = cp.zeros(2, dtype=cp.uint64)
+    counter = cp.zeros(1, dtype=cp.int32)
+    table = np.full(n_expert, 5000, dtype=np.uint64)
+    K("router_fused", qtype(name).id)(((n_expert + 3) // 4,), (128,),
+                                      (cp.asarray(raw), I64(raw.shape[1]), cp.asarray(x), I32(ncols), ptr(logits),
+                                       I32(n_expert), I32(k), I32(1), F32(1.0), ptr(ids), ptr(wts),
+                                       cp.asarray(table), U64(0), U64(100), ptr(counts), ptr(stats), ptr(counter)))
+    lg = W.astype(np.float64) @ x
+    assert rel(logits.get(), lg) < 1e-4
+    p = np.exp(lg - lg.max())
+    p /= p.sum()
+    ref_ids = np.argsort(-p, kind="stable")[:k]
+    np.testing.assert_array_equal(ids.get(), ref_ids)
+    np.testing.assert_allclose(wts.get(), p[ref_ids] / p[ref_ids].sum(), rtol=1e-4)
+    assert list(stats.get()) == [0, k] and int(counter.get()[0]) == 0

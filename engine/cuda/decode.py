@@ -58,11 +58,13 @@ class Launcher:
         self.k = kernels
         self.cfg = cfg
 
-    def mv(self, W, x, y, bias=None, gate_logit=None, accumulate=False, tag="mv"):
+    def mv(self, W, x, y, bias=None, gate_logit=None, accumulate=False, tag="mv", norm=None):
+        """norm = (norm_w, norm_out, counter): the last block also writes norm_out = rmsnorm(y) * norm_w."""
         f = self.k("mv", W.qt, tag)
+        nw, nout, cnt = norm or (None, None, None)
         f(((W.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
           (U64(W.ptr), I64(W.row_bytes), ptr(x), ptr(y), ptr(bias), ptr(gate_logit), I32(W.rows), I32(W.cols),
-           I32(1 if accumulate else 0)))
+           I32(1 if accumulate else 0), ptr(nw), ptr(nout), ptr(cnt), F32(self.cfg.rms_eps)))
 
     def mv3(self, Ws, x, ys, biases):
         """Q, K and V in one launch when they share a quant type and width, else three."""
@@ -115,6 +117,8 @@ class DecodeStep:
             self.sgate = f32(1)
             self.logits = f32(c.n_vocab)
             self.state = cp.zeros(8, dtype=cp.int32)
+            self.counter = cp.zeros(1, dtype=cp.int32)          # the fused epilogues' "last block" counter
+            self.head_counters = cp.zeros(c.n_head, dtype=cp.int32)
         self.params = MappedInts(2)
         self.out = MappedInts(2)
         self.graph = None
@@ -126,8 +130,9 @@ class DecodeStep:
         self.k("embed", te.qt)((1,), (256,), (U64(te.ptr), I64(te.row_bytes), NULL, self.params.dptr,
                                             ptr(self.state), ptr(self.x), I32(c.n_embd)))
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
+        # Each RMSNorm after the first is fused into the kernel that last adds to the residual stream before it.
+        L.rmsnorm(self.x, w.layers[0].attn_norm, self.xn)
         for li, ly in enumerate(w.layers):
-            L.rmsnorm(self.x, ly.attn_norm, self.xn)
             L.mv3((ly.wq, ly.wk, ly.wv), self.xn, (self.q, self.kk, self.v), (ly.bq, ly.bk, ly.bv))
             kc, vc = self.kv.layer(li)
             self.k("qk_rope_store")((c.n_head + 2 * c.n_head_kv, 1), (c.head_dim,),
@@ -137,43 +142,48 @@ class DecodeStep:
                                      I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps), I32(self.kv.max_ctx)))
             self.k("attn_partial")((c.n_head, self.splits), (128,),
                                    (ptr(self.q), U64(kc), U64(vc), ptr(self.state), I32(0), ptr(self.part),
-                                    I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(self.kv.max_ctx), scale))
-            self.k("attn_combine")((c.n_head,), (c.head_dim,),
-                                   (ptr(self.part), ptr(self.att), I32(self.splits), I32(c.head_dim)))
-            L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo")
-            L.rmsnorm(self.x, ly.ffn_norm, self.xn)
+                                    I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(self.kv.max_ctx), scale,
+                                    ptr(self.head_counters), ptr(self.att)))
+            L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo", norm=(ly.ffn_norm, self.xn, self.counter))
+            nxt = w.layers[li + 1].attn_norm if li + 1 < len(w.layers) else w.output_norm
+            norm = (nxt, self.xn, self.counter)
             if c.is_moe:
-                self.moe(li, ly, self.xn, self.x)
+                self.moe(li, ly, self.xn, self.x, norm)
             else:
                 L.swiglu(ly.w_gate, ly.w_up, self.xn, self.h)
-                L.mv(ly.w_down, self.h, self.x, accumulate=True)
-        L.rmsnorm(self.x, w.output_norm, self.xn)
+                L.mv(ly.w_down, self.h, self.x, accumulate=True, norm=norm)
         L.mv(w.output, self.xn, self.logits, tag="output")
         self.k("argmax_word")((264,), (256,), (ptr(self.logits), I32(c.n_vocab), ptr(self.state)))
         self.k("argmax_finish")((1,), (1,), (ptr(self.state), self.out.dptr))
 
-    def moe(self, li, ly, xn, x):
+    def moe(self, li, ly, xn, x, norm):
         c, L, lay, cache = self.cfg, self.L, self.layout, self.cache
         k = c.n_expert_used
-        L.mv(ly.router, xn, self.rlogits, tag="router_mv")
         tab = U64(cache.table.data.ptr + 8 * li * c.n_expert)
-        self.k("router_topk")((1,), (32,),
-                              (ptr(self.rlogits), I32(c.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
-                               F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts), tab, U64(cache.slot_lo),
-                               U64(cache.slot_hi), U64(cache.counts.data.ptr + 4 * li * c.n_expert),
-                               ptr(cache.stats)))
+        R = ly.router
+        self.k("router_fused", R.qt, "router")(((R.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+                                               (U64(R.ptr), I64(R.row_bytes), ptr(xn), I32(R.cols), ptr(self.rlogits),
+                                                I32(c.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
+                                                F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts), tab,
+                                                U64(cache.slot_lo), U64(cache.slot_hi),
+                                                U64(cache.counts.data.ptr + 4 * li * c.n_expert), ptr(cache.stats),
+                                                ptr(self.counter)))
         self.k("moe_gate_up", lay.qt_gate_up)(((lay.n_ff + MV_WARPS - 1) // MV_WARPS, k, 1), (32 * MV_WARPS,),
                                               (tab, ptr(self.ids), I64(lay.up_off), I64(lay.rb_gate_up), ptr(xn),
                                                ptr(self.h), I32(lay.n_ff), I32(c.n_embd), I32(k)))
-        self.k("moe_down", lay.qt_down)(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,),
-                                        (tab, ptr(self.ids), ptr(self.wts), I64(lay.down_off), I64(lay.rb_down),
-                                         ptr(self.h), ptr(x), I32(c.n_embd), I32(lay.n_ff), I32(k)))
-        if ly.sh_up is not None:
+        shared = ly.sh_up is not None
+        if shared:      # the shared expert reads xn before moe_down's fused norm overwrites it
             if ly.sh_gate_inp is not None:
                 L.mv(ly.sh_gate_inp, xn, self.sgate, tag="shexp")
             L.swiglu(ly.sh_gate, ly.sh_up, xn, self.h2)
+        nw, nout, cnt = (None, None, None) if shared else norm
+        self.k("moe_down", lay.qt_down)(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,),
+                                        (tab, ptr(self.ids), ptr(self.wts), I64(lay.down_off), I64(lay.rb_down),
+                                         ptr(self.h), ptr(x), I32(c.n_embd), I32(lay.n_ff), I32(k), ptr(nw),
+                                         ptr(nout), ptr(cnt), F32(c.rms_eps)))
+        if shared:
             L.mv(ly.sh_down, self.h2, x, gate_logit=self.sgate if ly.sh_gate_inp is not None else None,
-                 accumulate=True, tag="shexp")
+                 accumulate=True, tag="shexp", norm=norm)
 
     # --- running ---------------------------------------------------------------------------------------------
     def capture(self):
