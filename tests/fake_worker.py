@@ -5,7 +5,7 @@ test can tell whose tokens a client received. Finish `stop` after len(prompt) to
 
     python tests/fake_worker.py --model M.gguf [--ctx N] [--chunk N] [--pp-delay S] [--token-delay S]
         [--silent-after-tokens N] [--silent-in-prompt] [--ignore-stop] [--die-in-prompt] [--exit-before-ready]
-        [--moe] [--load-delay S] [--ignore-quit] [--die-on-gen N] [--plan FILE]
+        [--moe] [--load-delay S] [--ignore-quit] [--die-on-gen N] [--die-in-prompt-of-gen N] [--plan FILE]
 
 --plan FILE: a JSON list of flag strings, one per start (the last one repeats); the start count is kept in
 FILE.count, so a test can make the first start misbehave and the restarted worker behave.
@@ -64,6 +64,7 @@ def main() -> int:
     ap.add_argument("--silent-in-prompt", action="store_true")
     ap.add_argument("--ignore-stop", action="store_true")
     ap.add_argument("--die-in-prompt", action="store_true")
+    ap.add_argument("--die-in-prompt-of-gen", type=int, default=0, help="die while reading the Nth GEN's prompt")
     ap.add_argument("--exit-before-ready", action="store_true")
     ap.add_argument("--moe", action="store_true")
     ap.add_argument("--die-on-gen", type=int, default=0, help="exit when the Nth GEN arrives, before answering it")
@@ -142,7 +143,7 @@ def main() -> int:
             pos = min(len(req.prompt), pos + a.chunk)
             ms = (time.monotonic() - t0) * 1000
             out(protocol.format_pp(pos, len(req.prompt), ms, (pos - reused) / max(ms, 1e-3) * 1000))
-            if a.die_in_prompt:
+            if a.die_in_prompt or n_gen == a.die_in_prompt_of_gen:
                 log("CUDA error: out of memory")
                 log("Killed")
                 os._exit(137)

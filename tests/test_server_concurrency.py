@@ -112,3 +112,42 @@ def test_history_keeps_the_last_500(tmp_path, fixtures_dir):
         assert snap["totals"]["requests"] == 510 and snap["totals"]["generated"] == 1020
     finally:
         svc.close()
+
+
+def test_a_worker_death_among_concurrent_clients_costs_only_its_request(tmp_path, fixtures_dir):
+    rng = random.Random(99)
+    codec = tiny_codec(fixtures_dir)
+    plan = tmp_path / "plan.json"
+    plan.write_text('["--die-in-prompt-of-gen 3 --token-delay 0.002", "--token-delay 0.002"]')
+    cfg = make_config(tmp_path, fixtures_dir / "vocab" / "tiny-bpe-1024.gguf", ["--plan", str(plan)])
+    prompts = [prompt_for(i, rng) for i in range(8)]
+    results: dict = {}
+
+    def client(i):
+        r = requests.post(base + "/v1/completions", stream=True, timeout=60,
+                          json=dict(prompt=prompts[i], max_tokens=500, stream=True))
+        if r.status_code != 200:
+            results[i] = ("http", r.status_code, r.json()["error"]["message"])
+            return
+        text = []
+        for ev in sse_events(r):
+            if "error" in ev:
+                results[i] = ("error", "".join(text), ev["error"]["message"])
+                return
+            text.append(ev["choices"][0]["text"])
+        results[i] = ("ok", "".join(text), None)
+
+    with running_server(cfg, codec) as (httpd, base):
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a client hangs"
+        m = metrics(base)
+    failed = [i for i, r in results.items() if r[0] != "ok"]
+    assert len(failed) == 1 and "exited mid-request" in results[failed[0]][2]
+    for i, r in results.items():
+        if r[0] == "ok":
+            assert r[1] == codec.tok.decode(codec.tok.encode(prompts[i])), f"client {i} got someone else's tokens"
+    assert m["worker"]["starts"] == 2 and m["totals"]["error"] == 1 and m["totals"]["stop"] == 7
