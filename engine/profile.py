@@ -55,11 +55,15 @@ def save_profile(path, prof: ExpertProfile) -> None:
             + np.ascontiguousarray(prof.order, dtype="<u2").tobytes()
             + prof.ranks().astype("<i4").tobytes())
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_profile(path, n_layers: int | None = None, n_expert: int | None = None) -> ExpertProfile:
