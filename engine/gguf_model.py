@@ -1,8 +1,9 @@
 """Open a GGUF model (one file or a split set): validated header, hyperparameters, memory-mapped tensors.
 
-The header is read by our own small bounds-checked reader, so that a text file, a truncated download or an unknown
-quant type gives one clear ModelError (and a 50k vocabulary loads in a tenth of a second); the tensor data is an
-np.memmap of the file, and the gguf package supplies the quant types, block sizes and the reference dequantizer.
+The header is read by our own small bounds-checked reader, read_header (the tokenizer and tools.make_moe use it
+too), so that a text file, a truncated download or an unknown quant type gives one clear ModelError (and a 150k
+vocabulary loads in a quarter of a second); the tensor data is an np.memmap of the file, and the gguf package
+supplies the quant types, block sizes and the reference dequantizer.
 Names and metadata keys are llama.cpp's, so that one GGUF runs in both.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
+from gguf import GGMLQuantizationType as QT, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 import gguf.quants
 
@@ -91,38 +92,53 @@ class TensorInfo:
         return int(self.data.nbytes)
 
 
-# --- header scan ----------------------------------------------------------------------------------------------
+# --- header -----------------------------------------------------------------------------------------------------
 
 _SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _SCALAR_DTYPE = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
                  12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 @dataclass
-class _RawTensor:
+class RawTensor:
     name: str
     dims: tuple[int, ...]    # ggml order (ne0 first)
     type_id: int
     offset: int              # relative to the data section
 
 
-def _scan_header(path: Path) -> tuple[dict, list[_RawTensor], int, int]:
-    """Read the header without trusting it: (metadata, tensors, data_offset, file_size), or ModelError.
+@dataclass
+class GGUFHeader:
+    metadata: dict                          # every key-value pair, arrays as lists
+    types: dict[str, list[GGUFValueType]]   # key -> [type] or [ARRAY, element type], as GGUFWriter takes them
+    tensors: list[RawTensor]                # empty in a vocabulary-only GGUF
+    data_offset: int
+    file_size: int
 
-    Our own reader rather than gguf.GGUFReader: the latter builds one NumPy array per vocabulary string (seconds for
-    a 50k vocabulary) and crashes on a truncated file; this one is bounds-checked and takes a fraction of that.
+
+def read_header(path) -> GGUFHeader:
+    """Read a GGUF header without trusting it: metadata, value types and tensor infos, or a one-line ModelError.
+
+    The one reader of GGUF headers here (the model, the tokenizer and tools.make_moe use it). Not gguf.GGUFReader:
+    that builds one NumPy array per vocabulary string (17-20 s for the 150k-token Qwen2 vocabulary) and crashes on
+    a truncated file; this one is bounds-checked and takes a fraction of a second.
     """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(4)
-        if head != GGUF_MAGIC:
-            shown = head.decode("latin-1").encode("unicode_escape").decode() or "an empty file"
-            raise ModelError(f"{path} is not a GGUF file (it starts with {shown!r}, not 'GGUF'); "
-                             f"point --model at a .gguf model")
-        if size < 24:
-            raise ModelError(f"{path} is truncated ({size} bytes, shorter than a GGUF header); download it again")
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(4)
+            if head != GGUF_MAGIC:
+                shown = head.decode("latin-1").encode("unicode_escape").decode() or "an empty file"
+                raise ModelError(f"{path} is not a GGUF file (it starts with {shown!r}, not 'GGUF'); "
+                                 f"give the path of a .gguf file")
+            if size < 24:
+                raise ModelError(f"{path} is truncated ({size} bytes, shorter than a GGUF header); download it again")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ModelError(f"cannot read {path}: {e.strerror or e}") from None
     try:
         return _walk(buf, path, size)
     except (struct.error, IndexError, ValueError):   # a read past the end, or bytes that are no UTF-8 string
@@ -132,17 +148,21 @@ def _scan_header(path: Path) -> tuple[dict, list[_RawTensor], int, int]:
         buf.close()
 
 
-def _walk(buf, path: Path, size: int):
+def _walk(buf, path: Path, size: int) -> GGUFHeader:
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
     if version not in (2, 3):
         raise ModelError(f"{path} is GGUF version {version}; only versions 2 and 3 are read")
     pos = 24
 
     def read_str(p):
-        (n,) = struct.unpack_from("<Q", buf, p)
+        (n,) = _U64.unpack_from(buf, p)
         if p + 8 + n > size:
             raise struct.error("string past the end")
-        return bytes(buf[p + 8:p + 8 + n]).decode("utf-8", errors="surrogateescape"), p + 8 + n
+        return buf[p + 8:p + 8 + n].decode("utf-8", errors="surrogateescape"), p + 8 + n
+
+    def check_type(vtype):
+        if vtype not in _SCALAR_FMT and vtype not in (_STRING, _ARRAY):
+            raise ModelError(f"{path} has a metadata value of unknown type {vtype}; the file is damaged")
 
     def read_value(p, vtype):
         if vtype in _SCALAR_FMT:
@@ -150,28 +170,43 @@ def _walk(buf, path: Path, size: int):
             return struct.unpack_from(fmt, buf, p)[0], p + struct.calcsize(fmt)
         if vtype == _STRING:
             return read_str(p)
-        if vtype == _ARRAY:
-            etype, count = struct.unpack_from("<IQ", buf, p)
-            p += 12
-            if etype in _SCALAR_DTYPE:
-                dt = np.dtype(_SCALAR_DTYPE[etype])
-                end = p + count * dt.itemsize
-                if end > size:
-                    raise struct.error("array past the end")
-                return np.frombuffer(buf, dtype=dt, count=count, offset=p).tolist(), end
-            if count > size:
-                raise struct.error("array longer than the file")
-            out = []
+        etype, count = struct.unpack_from("<IQ", buf, p)
+        check_type(etype)
+        p += 12
+        if etype in _SCALAR_DTYPE:
+            dt = np.dtype(_SCALAR_DTYPE[etype])
+            end = p + count * dt.itemsize
+            if end > size:
+                raise struct.error("array past the end")
+            return np.frombuffer(buf, dtype=dt, count=count, offset=p).tolist(), end
+        if count * 8 > size - p:   # every element takes at least 8 bytes
+            raise struct.error("array longer than the file")
+        if etype == _STRING:   # vocabularies and merges: the hot loop, kept tight
+            out, unpack = [], _U64.unpack_from
             for _ in range(count):
-                v, p = read_value(p, etype)
-                out.append(v)
+                (n,) = unpack(buf, p)
+                q = p + 8 + n
+                if q > size:
+                    raise struct.error("string past the end")
+                out.append(buf[p + 8:q].decode("utf-8", errors="surrogateescape"))
+                p = q
             return out, p
-        raise ModelError(f"{path} has a metadata value of unknown type {vtype}; the file is damaged")
+        out = []
+        for _ in range(count):
+            v, p = read_value(p, etype)
+            out.append(v)
+        return out, p
 
-    metadata = {}
+    metadata, types = {}, {}
     for _ in range(n_kv):
         key, pos = read_str(pos)
         (vtype,) = struct.unpack_from("<I", buf, pos)
+        check_type(vtype)
+        types[key] = [GGUFValueType(vtype)]
+        if vtype == _ARRAY:
+            (etype,) = struct.unpack_from("<I", buf, pos + 4)
+            check_type(etype)
+            types[key].append(GGUFValueType(etype))
         metadata[key], pos = read_value(pos + 4, vtype)
 
     tensors = []
@@ -183,17 +218,17 @@ def _walk(buf, path: Path, size: int):
         dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
         type_id, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
         pos += 4 + 8 * n_dims + 12
-        tensors.append(_RawTensor(name, tuple(int(d) for d in dims), int(type_id), int(offset)))
+        tensors.append(RawTensor(name, tuple(int(d) for d in dims), int(type_id), int(offset)))
     if pos > size:
         raise struct.error("tensor infos past the end")
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise ModelError(f"{path} declares general.alignment={alignment}, not a power of two; the file is damaged")
     data_offset = (pos + alignment - 1) // alignment * alignment
-    return metadata, tensors, data_offset, size
+    return GGUFHeader(metadata, types, tensors, data_offset, size)
 
 
-def _check_tensor(path: Path, t: _RawTensor, data_offset: int, size: int) -> None:
+def _check_tensor(path: Path, t: RawTensor, data_offset: int, size: int) -> None:
     try:
         qt = QT(t.type_id)
     except ValueError:
@@ -248,11 +283,12 @@ class GGUFModel:
         self._tensors: dict[str, TensorInfo] = {}
         self._maps: list[np.memmap] = []
         for i, p in enumerate(self.paths):
-            metadata, raw, data_offset, size = _scan_header(p)
+            header = read_header(p)
+            raw, data_offset = header.tensors, header.data_offset
             for t in raw:
-                _check_tensor(p, t, data_offset, size)
+                _check_tensor(p, t, data_offset, header.file_size)
             if i == 0:
-                self.metadata = metadata
+                self.metadata = header.metadata
             mm = np.memmap(p, dtype=np.uint8, mode="r")
             self._maps.append(mm)
             for t in raw:

@@ -17,13 +17,13 @@ Exactness notes (llama.cpp's src/llama-vocab.cpp and src/unicode.cpp are the ref
 from __future__ import annotations
 
 import heapq
-import mmap
 import re
-import struct
 import sys
 import unicodedata
 from functools import lru_cache
 from pathlib import Path
+
+from engine.gguf_model import ModelError, read_header
 
 # llama.cpp's token attributes (bit flags); GGUF stores a token *type* that maps onto one of them.
 ATTR_UNDEFINED, ATTR_UNKNOWN, ATTR_UNUSED, ATTR_NORMAL = 0, 1, 2, 4
@@ -41,78 +41,14 @@ class TokenizerError(Exception):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# GGUF metadata (the key-value section only; a vocabulary-only GGUF or a 100 GB model read alike in a blink)
-
-_U64 = struct.Struct("<Q")
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
+# GGUF metadata
 
 def read_gguf_metadata(path) -> dict:
-    """All key-value pairs of a GGUF header, arrays as lists. Our own reader: gguf.GGUFReader takes ~17 s to open a
-    150k-token vocabulary (one NumPy object per string), which no caller should wait for."""
-    path = Path(path)
+    """All key-value pairs of a GGUF header (a model or a vocabulary-only file), arrays as lists."""
     try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise TokenizerError(f"{path} is not a GGUF file; give the path of a .gguf model or vocabulary")
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as e:
-        raise TokenizerError(f"cannot read {path}: {e.strerror or e}") from None
-    try:
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise TokenizerError(f"{path} is GGUF version {version}; only versions 2 and 3 are read")
-        pos = 24
-
-        def read_str(p):
-            (n,) = struct.unpack_from("<Q", buf, p)
-            if p + 8 + n > len(buf):
-                raise struct.error("string past the end")
-            return buf[p + 8:p + 8 + n].decode("utf-8", errors="surrogateescape"), p + 8 + n
-
-        def read_value(p, vtype):
-            if vtype in _SCALARS:
-                fmt = _SCALARS[vtype]
-                return struct.unpack_from(fmt, buf, p)[0], p + struct.calcsize(fmt)
-            if vtype == 8:
-                return read_str(p)
-            if vtype == 9:
-                etype, count = struct.unpack_from("<IQ", buf, p)
-                p += 12
-                if etype in _SCALARS:
-                    fmt = _SCALARS[etype]
-                    size = struct.calcsize(fmt)
-                    if p + count * size > len(buf):
-                        raise struct.error("array past the end")
-                    vals = list(struct.unpack_from(f"<{count}{fmt[1]}", buf, p))
-                    return vals, p + count * size
-                if etype == 8:   # string arrays (vocabularies, merges): the hot loop, kept tight
-                    out, end, unpack = [], len(buf), _U64.unpack_from
-                    for _ in range(count):
-                        (n,) = unpack(buf, p)
-                        q = p + 8 + n
-                        if q > end:
-                            raise struct.error("string past the end")
-                        out.append(buf[p + 8:q].decode("utf-8", errors="surrogateescape"))
-                        p = q
-                    return out, p
-                out = []
-                for _ in range(count):
-                    v, p = read_value(p, etype)
-                    out.append(v)
-                return out, p
-            raise TokenizerError(f"{path} has a metadata value of unknown type {vtype}; the file is damaged")
-
-        md = {}
-        for _ in range(n_kv):
-            key, pos = read_str(pos)
-            (vtype,) = struct.unpack_from("<I", buf, pos)
-            md[key], pos = read_value(pos + 4, vtype)
-        return md
-    except struct.error:
-        raise TokenizerError(f"{path} is truncated or damaged inside its header; download it again") from None
-    finally:
-        buf.close()
+        return read_header(path).metadata
+    except ModelError as e:
+        raise TokenizerError(str(e)) from None
 
 
 # --------------------------------------------------------------------------------------------------------------------

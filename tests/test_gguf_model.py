@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from engine.gguf_model import ModelError, open_model
+from engine.gguf_model import ModelError, open_model, read_header
 
 REF = "reference"
 
@@ -166,15 +166,26 @@ def test_tensors_read_back_exactly(tmp_path):
     assert m.metadata["general.architecture"] == "qwen3moe" and m.metadata["qwen3moe.expert_count"] == 4
 
 
-def test_metadata_matches_gguf_reader(fixtures_dir):
-    path = fixtures_dir / REF / "tiny-qwen2moe-mixed.gguf"
+@pytest.mark.parametrize("path", ["reference/tiny-qwen2moe-mixed.gguf", "vocab/tiny-bpe-1024.gguf",
+                                  "vocab/ggml-vocab-llama-spm.gguf"])
+def test_read_header_matches_gguf_reader(fixtures_dir, path):
+    # The one header reader (the model's, the tokenizer's and make_moe's) against gguf-py's, on a model and on
+    # vocabulary-only files: the same keys in the same order, values, value types, tensor infos and data offsets.
+    path = fixtures_dir / path
     reader = gguf.GGUFReader(path)
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     ref = {}
-    for k, f in reader.fields.items():
-        if not k.startswith("GGUF."):
-            v = f.contents()
-            ref[k] = v.item() if isinstance(v, np.generic) else v
-    assert open_model(path).metadata == ref
+    for k, f in fields.items():
+        v = f.contents()
+        ref[k] = v.item() if isinstance(v, np.generic) else v
+    header = read_header(path)
+    assert header.metadata == ref and list(header.metadata) == list(ref)
+    assert header.types == {k: f.types for k, f in fields.items()}
+    assert [(t.name, t.dims, t.type_id, header.data_offset + t.offset) for t in header.tensors] == \
+        [(t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset)) for t in reader.tensors]
+    assert header.file_size == path.stat().st_size
+    if "reference" in path.parts:
+        assert open_model(path).metadata == ref
 
 
 def test_split_set_opens_as_one_model(tmp_path):

@@ -129,6 +129,16 @@ def test_not_a_gguf(tmp_path):
         Tokenizer.from_gguf(p)
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.01])
+def test_truncated_vocabulary(fixtures_dir, tmp_path, keep):
+    src = (fixtures_dir / "vocab" / "tiny-bpe-1024.gguf").read_bytes()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(src[:int(len(src) * keep)])
+    with pytest.raises(TokenizerError, match="truncated") as e:
+        Tokenizer.from_gguf(p)
+    assert "\n" not in str(e.value)
+
+
 def test_tiny_vocab_and_template(fixtures_dir):
     tok = _tok(str(fixtures_dir / "vocab" / "tiny-bpe-1024.gguf"))
     assert tok.n_vocab == 1024 and "<|im_start|>" in tok.chat_template

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import struct
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as Q, GGUFValueType, MODEL_TENSOR as MT
+
+from engine.gguf_model import ModelError, read_header
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB_DIR = ROOT.parent / "shared" / "fixtures" / "vocab"
@@ -322,76 +324,32 @@ _FILE_TYPE = {Q.F32: "ALL_F32", Q.F16: "MOSTLY_F16", Q.BF16: "MOSTLY_BF16", Q.Q8
               Q.IQ3_XXS: "MOSTLY_IQ3_XXS", Q.IQ3_S: "MOSTLY_IQ3_S", Q.MXFP4: "MOSTLY_MXFP4_MOE"}
 
 
-_SCALAR = {GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
-           GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
-           GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "<u1", GGUFValueType.UINT64: "<u8",
-           GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8"}
+# What GGUFWriter cannot write back: surrogateescape's stand-ins for bytes that are not UTF-8.
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
 
 def read_vocab(path: Path) -> list[tuple[str, object, list[GGUFValueType]]]:
-    """Every tokenizer.* key of a vocabulary GGUF as (key, value, [type, sub_type]).
-
-    A small parser of the KV section rather than gguf.GGUFReader, which takes ~20 s to index the 300,000
-    strings of the Qwen2 vocabulary; test_make_moe checks that both read the same.
-    """
+    """Every tokenizer.* key of a vocabulary GGUF as (key, value, [type, sub_type]), for GGUFWriter.add_key_value."""
     try:
-        buf = memoryview(path.read_bytes())
-        out = _parse_kv(buf)
-    except (OSError, ValueError, IndexError, KeyError) as e:
-        raise SystemExit(f"make_moe: cannot read the vocabulary {path} ({e}); pass --vocab with a GGUF file "
-                         f"that has tokenizer.* keys")
-    if not any(k == "tokenizer.ggml.tokens" for k, _, _ in out):
+        header = read_header(path)
+    except ModelError as e:
+        raise SystemExit(f"make_moe: vocabulary: {e}")
+    out = []
+    for key, value in header.metadata.items():
+        if not key.startswith("tokenizer."):
+            continue
+        types = header.types[key]
+        if types[-1] == GGUFValueType.ARRAY:
+            raise SystemExit(f"make_moe: {path}: {key} is an array of arrays, which make_moe does not copy; "
+                             f"pass --vocab with another vocabulary")
+        strings = [value] if isinstance(value, str) else value if types[1:] == [GGUFValueType.STRING] else []
+        if _NOT_UTF8.search("".join(strings)):
+            raise SystemExit(f"make_moe: {path}: {key} holds bytes that are not UTF-8, which GGUFWriter cannot "
+                             f"write back; pass --vocab with another vocabulary")
+        out.append((key, value, types))
+    if "tokenizer.ggml.tokens" not in header.metadata:
         raise SystemExit(f"make_moe: {path} has no tokenizer.ggml.tokens; pass --vocab with a vocabulary GGUF")
     return out
-
-
-def _parse_kv(buf: memoryview) -> list[tuple[str, object, list[GGUFValueType]]]:
-    if bytes(buf[:4]) != b"GGUF":
-        raise ValueError("not a GGUF file")
-    version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    if version < 2:
-        raise ValueError(f"GGUF version {version} is too old")
-    pos = 24
-
-    def string() -> str:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        s = bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8")
-        pos += 8 + n
-        return s
-
-    def scalar(t: GGUFValueType):
-        nonlocal pos
-        if t == GGUFValueType.STRING:
-            return string()
-        dt = np.dtype(_SCALAR[t])
-        v = np.frombuffer(buf, dt, 1, pos)[0].item()
-        pos += dt.itemsize
-        return bool(v) if t == GGUFValueType.BOOL else v
-
-    out = []
-    for _ in range(n_kv):
-        key = string()
-        (t,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        t = GGUFValueType(t)
-        if t != GGUFValueType.ARRAY:
-            out.append((key, scalar(t), [t]))
-            continue
-        sub, n = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        sub = GGUFValueType(sub)
-        if sub in (GGUFValueType.STRING, GGUFValueType.ARRAY):
-            if sub == GGUFValueType.ARRAY:
-                raise ValueError(f"nested arrays ({key}) are not supported")
-            value = [string() for _ in range(n)]
-        else:
-            dt = np.dtype(_SCALAR[sub])
-            arr = np.frombuffer(buf, dt, n, pos)
-            pos += n * dt.itemsize
-            value = [bool(x) for x in arr] if sub == GGUFValueType.BOOL else arr.tolist()
-        out.append((key, value, [t, sub]))
-    return [kv for kv in out if kv[0].startswith("tokenizer.")]
 
 
 def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
