@@ -167,6 +167,41 @@ QFN uint32_t ld4_a1(const uint8_t* p) {
 }
 QFN float h2f_at(const uint8_t* p) { return strata_h2f(ld2(p)); }
 
+// 8 bytes at a 2-byte-aligned address in two or three loads, never past p+8. For 256-element blocks every lane of a
+// step reads the same block, so the branch is uniform across the warp.
+QFN void ld8_blk(const uint8_t* p, uint32_t& a, uint32_t& b) {
+#if defined(STRATA_HOST)
+    ld8_a2(p, a, b);
+#else
+    if (((unsigned long long)p & 2) == 0) {
+        a = ld4(p); b = ld4(p + 4);
+    } else {
+        const uint32_t m = ld4(p + 2);
+        a = (uint32_t)ld2(p) | (m << 16);
+        b = (m >> 16) | ((uint32_t)ld2(p + 6) << 16);
+    }
+#endif
+}
+
+// 16 bytes as 4 words (16-byte aligned)
+QFN void ld16(const uint8_t* p, uint32_t (&w)[4]) {
+#if defined(STRATA_HOST)
+    STRATA_ALIGNED(p, 16);
+    memcpy(w, p, 16);
+#else
+    const uint4 t = *(const uint4*)p; w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
+#endif
+}
+
+// an integer 0 <= u < 2^23 as a float, exactly, without the quarter-rate int-to-float unit
+QFN float u2f_small(uint32_t u) {
+#if defined(STRATA_HOST)
+    return (float)u;
+#else
+    return __uint_as_float(0x4B000000u | u) - 8388608.f;
+#endif
+}
+
 // byte k (0..7) of the 8 bytes (a, b)
 QFN uint32_t byte8(uint32_t a, uint32_t b, int k) { return ((k < 4 ? a : b) >> (8 * (k & 3))) & 0xff; }
 
@@ -239,7 +274,8 @@ template <> QFN void dequant8<STRATA_Q_Q4_0>(const uint8_t* __restrict__ b, int 
 }
 
 template <> QFN void dequant8<STRATA_Q_Q4_1>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
-    const float d = h2f_at(b), m = h2f_at(b + 2);
+    const uint32_t dm = ld4(b);
+    const float d = strata_h2f((uint16_t)(dm & 0xffff)), m = strata_h2f((uint16_t)(dm >> 16));
     uint32_t q0 = ld4(b + 4 + (j & 1) * 8), q1 = ld4(b + 8 + (j & 1) * 8);
     const int sh = (j >> 1) * 4;
     q0 = (q0 >> sh) & 0x0f0f0f0fu; q1 = (q1 >> sh) & 0x0f0f0f0fu;
@@ -300,7 +336,9 @@ template <> QFN void dequant8<STRATA_Q_MXFP4>(const uint8_t* __restrict__ b, int
 template <> QFN void dequant8<STRATA_Q_Q2_K>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
     // scales[16] @0, qs[64] @16, d @80, dmin @82; element e = 128h + 32s + l: (qs[32h + l] >> 2s) & 3, scale e/16
     const uint32_t sc = b[j >> 1];
-    const float dl = h2f_at(b + 80) * (float)(sc & 0xf), ml = h2f_at(b + 82) * (float)(sc >> 4);
+    const uint32_t dd = ld4(b + 80);
+    const float dl = strata_h2f((uint16_t)(dd & 0xffff)) * u2f_small(sc & 0xf);
+    const float ml = strata_h2f((uint16_t)(dd >> 16)) * u2f_small(sc >> 4);
     const uint8_t* qs = b + 16 + (j >> 4) * 32 + (j & 3) * 8;  // 84-byte blocks: 4-byte aligned only
     uint32_t q0 = ld4(qs), q1 = ld4(qs + 4);
     const int sh = ((j >> 2) & 3) * 2;
@@ -315,10 +353,10 @@ template <> QFN void dequant8<STRATA_Q_Q3_K>(const uint8_t* __restrict__ b, int 
     const uint8_t* sc = b + 96;
     const uint32_t lo = s < 8 ? (sc[s] & 0xf) : (sc[s - 8] >> 4);
     const uint32_t hi = (sc[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
-    const float dl = h2f_at(b + 108) * (float)((int)(lo | (hi << 4)) - 32);
+    const float dl = h2f_at(b + 108) * (u2f_small(lo | (hi << 4)) - 32.f);
     const int l0 = (j & 3) * 8;
-    uint32_t q0, q1; ld8_a2(b + 32 + (j >> 4) * 32 + l0, q0, q1);
-    uint32_t h0, h1; ld8_a2(b + l0, h0, h1);
+    uint32_t q0, q1; ld8_blk(b + 32 + (j >> 4) * 32 + l0, q0, q1);
+    uint32_t h0, h1; ld8_blk(b + l0, h0, h1);
     const int sh = ((j >> 2) & 3) * 2, hb = j >> 2;
     // q = low2 - 4 * (1 - hbit) = (low2 | hbit << 2) - 4
     q0 = ((q0 >> sh) & 0x03030303u) | (((h0 >> hb) & 0x01010101u) << 2);
@@ -327,22 +365,24 @@ template <> QFN void dequant8<STRATA_Q_Q3_K>(const uint8_t* __restrict__ b, int 
     for (int k = 0; k < 8; k++) v[k] = dl * bytef(q0, q1, k, 4.f);
 }
 
-// 6-bit scale and min of sub-block s (0..7) of Q4_K / Q5_K (gguf Q4_K.get_scale_min)
-QFN void strata_scale_min_k4(const uint8_t* __restrict__ q, int s, uint32_t& sc, uint32_t& m) {
-    if (s < 4) {
-        sc = q[s] & 0x3f;
-        m = q[s + 4] & 0x3f;
-    } else {
-        sc = (q[s + 4] & 0x0f) | ((q[s - 4] >> 2) & 0x30);
-        m = (q[s + 4] >> 4) | ((q[s] >> 2) & 0x30);
-    }
+// Q4_K / Q5_K block header, one 16-byte load: w[0] = d | dmin << 16, w[1..3] = the 12 packed scale bytes q[0..11].
+// dl = d * scale and ml = dmin * min of sub-block s (0..7), as gguf's Q4_K.get_scale_min unpacks them.
+QFN void strata_k4_header(const uint8_t* __restrict__ b, int s, float& dl, float& ml) {
+    uint32_t w[4]; ld16(b, w);
+    const int sh = 8 * (s & 3);
+    const uint32_t q_lo = (w[1] >> sh) & 0xff, q_mid = (w[2] >> sh) & 0xff, q_hi = (w[3] >> sh) & 0xff;
+    // s < 4: sc = q[s] & 63, m = q[s+4] & 63; s >= 4: sc = (q[s+4] & 15) | (q[s-4] >> 6) << 4,
+    //                                               m = (q[s+4] >> 4) | (q[s] >> 6) << 4
+    const uint32_t sc = s < 4 ? (q_lo & 0x3f) : ((q_hi & 0x0f) | ((q_lo >> 2) & 0x30));
+    const uint32_t m = s < 4 ? (q_mid & 0x3f) : ((q_hi >> 4) | ((q_mid >> 2) & 0x30));
+    dl = strata_h2f((uint16_t)(w[0] & 0xffff)) * u2f_small(sc);
+    ml = strata_h2f((uint16_t)(w[0] >> 16)) * u2f_small(m);
 }
 
 template <> QFN void dequant8<STRATA_Q_Q4_K>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
     // d @0, dmin @2, scales[12] @4, qs[128] @16; sub-block s = j/4 takes nibble s&1 of qs[32(s/2) ..]
     const int s = j >> 2;
-    uint32_t sc, m; strata_scale_min_k4(b + 4, s, sc, m);
-    const float dl = h2f_at(b) * (float)sc, ml = h2f_at(b + 2) * (float)m;
+    float dl, ml; strata_k4_header(b, s, dl, ml);
     uint32_t q0, q1; ld8(b + 16 + (s >> 1) * 32 + (j & 3) * 8, q0, q1);
     const int sh = (s & 1) * 4;
     q0 = (q0 >> sh) & 0x0f0f0f0fu; q1 = (q1 >> sh) & 0x0f0f0f0fu;
@@ -353,8 +393,7 @@ template <> QFN void dequant8<STRATA_Q_Q4_K>(const uint8_t* __restrict__ b, int 
 template <> QFN void dequant8<STRATA_Q_Q5_K>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
     // d @0, dmin @2, scales[12] @4, qh[32] @16, qs[128] @48; high bit s of qh[l]
     const int s = j >> 2, l0 = (j & 3) * 8;
-    uint32_t sc, m; strata_scale_min_k4(b + 4, s, sc, m);
-    const float dl = h2f_at(b) * (float)sc, ml = h2f_at(b + 2) * (float)m;
+    float dl, ml; strata_k4_header(b, s, dl, ml);
     uint32_t q0, q1; ld8(b + 48 + (s >> 1) * 32 + l0, q0, q1);
     uint32_t h0, h1; ld8(b + 16 + l0, h0, h1);
     const int sh = (s & 1) * 4;
@@ -368,9 +407,9 @@ template <> QFN void dequant8<STRATA_Q_Q6_K>(const uint8_t* __restrict__ b, int 
     // ql[128] @0, qh[64] @128, scales int8[16] @192, d @208; element e = 128h + r:
     // low 4 bits: nibble r/64 of ql[64h + r%64]; high 2 bits: (qh[32h + r%32] >> 2(r/32)) & 3
     const int h = j >> 4, r0 = (j & 15) * 8;
-    const float dl = h2f_at(b + 208) * (float)(int8_t)b[192 + (j >> 1)];
-    uint32_t q0, q1; ld8_a2(b + h * 64 + (r0 & 63), q0, q1);
-    uint32_t h0, h1; ld8_a2(b + 128 + h * 32 + (r0 & 31), h0, h1);
+    const float dl = h2f_at(b + 208) * (u2f_small(b[192 + (j >> 1)] ^ 0x80u) - 128.f);  // int8 + 128
+    uint32_t q0, q1; ld8_blk(b + h * 64 + (r0 & 63), q0, q1);
+    uint32_t h0, h1; ld8_blk(b + 128 + h * 32 + (r0 & 31), h0, h1);
     const int sl = (r0 >> 6) * 4, shh = (r0 >> 5) * 2;
     q0 = ((q0 >> sl) & 0x0f0f0f0fu) | (((h0 >> shh) & 0x03030303u) << 4);
     q1 = ((q1 >> sl) & 0x0f0f0f0fu) | (((h1 >> shh) & 0x03030303u) << 4);
@@ -382,7 +421,7 @@ template <> QFN void dequant8<STRATA_Q_IQ4_XS>(const uint8_t* __restrict__ b, in
     // d @0, scales_h u16 @2, scales_l[4] @4, qs[128] @8; sub-block s = j/4: 16 bytes at 8+16s, low nibbles first
     const int s = j >> 2;
     const uint32_t lo = (b[4 + (s >> 1)] >> (4 * (s & 1))) & 0xf, hi = (ld2(b + 2) >> (2 * s)) & 3;
-    const float dl = h2f_at(b) * (float)((int)(lo | (hi << 4)) - 32);
+    const float dl = h2f_at(b) * (u2f_small(lo | (hi << 4)) - 32.f);
     uint32_t q0, q1; ld8(b + 8 + s * 16 + (j & 1) * 8, q0, q1);
     const int sh = ((j >> 1) & 1) * 4;
 #pragma unroll
