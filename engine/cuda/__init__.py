@@ -6,13 +6,31 @@
 """
 from __future__ import annotations
 
+import signal
+from contextlib import contextmanager
+
 from engine.cuda.args import add_cuda_args
+
+_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
+
+@contextmanager
+def _signals_stay_with_python():
+    """Block SIGTERM/SIGINT/SIGHUP while the CUDA driver starts its helper threads, which inherit the mask: a signal
+    delivered to one of those threads never wakes Python's main thread, whose handler (the worker's clean exit on
+    SIGTERM) then never runs."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def available() -> tuple[bool, str]:
     try:
-        import cupy
-        n = cupy.cuda.runtime.getDeviceCount()
+        with _signals_stay_with_python():
+            import cupy
+            n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # no CuPy, no driver, no device
         first = str(e).splitlines()[0] if str(e) else ""
         return False, f"CuPy finds no GPU ({type(e).__name__}: {first})"
@@ -22,8 +40,9 @@ def available() -> tuple[bool, str]:
 
 
 def create_backend(model, max_context: int, args=None):
-    from engine.cuda.backend import CUDABackend, CudaOptions
-    return CUDABackend(model, max_context, CudaOptions.from_args(args) if args is not None else None)
+    with _signals_stay_with_python():
+        from engine.cuda.backend import CUDABackend, CudaOptions
+        return CUDABackend(model, max_context, CudaOptions.from_args(args) if args is not None else None)
 
 
 __all__ = ["add_cuda_args", "available", "create_backend"]

@@ -14,6 +14,7 @@ from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE, device_add
 U64, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
 NULL = U64(0)
 MV_WARPS = 4           # rows per block in the mat-vec kernels (one warp each)
+FUSE_NORM = False     # see enqueue()
 ATT_MIN_SPAN = 16     # fewest positions an attention split covers (4 warps x 4 positions per round)
 
 
@@ -130,9 +131,12 @@ class DecodeStep:
         self.k("embed", te.qt)((1,), (256,), (U64(te.ptr), I64(te.row_bytes), NULL, self.params.dptr,
                                             ptr(self.state), ptr(self.x), I32(c.n_embd)))
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
-        # Each RMSNorm after the first is fused into the kernel that last adds to the residual stream before it.
-        L.rmsnorm(self.x, w.layers[0].attn_norm, self.xn)
+        # FUSE_NORM: each RMSNorm after the first done by the last block of the kernel that last adds to the residual
+        # stream (no launch of its own). Measured slower on the H200 (the fence and serial tail in wo and moe_down
+        # cost more than the launch saved: 4.93 vs 4.64 ms a step), so off; the kernels keep the option.
         for li, ly in enumerate(w.layers):
+            if li == 0 or not FUSE_NORM:
+                L.rmsnorm(self.x, ly.attn_norm, self.xn)
             L.mv3((ly.wq, ly.wk, ly.wv), self.xn, (self.q, self.kk, self.v), (ly.bq, ly.bk, ly.bv))
             kc, vc = self.kv.layer(li)
             self.k("qk_rope_store")((c.n_head + 2 * c.n_head_kv, 1), (c.head_dim,),
@@ -144,14 +148,20 @@ class DecodeStep:
                                    (ptr(self.q), U64(kc), U64(vc), ptr(self.state), I32(0), ptr(self.part),
                                     I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(self.kv.max_ctx), scale,
                                     ptr(self.head_counters), ptr(self.att)))
-            L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo", norm=(ly.ffn_norm, self.xn, self.counter))
+            if FUSE_NORM:
+                L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo", norm=(ly.ffn_norm, self.xn, self.counter))
+            else:
+                L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo")
+                L.rmsnorm(self.x, ly.ffn_norm, self.xn)
             nxt = w.layers[li + 1].attn_norm if li + 1 < len(w.layers) else w.output_norm
-            norm = (nxt, self.xn, self.counter)
+            norm = (nxt, self.xn, self.counter) if FUSE_NORM else None
             if c.is_moe:
                 self.moe(li, ly, self.xn, self.x, norm)
             else:
                 L.swiglu(ly.w_gate, ly.w_up, self.xn, self.h)
                 L.mv(ly.w_down, self.h, self.x, accumulate=True, norm=norm)
+        if not FUSE_NORM:
+            L.rmsnorm(self.x, w.output_norm, self.xn)
         L.mv(w.output, self.xn, self.logits, tag="output")
         self.k("argmax_word")((264,), (256,), (ptr(self.logits), I32(c.n_vocab), ptr(self.state)))
         self.k("argmax_finish")((1,), (1,), (ptr(self.state), self.out.dptr))
@@ -176,7 +186,7 @@ class DecodeStep:
             if ly.sh_gate_inp is not None:
                 L.mv(ly.sh_gate_inp, xn, self.sgate, tag="shexp")
             L.swiglu(ly.sh_gate, ly.sh_up, xn, self.h2)
-        nw, nout, cnt = (None, None, None) if shared else norm
+        nw, nout, cnt = (None, None, None) if shared or norm is None else norm
         self.k("moe_down", lay.qt_down)(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,),
                                         (tab, ptr(self.ids), ptr(self.wts), I64(lay.down_off), I64(lay.rb_down),
                                          ptr(self.h), ptr(x), I32(c.n_embd), I32(lay.n_ff), I32(k), ptr(nw),
