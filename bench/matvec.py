@@ -67,7 +67,7 @@ def bench_case(cp, name, nrows, ncols, nv, rng, min_total=400e6, reps=5):
     y = cp.empty((nv, nrows), dtype=cp.float32)
     launches = max(copies, 20)
     moved = mat_bytes + nv * (ncols + nrows) * 4
-    _, _, _, planned = matvec_plan(nrows, nv)
+    _, _, _, planned = matvec_plan(nrows, nv, qtype_=name, ncols=ncols)
     out = []
     for r in MATVEC_ROWS[nv]:
         kernel, grid, block, _ = matvec_plan(nrows, nv, r)

@@ -4,7 +4,7 @@
 //   W: nrows rows of row_stride bytes (row_stride >= the row's ncols/QK blocks), 16-byte aligned
 //   x: NV vectors of ncols floats, vector v at x + v*ldx (16-byte aligned);  y: vector v's outputs at y + v*ldy
 // Kernels matvec_r<R>_nv<NV>; launch blockDim 128 (4 warps), grid ceil(nrows / (4*R)). engine/cuda/kernels.py's
-// matvec_plan() picks R: more rows per warp for tall matrices (less x traffic), one for short ones (more warps).
+// matvec_plan() picks R from the H200 measurements (bench/matvec.py); MATVEC_ROWS there lists these instantiations.
 // @build per-qtype
 #include "quant.cuh"
 

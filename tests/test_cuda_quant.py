@@ -125,6 +125,22 @@ def test_unknown_type_names_the_supported_ones():
         qtype("TQ1_0")
 
 
+def test_matvec_plan_names_kernels_that_exist_and_covers_every_row():
+    import re
+    from engine.cuda.kernels import MATVEC_ROWS, matvec_plan
+    src = (CUDA_SRC / "matvec.cu").read_text()
+    made = {(int(r), int(n)) for r, n in re.findall(r"^STRATA_MATVEC\((\d+), (\d+)\)", src, re.M)}
+    assert made == {(r, nv) for nv, rs in MATVEC_ROWS.items() for r in rs}
+    for nrows in (1, 45, 4096, 8192, 151936):
+        for nv in MATVEC_ROWS:
+            for name, ncols in (("Q4_K", 2048), ("Q8_0", 576), ("F16", 8192)):
+                kernel, grid, block, r = matvec_plan(nrows, nv, qtype_=name, ncols=ncols)
+                assert kernel == f"matvec_r{r}_nv{nv}" and (r, nv) in made
+                assert grid[0] * (block[0] // 32) * r >= nrows > (grid[0] - 1) * (block[0] // 32) * r
+    with pytest.raises(ValueError, match="1 to 8 vectors"):
+        matvec_plan(10, 9)
+
+
 # ---- GPU ------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
