@@ -205,7 +205,6 @@ class DecodeStep:
                 self.enqueue()
         finally:
             self.graph = s.end_capture()
-        self.graph.upload(s) if hasattr(self.graph, "upload") else None
 
     def launch(self, token: int, pos: int, use_graph: bool = True):
         self.params.view[0] = token
