@@ -257,6 +257,16 @@ def emit_cache_picture(backend, out) -> None:
     out.emit(line)
 
 
+def _next_command(inp):
+    # A timed wait: the OS may deliver SIGTERM to another thread (CUDA's driver threads), and Python runs its handler
+    # only when the main thread wakes up, so an untimed get() could sleep through the server's SIGTERM.
+    while True:
+        try:
+            return inp.queue.get(timeout=0.5)
+        except queue.Empty:
+            pass
+
+
 def main(argv=None) -> int:
     out = Protocol()
     # SIGTERM (the server's second try after QUIT) unwinds like QUIT: backend.close() saves the expert profile.
@@ -332,7 +342,7 @@ def main(argv=None) -> int:
     status = 0
     try:
         while True:
-            what, line, ev = inp.queue.get()
+            what, line, ev = _next_command(inp)
             if what in ("QUIT", "EOF"):
                 break
             if what == "BAD":
