@@ -4,10 +4,10 @@ It is the yardstick the CUDA backend is checked against, and the engine on a PC 
 """
 from __future__ import annotations
 
-import numpy as np
-
 import ctypes
 import re
+
+import numpy as np
 
 from engine.arch import build
 from engine.arch.base import KVCache, Weights
@@ -80,9 +80,7 @@ class CPUBackend(Backend):
             last = s + self.chunk >= len(tokens)
             logits = self.net.forward(part, self.n_cached, self.kv, all_logits)
             self.n_cached += len(part)
-            if all_logits:
-                outs.append(logits)
-            elif last:
+            if all_logits or last:
                 outs.append(logits)
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
 
@@ -96,12 +94,10 @@ class CPUBackend(Backend):
         return self.weights.stats
 
     def info(self) -> dict:
-        cfg = self.config
-        out = {"backend": "cpu", "arch": cfg.arch, "n_layer": cfg.n_layer, "n_vocab": cfg.n_vocab}
-        if cfg.is_moe:
-            out.update(n_expert=cfg.n_expert, n_expert_used=cfg.n_expert_used,
-                       expert_cache_mib=round(self.weights.expert_cache_bytes / 2**20))
-        return out
+        # The worker's own INFO line already names the backend, arch and shapes: only what the backend adds.
+        if self.config.is_moe:
+            return {"expert_cache_mib": round(self.weights.expert_cache_bytes / 2**20)}
+        return {}
 
     def close(self) -> None:
         self.weights = None
