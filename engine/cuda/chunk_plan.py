@@ -32,15 +32,13 @@ class Buffer:
         return self.elems * self.itemsize
 
 
-def buffers(cfg, T: int, kv_int8: bool = False) -> list[Buffer]:
+def buffers(cfg, T: int) -> list[Buffer]:
     """Every buffer of a chunk of T tokens (the expert ring's slots excepted: ring_bytes)."""
     c = cfg
     E, qw, kw = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     k = max(c.n_expert_used, 1)
     out = [Buffer("x", T * E, 4), Buffer("xn", T * E, 4), Buffer("q", T * qw, 4), Buffer("k", T * kw, 4),
            Buffer("v", T * kw, 4), Buffer("att", T * qw, 4), Buffer("proj", T * max(E, qw, kw), 4)]
-    if kv_int8:       # rotated K/V of the chunk in fp16 before they are quantized into the cache
-        out += [Buffer("kv_stage", 2 * T * kw, 2)]
     if c.n_expert:
         out += [Buffer("xh", T * E, 2),                        # activations in fp16, converted once per token
                 Buffer("router_logits", T * c.n_expert, 4),
@@ -58,8 +56,8 @@ def buffers(cfg, T: int, kv_int8: bool = False) -> list[Buffer]:
     return out
 
 
-def chunk_bytes(cfg, T: int, kv_int8: bool = False) -> int:
-    return sum(b.nbytes for b in buffers(cfg, T, kv_int8))
+def chunk_bytes(cfg, T: int) -> int:
+    return sum(b.nbytes for b in buffers(cfg, T))
 
 
 def ring_bytes(depth: int, stride: int) -> int:
@@ -104,7 +102,7 @@ def _auto_sizes(cap: int) -> list[int]:
 
 
 def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_stream: int = 0,
-               max_tokens: int | None = None, kv_int8: bool = False, lendable: int = 0) -> Plan:
+               max_tokens: int | None = None, lendable: int = 0) -> Plan:
     """The chunk and ring for `free` bytes of VRAM.
 
     chunk: an int or "auto"; ring: an int or None (auto); stride: bytes per expert blob (0: no experts);
@@ -123,7 +121,7 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
         if max_tokens is not None:
             T = min(T, int(max_tokens))
         need_ring = max(0, want_ring - lendable)
-        need = chunk_bytes(cfg, T, kv_int8) + ring_bytes(need_ring, stride)
+        need = chunk_bytes(cfg, T) + ring_bytes(need_ring, stride)
         if need > free:
             raise _refuse(f"a prompt chunk of {T} tokens (with {want_ring} ring slots)", need, free,
                           ("lower --ring, " if ring is not None else "") + "lower --prefill-chunk (or use auto), "
@@ -135,13 +133,13 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
         # Largest multiple of STEP up to the cap that leaves room for the ring's floor; below AUTO_MIN, smaller steps.
         floor = 0 if not want_ring else max(want_ring, min(RING_AUTO_FLOOR, n_stream))
         floor_bytes = ring_bytes(max(0, floor - lendable), stride)
-        T_fixed = next((T for T in _auto_sizes(cap) if chunk_bytes(cfg, T, kv_int8) + floor_bytes <= free), None)
+        T_fixed = next((T for T in _auto_sizes(cap) if chunk_bytes(cfg, T) + floor_bytes <= free), None)
         if T_fixed is None:
             T = _auto_sizes(cap)[-1]
-            need = chunk_bytes(cfg, T, kv_int8) + floor_bytes
+            need = chunk_bytes(cfg, T) + floor_bytes
             raise _refuse(f"the smallest prompt chunk ({T} tokens, {floor} ring slots)", need, free,
                           ("lower --ring, " if ring is not None else "") + "lower --ctx or --expert-slots, or raise --vram-budget-mib")
-    cb = chunk_bytes(cfg, T_fixed, kv_int8)
+    cb = chunk_bytes(cfg, T_fixed)
     left = free - cb
     if ring is not None:
         depth = int(ring) if (stride and n_stream) else 0

@@ -1,0 +1,234 @@
+// The streamed prompt pass's expert FFN: a chunk's (token, expert) pairs sorted by expert on the GPU, then each
+// expert's rows through gate/up (SwiGLU in the epilogue) and down (routing weight in the epilogue) as tiled GEMMs on
+// tensor cores. Weights stay in their GGUF format wherever they are (VRAM cache slot, ring slot, or mapped host
+// memory); each block dequantizes its weight tile into shared memory as fp16 (quant.cuh's dequant8) and multiplies it
+// with fp16 activations (converted once per token) by mma.sync m16n8k16, accumulating in fp32.
+// Not yet run on a GPU: tests/test_cuda_prefill_kernels.py checks these against NumPy.
+#include "quant.cuh"
+#include "common.cuh"
+
+#define MG_BM 64              // pair rows per block tile
+#define MG_BN 64              // output columns per block tile
+#define MG_BK 32              // reduction slice per step (four 8-element chunks per row)
+#define MG_LDS (MG_BK + 8)    // halves per shared row: keeps rows 16-byte aligned, fragment reads bank-conflict free
+#define MG_THREADS 256        // 8 warps: 4 along M (16 rows each) x 2 along N (32 columns each)
+#define MG_MAX_EXPERT 1024
+
+// ---- sorting pairs by expert ------------------------------------------------------------------------------------
+// One block of 1024 threads (a chunk has at most a few 10^4 pairs, so one block is a few microseconds and needs no
+// grid-wide sync or host round trip). ids/w: (n_pairs) expert and routing weight of pair p = token * k + j.
+// offsets: (n_expert + 1) start of each expert's range; rows[o] / row_w[o]: token and weight of sorted pair o.
+// Within an expert the order is whatever the shared atomics give (the down GEMM adds with atomics anyway).
+extern "C" __global__ void moe_sort(const int* __restrict__ ids, const float* __restrict__ w, int n_pairs, int k,
+                                    int n_expert, int* __restrict__ offsets, int* __restrict__ rows,
+                                    float* __restrict__ row_w) {
+    __shared__ int cnt[MG_MAX_EXPERT];
+    __shared__ int cur[MG_MAX_EXPERT];
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+        const int e = ids[p];
+        if (e >= 0 && e < n_expert) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int s = 0;
+        for (int e = 0; e < n_expert; ++e) {
+            cur[e] = s;
+            offsets[e] = s;
+            s += cnt[e];
+        }
+        offsets[n_expert] = s;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+        const int e = ids[p];
+        if (e < 0 || e >= n_expert) continue;
+        const int o = atomicAdd(&cur[e], 1);
+        rows[o] = p / k;
+        row_w[o] = w[p];
+    }
+}
+
+// ---- tile helpers -----------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t mg_pack2(float a, float b) {
+    return (uint32_t)f2h(a) | ((uint32_t)f2h(b) << 16);
+}
+
+__device__ __forceinline__ uint4 mg_pack8(const float (&v)[8]) {
+    return make_uint4(mg_pack2(v[0], v[1]), mg_pack2(v[2], v[3]), mg_pack2(v[4], v[5]), mg_pack2(v[6], v[7]));
+}
+
+// d += a (16x16, row-major fp16) * b (16x8, column-major fp16), fp32 accumulators (PTX ISA fragment layout:
+// g = lane / 4, t = lane % 4; a: rows g, g+8 x cols 2t.., 2t+8..; b: rows 2t.., 2t+8.. x col g; d: rows g, g+8 x 2t..)
+__device__ __forceinline__ void mg_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mg_load_a(const unsigned short* xs, int row0, int kk, int lane, uint32_t (&a)[4]) {
+    const int g = lane >> 2, t = lane & 3;
+    const unsigned short* p = xs + (row0 + g) * MG_LDS + kk + 2 * t;
+    a[0] = *reinterpret_cast<const uint32_t*>(p);
+    a[1] = *reinterpret_cast<const uint32_t*>(p + 8 * MG_LDS);
+    a[2] = *reinterpret_cast<const uint32_t*>(p + 8);
+    a[3] = *reinterpret_cast<const uint32_t*>(p + 8 * MG_LDS + 8);
+}
+
+__device__ __forceinline__ void mg_b(const unsigned short* ws, int col0, int kk, int lane, uint32_t& b0, uint32_t& b1) {
+    const int g = lane >> 2, t = lane & 3;
+    const unsigned short* p = ws + (col0 + g) * MG_LDS + kk + 2 * t;
+    b0 = *reinterpret_cast<const uint32_t*>(p);
+    b1 = *reinterpret_cast<const uint32_t*>(p + 8);
+}
+
+// 8 elements (chunk c) of weight row `row` of a quantized matrix at `base`, as fp16; zeros outside the matrix.
+template <int QT>
+__device__ __forceinline__ uint4 mg_weight8(const uint8_t* base, long long row_bytes, int row, int nrows, int c,
+                                            int nchunks) {
+    constexpr int CPB = QTraits<QT>::QK / 8, BB = QTraits<QT>::BYTES;
+    if (row >= nrows || c >= nchunks) return make_uint4(0u, 0u, 0u, 0u);
+    float v[8];
+    dequant8<QT>(base + (long long)row * row_bytes + (long long)(c / CPB) * BB, c % CPB, v);
+    return mg_pack8(v);
+}
+
+// ---- gate/up with SwiGLU ----------------------------------------------------------------------------------------
+// Grid (ceil(n_ff / 64), ceil(max pairs per expert / 64), n_sel), block 256. sel[z]: the expert of grid slice z,
+// ptrs[z]: its blob (gate | up | down; up at up_off). x: (T, K) fp16 activations. h: (n_pairs, n_ff) fp16, row o
+// for sorted pair o: h[o, n] = silu(gate_n . x) * (up_n . x).
+template <int QT>
+__global__ __launch_bounds__(MG_THREADS) void moe_gemm_gate_up(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
+                 const int* __restrict__ offsets, const int* __restrict__ rows, const unsigned short* __restrict__ x,
+                 unsigned short* __restrict__ h, long long up_off, long long row_bytes, int n_ff, int K) {
+    __shared__ __align__(16) unsigned short xs[MG_BM * MG_LDS];
+    __shared__ __align__(16) unsigned short gs[MG_BN * MG_LDS];
+    __shared__ __align__(16) unsigned short us[MG_BN * MG_LDS];
+    const int e = sel[blockIdx.z];
+    const int o0 = offsets[e], n_rows = offsets[e + 1] - o0;
+    const int m0 = blockIdx.y * MG_BM, n0 = blockIdx.x * MG_BN;
+    if (m0 >= n_rows) return;                 // the grid covers the busiest expert; most experts have fewer rows
+    const uint8_t* gbase = reinterpret_cast<const uint8_t*>(ptrs[blockIdx.z]);
+    const uint8_t* ubase = gbase + up_off;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = (warp & 3) * 16, wn = (warp >> 2) * 32;
+    const int lr = tid >> 2, lc = tid & 3;    // this thread's tile loads: row lr, chunk lc of the slice
+    const int tok = m0 + lr < n_rows ? rows[o0 + m0 + lr] : -1;
+    const int nchunks = K >> 3;
+    float ag[4][4], au[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ag[j][i] = au[j][i] = 0.f;
+    for (int k0 = 0; k0 < K; k0 += MG_BK) {
+        const int c = (k0 >> 3) + lc;
+        uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+        if (tok >= 0 && c < nchunks) xv = *reinterpret_cast<const uint4*>(x + (long long)tok * K + c * 8);
+        *reinterpret_cast<uint4*>(xs + lr * MG_LDS + lc * 8) = xv;
+        *reinterpret_cast<uint4*>(gs + lr * MG_LDS + lc * 8) = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, c, nchunks);
+        *reinterpret_cast<uint4*>(us + lr * MG_LDS + lc * 8) = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, c, nchunks);
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < MG_BK; kk += 16) {
+            uint32_t a[4];
+            mg_load_a(xs, wm, kk, lane, a);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                uint32_t b0, b1;
+                mg_b(gs, wn + 8 * j, kk, lane, b0, b1);
+                mg_mma(ag[j], a, b0, b1);
+                mg_b(us, wn + 8 * j, kk, lane, b0, b1);
+                mg_mma(au[j], a, b0, b1);
+            }
+        }
+        __syncthreads();
+    }
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = m0 + wm + g + 8 * hh;
+            if (r >= n_rows) continue;
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int col = n0 + wn + 8 * j + 2 * t + q;
+                if (col < n_ff)
+                    h[(long long)(o0 + r) * n_ff + col] = f2h(silu(ag[j][2 * hh + q]) * au[j][2 * hh + q]);
+            }
+        }
+}
+
+// ---- down with the routing weight -------------------------------------------------------------------------------
+// Grid (ceil(n_embd / 64), ceil(max pairs per expert / 64), n_sel), block 256. out[rows[o], n] += row_w[o] *
+// (h[o] . down_n) for the selected experts' sorted pairs o; out is the fp32 residual stream (T, n_embd), added to
+// with atomics (a token's k experts land from different blocks).
+template <int QT>
+__global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
+              const int* __restrict__ offsets, const int* __restrict__ rows, const float* __restrict__ row_w,
+              const unsigned short* __restrict__ h, float* __restrict__ out, long long down_off, long long row_bytes,
+              int n_embd, int K) {
+    __shared__ __align__(16) unsigned short hs[MG_BM * MG_LDS];
+    __shared__ __align__(16) unsigned short ds[MG_BN * MG_LDS];
+    const int e = sel[blockIdx.z];
+    const int o0 = offsets[e], n_rows = offsets[e + 1] - o0;
+    const int m0 = blockIdx.y * MG_BM, n0 = blockIdx.x * MG_BN;
+    if (m0 >= n_rows) return;
+    const uint8_t* dbase = reinterpret_cast<const uint8_t*>(ptrs[blockIdx.z]) + down_off;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = (warp & 3) * 16, wn = (warp >> 2) * 32;
+    const int lr = tid >> 2, lc = tid & 3;
+    const bool row_ok = m0 + lr < n_rows;
+    const int nchunks = K >> 3;
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+    for (int k0 = 0; k0 < K; k0 += MG_BK) {
+        const int c = (k0 >> 3) + lc;
+        uint4 hv = make_uint4(0u, 0u, 0u, 0u);
+        if (row_ok && c < nchunks) hv = *reinterpret_cast<const uint4*>(h + (long long)(o0 + m0 + lr) * K + c * 8);
+        *reinterpret_cast<uint4*>(hs + lr * MG_LDS + lc * 8) = hv;
+        *reinterpret_cast<uint4*>(ds + lr * MG_LDS + lc * 8) = mg_weight8<QT>(dbase, row_bytes, n0 + lr, n_embd, c, nchunks);
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < MG_BK; kk += 16) {
+            uint32_t a[4];
+            mg_load_a(hs, wm, kk, lane, a);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                uint32_t b0, b1;
+                mg_b(ds, wn + 8 * j, kk, lane, b0, b1);
+                mg_mma(acc[j], a, b0, b1);
+            }
+        }
+        __syncthreads();
+    }
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = m0 + wm + g + 8 * hh;
+        if (r >= n_rows) continue;
+        const int tok = rows[o0 + r];
+        const float wt = row_w[o0 + r];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int col = n0 + wn + 8 * j + 2 * t + q;
+                if (col < n_embd) atomicAdd(out + (long long)tok * n_embd + col, wt * acc[j][2 * hh + q]);
+            }
+    }
+}
+
+// fp32 -> fp16 (the expert GEMMs' activations, converted once per token and layer). n a multiple of 4.
+extern "C" __global__ void to_half(const float* __restrict__ x, unsigned short* __restrict__ y, long long n) {
+    for (long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
+         i += 4 * (long long)gridDim.x * blockDim.x) {
+        const float4 v = *reinterpret_cast<const float4*>(x + i);
+        *reinterpret_cast<uint2*>(y + i) = make_uint2(mg_pack2(v.x, v.y), mg_pack2(v.z, v.w));
+    }
+}
