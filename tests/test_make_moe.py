@@ -167,7 +167,7 @@ def test_router_rows_have_zipf_norms_in_a_different_order_per_layer(tiny_models)
         t = next(t for t in r.tensors if t.name == f"blk.{i}.ffn_gate_inp.weight")
         norms = np.linalg.norm(gguf.quants.dequantize(t.data, t.tensor_type), axis=1)
         ranks = np.argsort(-norms)
-        expect = mm.ROUTER_NORM / (np.arange(8) + 1.0) ** mm.ZIPF_S
+        expect = mm.ROUTER_NORM / (np.arange(8) + 1.0) ** mm.PRESETS["tiny"].zipf_s
         np.testing.assert_allclose(norms[ranks], expect, rtol=1e-5)
         orders.append(tuple(ranks))
     assert len(set(orders)) > 1
@@ -183,6 +183,28 @@ def test_same_seed_same_file_other_seed_other_weights(tmp_path, tiny_models):
     assert digest(a) == digest(tiny_models["qwen3moe"])
     assert digest(a) != digest(b)
     assert a.stat().st_size == b.stat().st_size
+
+
+def test_zipf_s_defaults_to_the_presets_and_changes_only_the_routers(tmp_path, tiny_models):
+    a = tmp_path / "a.gguf"
+    b = tmp_path / "b.gguf"
+    args = ["--preset", "tiny", "--seed", "3", *TYPES]
+    mm.main([*args, "--zipf-s", str(mm.PRESETS["tiny"].zipf_s), "--out", str(a)])
+    mm.main([*args, "--zipf-s", "0", "--out", str(b)])
+    assert a.read_bytes() == tiny_models["qwen3moe"].read_bytes()
+    ra, rb = gguf.GGUFReader(a), gguf.GGUFReader(b)
+    for ta, tb in zip(ra.tensors, rb.tensors):
+        same = np.array_equal(ta.data, tb.data)
+        assert same == ("ffn_gate_inp" not in ta.name), ta.name
+        if not same:     # s = 0: every row has the same norm
+            norms = np.linalg.norm(np.asarray(tb.data, np.float64), axis=1)
+            np.testing.assert_allclose(norms, mm.ROUTER_NORM, rtol=1e-5)
+
+
+def test_negative_zipf_s_is_refused():
+    with pytest.raises(SystemExit, match="--zipf-s must be 0") as e:
+        mm.main(["--preset", "tiny", "--zipf-s", "-1", "--dry-run"])
+    assert "\n" not in str(e.value)
 
 
 def test_bytes_do_not_depend_on_threads(monkeypatch):

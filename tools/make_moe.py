@@ -149,16 +149,18 @@ class Shape:
 class Preset:
     shape: Shape
     note: str
+    zipf_s: float             # router norm exponent that puts this shape's routing on bench.routing's TARGET
 
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(Shape("qwen3moe", 4, 256, 4, 2, 64, 512, 8, 2, 256, 256, 2048, 1e6, 1e-6, False,
                          "tiny-bpe-1024.gguf"),
-                   "a few MB for tests: 4 layers, hidden 256, 4/2 heads of 64, 8 experts (2 used) of width 256"),
+                   "a few MB for tests: 4 layers, hidden 256, 4/2 heads of 64, 8 experts (2 used) of width 256",
+                   1.3),
     "qwen3-30b-a3b": Preset(Shape("qwen3moe", 48, 2048, 32, 4, 128, 6144, 128, 8, 768, 0, 40960, 1e6, 1e-6, False,
                                   "ggml-vocab-qwen2.gguf"),
                             "Qwen3-30B-A3B's shapes: 48 layers, hidden 2048, 32/4 heads of 128, 128 experts "
-                            "(8 used) of width 768, 151936-token vocabulary"),
+                            "(8 used) of width 768, 151936-token vocabulary", 0.2),
     # Qwen3-Next-80B-A3B's real layers are Gated DeltaNet hybrids (llama.cpp arch qwen3next), which the engine
     # does not run yet. Its expert side (512 experts, 10 used, width 512, one shared expert behind a sigmoid gate)
     # is what matters for expert streaming, and qwen2moe is the supported architecture with exactly that layout.
@@ -167,7 +169,7 @@ PRESETS: dict[str, Preset] = {
     "qwen3-next-80b": Preset(Shape("qwen2moe", 48, 2048, 8, 2, 256, 5120, 512, 10, 512, 512, 262144, 1e7, 1e-6,
                                    False, "ggml-vocab-qwen2.gguf"),
                              "Qwen3-Next-80B-A3B's expert shapes as arch qwen2moe: 48 layers, hidden 2048, 8/2 "
-                             "heads of 256, 512 experts (10 used) of width 512 plus a shared expert of 512"),
+                             "heads of 256, 512 experts (10 used) of width 512 plus a shared expert of 512", 0.12),
 }
 ARCHES = ("llama", "qwen3moe", "qwen2moe")
 
@@ -179,11 +181,14 @@ NORM_JITTER = 0.05         # norm weights 1 + N(0, 0.05)
 BIAS_RMS = 0.02
 # Router rows: expert e of layer l has norm ROUTER_NORM / (rank_l(e) + 1)^s, rank_l a random permutation per
 # layer. With a unit-RMS hidden state the logit of expert e is ~N(0, norm_e^2), so big-norm experts win the top-k
-# more often. The skew compounds through the top-k: on isotropic inputs s = 0.25 gives the top quarter of 128
-# experts ~50% of the routings (s = 0.5: 72%; at 512 experts s = 0.5 leaves most experts almost unused), which
-# is in line with the per-domain skew measured on real MoE routers. --zipf-s changes it.
+# more often; ROUTER_NORM sets the logits' spread (std 2 for the top expert: a clear softmax winner among 128).
+# Each preset's s puts the hit rate of a frequency-ranked cache on bench/routing.py's TARGET (a trained MoE with a
+# load-balancing loss: half of each layer's experts catch ~70% of its routings), measured there on random
+# RMS-normed inputs (python -m bench.routing --preset P). The same s skews more with more experts (the norms span
+# s*ln(n_expert)), hence one per preset; s = 0.25 on 128 experts (the old default) gave 0.74 at 50%, s = 0 is flat
+# (0.50 at 50%). --zipf-s overrides it.
 ROUTER_NORM = 2.0
-ZIPF_S = 0.25
+ZIPF_S = 0.2               # qwen3-30b-a3b's; the default for shapes made with --n-expert
 
 
 @dataclass(frozen=True)
@@ -494,7 +499,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Make a random-weight GGUF with llama.cpp's tensor names and metadata keys.",
         epilog=f"presets:\n{presets}\n\nqwen3-next-80b is written as arch qwen2moe (shared expert with a sigmoid "
                f"gate): the real\nqwen3next layers (Gated DeltaNet) are not supported by the engine yet.\n"
-               f"Router rows have Zipf-like norms {ROUTER_NORM}/(rank+1)^s, a random rank order per layer.\n"
+               f"Router rows have Zipf-like norms {ROUTER_NORM}/(rank+1)^s, a random rank order per layer; s\n"
+               f"(--zipf-s) sets how skewed expert usage is. Per preset, s and the hit rate of a frequency-ranked\n"
+               f"cache holding 25/41/50/67% of each layer's experts (python -m bench.routing --preset P\n"
+               f"--zipf-s S, random RMS-normed router inputs; target 0.45/0.61/0.70/0.83):\n"
+               f"  qwen3-30b-a3b s=0.2: 0.46/0.62/0.70/0.82 (s=0.25, the old default: 0.51/0.67/0.74/0.85;\n"
+               f"                       s=0: 0.25/0.41/0.50/0.67, flat)\n"
+               f"  qwen3-next-80b s=0.12: 0.49/0.64/0.71/0.82; tiny s=1.3 (8 experts, 2 used): 0.42/0.57/0.70/0.79\n"
+               f"  at 25/38/50/63% (whole experts)\n"
+               f"These are the routers alone: a random-weight model's own hidden states share a per-prompt\n"
+               f"component that skews routing further (bench.routing --forward measures it).\n"
                f"The routers (ffn_gate_inp*) and attention biases are always F32, as llama.cpp keeps them.\n"
                f"TYPE: {', '.join(t.name for t in SUPPORTED_TYPES)}")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -509,7 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     f"from {VOCAB_DIR})")
     ap.add_argument("--chat-template", type=Path, help="a .jinja file to use instead of the vocabulary's template")
     ap.add_argument("--seed", type=int, default=0, help="the same seed gives the same file, byte for byte")
-    ap.add_argument("--zipf-s", type=float, default=ZIPF_S, help=f"router norm exponent s (default {ZIPF_S})")
+    ap.add_argument("--zipf-s", type=float, help="router norm exponent s: 0 is flat, larger is more skewed "
+                                                  "(default: the preset's, see below)")
     ap.add_argument("--threads", type=int, help="generator threads (default: CPU count, at most 16)")
     ap.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
     for group, default, what in (("experts", "Q4_K", "the routed experts, ffn_{gate,up,down}_exps"),
@@ -553,8 +568,19 @@ def resolve_shape(args: argparse.Namespace) -> Shape:
     return s
 
 
+def zipf_s(args: argparse.Namespace) -> float:
+    """--zipf-s, or the preset's when the experts are the preset's (another count wants its own s)."""
+    if args.zipf_s is not None:
+        return args.zipf_s
+    if args.n_expert is not None:
+        return ZIPF_S
+    return PRESETS[args.preset].zipf_s
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.zipf_s is not None and args.zipf_s < 0:
+        raise SystemExit(f"make_moe: --zipf-s must be 0 (flat) or more, not {args.zipf_s}")
     shape = resolve_shape(args)
     vocab = read_vocab(_resolve_vocab(shape.vocab))
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
@@ -569,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{t.qtype.name}'s block of {block}; choose another --{t.group} type")
     arch_desc = shape.arch + (f" MoE {shape.n_expert}x{shape.n_expert_used}" if shape.n_expert else " dense")
     print(f"make_moe: preset {args.preset}, {arch_desc}, {shape.n_layer} layers, hidden {shape.n_embd}, "
-          f"vocab {n_vocab}, seed {args.seed}")
+          f"vocab {n_vocab}, seed {args.seed}" + (f", router zipf-s {zipf_s(args)}" if shape.n_expert else ""))
     print(size_table(specs))
     if args.dry_run:
         return 0
@@ -585,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"make_moe: cannot read --chat-template {args.chat_template}: {e.strerror}")
     file_qtype = types["experts"] if shape.n_expert else types["ffn"]
     name = f"strata-random-{args.preset}-{shape.arch}"
-    write_model(args.out, shape, specs, vocab, name, file_qtype, args.seed, args.zipf_s, template, args.threads)
+    write_model(args.out, shape, specs, vocab, name, file_qtype, args.seed, zipf_s(args), template, args.threads)
     return 0
 
 

@@ -1,0 +1,217 @@
+"""How skewed a MoE model's routing is: the hit rate of a frequency-ranked expert cache per layer, on the CPU.
+
+    python -m bench.routing --preset qwen3-30b-a3b [--seed 0] [--zipf-s S]   # routers made in memory, no file
+    python -m bench.routing --model data/models/qwen3-30b-a3b-q4k.gguf       # routers read from a GGUF
+    python -m bench.routing --model small.gguf --forward 512                 # the model's own hidden states
+
+The router input is the layer's RMS-normed hidden state. By default it is random (a unit-RMS Gaussian times the
+layer's ffn_norm weight); --forward runs the NumPy engine on random tokens and takes the real router inputs (a
+small model: the CPU forward of a 48-layer model is minutes). One set of tokens ranks each layer's experts by how
+often they are routed to, a second set is measured against caches that hold the top 25/41/50/67/100% of them,
+which is what the engine's frequency-ranked VRAM tier does after learning (DESIGN §5). The global column ranks
+(layer, expert) pairs across all layers together, as one cache budget for the whole model does.
+
+TARGET is the curve a trained MoE's routing gives (see its comment); the benchmark model should land near it so that
+a VRAM budget below the model's size really exercises the PCIe path.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+
+FRACTIONS = (0.25, 0.41, 0.50, 0.67, 1.0)
+
+# Hit rate of a per-layer frequency-ranked cache holding a fraction of each layer's experts, for a trained MoE with
+# a load-balancing loss (Qwen3-30B-A3B: 128 experts, top 8). No published per-layer frequency curve for
+# Qwen3-30B-A3B was found; the measurements there are of other caches and models, and they bracket it:
+# - a 512-expert Qwen (300 tokens of real text): layer 0's 64 hottest experts (12.5%) carry 41% of its routings;
+#   LRU hit 43.5/62.0/72.0/78.9/85.0% at 18/36/54/73/100% of the experts (github.com/kekzl/imp/pull/2061);
+# - DeepSeek-V4-Flash (256 experts): 240-248 experts per layer live in a serving window; a frequency oracle's
+#   curve is nearly linear, 40/46/52% at 500/700/900 slots (github.com/FlashML-org/FreeToken/issues/174);
+# - Qwen3-30B-A3B, LRU over 256 decode tokens of a synthetic prompt: 36.6/74.1/89.4/96.2% with 24/73/146/244
+#   slots per layer (8/24/49/81 experts if a slot is one matrix, as we read it), mostly reuse between consecutive tokens, not popularity (github.com/kekzl/imp/pull/1374).
+# We take a documented, conservative middle: half the experts catch 70% of the routings, on a smooth concave curve
+# through (0, 0) and (1, 1). An assumption, not a measurement of Qwen3-30B-A3B: replace it with a real trace.
+TARGET = {0.25: 0.45, 0.41: 0.61, 0.50: 0.70, 0.67: 0.83, 1.0: 1.0}
+BAND = 0.06     # how far a generated model's mean curve may sit from TARGET at any fraction
+
+
+def target_at(f: float) -> float:
+    """TARGET between its points (straight lines, through (0, 0))."""
+    xs = [0.0, *TARGET]
+    return float(np.interp(f, xs, [0.0, *TARGET.values()]))
+
+
+def cached_fractions(n_expert: int, fractions=FRACTIONS) -> np.ndarray:
+    """The fractions a cache of whole experts really holds (8 experts: 25/38/50/63/100%)."""
+    return np.array([round(f * n_expert) / n_expert for f in fractions])
+
+
+def topk_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """The k largest logits' expert ids per row (softmax is monotonic: the same set the engine's route picks)."""
+    return np.argpartition(-logits, k - 1, axis=1)[:, :k]
+
+
+def hit_curve(learn: np.ndarray, measure: np.ndarray, n_expert: int,
+              fractions=FRACTIONS) -> np.ndarray:
+    """Hit rate on `measure` (T, k) of caches holding the experts most routed to in `learn`, one per fraction."""
+    counts = np.bincount(learn.ravel(), minlength=n_expert)
+    # ties broken by expert id, so the result is deterministic
+    order = np.lexsort((np.arange(n_expert), -counts))
+    rank = np.empty(n_expert, np.int64)
+    rank[order] = np.arange(n_expert)
+    r = rank[measure.ravel()]
+    return np.array([np.mean(r < round(f * n_expert)) for f in fractions])
+
+
+def global_curve(learn: list[np.ndarray], measure: list[np.ndarray], n_expert: int,
+                 fractions=FRACTIONS) -> np.ndarray:
+    """As hit_curve, one cache for all layers: (layer, expert) pairs ranked together."""
+    n = len(learn) * n_expert
+    counts = np.concatenate([np.bincount(a.ravel(), minlength=n_expert) for a in learn])
+    order = np.lexsort((np.arange(n), -counts))
+    rank = np.empty(n, np.int64)
+    rank[order] = np.arange(n)
+    r = np.concatenate([rank[il * n_expert + m.ravel()] for il, m in enumerate(measure)])
+    return np.array([np.mean(r < round(f * n)) for f in fractions])
+
+
+# --- where the routers come from ---------------------------------------------------------------------------------
+
+def preset_routers(shape, seed: int, **router_args) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(router (n_expert, n_embd), ffn_norm weight (n_embd,)) per layer, made exactly as make_moe writes them."""
+    from gguf import GGMLQuantizationType as Q
+    from tools import make_moe as mm
+    types_ = {g: Q.F32 for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
+    specs = mm.plan(shape, types_, 1)       # the vocabulary size changes no tensor's index
+    out = {}
+    for i, t in enumerate(specs):
+        if t.init == "router" or t.name.endswith("ffn_norm.weight"):
+            raw = mm.tensor_bytes(t, i, shape, seed, **router_args)
+            out.setdefault(t.layer, {})[t.init] = raw.view("<f4").reshape(t.shape).astype(np.float32)
+    return [(out[il]["router"], out[il]["norm"]) for il in sorted(out)]
+
+
+def file_routers(model) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(model.dequant(f"blk.{il}.ffn_gate_inp.weight"), model.dequant(f"blk.{il}.ffn_norm.weight"))
+            for il in range(model.config.n_layer)]
+
+
+def random_inputs(rng: np.random.Generator, n: int, norm_w: np.ndarray) -> np.ndarray:
+    """n RMS-normed hidden states: unit-RMS rows times the norm weight, as rms_norm(x, w) gives."""
+    x = rng.standard_normal((n, norm_w.shape[0]), dtype=np.float32)
+    x /= np.sqrt(np.mean(x * x, axis=1, keepdims=True))
+    return x * norm_w
+
+
+def forward_inputs(model, n_tokens: int, seed: int, chunk: int = 128) -> list[np.ndarray]:
+    """The router inputs of every layer for n_tokens random tokens in prompts of `chunk`, via the CPU engine."""
+    from engine.backend_cpu import CPUBackend
+    be = CPUBackend(model, chunk, warm=False)
+    rec: dict[int, list[np.ndarray]] = {}
+    inner = be.net.ffn
+
+    def ffn(self, il, x, decoding):
+        rec.setdefault(il, []).append(np.array(x, np.float32))
+        return inner(il, x, decoding)
+
+    be.net.ffn = types.MethodType(ffn, be.net)
+    rng = np.random.default_rng(seed)
+    for _ in range(0, n_tokens, chunk):
+        be.truncate(0)
+        be.forward(rng.integers(0, model.config.n_vocab, size=chunk).tolist())
+    be.close()
+    return [np.concatenate(rec[il])[:n_tokens] for il in sorted(rec)]
+
+
+# --- the report --------------------------------------------------------------------------------------------------
+
+def curves(routers, k: int, n_tokens: int, seed: int, hidden: list[np.ndarray] | None = None):
+    """Per-layer curves (n_layer, len(FRACTIONS)) and the global one."""
+    rng = np.random.default_rng(seed)
+    learn, measure = [], []
+    for il, (w, norm_w) in enumerate(routers):
+        if hidden is None:
+            x = random_inputs(rng, 2 * n_tokens, norm_w)
+        else:
+            x = hidden[il]
+        half = len(x) // 2
+        ids = topk_ids(x @ w.T, k)
+        learn.append(ids[:half])
+        measure.append(ids[half:])
+    n_expert = routers[0][0].shape[0]
+    per_layer = np.array([hit_curve(a, b, n_expert) for a, b in zip(learn, measure)])
+    return per_layer, global_curve(learn, measure, n_expert)
+
+
+def table(per_layer: np.ndarray, glob: np.ndarray, all_layers: bool, n_expert: int) -> str:
+    held = cached_fractions(n_expert)
+    head = "| layer | " + " | ".join(f"{f:.0%}" for f in held) + " |"
+    lines = [head, "|" + " --- |" * (len(FRACTIONS) + 1)]
+    row = lambda name, v: f"| {name} | " + " | ".join(f"{x:.3f}" for x in v) + " |"
+    if all_layers:
+        lines += [row(str(il), v) for il, v in enumerate(per_layer)]
+    lines += [row("mean", per_layer.mean(0)), row("min", per_layer.min(0)), row("max", per_layer.max(0)),
+              row("global", glob), row("TARGET", [target_at(f) for f in held])]
+    return "\n".join(lines)
+
+
+def off_target(curve: np.ndarray, n_expert: int) -> float:
+    """The largest distance of a curve from TARGET, at the fractions the cache really holds."""
+    return float(np.max(np.abs(curve - np.array([target_at(f) for f in cached_fractions(n_expert)]))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tools import make_moe as mm
+    ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(mm.PRESETS), help="make the routers in memory as make_moe would")
+    src.add_argument("--model", type=Path, help="read the routers from this GGUF")
+    ap.add_argument("--n-layer", type=int, help="with --preset: only the first N layers")
+    ap.add_argument("--seed", type=int, default=0, help="with --preset: make_moe's --seed")
+    ap.add_argument("--zipf-s", type=float, help="with --preset: make_moe's --zipf-s (default: the preset's)")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens to learn the ranking on, and as many to measure")
+    ap.add_argument("--forward", type=int, metavar="N",
+                    help="with --model: route N tokens' real hidden states (CPU forward; small models only)")
+    ap.add_argument("--layers", action="store_true", help="print every layer, not just the summary")
+    a = ap.parse_args(argv)
+
+    if a.model is not None:
+        from engine.gguf_model import ModelError, open_model
+        try:
+            model = open_model(a.model)
+        except ModelError as e:
+            raise SystemExit(f"bench.routing: {e}")
+        cfg = model.config
+        if not cfg.n_expert:
+            raise SystemExit(f"bench.routing: {a.model} has no experts; pass a MoE model")
+        routers, k, name = file_routers(model), cfg.n_expert_used, str(a.model)
+        hidden = forward_inputs(model, 2 * a.forward, a.seed) if a.forward else None
+    else:
+        if a.forward:
+            raise SystemExit("bench.routing: --forward needs --model (a GGUF to run)")
+        preset = mm.PRESETS[a.preset or "qwen3-30b-a3b"]
+        shape = preset.shape
+        if a.n_layer:
+            from dataclasses import replace
+            shape = replace(shape, n_layer=a.n_layer)
+        s = preset.zipf_s if a.zipf_s is None else a.zipf_s
+        routers = preset_routers(shape, a.seed, zipf_s=s)
+        k, name, hidden = shape.n_expert_used, f"preset {a.preset or 'qwen3-30b-a3b'} (zipf-s {s})", None
+    per_layer, glob = curves(routers, k, a.tokens, a.seed + 1, hidden)
+    n_expert = routers[0][0].shape[0]
+    inputs = f"{a.forward} forward tokens" if hidden else f"random RMS-normed inputs, {a.tokens} + {a.tokens} tokens"
+    print(f"bench.routing: {name}: {len(routers)} layers, {n_expert} experts, top {k}; {inputs}")
+    print(table(per_layer, glob, a.layers, n_expert))
+    off = off_target(per_layer.mean(0), n_expert)
+    print(f"mean curve at most {off:.3f} from TARGET: {'within' if off <= BAND else 'OUTSIDE'} the band of {BAND}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""bench/routing.py: the frequency-ranked cache curve, and make_moe's routers landing on its TARGET. CPU only."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from bench import routing as rt
+from tools import make_moe as mm
+
+
+def test_hit_curve_counts_what_a_ranked_cache_holds():
+    # learn: expert 0 five times, 1 three times, 2 once, 3 never; measure: 0, 1, 2, 3 once each
+    learn = np.array([[0], [0], [0], [0], [0], [1], [1], [1], [2]])
+    measure = np.array([[3], [2], [1], [0]])
+    got = rt.hit_curve(learn, measure, 4, fractions=(0.25, 0.5, 0.75, 1.0))
+    np.testing.assert_allclose(got, [0.25, 0.5, 0.75, 1.0])
+    skewed = np.array([[0], [0], [0], [1]])
+    np.testing.assert_allclose(rt.hit_curve(learn, skewed, 4, fractions=(0.25, 0.5)), [0.75, 1.0])
+    # one cache for both layers: layer 1's expert 2 is the hottest pair
+    g = rt.global_curve([learn, np.array([[2]] * 9)], [measure, np.array([[2], [2]])], 4, fractions=(1 / 8,))
+    np.testing.assert_allclose(g, [2 / 6])
+
+
+def test_target_is_concave_and_interpolates():
+    xs = [0.0, *rt.TARGET]
+    ys = [0.0, *rt.TARGET.values()]
+    slopes = np.diff(ys) / np.diff(xs)
+    assert np.all(np.diff(slopes) < 0) and np.all(slopes > 0)
+    assert rt.target_at(0.5) == rt.TARGET[0.5]
+    assert rt.TARGET[0.25] < rt.target_at(0.375) < rt.TARGET[0.41]
+    np.testing.assert_allclose(rt.cached_fractions(8), [0.25, 0.375, 0.5, 0.625, 1.0])
+
+
+def _curve(preset: str, n_layer: int | None = None, zipf_s: float | None = None, tokens: int = 2048):
+    p = mm.PRESETS[preset]
+    shape = p.shape if n_layer is None else replace(p.shape, n_layer=n_layer)
+    routers = rt.preset_routers(shape, 0, zipf_s=p.zipf_s if zipf_s is None else zipf_s)
+    per_layer, glob = rt.curves(routers, shape.n_expert_used, tokens, 1)
+    return per_layer, glob, shape.n_expert
+
+
+@pytest.mark.parametrize("preset, n_layer", [("tiny", None), ("qwen3-30b-a3b", 3)])
+def test_default_routers_land_on_the_target(preset, n_layer):
+    per_layer, glob, n_expert = _curve(preset, n_layer)
+    assert rt.off_target(per_layer.mean(0), n_expert) <= rt.BAND
+    assert rt.off_target(glob, n_expert) <= rt.BAND
+    for curve in per_layer:       # no layer far off either (a layer's own ranking noise is ~0.02)
+        assert rt.off_target(curve, n_expert) <= rt.BAND + 0.04
+        assert np.all(np.diff(curve) > 0) and curve[-1] == 1.0
+
+
+@pytest.mark.parametrize("zipf_s", [0.0, 0.4])
+def test_band_rejects_flat_and_overskewed_routers(zipf_s):
+    per_layer, _, n_expert = _curve("qwen3-30b-a3b", 2, zipf_s)
+    assert rt.off_target(per_layer.mean(0), n_expert) > rt.BAND
+    if zipf_s == 0.0:     # flat: a cache of f of the experts catches f of the routings
+        np.testing.assert_allclose(per_layer.mean(0), rt.cached_fractions(n_expert), atol=0.02)
+
+
+def test_file_routers_are_the_in_memory_ones_and_forward_runs(tmp_path):
+    gm = pytest.importorskip("engine.gguf_model")
+    path = tmp_path / "tiny.gguf"
+    assert mm.main(["--preset", "tiny", "--seed", "5", "--out", str(path)]) == 0
+    model = gm.open_model(path)
+    from_file = rt.file_routers(model)
+    in_memory = rt.preset_routers(mm.PRESETS["tiny"].shape, 5, zipf_s=mm.PRESETS["tiny"].zipf_s)
+    assert len(from_file) == len(in_memory) == 4
+    for (wf, nf), (wm, nm) in zip(from_file, in_memory):
+        assert np.array_equal(wf, wm) and np.array_equal(nf, nm)
+    hidden = rt.forward_inputs(model, 64, 0, chunk=32)
+    assert [h.shape for h in hidden] == [(64, 256)] * 4
+    assert all(np.isfinite(h).all() for h in hidden)
+    per_layer, glob = rt.curves(from_file, 2, 0, 1, hidden)
+    assert per_layer.shape == (4, len(rt.FRACTIONS)) and np.all(per_layer[:, -1] == 1.0)
+
+
+def test_cli_prints_the_curve_beside_the_target(capsys):
+    assert rt.main(["--preset", "qwen3-30b-a3b", "--n-layer", "2", "--tokens", "1024", "--layers"]) == 0
+    out = capsys.readouterr().out
+    assert "zipf-s 0.2" in out and "| 1 |" in out and "| TARGET | 0.450 | 0.606 | 0.700 | 0.831 | 1.000 |" in out
+    assert "within the band" in out
+    with pytest.raises(SystemExit, match="--forward needs --model"):
+        rt.main(["--preset", "tiny", "--forward", "8"])
