@@ -1,0 +1,238 @@
+"""The streamed prompt pass's kernels (cuda_src/moe_gemm.cu, cuda_src/prefill_attn.cu) against NumPy on fresh random
+data at several sizes (chunks crossing the 64-row and 32-key tiles), every output poisoned first."""
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+from engine.cuda import kernels  # noqa: E402
+from engine.cuda.decode import F32, I32, I64, NULL, U64, ptr  # noqa: E402
+from engine.cuda.quant_types import qtype, random_rows  # noqa: E402
+from engine.gguf_model import dequantize  # noqa: E402
+
+QTS = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+ALIGN = 256
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def f16(a):
+    return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
+
+
+def silu(g):
+    return g / (1.0 + np.exp(-g))
+
+
+@pytest.fixture(scope="module")
+def moe_mod():
+    return kernels.load("moe_gemm", qtypes=list(QTS))
+
+
+@pytest.fixture(scope="module")
+def att_mod():
+    return kernels.load("prefill_attn")
+
+
+def route(rng, T, k, E):
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    return ids, w
+
+
+def sort(mod, ids, w, E):
+    T, k = ids.shape
+    offsets = cp.full(E + 1, -7, dtype=cp.int32)
+    rows = cp.full(T * k, -7, dtype=cp.int32)
+    row_w = cp.full(T * k, np.nan, dtype=cp.float32)
+    mod.get_function("moe_sort")((1,), (1024,), (cp.asarray(ids), cp.asarray(w), I32(T * k), I32(k), I32(E),
+                                                  offsets, rows, row_w))
+    return offsets, rows, row_w
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 1, 4), (37, 2, 8), (700, 8, 128), (3000, 8, 128)])
+def test_moe_sort(moe_mod, T, k, E):
+    rng = np.random.default_rng()
+    ids, w = route(rng, T, k, E)
+    offsets, rows, row_w = (a.get() for a in sort(moe_mod, ids, w, E))
+    counts = np.bincount(ids.reshape(-1), minlength=E)
+    assert (offsets == np.concatenate([[0], np.cumsum(counts)])).all()
+    for e in range(E):
+        t_idx, j_idx = np.nonzero(ids == e)
+        got = sorted(zip(rows[offsets[e]:offsets[e + 1]].tolist(), row_w[offsets[e]:offsets[e + 1]].tolist()))
+        assert got == sorted(zip(t_idx.tolist(), w[t_idx, j_idx].tolist()))
+
+
+def expert_blobs(rng, name, E, n_embd, n_ff):
+    """E expert blobs (gate | up | down) in one device array, and their dequantized weights rounded to fp16."""
+    q = qtype(name)
+    rb_gu, rb_d = q.row_bytes(n_embd), q.row_bytes(n_ff)
+    up_off, down_off = n_ff * rb_gu, 2 * n_ff * rb_gu
+    stride = -(-(down_off + n_embd * rb_d) // ALIGN) * ALIGN
+    host = np.zeros(E * stride, np.uint8)
+    Ws = []
+    for e in range(E):
+        g, u = random_rows(name, n_ff, n_embd, rng, 0.05), random_rows(name, n_ff, n_embd, rng, 0.05)
+        d = random_rows(name, n_embd, n_ff, rng, 0.05)
+        o = e * stride
+        for raw, off in ((g, 0), (u, up_off), (d, down_off)):
+            host[o + off:o + off + raw.size] = raw.reshape(-1)
+        Ws.append(tuple(f16(dequantize(raw, q.ggml).reshape(raw.shape[0], -1)) for raw in (g, u, d)))
+    return cp.asarray(host), stride, up_off, down_off, rb_gu, rb_d, Ws
+
+
+@pytest.mark.parametrize("name", QTS)
+@pytest.mark.parametrize("T,k,E,n_embd,n_ff", [(1, 2, 4, 256, 256), (45, 2, 4, 512, 256),
+                                                (300, 4, 8, 256, 768), (150, 2, 3, 768, 512)])
+def test_grouped_expert_gemms(moe_mod, name, T, k, E, n_embd, n_ff):
+    rng = np.random.default_rng()
+    blobs, stride, up_off, down_off, rb_gu, rb_d, Ws = expert_blobs(rng, name, E, n_embd, n_ff)
+    ids, w = route(rng, T, k, E)
+    x = rng.standard_normal((T, n_embd)).astype(np.float32)
+    x0 = rng.standard_normal((T, n_embd)).astype(np.float32)
+    offsets, rows, row_w = sort(moe_mod, ids, w, E)
+    xh = cp.full(T * n_embd, 0xFFFF, dtype=cp.uint16)          # NaN bits until converted
+    moe_mod.get_function("to_half")((64,), (256,), (cp.asarray(x), xh, I64(T * n_embd)))
+    assert (xh.view(cp.float16).get().astype(np.float32) == f16(x).reshape(-1)).all()
+    h = cp.full(T * k * n_ff, 0xFFFF, dtype=cp.uint16)
+    out = cp.asarray(x0)
+    base = int(blobs.data.ptr)
+    # two launches over disjoint expert sets, as the resident group and a ring batch run
+    for part in (list(range(0, E, 2)), list(range(1, E, 2))):
+        sel = cp.asarray(np.array(part, np.int32))
+        ptrs = cp.asarray(np.array([base + e * stride for e in part], np.uint64))
+        grid_y = (T + 63) // 64
+        moe_mod.get_function(f"moe_gemm_gate_up<{qtype(name).id}>")(
+            ((n_ff + 63) // 64, grid_y, len(part)), (256,),
+            (sel, ptrs, offsets, rows, xh, h, I64(up_off), I64(rb_gu), I32(n_ff), I32(n_embd)))
+        moe_mod.get_function(f"moe_gemm_down<{qtype(name).id}>")(
+            ((n_embd + 63) // 64, grid_y, len(part)), (256,),
+            (sel, ptrs, offsets, rows, row_w, h, out, I64(down_off), I64(rb_d), I32(n_embd), I32(n_ff)))
+    ref = x0.astype(np.float64).copy()
+    xr = f16(x).astype(np.float64)
+    for t in range(T):
+        for j in range(k):
+            G, U, D = Ws[ids[t, j]]
+            hh = f16(silu(G @ xr[t]) * (U @ xr[t]))
+            ref[t] += w[t, j] * (D @ hh)
+    assert np.isfinite(h.view(cp.float16).get()).all()
+    assert rel(out.get() - x0, ref - x0) < 5e-3
+
+
+def attention_ref(q, K, V, pos0, n_head, n_kv, hd, scale):
+    """q: (T, n_head*hd); K, V: (n_kv, n, hd) float; causal from pos0."""
+    T = q.shape[0]
+    G = n_head // n_kv
+    out = np.zeros((T, n_head * hd))
+    for h in range(n_head):
+        kh = h // G
+        S = (q[:, h * hd:(h + 1) * hd].astype(np.float64) * scale) @ K[kh, :pos0 + T].T
+        S[np.arange(T)[:, None] + pos0 < np.arange(pos0 + T)[None, :]] = -np.inf
+        P = np.exp(S - S.max(1, keepdims=True))
+        out[:, h * hd:(h + 1) * hd] = (P / P.sum(1, keepdims=True)) @ V[kh, :pos0 + T]
+    return out
+
+
+SHAPES = [(1, 0, 4, 2, 64), (37, 5, 8, 2, 128), (100, 250, 32, 4, 128), (70, 0, 8, 8, 256), (33, 31, 16, 2, 32)]
+
+
+@pytest.mark.parametrize("T,pos0,n_head,n_kv,hd", SHAPES)
+def test_flash_attn_f16(att_mod, T, pos0, n_head, n_kv, hd):
+    rng = np.random.default_rng()
+    max_ctx = pos0 + T + 40
+    kc = np.full((n_kv, max_ctx, hd), np.nan, np.float16)         # past the chunk: never read
+    vc = kc.copy()
+    kc[:, :pos0 + T] = rng.standard_normal((n_kv, pos0 + T, hd))
+    vc[:, :pos0 + T] = rng.standard_normal((n_kv, pos0 + T, hd))
+    q = rng.standard_normal((T, n_head * hd)).astype(np.float32)
+    out = cp.full((T, n_head * hd), np.nan, cp.float32)
+    scale = 1.0 / np.sqrt(hd)
+    G = n_head // n_kv
+    att_mod.get_function("flash_attn_f16")(((T * G + 7) // 8, n_kv), (256,),
+                                           (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, I32(T), I32(pos0),
+                                            I32(n_head), I32(n_kv), I32(hd), I32(max_ctx), F32(scale)))
+    ref = attention_ref(q, kc.astype(np.float64), vc.astype(np.float64), pos0, n_head, n_kv, hd, scale)
+    assert rel(out.get(), ref) < 1e-4
+
+
+def rope_ref(x, cs, pos, n_rot, neox):
+    out = x.copy()
+    half = n_rot // 2
+    for d in range(n_rot):
+        if neox:
+            i, partner, sign = (d, d + half, -1.0) if d < half else (d - half, d - half, 1.0)
+        else:
+            i, partner, sign = d // 2, d ^ 1, (1.0 if d & 1 else -1.0)
+        out[d] = x[d] * cs[pos, i, 0] + sign * x[partner] * cs[pos, i, 1]
+    return out
+
+
+def dequant_i8(q, s):
+    n_kv, n, hd = q.shape
+    return (q.astype(np.float64).reshape(n_kv, n, hd // 32, 32) * s[..., None]).reshape(n_kv, n, hd)
+
+
+@pytest.mark.parametrize("T,pos0,n_head,n_kv,hd", SHAPES)
+def test_int8_kv_store_and_attention(att_mod, T, pos0, n_head, n_kv, hd):
+    rng = np.random.default_rng()
+    max_ctx = pos0 + T + 40
+    eps = 1e-6
+    n_rot = hd
+    cs = rng.standard_normal((max_ctx, n_rot // 2, 2)).astype(np.float32)
+    qn, kn = (rng.uniform(0.5, 1.5, hd).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((T, n_head * hd)).astype(np.float32)
+    k = rng.standard_normal((T, n_kv * hd)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv * hd)).astype(np.float32)
+    # earlier positions: already in the cache (quantized by the same kernel in an earlier call in real use)
+    kq = cp.zeros((n_kv, max_ctx, hd), cp.int8)
+    vq = cp.zeros((n_kv, max_ctx, hd), cp.int8)
+    ks = cp.full((n_kv, max_ctx, hd // 32), np.nan, cp.float32)
+    vs = cp.full((n_kv, max_ctx, hd // 32), np.nan, cp.float32)
+    old_k = rng.integers(-127, 128, (n_kv, pos0, hd), dtype=np.int8)
+    old_v = rng.integers(-127, 128, (n_kv, pos0, hd), dtype=np.int8)
+    kq[:, :pos0], vq[:, :pos0] = cp.asarray(old_k), cp.asarray(old_v)
+    ks[:, :pos0] = cp.asarray(rng.uniform(0.001, 0.02, (n_kv, pos0, hd // 32)).astype(np.float32))
+    vs[:, :pos0] = cp.asarray(rng.uniform(0.001, 0.02, (n_kv, pos0, hd // 32)).astype(np.float32))
+    d_q = cp.asarray(q)
+    neox = 1
+    att_mod.get_function("qk_rope_store_i8")((n_head + 2 * n_kv, T), (hd,),
+                                             (d_q, cp.asarray(k), cp.asarray(v), cp.asarray(qn), cp.asarray(kn),
+                                              cp.asarray(cs), NULL, I32(pos0), kq, ks, vq, vs, I32(n_head),
+                                              I32(n_kv), I32(hd), I32(n_rot), I32(neox), F32(eps), I32(max_ctx)))
+
+    def normed(x, w):
+        return x / np.sqrt((x.astype(np.float64) ** 2).mean() + eps) * w
+
+    q_ref = np.stack([np.concatenate([rope_ref(normed(q[t, h * hd:(h + 1) * hd], qn), cs, pos0 + t, n_rot, neox)
+                                      for h in range(n_head)]) for t in range(T)])
+    k_ref = np.stack([[rope_ref(normed(k[t, h * hd:(h + 1) * hd], kn), cs, pos0 + t, n_rot, neox)
+                       for t in range(T)] for h in range(n_kv)])
+    v_ref = v.reshape(T, n_kv, hd).transpose(1, 0, 2)
+    assert rel(d_q.get(), q_ref) < 1e-5
+    K8, V8 = dequant_i8(kq.get(), ks.get()), dequant_i8(vq.get(), vs.get())
+    # int8 with a per-32 absmax scale: each value within half a step of the truth
+    for got, want in ((K8[:, pos0:pos0 + T], k_ref), (V8[:, pos0:pos0 + T], v_ref)):
+        step = np.abs(want).reshape(n_kv, T, hd // 32, 32).max(-1, keepdims=True) / 127
+        assert (np.abs(got - want).reshape(n_kv, T, hd // 32, 32) <= step * 0.501 + 1e-5).all()
+    out = cp.full((T, n_head * hd), np.nan, cp.float32)
+    scale = 1.0 / np.sqrt(hd)
+    G = n_head // n_kv
+    att_mod.get_function("flash_attn_i8")(((T * G + 7) // 8, n_kv), (256,),
+                                          (d_q, kq, vq, ks, vs, out, I32(T), I32(pos0), I32(n_head), I32(n_kv),
+                                           I32(hd), I32(max_ctx), F32(scale)))
+    # the tile is held as fp16 in shared memory: the reference rounds the dequantized values the same way
+    ref = attention_ref(d_q.get(), f16(K8), f16(V8), pos0, n_head, n_kv, hd, scale)
+    assert rel(out.get(), ref) < 1e-4
+    # decode over the same cache: the last token's query
+    n_pos = pos0 + T
+    q1 = cp.asarray(d_q.get()[-1])
+    out1 = cp.full(n_head * hd, np.nan, cp.float32)
+    att_mod.get_function("attn_decode_i8")((n_head,), (128,),
+                                           (q1, kq, ks, vq, vs, NULL, I32(n_pos), out1, I32(n_head), I32(n_kv),
+                                            I32(hd), I32(max_ctx), F32(scale)))
+    assert rel(out1.get(), attention_ref(d_q.get()[-1:], K8, V8, n_pos - 1, n_head, n_kv, hd, scale)[0]) < 1e-4
