@@ -26,9 +26,12 @@ class FakeDevice(Device):
         self.queues = {"copy": [], "compute": []}
         self.events = []
 
-    def event(self):
+    def event(self, timing=False):
         self.events.append(Event(len(self.events)))
         return self.events[-1]
+
+    def elapsed_ms(self, a, b):
+        return 1.0
 
     def record(self, stream, ev):
         ev.enqueued += 1
@@ -165,6 +168,20 @@ def test_misuse_is_refused():
     big = RingRunner(FakeDevice(), [1, 2], STRIDE)
     with pytest.raises(ValueError, match="slot 3 of a ring of 2"):
         big.begin_chunk(s, lambda l, e: 0)
+
+
+def test_timing_spans_do_not_add_waits():
+    dev = FakeDevice()
+    r = RingRunner(dev, [1, 2, 3, 4], STRIDE, timing=True)
+    s = schedule(np.zeros((2, 8), bool), 4)
+    r.begin_chunk(s, lambda l, e: 10**6 + l * 8 + e)
+    for b in s:
+        r.acquire(b)
+        r.release(b)
+    r.end_chunk()
+    assert len(r.spans) == len(s) and r.busy_ms() == len(s)
+    assert sum(o[0] == "wait" for o in dev.queues["copy"]) <= len(s)
+    simulate(dev, np.random.default_rng(1), {}, [])
 
 
 def test_copies_run_ahead_by_the_ring_depth():

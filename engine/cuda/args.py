@@ -1,6 +1,32 @@
 """The CUDA backend's command-line flags (added to strata_worker.py's parser; importing this needs no CuPy)."""
 from __future__ import annotations
 
+import argparse
+
+
+def _chunk(v: str):
+    if v == "auto":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--prefill-chunk takes a number of tokens (>= 1) or auto, got {v!r}")
+    return n
+
+
+def _at_least(lo: int):
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            n = lo - 1
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {lo}, got {v!r}")
+        return n
+    return parse
+
 
 def add_cuda_args(parser) -> None:
     g = parser
@@ -26,3 +52,13 @@ def add_cuda_args(parser) -> None:
                    help="launch the decode step kernel by kernel instead of replaying a CUDA graph (debugging)")
     g.add_argument("--calibrate", action="store_true",
                    help="measure PCIe and HBM bandwidth at start and report them in INFO (pcie_gbps, hbm_gbps)")
+    g.add_argument("--prefill", choices=("batched", "streamed"), default=None,
+                   help="prompt pass: batched (default) or streamed (every non-resident expert through a VRAM ring; "
+                        "new, not yet verified on a GPU)")
+    g.add_argument("--prefill-chunk", type=_chunk, default=None, metavar="N|auto",
+                   help="streamed prompt pass: tokens per chunk (default auto: the largest that fits, 1024 and up)")
+    g.add_argument("--ring", type=_at_least(2), default=None, metavar="N",
+                   help="streamed prompt pass: expert ring slots (default: as many as the VRAM left holds, <= 384)")
+    g.add_argument("--stream-min", type=_at_least(1), default=None, metavar="N",
+                   help="streamed prompt pass: chunks of at least N tokens stream experts through the ring; shorter "
+                        "ones read them in place (default 1024)")

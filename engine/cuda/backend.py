@@ -44,6 +44,10 @@ class CudaOptions:
     no_graph: bool = False
     calibrate: bool = False
     prompt_chunk: int = 512
+    prefill: str = "batched"            # "streamed": engine/cuda/prefill_streamed.py (issue 5; opt-in until verified)
+    prefill_chunk: str | int = "auto"
+    ring: int | None = None
+    stream_min: int = 1024
 
     @classmethod
     def from_args(cls, args) -> "CudaOptions":
@@ -92,13 +96,16 @@ class CUDABackend(Backend):
                     self.cache = ExpertCache(self.arena, self._slot_count(pool))
                 self.step = DecodeStep(self.kernels, cfg, self.weights, self.kv, self.rope, self.cache, self.layout,
                                        self.stream)
-                self.prefill = Prefill(self.step)
+                self.prefill = self._make_prefill()
                 self.stream.synchronize()
         except cp.cuda.memory.OutOfMemoryError as e:
             self.close()
             free, _ = cp.cuda.runtime.memGetInfo()
             raise MemoryError(f"out of VRAM while loading the model ({e}); {free0 / MiB:.0f} MiB were free at "
                               f"start: lower --ctx ({max_context}) or use a GPU with more memory") from None
+        except MemoryError:         # a refusal with the numbers (VRAM budget, prompt chunk): free what was taken
+            self.close()
+            raise
         if self.cache is not None:
             self._initial_fill()
         if not opts.no_graph:
@@ -130,7 +137,18 @@ class CUDABackend(Backend):
                  f"({n * stride / MiB:.0f} MiB; {free / MiB:.0f} MiB free, {opts.vram_reserve_mib} MiB reserved)")
         return n
 
+    def _make_prefill(self):
+        if self.opts.prefill == "streamed":
+            from engine.cuda.prefill_streamed import StreamedPrefill
+            return StreamedPrefill(self.step, self.opts, self.log)
+        return Prefill(self.step)
+
     def _prefill_scratch_bytes(self) -> int:
+        if self.opts.prefill == "streamed":
+            from engine.cuda.prefill_streamed import reserve_bytes
+            lay = self.layout
+            return reserve_bytes(self.config, lay.stride if lay else 0, self.config.n_layer * self.config.n_expert,
+                                 self.opts, self.max_context)
         c = self.config
         T = self.prompt_chunk_size()
         act = 8 * T * max(c.n_embd, c.n_head * c.head_dim, c.n_ff, c.n_ff_exp * 2) * 4
@@ -186,7 +204,7 @@ class CUDABackend(Backend):
             self.cache.heat[:], self.cache.prior[:] = heat, prior
             self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache,
                                    self.layout, self.stream)
-            self.prefill = Prefill(self.step)
+            self.prefill = self._make_prefill()
         order = np.argsort(-heat, kind="stable")
         if self.cache.n_slots >= self.cache.n_total:
             order = np.arange(self.cache.n_total)
@@ -197,6 +215,8 @@ class CUDABackend(Backend):
 
     # --- the contract ----------------------------------------------------------------------------------------
     def prompt_chunk_size(self) -> int:
+        if self.opts.prefill == "streamed" and getattr(self, "prefill", None) is not None:
+            return int(self.prefill.chunk)
         return int(self.opts.prompt_chunk)
 
     def _room(self, n: int):
@@ -304,6 +324,8 @@ class CUDABackend(Backend):
                        arena_mib=int(self.arena.nbytes / MiB))
         if self.pcie_gbps is not None:
             out["pcie_gbps"] = round(self.pcie_gbps, 1)
+        if self.opts.prefill == "streamed" and self.prefill is not None:
+            out.update(prefill="streamed", prefill_chunk=self.prefill.chunk, ring=self.prefill.plan.ring)
         return out
 
     def cache_picture(self):

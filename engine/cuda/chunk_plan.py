@@ -26,6 +26,7 @@ class Buffer:
     name: str
     elems: int
     itemsize: int
+    keep: bool = True        # allocated once for the chunk size; False: a transient (CuPy temporaries, cuBLAS)
 
     @property
     def nbytes(self) -> int:
@@ -47,12 +48,13 @@ def buffers(cfg, T: int) -> list[Buffer]:
                 Buffer("offsets", 2 * (c.n_expert + 1), 4),
                 Buffer("h", T * k * c.n_ff_exp, 2)]            # SwiGLU output per (token, expert) pair, fp16
         if c.n_ff_shexp:
-            out += [Buffer("sh_tmp", 3 * T * c.n_ff_shexp, 4), Buffer("sh_gate", T, 4)]
+            out += [Buffer("sh_tmp", 3 * T * c.n_ff_shexp, 4, False), Buffer("sh_gate", T, 4, False)]
     else:
-        out += [Buffer("ffn_tmp", 3 * T * c.n_ff, 4)]          # gate, up and their product
+        out += [Buffer("ffn_tmp", 3 * T * c.n_ff, 4, False)]   # gate, up and their product
     largest = max(c.n_vocab * E, qw * E, E * qw, kw * E, (c.n_ff or 0) * E, (c.n_ff_shexp or 0) * E)
-    out += [Buffer("dequant_scratch", min(largest, DEQUANT_SCRATCH_ELEMS), 4),
-            Buffer("logits", c.n_vocab, 4), Buffer("cublas", CUBLAS_WORKSPACE, 1), Buffer("margin", MARGIN, 1)]
+    out += [Buffer("dequant_scratch", min(largest, DEQUANT_SCRATCH_ELEMS), 4, False),
+            Buffer("logits", 2 * c.n_vocab, 4, False),         # the last row's logits and the final norm's output
+            Buffer("cublas", CUBLAS_WORKSPACE, 1, False), Buffer("margin", MARGIN, 1, False)]
     return out
 
 

@@ -74,7 +74,10 @@ class Device:
     copy_stream = None
     compute_stream = None
 
-    def event(self):
+    def event(self, timing: bool = False):
+        raise NotImplementedError
+
+    def elapsed_ms(self, a, b) -> float:
         raise NotImplementedError
 
     def record(self, stream, ev) -> None:
@@ -94,8 +97,12 @@ class CupyDevice(Device):
         self.compute_stream = compute_stream
         self.copy_stream = copy_stream or cp.cuda.Stream(non_blocking=True)
 
-    def event(self):
-        return self._cp.cuda.Event(disable_timing=True)
+    def event(self, timing=False):
+        return self._cp.cuda.Event(disable_timing=not timing)
+
+    def elapsed_ms(self, a, b):
+        b.synchronize()
+        return self._cp.cuda.get_elapsed_time(a, b)
 
     def record(self, stream, ev):
         ev.record(stream)
@@ -112,7 +119,7 @@ class RingRunner:
     """Drives one ring (slot addresses `slots`, `stride` bytes each) through chunks. Slot state lives across chunks:
     the next chunk's first copies wait only for the slots still in use."""
 
-    def __init__(self, dev: Device, slots: list[int], stride: int):
+    def __init__(self, dev: Device, slots: list[int], stride: int, timing: bool = False):
         if not slots:
             raise ValueError("the ring has no slots")
         self.dev = dev
@@ -126,6 +133,8 @@ class RingRunner:
         self._copied: dict[int, object] = {}
         self._acquired = -1
         self.bytes_copied = 0
+        self.timing = timing
+        self.spans: list[tuple[object, object]] = []     # (start, copied) per batch when timing: copy-engine busy
 
     @property
     def depth(self) -> int:
@@ -157,11 +166,16 @@ class RingRunner:
             cs = self.dev.copy_stream
             if last is not None:
                 self.dev.wait(cs, last[1])
+            if self.timing:           # recorded after the wait: start to copied is copying only
+                start = self.dev.event(True)
+                self.dev.record(cs, start)
             for it in b.items:
                 self.dev.copy(cs, self.slots[it.slot], self._src_of(it.layer, it.expert), self.stride)
                 self._held[it.slot] = b.index
-            ev = self.dev.event()
+            ev = self.dev.event(self.timing)
             self.dev.record(cs, ev)
+            if self.timing:
+                self.spans.append((start, ev))
             self._copied[b.index] = ev
             self.bytes_copied += len(b.items) * self.stride
             self._next += 1
@@ -191,6 +205,10 @@ class RingRunner:
             self._slot_free[s] = (self._seq, ev)
             self._held[s] = None
         self.pump()
+
+    def busy_ms(self) -> float:
+        """Milliseconds the copy stream spent copying (timing runners; waits for the last copy)."""
+        return sum(self.dev.elapsed_ms(a, b) for a, b in self.spans)
 
     def of_layer(self, layer: int) -> list[Batch]:
         return [b for b in self.batches if b.layer == layer]

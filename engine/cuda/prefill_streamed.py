@@ -1,0 +1,248 @@
+"""The streamed prompt pass (issue 5), opt-in with `--prefill streamed` until a GPU session has verified it.
+
+Per chunk of T tokens, per layer: the dense projections as GEMMs on dequantized weights (as the batched pass), the
+chunk's K/V into the cache and tiled flash attention over it (cuda_src/prefill_attn.cu); then the router and top-k on
+the GPU, the (token, expert) pairs sorted by expert on the GPU (no host round trip), and the grouped expert GEMMs
+(cuda_src/moe_gemm.cu) — first over the experts resident in VRAM, then, for chunks of at least --stream-min tokens,
+over every other expert batch by batch as the ring (engine/cuda/ring.py) brings them in. Shorter chunks read the
+non-resident experts in place from the pinned arena through the same kernels.
+
+Every buffer comes from engine/cuda/chunk_plan.py's list, sized once when the backend starts, so a prompt never runs
+out of VRAM halfway; a chunk or ring that does not fit is refused at start with the numbers.
+"""
+from __future__ import annotations
+
+import time
+
+import cupy as cp
+import numpy as np
+
+from engine.cuda import kernels
+from engine.cuda.chunk_plan import MiB, RING_MAX, RING_MIN, buffers, chunk_bytes, plan_chunk
+from engine.cuda.decode import F32, I32, I64, NULL, U64, ptr
+from engine.cuda.prefill import Prefill
+from engine.cuda.ring import CupyDevice, RingRunner, schedule
+
+AUTO_TARGET = 4096          # the chunk auto reserves room for before the expert cache takes the rest
+AUTO_RING_RESERVE = 64      # ring slots reserved likewise (free expert-cache slots are lent on top)
+ATT_ROWS = 8                # query rows per flash-attention block (prefill_attn.cu FA_ROWS)
+GEMM_TILE = 64              # rows and columns per expert GEMM block (moe_gemm.cu MG_BM, MG_BN)
+
+_INT = {"ids", "rows", "offsets"}
+_HALF = {"xh", "h"}
+
+
+def parse_chunk(v):
+    return "auto" if v in (None, "auto") else int(v)
+
+
+def vram_left(opts) -> int:
+    """Bytes this worker may still take: free VRAM (plus what CuPy's pool holds unused) less the reserve, within
+    --vram-budget-mib."""
+    pool = cp.get_default_memory_pool()
+    free = cp.cuda.runtime.memGetInfo()[0] + pool.free_bytes() - opts.vram_reserve_mib * MiB
+    if opts.vram_budget_mib is not None:
+        free = min(free, opts.vram_budget_mib * MiB - pool.used_bytes())
+    return max(0, int(free))
+
+
+def reserve_bytes(cfg, stride: int, n_total: int, opts, max_ctx: int) -> int:
+    """What the backend holds back for the streamed pass before sizing the expert cache."""
+    chunk = parse_chunk(opts.prefill_chunk)
+    T = min(AUTO_TARGET if chunk == "auto" else chunk, max_ctx)
+    ring = 0
+    if stride and n_total:
+        ring = opts.ring if opts.ring is not None else min(AUTO_RING_RESERVE, n_total)
+    return chunk_bytes(cfg, T) + ring * stride
+
+
+class StreamedPrefill:
+    def __init__(self, step, opts, log=lambda m: None):
+        self.step, self.opts, self.log = step, opts, log
+        self.base = Prefill(step)
+        self.k, self.cfg, self.w, self.kv, self.cache, self.layout, self.L = (
+            step.k, step.cfg, step.w, step.kv, step.cache, step.layout, step.L)
+        c = self.cfg
+        self.att_mod = kernels.load("prefill_attn")
+        lay = self.layout
+        self.moe_mod = kernels.load("moe_gemm", qtypes=sorted({lay.qt_gate_up, lay.qt_down})) if lay else None
+        stride = lay.stride if lay else 0
+        n_total = self.cache.n_total if self.cache is not None else 0
+        free = vram_left(opts)
+        # every expert may have to stream (the cache can be empty at the first prompt); lent cache slots come on top
+        self.plan = plan_chunk(c, free, chunk=parse_chunk(opts.prefill_chunk), ring=opts.ring, stride=stride,
+                               n_stream=n_total, max_tokens=self.kv.max_ctx)
+        self.chunk = self.plan.chunk
+        with step.stream:
+            self.buf = {}
+            for b in buffers(c, self.chunk):
+                if b.keep:
+                    dt = cp.int32 if b.name in _INT else cp.float16 if b.name in _HALF else cp.float32
+                    self.buf[b.name] = cp.empty(b.elems, dtype=dt)
+            self.ring_mem = cp.empty(max(self.plan.ring, 1) * max(stride, 1), dtype=cp.uint8)
+        self.dev = CupyDevice(step.stream) if lay else None
+        self.timing = False          # bench/prefill.py: copy-engine busy time per chunk
+        self.last = {}               # facts about the last chunk (bench)
+        log(f"streamed prompt pass: chunks of {self.chunk} tokens ({self.plan.chunk_bytes / MiB:.0f} MiB), "
+            f"ring of {self.plan.ring} slots ({self.plan.ring_bytes / MiB:.0f} MiB) + free expert-cache slots; "
+            f"{free / MiB:.0f} MiB were left")
+
+    # --- per-chunk set-up ------------------------------------------------------------------------------------
+    def _lent_slots(self) -> list[int]:
+        """Expert-cache slots holding nothing (and not being filled by a swap): the ring may use them meanwhile."""
+        cache = self.cache
+        pending = set(cache._pending[2]) if cache._pending is not None else set()
+        return [cache.slot_ptr(s) for s in np.flatnonzero(cache.owner < 0) if int(s) not in pending]
+
+    def _groups(self, T: int):
+        """Per layer the in-place group (sel, ptrs, n): the resident experts when the ring streams the rest, else every
+        expert through the pointer table. With the ring: its runner and, per layer, its (batch, (sel, ptrs, n))."""
+        c, cache = self.cfg, self.cache
+        resident = (cache.slot_of >= 0).reshape(c.n_layer, c.n_expert)
+        stream = T >= self.opts.stream_min and not resident.all()
+        slots = []
+        if stream:
+            own = [int(self.ring_mem.data.ptr) + i * self.layout.stride for i in range(self.plan.ring)]
+            slots = own + self._lent_slots()[:max(0, RING_MAX - len(own))]
+            stream = len(slots) >= RING_MIN
+        table = cache.table_host.reshape(c.n_layer, c.n_expert)
+        sel_all, ptr_all, spans = [], [], []
+        for li in range(c.n_layer):
+            es = np.flatnonzero(resident[li]) if stream else np.arange(c.n_expert)
+            spans.append((len(sel_all), len(es)))
+            sel_all += es.tolist()
+            ptr_all += [int(table[li, e]) for e in es]
+        batches = schedule(resident, len(slots)) if stream else []
+        for b in batches:
+            spans.append((len(sel_all), len(b.items)))
+            sel_all += list(b.experts)
+            ptr_all += [slots[s] for s in b.slots]
+        # kept on self: the views below point into these until the chunk's kernels have run
+        self._sel = cp.asarray(np.asarray(sel_all, dtype=np.int32))
+        self._ptrs = cp.asarray(np.asarray(ptr_all, dtype=np.uint64))
+        views = [(U64(self._sel.data.ptr + 4 * o), U64(self._ptrs.data.ptr + 8 * o), n) for o, n in spans]
+        per_layer = {li: [] for li in range(c.n_layer)}
+        for b, view in zip(batches, views[c.n_layer:]):
+            per_layer[b.layer].append((b, view))
+        runner = RingRunner(self.dev, slots, self.layout.stride, timing=self.timing) if stream else None
+        return views[:c.n_layer], per_layer, runner, batches
+
+    # --- the pass --------------------------------------------------------------------------------------------
+    def linear_into(self, W, X, out):
+        """out = X @ W^T for a DevMatrix W (dequantized to fp32 scratch in row blocks)."""
+        base = self.base
+        step_rows = max(1, (1 << 25) // W.cols)
+        for r0 in range(0, W.rows, step_rows):
+            n = min(step_rows, W.rows - r0)
+            Wd = base.dequant(W.ptr + r0 * W.row_bytes, W.qt, W.row_bytes, n, W.cols)
+            if n == W.rows:
+                cp.matmul(X, Wd.T, out=out)
+            else:
+                out[:, r0:r0 + n] = X @ Wd.T
+        return out
+
+    def _view(self, name, T, width):
+        return self.buf[name][:T * width].reshape(T, width)
+
+    def forward(self, tokens, pos0: int, all_logits: bool) -> cp.ndarray:
+        c, w, L = self.cfg, self.w, self.L
+        T = len(tokens)
+        if T > self.chunk:
+            raise ValueError(f"a chunk of {T} tokens is longer than the streamed pass's {self.chunk}")
+        t0 = time.perf_counter()
+        qw, kw = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+        x, xn = self._view("x", T, c.n_embd), self._view("xn", T, c.n_embd)
+        q, k, v = self._view("q", T, qw), self._view("k", T, kw), self._view("v", T, kw)
+        att, proj = self._view("att", T, qw), self._view("proj", T, c.n_embd)
+        tok = cp.asarray(np.asarray(tokens, dtype=np.int32))
+        te = w.tok_embd
+        self.k("embed", te.qt)((T,), (256,), (U64(te.ptr), I64(te.row_bytes), ptr(tok), NULL, NULL, ptr(x),
+                                            I32(c.n_embd)))
+        groups = runner = ring_views = None
+        if c.is_moe:
+            groups, ring_views, runner, batches = self._groups(T)
+            if runner is not None:
+                ev = cp.cuda.Event(disable_timing=True)     # the ring's slots may still be read by earlier work
+                ev.record(self.step.stream)
+                self.dev.copy_stream.wait_event(ev)
+                arena = self.cache.arena.blob_ptr
+                runner.begin_chunk(batches, lambda li, e: int(arena[li * c.n_expert + e]))
+        scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
+        G = c.n_head // c.n_head_kv
+        for li, ly in enumerate(w.layers):
+            L.rmsnorm(x, ly.attn_norm, xn, rows=T)
+            self.linear_into(ly.wq, xn, q)
+            self.linear_into(ly.wk, xn, k)
+            self.linear_into(ly.wv, xn, v)
+            if ly.bq is not None:
+                q += ly.bq
+                k += ly.bk
+                v += ly.bv
+            kc, vc = self.kv.layer(li)
+            self.k("qk_rope_store")((c.n_head + 2 * c.n_head_kv, T), (c.head_dim,),
+                                    (q, k, v, ptr(ly.q_norm), ptr(ly.k_norm), ptr(self.step.rope), NULL, I32(pos0),
+                                     U64(kc), U64(vc), I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim),
+                                     I32(c.n_rot), I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps),
+                                     I32(self.kv.max_ctx)))
+            self.att_mod.get_function("flash_attn_f16")(
+                ((T * G + ATT_ROWS - 1) // ATT_ROWS, c.n_head_kv), (32 * ATT_ROWS,),
+                (q, U64(kc), U64(vc), att, I32(T), I32(pos0), I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim),
+                 I32(self.kv.max_ctx), scale))
+            x += self.linear_into(ly.wo, att, proj)
+            L.rmsnorm(x, ly.ffn_norm, xn, rows=T)
+            if c.is_moe:
+                self.moe(li, ly, xn, x, T, groups[li], runner, ring_views)
+            else:
+                x += self.base.ffn(ly.w_gate, ly.w_up, ly.w_down, xn)
+        if runner is not None:
+            runner.end_chunk()
+            self.last = dict(ring=runner.depth, bytes=runner.bytes_copied, runner=runner)
+        else:
+            self.last = dict(ring=0, bytes=0, runner=None)
+        self.last.update(tokens=T, host_ms=(time.perf_counter() - t0) * 1000)
+        xs = x if all_logits else x[-1:]
+        xo = cp.empty_like(xs)
+        L.rmsnorm(cp.ascontiguousarray(xs), w.output_norm, xo, rows=xs.shape[0])
+        return self.base.linear(w.output, xo)
+
+    def moe(self, li, ly, xn, x, T, group, runner, ring_views):
+        c, lay, cache, mod = self.cfg, self.layout, self.cache, self.moe_mod
+        kk = c.n_expert_used
+        logits = self.linear_into(ly.router, xn, self._view("router_logits", T, c.n_expert))
+        ids, wts = self._view("ids", T, kk), self._view("wts", T, kk)
+        self.k("router_topk")((T,), (32,),
+                              (ptr(logits), I32(c.n_expert), I32(kk), I32(1 if c.expert_weights_norm else 0),
+                               F32(c.expert_weights_scale), ptr(ids), ptr(wts), NULL, U64(0), U64(0),
+                               U64(cache.counts.data.ptr + 4 * li * c.n_expert), NULL))
+        xh = self.buf["xh"]
+        mod.get_function("to_half")((min(1024, (T * c.n_embd // 4 + 255) // 256),), (256,),
+                                    (xn, xh, I64(T * c.n_embd)))
+        offsets, rows, row_w, h = self.buf["offsets"], self.buf["rows"], self.buf["row_w"], self.buf["h"]
+        mod.get_function("moe_sort")((1,), (1024,), (ids, wts, I32(T * kk), I32(kk), I32(c.n_expert), offsets,
+                                                     rows, row_w))
+        gu = mod.get_function(f"moe_gemm_gate_up<{lay.qt_gate_up}>")
+        dn = mod.get_function(f"moe_gemm_down<{lay.qt_down}>")
+        gy = (T + GEMM_TILE - 1) // GEMM_TILE
+
+        def run(sel, ptrs, n):
+            if not n:
+                return
+            gu(((lay.n_ff + GEMM_TILE - 1) // GEMM_TILE, gy, n), (256,),
+               (sel, ptrs, offsets, rows, xh, h, I64(lay.up_off), I64(lay.rb_gate_up), I32(lay.n_ff),
+                I32(c.n_embd)))
+            dn(((c.n_embd + GEMM_TILE - 1) // GEMM_TILE, gy, n), (256,),
+               (sel, ptrs, offsets, rows, row_w, h, x, I64(lay.down_off), I64(lay.rb_down), I32(c.n_embd),
+                I32(lay.n_ff)))
+
+        run(*group)
+        if runner is not None:
+            for b, view in ring_views[li]:
+                runner.acquire(b)
+                run(*view)
+                runner.release(b)
+        if ly.sh_up is not None:
+            sh = self.base.ffn(ly.sh_gate, ly.sh_up, ly.sh_down, xn)
+            if ly.sh_gate_inp is not None:
+                sg = self.base.linear(ly.sh_gate_inp, xn)
+                sh *= 1.0 / (1.0 + cp.exp(-sg))
+            x += sh
