@@ -33,7 +33,8 @@ FRACTIONS = (0.25, 0.41, 0.50, 0.67, 1.0)
 # - DeepSeek-V4-Flash (256 experts): 240-248 experts per layer live in a serving window; a frequency oracle's
 #   curve is nearly linear, 40/46/52% at 500/700/900 slots (github.com/FlashML-org/FreeToken/issues/174);
 # - Qwen3-30B-A3B, LRU over 256 decode tokens of a synthetic prompt: 36.6/74.1/89.4/96.2% with 24/73/146/244
-#   slots per layer (8/24/49/81 experts if a slot is one matrix, as we read it), mostly reuse between consecutive tokens, not popularity (github.com/kekzl/imp/pull/1374).
+#   slots per layer (8/24/49/81 experts if a slot is one matrix, as we read it), mostly reuse between
+#   consecutive tokens, not popularity (github.com/kekzl/imp/pull/1374).
 # We take a documented, conservative middle: half the experts catch 70% of the routings, on a smooth concave curve
 # through (0, 0) and (1, 1). An assumption, not a measurement of Qwen3-30B-A3B: replace it with a real trace.
 TARGET = {0.25: 0.45, 0.41: 0.61, 0.50: 0.70, 0.67: 0.83, 1.0: 1.0}
@@ -101,9 +102,15 @@ def file_routers(model) -> list[tuple[np.ndarray, np.ndarray]]:
             for il in range(model.config.n_layer)]
 
 
-def random_inputs(rng: np.random.Generator, n: int, norm_w: np.ndarray) -> np.ndarray:
-    """n RMS-normed hidden states: unit-RMS rows times the norm weight, as rms_norm(x, w) gives."""
+def random_inputs(rng: np.random.Generator, n: int, norm_w: np.ndarray, common: float = 0.0) -> np.ndarray:
+    """n RMS-normed hidden states: unit-RMS rows times the norm weight, as rms_norm(x, w) gives.
+
+    common: the share of each row's energy in one random direction shared by all n rows (one prompt's worth), as
+    a random-weight model's deep layers have (their attention averages the context into every token)."""
     x = rng.standard_normal((n, norm_w.shape[0]), dtype=np.float32)
+    if common:
+        mu = rng.standard_normal(norm_w.shape[0], dtype=np.float32)
+        x = np.float32(np.sqrt(1 - common)) * x + np.float32(np.sqrt(common)) * mu
     x /= np.sqrt(np.mean(x * x, axis=1, keepdims=True))
     return x * norm_w
 
@@ -129,6 +136,19 @@ def forward_inputs(model, n_tokens: int, seed: int, chunk: int = 128) -> list[np
 
 
 # --- the report --------------------------------------------------------------------------------------------------
+
+def prompt_curves(routers, k: int, n_prompts: int, prompt_len: int, common: float, seed: int) -> np.ndarray:
+    """Per-layer curves (n_layer, len(FRACTIONS)) learnt and measured within each prompt (first half, second
+    half), averaged over prompts: what an adaptive cache that follows one conversation sees."""
+    rng = np.random.default_rng(seed)
+    n_expert = routers[0][0].shape[0]
+    out = np.zeros((len(routers), len(FRACTIONS)))
+    for il, (w, norm_w) in enumerate(routers):
+        for _ in range(n_prompts):
+            ids = topk_ids(random_inputs(rng, prompt_len, norm_w, common) @ w.T, k)
+            out[il] += hit_curve(ids[:prompt_len // 2], ids[prompt_len // 2:], n_expert)
+    return out / n_prompts
+
 
 def curves(routers, k: int, n_tokens: int, seed: int, hidden: list[np.ndarray] | None = None):
     """Per-layer curves (n_layer, len(FRACTIONS)) and the global one."""
@@ -179,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forward", type=int, metavar="N",
                     help="with --model: route N tokens' real hidden states (CPU forward; small models only)")
     ap.add_argument("--layers", action="store_true", help="print every layer, not just the summary")
+    ap.add_argument("--common", type=float, default=0.0, metavar="RHO",
+                    help="also route prompts whose tokens share RHO of their energy in one direction, ranking and "
+                         "measuring within each prompt (a random-weight model's deep layers: ~0.67 with Q4_K)")
+    ap.add_argument("--prompt-len", type=int, default=512, help="with --common: tokens per prompt")
     a = ap.parse_args(argv)
 
     if a.model is not None:
@@ -210,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(per_layer, glob, a.layers, n_expert))
     off = off_target(per_layer.mean(0), n_expert)
     print(f"mean curve at most {off:.3f} from TARGET: {'within' if off <= BAND else 'OUTSIDE'} the band of {BAND}")
+    if a.common:
+        pc = prompt_curves(routers, k, 8, a.prompt_len, a.common, a.seed + 2)
+        print(f"within prompts of {a.prompt_len} tokens sharing {a.common:.2f} of their energy "
+              f"(learnt on each prompt's first half, measured on its second):")
+        print("\n".join(table(pc, pc.mean(0), False, n_expert).splitlines()[:3]))
     return 0
 
 
