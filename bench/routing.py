@@ -2,14 +2,17 @@
 
     python -m bench.routing --preset qwen3-30b-a3b [--seed 0] [--zipf-s S]   # routers made in memory, no file
     python -m bench.routing --model data/models/qwen3-30b-a3b-q4k.gguf       # routers read from a GGUF
-    python -m bench.routing --model small.gguf --forward 512                 # the model's own hidden states
+    python -m bench.routing --model small.gguf --forward                     # the model's own hidden states
+    python -m bench.routing --model 48-layers-8-experts.gguf --forward --route-preset qwen3-30b-a3b
 
 The router input is the layer's RMS-normed hidden state. By default it is random (a unit-RMS Gaussian times the
-layer's ffn_norm weight); --forward runs the NumPy engine on random tokens and takes the real router inputs (a
-small model: the CPU forward of a 48-layer model is minutes). One set of tokens ranks each layer's experts by how
-often they are routed to, a second set is measured against caches that hold the top 25/41/50/67/100% of them,
-which is what the engine's frequency-ranked VRAM tier does after learning (DESIGN §5). The global column ranks
-(layer, expert) pairs across all layers together, as one cache budget for the whole model does.
+layer's ffn_norm weight, optionally with a direction shared by each prompt's tokens: --common); --forward runs the
+NumPy engine on prompts of random tokens and takes the real router inputs (minutes for 48 layers at hidden 2048, so
+a model with few experts, whose hidden states are routed through a preset's 128-expert routers: --route-preset).
+Half the prompts rank each layer's experts by how often they are routed to, the other half is measured against
+caches that hold the top 25/41/50/67/100% of them, which is what a profile-started VRAM tier does (DESIGN §5); the
+second table learns and measures within each prompt, as the engine's adaptive tier follows one conversation.
+The global row ranks (layer, expert) pairs across all layers together, as one cache budget for the model does.
 
 TARGET is the curve a trained MoE's routing gives (see its comment); the benchmark model should land near it so that
 a VRAM budget below the model's size really exercises the PCIe path.
@@ -115,10 +118,10 @@ def random_inputs(rng: np.random.Generator, n: int, norm_w: np.ndarray, common: 
     return x * norm_w
 
 
-def forward_inputs(model, n_tokens: int, seed: int, chunk: int = 128) -> list[np.ndarray]:
-    """The router inputs of every layer for n_tokens random tokens in prompts of `chunk`, via the CPU engine."""
+def forward_inputs(model, n_prompts: int, prompt_len: int, seed: int) -> list[np.ndarray]:
+    """Every layer's router inputs, (n_prompts, prompt_len, n_embd), for prompts of random tokens: the CPU engine."""
     from engine.backend_cpu import CPUBackend
-    be = CPUBackend(model, chunk, warm=False)
+    be = CPUBackend(model, prompt_len, chunk=prompt_len, warm=False)
     rec: dict[int, list[np.ndarray]] = {}
     inner = be.net.ffn
 
@@ -128,55 +131,60 @@ def forward_inputs(model, n_tokens: int, seed: int, chunk: int = 128) -> list[np
 
     be.net.ffn = types.MethodType(ffn, be.net)
     rng = np.random.default_rng(seed)
-    for _ in range(0, n_tokens, chunk):
+    for _ in range(n_prompts):
         be.truncate(0)
-        be.forward(rng.integers(0, model.config.n_vocab, size=chunk).tolist())
+        be.forward(rng.integers(0, model.config.n_vocab, size=prompt_len).tolist())
     be.close()
-    return [np.concatenate(rec[il])[:n_tokens] for il in sorted(rec)]
+    return [np.stack(rec[il]) for il in sorted(rec)]
+
+
+def random_prompts(routers, n_prompts: int, prompt_len: int, common: float, seed: int) -> list[np.ndarray]:
+    """random_inputs for every layer, (n_prompts, prompt_len, n_embd), one shared direction per prompt and layer."""
+    rng = np.random.default_rng(seed)
+    return [np.stack([random_inputs(rng, prompt_len, norm_w, common) for _ in range(n_prompts)])
+            for _, norm_w in routers]
 
 
 # --- the report --------------------------------------------------------------------------------------------------
 
-def prompt_curves(routers, k: int, n_prompts: int, prompt_len: int, common: float, seed: int) -> np.ndarray:
-    """Per-layer curves (n_layer, len(FRACTIONS)) learnt and measured within each prompt (first half, second
-    half), averaged over prompts: what an adaptive cache that follows one conversation sees."""
-    rng = np.random.default_rng(seed)
-    n_expert = routers[0][0].shape[0]
-    out = np.zeros((len(routers), len(FRACTIONS)))
-    for il, (w, norm_w) in enumerate(routers):
-        for _ in range(n_prompts):
-            ids = topk_ids(random_inputs(rng, prompt_len, norm_w, common) @ w.T, k)
-            out[il] += hit_curve(ids[:prompt_len // 2], ids[prompt_len // 2:], n_expert)
-    return out / n_prompts
-
-
-def curves(routers, k: int, n_tokens: int, seed: int, hidden: list[np.ndarray] | None = None):
-    """Per-layer curves (n_layer, len(FRACTIONS)) and the global one."""
-    rng = np.random.default_rng(seed)
+def curves(routers, k: int, prompts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer curves (n_layer, len(FRACTIONS)) and the global one, the ranking learnt on the first half of the
+    prompts and measured on the other half: a cache made from one workload's profile, serving another's."""
     learn, measure = [], []
-    for il, (w, norm_w) in enumerate(routers):
-        if hidden is None:
-            x = random_inputs(rng, 2 * n_tokens, norm_w)
-        else:
-            x = hidden[il]
-        half = len(x) // 2
-        ids = topk_ids(x @ w.T, k)
-        learn.append(ids[:half])
-        measure.append(ids[half:])
+    for (w, _), x in zip(routers, prompts):
+        half = max(1, len(x) // 2)
+        ids = topk_ids(x.reshape(-1, x.shape[-1]) @ w.T, k).reshape(len(x), -1, k)
+        learn.append(ids[:half].reshape(-1, k))
+        measure.append(ids[half:].reshape(-1, k))
     n_expert = routers[0][0].shape[0]
     per_layer = np.array([hit_curve(a, b, n_expert) for a, b in zip(learn, measure)])
     return per_layer, global_curve(learn, measure, n_expert)
 
 
-def table(per_layer: np.ndarray, glob: np.ndarray, all_layers: bool, n_expert: int) -> str:
+def prompt_curves(routers, k: int, prompts: list[np.ndarray]) -> np.ndarray:
+    """Per-layer curves learnt and measured within each prompt (its first half, then its second), averaged over
+    the prompts: what an adaptive cache that follows one conversation sees (the engine's, DESIGN §5)."""
+    n_expert = routers[0][0].shape[0]
+    out = np.zeros((len(routers), len(FRACTIONS)))
+    for il, ((w, _), x) in enumerate(zip(routers, prompts)):
+        half = x.shape[1] // 2
+        for p in x:
+            ids = topk_ids(p @ w.T, k)
+            out[il] += hit_curve(ids[:half], ids[half:], n_expert)
+    return out / len(prompts[0])
+
+
+def table(per_layer: np.ndarray, glob: np.ndarray | None, all_layers: bool, n_expert: int) -> str:
     held = cached_fractions(n_expert)
     head = "| layer | " + " | ".join(f"{f:.0%}" for f in held) + " |"
     lines = [head, "|" + " --- |" * (len(FRACTIONS) + 1)]
     row = lambda name, v: f"| {name} | " + " | ".join(f"{x:.3f}" for x in v) + " |"
     if all_layers:
         lines += [row(str(il), v) for il, v in enumerate(per_layer)]
-    lines += [row("mean", per_layer.mean(0)), row("min", per_layer.min(0)), row("max", per_layer.max(0)),
-              row("global", glob), row("TARGET", [target_at(f) for f in held])]
+    lines += [row("mean", per_layer.mean(0)), row("min", per_layer.min(0)), row("max", per_layer.max(0))]
+    if glob is not None:
+        lines.append(row("global", glob))
+    lines.append(row("TARGET", [target_at(f) for f in held]))
     return "\n".join(lines)
 
 
@@ -185,26 +193,46 @@ def off_target(curve: np.ndarray, n_expert: int) -> float:
     return float(np.max(np.abs(curve - np.array([target_at(f) for f in cached_fractions(n_expert)]))))
 
 
+def _preset_routers(mm, name: str, n_layer: int | None, seed: int, zipf_s: float | None):
+    from dataclasses import replace
+    preset = mm.PRESETS[name]
+    shape = preset.shape if not n_layer else replace(preset.shape, n_layer=n_layer)
+    s = preset.zipf_s if zipf_s is None else zipf_s
+    return preset_routers(shape, seed, zipf_s=s), shape.n_expert_used, f"preset {name} (zipf-s {s})"
+
+
 def main(argv: list[str] | None = None) -> int:
     from tools import make_moe as mm
     ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(mm.PRESETS), help="make the routers in memory as make_moe would")
     src.add_argument("--model", type=Path, help="read the routers from this GGUF")
     ap.add_argument("--n-layer", type=int, help="with --preset: only the first N layers")
-    ap.add_argument("--seed", type=int, default=0, help="with --preset: make_moe's --seed")
-    ap.add_argument("--zipf-s", type=float, help="with --preset: make_moe's --zipf-s (default: the preset's)")
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens to learn the ranking on, and as many to measure")
-    ap.add_argument("--forward", type=int, metavar="N",
-                    help="with --model: route N tokens' real hidden states (CPU forward; small models only)")
-    ap.add_argument("--layers", action="store_true", help="print every layer, not just the summary")
+    ap.add_argument("--seed", type=int, default=0, help="make_moe's --seed for --preset/--route-preset")
+    ap.add_argument("--zipf-s", type=float, help="make_moe's --zipf-s for --preset/--route-preset "
+                                                 "(default: the preset's)")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts: the ranking is learnt on half of them")
+    ap.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt")
     ap.add_argument("--common", type=float, default=0.0, metavar="RHO",
-                    help="also route prompts whose tokens share RHO of their energy in one direction, ranking and "
-                         "measuring within each prompt (a random-weight model's deep layers: ~0.67 with Q4_K)")
-    ap.add_argument("--prompt-len", type=int, default=512, help="with --common: tokens per prompt")
+                    help="random inputs whose tokens share RHO of their energy in one direction per prompt (a "
+                         "random-weight model's deep layers: ~0.67 with Q4_K weights)")
+    ap.add_argument("--forward", action="store_true",
+                    help="with --model: the model's own router inputs for prompts of random tokens (CPU forward; "
+                         "minutes for 48 layers at hidden 2048)")
+    ap.add_argument("--route-preset", choices=sorted(mm.PRESETS),
+                    help="with --forward: route the model's hidden states through this preset's routers instead "
+                         "of its own (a few-expert model of the same width stands in for a 16 GB one)")
+    ap.add_argument("--layers", action="store_true", help="print every layer, not just the summary")
     a = ap.parse_args(argv)
 
+    if (a.forward or a.route_preset) and a.model is None:
+        raise SystemExit("bench.routing: --forward and --route-preset need --model (a GGUF to run)")
+    if a.route_preset and not a.forward:
+        raise SystemExit("bench.routing: --route-preset needs --forward")
+    if a.prompts < 2 or a.prompt_len < 2:
+        raise SystemExit("bench.routing: --prompts and --prompt-len must be at least 2")
     if a.model is not None:
         from engine.gguf_model import ModelError, open_model
         try:
@@ -214,31 +242,36 @@ def main(argv: list[str] | None = None) -> int:
         cfg = model.config
         if not cfg.n_expert:
             raise SystemExit(f"bench.routing: {a.model} has no experts; pass a MoE model")
-        routers, k, name = file_routers(model), cfg.n_expert_used, str(a.model)
-        hidden = forward_inputs(model, 2 * a.forward, a.seed) if a.forward else None
+        if a.route_preset:
+            routers, k, name = _preset_routers(mm, a.route_preset, cfg.n_layer, a.seed, a.zipf_s)
+            if routers[0][0].shape[1] != cfg.n_embd:
+                raise SystemExit(f"bench.routing: {a.model} has hidden {cfg.n_embd}, preset {a.route_preset} "
+                                 f"{routers[0][0].shape[1]}; pick a preset of the model's width")
+            name = f"{a.model}'s hidden states through {name}'s routers"
+        else:
+            routers, k, name = file_routers(model), cfg.n_expert_used, str(a.model)
     else:
-        if a.forward:
-            raise SystemExit("bench.routing: --forward needs --model (a GGUF to run)")
-        preset = mm.PRESETS[a.preset or "qwen3-30b-a3b"]
-        shape = preset.shape
-        if a.n_layer:
-            from dataclasses import replace
-            shape = replace(shape, n_layer=a.n_layer)
-        s = preset.zipf_s if a.zipf_s is None else a.zipf_s
-        routers = preset_routers(shape, a.seed, zipf_s=s)
-        k, name, hidden = shape.n_expert_used, f"preset {a.preset or 'qwen3-30b-a3b'} (zipf-s {s})", None
-    per_layer, glob = curves(routers, k, a.tokens, a.seed + 1, hidden)
+        routers, k, name = _preset_routers(mm, a.preset or "qwen3-30b-a3b", a.n_layer, a.seed, a.zipf_s)
+    if a.forward:
+        prompts = forward_inputs(model, a.prompts, a.prompt_len, a.seed + 1)
+        if a.route_preset:      # the model's hidden states with the preset's ffn_norm weights, as make_moe writes
+            prompts = [x / nf * nr for x, (_, nf), (_, nr) in zip(prompts, file_routers(model), routers)]
+        inputs = "the CPU forward's router inputs"
+    else:
+        prompts = random_prompts(routers, a.prompts, a.prompt_len, a.common, a.seed + 1)
+        inputs = "random RMS-normed inputs" + (f" sharing {a.common:.2f} of their energy per prompt"
+                                               if a.common else "")
     n_expert = routers[0][0].shape[0]
-    inputs = f"{a.forward} forward tokens" if hidden else f"random RMS-normed inputs, {a.tokens} + {a.tokens} tokens"
-    print(f"bench.routing: {name}: {len(routers)} layers, {n_expert} experts, top {k}; {inputs}")
+    print(f"bench.routing: {name}: {len(routers)} layers, {n_expert} experts, top {k}; {inputs}, "
+          f"{a.prompts} prompts of {a.prompt_len} tokens")
+    per_layer, glob = curves(routers, k, prompts)
+    print("ranking learnt on half the prompts, measured on the others:")
     print(table(per_layer, glob, a.layers, n_expert))
     off = off_target(per_layer.mean(0), n_expert)
     print(f"mean curve at most {off:.3f} from TARGET: {'within' if off <= BAND else 'OUTSIDE'} the band of {BAND}")
-    if a.common:
-        pc = prompt_curves(routers, k, 8, a.prompt_len, a.common, a.seed + 2)
-        print(f"within prompts of {a.prompt_len} tokens sharing {a.common:.2f} of their energy "
-              f"(learnt on each prompt's first half, measured on its second):")
-        print("\n".join(table(pc, pc.mean(0), False, n_expert).splitlines()[:3]))
+    within = prompt_curves(routers, k, prompts)
+    print("ranking learnt on each prompt's first half, measured on its second (an adaptive cache):")
+    print(table(within, None, a.layers, n_expert))
     return 0
 
 

@@ -31,11 +31,11 @@ def test_target_is_concave_and_interpolates():
     np.testing.assert_allclose(rt.cached_fractions(8), [0.25, 0.375, 0.5, 0.625, 1.0])
 
 
-def _curve(preset: str, n_layer: int | None = None, zipf_s: float | None = None, tokens: int = 2048):
+def _curve(preset: str, n_layer: int | None = None, zipf_s: float | None = None):
     p = mm.PRESETS[preset]
     shape = p.shape if n_layer is None else replace(p.shape, n_layer=n_layer)
     routers = rt.preset_routers(shape, 0, zipf_s=p.zipf_s if zipf_s is None else zipf_s)
-    per_layer, glob = rt.curves(routers, shape.n_expert_used, tokens, 1)
+    per_layer, glob = rt.curves(routers, shape.n_expert_used, rt.random_prompts(routers, 8, 512, 0.0, 1))
     return per_layer, glob, shape.n_expert
 
 
@@ -67,20 +67,27 @@ def test_file_routers_are_the_in_memory_ones_and_forward_runs(tmp_path):
     assert len(from_file) == len(in_memory) == 4
     for (wf, nf), (wm, nm) in zip(from_file, in_memory):
         assert np.array_equal(wf, wm) and np.array_equal(nf, nm)
-    hidden = rt.forward_inputs(model, 64, 0, chunk=32)
-    assert [h.shape for h in hidden] == [(64, 256)] * 4
+    hidden = rt.forward_inputs(model, 2, 32, 0)
+    assert [h.shape for h in hidden] == [(2, 32, 256)] * 4
     assert all(np.isfinite(h).all() for h in hidden)
-    per_layer, glob = rt.curves(from_file, 2, 0, 1, hidden)
-    assert per_layer.shape == (4, len(rt.FRACTIONS)) and np.all(per_layer[:, -1] == 1.0)
+    # the router input is RMS-normed: unit RMS before the norm weight
+    np.testing.assert_allclose(np.sqrt(np.mean((hidden[1] / in_memory[1][1]) ** 2, axis=-1)), 1, rtol=1e-3)
+    per_layer, glob = rt.curves(from_file, 2, hidden)
+    within = rt.prompt_curves(from_file, 2, hidden)
+    for c in (per_layer, within):
+        assert c.shape == (4, len(rt.FRACTIONS)) and np.all(c[:, -1] == 1.0)
 
 
 def test_cli_prints_the_curve_beside_the_target(capsys):
-    assert rt.main(["--preset", "qwen3-30b-a3b", "--n-layer", "2", "--tokens", "1024", "--layers"]) == 0
+    assert rt.main(["--preset", "qwen3-30b-a3b", "--n-layer", "2", "--prompts", "4", "--layers"]) == 0
     out = capsys.readouterr().out
     assert "zipf-s 0.2" in out and "| 1 |" in out and "| TARGET | 0.450 | 0.606 | 0.700 | 0.831 | 1.000 |" in out
-    assert "within the band" in out
-    with pytest.raises(SystemExit, match="--forward needs --model"):
-        rt.main(["--preset", "tiny", "--forward", "8"])
+    assert "within the band" in out and "an adaptive cache" in out
+    for argv, message in ((["--preset", "tiny", "--forward"], "need --model"),
+                          (["--model", "x.gguf", "--route-preset", "tiny"], "--route-preset needs --forward"),
+                          (["--prompts", "1"], "at least 2")):
+        with pytest.raises(SystemExit, match=message):
+            rt.main(argv)
 
 
 def test_a_shared_per_prompt_component_concentrates_routing_within_the_prompt():
@@ -88,6 +95,6 @@ def test_a_shared_per_prompt_component_concentrates_routing_within_the_prompt():
     # the router: the reason the H200's measured hit rates were far above these curves.
     p = mm.PRESETS["qwen3-30b-a3b"]
     routers = rt.preset_routers(replace(p.shape, n_layer=1), 0, zipf_s=p.zipf_s)
-    alone = rt.prompt_curves(routers, 8, 4, 512, 0.0, 3)[0]
-    shared = rt.prompt_curves(routers, 8, 4, 512, 0.67, 3)[0]
+    alone = rt.prompt_curves(routers, 8, rt.random_prompts(routers, 4, 512, 0.0, 3))[0]
+    shared = rt.prompt_curves(routers, 8, rt.random_prompts(routers, 4, 512, 0.67, 3))[0]
     assert shared[2] > 0.97 and alone[2] < 0.8
