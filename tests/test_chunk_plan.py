@@ -122,3 +122,29 @@ def test_fixture_configs(fixtures_dir, name):
     assert (p.ring > 0) == bool(n)
     if not cfg.n_expert:
         assert "ffn_tmp" in {b.name for b in cp_.buffers(cfg, 8)}
+
+
+def test_streamed_flags_parse_and_refuse_bad_values():
+    import argparse
+    from engine.cuda.args import add_cuda_args
+    p = argparse.ArgumentParser()
+    add_cuda_args(p)
+    a = p.parse_args(["--prefill", "streamed", "--prefill-chunk", "auto", "--ring", "2", "--stream-min", "64"])
+    assert (a.prefill, a.prefill_chunk, a.ring, a.stream_min) == ("streamed", "auto", 2, 64)
+    assert p.parse_args(["--prefill-chunk", "2048"]).prefill_chunk == 2048
+    assert p.parse_args([]).prefill is None            # the batched pass stays the default
+    for bad in (["--prefill-chunk", "0"], ["--prefill-chunk", "big"], ["--ring", "1"], ["--prefill", "fast"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+
+
+def test_the_backend_reserves_the_target_chunk_and_ring():
+    pytest.importorskip("cupy")
+    from engine.cuda.prefill_streamed import AUTO_RING_RESERVE, AUTO_TARGET, reserve_bytes
+    opts = SimpleNamespace(prefill_chunk="auto", ring=None)
+    assert reserve_bytes(QWEN, STRIDE, N_ALL, opts, 40960) == (chunk_bytes(QWEN, AUTO_TARGET)
+                                                               + AUTO_RING_RESERVE * STRIDE)
+    assert reserve_bytes(QWEN, STRIDE, N_ALL, opts, 1000) == chunk_bytes(QWEN, 1000) + AUTO_RING_RESERVE * STRIDE
+    opts = SimpleNamespace(prefill_chunk=2048, ring=8)
+    assert reserve_bytes(QWEN, STRIDE, N_ALL, opts, 40960) == chunk_bytes(QWEN, 2048) + 8 * STRIDE
+    assert reserve_bytes(QWEN, 0, 0, opts, 40960) == chunk_bytes(QWEN, 2048)
