@@ -67,11 +67,12 @@ class StreamedPrefill:
         lay = self.layout
         self.moe_mod = kernels.load("moe_gemm", qtypes=sorted({lay.qt_gate_up, lay.qt_down})) if lay else None
         stride = lay.stride if lay else 0
-        n_total = self.cache.n_total if self.cache is not None else 0
+        # at least the experts the cache has no slot for stream; while the cache is not full, its free slots are
+        # lent to the ring on top of its own
+        n_stream = self.cache.n_total - self.cache.n_slots if self.cache is not None else 0
         free = vram_left(opts)
-        # every expert may have to stream (the cache can be empty at the first prompt); lent cache slots come on top
         self.plan = plan_chunk(c, free, chunk=parse_chunk(opts.prefill_chunk), ring=opts.ring, stride=stride,
-                               n_stream=n_total, max_tokens=self.kv.max_ctx)
+                               n_stream=n_stream, max_tokens=self.kv.max_ctx)
         self.chunk = self.plan.chunk
         with step.stream:
             self.buf = {}
@@ -83,6 +84,7 @@ class StreamedPrefill:
         self.dev = CupyDevice(step.stream) if lay else None
         self.timing = False          # bench/prefill.py: copy-engine busy time per chunk
         self.last = {}               # facts about the last chunk (bench)
+        self._groups_key = self._groups_val = None
         log(f"streamed prompt pass: chunks of {self.chunk} tokens ({self.plan.chunk_bytes / MiB:.0f} MiB), "
             f"ring of {self.plan.ring} slots ({self.plan.ring_bytes / MiB:.0f} MiB) + free expert-cache slots; "
             f"{free / MiB:.0f} MiB were left")
@@ -105,6 +107,11 @@ class StreamedPrefill:
             own = [int(self.ring_mem.data.ptr) + i * self.layout.stride for i in range(self.plan.ring)]
             slots = own + self._lent_slots()[:max(0, RING_MAX - len(own))]
             stream = len(slots) >= RING_MIN
+        key = (stream, resident.tobytes(), tuple(slots), cache.table_host.tobytes())
+        if self._groups_key == key:       # the same placement as the last chunk: the same tables and batches
+            groups, per_layer, batches = self._groups_val
+            runner = RingRunner(self.dev, slots, self.layout.stride, timing=self.timing) if stream else None
+            return groups, per_layer, runner, batches
         table = cache.table_host.reshape(c.n_layer, c.n_expert)
         sel_all, ptr_all, spans = [], [], []
         for li in range(c.n_layer):
@@ -124,6 +131,7 @@ class StreamedPrefill:
         per_layer = {li: [] for li in range(c.n_layer)}
         for b, view in zip(batches, views[c.n_layer:]):
             per_layer[b.layer].append((b, view))
+        self._groups_key, self._groups_val = key, (views[:c.n_layer], per_layer, batches)
         runner = RingRunner(self.dev, slots, self.layout.stride, timing=self.timing) if stream else None
         return views[:c.n_layer], per_layer, runner, batches
 
