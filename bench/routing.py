@@ -138,6 +138,13 @@ def forward_inputs(model, n_prompts: int, prompt_len: int, seed: int) -> list[np
     return [np.stack(rec[il]) for il in sorted(rec)]
 
 
+def shared_energy(x: np.ndarray) -> float:
+    """The share of router inputs' energy in their prompt's mean, x (n_prompts, prompt_len, n_embd): ~0 for
+    tokens that differ, 1 when every token of a prompt has the same hidden state (and so the same experts)."""
+    m = x.mean(axis=1)
+    return float(np.mean(np.sum(m * m, axis=-1) / np.mean(np.sum(x * x, axis=-1), axis=-1)))
+
+
 def random_prompts(routers, n_prompts: int, prompt_len: int, common: float, seed: int) -> list[np.ndarray]:
     """random_inputs for every layer, (n_prompts, prompt_len, n_embd), one shared direction per prompt and layer."""
     rng = np.random.default_rng(seed)
@@ -257,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.route_preset:      # the model's hidden states with the preset's ffn_norm weights, as make_moe writes
             prompts = [x / nf * nr for x, (_, nf), (_, nr) in zip(prompts, file_routers(model), routers)]
         inputs = "the CPU forward's router inputs"
+        print("bench.routing: share of the router inputs' energy in their prompt's mean, by layer: " + ", ".join(
+            f"{il}: {shared_energy(x):.2f}" for il, x in enumerate(prompts)
+            if il % max(1, len(prompts) // 8) == 0 or il == len(prompts) - 1))
     else:
         prompts = random_prompts(routers, a.prompts, a.prompt_len, a.common, a.seed + 1)
         inputs = "random RMS-normed inputs" + (f" sharing {a.common:.2f} of their energy per prompt"

@@ -201,10 +201,32 @@ def test_zipf_s_defaults_to_the_presets_and_changes_only_the_routers(tmp_path, t
             np.testing.assert_allclose(norms, mm.ROUTER_NORM, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["qwen3moe", "qwen2moe"])
+def test_attn_gain_scales_only_attention_q_and_k(tmp_path, tiny_models, case):
+    out = tmp_path / "g.gguf"
+    assert mm.main(["--preset", "tiny", "--seed", "3", *TYPES, *CASES[case], "--attn-gain", "3",
+                    "--out", str(out)]) == 0
+    scaled = ("attn_q_norm.weight", "attn_k_norm.weight") if case == "qwen3moe" else ("attn_q.weight", "attn_k.weight")
+    base = {t.name: t for t in gguf.GGUFReader(tiny_models[case]).tensors}
+    n_scaled = 0
+    for t in gguf.GGUFReader(out).tensors:
+        b = base[t.name]
+        if t.name.endswith(scaled):
+            n_scaled += 1
+            x, y = (gguf.quants.dequantize(u.data, u.tensor_type).astype(np.float64) for u in (t, b))
+            # float norms exactly; quantized matrices through their fp16 block scales
+            assert _rms(x) / _rms(y) == pytest.approx(3.0, rel=1e-3 if t.tensor_type == Q.F32 else 0.02), t.name
+        else:
+            assert np.array_equal(t.data, b.data), t.name
+    assert n_scaled == 8
+
+
 def test_negative_zipf_s_is_refused():
     with pytest.raises(SystemExit, match="--zipf-s must be 0") as e:
         mm.main(["--preset", "tiny", "--zipf-s", "-1", "--dry-run"])
     assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit, match="--attn-gain must be more than 0"):
+        mm.main(["--preset", "tiny", "--attn-gain", "0", "--dry-run"])
 
 
 def test_bytes_do_not_depend_on_threads(monkeypatch):

@@ -98,3 +98,18 @@ def test_a_shared_per_prompt_component_concentrates_routing_within_the_prompt():
     alone = rt.prompt_curves(routers, 8, rt.random_prompts(routers, 4, 512, 0.0, 3))[0]
     shared = rt.prompt_curves(routers, 8, rt.random_prompts(routers, 4, 512, 0.67, 3))[0]
     assert shared[2] > 0.97 and alone[2] < 0.8
+
+
+def test_attn_gain_keeps_a_prompts_tokens_from_sharing_one_hidden_state(tmp_path):
+    # The mechanism behind the H200's 0.997: nearly flat attention puts the prompt's mean into every token. Sharper
+    # attention (make_moe --attn-gain) takes it out; 8 layers of the tiny shape show it as 48 real ones do.
+    gm = pytest.importorskip("engine.gguf_model")
+    shares = {}
+    for gain in (1.0, 3.0):
+        path = tmp_path / f"g{gain}.gguf"
+        assert mm.main(["--preset", "tiny", "--n-layer", "8", "--attn-gain", str(gain), "--out", str(path)]) == 0
+        hidden = rt.forward_inputs(gm.open_model(path), 2, 64, 0)
+        shares[gain] = rt.shared_energy(hidden[-1])
+    assert shares[1.0] > 0.3 and shares[3.0] < 0.15
+    x = np.random.default_rng(0).standard_normal((2, 64, 32))
+    assert rt.shared_energy(x) < 0.05 and rt.shared_energy(np.ones((2, 64, 32)) + 0.01 * x) > 0.99

@@ -188,6 +188,16 @@ BIAS_RMS = 0.02
 # s*ln(n_expert)), hence one per preset; s = 0.25 on 128 experts (the old default) gave 0.74 at 50%, s = 0 is flat
 # (0.50 at 50%). --zipf-s overrides it.
 ROUTER_NORM = 2.0
+# Attention sharpness, for routing's sake. With unit-RMS q and k the scores q.k/sqrt(head_dim) have a standard
+# deviation of 1, so each head's attention is nearly flat and returns about the mean of the context's values: the
+# same vector for every token of a prompt. Layer after layer the residual stream fills with it (measured on a
+# 48-layer, hidden-2048, Q4_K model: 2/3 of each router input's energy is the prompt's mean from layer ~20 on), so
+# every token of a prompt routes to the same experts and an adaptive expert cache hits ~99% whatever the routers
+# are: the H200's 0.997. --attn-gain G multiplies q and k by G (qwen3moe: its q/k norm weights; other archs: the
+# q/k projections), the scores' spread by G^2: at G = 3 the prompt's mean falls to < 0.1 of the energy and the
+# per-prompt hit-rate curve lands on bench/routing.py's TARGET (python -m bench.routing --model M --forward
+# --route-preset qwen3-30b-a3b). The default leaves the attention weights as they were.
+ATTN_GAIN = 1.0
 ZIPF_S = 0.2               # qwen3-30b-a3b's; the default for shapes made with --n-expert
 
 
@@ -270,18 +280,28 @@ def _router_norms(shape: Shape, layer: int, seed: int, zipf_s: float) -> np.ndar
     return ROUTER_NORM / (rank + 1.0) ** zipf_s
 
 
+def _attn_gain(spec: TensorSpec, shape: Shape, attn_gain: float) -> float:
+    """What --attn-gain multiplies this tensor by: qwen3moe's q/k norms, or the other archs' q/k projections."""
+    if shape.arch == "qwen3moe":
+        kinds = (MT.ATTN_Q_NORM, MT.ATTN_K_NORM)
+    else:
+        kinds = (MT.ATTN_Q, MT.ATTN_K)
+    return attn_gain if spec.name in {_name(t, spec.layer) for t in kinds} else 1.0
+
+
 def tensor_bytes(spec: TensorSpec, index: int, shape: Shape, seed: int, zipf_s: float,
-                 pool: ThreadPoolExecutor | None = None) -> np.ndarray:
+                 pool: ThreadPoolExecutor | None = None, attn_gain: float = 1.0) -> np.ndarray:
     """The raw bytes of one tensor, shape (rows, row_bytes). Depends only on (seed, index, spec), not on threads."""
     n_in = spec.shape[-1]
     n_rows = int(np.prod(spec.shape[:-1], dtype=np.int64)) if len(spec.shape) > 1 else 1
+    gain = _attn_gain(spec, shape, attn_gain) if spec.layer >= 0 else 1.0
 
     def rng(chunk: int) -> np.random.Generator:
         return np.random.Generator(np.random.SFC64([seed, index, chunk]))
 
     if spec.init == "norm":
         x = 1.0 + NORM_JITTER * rng(0).standard_normal(n_in)
-        return _float_bytes(x.reshape(1, -1), spec.qtype)
+        return _float_bytes(gain * x.reshape(1, -1), spec.qtype)
     if spec.init == "bias":
         return random_rows(rng(0), spec.qtype, 1, n_in, BIAS_RMS)
     if spec.init == "router":
@@ -290,7 +310,7 @@ def tensor_bytes(spec: TensorSpec, index: int, shape: Shape, seed: int, zipf_s: 
         return _float_bytes(w, spec.qtype)
     if spec.init == "shexp_gate":
         return random_rows(rng(0), spec.qtype, 1, n_in, 1.0 / np.sqrt(n_in))
-    rms = HEAD_GAIN / np.sqrt(n_in) if spec.init == "head" else 1.0 / np.sqrt(n_in)
+    rms = HEAD_GAIN / np.sqrt(n_in) if spec.init == "head" else gain / np.sqrt(n_in)
     out = np.empty((n_rows, row_bytes(spec.qtype, n_in)), np.uint8)
     step = max(1, _CHUNK_BYTES // out.shape[1])
 
@@ -428,7 +448,7 @@ def _resolve_vocab(v: str) -> Path:
 
 def write_model(path: Path, shape: Shape, specs: list[TensorSpec], vocab, name: str, file_qtype: Q, seed: int,
                 zipf_s: float, chat_template: str | None = None, threads: int | None = None,
-                progress: bool = True) -> None:
+                progress: bool = True, attn_gain: float = ATTN_GAIN) -> None:
     """Stream the model to path+'.part' tensor by tensor, then rename it to path."""
     total = sum(t.nbytes for t in specs)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -450,11 +470,11 @@ def write_model(path: Path, shape: Shape, specs: list[TensorSpec], vocab, name: 
         w.write_ti_data_to_file()
         with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(1) as ahead:
             # make tensor i+1 while tensor i is being written
-            nxt = ahead.submit(tensor_bytes, specs[0], 0, shape, seed, zipf_s, pool)
+            nxt = ahead.submit(tensor_bytes, specs[0], 0, shape, seed, zipf_s, pool, attn_gain)
             for i, t in enumerate(specs):
                 data = nxt.result()
                 if i + 1 < len(specs):
-                    nxt = ahead.submit(tensor_bytes, specs[i + 1], i + 1, shape, seed, zipf_s, pool)
+                    nxt = ahead.submit(tensor_bytes, specs[i + 1], i + 1, shape, seed, zipf_s, pool, attn_gain)
                 w.write_tensor_data(data)
                 done += t.nbytes
                 now = time.monotonic()
@@ -507,8 +527,10 @@ def build_parser() -> argparse.ArgumentParser:
                f"                       s=0: 0.25/0.41/0.50/0.67, flat)\n"
                f"  qwen3-next-80b s=0.12: 0.49/0.64/0.71/0.82; tiny s=1.3 (8 experts, 2 used): 0.42/0.57/0.70/0.79\n"
                f"  at 25/38/50/63% (whole experts)\n"
-               f"These are the routers alone: a random-weight model's own hidden states share a per-prompt\n"
-               f"component that skews routing further (bench.routing --forward measures it).\n"
+               f"These are the routers alone. A random-weight model's nearly flat attention gives every token of\n"
+               f"a prompt much the same hidden state, so within a prompt routing concentrates far beyond this\n"
+               f"(48 layers, Q4_K: 0.94/0.96/0.98 at 41/50/67% with an adaptive cache); --attn-gain 3 brings it\n"
+               f"to 0.62/0.70/0.83 (python -m bench.routing --model M --forward --route-preset qwen3-30b-a3b).\n"
                f"The routers (ffn_gate_inp*) and attention biases are always F32, as llama.cpp keeps them.\n"
                f"TYPE: {', '.join(t.name for t in SUPPORTED_TYPES)}")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -525,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="the same seed gives the same file, byte for byte")
     ap.add_argument("--zipf-s", type=float, help="router norm exponent s: 0 is flat, larger is more skewed "
                                                   "(default: the preset's, see below)")
+    ap.add_argument("--attn-gain", type=float, default=ATTN_GAIN, metavar="G",
+                    help=f"multiply attention q and k by G (default {ATTN_GAIN}); 3 keeps a random model's tokens "
+                         f"from all routing alike (see below)")
     ap.add_argument("--threads", type=int, help="generator threads (default: CPU count, at most 16)")
     ap.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
     for group, default, what in (("experts", "Q4_K", "the routed experts, ffn_{gate,up,down}_exps"),
@@ -581,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.zipf_s is not None and args.zipf_s < 0:
         raise SystemExit(f"make_moe: --zipf-s must be 0 (flat) or more, not {args.zipf_s}")
+    if not args.attn_gain > 0:
+        raise SystemExit(f"make_moe: --attn-gain must be more than 0, not {args.attn_gain}")
     shape = resolve_shape(args)
     vocab = read_vocab(_resolve_vocab(shape.vocab))
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
@@ -611,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"make_moe: cannot read --chat-template {args.chat_template}: {e.strerror}")
     file_qtype = types["experts"] if shape.n_expert else types["ffn"]
     name = f"strata-random-{args.preset}-{shape.arch}"
-    write_model(args.out, shape, specs, vocab, name, file_qtype, args.seed, zipf_s(args), template, args.threads)
+    write_model(args.out, shape, specs, vocab, name, file_qtype, args.seed, zipf_s(args), template, args.threads,
+                attn_gain=args.attn_gain)
     return 0
 
 
