@@ -1,6 +1,6 @@
 """Prompt speed of the streamed prompt pass (--prefill streamed) at several VRAM budgets and prompt lengths.
 
-    python -m bench.prefill [--model data/models/qwen3-30b-a3b-q4k.gguf] [--budgets all,16,12]
+    python -m bench.prefill [--model data/models/qwen3-30b-a3b-q4k-g3.gguf] [--budgets all,16,12]
                             [--prompts 1024,4096,8192,32768] [--chunk auto] [--ring N] [--out prefill.json]
 
 One backend process (the pinned arena is filled once); per budget the VRAM expert cache is rebuilt
