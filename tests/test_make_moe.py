@@ -30,8 +30,9 @@ def test_blocks_dequantize_finite_with_the_intended_rms(qtype):
     assert _rms(x) == pytest.approx(TARGET, rel=0.1)
     rows = np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1))
     assert rows.min() > 0.5 * TARGET and rows.max() < 1.6 * TARGET
-    # weights centred on zero (the offsets of Q4_1/Q5_1/K-quants cancel the unsigned quants' mean)
-    assert abs(float(x.mean())) < 0.15 * TARGET
+    # weights centred on zero (the offsets of Q4_1/Q5_1/K-quants cancel the unsigned quants' mean; signed block scales
+    # cancel Q4_0/Q5_0/Q8_0/IQ4's): an uncentred type lands near 0.1 * TARGET, which collapses routing in deep models
+    assert abs(float(x.mean())) < 0.05 * TARGET
     assert len(np.unique(x)) > 16          # not a constant or a handful of values
 
 

@@ -54,6 +54,8 @@ _F16_FIELDS: dict[Q, tuple[tuple[int, float], ...]] = {
     Q.IQ3_S: ((0, 1.0),),
 }
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+# Types with one signed scale and no offset, whose random quants average off zero (see _quant_blocks).
+_SIGNED_SCALE = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS)
 # Every type DESIGN §2 lists. In the quantized ones every byte pattern of the quants and packed sub-scales is a
 # valid block (grid indices cover their whole range), so only the fp16/E8M0 scales need choosing.
 QUANT_TYPES = tuple(_F16_FIELDS) + (Q.MXFP4,)
@@ -83,6 +85,11 @@ def _quant_blocks(rng: np.random.Generator, qtype: Q, n_blocks: int, d_base: flo
         return blocks
     # Real quantizers give every block its own scale; a jitter of 0.5..1.5 keeps rows from being copies in scale.
     d = d_base * (0.5 + rng.random(n_blocks))
+    if qtype in _SIGNED_SCALE:
+        # Their quants are not centred (Q4_0's q-8 averages -0.5, IQ4's table -5.9 of 127): a mean that every block
+        # shares pushes every token towards one hidden state within a dozen layers, so routing collapses. A random
+        # sign per block scale (as real blocks of either sign have) cancels it.
+        d *= np.where(rng.random(n_blocks) < 0.5, -1.0, 1.0)
     for offset, mult in _F16_FIELDS[qtype]:
         blocks[:, offset:offset + 2] = (d * mult).astype("<f2").view(np.uint8).reshape(n_blocks, 2)
     return blocks
