@@ -237,18 +237,9 @@ def step_model(ui: UI, a, p: Paths, m: Machine, catalog: list[CatalogModel]) -> 
     def needs_of(model: CatalogModel) -> Needs:
         return assess(model, m, backend, a.ctx, reserve, bytes_present(model, p.models_dir, a.gguf_dir))
 
-    if a.gguf:
+    if a.gguf or a.model:
         try:
-            model = model_from_gguf(a.gguf)
-        except CatalogError as e:
-            ui.fail(str(e))
-            raise Stop(2)
-        n = needs_of(model)
-        show_table(ui, [n], None)
-        return settle_named(ui, n)
-    if a.model:
-        try:
-            model = find_model(catalog, a.model)
+            model = model_from_gguf(a.gguf) if a.gguf else find_model(catalog, a.model)
         except CatalogError as e:
             ui.fail(str(e))
             raise Stop(2)
