@@ -13,7 +13,7 @@ cp = pytest.importorskip("cupy")
 from engine.backend_cpu import CPUBackend  # noqa: E402
 from engine.gguf_model import open_model  # noqa: E402
 from engine.profile import load_profile  # noqa: E402
-from engine.sampling import Sampler  # noqa: E402
+from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
 
 CTX = 256
 N_GREEDY = 64
@@ -21,7 +21,6 @@ N_GREEDY = 64
 MODELS = ("tiny-qwen3moe-q4k", "tiny-llama-legacy", "tiny-qwen2moe-mixed", "tiny-llama-kquants")
 MOE = ("tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed")
 # The CPU's top-1/top-2 gap below which a greedy pick is a near-tie that fp16 KV rounding may flip.
-TIE = 1e-2
 
 
 def cuda_backend(model, **opts):
@@ -47,26 +46,6 @@ def cpu_runs(fixtures_dir):
         out[name] = (model, prompt, toks, np.stack(logits[:-1]))
     return out
 
-
-def rel_rows(a, b):
-    return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
-
-
-def greedy(be, prompt, n):
-    s = Sampler({})
-    toks = [be.next_token(prompt, s)]
-    while len(toks) < n:
-        toks.append(be.next_token([toks[-1]], s))
-    return toks
-
-
-def assert_same_greedy(got, want, cpu_logits):
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            top2 = np.sort(cpu_logits[i])[-2:]
-            assert top2[1] - top2[0] < TIE, f"step {i}: cuda {g} != cpu {w} with a clear CPU margin {top2[1] - top2[0]:.4f}"
-            return     # a near-tie: the sequences may part from here on
-    assert len(got) == len(want)
 
 
 @pytest.mark.parametrize("name", MODELS)

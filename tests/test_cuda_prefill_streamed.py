@@ -14,14 +14,13 @@ cp = pytest.importorskip("cupy")
 from engine import protocol  # noqa: E402
 from engine.backend_cpu import CPUBackend  # noqa: E402
 from engine.gguf_model import open_model  # noqa: E402
-from engine.sampling import Sampler  # noqa: E402
+from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
 from test_worker_protocol import Worker, gen, shape  # noqa: E402
 
 CTX = 512
 N_PROMPT = 200
 N_GREEDY = 16
 CHUNK = 64
-TIE = 1e-2
 # qwen2moe (Q2_K experts) in its own process on the GPU machine: see tools/gpu_suite.sh
 MODELS = ("tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed", "tiny-llama-legacy")
 
@@ -50,26 +49,6 @@ def cpu_runs(fixtures_dir):
         out[name] = (model, prompt, toks, np.concatenate(logits[:-1], axis=0))
     return out
 
-
-def rel_rows(a, b):
-    return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
-
-
-def greedy(be, prompt, n):
-    s = Sampler({})
-    toks = [be.next_token(prompt, s)]
-    while len(toks) < n:
-        toks.append(be.next_token([toks[-1]], s))
-    return toks
-
-
-def assert_same_greedy(got, want, step_logits):
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            top2 = np.sort(step_logits[i])[-2:]
-            assert top2[1] - top2[0] < TIE, f"step {i}: cuda {g} != cpu {w} with a clear CPU margin"
-            return
-    assert len(got) == len(want)
 
 
 def place(be, model, placement):
