@@ -198,20 +198,22 @@ extern "C" __global__ void attn_decode_i8(const float* __restrict__ q, const sig
     const long long base = (long long)kvh * max_ctx;
     for (int p = warp; p < n_pos; p += nw) {
         const long long row = base + p;
-        const float a = ksc[row * nsc + (lane * dpl) / 32];
+        // the scale per value: a lane's dpl values cross a 32-value scale block when dpl does not divide 32
+        // (head_dim 96, 160, 192, 224); found by reading, not yet run on a GPU
         float d = 0.f;
 #pragma unroll
         for (int i = 0; i < FA_MAX_HD / 32; ++i)
-            if (i < dpl) d += qv[i] * a * kq[row * head_dim + lane * dpl + i];
+            if (i < dpl)
+                d += qv[i] * ksc[row * nsc + (lane * dpl + i) / 32] * kq[row * head_dim + lane * dpl + i];
         const float s = warp_sum(d);
         const float mn = fmaxf(m, s);
         const float corr = m == NEG_INF ? 0.f : __expf(m - mn);
         const float w = __expf(s - mn);
         l = l * corr + w;
-        const float b = vsc[row * nsc + (lane * dpl) / 32];
 #pragma unroll
         for (int i = 0; i < FA_MAX_HD / 32; ++i)
-            if (i < dpl) acc[i] = acc[i] * corr + w * b * vq[row * head_dim + lane * dpl + i];
+            if (i < dpl)
+                acc[i] = acc[i] * corr + w * vsc[row * nsc + (lane * dpl + i) / 32] * vq[row * head_dim + lane * dpl + i];
         m = mn;
     }
     if (lane == 0) { sm[warp] = m; sl[warp] = l; }
