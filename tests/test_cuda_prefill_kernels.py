@@ -143,7 +143,9 @@ def attention_ref(q, K, V, pos0, n_head, n_kv, hd, scale):
     return out
 
 
-SHAPES = [(1, 0, 4, 2, 64), (37, 5, 8, 2, 128), (100, 250, 32, 4, 128), (70, 0, 8, 8, 256), (33, 31, 16, 2, 32)]
+# hd 96: a lane's values cross a 32-value int8 scale block (the attn_decode_i8 bug found by reading)
+SHAPES = [(1, 0, 4, 2, 64), (37, 5, 8, 2, 128), (100, 250, 32, 4, 128), (70, 0, 8, 8, 256), (33, 31, 16, 2, 32),
+          (33, 31, 6, 2, 96)]
 
 
 @pytest.mark.parametrize("T,pos0,n_head,n_kv,hd", SHAPES)
