@@ -338,6 +338,7 @@ class Handler(BaseHTTPRequestHandler):
         kwargs = field(body, "chat_template_kwargs", "dict", default={})
         so = field(body, "stream_options", "dict", default={})
         include_usage = bool(so.get("include_usage"))
+        parser = self.server.codec.tool_parser(tools, tool_choice(body))
         try:
             prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, template_kwargs=kwargs)
         except PromptError as e:
@@ -346,12 +347,16 @@ class Handler(BaseHTTPRequestHandler):
         rid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
         if not common["stream"]:
             reasoning, content, res = self.collect(job)
+            content, calls = split_calls(parser, content)
             msg = {"role": "assistant", "content": content}
             if reasoning:
                 msg["reasoning_content"] = reasoning
+            if calls:
+                msg["tool_calls"] = [openai_call(k) for k in calls]
+                msg["content"] = content or None
             return self.send_json(200, {
                 "id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(res), "logprobs": None}],
+                "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(res, calls), "logprobs": None}],
                 "usage": usage(res), "timings": timings(res)})
 
         def chunk(delta, finish=None, **extra):
@@ -359,15 +364,27 @@ class Handler(BaseHTTPRequestHandler):
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
 
         def on_delta(r, c):
+            calls = []
+            if parser is not None and c:
+                c, calls = parser.feed(c)
             d = {}
             if r:
                 d["reasoning_content"] = r
             if c:
                 d["content"] = c
-            return [chunk(d)]
+            out = [chunk(d)] if d or parser is None else []
+            return out + call_chunks(calls)
+
+        def call_chunks(calls):
+            first = len(parser.calls) - len(calls) if calls else 0
+            return [chunk({"tool_calls": [dict(index=first + i, **openai_call(k))]}) for i, k in enumerate(calls)]
 
         def on_done(res):
-            out = [chunk({}, finish_reason(res), timings=timings(res))]
+            out = []
+            if parser is not None:
+                c, calls = parser.flush()
+                out = ([chunk({"content": c})] if c else []) + call_chunks(calls)
+            out.append(chunk({}, finish_reason(res, parser.calls if parser else ()), timings=timings(res)))
             if include_usage:
                 out.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": usage(res)})
@@ -561,8 +578,35 @@ class Handler(BaseHTTPRequestHandler):
             raise ClientGone() from None
 
 
-def finish_reason(res: Result) -> str:
+def finish_reason(res: Result, calls=()) -> str:
+    if calls:
+        return "tool_calls"
     return "length" if res.finish == "length" else "stop"
+
+
+def tool_choice(body: dict) -> str | None:
+    """OpenAI's tool_choice ("none", "auto", "required" or a named function) or Anthropic's ({"type": ...}), as
+    "none" or not: a model cannot be forced to call, so the rest only matter to the template."""
+    v = body.get("tool_choice")
+    if v is None or v in ("none", "auto", "required"):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("type"), str):
+        return "none" if v["type"] == "none" else "auto"
+    raise ApiError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or an object with a 'type'",
+                   param="tool_choice")
+
+
+def split_calls(parser, content: str) -> tuple[str, list]:
+    """The whole answer's content through the tool-call parser: (content without the calls, the calls)."""
+    if parser is None:
+        return content, []
+    c1, k1 = parser.feed(content)
+    c2, k2 = parser.flush()
+    return c1 + c2, k1 + k2
+
+
+def openai_call(call) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def usage(res: Result) -> dict:

@@ -5,6 +5,10 @@ split of thinking from the answer (engine/reasoning.py), and stop strings, which
 """
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger("strata.text")
+
 # Appended when a thinking budget runs out: the model then answers as if it had closed the thought itself.
 THINK_CLOSING_WORDS = "\n</think>\n\n"
 HARMONY_CLOSING_WORDS = "<|end|><|start|>assistant<|channel|>final<|message|>"   # gpt-oss: on to the final channel
@@ -62,6 +66,17 @@ class TextCodec:
     def decoder(self):
         from engine.tokenizer import StreamDecoder
         return StreamDecoder(self.tok, special=self.harmony)
+
+    def tool_parser(self, tools, tool_choice=None):
+        """A parser for the model's tool calls when the request offers tools (and does not say "none"); else None."""
+        from engine.tool_calls import ToolCallParser, format_for_template
+        if not tools or tool_choice == "none":
+            return None
+        fmt = format_for_template(self.template)
+        if fmt is None:
+            log.warning("the chat template teaches no tool-call format this server knows; calls stay in the content")
+            return None
+        return ToolCallParser(fmt, tools)
 
     def splitter(self, prompt_text: str):
         from engine.reasoning import ReasoningSplitter
