@@ -444,7 +444,9 @@ class Handler(BaseHTTPRequestHandler):
         for i, m in enumerate(raw):
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
                 raise ApiError(400, f"messages[{i}] must be an object with role 'user' or 'assistant'", param="messages")
-            msgs.append({"role": m["role"], "content": text_content(m.get("content"), f"messages[{i}]")})
+            msgs += anthropic_message(m, f"messages[{i}]")
+        tools = anthropic_tools(field(body, "tools", "list"))
+        parser = self.server.codec.tool_parser(tools, tool_choice(body))
         thinking = field(body, "thinking", "dict")
         if thinking and thinking.get("type") == "enabled":
             budget = thinking.get("budget_tokens")
@@ -454,22 +456,26 @@ class Handler(BaseHTTPRequestHandler):
                 common["budget"] = budget
         stops = stop_list(body, "stop_sequences")
         try:
-            prompt, text = self.server.codec.chat_prompt(msgs)
+            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools)
         except PromptError as e:
             raise ApiError(400, str(e), param="messages") from None
         job = self._submit("/v1/messages", prompt, max_new, common, stops, text)
         rid, model = "msg_" + uuid.uuid4().hex[:24], self.server.cfg.model_name
 
-        def stop_reason(res: Result):
+        def stop_reason(res: Result, calls=()):
+            if calls:
+                return "tool_use"
             return "max_tokens" if res.finish == "length" else ("stop_sequence" if res.stop_string else "end_turn")
 
         if not common["stream"]:
             reasoning, content, res = self.collect(job)
+            content, calls = split_calls(parser, content)
             blocks = ([{"type": "thinking", "thinking": reasoning}] if reasoning else []) + \
-                     [{"type": "text", "text": content}]
+                     ([{"type": "text", "text": content}] if content or not calls else []) + \
+                     [anthropic_call(k) for k in calls]
             return self.send_json(200, {
                 "id": rid, "type": "message", "role": "assistant", "model": model, "content": blocks,
-                "stop_reason": stop_reason(res), "stop_sequence": res.stop_string,
+                "stop_reason": stop_reason(res, calls), "stop_sequence": res.stop_string,
                 "usage": {"input_tokens": res.prompt_tokens, "output_tokens": res.generated,
                           "cache_read_input_tokens": res.cached_tokens}})
 
@@ -487,7 +493,27 @@ class Handler(BaseHTTPRequestHandler):
                                                     "content_block": cb}))
             return out
 
+        def call_blocks(calls):
+            out = []
+            for k in calls:       # each call is a block of its own: the input whole, in one delta
+                if state["type"] is not None:
+                    out.append(("content_block_stop", {"type": "content_block_stop", "index": state["index"]}))
+                state["index"] += 1
+                state["type"] = None
+                out.append(("content_block_start", {"type": "content_block_start", "index": state["index"],
+                                                    "content_block": dict(anthropic_call(k), input={})}))
+                out.append(("content_block_delta", {"type": "content_block_delta", "index": state["index"],
+                                                    "delta": {"type": "input_json_delta", "partial_json": k.arguments}}))
+                out.append(("content_block_stop", {"type": "content_block_stop", "index": state["index"]}))
+            return out
+
         def on_delta(r, c):
+            calls = []
+            if parser is not None and c:
+                c, calls = parser.feed(c)
+            return text_events(r, c) + call_blocks(calls)
+
+        def text_events(r, c):
             out = []
             if r:
                 out += block("thinking")
@@ -500,9 +526,15 @@ class Handler(BaseHTTPRequestHandler):
             return out
 
         def on_done(res):
-            out = block("text") if state["type"] is None else []
-            out.append(("content_block_stop", {"type": "content_block_stop", "index": state["index"]}))
-            out.append(("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason(res),
+            out = []
+            if parser is not None:
+                c, last = parser.flush()
+                out = text_events("", c) + call_blocks(last)
+            calls = parser.calls if parser is not None else []
+            if state["type"] is not None or not calls:
+                out += block("text") if state["type"] is None else []
+                out.append(("content_block_stop", {"type": "content_block_stop", "index": state["index"]}))
+            out.append(("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason(res, calls),
                                                                              "stop_sequence": res.stop_string},
                                           "usage": {"output_tokens": res.generated}}))
             out.append(("message_stop", {"type": "message_stop"}))
@@ -603,6 +635,50 @@ def split_calls(parser, content: str) -> tuple[str, list]:
     c1, k1 = parser.feed(content)
     c2, k2 = parser.flush()
     return c1 + c2, k1 + k2
+
+
+def anthropic_tools(tools) -> list | None:
+    """Anthropic's tools ({name, description, input_schema}) in the OpenAI shape chat templates read."""
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise ApiError(400, f"tools[{i}] must be an object with a string 'name'", param="tools")
+        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                     "parameters": t.get("input_schema") or {}}})
+    return out
+
+
+def anthropic_message(m: dict, where: str) -> list[dict]:
+    """One Anthropic message as chat-template messages: tool_use blocks become the assistant's tool_calls,
+    tool_result blocks become role "tool" messages (before the user's own text)."""
+    content = m.get("content")
+    if not isinstance(content, list):
+        return [{"role": m["role"], "content": text_content(content, where)}]
+    calls, results, rest = [], [], []
+    for i, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "tool_use" and m["role"] == "assistant":
+            if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                raise ApiError(400, f"{where}.content[{i}]: a tool_use needs a string 'name' and an object 'input'",
+                               param="messages")
+            calls.append({"id": str(b.get("id", "")), "type": "function",
+                          "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
+        elif kind == "tool_result" and m["role"] == "user":
+            results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
+                            "content": text_content(b.get("content"), f"{where}.content[{i}]")})
+        else:
+            rest.append(b)
+    msg = {"role": m["role"], "content": text_content(rest, where)}
+    if calls:
+        msg["tool_calls"] = calls
+    return results + ([msg] if rest or calls or not results else [])
+
+
+def anthropic_call(call) -> dict:
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+            "input": json.loads(call.arguments)}
 
 
 def openai_call(call) -> dict:
