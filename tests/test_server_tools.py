@@ -17,6 +17,7 @@ TEMPLATES = {
     "tags": "{# <tool_call> </tool_call> #}" + ECHO,
     "harmony": "{# <|channel|> <|call|> #}" + ECHO,
     "mistral": "{# [TOOL_CALLS] #}" + ECHO,
+    "llama3": "{# <|python_tag|> #}" + ECHO,
 }
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object", "properties": {
@@ -67,6 +68,8 @@ def answer_for(kind):
     if kind == "harmony":
         return ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}',
                 None, [("get_weather", {"city": "Oslo"})])
+    if kind == "llama3":
+        return '{"name": "get_weather", "parameters": {"city": "Lima"}}', None, [("get_weather", {"city": "Lima"})]
     return '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Bern", "days": 1}}]', None, \
         [("get_weather", {"city": "Bern", "days": 1})]
 
@@ -109,7 +112,8 @@ def test_a_malformed_call_stays_content(server):
     kind, base = server
     text = {"tags": "Sure <tool_call>{not json}</tool_call> done",
             "harmony": "to=functions.get_weather<|channel|>commentary json<|message|>{broken",
-            "mistral": "[TOOL_CALLS][{broken"}[kind]
+            "mistral": "[TOOL_CALLS][{broken",
+            "llama3": '{"name": "get_weather", "parameters": '}[kind]
     c = post(base, "/v1/chat/completions", messages=user(text), tools=TOOLS).json()["choices"][0]
     assert c["message"]["content"] == text and "tool_calls" not in c["message"] and c["finish_reason"] == "stop"
     evs = list(sse_events(post(base, "/v1/chat/completions", stream=True, messages=user(text), tools=TOOLS)))

@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from engine.reasoning import ReasoningSplitter
 from engine.tool_calls import HARMONY, LLAMA3, MISTRAL, TAGS, ToolCallParser, format_for_template
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -116,3 +117,45 @@ def test_ids_are_unique_and_arguments_json_text():
     _, calls = p.feed('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>')
     assert [c.name for c in calls] == ["a", "b"] and [c.arguments for c in calls] == ["{}", "{}"]
     assert calls[0].id != calls[1].id and all(c.id.startswith("call_") for c in calls)
+
+
+def through_the_splitter(template, prompt, text, cut):
+    """The server's order: the thinking split first, then the calls in what it leaves as content."""
+    splitter = ReasoningSplitter.for_prompt(template, prompt)
+    parser = ToolCallParser(format_for_template(template), WEATHER)
+    reasoning, content, calls = [], [], []
+    for piece in (text[:cut], text[cut:]):
+        r, c = splitter.feed(piece)
+        reasoning.append(r)
+        c, k = parser.feed(c)
+        content.append(c)
+        calls += k
+    r, c = splitter.flush()
+    reasoning.append(r)
+    c, k = parser.feed(c)
+    content.append(c)
+    calls += k
+    c, k = parser.flush()
+    content.append(c)
+    calls += k
+    return "".join(reasoning), "".join(content), [(k.name, json.loads(k.arguments)) for k in calls]
+
+
+def test_gpt_oss_call_after_its_analysis(fixtures_dir):
+    template = (fixtures_dir / "templates" / "openai-gpt-oss-120b.jinja").read_text()
+    for text in ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+                 'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}',
+                 '<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=functions.get_weather'
+                 '<|channel|>commentary json<|message|>{"city": "Oslo"}'):
+        for cut in range(len(text) + 1):
+            got = through_the_splitter(template, "<|start|>assistant", text, cut)
+            assert got == ("Need the weather.", "", [("get_weather", {"city": "Oslo"})]), (text, cut)
+
+
+def test_qwen35_call_after_its_thought(fixtures_dir):
+    template = (fixtures_dir / "templates" / "Qwen3.5-4B.jinja").read_text()
+    text = ("I should call it.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+            "</parameter>\n</function>\n</tool_call>")
+    for cut in range(len(text) + 1):
+        got = through_the_splitter(template, "<|im_start|>assistant\n<think>\n", text, cut)
+        assert got == ("I should call it.", "", [("get_weather", {"city": "Paris"})]), cut
