@@ -46,6 +46,7 @@ class Format:
     ends: tuple[str, ...]              # markers that close it; none: the call runs to the end of the answer
     whole: str                         # first characters that make the whole answer a candidate call ("" = never)
     parse: Callable[[str, dict], list[ToolCall]]   # (text between the markers, parameter types) -> calls
+    id_len: int = 0                    # ids of exactly this many letters and digits (0: "call_<hex>")
 
 
 # --- the formats' parsers --------------------------------------------------------------------------------------------
@@ -148,7 +149,8 @@ TAGS = Format("tags", ("<tool_call>",), ("</tool_call>",), "", parse_tags)
 HARMONY = Format("harmony", ("<|channel|>commentary to=functions.", "to=functions."), ("<|call|>",), "",
                  parse_harmony)
 LLAMA3 = Format("llama3", ("<|python_tag|>",), (), "{", parse_llama3)
-MISTRAL = Format("mistral", ("[TOOL_CALLS]",), (), "[", parse_mistral)
+# Mistral's template refuses (in the next turn) any call id that is not 9 letters and digits.
+MISTRAL = Format("mistral", ("[TOOL_CALLS]",), (), "[", parse_mistral, id_len=9)
 
 
 def format_for_template(template: str | None) -> Format | None:
@@ -258,6 +260,9 @@ class ToolCallParser:
             self._after_call = False
             self._emit(self._marker + body + end, content)
             return
+        if self.fmt.id_len:
+            for k in found:
+                k.id = uuid.uuid4().hex[:self.fmt.id_len]
         calls += found
         self.calls += found
         self._after_call = True

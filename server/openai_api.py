@@ -663,10 +663,10 @@ def anthropic_message(m: dict, where: str) -> list[dict]:
             if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                 raise ApiError(400, f"{where}.content[{i}]: a tool_use needs a string 'name' and an object 'input'",
                                param="messages")
-            calls.append({"id": str(b.get("id", "")), "type": "function",
+            calls.append({"id": _call_id(b.get("id")), "type": "function",
                           "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
         elif kind == "tool_result" and m["role"] == "user":
-            results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
+            results.append({"role": "tool", "tool_call_id": _call_id(b.get("tool_use_id")),
                             "content": text_content(b.get("content"), f"{where}.content[{i}]")})
         else:
             rest.append(b)
@@ -674,6 +674,12 @@ def anthropic_message(m: dict, where: str) -> list[dict]:
     if calls:
         msg["tool_calls"] = calls
     return results + ([msg] if rest or calls or not results else [])
+
+
+def _call_id(tool_use_id) -> str:
+    # Our tool_use ids are "toolu_" + the call's id: the template sees the id it would have seen through the
+    # OpenAI API (Mistral's insists on its 9-character form).
+    return str(tool_use_id or "").removeprefix("toolu_")
 
 
 def anthropic_call(call) -> dict:

@@ -56,7 +56,7 @@ def user(text):
 
 
 def calls_of(tool_calls):
-    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in tool_calls)
+    assert all(c["type"] == "function" and (c["id"].startswith("call_") or len(c["id"]) == 9) for c in tool_calls)
     assert len({c["id"] for c in tool_calls}) == len(tool_calls)
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls]
 
@@ -161,3 +161,24 @@ def test_messages_history_with_tool_use_and_tool_result(server):
     b = post(base, "/v1/messages", messages=msgs, tools=ANTHROPIC_TOOLS).json()
     # the echo template renders the last message: the tool result
     assert b["content"] == [{"type": "text", "text": "sunny"}] and b["stop_reason"] == "end_turn"
+
+
+def test_the_openai_client_reads_the_calls_and_sends_them_back(server):
+    openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
+    kind, base = server
+    text, content, want = answer_for(kind)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+    r = client.chat.completions.create(model="any", messages=user(text), tools=TOOLS, max_tokens=500)
+    msg = r.choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == want
+    calls = {}
+    for chunk in client.chat.completions.create(model="any", messages=user(text), tools=TOOLS, max_tokens=500,
+                                                stream=True):
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments
+    assert [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())] == want
+    # the next turn, as an agent sends it: the assistant's calls and one tool message per call
+    history = user(text) + [msg.model_dump(exclude_none=True)] + \
+        [{"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in msg.tool_calls]
+    r = client.chat.completions.create(model="any", messages=history, tools=TOOLS, max_tokens=500)
+    assert r.choices[0].message.content == "sunny" and r.choices[0].finish_reason == "stop"

@@ -6,7 +6,7 @@ import pytest
 from engine.reasoning import ReasoningSplitter
 from engine.tool_calls import HARMONY, LLAMA3, MISTRAL, TAGS, ToolCallParser, format_for_template
 
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                      "metric": {"type": "boolean"}}}}}]
 
@@ -159,3 +159,31 @@ def test_qwen35_call_after_its_thought(fixtures_dir):
     for cut in range(len(text) + 1):
         got = through_the_splitter(template, "<|im_start|>assistant\n<think>\n", text, cut)
         assert got == ("I should call it.", "", [("get_weather", {"city": "Paris"})]), cut
+
+
+@pytest.mark.parametrize("template_file,answer", [
+    ("Qwen-Qwen3-0.6B.jinja", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    ("Qwen3-Coder.jinja", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                          "</tool_call>"),
+    ("Qwen3.5-4B.jinja", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                         "</tool_call>"),
+    ("openai-gpt-oss-120b.jinja", 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'),
+    ("meta-llama-Llama-3.1-8B-Instruct.jinja", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    ("mistralai-Mistral-Nemo-Instruct-2407.jinja", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+])
+def test_a_parsed_call_goes_back_through_its_template(fixtures_dir, template_file, answer):
+    """The next turn of an agent: the call as the API returned it, then the tool's answer. The template must take
+    it (Mistral's refuses ids that are not 9 letters and digits) and write the call as the model wrote it."""
+    from engine.chat import render_chat
+    template = (fixtures_dir / "templates" / template_file).read_text()
+    parser = ToolCallParser(format_for_template(template), WEATHER)
+    _, calls = parser.feed(answer)
+    calls += parser.flush()[1]
+    assert [c.name for c in calls] == ["get_weather"]
+    history = [{"role": "user", "content": "weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                   for c in calls]},
+               {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"}]
+    text = render_chat(template, history, tools=WEATHER)
+    assert "get_weather" in text and "Paris" in text and "sunny" in text
