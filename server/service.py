@@ -294,8 +294,11 @@ class Service:
             res.decode_ms += done.decode_ms
             res.hits += done.hits
             res.lookups += done.lookups
-            if stopped_for == "budget" and done.finish == "cancel" and not job.cancel.is_set():
-                continue    # replay: the loop head closes the thought, the next GEN continues from the cache
+            if stopped_for == "budget" and not job.cancel.is_set():
+                # Replay: the loop head closes the thought, the next GEN continues from the cache. Whatever the pass
+                # ended with: the worker may have reached an end-of-generation token (or max_new: the loop head
+                # then ends with length) before it read the STOP, and the budget had run out all the same.
+                continue
             res.finish = {"client": "cancel", "stop": "stop"}.get(stopped_for, done.finish)
             break
         r, c = text.finish()

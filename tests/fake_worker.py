@@ -63,6 +63,8 @@ def main() -> int:
     ap.add_argument("--silent-after-tokens", type=int, default=-1)
     ap.add_argument("--silent-in-prompt", action="store_true")
     ap.add_argument("--ignore-stop", action="store_true")
+    ap.add_argument("--answer-len", type=int, default=0,
+                    help="end each pass after N tokens (finish stop, as at an end-of-generation token), STOP or not")
     ap.add_argument("--die-in-prompt", action="store_true")
     ap.add_argument("--die-in-prompt-of-gen", type=int, default=0, help="die while reading the Nth GEN's prompt")
     ap.add_argument("--exit-before-ready", action="store_true")
@@ -169,7 +171,7 @@ def main() -> int:
             if generated >= req.max_new:
                 finish = "length"
                 break
-            if generated >= len(req.prompt):
+            if generated >= (a.answer_len or len(req.prompt)):
                 finish = "stop"
                 break
             time.sleep(a.token_delay)

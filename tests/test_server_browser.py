@@ -105,8 +105,12 @@ def test_reasoning_collapsed_and_dense_model_shows_no_experts(tmp_path, fixtures
             driver.get(base + "/")
             driver.find_element(By.ID, "input").send_keys("think about it")
             driver.find_element(By.ID, "send").click()
+            # The answer's text is part of the wait: under load the page can show the reasoning block (and an
+            # enabled Send) a moment before the content node is rendered.
             wait_for(lambda: driver.find_element(By.ID, "send").is_enabled() and
-                     driver.find_elements(By.CSS_SELECTOR, ".msg.assistant details"), "the answer with reasoning")
+                     driver.find_elements(By.CSS_SELECTOR, ".msg.assistant details") and
+                     driver.find_element(By.CSS_SELECTOR, ".msg.assistant .content").text,
+                     "the answer with reasoning")
             details = driver.find_element(By.CSS_SELECTOR, ".msg.assistant details")
             assert details.get_attribute("open") is None                   # collapsed
             assert driver.find_element(By.CSS_SELECTOR, ".msg.assistant .content").text.startswith("user")

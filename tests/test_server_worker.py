@@ -210,6 +210,22 @@ def test_thinking_budget_closes_the_thought_and_continues(tmp_path, fixtures_dir
         assert last["passes"] == 2 and r.json()["usage"]["completion_tokens"] == last["generated"]
 
 
+def test_thinking_budget_continues_when_the_model_ended_before_the_stop(tmp_path, fixtures_dir):
+    # The worker ends its pass (an end-of-generation token) on the very token that spends the budget, before it can
+    # read the STOP: the thought must still be closed and the answer asked for (it used to end with no content).
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--answer-len", "5"], reasoning_budget_tokens=5)
+    codec = tiny_codec(fixtures_dir, "Qwen3.5-4B.jinja")
+    with running_server(cfg, codec) as (_, base):
+        r = requests.post(base + "/v1/chat/completions", timeout=60,
+                          json=dict(messages=[{"role": "user", "content": "hi"}], max_tokens=60))
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        gens = [ln for ln in (tmp_path / "worker.log").read_text().splitlines() if "fake worker: GEN" in ln]
+        assert len(gens) == 2
+        assert msg["reasoning_content"] and msg["content"].startswith("user")
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
 def test_engine_silence_validated_at_start(tmp_path, fixtures_dir):
     from server.config import ConfigError
     with pytest.raises(ConfigError, match="engine_silence_s"):
