@@ -73,7 +73,7 @@ class ReasoningSplitter:
                 if i >= 0 and (at < 0 or i < at):
                     hit, at = m, i
             if hit is None:
-                keep = _partial_marker_len(self._buf, active)
+                keep = partial_marker_len(self._buf, active)
                 self._emit(self._buf[:len(self._buf) - keep], r, c)
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
@@ -113,7 +113,7 @@ class ReasoningSplitter:
             c.append(text)
 
 
-def _partial_marker_len(buf: str, markers) -> int:
+def partial_marker_len(buf: str, markers) -> int:
     """Length of the longest tail of buf that is a proper prefix of one of the markers."""
     best = 0
     for m in markers:

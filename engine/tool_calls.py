@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from engine.reasoning import partial_marker_len
+
 log = logging.getLogger("strata.tools")
 
 
@@ -234,7 +236,7 @@ class ToolCallParser:
         if self.state == _OUT:
             at, hit = _earliest(self._buf, self.fmt.starts)
             if hit is None:
-                keep = _partial_len(self._buf, self.fmt.starts)
+                keep = partial_marker_len(self._buf, self.fmt.starts)
                 self._emit(self._buf[:len(self._buf) - keep], content)
                 self._buf = self._buf[len(self._buf) - keep:]
                 return False
@@ -287,14 +289,3 @@ def _earliest(buf: str, markers) -> tuple[int, str | None]:
         if i >= 0 and (at < 0 or i < at or (i == at and len(m) > len(hit))):
             hit, at = m, i
     return at, hit
-
-
-def _partial_len(buf: str, markers) -> int:
-    """Length of the longest tail of buf that is a proper prefix of one of the markers."""
-    best = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(buf)), best, -1):
-            if buf.endswith(m[:k]):
-                best = k
-                break
-    return best
