@@ -17,9 +17,16 @@ ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2 = ROOT / "data" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _missing_parts() -> list[str]:
-    need = [ROOT / "server" / "__main__.py", ROOT / "strata_worker.py", ROOT / "engine" / "backend_cpu.py"]
-    return [str(p.relative_to(ROOT)) for p in need if not p.is_file()]
+def _new_user(tmp_path) -> tuple[int, dict]:
+    """A data dir holding the default model (when this checkout has it), a free port, and a non-interactive env."""
+    models = tmp_path / "models"
+    models.mkdir()
+    if SMOLLM2.is_file():
+        # the same file setup would fetch from PyPI; linking it keeps the test off the network
+        (models / SMOLLM2.name).symlink_to(SMOLLM2)
+    env = {k: v for k, v in os.environ.items() if k not in ("STRATA_SETUP_MACHINE", "DISPLAY", "WAYLAND_DISPLAY")}
+    env["CI"] = "1"
+    return _free_port(), env
 
 
 def _free_port() -> int:
@@ -30,17 +37,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_setup_yes_then_the_server_answers_a_chat(tmp_path):
-    missing = _missing_parts()
-    if missing:
-        pytest.skip(f"needs {', '.join(missing)} (built by the server/worker owners) to run end to end")
-    models = tmp_path / "models"
-    models.mkdir()
-    if SMOLLM2.is_file():
-        # the same file setup would fetch from PyPI; linking it keeps the test off the network
-        (models / SMOLLM2.name).symlink_to(SMOLLM2)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("STRATA_SETUP_MACHINE", "DISPLAY", "WAYLAND_DISPLAY")}
-    env["CI"] = "1"
+    port, env = _new_user(tmp_path)
     res = subprocess.run([sys.executable, "-m", "setup", "--yes", "--no-start", "--data-dir", str(tmp_path),
                           "--port", str(port), "--backend", "cpu"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -86,16 +83,7 @@ def test_setup_yes_then_the_server_answers_a_chat(tmp_path):
 
 @pytest.mark.slow
 def test_setup_yes_starts_the_server_itself_and_a_rerun_finds_it_running(tmp_path):
-    missing = _missing_parts()
-    if missing:
-        pytest.skip(f"needs {', '.join(missing)} (built by the server/worker owners) to run end to end")
-    models = tmp_path / "models"
-    models.mkdir()
-    if SMOLLM2.is_file():
-        (models / SMOLLM2.name).symlink_to(SMOLLM2)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("STRATA_SETUP_MACHINE", "DISPLAY", "WAYLAND_DISPLAY")}
-    env["CI"] = "1"
+    port, env = _new_user(tmp_path)
     cmd = [sys.executable, "-m", "setup", "--yes", "--data-dir", str(tmp_path), "--port", str(port),
            "--backend", "cpu"]
     pid_file = tmp_path / "strata-smollm2-135m.pid"
