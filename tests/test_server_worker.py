@@ -3,6 +3,7 @@
 Each misbehaving worker must cost the request an error that names the cause, leave no process behind, and the next
 request must be answered by a fresh worker.
 """
+import contextlib
 import json
 import os
 import sys
@@ -187,16 +188,23 @@ def test_client_gone_mid_stream_is_stopped_and_drained(tmp_path, fixtures_dir):
         assert 3 <= cancelled["generated"] < 200 and m["worker"]["starts"] == 1
 
 
-def test_thinking_budget_closes_the_thought_and_continues(tmp_path, fixtures_dir):
-    # Qwen3.5's template opens <think> in the prompt; the fake worker echoes the prompt, so its "thought" is known.
-    cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--token-delay", "0.01"], reasoning_budget_tokens=5)
+@contextlib.contextmanager
+def _budget_request(tmp_path, fixtures_dir, worker_args):
+    """A chat request under a 5-token thinking budget: (response, its message, the worker's GEN log lines, codec).
+
+    Qwen3.5's template opens <think> in the prompt; the fake worker echoes the prompt, so its "thought" is known."""
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, worker_args, reasoning_budget_tokens=5)
     codec = tiny_codec(fixtures_dir, "Qwen3.5-4B.jinja")
     with running_server(cfg, codec) as (_, base):
         r = requests.post(base + "/v1/chat/completions", timeout=60,
                           json=dict(messages=[{"role": "user", "content": "hi"}], max_tokens=60))
         assert r.status_code == 200, r.text
-        msg = r.json()["choices"][0]["message"]
         gens = [ln for ln in (tmp_path / "worker.log").read_text().splitlines() if "fake worker: GEN" in ln]
+        yield r, r.json()["choices"][0]["message"], gens, codec, base
+
+
+def test_thinking_budget_closes_the_thought_and_continues(tmp_path, fixtures_dir):
+    with _budget_request(tmp_path, fixtures_dir, ["--token-delay", "0.01"]) as (r, msg, gens, codec, base):
         assert len(gens) == 2
         first = [int(x) for x in gens[0].split("prompt=")[1].split(",")]
         second = [int(x) for x in gens[1].split("prompt=")[1].split(",")]
@@ -213,14 +221,7 @@ def test_thinking_budget_closes_the_thought_and_continues(tmp_path, fixtures_dir
 def test_thinking_budget_continues_when_the_model_ended_before_the_stop(tmp_path, fixtures_dir):
     # The worker ends its pass (an end-of-generation token) on the very token that spends the budget, before it can
     # read the STOP: the thought must still be closed and the answer asked for (it used to end with no content).
-    cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--answer-len", "5"], reasoning_budget_tokens=5)
-    codec = tiny_codec(fixtures_dir, "Qwen3.5-4B.jinja")
-    with running_server(cfg, codec) as (_, base):
-        r = requests.post(base + "/v1/chat/completions", timeout=60,
-                          json=dict(messages=[{"role": "user", "content": "hi"}], max_tokens=60))
-        assert r.status_code == 200, r.text
-        msg = r.json()["choices"][0]["message"]
-        gens = [ln for ln in (tmp_path / "worker.log").read_text().splitlines() if "fake worker: GEN" in ln]
+    with _budget_request(tmp_path, fixtures_dir, ["--answer-len", "5"]) as (r, msg, gens, _, _):
         assert len(gens) == 2
         assert msg["reasoning_content"] and msg["content"].startswith("user")
         assert r.json()["choices"][0]["finish_reason"] == "stop"
