@@ -125,59 +125,87 @@ class DecodeStep:
         self.graph = None
 
     # --- the launch sequence ---------------------------------------------------------------------------------
+    # FUSE_NORM: each RMSNorm after the first done by the last block of the kernel that last adds to the residual
+    # stream (no launch of its own). Measured slower on the H200 (the fence and serial tail in wo and moe_down
+    # cost more than the launch saved: 4.93 vs 4.64 ms a step), so off; the kernels keep the option.
     def enqueue(self):
-        c, w, L = self.cfg, self.w, self.L
-        te = w.tok_embd
+        self.enqueue_embed()
+        for li in range(len(self.w.layers)):
+            self.enqueue_attention_block(li)
+            self.enqueue_router(li)
+            self.enqueue_experts(li)
+        self.enqueue_output()
+        self.enqueue_pick()
+
+    def _next_norm(self, li):
+        """The fused-epilogue norm target of layer li's last residual add (FUSE_NORM only)."""
+        if not FUSE_NORM:
+            return None
+        w = self.w
+        nxt = w.layers[li + 1].attn_norm if li + 1 < len(w.layers) else w.output_norm
+        return (nxt, self.xn, self.counter)
+
+    def enqueue_embed(self):
+        c, te = self.cfg, self.w.tok_embd
         self.k("embed", te.qt)((1,), (256,), (U64(te.ptr), I64(te.row_bytes), NULL, self.params.dptr,
                                             ptr(self.state), ptr(self.x), I32(c.n_embd)))
-        scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
-        # FUSE_NORM: each RMSNorm after the first done by the last block of the kernel that last adds to the residual
-        # stream (no launch of its own). Measured slower on the H200 (the fence and serial tail in wo and moe_down
-        # cost more than the launch saved: 4.93 vs 4.64 ms a step), so off; the kernels keep the option.
-        for li, ly in enumerate(w.layers):
-            if li == 0 or not FUSE_NORM:
-                L.rmsnorm(self.x, ly.attn_norm, self.xn)
-            L.mv3((ly.wq, ly.wk, ly.wv), self.xn, (self.q, self.kk, self.v), (ly.bq, ly.bk, ly.bv))
-            kc, vc = self.kv.layer(li)
-            self.k("qk_rope_store")((c.n_head + 2 * c.n_head_kv, 1), (c.head_dim,),
-                                    (ptr(self.q), ptr(self.kk), ptr(self.v), ptr(ly.q_norm), ptr(ly.k_norm),
-                                     ptr(self.rope), ptr(self.state), I32(0), U64(kc), U64(vc), I32(c.n_head),
-                                     I32(c.n_head_kv), I32(c.head_dim), I32(c.n_rot),
-                                     I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps), I32(self.kv.max_ctx)))
-            self.k("attn_partial")((c.n_head, self.splits), (128,),
-                                   (ptr(self.q), U64(kc), U64(vc), ptr(self.state), I32(0), ptr(self.part),
-                                    I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(self.kv.max_ctx), scale,
-                                    ptr(self.head_counters), ptr(self.att)))
-            if FUSE_NORM:
-                L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo", norm=(ly.ffn_norm, self.xn, self.counter))
-            else:
-                L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo")
-                L.rmsnorm(self.x, ly.ffn_norm, self.xn)
-            nxt = w.layers[li + 1].attn_norm if li + 1 < len(w.layers) else w.output_norm
-            norm = (nxt, self.xn, self.counter) if FUSE_NORM else None
-            if c.is_moe:
-                self.moe(li, ly, self.xn, self.x, norm)
-            else:
-                L.swiglu(ly.w_gate, ly.w_up, self.xn, self.h)
-                L.mv(ly.w_down, self.h, self.x, accumulate=True, norm=norm)
-        if not FUSE_NORM:
-            L.rmsnorm(self.x, w.output_norm, self.xn)
-        L.mv(w.output, self.xn, self.logits, tag="output")
-        self.k("argmax_word")((264,), (256,), (ptr(self.logits), I32(c.n_vocab), ptr(self.state)))
-        self.k("argmax_finish")((1,), (1,), (ptr(self.state), self.out.dptr))
 
-    def moe(self, li, ly, xn, x, norm):
-        c, L, lay, cache = self.cfg, self.L, self.layout, self.cache
+    def enqueue_attention_block(self, li):
+        """Attention norm, Q/K/V, RoPE + KV store, attention, and wo added to the residual x."""
+        c, L = self.cfg, self.L
+        ly = self.w.layers[li]
+        scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
+        if li == 0 or not FUSE_NORM:
+            L.rmsnorm(self.x, ly.attn_norm, self.xn)
+        L.mv3((ly.wq, ly.wk, ly.wv), self.xn, (self.q, self.kk, self.v), (ly.bq, ly.bk, ly.bv))
+        kc, vc = self.kv.layer(li)
+        self.k("qk_rope_store")((c.n_head + 2 * c.n_head_kv, 1), (c.head_dim,),
+                                (ptr(self.q), ptr(self.kk), ptr(self.v), ptr(ly.q_norm), ptr(ly.k_norm),
+                                 ptr(self.rope), ptr(self.state), I32(0), U64(kc), U64(vc), I32(c.n_head),
+                                 I32(c.n_head_kv), I32(c.head_dim), I32(c.n_rot),
+                                 I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps), I32(self.kv.max_ctx)))
+        self.k("attn_partial")((c.n_head, self.splits), (128,),
+                               (ptr(self.q), U64(kc), U64(vc), ptr(self.state), I32(0), ptr(self.part),
+                                I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(self.kv.max_ctx), scale,
+                                ptr(self.head_counters), ptr(self.att)))
+        if FUSE_NORM:
+            L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo", norm=(ly.ffn_norm, self.xn, self.counter))
+        else:
+            L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo")
+
+    def enqueue_router(self, li):
+        """The FFN norm and, for MoE layers, the router: afterwards self.ids / self.wts hold layer li's routing."""
+        c, L = self.cfg, self.L
+        ly = self.w.layers[li]
+        if not FUSE_NORM:
+            L.rmsnorm(self.x, ly.ffn_norm, self.xn)
+        if not c.is_moe:
+            return
+        cache = self.cache
         k = c.n_expert_used
         tab = U64(cache.table.data.ptr + 8 * li * c.n_expert)
         R = ly.router
         self.k("router_fused", R.qt, "router")(((R.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
-                                               (U64(R.ptr), I64(R.row_bytes), ptr(xn), I32(R.cols), ptr(self.rlogits),
-                                                I32(c.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
+                                               (U64(R.ptr), I64(R.row_bytes), ptr(self.xn), I32(R.cols),
+                                                ptr(self.rlogits), I32(c.n_expert), I32(k),
+                                                I32(1 if c.expert_weights_norm else 0),
                                                 F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts), tab,
                                                 U64(cache.slot_lo), U64(cache.slot_hi),
                                                 U64(cache.counts.data.ptr + 4 * li * c.n_expert), ptr(cache.stats),
                                                 ptr(self.counter)))
+
+    def enqueue_experts(self, li):
+        """The routed experts (gate/up then down, weighted, added to x) and the shared expert; or the dense FFN."""
+        c, L = self.cfg, self.L
+        ly = self.w.layers[li]
+        norm = self._next_norm(li)
+        if not c.is_moe:
+            L.swiglu(ly.w_gate, ly.w_up, self.xn, self.h)
+            L.mv(ly.w_down, self.h, self.x, accumulate=True, norm=norm)
+            return
+        lay, cache, xn, x = self.layout, self.cache, self.xn, self.x
+        k = c.n_expert_used
+        tab = U64(cache.table.data.ptr + 8 * li * c.n_expert)
         self.k("moe_gate_up", lay.qt_gate_up)(((lay.n_ff + MV_WARPS - 1) // MV_WARPS, k, 1), (32 * MV_WARPS,),
                                               (tab, ptr(self.ids), I64(lay.up_off), I64(lay.rb_gate_up), ptr(xn),
                                                ptr(self.h), I32(lay.n_ff), I32(c.n_embd), I32(k)))
@@ -194,6 +222,18 @@ class DecodeStep:
         if shared:
             L.mv(ly.sh_down, self.h2, x, gate_logit=self.sgate if ly.sh_gate_inp is not None else None,
                  accumulate=True, tag="shexp", norm=norm)
+
+    def enqueue_output(self):
+        """The final norm and the output mat-vec into self.logits."""
+        if not FUSE_NORM:
+            self.L.rmsnorm(self.x, self.w.output_norm, self.xn)
+        self.L.mv(self.w.output, self.xn, self.logits, tag="output")
+
+    def enqueue_pick(self):
+        """The next token from self.logits into self.state / self.out (greedy)."""
+        c = self.cfg
+        self.k("argmax_word")((264,), (256,), (ptr(self.logits), I32(c.n_vocab), ptr(self.state)))
+        self.k("argmax_finish")((1,), (1,), (ptr(self.state), self.out.dptr))
 
     # --- running ---------------------------------------------------------------------------------------------
     def capture(self):
