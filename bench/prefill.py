@@ -42,11 +42,13 @@ def warm(be, rng, n_prompt=1024, n_new=64):
     be.cache.poll(be.stream, wait=True)
 
 
-def read_prompt(be, prompt):
-    """The prompt chunk by chunk, as engine/session.py reads it; per-chunk facts from the streamed pass."""
+def read_prompt(be, prompt, profile=True):
+    """The prompt chunk by chunk, as engine/session.py reads it; per-chunk facts from the streamed pass (and its GPU
+    time per phase when profiling: events between phases only, so the chunk's own figures barely move)."""
     be.truncate(0)
     pf = be.prefill
     pf.timing = True
+    pf.profile = profile
     chunks = []
     t0 = time.perf_counter()
     step = be.prompt_chunk_size()
@@ -57,10 +59,12 @@ def read_prompt(be, prompt):
         dt = time.perf_counter() - c0
         last = dict(pf.last)
         runner = last.pop("runner", None)
+        timer = last.pop("phases", None)
         busy = runner.busy_ms() / 1000 if runner is not None and runner.spans else 0.0
-        chunks.append(dict(tokens=len(part), s=dt, ring=last["ring"], bytes=last["bytes"], busy_s=busy))
+        chunks.append(dict(tokens=len(part), s=dt, ring=last["ring"], bytes=last["bytes"], busy_s=busy,
+                           host_ms=last.get("host_ms", 0.0), phases=timer.totals() if timer is not None else None))
     total = time.perf_counter() - t0
-    pf.timing = False
+    pf.timing = pf.profile = False
     return total, chunks
 
 
@@ -73,6 +77,8 @@ def main(argv=None):
     ap.add_argument("--ring", type=int, default=None, help="--ring: slots (default: the VRAM rule)")
     ap.add_argument("--stream-min", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the per-phase GPU times (CUDA events between the phases of each chunk)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
 
@@ -107,7 +113,7 @@ def main(argv=None):
         warm(be, rng)
         for n in lengths:
             prompt = rng.integers(0, be.config.n_vocab, n).tolist()
-            total, chunks = read_prompt(be, prompt)
+            total, chunks = read_prompt(be, prompt, profile=not a.no_profile)
             streamed = [c for c in chunks if c["bytes"]]
             nbytes = sum(c["bytes"] for c in chunks)
             busy = sum(c["busy_s"] for c in chunks)
@@ -117,7 +123,10 @@ def main(argv=None):
                        chunks=len(chunks), mb_per_chunk=round(nbytes / max(len(streamed), 1) / 1e6, 1),
                        link_gbps_copying=round(nbytes / busy / 1e9, 1) if busy else 0.0,
                        link_gbps_avg=round(nbytes / total / 1e9, 1),
-                       copy_busy_share=round(busy / total, 3), first_chunk_s=round(chunks[0]["s"], 3))
+                       copy_busy_share=round(busy / total, 3), first_chunk_s=round(chunks[0]["s"], 3),
+                       host_ms_per_chunk=round(sum(c["host_ms"] for c in chunks) / len(chunks), 1))
+            if all(c["phases"] for c in chunks):
+                row["phase_ms"] = {p: round(sum(c["phases"][p] for c in chunks), 2) for p in chunks[0]["phases"]}
             rows.append(row)
             log(json.dumps(row))
     be.close()
@@ -135,6 +144,18 @@ def main(argv=None):
               f"| {r['tok_s']:.0f} | {r['mb_per_chunk']:.0f} | {r['link_gbps_copying']:.1f} | "
               f"{r['link_gbps_avg']:.1f} | {r['link_gbps_copying'] * 1e9 / LINK_BPS:.2f} | "
               f"{r['copy_busy_share']:.2f} |")
+    prof = [r for r in rows if "phase_ms" in r]
+    if prof:
+        names = list(prof[0]["phase_ms"])
+        print("\nGPU ms per prompt by phase (CUDA events between phases; host = time to enqueue a chunk, per chunk):")
+        print("| budget GiB | prompt | " + " | ".join(names) + " | GPU total | wall | host/chunk |")
+        print("| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: |")
+        for r in prof:
+            ph = r["phase_ms"]
+            gpu = sum(ph.values())
+            cells = " | ".join(f"{ph[n]:.1f} ({100 * ph[n] / gpu:.0f}%)" for n in names)
+            print(f"| {r['budget']} | {r['prompt']} | {cells} | {gpu:.1f} | {1000 * r['prompt'] / r['tok_s']:.1f} "
+                  f"| {r['host_ms_per_chunk']:.1f} |")
 
 
 if __name__ == "__main__":

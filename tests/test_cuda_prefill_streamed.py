@@ -138,3 +138,21 @@ def test_stop_mid_prompt_cancels(fixtures_dir):
         assert w.quit() == 0
     finally:
         w.kill()
+
+
+def test_phase_profile_covers_the_chunk(cpu_runs):
+    """bench.prefill's per-phase table: every phase of a streamed chunk is timed and the phases add up to the chunk."""
+    from engine.cuda.prefill_streamed import PHASES
+    model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
+    be = streamed(model, expert_slots=model.config.n_layer * model.config.n_expert // 2, ring=2)
+    try:
+        be.prefill.profile = True
+        lg = be.forward(prompt[:CHUNK], all_logits=True)
+        assert rel_rows(lg, cpu_logits[:CHUNK]).max() < 1e-2        # profiling changes nothing
+        ms = be.prefill.last["phases"].totals()
+        assert set(ms) == set(PHASES)
+        for p in ("dense", "attention", "router", "sort", "gate_up", "down", "other"):
+            assert ms[p] > 0, p
+        assert be.prefill.last["bytes"] > 0 and ms["ring_wait"] >= 0
+    finally:
+        be.close()

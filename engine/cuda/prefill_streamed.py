@@ -28,6 +28,8 @@ AUTO_RING_RESERVE = 64      # ring slots reserved likewise (free expert-cache sl
 ATT_ROWS = 8                # query rows per flash-attention block (prefill_attn.cu FA_ROWS)
 GEMM_TILE = 64              # rows and columns per expert GEMM block (moe_gemm.cu MG_BM, MG_BN)
 
+PHASES = ("dense", "attention", "router", "sort", "gate_up", "down", "ring_wait", "other")
+
 _INT = {"ids", "rows", "offsets"}
 _HALF = {"xh", "h"}
 
@@ -54,6 +56,36 @@ def reserve_bytes(cfg, stride: int, n_total: int, opts, max_ctx: int) -> int:
     if stride and n_total:
         ring = opts.ring if opts.ring is not None else min(AUTO_RING_RESERVE, n_total)
     return chunk_bytes(cfg, T) + ring * stride
+
+
+class PhaseTimer:
+    """GPU time per phase of a chunk from CUDA events recorded on the compute stream between phases (never inside a
+    kernel sequence, so the figures are the chunk's own): mark(p) closes phase p at that point of the stream."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.marks = []
+        self.start = self._record()
+
+    def _record(self):
+        ev = cp.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, self._record()))
+
+    def totals(self) -> dict[str, float]:
+        """Milliseconds per phase (waits for the chunk's last event)."""
+        out = dict.fromkeys(PHASES, 0.0)
+        if not self.marks:
+            return out
+        self.marks[-1][1].synchronize()
+        prev = self.start
+        for phase, ev in self.marks:
+            out[phase] = out.get(phase, 0.0) + cp.cuda.get_elapsed_time(prev, ev)
+            prev = ev
+        return out
 
 
 class StreamedPrefill:
@@ -83,6 +115,8 @@ class StreamedPrefill:
             self.ring_mem = cp.empty(max(self.plan.ring, 1) * max(stride, 1), dtype=cp.uint8)
         self.dev = CupyDevice(step.stream) if lay else None
         self.timing = False          # bench/prefill.py: copy-engine busy time per chunk
+        self.profile = False         # bench/prefill.py: GPU time per phase (PhaseTimer) in last["phases"]
+        self._tm = None
         self.last = {}               # facts about the last chunk (bench)
         self._groups_key = self._groups_val = None
         log(f"streamed prompt pass: chunks of {self.chunk} tokens ({self.plan.chunk_bytes / MiB:.0f} MiB), "
@@ -149,6 +183,10 @@ class StreamedPrefill:
                 out[:, r0:r0 + n] = X @ Wd.T
         return out
 
+    def _mark(self, phase: str) -> None:
+        if self._tm is not None:
+            self._tm.mark(phase)
+
     def _view(self, name, T, width):
         return self.buf[name][:T * width].reshape(T, width)
 
@@ -162,6 +200,7 @@ class StreamedPrefill:
         x, xn = self._view("x", T, c.n_embd), self._view("xn", T, c.n_embd)
         q, k, v = self._view("q", T, qw), self._view("k", T, kw), self._view("v", T, kw)
         att, proj = self._view("att", T, qw), self._view("proj", T, c.n_embd)
+        self._tm = PhaseTimer(self.step.stream) if self.profile else None
         tok = cp.asarray(np.asarray(tokens, dtype=np.int32))
         te = w.tok_embd
         self.k("embed", te.qt)((T,), (256,), (U64(te.ptr), I64(te.row_bytes), ptr(tok), NULL, NULL, ptr(x),
@@ -175,6 +214,7 @@ class StreamedPrefill:
                 self.dev.copy_stream.wait_event(ev)
                 arena = self.cache.arena.blob_ptr
                 runner.begin_chunk(batches, lambda li, e: int(arena[li * c.n_expert + e]))
+        self._mark("other")
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
         G = c.n_head // c.n_head_kv
         for li, ly in enumerate(w.layers):
@@ -187,6 +227,7 @@ class StreamedPrefill:
                 k += ly.bk
                 v += ly.bv
             kc, vc = self.kv.layer(li)
+            self._mark("dense")
             self.k("qk_rope_store")((c.n_head + 2 * c.n_head_kv, T), (c.head_dim,),
                                     (q, k, v, ptr(ly.q_norm), ptr(ly.k_norm), ptr(self.step.rope), NULL, I32(pos0),
                                      U64(kc), U64(vc), I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim),
@@ -196,12 +237,16 @@ class StreamedPrefill:
                 ((T * G + ATT_ROWS - 1) // ATT_ROWS, c.n_head_kv), (32 * ATT_ROWS,),
                 (q, U64(kc), U64(vc), att, I32(T), I32(pos0), I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim),
                  I32(self.kv.max_ctx), scale))
+            self._mark("attention")
             x += self.linear_into(ly.wo, att, proj)
+            self._mark("dense")
             L.rmsnorm(x, ly.ffn_norm, xn, rows=T)
+            self._mark("other")
             if c.is_moe:
                 self.moe(li, ly, xn, x, T, groups[li], runner, ring_views)
             else:
                 x += self.base.ffn(ly.w_gate, ly.w_up, ly.w_down, xn)
+                self._mark("dense")
         if runner is not None:
             runner.end_chunk()
             self.last = dict(ring=runner.depth, bytes=runner.bytes_copied, runner=runner)
@@ -211,7 +256,11 @@ class StreamedPrefill:
         xs = x if all_logits else x[-1:]
         xo = cp.empty_like(xs)
         L.rmsnorm(cp.ascontiguousarray(xs), w.output_norm, xo, rows=xs.shape[0])
-        return self.base.linear(w.output, xo)
+        out = self.base.linear(w.output, xo)
+        self._mark("other")
+        if self._tm is not None:
+            self.last["phases"], self._tm = self._tm, None     # bench: .totals() once the chunk has finished
+        return out
 
     def moe(self, li, ly, xn, x, T, group, runner, ring_views):
         c, lay, cache, mod = self.cfg, self.layout, self.cache, self.moe_mod
@@ -222,12 +271,14 @@ class StreamedPrefill:
                               (ptr(logits), I32(c.n_expert), I32(kk), I32(1 if c.expert_weights_norm else 0),
                                F32(c.expert_weights_scale), ptr(ids), ptr(wts), NULL, U64(0), U64(0),
                                U64(cache.counts.data.ptr + 4 * li * c.n_expert), NULL))
+        self._mark("router")
         xh = self.buf["xh"]
         mod.get_function("to_half")((min(1024, (T * c.n_embd // 4 + 255) // 256),), (256,),
                                     (xn, xh, I64(T * c.n_embd)))
         offsets, rows, row_w, h = self.buf["offsets"], self.buf["rows"], self.buf["row_w"], self.buf["h"]
         mod.get_function("moe_sort")((1,), (1024,), (ids, wts, I32(T * kk), I32(kk), I32(c.n_expert), offsets,
                                                      rows, row_w))
+        self._mark("sort")
         gu = mod.get_function(f"moe_gemm_gate_up<{lay.qt_gate_up}>")
         dn = mod.get_function(f"moe_gemm_down<{lay.qt_down}>")
         gy = (T + GEMM_TILE - 1) // GEMM_TILE
@@ -238,14 +289,17 @@ class StreamedPrefill:
             gu(((lay.n_ff + GEMM_TILE - 1) // GEMM_TILE, gy, n), (256,),
                (sel, ptrs, offsets, rows, xh, h, I64(lay.up_off), I64(lay.rb_gate_up), I32(lay.n_ff),
                 I32(c.n_embd)))
+            self._mark("gate_up")
             dn(((c.n_embd + GEMM_TILE - 1) // GEMM_TILE, gy, n), (256,),
                (sel, ptrs, offsets, rows, row_w, h, x, I64(lay.down_off), I64(lay.rb_down), I32(c.n_embd),
                 I32(lay.n_ff)))
+            self._mark("down")
 
         run(*group)
         if runner is not None:
             for b, view in ring_views[li]:
                 runner.acquire(b)
+                self._mark("ring_wait")
                 run(*view)
                 runner.release(b)
         if ly.sh_up is not None:
@@ -254,3 +308,4 @@ class StreamedPrefill:
                 sg = self.base.linear(ly.sh_gate_inp, xn)
                 sh *= 1.0 / (1.0 + cp.exp(-sg))
             x += sh
+            self._mark("dense")
