@@ -51,8 +51,17 @@ extern "C" __global__ void moe_sort(const int* __restrict__ ids, const float* __
 }
 
 // ---- tile helpers -----------------------------------------------------------------------------------------------
+// fp16 that saturates: a value past fp16's range (65504) becomes +-65504 instead of inf, NaN stays NaN. The SwiGLU
+// output h is kept in fp16 (the down GEMM's mma operand, half the bytes of fp32); real models do produce SwiGLU
+// outputs in the thousands and now and then past 65504 (llama.cpp's quantized path keeps them in f32 and quantizes
+// per 32 values; its cuBLAS path converts to f16 and would give inf). Saturating costs accuracy on that one value
+// only, where inf would turn the token's whole down-projection into inf/NaN.
+__device__ __forceinline__ unsigned short f2h_sat(float f) {
+    return f2h(fabsf(f) > 65504.f ? copysignf(65504.f, f) : f);
+}
+
 __device__ __forceinline__ uint32_t mg_pack2(float a, float b) {
-    return (uint32_t)f2h(a) | ((uint32_t)f2h(b) << 16);
+    return (uint32_t)f2h_sat(a) | ((uint32_t)f2h_sat(b) << 16);
 }
 
 __device__ __forceinline__ uint4 mg_pack8(const float (&v)[8]) {
@@ -156,7 +165,7 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_gate_up(const int* __rest
             for (int q = 0; q < 2; ++q) {
                 const int col = n0 + wn + 8 * j + 2 * t + q;
                 if (col < n_ff)
-                    h[(long long)(o0 + r) * n_ff + col] = f2h(silu(ag[j][2 * hh + q]) * au[j][2 * hh + q]);
+                    h[(long long)(o0 + r) * n_ff + col] = f2h_sat(silu(ag[j][2 * hh + q]) * au[j][2 * hh + q]);
             }
         }
 }
@@ -224,7 +233,7 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restric
     }
 }
 
-// fp32 -> fp16 (the expert GEMMs' activations, converted once per token and layer). n a multiple of 4.
+// fp32 -> fp16, saturating (the expert GEMMs' activations, converted once per token and layer). n a multiple of 4.
 extern "C" __global__ void to_half(const float* __restrict__ x, unsigned short* __restrict__ y, long long n) {
     for (long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
          i += 4 * (long long)gridDim.x * blockDim.x) {

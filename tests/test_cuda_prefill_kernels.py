@@ -73,8 +73,38 @@ def test_moe_sort(moe_mod, T, k, E):
         assert got == sorted(zip(t_idx.tolist(), w[t_idx, j_idx].tolist()))
 
 
-def expert_blobs(rng, name, E, n_embd, n_ff):
-    """E expert blobs (gate | up | down) in one device array, and their dequantized weights rounded to fp16."""
+def scaled_rows(name, n_rows, ncols, rng, rms):
+    """Random valid rows of type `name` whose dequantized values have about this root mean square: random_rows' fp16
+    block scales (or float values, or MXFP4's power-of-two exponents) rescaled after measuring. Raw random K-quant
+    blocks reach |w| ~ 50 (6-bit sub-scales times 4-bit quants), which no real model has and which overflows the fp16
+    SwiGLU output; real expert weights have an RMS near 1/sqrt(n_in)."""
+    q = qtype(name)
+    raw = random_rows(name, n_rows, ncols, rng, 0.05)
+    s = float(rms) / float(np.sqrt(np.mean(dequantize(raw, q.ggml).astype(np.float64) ** 2)))
+    if name in ("F32", "F16", "BF16"):
+        if name == "BF16":
+            vals = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32) * s
+            raw = (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        else:
+            dt = np.float32 if name == "F32" else np.float16
+            raw = (raw.view(dt).astype(np.float32) * s).astype(dt).view(np.uint8)
+    else:
+        blocks = raw.reshape(-1, q.block_bytes).copy()
+        if name == "MXFP4":
+            shift = int(np.round(np.log2(s)))
+            blocks[:, 0] = np.clip(blocks[:, 0].astype(np.int64) + shift, 1, 254).astype(np.uint8)
+        for off in q.f16_offsets:
+            d = blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32) * s
+            blocks[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+        raw = blocks.reshape(raw.shape)
+    got = float(np.sqrt(np.mean(dequantize(raw, q.ggml).astype(np.float64) ** 2)))
+    assert abs(got / rms - 1) < (0.5 if name == "MXFP4" else 0.05), (name, got, rms)
+    return raw
+
+
+def expert_blobs(rng, name, E, n_embd, n_ff, gain=1.0):
+    """E expert blobs (gate | up | down) in one device array, and their dequantized weights rounded to fp16. Weights
+    at a real model's scale (RMS gain / sqrt(n_in)), so gate, up and the SwiGLU output are O(gain^2)."""
     q = qtype(name)
     rb_gu, rb_d = q.row_bytes(n_embd), q.row_bytes(n_ff)
     up_off, down_off = n_ff * rb_gu, 2 * n_ff * rb_gu
@@ -82,8 +112,9 @@ def expert_blobs(rng, name, E, n_embd, n_ff):
     host = np.zeros(E * stride, np.uint8)
     Ws = []
     for e in range(E):
-        g, u = random_rows(name, n_ff, n_embd, rng, 0.05), random_rows(name, n_ff, n_embd, rng, 0.05)
-        d = random_rows(name, n_embd, n_ff, rng, 0.05)
+        g = scaled_rows(name, n_ff, n_embd, rng, gain / np.sqrt(n_embd))
+        u = scaled_rows(name, n_ff, n_embd, rng, gain / np.sqrt(n_embd))
+        d = scaled_rows(name, n_embd, n_ff, rng, 1 / np.sqrt(n_ff))
         o = e * stride
         for raw, off in ((g, 0), (u, up_off), (d, down_off)):
             host[o + off:o + off + raw.size] = raw.reshape(-1)
@@ -127,6 +158,38 @@ def test_grouped_expert_gemms(moe_mod, name, T, k, E, n_embd, n_ff):
             ref[t] += w[t, j] * (D @ hh)
     assert np.isfinite(h.view(cp.float16).get()).all()
     assert rel(out.get() - x0, ref - x0) < 5e-3
+
+
+def test_swiglu_output_saturates_in_fp16(moe_mod):
+    """h is fp16: a SwiGLU output past 65504 is kept as +-65504 (not inf, which would make the token's down
+    projection inf/NaN); the others are as computed."""
+    rng = np.random.default_rng()
+    T, k, E, n_embd, n_ff = 64, 2, 2, 256, 256
+    blobs, stride, up_off, down_off, rb_gu, rb_d, Ws = expert_blobs(rng, "F16", E, n_embd, n_ff, gain=400.0)
+    ids, w = route(rng, T, k, E)
+    x = rng.standard_normal((T, n_embd)).astype(np.float32)
+    offsets, rows, row_w = sort(moe_mod, ids, w, E)
+    xh = cp.asarray(f16(x).astype(np.float16)).view(cp.uint16).reshape(-1)
+    h = cp.full(T * k * n_ff, 0xFFFF, dtype=cp.uint16)
+    sel = cp.arange(E, dtype=cp.int32)
+    ptrs = cp.asarray(np.array([int(blobs.data.ptr) + e * stride for e in range(E)], np.uint64))
+    moe_mod.get_function(f"moe_gemm_gate_up<{qtype('F16').id}>")(
+        ((n_ff + 63) // 64, (T + 63) // 64, E), (256,),
+        (sel, ptrs, offsets, rows, xh, h, I64(up_off), I64(rb_gu), I32(n_ff), I32(n_embd)))
+    got = h.view(cp.float16).get().astype(np.float64).reshape(T * k, n_ff)
+    offs, rws = offsets.get(), rows.get()
+    ref = np.zeros_like(got)
+    xr = f16(x).astype(np.float64)
+    for e in range(E):
+        G, U, _ = Ws[e]
+        for o in range(offs[e], offs[e + 1]):
+            ref[o] = silu(G @ xr[rws[o]]) * (U @ xr[rws[o]])
+    big = np.abs(ref) > 65504 * 1.01
+    assert big.any() and (~big).any()                    # the data reaches past fp16 and stays inside it too
+    assert np.isfinite(got).all()
+    assert (got[big] == np.sign(ref[big]) * 65504).all()
+    small = np.abs(ref) < 60000
+    assert np.allclose(got[small], ref[small], rtol=5e-3, atol=1e-2 * np.abs(ref[small]).max())
 
 
 def attention_ref(q, K, V, pos0, n_head, n_kv, hd, scale):
