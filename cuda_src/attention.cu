@@ -137,3 +137,313 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
     }
     out[h * head_dim + d] = a / L;
 }
+
+// ---- the decode step's attention: one launch per layer over a GQA group --------------------------------------------
+// Grid (n_head_kv, n_split), blockDim 32 * clamp(G, 4, 8) with G = n_head / n_head_kv <= 16. Each block serves all
+// G q heads of its KV head (one warp per head, two heads a warp when G > 8), so every K/V row is read once for the
+// group. The live position count n_pos = state[1] + 1 is read here (a replayed graph serves every position): the
+// split span is ceil(n_pos / n_split) rounded up to whole 32-position tiles, so short contexts use few blocks with
+// one tile each and long ones every block; blocks past the needed count exit at once and are not counted. Tiles go
+// global -> shared with 16-byte cp.async, double-buffered, so the next tile's loads fly while this one is computed.
+// With one split needed the block writes the output itself; otherwise the last block of each KV head to finish
+// merges the splits' (m, l, acc), every split's loads issued together.
+// KV layouts (per layer): fp16 (n_head_kv, max_ctx, head_dim); int8 the same with one fp32 scale per 32 values in
+// (n_head_kv, max_ctx, head_dim / 32), value = scale * q (prefill_attn.cu's qk_rope_store_i8 writes it).
+// part: n_head_kv * n_split * G * head_dim floats (acc), then n_head_kv * n_split * G * 2 (m, l). counters: one int
+// per KV head, zero between launches. Dynamic shared memory: attn_gqa_smem below (the host mirrors it).
+#define AT_T 32               // positions per tile: one per lane for the scores
+#define AT_MAX_SPLITS 64
+#define AT_MAX_G 16
+#define AT_DPL 8              // head_dim / 32 values per lane, up to head_dim 256
+
+__device__ __forceinline__ unsigned at_smem_addr(const void* p) {
+    unsigned long long a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (unsigned)a;
+}
+// 16 (or 4) bytes global -> shared without a register round trip; zeros when !ok (rows past the live positions).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at_smem_addr(dst)), "l"(src),
+                 "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(at_smem_addr(dst)), "l"(src),
+                 "r"(ok ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ float h_lo(unsigned w) { return h2f((unsigned short)(w & 0xffffu)); }
+__device__ __forceinline__ float h_hi(unsigned w) { return h2f((unsigned short)(w >> 16)); }
+__device__ __forceinline__ float i8_at(int w, int b) { return (float)((w << (24 - 8 * b)) >> 24); }
+
+// Bytes of one K (or V) row in the cache and in shared memory (+16: rows of consecutive lanes start in different
+// banks, so the per-lane row reads of the scores are conflict-free), and of one tile buffer (K, V, int8 scales).
+__device__ __forceinline__ int at_row_bytes(bool i8, int hd) { return i8 ? hd : 2 * hd; }
+__device__ __forceinline__ int at_buf_bytes(bool i8, int hd) {
+    return 2 * AT_T * (at_row_bytes(i8, hd) + 16) + (i8 ? 2 * AT_T * (hd / 32) * 4 : 0);
+}
+
+// Queue tile rows row0 .. row0 + AT_T - 1 (global row = kv head * max_ctx + position; rows >= n_valid zero-filled).
+template <bool I8>
+__device__ __forceinline__ void at_issue(unsigned char* buf, const unsigned char* kg, const unsigned char* vg,
+                                         const float* ksg, const float* vsg, long long row0, int n_valid, int hd) {
+    const int rb = at_row_bytes(I8, hd), rs = rb + 16, cpr = rb / 16;
+    unsigned char* ks = buf;
+    unsigned char* vs = buf + AT_T * rs;
+    for (int i = threadIdx.x; i < AT_T * cpr; i += blockDim.x) {
+        const int r = i / cpr, c = i - r * cpr;
+        const bool ok = r < n_valid;
+        const long long g = (row0 + (ok ? r : 0)) * rb + c * 16;
+        cp_async16(ks + r * rs + c * 16, kg + g, ok);
+        cp_async16(vs + r * rs + c * 16, vg + g, ok);
+    }
+    if (I8) {
+        const int ns = hd / 32;
+        float* kss = reinterpret_cast<float*>(buf + 2 * AT_T * rs);
+        float* vss = kss + AT_T * ns;
+        for (int i = threadIdx.x; i < AT_T * ns; i += blockDim.x) {
+            const bool ok = i / ns < n_valid;
+            const long long g = row0 * ns + (ok ? i : 0);
+            cp_async4(kss + i, ksg + g, ok);
+            cp_async4(vss + i, vsg + g, ok);
+        }
+    }
+    cp_async_commit();
+}
+
+// q . K[row] for this lane's row of the tile (q already scaled, in shared memory; same address for every lane).
+template <bool I8>
+__device__ __forceinline__ float at_score(const unsigned char* buf, const float* qg, int row, int hd) {
+    const int rs = at_row_bytes(I8, hd) + 16;
+    const unsigned char* kr = buf + row * rs;
+    float s0 = 0.f, s1 = 0.f;
+    if (!I8) {
+        for (int c = 0; c < hd / 8; ++c) {
+            const uint4 k = *reinterpret_cast<const uint4*>(kr + 16 * c);
+            const float4 a = *reinterpret_cast<const float4*>(qg + 8 * c);
+            const float4 b = *reinterpret_cast<const float4*>(qg + 8 * c + 4);
+            s0 += a.x * h_lo(k.x) + a.y * h_hi(k.x) + a.z * h_lo(k.y) + a.w * h_hi(k.y);
+            s1 += b.x * h_lo(k.z) + b.y * h_hi(k.z) + b.z * h_lo(k.w) + b.w * h_hi(k.w);
+        }
+        return s0 + s1;
+    }
+    const float* sc = reinterpret_cast<const float*>(buf + 2 * AT_T * rs) + row * (hd / 32);
+    for (int c = 0; c < hd / 16; ++c) {          // 16 values; a 32-value scale block is two of these
+        const int4 k = *reinterpret_cast<const int4*>(kr + 16 * c);
+        const int w[4] = {k.x, k.y, k.z, k.w};
+        float t = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float4 a = *reinterpret_cast<const float4*>(qg + 16 * c + 4 * j);
+            t += a.x * i8_at(w[j], 0) + a.y * i8_at(w[j], 1) + a.z * i8_at(w[j], 2) + a.w * i8_at(w[j], 3);
+        }
+        if (c & 1) s1 += t * sc[c >> 1]; else s0 += t * sc[c >> 1];
+    }
+    return s0 + s1;
+}
+
+// This lane's head_dim / 32 values of V[row] (columns lane * dpl ..), as floats.
+template <bool I8>
+__device__ __forceinline__ void at_vrow(const unsigned char* buf, int row, int hd, int lane, float* x) {
+    const int dpl = hd / 32, rs = at_row_bytes(I8, hd) + 16;
+    const unsigned char* vr = buf + AT_T * rs + row * rs;
+    if (!I8) {
+        const unsigned short* p = reinterpret_cast<const unsigned short*>(vr) + lane * dpl;
+        if (dpl == 8) {
+            const uint4 u = *reinterpret_cast<const uint4*>(p);
+            x[0] = h_lo(u.x); x[1] = h_hi(u.x); x[2] = h_lo(u.y); x[3] = h_hi(u.y);
+            x[4] = h_lo(u.z); x[5] = h_hi(u.z); x[6] = h_lo(u.w); x[7] = h_hi(u.w);
+        } else if (dpl == 4) {
+            const uint2 u = *reinterpret_cast<const uint2*>(p);
+            x[0] = h_lo(u.x); x[1] = h_hi(u.x); x[2] = h_lo(u.y); x[3] = h_hi(u.y);
+        } else if (dpl == 2) {
+            const unsigned u = *reinterpret_cast<const unsigned*>(p);
+            x[0] = h_lo(u); x[1] = h_hi(u);
+        } else {
+#pragma unroll
+            for (int i = 0; i < AT_DPL; ++i)
+                if (i < dpl) x[i] = h2f(p[i]);
+        }
+        return;
+    }
+    // a lane's values cross a 32-value scale block when dpl does not divide 32 (head_dim 96): a scale per value
+    const signed char* p = reinterpret_cast<const signed char*>(vr) + lane * dpl;
+    const float* sc = reinterpret_cast<const float*>(buf + 2 * AT_T * rs) + AT_T * (hd / 32) + row * (hd / 32);
+#pragma unroll
+    for (int i = 0; i < AT_DPL; ++i)
+        if (i < dpl) x[i] = sc[(lane * dpl + i) >> 5] * (float)p[i];
+}
+
+template <bool I8>
+__device__ __forceinline__ void attn_gqa_body(const float* __restrict__ q, const unsigned char* kg,
+                                              const unsigned char* vg, const float* ksg, const float* vsg,
+                                              const int* __restrict__ state, int n_fixed, float* __restrict__ part,
+                                              int* __restrict__ counters, float* __restrict__ out, int n_head_kv,
+                                              int G, int hd, int max_ctx, float scale) {
+    extern __shared__ __align__(16) unsigned char at_smem[];
+    __shared__ float s_c[AT_MAX_G][AT_MAX_SPLITS];
+    __shared__ float s_inv[AT_MAX_G];
+    __shared__ int s_last;
+    const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int n_pos = state ? state[1] + 1 : n_fixed;
+    int span = (n_pos + S - 1) / S;
+    span = max(AT_T, (span + AT_T - 1) / AT_T * AT_T);
+    const int n_need = (n_pos + span - 1) / span;
+    if (split >= n_need) return;                     // uniform over the block; not counted in the merge
+    const int p0 = split * span, p1 = min(n_pos, p0 + span);
+    const int n_tiles = (p1 - p0 + AT_T - 1) / AT_T;
+    const int bb = at_buf_bytes(I8, hd), dpl = hd / 32;
+    float* qs = reinterpret_cast<float*>(at_smem);
+    unsigned char* bufs = at_smem + G * hd * 4;
+    const long long row0 = (long long)kvh * max_ctx + p0;
+    at_issue<I8>(bufs, kg, vg, ksg, vsg, row0, min(AT_T, p1 - p0), hd);
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = q[(long long)kvh * G * hd + i] * scale;
+
+    float acc[2][AT_DPL], m[2], l[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        m[hh] = NEG_INF;
+        l[hh] = 0.f;
+#pragma unroll
+        for (int i = 0; i < AT_DPL; ++i) acc[hh][i] = 0.f;
+    }
+    for (int t = 0; t < n_tiles; ++t) {
+        const int tp = p0 + t * AT_T, nv = min(AT_T, p1 - tp);
+        if (t + 1 < n_tiles) {
+            at_issue<I8>(bufs + ((t + 1) & 1) * bb, kg, vg, ksg, vsg, row0 + (t + 1) * AT_T,
+                         min(AT_T, p1 - tp - AT_T), hd);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const unsigned char* buf = bufs + (t & 1) * bb;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int g = warp + hh * nw;
+            if (g >= G) continue;                    // warp-uniform
+            const float s = lane < nv ? at_score<I8>(buf, qs + g * hd, lane, hd) : NEG_INF;
+            const float mn = fmaxf(m[hh], warp_max(s));
+            const float corr = __expf(m[hh] - mn);    // 0 on the first tile (m = -inf, mn finite)
+            const float w = __expf(s - mn);           // 0 past the live rows
+            l[hh] = l[hh] * corr + warp_sum(w);
+#pragma unroll
+            for (int i = 0; i < AT_DPL; ++i) acc[hh][i] *= corr;
+            for (int j = 0; j < nv; ++j) {
+                const float wj = __shfl_sync(0xffffffffu, w, j);
+                float x[AT_DPL];
+                at_vrow<I8>(buf, j, hd, lane, x);
+#pragma unroll
+                for (int i = 0; i < AT_DPL; ++i)
+                    if (i < dpl) acc[hh][i] += wj * x[i];
+            }
+            m[hh] = mn;
+        }
+        __syncthreads();                             // the next issue overwrites this buffer
+    }
+
+    const int cols = G * hd;
+    if (n_need == 1) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int g = warp + hh * nw;
+            if (g >= G) continue;
+            const float inv = 1.f / l[hh];
+            float* o = out + (long long)kvh * cols + g * hd + lane * dpl;
+#pragma unroll
+            for (int i = 0; i < AT_DPL; ++i)
+                if (i < dpl) o[i] = acc[hh][i] * inv;
+        }
+        return;
+    }
+    float* pacc = part + (long long)kvh * S * cols;                     // (split, g, d)
+    float* pml = part + (long long)n_head_kv * S * cols + (long long)kvh * S * G * 2;   // (split, g, {m, l})
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int g = warp + hh * nw;
+        if (g >= G) continue;
+        float* o = pacc + (long long)split * cols + g * hd + lane * dpl;
+#pragma unroll
+        for (int i = 0; i < AT_DPL; ++i)
+            if (i < dpl) o[i] = acc[hh][i];
+        if (lane == 0) {
+            pml[(split * G + g) * 2] = m[hh];
+            pml[(split * G + g) * 2 + 1] = l[hh];
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s_last = atomicAdd(counters + kvh, 1) == n_need - 1;
+        if (s_last) counters[kvh] = 0;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // merge weights per (head, split): c = exp(m_s - M), and 1 / sum(l_s * c)
+    for (int g = warp; g < G; g += nw) {
+        float M = NEG_INF;
+        for (int s = lane; s < n_need; s += 32) M = fmaxf(M, __ldcg(pml + (s * G + g) * 2));
+        M = warp_max(M);
+        float L = 0.f;
+        for (int s = lane; s < n_need; s += 32) {
+            const float ms = __ldcg(pml + (s * G + g) * 2), ls = __ldcg(pml + (s * G + g) * 2 + 1);
+            const float c = ms == NEG_INF ? 0.f : __expf(ms - M);
+            s_c[g][s] = c;
+            L += ls * c;
+        }
+        L = warp_sum(L);
+        if (lane == 0) s_inv[g] = 1.f / L;
+    }
+    __syncthreads();
+    // one float4 column a thread; eight splits' loads in flight at once
+    const float4* pa = reinterpret_cast<const float4*>(pacc);
+    const int c4 = cols / 4;
+    for (int c = threadIdx.x; c < c4; c += blockDim.x) {
+        const int g = (4 * c) / hd;
+        float ax = 0.f, ay = 0.f, az = 0.f, aw = 0.f;
+        for (int s0 = 0; s0 < n_need; s0 += 8) {
+            float4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (s0 + u < n_need) v[u] = __ldcg(pa + (long long)(s0 + u) * c4 + c);
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (s0 + u < n_need) {
+                    const float w = s_c[g][s0 + u];
+                    ax += w * v[u].x;
+                    ay += w * v[u].y;
+                    az += w * v[u].z;
+                    aw += w * v[u].w;
+                }
+        }
+        const float inv = s_inv[g];
+        float4 r;
+        r.x = ax * inv;
+        r.y = ay * inv;
+        r.z = az * inv;
+        r.w = aw * inv;
+        reinterpret_cast<float4*>(out + (long long)kvh * cols)[c] = r;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attn_gqa_f16(const float* __restrict__ q, const unsigned short* __restrict__ kc, const unsigned short* __restrict__ vc,
+             const int* __restrict__ state, int n_fixed, float* __restrict__ part, int* __restrict__ counters,
+             float* __restrict__ out, int n_head_kv, int group, int head_dim, int max_ctx, float scale) {
+    attn_gqa_body<false>(q, reinterpret_cast<const unsigned char*>(kc), reinterpret_cast<const unsigned char*>(vc),
+                         nullptr, nullptr, state, n_fixed, part, counters, out, n_head_kv, group, head_dim, max_ctx,
+                         scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attn_gqa_i8(const float* __restrict__ q, const signed char* __restrict__ kq, const float* __restrict__ ks,
+            const signed char* __restrict__ vq, const float* __restrict__ vs, const int* __restrict__ state,
+            int n_fixed, float* __restrict__ part, int* __restrict__ counters, float* __restrict__ out, int n_head_kv,
+            int group, int head_dim, int max_ctx, float scale) {
+    attn_gqa_body<true>(q, reinterpret_cast<const unsigned char*>(kq), reinterpret_cast<const unsigned char*>(vq), ks,
+                        vs, state, n_fixed, part, counters, out, n_head_kv, group, head_dim, max_ctx, scale);
+}
