@@ -39,9 +39,9 @@ def moe_mod_all():
     return kernels.load("moe_gemm", qtypes=list(NAMES))
 
 
-@pytest.fixture(scope="module")
-def att_mod():
-    return kernels.load("prefill_attn")
+def att_mod(hd):
+    from engine.cuda.prefill_streamed import attn_module
+    return attn_module(hd)
 
 
 def route(rng, T, k, E):
@@ -206,13 +206,21 @@ def attention_ref(q, K, V, pos0, n_head, n_kv, hd, scale):
     return out
 
 
-# hd 96: a lane's values cross a 32-value int8 scale block (the attn_decode_i8 bug found by reading)
+# hd 96: a lane's values cross a 32-value int8 scale block (the attn_decode_i8 bug found by reading). The tensor-core
+# kernel's tiles: 64 query rows (T * G rows per KV head), 64 keys (32 for hd > 128); G 3 leaves tokens straddling
+# row tiles. The last two: a 4K context (a whole 4K prompt as one chunk, and the last 512 tokens of one).
 SHAPES = [(1, 0, 4, 2, 64), (37, 5, 8, 2, 128), (100, 250, 32, 4, 128), (70, 0, 8, 8, 256), (33, 31, 16, 2, 32),
-          (33, 31, 6, 2, 96)]
+          (33, 31, 6, 2, 96), (41, 90, 12, 4, 128), (130, 7, 16, 2, 256)]
+SHAPES_4K = [(4096, 0, 8, 1, 128), (512, 3584, 32, 4, 128)]
 
 
-@pytest.mark.parametrize("T,pos0,n_head,n_kv,hd", SHAPES)
-def test_flash_attn_f16(att_mod, T, pos0, n_head, n_kv, hd):
+def launch(T, n_head, n_kv):
+    from engine.cuda.prefill_streamed import attn_launch
+    return attn_launch(T, n_head, n_kv)
+
+
+@pytest.mark.parametrize("T,pos0,n_head,n_kv,hd", SHAPES + SHAPES_4K)
+def test_flash_attn_f16(T, pos0, n_head, n_kv, hd):
     rng = np.random.default_rng()
     max_ctx = pos0 + T + 40
     kc = np.full((n_kv, max_ctx, hd), np.nan, np.float16)         # past the chunk: never read
@@ -222,12 +230,15 @@ def test_flash_attn_f16(att_mod, T, pos0, n_head, n_kv, hd):
     q = rng.standard_normal((T, n_head * hd)).astype(np.float32)
     out = cp.full((T, n_head * hd), np.nan, cp.float32)
     scale = 1.0 / np.sqrt(hd)
-    G = n_head // n_kv
-    att_mod.get_function("flash_attn_f16")(((T * G + 7) // 8, n_kv), (256,),
-                                           (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, I32(T), I32(pos0),
-                                            I32(n_head), I32(n_kv), I32(hd), I32(max_ctx), F32(scale)))
+    att_mod(hd).get_function("flash_attn_f16")(*launch(T, n_head, n_kv),
+                                               (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, I32(T), I32(pos0),
+                                                I32(n_head), I32(n_kv), I32(hd), I32(max_ctx), F32(scale)))
     ref = attention_ref(q, kc.astype(np.float64), vc.astype(np.float64), pos0, n_head, n_kv, hd, scale)
-    assert rel(out.get(), ref) < 1e-4
+    # fp16 operands on tensor cores: q (scaled) and the softmax weights are rounded to fp16, ~2^-11 each
+    got = out.get()
+    assert np.isfinite(got).all()
+    assert rel(got, ref) < 1e-3
+    assert np.abs(got - ref).max() < 1e-2 * np.abs(ref).max()
 
 
 def rope_ref(x, cs, pos, n_rot, neox):
@@ -248,7 +259,8 @@ def dequant_i8(q, s):
 
 
 @pytest.mark.parametrize("T,pos0,n_head,n_kv,hd", SHAPES)
-def test_int8_kv_store_and_attention(att_mod, T, pos0, n_head, n_kv, hd):
+def test_int8_kv_store_and_attention(T, pos0, n_head, n_kv, hd):
+    mod = att_mod(hd)
     rng = np.random.default_rng()
     max_ctx = pos0 + T + 40
     eps = 1e-6
@@ -270,7 +282,7 @@ def test_int8_kv_store_and_attention(att_mod, T, pos0, n_head, n_kv, hd):
     vs[:, :pos0] = cp.asarray(rng.uniform(0.001, 0.02, (n_kv, pos0, hd // 32)).astype(np.float32))
     d_q = cp.asarray(q)
     neox = 1
-    att_mod.get_function("qk_rope_store_i8")((n_head + 2 * n_kv, T), (hd,),
+    mod.get_function("qk_rope_store_i8")((n_head + 2 * n_kv, T), (hd,),
                                              (d_q, cp.asarray(k), cp.asarray(v), cp.asarray(qn), cp.asarray(kn),
                                               cp.asarray(cs), NULL, I32(pos0), kq, ks, vq, vs, I32(n_head),
                                               I32(n_kv), I32(hd), I32(n_rot), I32(neox), F32(eps), I32(max_ctx)))
@@ -291,18 +303,18 @@ def test_int8_kv_store_and_attention(att_mod, T, pos0, n_head, n_kv, hd):
         assert (np.abs(got - want).reshape(n_kv, T, hd // 32, 32) <= step * 0.501 + 1e-5).all()
     out = cp.full((T, n_head * hd), np.nan, cp.float32)
     scale = 1.0 / np.sqrt(hd)
-    G = n_head // n_kv
-    att_mod.get_function("flash_attn_i8")(((T * G + 7) // 8, n_kv), (256,),
-                                          (d_q, kq, vq, ks, vs, out, I32(T), I32(pos0), I32(n_head), I32(n_kv),
-                                           I32(hd), I32(max_ctx), F32(scale)))
-    # the tile is held as fp16 in shared memory: the reference rounds the dequantized values the same way
+    mod.get_function("flash_attn_i8")(*launch(T, n_head, n_kv),
+                                      (d_q, kq, vq, ks, vs, out, I32(T), I32(pos0), I32(n_head), I32(n_kv),
+                                       I32(hd), I32(max_ctx), F32(scale)))
+    # the tile is held as fp16 in shared memory: the reference rounds the dequantized values the same way (and the
+    # tensor cores round q and the softmax weights to fp16)
     ref = attention_ref(d_q.get(), f16(K8), f16(V8), pos0, n_head, n_kv, hd, scale)
-    assert rel(out.get(), ref) < 1e-4
+    assert rel(out.get(), ref) < 1e-3
     # decode over the same cache: the last token's query
     n_pos = pos0 + T
     q1 = cp.asarray(d_q.get()[-1])
     out1 = cp.full(n_head * hd, np.nan, cp.float32)
-    att_mod.get_function("attn_decode_i8")((n_head,), (128,),
+    mod.get_function("attn_decode_i8")((n_head,), (128,),
                                            (q1, kq, ks, vq, vs, NULL, I32(n_pos), out1, I32(n_head), I32(n_kv),
                                             I32(hd), I32(max_ctx), F32(scale)))
     assert rel(out1.get(), attention_ref(d_q.get()[-1:], K8, V8, n_pos - 1, n_head, n_kv, hd, scale)[0]) < 1e-4

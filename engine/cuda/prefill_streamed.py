@@ -25,13 +25,26 @@ from engine.cuda.ring import CupyDevice, RingRunner, schedule
 
 AUTO_TARGET = 4096          # the chunk auto reserves room for before the expert cache takes the rest
 AUTO_RING_RESERVE = 64      # ring slots reserved likewise (free expert-cache slots are lent on top)
-ATT_ROWS = 8                # query rows per flash-attention block (prefill_attn.cu FA_ROWS)
+ATT_BM = 64                 # query rows per flash-attention block (prefill_attn.cu FA_BM)
+ATT_THREADS = 128           # 4 warps (FA_WARPS)
 GEMM_TILE = 64              # rows and columns per expert GEMM block (moe_gemm.cu MG_BM, MG_BN)
 
 PHASES = ("dense", "attention", "router", "sort", "gate_up", "down", "ring_wait", "other")
 
 _INT = {"ids", "rows", "offsets"}
 _HALF = {"xh", "h"}
+
+
+def attn_module(head_dim: int):
+    """prefill_attn.cu built for this head dim (compile-time in its tensor-core tiles; 128 is the default build that
+    compile_all makes before READY, others compile when the pass is set up)."""
+    return kernels.load("prefill_attn", None if head_dim == 128 else {"FA_HD": head_dim})
+
+
+def attn_launch(T: int, n_head: int, n_head_kv: int) -> tuple[tuple[int, int], tuple[int]]:
+    """(grid, block) of flash_attn_f16 / flash_attn_i8 for a chunk of T tokens."""
+    G = n_head // n_head_kv
+    return ((T * G + ATT_BM - 1) // ATT_BM, n_head_kv), (ATT_THREADS,)
 
 
 def parse_chunk(v):
@@ -95,7 +108,7 @@ class StreamedPrefill:
         self.k, self.cfg, self.w, self.kv, self.cache, self.layout, self.L = (
             step.k, step.cfg, step.w, step.kv, step.cache, step.layout, step.L)
         c = self.cfg
-        self.att_mod = kernels.load("prefill_attn")
+        self.att_mod = attn_module(c.head_dim)
         lay = self.layout
         self.moe_mod = kernels.load("moe_gemm", qtypes=sorted({lay.qt_gate_up, lay.qt_down})) if lay else None
         stride = lay.stride if lay else 0
@@ -213,10 +226,12 @@ class StreamedPrefill:
                 ev.record(self.step.stream)
                 self.dev.copy_stream.wait_event(ev)
                 arena = self.cache.arena.blob_ptr
-                runner.begin_chunk(batches, lambda li, e: int(arena[li * c.n_expert + e]))
+                # the memory modes' device stages file-only experts for the ring (engine/cuda/memory_mode.py)
+                src_of = getattr(self.dev, "source_of", None) or (lambda li, e: int(arena[li * c.n_expert + e]))
+                runner.begin_chunk(batches, src_of)
         self._mark("other")
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
-        G = c.n_head // c.n_head_kv
+        att_grid, att_block = attn_launch(T, c.n_head, c.n_head_kv)
         for li, ly in enumerate(w.layers):
             L.rmsnorm(x, ly.attn_norm, xn, rows=T)
             self.linear_into(ly.wq, xn, q)
@@ -234,7 +249,7 @@ class StreamedPrefill:
                                      I32(c.n_rot), I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps),
                                      I32(self.kv.max_ctx)))
             self.att_mod.get_function("flash_attn_f16")(
-                ((T * G + ATT_ROWS - 1) // ATT_ROWS, c.n_head_kv), (32 * ATT_ROWS,),
+                att_grid, att_block,
                 (q, U64(kc), U64(vc), att, I32(T), I32(pos0), I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim),
                  I32(self.kv.max_ctx), scale))
             self._mark("attention")
@@ -295,7 +310,13 @@ class StreamedPrefill:
                 I32(lay.n_ff)))
             self._mark("down")
 
-        run(*group)
+        if runner is None and cache.source is not None:   # memory modes: the routed experts, file-only ones staged
+            from engine.cuda.memory_mode import routed_group
+            group, staged_done = routed_group(cache, li, ids, self.step.stream)
+            run(*group)
+            staged_done()
+        else:
+            run(*group)
         if runner is not None:
             for b, view in ring_views[li]:
                 runner.acquire(b)
