@@ -1,6 +1,9 @@
 """The pinned expert arena: every expert's gate, up and down bytes as one blob in page-locked host memory, allocated
 in ~1 GiB chunks and filled from the memory-mapped GGUF. Pinned memory from cudaHostAlloc is mapped into the GPU's
-address space (UVA), so a kernel can read a blob in place over PCIe through its device address."""
+address space (UVA), so a kernel can read a blob in place over PCIe through its device address.
+
+In the memory modes (--mmap-experts, --resident-budget-gib N) only the experts in `pinned` get a blob here; the
+others have blob_ptr 0 and are read from the file through engine/cuda/expert_source.py's staging ring."""
 from __future__ import annotations
 
 import ctypes
@@ -74,17 +77,20 @@ def _host_view(ptr: int, size: int) -> np.ndarray:
 class ExpertArena:
     """blob_ptr[g] is the device address of expert g = layer * n_expert + e (mapped pinned memory)."""
 
-    def __init__(self, model, log=lambda m: print(m, file=sys.stderr, flush=True), threads: int = 8):
+    def __init__(self, model, log=lambda m: print(m, file=sys.stderr, flush=True), threads: int = 8,
+                 pinned: np.ndarray | None = None):
         cfg = model.config
         self.layout = lay = blob_layout(model)
         self.n_layer, self.n_expert = cfg.n_layer, cfg.n_expert
         self.n_total = cfg.n_layer * cfg.n_expert
+        self.pinned = np.ones(self.n_total, dtype=bool) if pinned is None else np.asarray(pinned, dtype=bool)
+        ids = np.flatnonzero(self.pinned)         # the experts with a blob here, packed in id order
         per_chunk = max(1, CHUNK_BYTES // lay.stride)
         self.chunks: list[int] = []           # host pointers from cudaHostAlloc
         self.views: list[np.ndarray] = []
         self.blob_ptr = np.zeros(self.n_total, dtype=np.uint64)
         self._host_ptr = np.zeros(self.n_total, dtype=np.uint64)
-        left = self.n_total
+        left = len(ids)
         g = 0
         try:
             while left:
@@ -96,38 +102,46 @@ class ExpertArena:
                     done = sum(v.nbytes for v in self.views) / 2**30
                     raise MemoryError(
                         f"pinning host memory for the expert arena failed after {done:.1f} GiB of "
-                        f"{self.n_total * lay.stride / 2**30:.1f} GiB ({e}); free RAM or use a machine with more "
-                        f"(the pageable/mmap modes are not built yet)") from None
+                        f"{len(ids) * lay.stride / 2**30:.1f} GiB ({e}); free RAM, or pin less: "
+                        f"--resident-budget-gib {max(0.0, done - 1):.0f} (the rest is read from the model file) "
+                        f"or --mmap-experts") from None
                 self.chunks.append(hp)
                 self.views.append(_host_view(hp, size))
                 dp = device_address(hp)
                 for j in range(n):
-                    self.blob_ptr[g + j] = dp + j * lay.stride
-                    self._host_ptr[g + j] = hp + j * lay.stride
+                    self.blob_ptr[ids[g + j]] = dp + j * lay.stride
+                    self._host_ptr[ids[g + j]] = hp + j * lay.stride
                 g += n
                 left -= n
             self._fill(model, log, threads)
         except BaseException:
             self.close()
             raise
-        self.nbytes = self.n_total * lay.stride
+        self.nbytes = len(ids) * lay.stride
 
     def _fill(self, model, log, threads):
         lay = self.layout
-        total = self.n_total * lay.nbytes
+        total = int(self.pinned.sum()) * lay.nbytes
+        if not total:
+            self.fill_seconds = 0.0
+            return
         t0 = time.perf_counter()
         done = [0, t0]
 
         def one_layer(i):
             tens = [model.tensor(model.expert_name(i, k)).data for k in ("gate", "up", "down")]
             offs = (0, lay.up_off, lay.down_off)
+            n = 0
             for e in range(self.n_expert):
                 hp = int(self._host_ptr[i * self.n_expert + e])
+                if not hp:
+                    continue
                 dst = _host_view(hp, lay.nbytes)
                 for t, off in zip(tens, offs):
                     src = t[e].reshape(-1)
                     dst[off:off + src.size] = src
-            return self.n_expert * lay.nbytes
+                n += lay.nbytes
+            return n
 
         with ThreadPoolExecutor(threads) as ex:
             for nb in ex.map(one_layer, range(self.n_layer)):
@@ -147,3 +161,18 @@ class ExpertArena:
             except Exception:
                 pass
         self.chunks.clear()
+
+
+class PinnedBuffer:
+    """One mapped pinned allocation (the memory modes' staging ring): a host view and the device address."""
+
+    def __init__(self, nbytes: int):
+        self.hptr = cp.cuda.runtime.hostAlloc(max(int(nbytes), 1), HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
+        self.view = _host_view(self.hptr, max(int(nbytes), 1))
+        self.dptr = device_address(self.hptr)
+
+    def close(self):
+        if self.hptr:
+            self.view = None
+            cp.cuda.runtime.freeHost(self.hptr)
+            self.hptr = 0

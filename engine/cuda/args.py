@@ -28,6 +28,16 @@ def _at_least(lo: int):
     return parse
 
 
+def _gib(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        x = -1.0
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"--resident-budget-gib takes a size in GiB (>= 0), got {v!r}")
+    return x
+
+
 def add_cuda_args(parser) -> None:
     g = parser
     g.add_argument("--vram-reserve-mib", type=int, default=700, metavar="MIB",
@@ -36,10 +46,13 @@ def add_cuda_args(parser) -> None:
                    help="the most VRAM this worker takes in all (emulates a smaller card; default: all free VRAM)")
     g.add_argument("--expert-slots", type=int, default=None, metavar="N",
                    help="at most N experts cached in VRAM (default: as many as the VRAM budget holds)")
-    g.add_argument("--mmap-experts", action="store_true",
-                   help="read experts from the memory-mapped GGUF instead of pinning them all (not built yet)")
-    g.add_argument("--resident-budget-gib", type=float, default=None, metavar="GIB",
-                   help="pin only the hottest GIB of experts, read the rest from the file (not built yet)")
+    mem = g.add_mutually_exclusive_group()
+    mem.add_argument("--mmap-experts", action="store_true",
+                     help="pin no experts: read them from the memory-mapped GGUF (the OS file cache) through a small "
+                          "pinned staging ring, for PCs whose RAM cannot hold them (slowest)")
+    mem.add_argument("--resident-budget-gib", type=_gib, default=None, metavar="GIB",
+                     help="pin only the hottest GIB of experts (by --expert-profile, else by router-row norm); the "
+                          "rest are read from the GGUF through a pinned staging ring")
     g.add_argument("--expert-profile", default=None, metavar="P",
                    help="fill the VRAM expert cache in this profile's order (.bin, DESIGN §6)")
     g.add_argument("--expert-profile-save", default=None, metavar="P",

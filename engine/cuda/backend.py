@@ -15,6 +15,7 @@ from engine.cuda.arena import ExpertArena, blob_layout
 from engine.cuda.decode import DecodeStep
 from engine.cuda.expert_cache import ExpertCache
 from engine.cuda.kv import KVCache
+from engine.cuda.memory_mode import MemoryMode
 from engine.cuda.prefill import Prefill
 from engine.cuda.programs import Kernels
 from engine.cuda.rope import rope_table
@@ -37,6 +38,7 @@ class CudaOptions:
     expert_slots: int | None = None
     mmap_experts: bool = False
     resident_budget_gib: float | None = None
+    staging_slots: int | None = None    # memory modes: staging LRU slots (tests; default sized from the model)
     expert_profile: str | None = None
     expert_profile_save: str | None = None
     expert_profile_save_every: float = 10.0
@@ -62,9 +64,8 @@ class CUDABackend(Backend):
         super().__init__(model, max_context)
         self.opts = opts = opts or CudaOptions()
         self.log = log
-        if opts.mmap_experts or opts.resident_budget_gib is not None:
-            raise ValueError("--mmap-experts and --resident-budget-gib are not built yet in the CUDA backend; "
-                             "run without them (every expert is pinned in RAM)")
+        if opts.mmap_experts and opts.resident_budget_gib is not None:
+            raise ValueError("--mmap-experts pins no expert and --resident-budget-gib pins some: give one of them")
         cfg = self.config
         if cfg.head_dim_v != cfg.head_dim or cfg.head_dim % 32 or cfg.head_dim > 256:
             raise ValueError(f"the CUDA backend needs head_dim == head_dim_v, a multiple of 32 and <= 256 "
@@ -72,6 +73,7 @@ class CUDABackend(Backend):
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.arena = None
         self.step = None
+        self.mem = None             # engine/cuda/memory_mode.py: --mmap-experts / --resident-budget-gib
         self.stats = ExpertStats()
         self._tokens_since_adapt = 0
         self._last_save = time.monotonic()
@@ -92,11 +94,17 @@ class CUDABackend(Backend):
                     f"({time.perf_counter() - t0:.1f} s)")
                 self.cache = None
                 if cfg.is_moe:
-                    self.arena = ExpertArena(model, log=log)
+                    self.mem = MemoryMode.plan(model, opts, self.layout, log)
+                    self.arena = ExpertArena(model, log=log, pinned=self.mem.pinned if self.mem else None)
                     self.cache = ExpertCache(self.arena, self._slot_count(pool))
+                    if self.mem:
+                        self.mem.attach_cache(model, self.arena, self.cache, self.stream, opts, log)
                 self.step = DecodeStep(self.kernels, cfg, self.weights, self.kv, self.rope, self.cache, self.layout,
                                        self.stream)
                 self.prefill = self._make_prefill()
+                if self.mem:
+                    self.mem.attach_step(self.step, use_graphs=not opts.no_graph)
+                    self.mem.attach_prefill(self.prefill)
                 self.stream.synchronize()
         except cp.cuda.memory.OutOfMemoryError as e:
             self.close()
@@ -110,6 +118,8 @@ class CUDABackend(Backend):
             self._initial_fill()
         if not opts.no_graph:
             self.step.capture()
+            if self.mem:
+                self.mem.paged.capture()
         self.vram_free_mib = cp.cuda.runtime.memGetInfo()[0] / MiB
         self.pcie_gbps = self._calibrate() if opts.calibrate else None
 
@@ -173,7 +183,7 @@ class CUDABackend(Backend):
             self.log(f"expert cache filled from {src}: {n} experts, {n * cache.stride / 2**30:.2f} GiB in {dt:.1f} s")
 
     def _calibrate(self) -> float:
-        n = min(256 * MiB, self.arena.views[0].nbytes) if self.arena else 0
+        n = min(256 * MiB, self.arena.views[0].nbytes) if self.arena and self.arena.views else 0
         if not n:
             return 0.0
         dst = cp.empty(n, dtype=cp.uint8)
@@ -202,15 +212,22 @@ class CUDABackend(Backend):
         with self.stream:
             self.cache = ExpertCache(self.arena, self._slot_count(pool))
             self.cache.heat[:], self.cache.prior[:] = heat, prior
+            if self.mem:
+                self.mem.attach_new_cache(self.cache)
             self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache,
                                    self.layout, self.stream)
             self.prefill = self._make_prefill()
+            if self.mem:
+                self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)
+                self.mem.attach_prefill(self.prefill)
         order = np.argsort(-heat, kind="stable")
         if self.cache.n_slots >= self.cache.n_total:
             order = np.arange(self.cache.n_total)
         self.cache.fill(order[heat[order] > 0] if self.cache.n_slots < self.cache.n_total else order, self.stream)
         if not self.opts.no_graph:
             self.step.capture()
+            if self.mem:
+                self.mem.paged.capture()
         return self.cache.n_slots
 
     # --- the contract ----------------------------------------------------------------------------------------
@@ -276,7 +293,10 @@ class CUDABackend(Backend):
         self._room(1)
         if self.cache is not None:
             self.cache.poll(self.stream)
-        self.step.launch(token, self.n_cached, use_graph=not self.opts.no_graph)
+        if self.mem:        # layer by layer while some expert is only in the file
+            self.mem.paged.launch(token, self.n_cached, use_graph=not self.opts.no_graph)
+        else:
+            self.step.launch(token, self.n_cached, use_graph=not self.opts.no_graph)
         self.n_cached += 1
         res = self.step.result()
         self._tick()
@@ -306,11 +326,16 @@ class CUDABackend(Backend):
         self.stats = ExpertStats()
         if self.cache is not None:
             self.cache.reset_stats(self.stream)
+        if self.mem:
+            self.mem.reset_stats()
 
     def get_stats(self) -> ExpertStats:
         if self.cache is None:
             return ExpertStats()
         hits, lookups = self.cache.read_stats(self.stream)
+        if self.mem:
+            ram, files, mb = self.mem.stats(hits, lookups)
+            return ExpertStats(hits=hits, lookups=lookups, ram_blobs=ram, file_blobs=files, file_mb=mb)
         return ExpertStats(hits=hits, lookups=lookups, ram_blobs=lookups - hits)
 
     def info(self) -> dict:
@@ -322,6 +347,7 @@ class CUDABackend(Backend):
         if self.cache is not None:
             out.update(expert_slots=self.cache.n_slots, experts_total=self.cache.n_total,
                        arena_mib=int(self.arena.nbytes / MiB))
+            out.update(self.mem.info() if self.mem else {"memory": "pinned"})
         if self.pcie_gbps is not None:
             out["pcie_gbps"] = round(self.pcie_gbps, 1)
         if self.opts.prefill == "streamed" and self.prefill is not None:
@@ -342,6 +368,10 @@ class CUDABackend(Backend):
             if self.step is not None:
                 self.step.close()
                 self.step = None
+            if self.mem is not None:
+                self.stream.synchronize()
+                self.mem.close()
+                self.mem = None
             if self.arena is not None:
                 self.stream.synchronize()
                 self.arena.close()

@@ -7,6 +7,10 @@ non-resident experts into the slots of the coldest, on a copy stream, in this or
   1. main stream: each victim's entry goes back to its arena address (kernels after this read the arena);
   2. copy stream, after 1 (an event): the newcomers' bytes are copied into the freed slots;
   3. main stream, once the copies have landed (polled, never waited on): the newcomers' entries point at their slots.
+
+In the memory modes (`source`: engine/cuda/expert_source.py) an expert outside VRAM is at its arena address, at its
+staging slot while the staging LRU holds it, or unreachable (entry 0; the paged decode step stages it first). The
+tier then swaps in only experts reachable from pinned memory (the hot ones were staged when they were routed).
 """
 from __future__ import annotations
 
@@ -40,6 +44,75 @@ class ExpertCache:
         self._pending = None          # (event, ids, slots)
         self.swaps = 0
         self.bytes_swapped = 0
+        self.source = None            # ExpertSource in the memory modes (set_source)
+
+    # --- the memory modes ------------------------------------------------------------------------------------
+    def set_source(self, source):
+        self.source = source
+        self.table_host[:] = source.addrs()
+        self.table_host[self.slot_of >= 0] = [self.slot_ptr(s) for s in self.slot_of[self.slot_of >= 0]]
+        self._push(0, self.n_total, cp.cuda.get_current_stream())
+
+    def home(self, g: int) -> int:
+        """Where expert g is read from outside VRAM now (0: only in the file)."""
+        return self.source.addr(g) if self.source is not None else int(self.arena.blob_ptr[g])
+
+    def reachable(self) -> bool:
+        """Every entry of the table points at readable memory (the whole-step graph may run)."""
+        return bool(self.table_host.all())
+
+    def set_entries(self, gs, addrs, stream):
+        """Point experts gs (not in VRAM) at addrs, in stream order."""
+        gs = np.asarray(gs, dtype=np.int64)
+        if not len(gs):
+            return
+        self.table_host[gs] = np.asarray(addrs, dtype=np.uint64)
+        self._push(int(gs.min()), int(gs.max()) + 1, stream)
+
+    def on_evict(self, g: int, stream):
+        """The staging LRU took g's slot: unless g is in VRAM its entry becomes 0 before anything else launches."""
+        if self.slot_of[g] < 0:
+            self.table_host[g] = 0
+            self._push(g, g + 1, stream)
+
+    def stage(self, gs, stream) -> tuple[list[int], int]:
+        """Make experts gs (outside VRAM and the arena) readable: staged from the file where needed, pinned in the
+        LRU until release(), their entries pointed at the slots. Returns (addresses, how many were read from the
+        file)."""
+        addrs, n_read = self.source.stage(gs)
+        gs = np.asarray(gs, dtype=np.int64)
+        a = np.asarray(addrs, dtype=np.uint64)
+        change = (self.table_host[gs] != a) & (self.slot_of[gs] < 0)
+        if change.any():
+            self.set_entries(gs[change], a[change], stream)
+        self.source.mark_visible(gs)
+        return addrs, n_read
+
+    def read_begin(self, g: int, stream) -> int:
+        """The address the prompt pass reads expert g from (staged and pinned if it is only in the file); pair with
+        read_end once its readers are enqueued."""
+        if self.source is None or self.slot_of[g] >= 0 or not self.source.file_only[g]:
+            return int(self.table_host[g])
+        (a,), _ = self.stage([g], stream)
+        return a
+
+    def read_end(self, g: int, stream):
+        if self.source is not None and self.slot_of[g] < 0 and self.source.file_only[g]:
+            ev = cp.cuda.Event(disable_timing=True)
+            ev.record(stream)
+            self.source.release([g], ev)
+
+    def _push(self, lo: int, hi: int, stream):
+        # a pageable source: the driver takes the bytes before returning, so table_host may change right after
+        with stream:
+            self.table[lo:hi].set(self.table_host[lo:hi], stream=stream)
+
+    def _read_addr(self, g: int) -> int:
+        """The address to copy expert g from (staged from the file, and pinned, in the memory modes)."""
+        if self.source is None:
+            return int(self.arena.blob_ptr[g])
+        (a,), _ = self.source.stage([g])
+        return a
 
     def slot_ptr(self, s: int) -> int:
         return self.slot_lo + int(s) * self.stride
@@ -53,8 +126,12 @@ class ExpertCache:
         free = [s for s in range(self.n_slots) if self.owner[s] < 0]
         ids = [int(g) for g in order if self.slot_of[int(g)] < 0][:len(free)]
         for g, s in zip(ids, free):
-            cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), int(self.arena.blob_ptr[g]), self.stride,
+            cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), self._read_addr(g), self.stride,
                                         cp.cuda.runtime.memcpyDefault, stream.ptr)
+            if self.source is not None:
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(stream)
+                self.source.release([g], ev)
             self.slot_of[g] = s
             self.owner[s] = g
             self.table_host[g] = self.slot_ptr(s)
@@ -84,6 +161,8 @@ class ExpertCache:
             return 0
         res = self.slot_of >= 0
         cand = np.flatnonzero(~res & (self.heat > 0))
+        if self.source is not None:          # only what pinned memory holds: a file read would stall the step
+            cand = cand[self.table_host[cand] != 0]
         if not len(cand):
             return 0
         cand = cand[np.argsort(-self.heat[cand], kind="stable")][:self.max_swaps]
@@ -104,7 +183,7 @@ class ExpertCache:
         if not ids:
             return 0
         for old in evicted:          # 1. victims back to the arena, in stream order
-            self.table_host[old] = self.arena.blob_ptr[old]
+            self.table_host[old] = self.home(old)
             self.slot_of[old] = -1
         for s in slots:
             self.owner[s] = -1
@@ -114,10 +193,12 @@ class ExpertCache:
         ev.record(stream)
         self.copy_stream.wait_event(ev)
         for g, s in zip(ids, slots):         # 2. copies on the side stream
-            cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), int(self.arena.blob_ptr[g]), self.stride,
+            cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), int(self.table_host[g]), self.stride,
                                         cp.cuda.runtime.memcpyDefault, self.copy_stream.ptr)
         done = cp.cuda.Event(disable_timing=True)
         done.record(self.copy_stream)
+        if self.source is not None:          # a staged source slot is not refilled before its copy is done
+            self.source.fence(ids, done)
         self._pending = (done, ids, slots)
         self.swaps += len(ids)
         self.bytes_swapped += len(ids) * self.stride

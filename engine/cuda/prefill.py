@@ -123,10 +123,13 @@ class Prefill:
         out = cp.zeros((T, c.n_embd), dtype=cp.float32)
         for e in np.unique(ids_h):
             t_idx, j_idx = np.nonzero(ids_h == e)
-            addr = int(cache.table_host[li * c.n_expert + int(e)])
+            g = li * c.n_expert + int(e)
+            stream = cp.cuda.get_current_stream()
+            addr = cache.read_begin(g, stream)      # staged from the file first in the memory modes
             Wg = self.dequant(addr, lay.qt_gate_up, lay.rb_gate_up, lay.n_ff, lay.n_embd)
             Wu = self.dequant(addr + lay.up_off, lay.qt_gate_up, lay.rb_gate_up, lay.n_ff, lay.n_embd)
             Wd = self.dequant(addr + lay.down_off, lay.qt_down, lay.rb_down, lay.n_embd, lay.n_ff)
+            cache.read_end(g, stream)
             ti = cp.asarray(t_idx)
             xe = xn[ti]
             g = xe @ Wg.T

@@ -1,0 +1,172 @@
+"""The CUDA backend's memory modes, wired together: --mmap-experts (no expert pinned up front) and
+--resident-budget-gib N (the hottest N GiB pinned, DESIGN §6's profile order, else router-row norms).
+
+`MemoryMode.plan()` decides which experts the arena pins; `attach_*()` give the expert cache its source (the file
+through a pinned staging LRU, engine/cuda/expert_source.py), the decode step its per-layer form
+(engine/cuda/decode_paged.py), and the prompt passes a way to stage what they read. The backend only calls these.
+"""
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from engine.cuda.arena import PinnedBuffer
+from engine.cuda.decode_paged import PagedDecode
+from engine.cuda.expert_source import (GiB, MiB, ExpertSource, merged_order, pinned_mask, router_norm_order,
+                                       staging_slots)
+from engine.profile import load_profile
+
+RING_BATCH_MAX = 64       # engine/cuda/ring.py BATCH_MAX: one ring batch is staged at once
+
+
+def _event(stream):
+    ev = cp.cuda.Event(disable_timing=True)
+    ev.record(stream)
+    return ev
+
+
+class MemoryMode:
+    def __init__(self, name: str, pinned: np.ndarray, budget_gib: float | None):
+        self.name = name                   # "mmap" | "budget"
+        self.pinned = pinned
+        self.budget_gib = budget_gib
+        self.source = self.buffer = self.paged = self.cache = None
+        self._base = (0, 0, 0)             # the source's counters at reset_stats
+
+    @classmethod
+    def plan(cls, model, opts, layout, log):
+        """None when every expert is pinned (no mode, or a budget that holds them all)."""
+        if not model.config.is_moe or not (opts.mmap_experts or opts.resident_budget_gib is not None):
+            if opts.mmap_experts or opts.resident_budget_gib is not None:
+                log("memory mode: the model has no experts, so --mmap-experts / --resident-budget-gib change nothing")
+            return None
+        cfg = model.config
+        n_total = cfg.n_layer * cfg.n_expert
+        budget = 0.0 if opts.mmap_experts else float(opts.resident_budget_gib) * GiB
+        if budget >= n_total * layout.stride:
+            log(f"memory mode: the budget of {opts.resident_budget_gib:g} GiB holds all "
+                f"{n_total * layout.stride / GiB:.2f} GiB of experts: every expert is pinned")
+            return None
+        first, src = None, "router-row norms (no --expert-profile)"
+        if opts.expert_profile:
+            first = load_profile(opts.expert_profile, cfg.n_layer, cfg.n_expert).flat_order()
+            src = f"profile {opts.expert_profile}, then router-row norms"
+        order = merged_order(n_total, first, router_norm_order(model)) if budget else np.arange(n_total)
+        mask = pinned_mask(n_total, layout.stride, budget, order)
+        name = "mmap" if opts.mmap_experts else "budget"
+        what = (f"{int(mask.sum())} of {n_total} experts pinned ({mask.sum() * layout.stride / GiB:.2f} GiB, "
+                f"hottest by {src})" if budget else f"no expert pinned, all {n_total} read from the file")
+        log(f"memory mode {name}: {what}; the rest are read from {model.path.name} through the OS file cache")
+        return cls(name, mask, opts.resident_budget_gib)
+
+    # --- wiring ----------------------------------------------------------------------------------------------
+    def attach_cache(self, model, arena, cache, stream, opts, log):
+        cfg = model.config
+        ring_batch = RING_BATCH_MAX if opts.prefill == "streamed" else 0
+        n = staging_slots(cfg.n_layer, cfg.n_expert_used, arena.layout.stride, int((~self.pinned).sum()),
+                          ring_batch, getattr(opts, "staging_slots", None))
+        try:
+            self.buffer = PinnedBuffer(n * arena.layout.stride)
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            from engine.cuda.expert_source import StagingError
+            raise StagingError(f"pinning {n * arena.layout.stride / MiB:.0f} MiB of host memory for the expert "
+                               f"staging ring failed ({e}); free RAM, or lower --resident-budget-gib") from None
+        self.source = ExpertSource(model, arena.layout, arena.blob_ptr, n,
+                                   alloc=lambda nbytes: (self.buffer.view, self.buffer.dptr),
+                                   on_evict=lambda g: self.cache.on_evict(g, stream), log=log)
+        self.attach_new_cache(cache)
+        log(f"expert staging ring: {n} slots ({self.source.nbytes / MiB:.0f} MiB pinned)")
+
+    def attach_new_cache(self, cache):
+        self.cache = cache
+        cache.set_source(self.source)
+
+    def attach_step(self, step, use_graphs: bool):
+        self.paged = PagedDecode(step, self.cache, self.source, lambda: _event(step.stream), use_graphs)
+
+    def attach_prefill(self, prefill):
+        """The streamed pass's ring copies file-only experts from staging slots (StagedCopies)."""
+        if getattr(prefill, "dev", None) is not None:
+            prefill.dev = StagedCopies(prefill.dev, self.cache)
+
+    # --- stats -----------------------------------------------------------------------------------------------
+    def reset_stats(self):
+        s = self.source
+        self._base = (s.file_blobs, s.file_bytes, self.paged.decode_file_blobs if self.paged else 0)
+
+    def stats(self, hits: int, lookups: int) -> tuple[int, int, float]:
+        """(ram_blobs, file_blobs, file_mb) since reset_stats: decode misses served from pinned RAM; experts read
+        from the file by the prompt pass and decode (as the NumPy backend counts them)."""
+        s = self.source
+        fb, fbytes, dfb = (s.file_blobs - self._base[0], s.file_bytes - self._base[1],
+                           (self.paged.decode_file_blobs if self.paged else 0) - self._base[2])
+        return max(0, lookups - hits - dfb), fb, fbytes / MiB
+
+    def info(self) -> dict:
+        out = {"memory": self.name, "experts_pinned": int(self.pinned.sum())}
+        if self.source is not None:
+            out["staging_mib"] = int(self.source.nbytes / MiB)
+        return out
+
+    def close(self):
+        if self.paged is not None:
+            self.paged.close()
+        if self.source is not None:
+            self.source.close()
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+
+
+class StagedCopies:
+    """A ring Device (engine/cuda/ring.py) whose copies from a staged slot keep that slot until the batch's copy
+    event: the ring asks for a source per item (cache.ring_source stages and pins it), and the event the ring
+    records on its copy stream after the batch releases the pins."""
+
+    def __init__(self, dev, cache):
+        self.dev, self.cache = dev, cache
+        self.copy_stream, self.compute_stream = dev.copy_stream, dev.compute_stream
+        self._pinned: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.dev, name)
+
+    def source_of(self, layer: int, e: int) -> int:
+        cache = self.cache
+        g = layer * cache.n_expert + e
+        if cache.source is None or not cache.source.file_only[g]:
+            return int(cache.arena.blob_ptr[g])
+        (a,), _ = cache.stage([g], self.compute_stream)
+        self._pinned.append(g)
+        return a
+
+    def copy(self, stream, dst, src, nbytes):
+        self.dev.copy(stream, dst, src, nbytes)
+
+    def record(self, stream, ev):
+        self.dev.record(stream, ev)
+        if stream is self.copy_stream and self._pinned:
+            self.cache.source.release(self._pinned, ev)
+            self._pinned = []
+
+
+def routed_group(cache, li: int, ids, stream):
+    """The streamed pass's in-place expert group of layer li in the memory modes (chunks that do not use the ring):
+    only the routed experts, the file-only ones staged and pinned, so no kernel is handed a 0 address. Waits for the
+    router. Returns (sel, ptrs, n) and a function to call once the group's kernels are enqueued."""
+    from engine.cuda.decode import U64
+    E = cache.n_expert
+    es = np.unique(np.asarray(ids.get(stream=stream)).ravel()).astype(np.int64)
+    gs = li * E + es
+    need = gs[(cache.slot_of[gs] < 0) & cache.source.file_only[gs]]
+    if len(need):
+        cache.stage(need, stream)
+    with stream:
+        sel = cp.asarray(es.astype(np.int32))
+        ptrs = cp.asarray(cache.table_host[gs])
+    cache.routed_group = (sel, ptrs)          # alive until the next layer's group replaces them
+
+    def done():
+        if len(need):
+            cache.source.release(need, _event(stream))
+    return (U64(sel.data.ptr), U64(ptrs.data.ptr), len(es)), done
