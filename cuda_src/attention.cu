@@ -2,6 +2,7 @@
 // context still fills the GPU: attn_partial writes each split's running max, sum and weighted V; attn_combine
 // merges them. The number of positions is read from device state, so a captured graph serves every step.
 #include "common.cuh"
+#include "kv_int8.cuh"
 
 #define ATT_MAX_DPL 8   // head_dim up to 256 (8 values per lane)
 
@@ -446,4 +447,57 @@ attn_gqa_i8(const float* __restrict__ q, const signed char* __restrict__ kq, con
             int group, int head_dim, int max_ctx, float scale) {
     attn_gqa_body<true>(q, reinterpret_cast<const unsigned char*>(kq), reinterpret_cast<const unsigned char*>(vq), ks,
                         vs, state, n_fixed, part, counters, out, n_head_kv, group, head_dim, max_ctx, scale);
+}
+
+// norm_rope.cu's qk_rope_store for the int8 cache: the same optional q/k RMSNorm and RoPE (rotated q back into q),
+// K and V quantized into kv_int8.cuh's layout at position pos0 + t (+ state[1] when pos_dev is given).
+// Grid (n_head + 2 * n_head_kv, T), blockDim.x = head_dim (a multiple of 32, <= 256).
+extern "C" __global__ void qk_rope_store_kv8(float* __restrict__ q, const float* __restrict__ k,
+                                             const float* __restrict__ v, const float* __restrict__ q_norm,
+                                             const float* __restrict__ k_norm, const float2* __restrict__ rope_cs,
+                                             const int* __restrict__ pos_dev, int pos0, signed char* __restrict__ kq,
+                                             float* __restrict__ ks, signed char* __restrict__ vq,
+                                             float* __restrict__ vs, int n_head, int n_head_kv, int head_dim,
+                                             int n_rot, int neox, float eps, int max_ctx) {
+    __shared__ float buf[32];
+    __shared__ float hv[256];
+    const int t = blockIdx.y, hb = blockIdx.x, d = threadIdx.x;
+    const int pos = pos0 + t + (pos_dev ? pos_dev[1] : 0);
+    const int qw = n_head * head_dim, kw = n_head_kv * head_dim;
+    if (hb >= n_head + n_head_kv) {
+        const int h = hb - n_head - n_head_kv;
+        kv8_store(v[(long long)t * kw + h * head_dim + d], vq, vs, (long long)h * max_ctx + pos, d, head_dim);
+        return;
+    }
+    const bool is_q = hb < n_head;
+    const int h = is_q ? hb : hb - n_head;
+    const float* src = is_q ? q + (long long)t * qw + h * head_dim : k + (long long)t * kw + h * head_dim;
+    float val = src[d];
+    const float* nw = is_q ? q_norm : k_norm;
+    if (nw) {
+        const float s = block_sum(val * val, buf);
+        val = val * rsqrtf(s / head_dim + eps) * nw[d];
+    }
+    hv[d] = val;
+    __syncthreads();
+    if (d < n_rot) {
+        const int half_rot = n_rot / 2;
+        int i, partner;
+        float sign;
+        if (neox) {
+            i = d < half_rot ? d : d - half_rot;
+            partner = d < half_rot ? d + half_rot : d - half_rot;
+            sign = d < half_rot ? -1.f : 1.f;
+        } else {
+            i = d / 2;
+            partner = d ^ 1;
+            sign = (d & 1) ? 1.f : -1.f;
+        }
+        const float2 cs = rope_cs[(long long)pos * half_rot + i];
+        val = hv[d] * cs.x + sign * hv[partner] * cs.y;
+    }
+    if (is_q)
+        q[(long long)t * qw + h * head_dim + d] = val;
+    else
+        kv8_store(val, kq, ks, (long long)h * max_ctx + pos, d, head_dim);
 }

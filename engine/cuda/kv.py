@@ -3,8 +3,9 @@
 Layouts, per layer (the kernels take one layer's addresses):
 - f16:  K and V (n_head_kv, max_ctx, head_dim) fp16. `layer(i) -> (k, v)`.
 - int8: K and V (n_head_kv, max_ctx, head_dim) int8 plus their scales (n_head_kv, max_ctx, head_dim / 32) fp32,
-  value = scale * q with one scale per 32 values (absmax / 127). `layer_i8(i) -> (k_q, k_scale, v_q, v_scale)`, the
-  argument order of cuda_src/prefill_attn.cu's qk_rope_store_i8 / flash_attn_i8 and attention.cu's attn_gqa_i8.
+  value = scale * q with one scale per 32 values (absmax / 127; cuda_src/kv_int8.cuh). `layer_i8(i) -> (k_q, k_scale,
+  v_q, v_scale)`, the argument order of attention.cu's qk_rope_store_kv8 / attn_gqa_i8 (and prefill_attn.cu's
+  qk_rope_store_i8 / flash_attn_i8).
   A row is head_dim + head_dim / 8 bytes instead of 2 * head_dim: 56% of the fp16 cache.
 """
 from __future__ import annotations
@@ -125,10 +126,6 @@ class DecodeAttention:
         self.counters = cp.zeros(cfg.n_head_kv, dtype=cp.int32)
         # past 48 KiB (head_dim 256) a block must opt in; set before any capture, harmless below
         kernels(self.name).max_dynamic_shared_size_bytes = self.smem
-        if kv.dtype == "int8":
-            # the streamed prompt pass's int8 store (prefill_attn.cu), so both passes write one layout
-            from engine.cuda.kernels import function
-            self._store_i8 = function("prefill_attn", "qk_rope_store_i8")
 
     def store(self, k, li, q, kk, v, q_norm, k_norm, rope, state, pos0: int = 0, T: int = 1) -> None:
         """q/k RMS norms and RoPE; rotated q back into q, K and V of T tokens at positions pos0 + t (+ state[1] when
@@ -142,7 +139,7 @@ class DecodeAttention:
             kc, vc = self.kv.layer(li)
             k("qk_rope_store")(grid, blk, (*head, U64(kc), U64(vc), *tail))
         else:
-            self._store_i8(grid, blk, (*head, *(U64(a) for a in self.kv.layer_i8(li)), *tail))
+            k("qk_rope_store_kv8")(grid, blk, (*head, *(U64(a) for a in self.kv.layer_i8(li)), *tail))
 
     def attend(self, k, li, q, out, state, scale, n_fixed: int = 0) -> None:
         """out (n_head * head_dim) = softmax(q K^T * scale) V over positions 0 .. state[1] (0 .. n_fixed - 1 when state
