@@ -262,7 +262,7 @@ def test_graph_replayed_at_increasing_positions(K, dtype, hd, group, neox, norm,
 @pytest.mark.parametrize("hd,n_rot,neox,norm", [(64, 64, 0, True), (96, 64, 1, False), (128, 128, 1, True),
                                                 (256, 128, 0, True)])
 def test_int8_store_of_a_chunk(K, hd, n_rot, neox, norm):
-    """qk_rope_store_kv8 for T tokens at pos0 + t (no device position): the layout a prompt pass writes too."""
+    """KVCache.store (qk_rope_store_kv8) of T tokens at pos0 + t, no device position: as a prompt pass calls it."""
     rng = np.random.default_rng()
     n_kv, group, T, pos0, max_ctx, li = 2, 3, 5, 7, 16, 1
     cfg = cfg_of(n_kv, group, hd, n_rot=n_rot, rope_type="neox" if neox else "norm")
@@ -271,7 +271,6 @@ def test_int8_store_of_a_chunk(K, hd, n_rot, neox, norm):
     kv.v.fill(0x55)
     kv.k_scale.fill(np.nan)
     kv.v_scale.fill(np.nan)
-    att = DecodeAttention(K, cfg, kv)
     hq = rng.standard_normal((T, cfg.n_head * hd)).astype(np.float32)
     hk = rng.standard_normal((T, n_kv * hd)).astype(np.float32)
     hv = (rng.standard_normal((T, n_kv * hd)) * rng.uniform(0.01, 10, size=(T, 1))).astype(np.float32)
@@ -279,8 +278,8 @@ def test_int8_store_of_a_chunk(K, hd, n_rot, neox, norm):
     kn = rng.standard_normal(hd).astype(np.float32) if norm else None
     cs = np.stack([np.cos(a := rng.uniform(0, 6, size=(max_ctx, n_rot // 2))), np.sin(a)], -1).astype(np.float32)
     q = cp.asarray(hq)
-    att.store(K, li, q, cp.asarray(hk), cp.asarray(hv), None if qn is None else cp.asarray(qn),
-              None if kn is None else cp.asarray(kn), cp.asarray(cs), None, pos0=pos0, T=T)
+    kv.store(K, cfg, li, q, cp.asarray(hk), cp.asarray(hv), None if qn is None else cp.asarray(qn),
+             None if kn is None else cp.asarray(kn), cp.asarray(cs), None, pos0=pos0, T=T)
     for t in range(T):
         p = pos0 + t
         qr = _norm_rope(hq[t].reshape(-1, hd), qn, cs[p], n_rot, neox)

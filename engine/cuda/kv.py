@@ -64,6 +64,22 @@ class KVCache:
                              "or use layer_i8() for the int8 layout")
         return int(self.k[i].data.ptr), int(self.v[i].data.ptr)
 
+    def store(self, k, cfg, li, q, kk, v, q_norm, k_norm, rope, state=None, pos0: int = 0, T: int = 1) -> None:
+        """The step between the Q/K/V projections and attention, for T tokens at positions pos0 + t (+ state[1] when
+        state, a device int32 array, is given): optional q/k RMSNorm and RoPE (rotated q written back into q), K and
+        V into layer li in this cache's layout. q: (T, n_head * head_dim), kk, v: (T, n_head_kv * head_dim) fp32;
+        rope: (max_ctx, n_rot / 2) float2 (cos, sin). k: the engine's kernel table (programs.Kernels)."""
+        c = cfg
+        grid, blk = (c.n_head + 2 * c.n_head_kv, T), (c.head_dim,)
+        head = (_ptr(q), _ptr(kk), _ptr(v), _ptr(q_norm), _ptr(k_norm), _ptr(rope), _ptr(state), I32(pos0))
+        tail = (I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(c.n_rot), I32(1 if c.rope_type == "neox" else 0),
+                F32(c.rms_eps), I32(self.max_ctx))
+        if self.dtype == "f16":
+            kc, vc = self.layer(li)
+            k("qk_rope_store")(grid, blk, (*head, U64(kc), U64(vc), *tail))
+        else:
+            k("qk_rope_store_kv8")(grid, blk, (*head, *(U64(a) for a in self.layer_i8(li)), *tail))
+
     def layer_i8(self, i: int) -> tuple[int, int, int, int]:
         """(k_q, k_scale, v_q, v_scale) addresses of layer i's int8 cache."""
         if self.dtype != "int8":
@@ -127,19 +143,9 @@ class DecodeAttention:
         # past 48 KiB (head_dim 256) a block must opt in; set before any capture, harmless below
         kernels(self.name).max_dynamic_shared_size_bytes = self.smem
 
-    def store(self, k, li, q, kk, v, q_norm, k_norm, rope, state, pos0: int = 0, T: int = 1) -> None:
-        """q/k RMS norms and RoPE; rotated q back into q, K and V of T tokens at positions pos0 + t (+ state[1] when
-        state is given) into layer li's cache. q: (T, n_head * head_dim), kk, v: (T, n_head_kv * head_dim) fp32."""
-        c = self.cfg
-        grid, blk = (c.n_head + 2 * c.n_head_kv, T), (c.head_dim,)
-        head = (_ptr(q), _ptr(kk), _ptr(v), _ptr(q_norm), _ptr(k_norm), _ptr(rope), _ptr(state), I32(pos0))
-        tail = (I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(c.n_rot), I32(1 if c.rope_type == "neox" else 0),
-                F32(c.rms_eps), I32(self.kv.max_ctx))
-        if self.kv.dtype == "f16":
-            kc, vc = self.kv.layer(li)
-            k("qk_rope_store")(grid, blk, (*head, U64(kc), U64(vc), *tail))
-        else:
-            k("qk_rope_store_kv8")(grid, blk, (*head, *(U64(a) for a in self.kv.layer_i8(li)), *tail))
+    def store(self, k, li, q, kk, v, q_norm, k_norm, rope, state) -> None:
+        """K/V of this step's token at position state[1] (KVCache.store)."""
+        self.kv.store(k, self.cfg, li, q, kk, v, q_norm, k_norm, rope, state)
 
     def attend(self, k, li, q, out, state, scale, n_fixed: int = 0) -> None:
         """out (n_head * head_dim) = softmax(q K^T * scale) V over positions 0 .. state[1] (0 .. n_fixed - 1 when state
