@@ -312,3 +312,19 @@ def test_done_carries_ram_and_file_blobs():
     Session(StatsBackend(st), eog_ids=()).run(protocol.GenRequest(2, [1, 2]), lines.append, threading.Event())
     done = protocol.parse_done(lines[-1])
     assert (done.hits, done.lookups, done.ram_blobs, done.file_blobs, done.file_mb) == (5, 12, 4, 3, 2.5)
+
+
+# --- the flags ---------------------------------------------------------------------------------------------------
+def test_worker_refuses_both_memory_flags_and_bad_budgets(fixtures_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    model = str(fixtures_dir / "reference" / f"{MODEL}.gguf")
+    for flags, says in ((["--mmap-experts", "--resident-budget-gib", "1"], "not allowed with"),
+                        (["--resident-budget-gib", "-1"], "size in GiB"),
+                        (["--resident-budget-gib", "lots"], "size in GiB")):
+        p = subprocess.run([sys.executable, str(root / "strata_worker.py"), "--model", model, "--backend", "cpu",
+                            *flags], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert p.returncode == 2 and says in p.stderr, (flags, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1

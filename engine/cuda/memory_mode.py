@@ -14,9 +14,9 @@ from engine.cuda.arena import PinnedBuffer
 from engine.cuda.decode_paged import PagedDecode
 from engine.cuda.expert_source import (GiB, MiB, ExpertSource, merged_order, pinned_mask, router_norm_order,
                                        staging_slots)
+from engine.cuda.ring import BATCH_MAX as RING_BATCH_MAX
 from engine.profile import load_profile
 
-RING_BATCH_MAX = 64       # engine/cuda/ring.py BATCH_MAX: one ring batch is staged at once
 
 
 def _event(stream):
@@ -62,7 +62,8 @@ class MemoryMode:
     # --- wiring ----------------------------------------------------------------------------------------------
     def attach_cache(self, model, arena, cache, stream, opts, log):
         cfg = model.config
-        ring_batch = RING_BATCH_MAX if opts.prefill == "streamed" else 0
+        # a ring batch is at most half the ring, and the ring holds at most every expert
+        ring_batch = min(RING_BATCH_MAX, cfg.n_layer * cfg.n_expert // 2) if opts.prefill == "streamed" else 0
         n = staging_slots(cfg.n_layer, cfg.n_expert_used, arena.layout.stride, int((~self.pinned).sum()),
                           ring_batch, getattr(opts, "staging_slots", None))
         try:
@@ -109,6 +110,7 @@ class MemoryMode:
         return out
 
     def close(self):
+        cp.cuda.Device().synchronize()      # no copy (the cache's side stream included) still reads a staging slot
         if self.paged is not None:
             self.paged.close()
         if self.source is not None:

@@ -1,0 +1,152 @@
+"""The CUDA backend's memory modes against the NumPy reference: --mmap-experts (no expert pinned) and
+--resident-budget-gib (about half the experts pinned), with the VRAM cache holding all, half and none of the experts,
+through the batched and the streamed prompt pass: teacher-forced logits within 1e-2 relative, greedy tokens equal over
+64 steps, DONE's file blobs when experts come from the file; and the worker taking the flags end to end."""
+import json
+import re
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+from engine import protocol  # noqa: E402
+from engine.backend_cpu import CPUBackend  # noqa: E402
+from engine.gguf_model import open_model  # noqa: E402
+from engine.session import Session  # noqa: E402
+from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
+
+CTX = 256
+N_GREEDY = 64
+MODELS = ("tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed")     # the second has a shared expert and mixed quant types
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(fixtures_dir):
+    out = {}
+    for name in MODELS:
+        model = open_model(fixtures_dir / "reference" / f"{name}.gguf")
+        case = json.loads((fixtures_dir / "reference" / f"{name}.json").read_text())["cases"][0]
+        cpu = CPUBackend(model, CTX)
+        prompt = list(case["prompt_ids"])
+        logits = [cpu.forward(prompt)]
+        toks = []
+        for _ in range(N_GREEDY):
+            toks.append(int(np.argmax(logits[-1])))
+            logits.append(cpu.forward([toks[-1]]))
+        cpu.close()
+        out[name] = (model, prompt, toks, np.stack(logits[:-1]))
+    return out
+
+
+def half_budget_gib(model):
+    from engine.cuda.arena import blob_layout
+    cfg = model.config
+    return (cfg.n_layer * cfg.n_expert // 2) * blob_layout(model).stride / 2**30
+
+
+def backend(model, mode, share, prefill, **extra):
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    cfg = model.config
+    total = cfg.n_layer * cfg.n_expert
+    opts = dict(expert_slots={"none": 0, "half": total // 2, "all": total}[share], adapt_every=4, prefill=prefill)
+    if prefill == "streamed":
+        opts["stream_min"] = 1           # every chunk through the ring (short prompts otherwise read in place)
+    if mode == "mmap":
+        opts["mmap_experts"] = True
+    else:
+        opts["resident_budget_gib"] = half_budget_gib(model)
+    opts.update(extra)
+    return CUDABackend(model, CTX, CudaOptions(**opts))
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("prefill", ["batched", "streamed"])
+@pytest.mark.parametrize("share", ["none", "half", "all"])
+@pytest.mark.parametrize("mode", ["mmap", "budget"])
+def test_memory_mode_matches_cpu(cpu_runs, name, mode, share, prefill):
+    model, prompt, toks, cpu_logits = cpu_runs[name]
+    cfg = model.config
+    total = cfg.n_layer * cfg.n_expert
+    be = backend(model, mode, share, prefill)
+    try:
+        info = be.info()
+        assert info["memory"] == mode
+        assert info["experts_pinned"] == (0 if mode == "mmap" else total // 2)
+        assert info["arena_mib"] == int(info["experts_pinned"] * be.layout.stride / MiB)
+        assert info["staging_mib"] > 0
+        # teacher-forced through the prompt pass, then the same positions through the decode step
+        seq = prompt + toks[:-1]
+        lg = be.forward(seq, all_logits=True)[len(prompt) - 1:]
+        assert np.isfinite(lg).all()
+        assert rel_rows(lg, cpu_logits).max() < 1e-2
+        be.truncate(len(prompt))
+        dec = np.stack([be.forward([t]) for t in toks[:-1]])
+        assert rel_rows(dec, cpu_logits[1:]).max() < 1e-2
+        # greedy from a fresh cache position, the stats of that request
+        be.truncate(0)
+        be.reset_stats()
+        assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, cpu_logits)
+        st = be.get_stats()
+        assert st.lookups == (N_GREEDY - 1) * cfg.n_layer * cfg.n_expert_used
+        assert 0 <= st.ram_blobs <= st.lookups - st.hits
+        assert st.file_mb == pytest.approx(st.file_blobs * be.layout.nbytes / MiB)
+        if share == "all":
+            assert st.hits == st.lookups and be.mem.paged.paged_steps == 0
+        else:
+            assert be.mem.paged.paged_steps > 0 or be.cache.reachable()
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("mode", ["mmap", "budget"])
+def test_small_staging_ring_thrashes_and_stays_right(cpu_runs, mode):
+    """Three staging slots (one layer's top-2 plus one): nearly every file-only expert is read again each step."""
+    model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
+    be = backend(model, mode, "none", "batched", staging_slots=3, adapt_every=0)
+    try:
+        be.reset_stats()
+        assert_same_greedy(greedy(be, prompt, 32), toks[:32], cpu_logits)
+        st = be.get_stats()
+        assert st.hits == 0 and st.file_blobs > 0
+        if mode == "mmap":      # 8 routed experts a step, none pinned, 3 slots: at least 5 reads every step
+            assert st.file_blobs >= 5 * 31
+        assert be.mem.source.lru.pins.sum() == 0
+    finally:
+        be.close()
+
+
+def test_done_reports_file_blobs_with_the_cache_empty(cpu_runs):
+    model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
+    be = backend(model, "mmap", "none", "batched", adapt_every=0)
+    try:
+        lines = []
+        done = Session(be, eog_ids=()).run(protocol.GenRequest(16, prompt), lines.append)
+        assert done is not None and protocol.parse_done(lines[-1]) == done
+        assert done.hits == 0 and done.file_blobs > 0
+        assert done.file_mb == pytest.approx(done.file_blobs * be.layout.nbytes / MiB, abs=0.05)
+        assert done.ram_blobs <= done.lookups
+        assert [int(t.split()[1]) for t in lines if t.startswith("T ")] == toks[:16]
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("flags", [["--mmap-experts"], ["--resident-budget-gib", "0.002"]])
+def test_worker_takes_the_memory_flags(fixtures_dir, flags):
+    from test_worker_protocol import PROMPT, Worker, gen, shape
+    w = Worker(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf", "--backend", "cuda", "--expert-slots", "0",
+               *flags)
+    try:
+        mode = "mmap" if flags[0] == "--mmap-experts" else "budget"
+        assert w.info["memory"] == mode
+        assert int(w.info["arena_mib"]) < 4 and int(w.info["staging_mib"]) >= 0
+        lines = w.request(gen(6, PROMPT))
+        assert re.fullmatch(r"RESUME( PP)+ REUSED( T)* DONE", shape(lines)), lines
+        done = protocol.parse_done(lines[-1])
+        assert done.hits == 0 and done.file_blobs > 0
+        assert w.quit() == 0
+    finally:
+        w.kill()
