@@ -1,13 +1,16 @@
 """Decode speed of the CUDA engine at several VRAM budgets, with the ceilings next to each figure.
 
     python -m bench.decode [--model data/models/qwen3-30b-a3b-q4k-g3.gguf] [--budgets all,24,16,12,8]
-                           [--prompt 512] [--new 256] [--out bench.json]
+                           [--prompt 512] [--new 256] [--prefetch on|off|both] [--out bench.json]
 
 Makes the Qwen3-30B-A3B-shaped Q4_K model with tools/make_moe.py when it is not there (timed). One backend process:
 the pinned arena is filled once, and the VRAM expert cache is rebuilt for each budget (--vram-budget-mib semantics:
 everything the worker takes, weights and KV included). Per budget: a learning pass (prompt + decode, the adaptive
 tier running), then the measured pass on a fresh random prompt. Ceilings: PCIe-bound = expert bytes missed per token
 over 51 GB/s (DESIGN §5's in-place read rate); HBM-bound = bytes touched per token over 4.4 TB/s.
+With the next-layer prefetch (engine/cuda/prefetch.py): its prediction accuracy, the MB per token it copied and the
+share of them wasted (never routed), and the bytes that really crossed the link (misses read in place + copies).
+--prefetch both measures each budget twice, on and off.
 """
 from __future__ import annotations
 
@@ -76,7 +79,8 @@ def run_pass(be, rng, n_prompt: int, n_new: int):
         tok = be.next_token([tok], s)
     t2 = time.perf_counter()
     st = be.get_stats()
-    return dict(prompt_s=t1 - t0, decode_s=t2 - t1, steps=n_new - 1, hits=st.hits, lookups=st.lookups)
+    return dict(prompt_s=t1 - t0, decode_s=t2 - t1, steps=n_new - 1, hits=st.hits, lookups=st.lookups,
+                prefetch=be.prefetch_stats())
 
 
 def main(argv=None):
@@ -87,6 +91,8 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--adapt-every", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prefetch", choices=("on", "off", "both"), default=None,
+                    help="next-layer expert prefetch (default: the engine's default); both: each budget on and off")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="time each kind of kernel in the step graph (default on)")
@@ -101,7 +107,9 @@ def main(argv=None):
         facts["model_make_s"] = round(make_model(a.model), 1)
     model = open_model(a.model)
     t0 = time.perf_counter()
-    be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True))
+    modes = ["on", "off"] if a.prefetch == "both" else [a.prefetch]
+    be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True,
+                                                               prefetch=modes[0]))
     facts["load_s"] = round(time.perf_counter() - t0, 1)
     facts["arena_gib"] = round(be.arena.nbytes / 2**30, 2)
     facts["arena_fill_gib_s"] = round(be.arena.nbytes / 2**30 / be.arena.fill_seconds, 1)
@@ -113,8 +121,9 @@ def main(argv=None):
 
     rows = []
     rng = np.random.default_rng(a.seed)
-    for b in a.budgets.split(","):
+    for b, mode in ((b, mode) for b in a.budgets.split(",") for mode in modes):
         mib = None if b == "all" else int(float(b) * 1024)
+        be.opts.prefetch = mode
         slots = be.resize_expert_cache(vram_budget_mib=mib)
         used_mib = cp.get_default_memory_pool().total_bytes() / 2**20
         learn = run_pass(be, rng, a.prompt, a.new)
@@ -123,6 +132,11 @@ def main(argv=None):
         hit = m["hits"] / max(m["lookups"], 1)
         miss_bytes = (m["lookups"] - m["hits"]) * blob / m["steps"]
         pcie_ceiling = PCIE_BPS / miss_bytes if miss_bytes else float("inf")
+        ps = m["prefetch"]
+        pre = ps.summary(blob, m["steps"]) if ps else dict(pred_accuracy=None, prefetch_mb_per_token=0.0,
+                                                          prefetch_wasted=None)
+        # what crossed the link: misses not served from a prefetched copy, read in place, plus every copy
+        link_bytes = miss_bytes + ((ps.staged - ps.used) * blob / m["steps"] if ps else 0.0)
         hbm_ceiling = HBM_BPS / touched
         rows.append(dict(budget=b, slots=slots, experts_total=be.cache.n_total, vram_used_mib=round(used_mib),
                          tok_s=round(tps, 1), hit_rate=round(hit, 4), learn_hit_rate=round(
@@ -130,7 +144,9 @@ def main(argv=None):
                          pcie_mb_per_token=round(miss_bytes / 1e6, 2), pcie_gbps=round(miss_bytes * tps / 1e9, 1),
                          pcie_ceiling_tok_s=round(pcie_ceiling, 1), hbm_ceiling_tok_s=round(hbm_ceiling, 1),
                          of_pcie_ceiling=round(tps / pcie_ceiling, 3), of_hbm_ceiling=round(tps / hbm_ceiling, 3),
-                         prompt_tok_s=round(a.prompt / m["prompt_s"], 1), swaps=be.cache.swaps))
+                         prompt_tok_s=round(a.prompt / m["prompt_s"], 1), swaps=be.cache.swaps,
+                         prefetch="on" if ps else "off", **pre, link_mb_per_token=round(link_bytes / 1e6, 2),
+                         link_gbps=round(link_bytes * tps / 1e9, 1)))
         if a.profile:
             rows[-1]["profile_us"] = {k: round(v, 1) for k, v in be.step.profile().items()}
         print(f"bench.decode: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
@@ -139,19 +155,22 @@ def main(argv=None):
         a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
     print(f"model {a.model.name}: prompt {a.prompt}, {a.new} new tokens, ceilings PCIe {PCIE_BPS / 1e9:.0f} GB/s, "
           f"HBM {HBM_BPS / 1e12:.1f} TB/s; {json.dumps(facts)}")
-    print("| budget GiB | slots | hit rate | tok/s | PCIe MB/tok | PCIe GB/s | PCIe ceiling | of it | HBM ceiling "
-          "| of it | prompt tok/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| budget GiB | prefetch | slots | hit rate | tok/s | PCIe MB/tok | PCIe GB/s | PCIe ceiling | of it "
+          "| HBM ceiling | of it | prompt tok/s | pred acc | prefetch MB/tok | wasted | link MB/tok | link GB/s |")
+    print("| --- | --- |" + " ---: |" * 15)
+    opt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
-        print(f"| {r['budget']} | {r['slots']}/{r['experts_total']} | {r['hit_rate']:.3f} | {r['tok_s']:.1f} | "
-              f"{r['pcie_mb_per_token']:.1f} | {r['pcie_gbps']:.1f} | {r['pcie_ceiling_tok_s']:.0f} | "
-              f"{r['of_pcie_ceiling']:.2f} | {r['hbm_ceiling_tok_s']:.0f} | {r['of_hbm_ceiling']:.2f} | "
-              f"{r['prompt_tok_s']:.0f} |")
+        print(f"| {r['budget']} | {r['prefetch']} | {r['slots']}/{r['experts_total']} | {r['hit_rate']:.3f} | "
+              f"{r['tok_s']:.1f} | {r['pcie_mb_per_token']:.1f} | {r['pcie_gbps']:.1f} | "
+              f"{r['pcie_ceiling_tok_s']:.0f} | {r['of_pcie_ceiling']:.2f} | {r['hbm_ceiling_tok_s']:.0f} | "
+              f"{r['of_hbm_ceiling']:.2f} | {r['prompt_tok_s']:.0f} | {opt(r['pred_accuracy'], '.3f')} | "
+              f"{r['prefetch_mb_per_token']:.1f} | {opt(r['prefetch_wasted'], '.2f')} | "
+              f"{r['link_mb_per_token']:.1f} | {r['link_gbps']:.1f} |")
     prof = [r for r in rows if "profile_us" in r]
     if prof:
-        kinds = list(prof[0]["profile_us"])
+        kinds = list(dict.fromkeys(k for r in prof for k in r["profile_us"]))
         print("\nmicroseconds per decode step by kind of kernel (a graph of only that kind, replayed)")
-        print("| kind | " + " | ".join(r["budget"] for r in prof) + " |")
+        print("| kind | " + " | ".join(f"{r['budget']} {r['prefetch']}" for r in prof) + " |")
         print("| --- |" + " ---: |" * len(prof))
         for k in kinds:
             print(f"| {k} | " + " | ".join(f"{r['profile_us'].get(k, 0):.0f}" for r in prof) + " |")

@@ -61,6 +61,10 @@ def add_cuda_args(parser) -> None:
                    help="minutes between profile saves (default 10; 0 = at QUIT only)")
     g.add_argument("--adapt-every", type=int, default=32, metavar="N",
                    help="decode tokens between rounds of the adaptive expert tier (default 32; 0 = off)")
+    g.add_argument("--prefetch", choices=("on", "off"), default=None,
+                   help="decode: predict each next layer's experts from the current layer's FFN input and copy the "
+                        "ones not in VRAM ahead of use, overlapping PCIe with compute (default: on when some experts "
+                        "do not fit in VRAM; never when all do)")
     g.add_argument("--no-graph", action="store_true",
                    help="launch the decode step kernel by kernel instead of replaying a CUDA graph (debugging)")
     g.add_argument("--calibrate", action="store_true",

@@ -16,6 +16,8 @@ from engine.cuda.decode import DecodeStep
 from engine.cuda.expert_cache import ExpertCache
 from engine.cuda.kv import KVCache
 from engine.cuda.memory_mode import MemoryMode
+from engine.cuda.prefetch import Prefetcher, staging_slots
+from engine.cuda.prefetch import wanted as prefetch_wanted
 from engine.cuda.prefill import Prefill
 from engine.cuda.programs import Kernels
 from engine.cuda.rope import rope_table
@@ -43,6 +45,7 @@ class CudaOptions:
     expert_profile_save: str | None = None
     expert_profile_save_every: float = 10.0
     adapt_every: int = 32
+    prefetch: str | None = None         # "on" / "off"; None: engine/cuda/prefetch.py's default when experts miss
     no_graph: bool = False
     calibrate: bool = False
     prompt_chunk: int = 512
@@ -101,6 +104,7 @@ class CUDABackend(Backend):
                         self.mem.attach_cache(model, self.arena, self.cache, self.stream, opts, log)
                 self.step = DecodeStep(self.kernels, cfg, self.weights, self.kv, self.rope, self.cache, self.layout,
                                        self.stream)
+                self._attach_prefetch()
                 self.prefill = self._make_prefill()
                 if self.mem:
                     self.mem.attach_step(self.step, use_graphs=not opts.no_graph)
@@ -140,12 +144,20 @@ class CUDABackend(Backend):
                     f"{used / MiB:.0f} MiB and the prompt pass {later / MiB:.0f} MiB; raise it or lower --ctx")
             avail = min(avail, left)
         n = max(0, int(avail // stride))
+        total = cfg.n_layer * cfg.n_expert
+        if n < total and opts.prefetch != "off":        # the prefetch's VRAM staging slots come out of the budget
+            n = max(0, n - staging_slots(cfg.n_expert_used))
         if opts.expert_slots is not None:
             n = min(n, max(0, opts.expert_slots))
         n = min(n, cfg.n_layer * cfg.n_expert)
         self.log(f"expert cache: {n} of {cfg.n_layer * cfg.n_expert} experts fit in VRAM "
                  f"({n * stride / MiB:.0f} MiB; {free / MiB:.0f} MiB free, {opts.vram_reserve_mib} MiB reserved)")
         return n
+
+    def _attach_prefetch(self):
+        c = self.cache
+        if c is not None and prefetch_wanted(self.opts.prefetch, c.n_slots, c.n_total):
+            self.step.prefetch = Prefetcher(self.step)
 
     def _make_prefill(self):
         if self.opts.prefill == "streamed":
@@ -216,6 +228,7 @@ class CUDABackend(Backend):
                 self.mem.attach_new_cache(self.cache)
             self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache,
                                    self.layout, self.stream)
+            self._attach_prefetch()
             self.prefill = self._make_prefill()
             if self.mem:
                 self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)
@@ -326,6 +339,8 @@ class CUDABackend(Backend):
         self.stats = ExpertStats()
         if self.cache is not None:
             self.cache.reset_stats(self.stream)
+        if self.step is not None and self.step.prefetch is not None:
+            self.step.prefetch.reset_stats()
         if self.mem:
             self.mem.reset_stats()
 
@@ -338,6 +353,12 @@ class CUDABackend(Backend):
             return ExpertStats(hits=hits, lookups=lookups, ram_blobs=ram, file_blobs=files, file_mb=mb)
         return ExpertStats(hits=hits, lookups=lookups, ram_blobs=lookups - hits)
 
+    def prefetch_stats(self):
+        """engine/cuda/prefetch.py's PrefetchStats since the last reset_stats(), or None when the step does not
+        prefetch."""
+        pf = self.step.prefetch if self.step is not None else None
+        return pf.read_stats() if pf is not None else None
+
     def info(self) -> dict:
         dev = cp.cuda.Device()
         props = cp.cuda.runtime.getDeviceProperties(dev.id)
@@ -347,6 +368,7 @@ class CUDABackend(Backend):
         if self.cache is not None:
             out.update(expert_slots=self.cache.n_slots, experts_total=self.cache.n_total,
                        arena_mib=int(self.arena.nbytes / MiB))
+            out["prefetch"] = "on" if self.step.prefetch is not None else "off"
             out.update(self.mem.info() if self.mem else {"memory": "pinned"})
         if self.pcie_gbps is not None:
             out["pcie_gbps"] = round(self.pcie_gbps, 1)

@@ -121,19 +121,27 @@ class DecodeStep:
         self.params = MappedInts(2)
         self.out = MappedInts(2)
         self.graph = None
+        self.prefetch = None        # engine/cuda/prefetch.py's Prefetcher, attached by the backend when it is on
 
     # --- the launch sequence ---------------------------------------------------------------------------------
     # FUSE_NORM: each RMSNorm after the first done by the last block of the kernel that last adds to the residual
     # stream (no launch of its own). Measured slower on the H200 (the fence and serial tail in wo and moe_down
     # cost more than the launch saved: 4.93 vs 4.64 ms a step), so off; the kernels keep the option.
     def enqueue(self):
+        pf = self.prefetch
         self.enqueue_embed()
         for li in range(len(self.w.layers)):
             self.enqueue_attention_block(li)
             self.enqueue_router(li)
+            if pf:          # predict layer li+1's experts and start fetching them; wait for layer li's fetch
+                pf.enqueue(li)
             self.enqueue_experts(li)
+        if pf:
+            pf.enqueue_finish()
         self.enqueue_output()
         self.enqueue_pick()
+        if pf:
+            pf.enqueue_join()
 
     def _next_norm(self, li):
         """The fused-epilogue norm target of layer li's last residual add (FUSE_NORM only)."""

@@ -1,0 +1,204 @@
+"""Next-layer expert prefetch inside the decode graph (cuda_src/prefetch.cu has the kernels and the bank protocol).
+
+Without it a missed expert crosses PCIe only when layer l's expert kernels read it, after everything else of the
+layer: the link idles during attention and the router, the GPU idles while the link works. Here, right after layer
+l's router, layer l+1's router runs on layer l's FFN input (pre-gating: consecutive layers' FFN inputs are close, so
+the prediction is usually right on trained models), and a side stream copies the predicted experts that have no VRAM
+slot into staging slots while layer l's experts and layer l+1's attention run; layer l+1's experts wait for it
+(an event: a graph edge) and read the staged copies through the rewritten table entries. A wrong guess costs only
+wasted link bytes: the expert actually routed is still read in place through its untouched entry.
+
+On the main stream, per layer l (between its router and its experts), `enqueue(l)`:
+    predict(l) -> event -> [side] prefetch_copy(l+1) -> event done[l+1]
+    wait done[l]                                  (the copy for this layer, forked at layer l-1)
+After the last layer's experts `enqueue_finish()` forks prefetch_finish (restores the table) and, after the pick,
+`enqueue_join()` joins it, so the graph ends with the table as it began.
+
+The stats counters (device, uint64): look-ups with a prediction, predicted right, experts staged, staged and used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+COPY_BLOCKS = 64           # x 256 threads x 4 loads of 16 B in flight: ~1 MiB outstanding, enough for PCIe's latency
+COPY_THREADS = 256
+MAX_K = 16                 # cuda_src/prefetch.cu PF_MAX_K
+MAX_EXPERTS = 512          # PF_MAX_PER_LANE x 32
+DEFAULT_ON = True          # --prefetch's default when some experts have no VRAM slot (the lead sets it from the bench)
+
+
+def wanted(flag: str | None, n_slots: int, n_total: int) -> bool:
+    """Whether the decode step prefetches: never when every expert has a VRAM slot (nothing to fetch), else as the
+    --prefetch flag says (None: DEFAULT_ON)."""
+    if n_slots >= n_total:
+        return False
+    if flag is None:
+        return DEFAULT_ON
+    return flag == "on"
+
+
+def staging_slots(k: int) -> int:
+    """VRAM staging slots the prefetch takes (two banks of k), in expert strides: the cache gives up as many."""
+    return 2 * k
+
+
+@dataclass
+class PrefetchStats:
+    predicted: int = 0         # look-ups that had a prediction (k per layer after the first)
+    correct: int = 0           # of them, experts the prediction named
+    staged: int = 0            # experts copied over PCIe ahead of use (their bytes crossed the link)
+    used: int = 0              # staged experts the router then chose
+
+    @classmethod
+    def from_counters(cls, c) -> "PrefetchStats":
+        return cls(*(int(v) for v in c[:4]))
+
+    def summary(self, blob_bytes: int, steps: int) -> dict:
+        """The bench's columns: prediction accuracy, staged MB per token, the share of staged bytes wasted."""
+        return dict(pred_accuracy=round(self.correct / self.predicted, 4) if self.predicted else None,
+                    prefetch_mb_per_token=round(self.staged * blob_bytes / max(steps, 1) / 1e6, 2),
+                    prefetch_wasted=round(1 - self.used / self.staged, 4) if self.staged else None)
+
+
+class Prefetcher:
+    """Buffers, staging slots, kernels and events of the prefetch for one DecodeStep (MoE models only)."""
+
+    def __init__(self, step):
+        import cupy as cp
+
+        from engine.cuda import kernels
+
+        self.cp = cp
+        self.step = step
+        c, cache, lay = step.cfg, step.cache, step.layout
+        self.n_layer, self.n_expert, self.k = c.n_layer, c.n_expert, c.n_expert_used
+        if self.k > MAX_K or self.n_expert > MAX_EXPERTS:
+            raise ValueError(f"expert prefetch handles up to {MAX_EXPERTS} experts and top-{MAX_K} routing "
+                             f"(this model: {self.n_expert}, top-{self.k}); run with --prefetch off")
+        if 4 * c.n_embd > 48 * 1024:
+            raise ValueError(f"expert prefetch's predictor keeps n_embd floats in shared memory (this model: "
+                             f"{c.n_embd}, limit 12288); run with --prefetch off")
+        self.stride = lay.stride
+        self.units = (lay.nbytes + 15) // 16          # 16-byte units copied per expert (within the 256-aligned stride)
+        if self.k * self.units >= 2**31:
+            raise ValueError("expert blobs too large for the prefetch kernel's 32-bit indexing; run with --prefetch off")
+        self.blob_bytes = self.units * 16
+        self.slot_lo, self.slot_hi = cache.slot_lo, cache.slot_hi
+        self.table = cache.table
+        qts = sorted({int(ly.router.qt) for ly in step.w.layers})
+        mod = kernels.load("prefetch", qtypes=qts)
+        # fetched now: no kernel is compiled or loaded while a graph is being captured
+        self.f_predict = {qt: mod.get_function(f"predict<{qt}>") for qt in qts}
+        self.f_copy = mod.get_function("prefetch_copy")
+        self.f_finish = mod.get_function("prefetch_finish")
+        k = self.k
+        with step.stream:
+            self.staging = cp.empty(2 * k * self.stride, dtype=cp.uint8)
+            self.pred = cp.zeros(2 * k, dtype=cp.int32)              # bank b = predictions for layers of parity b
+            self.actual = cp.zeros(self.n_layer * k, dtype=cp.int32)
+            self.rec = cp.zeros((2, 2 + k), dtype=cp.int32)          # bank: layer, n, expert ids
+            self.rec_addr = cp.zeros((2, k), dtype=cp.uint64)        # bank: the entries' original addresses
+            self.logits = cp.zeros(self.n_expert, dtype=cp.float32)
+            self.stats = cp.zeros(4, dtype=cp.uint64)
+            self.counters = cp.zeros(2, dtype=cp.int32)              # predict's and copy's last-block counters
+        self.side = cp.cuda.Stream(non_blocking=True)
+        self.done = [cp.cuda.Event(disable_timing=True) for _ in range(self.n_layer)]
+        self.forked = cp.cuda.Event(disable_timing=True)
+        self.finished = cp.cuda.Event(disable_timing=True)
+        self._pending: set[int] = set()
+        self._finish_pending = False
+
+    # --- profiling: DecodeStep.profile() swaps step.k for a filter that keeps one kind of kernel ------------------
+    def _on(self, tag: str) -> bool:
+        k = self.step.k
+        seen = getattr(k, "seen", None)
+        if seen is not None:
+            seen.add(tag)
+        only = getattr(k, "tag", None)
+        return only is None or only == tag
+
+    def _ptr(self, a, off_bytes: int = 0):
+        return np.uint64(a.data.ptr + off_bytes)
+
+    # --- the launches ------------------------------------------------------------------------------------------
+    def enqueue(self, li: int):
+        """Between layer li's router and its experts, on the step's stream."""
+        main = self.step.stream
+        if li == 0:
+            self._pending.clear()       # a capture that failed part-way left nothing to join
+        if li + 1 < self.n_layer:
+            self.launch_predict(li)
+            self.forked.record(main)
+            self.side.wait_event(self.forked)
+            with self.side:
+                self.launch_copy(li + 1)
+            self.done[li + 1].record(self.side)
+            self._pending.add(li + 1)
+        if li in self._pending:
+            main.wait_event(self.done[li])
+            self._pending.discard(li)
+
+    def enqueue_finish(self):
+        """After the last layer's experts: restore the table on the side stream (overlaps the output mat-vec)."""
+        main = self.step.stream
+        self.forked.record(main)
+        self.side.wait_event(self.forked)
+        with self.side:
+            self.launch_finish()
+        self.finished.record(self.side)
+        self._finish_pending = True
+
+    def enqueue_join(self):
+        """At the end of the step: the graph's last node waits for the restore."""
+        if self._finish_pending:
+            self.step.stream.wait_event(self.finished)
+            self._finish_pending = False
+
+    def launch_predict(self, li: int):
+        if not self._on("predict"):
+            return
+        st, k, c = self.step, self.k, self.step.cfg
+        ly, nxt = st.w.layers[li], st.w.layers[li + 1]
+        R = nxt.router
+        I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
+        warps = 4
+        self.f_predict[int(R.qt)](
+            ((self.n_expert + warps - 1) // warps,), (32 * warps,),
+            (self._ptr(st.x), self._ptr(ly.ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(R.ptr), I64(R.row_bytes),
+             I32(self.n_expert), I32(k), self._ptr(self.logits), self._ptr(self.pred, 4 * k * ((li + 1) % 2)),
+             self._ptr(st.ids), self._ptr(self.pred, 4 * k * (li % 2)), I32(1 if li > 0 else 0),
+             self._ptr(self.actual, 4 * k * li), self._ptr(self.stats), self._ptr(self.counters)),
+            shared_mem=4 * c.n_embd)
+
+    def launch_copy(self, m: int):
+        if not self._on("prefetch"):
+            return
+        b, k = m % 2, self.k
+        I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
+        self.f_copy((COPY_BLOCKS,), (COPY_THREADS,),
+                    (self._ptr(self.table), I32(m), I32(self.n_expert), I32(k), self._ptr(self.pred, 4 * k * b),
+                     self._ptr(self.staging, b * k * self.stride), I64(self.stride), U32(self.units),
+                     U64(self.slot_lo), U64(self.slot_hi), self._ptr(self.rec[b]), self._ptr(self.rec_addr[b]),
+                     self._ptr(self.actual), self._ptr(self.stats), self._ptr(self.counters, 4)))
+
+    def launch_finish(self):
+        if not self._on("prefetch"):
+            return
+        st, k, last = self.step, self.k, self.n_layer - 1
+        I32 = np.int32
+        self.f_finish((1,), (32,),
+                      (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(st.ids),
+                       self._ptr(self.pred, 4 * k * (last % 2)), I32(1 if last > 0 else 0), I32(last),
+                       self._ptr(self.actual), self._ptr(self.rec[0]), self._ptr(self.rec_addr[0]),
+                       self._ptr(self.rec[1]), self._ptr(self.rec_addr[1]), self._ptr(self.stats)))
+
+    # --- counters ----------------------------------------------------------------------------------------------
+    def read_stats(self) -> PrefetchStats:
+        with self.step.stream:
+            return PrefetchStats.from_counters(self.stats.get(stream=self.step.stream))
+
+    def reset_stats(self):
+        with self.step.stream:
+            self.stats.fill(0)

@@ -1,0 +1,395 @@
+"""Next-layer expert prefetch (cuda_src/prefetch.cu, engine/cuda/prefetch.py).
+
+GPU: the predictor against NumPy (normalised x @ R.T, top-k, ties to the lowest id), the copy kernel's exact bytes and
+table rewrites/restores on random tables, and the CUDA backend with prefetch on against the NumPy backend (greedy
+tokens, logits, the table after each step as before it). CPU: the switch, the bench's summary, the fork/join order.
+"""
+import argparse
+
+import numpy as np
+import pytest
+
+from engine.cuda import prefetch as pf
+from engine.cuda.args import add_cuda_args
+from gpu_compare import assert_same_greedy, greedy, rel_rows
+from test_cuda_backend import MOE, N_GREEDY, cpu_runs, cuda_backend  # noqa: F401 (cpu_runs: a fixture)
+
+gpu = pytest.mark.gpu
+
+
+# --- CPU: host-side logic ------------------------------------------------------------------------------------------
+def test_wanted_follows_flag_unless_all_resident():
+    assert not pf.wanted("on", 32, 32)          # nothing to fetch: capture nothing extra
+    assert not pf.wanted(None, 40, 32)
+    assert pf.wanted("on", 16, 32)
+    assert not pf.wanted("off", 16, 32)
+    assert pf.wanted(None, 0, 32) == pf.DEFAULT_ON
+
+
+def test_prefetch_flag():
+    p = argparse.ArgumentParser()
+    add_cuda_args(p)
+    assert p.parse_args([]).prefetch is None
+    assert p.parse_args(["--prefetch", "off"]).prefetch == "off"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--prefetch", "maybe"])
+
+
+def test_options_take_the_flag():
+    pytest.importorskip("cupy")
+    from engine.cuda.backend import CudaOptions
+    p = argparse.ArgumentParser()
+    add_cuda_args(p)
+    assert CudaOptions.from_args(p.parse_args(["--prefetch", "on"])).prefetch == "on"
+    assert CudaOptions.from_args(p.parse_args([])).prefetch is None
+
+
+def test_summary():
+    s = pf.PrefetchStats.from_counters(np.array([800, 600, 300, 240], dtype=np.uint64))
+    out = s.summary(blob_bytes=2_000_000, steps=100)
+    assert out == dict(pred_accuracy=0.75, prefetch_mb_per_token=6.0, prefetch_wasted=0.2)
+    assert pf.PrefetchStats().summary(10, 0) == dict(pred_accuracy=None, prefetch_mb_per_token=0.0,
+                                                      prefetch_wasted=None)
+
+
+class _Log:
+    def __init__(self):
+        self.ops = []
+
+
+class _Ev:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def record(self, stream):
+        self.log.ops.append(("record", self.name, stream.name))
+
+
+class _Stream:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_event(self, ev):
+        self.log.ops.append(("wait", self.name, ev.name))
+
+    def __enter__(self):
+        self.log.ops.append(("enter", self.name))
+
+    def __exit__(self, *a):
+        self.log.ops.append(("exit", self.name))
+
+
+def _fake_prefetcher(n_layer):
+    log = _Log()
+    p = pf.Prefetcher.__new__(pf.Prefetcher)
+    p.n_layer = n_layer
+    p.step = type("S", (), {"stream": _Stream(log, "main")})()
+    p.side = _Stream(log, "side")
+    p.done = [_Ev(log, f"done{i}") for i in range(n_layer)]
+    p.forked, p.finished = _Ev(log, "forked"), _Ev(log, "finished")
+    p._pending, p._finish_pending = set(), False
+    p.launch_predict = lambda li: log.ops.append(("predict", li))
+    p.launch_copy = lambda m: log.ops.append(("copy", m))
+    p.launch_finish = lambda: log.ops.append(("finish",))
+    return p, log
+
+
+def test_fork_join_order():
+    """Layer l's prediction forks layer l+1's copy onto the side stream; layer l's experts wait for layer l's copy
+    (forked one layer earlier), never for l+1's; the finish is forked after the last layer and joined at the end."""
+    p, log = _fake_prefetcher(3)
+    for li in range(3):
+        log.ops.append(("experts", li))  # placeholder marker the step would launch after enqueue(li)
+        p.enqueue(li)
+    p.enqueue_finish()
+    log.ops.append(("output",))
+    p.enqueue_join()
+    ops = [o for o in log.ops if o[0] not in ("enter", "exit")]
+    assert ops == [
+        ("experts", 0), ("predict", 0), ("record", "forked", "main"), ("wait", "side", "forked"), ("copy", 1),
+        ("record", "done1", "side"),
+        ("experts", 1), ("predict", 1), ("record", "forked", "main"), ("wait", "side", "forked"), ("copy", 2),
+        ("record", "done2", "side"), ("wait", "main", "done1"),
+        ("experts", 2), ("wait", "main", "done2"),
+        ("record", "forked", "main"), ("wait", "side", "forked"), ("finish",), ("record", "finished", "side"),
+        ("output",), ("wait", "main", "finished")]
+    # the copies and the finish run on the side stream
+    i = log.ops.index(("copy", 1))
+    assert log.ops[i - 1] == ("enter", "side") and log.ops[i + 1] == ("exit", "side")
+    # a second capture starts clean
+    p.enqueue(0)
+    assert p._pending == {1}
+
+
+# --- GPU: the kernels ----------------------------------------------------------------------------------------------
+def _cp():
+    return pytest.importorskip("cupy")
+
+
+def _module(qts):
+    from engine.cuda import kernels
+    return kernels.load("prefetch", qtypes=qts)
+
+
+def _u64(a, off=0):
+    return np.uint64(a.data.ptr + off)
+
+
+def _ref_logits(x, w, R, eps):
+    xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps) * w
+    return (R.astype(np.float64) @ xn).astype(np.float32)
+
+
+def _run_predict(cp, qt, x, w, Rbytes, row_bytes, n_expert, k, ids, pred_in, check, eps=1e-6):
+    f = _module([qt]).get_function(f"predict<{qt}>")
+    n_embd = x.size
+    d = dict(x=cp.asarray(x), w=cp.asarray(w), R=cp.asarray(Rbytes), ids=cp.asarray(ids, dtype=cp.int32),
+             pred_in=cp.asarray(pred_in, dtype=cp.int32))
+    logits = cp.full(n_expert, np.nan, dtype=cp.float32)
+    pred = cp.full(k, -7, dtype=cp.int32)
+    actual = cp.full(k + 2, -7, dtype=cp.int32)
+    stats = cp.zeros(4, dtype=cp.uint64)
+    counter = cp.zeros(1, dtype=cp.int32)
+    I32, I64, F32 = np.int32, np.int64, np.float32
+    for _ in range(2):  # twice: the last-block counter must reset itself
+        stats.fill(0)
+        f(((n_expert + 3) // 4,), (128,),
+          (_u64(d["x"]), _u64(d["w"]), F32(eps), I32(n_embd), _u64(d["R"]), I64(row_bytes), I32(n_expert), I32(k),
+           _u64(logits), _u64(pred), _u64(d["ids"]), _u64(d["pred_in"]), I32(check), _u64(actual), _u64(stats),
+           _u64(counter)), shared_mem=4 * n_embd)
+    cp.cuda.Device().synchronize()
+    return logits.get(), pred.get(), actual.get(), stats.get(), int(counter.get()[0])
+
+
+@gpu
+@pytest.mark.parametrize("qt", [0, 1])                    # F32, F16 router rows
+@pytest.mark.parametrize("n_embd,n_expert,k", [(256, 8, 2), (2048, 128, 8), (1024, 512, 16), (768, 60, 4)])
+def test_predict_matches_numpy(qt, n_embd, n_expert, k):
+    cp = _cp()
+    rng = np.random.default_rng(n_embd + n_expert + qt)
+    x = rng.standard_normal(n_embd).astype(np.float32) * 3
+    w = (1 + 0.3 * rng.standard_normal(n_embd)).astype(np.float32)
+    R = (rng.standard_normal((n_expert, n_embd)) / np.sqrt(n_embd)).astype(np.float32)
+    if qt == 1:
+        R = R.astype(np.float16)
+    ids = rng.permutation(n_expert)[:k]
+    pred_in = np.concatenate([ids[: k // 2], rng.permutation(np.setdiff1d(np.arange(n_expert), ids))[: k - k // 2]])
+    logits, pred, actual, stats, counter = _run_predict(cp, qt, x, w, R.view(np.uint8), R.itemsize * n_embd,
+                                                        n_expert, k, ids, pred_in, check=1)
+    ref = _ref_logits(x, w, R.astype(np.float32), 1e-6)
+    np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    assert len(set(pred.tolist())) == k and pred.min() >= 0 and pred.max() < n_expert
+    # the top-k of the reference, up to float rounding between near-equal logits
+    chosen, rest = ref[pred], np.delete(ref, pred)
+    assert chosen.min() >= rest.max() - 1e-4 * np.abs(ref).max()
+    assert np.all(np.diff(logits[pred]) <= 0)                 # largest first
+    np.testing.assert_array_equal(actual[:k], ids)            # this layer's routing, kept for the restore
+    assert (actual[k:] == -7).all()
+    assert stats.tolist() == [k, k // 2, 0, 0]
+    assert counter == 0
+
+
+@gpu
+def test_predict_ties_go_to_the_lowest_id_and_bookkeeping_only_mode():
+    cp = _cp()
+    rng = np.random.default_rng(5)
+    n_embd, n_expert, k = 256, 64, 8
+    x = rng.standard_normal(n_embd).astype(np.float32)
+    w = np.ones(n_embd, dtype=np.float32)
+    R = (rng.standard_normal((n_expert, n_embd)) * 0.01).astype(np.float32)
+    R[[40, 7, 33, 12]] = x * 10                               # four identical rows, the largest logits
+    logits, pred, *_ = _run_predict(cp, 0, x, w, R.view(np.uint8), 4 * n_embd, n_expert, k,
+                                    np.arange(k), np.arange(k), check=0)
+    assert pred[:4].tolist() == [7, 12, 33, 40]
+    ref = _ref_logits(x, w, R, 1e-6)
+    order = np.argsort(-ref, kind="stable")
+    assert set(pred[4:].tolist()) <= set(order[4:12].tolist())
+    # no router (the last layer's bookkeeping): no logits or prediction written, routing noted
+    f = _module([0]).get_function("predict<0>")
+    d_ids, d_pred_in = cp.asarray(np.array([3, 1, 4, 5, 9, 2, 6, 8], dtype=np.int32)), cp.arange(8, dtype=cp.int32)
+    logits = cp.full(n_expert, np.nan, dtype=cp.float32)
+    pred = cp.full(k, -7, dtype=cp.int32)
+    actual, stats, counter = cp.full(k, -7, dtype=cp.int32), cp.zeros(4, dtype=cp.uint64), cp.zeros(1, cp.int32)
+    f((4,), (128,), (np.uint64(0), np.uint64(0), np.float32(1e-6), np.int32(n_embd), np.uint64(0), np.int64(0),
+                     np.int32(n_expert), np.int32(k), _u64(logits), _u64(pred), _u64(d_ids), _u64(d_pred_in),
+                     np.int32(1), _u64(actual), _u64(stats), _u64(counter)), shared_mem=4 * n_embd)
+    assert np.isnan(logits.get()).all() and (pred.get() == -7).all()
+    assert actual.get().tolist() == [3, 1, 4, 5, 9, 2, 6, 8]
+    assert stats.get().tolist() == [8, 6, 0, 0]
+
+
+class _Arena:
+    """Blobs in mapped pinned host memory (as the expert arena), some experts in 'VRAM slots', one entry 0."""
+
+    def __init__(self, cp, rng, n_layer, n_expert, nbytes, stride, n_resident):
+        from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE, device_address
+        self.cp = cp
+        n = n_layer * n_expert
+        self.hp = cp.cuda.runtime.hostAlloc(n * stride, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
+        import ctypes
+        self.host = np.ctypeslib.as_array((ctypes.c_uint8 * (n * stride)).from_address(self.hp))
+        self.host[:] = rng.integers(0, 256, n * stride, dtype=np.uint8)
+        dp = device_address(self.hp)
+        self.slots = cp.asarray(rng.integers(0, 256, n_resident * stride, dtype=np.uint8))
+        self.slot_lo = self.slots.data.ptr
+        self.slot_hi = self.slot_lo + n_resident * stride
+        self.table0 = np.array([dp + g * stride for g in range(n)], dtype=np.uint64)
+        res = rng.permutation(n)[:n_resident]
+        for s, g in enumerate(res):
+            self.table0[g] = self.slot_lo + s * stride
+        self.resident = set(res.tolist())
+        self.zero = int(rng.choice(np.setdiff1d(np.arange(n), res)))
+        self.table0[self.zero] = 0
+        self.table = cp.asarray(self.table0)
+
+    def close(self):
+        self.cp.cuda.runtime.freeHost(self.hp)
+
+
+@gpu
+@pytest.mark.parametrize("n_expert,k,nbytes,stride", [(8, 2, 3000, 3072), (128, 8, 40000, 40192), (64, 4, 160, 256)])
+def test_prefetch_copy_and_restore(n_expert, k, nbytes, stride):
+    cp = _cp()
+    rng = np.random.default_rng(n_expert * k)
+    n_layer = 5
+    units = (nbytes + 15) // 16
+    A = _Arena(cp, rng, n_layer, n_expert, nbytes, stride, n_resident=n_layer * n_expert // 2)
+    mod = _module([0])
+    copy, finish = mod.get_function("prefetch_copy"), mod.get_function("prefetch_finish")
+    I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
+    try:
+        staging = cp.full(2 * k * stride, 0xFF, dtype=cp.uint8)
+        pred = cp.zeros(2 * k, dtype=cp.int32)
+        act = np.stack([rng.permutation(n_expert)[:k] for _ in range(n_layer)]).astype(np.int32)
+        actual = cp.asarray(act)
+        rec = cp.zeros((2, 2 + k), dtype=cp.int32)
+        rec_addr = cp.zeros((2, k), dtype=cp.uint64)
+        stats = cp.zeros(4, dtype=cp.uint64)
+        counter = cp.zeros(1, dtype=cp.int32)
+        expect = A.table0.copy()
+        staged_by_layer = []
+        used = lambda j: sum(e in act[j].tolist() for e, _ in staged_by_layer[j])
+        for m in range(n_layer):
+            b = m % 2
+            # predictions: resident, non-resident and (where this layer has it) the 0 entry, all mixed
+            p = rng.permutation(n_expert)[:k]
+            z = A.zero - m * n_expert
+            if 0 <= z < n_expert and z not in p:
+                p[0] = z
+            pred[b * k:(b + 1) * k] = cp.asarray(p.astype(np.int32))
+            staging[b * k * stride:(b + 1) * k * stride] = 0xFF
+            copy((64,), (256,), (_u64(A.table), I32(m), I32(n_expert), I32(k), _u64(pred, 4 * k * b),
+                                 _u64(staging, b * k * stride), I64(stride), U32(units), U64(A.slot_lo),
+                                 U64(A.slot_hi), _u64(rec[b]), _u64(rec_addr[b]), _u64(actual), _u64(stats),
+                                 _u64(counter)))
+            cp.cuda.Device().synchronize()
+            orig = A.table0[m * n_expert + p]
+            staged = [(int(e), int(a)) for e, a in zip(p, orig) if a and not (A.slot_lo <= a < A.slot_hi)]
+            staged_by_layer.append(staged)
+            if m >= 2:          # the bank's previous layer is back to its original entries
+                lo = (m - 2) * n_expert
+                expect[lo:lo + n_expert] = A.table0[lo:lo + n_expert]
+            base = staging.data.ptr + b * k * stride
+            for c, (e, _) in enumerate(staged):
+                expect[m * n_expert + e] = base + c * stride
+            np.testing.assert_array_equal(A.table.get(), expect)
+            st = staging.get()[b * k * stride:(b + 1) * k * stride].reshape(k, stride)
+            for c, (e, _) in enumerate(staged):
+                g = m * n_expert + e
+                np.testing.assert_array_equal(st[c, :units * 16], A.host[g * stride:g * stride + units * 16])
+                assert (st[c, units * 16:] == 0xFF).all()        # exactly the blob's bytes, no more
+            assert (st[len(staged):] == 0xFF).all()
+            r = rec.get()[b]
+            assert r[0] == m and r[1] == len(staged)
+            assert r[2:2 + len(staged)].tolist() == [e for e, _ in staged]
+            assert rec_addr.get()[b][:len(staged)].tolist() == [a for _, a in staged]
+            s = stats.get()
+            assert int(s[2]) == sum(map(len, staged_by_layer))
+            assert int(s[3]) == sum(used(j) for j in range(m - 1))      # layers restored so far: 0 .. m-2
+            assert int(counter.get()[0]) == 0
+        assert sum(map(len, staged_by_layer)) > 0
+        # finish: the last layer's routing noted against its prediction, both banks restored
+        last = n_layer - 1
+        ids = cp.asarray(act[last])
+        stats[:2] = 0
+        finish((1,), (32,), (_u64(A.table), I32(n_expert), I32(k), _u64(ids), _u64(pred, 4 * k * (last % 2)),
+                             I32(1), I32(last), _u64(actual), _u64(rec[0]), _u64(rec_addr[0]), _u64(rec[1]),
+                             _u64(rec_addr[1]), _u64(stats)))
+        cp.cuda.Device().synchronize()
+        np.testing.assert_array_equal(A.table.get(), A.table0)
+        assert rec.get()[:, 1].tolist() == [0, 0]
+        s = stats.get()
+        right = len(set(act[last].tolist()) & set(pred.get()[(last % 2) * k:][:k].tolist()))
+        assert s.tolist() == [k, right, sum(map(len, staged_by_layer)), sum(used(j) for j in range(n_layer))]
+    finally:
+        A.close()
+
+
+# --- GPU: end to end -----------------------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("share,graph", [("none", True), ("half", True), ("none", False)])
+def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph):
+    model, prompt, toks, cpu_logits = cpu_runs[name]
+    cfg = model.config
+    total = cfg.n_layer * cfg.n_expert
+    slots = {"none": 0, "half": total // 2}[share]
+    be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch="on", no_graph=not graph)
+    try:
+        assert be.step.prefetch is not None and be.info()["prefetch"] == "on"
+        got = greedy(be, prompt, N_GREEDY)
+        assert_same_greedy(got, toks, cpu_logits)
+        be.stream.synchronize()
+        np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)   # clean between steps
+        ps, st = be.prefetch_stats(), be.get_stats()
+        steps = N_GREEDY - 1
+        assert ps.predicted == steps * (cfg.n_layer - 1) * cfg.n_expert_used
+        assert 0 <= ps.correct <= ps.predicted
+        assert 0 < ps.staged and ps.used <= ps.staged
+        assert st.lookups == steps * cfg.n_layer * cfg.n_expert_used
+        if share == "none":
+            assert ps.staged == ps.predicted and ps.used == ps.correct
+            assert st.hits == 0                  # a staged expert is not a cache hit
+        be.truncate(len(prompt))
+        dec = np.stack([be.forward([t]) for t in toks[:-1]])
+        assert rel_rows(dec, cpu_logits[1:]).max() < 1e-2
+    finally:
+        be.close()
+
+
+@gpu
+def test_table_after_a_step_equals_before(cpu_runs):
+    model, prompt, toks, _ = cpu_runs["tiny-qwen3moe-q4k"]
+    cfg = model.config
+    be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch="on")
+    try:
+        greedy(be, prompt, 24)               # the adaptive tier fills half the slots: hits and misses mixed
+        be.cache.poll(be.stream, wait=True)
+        be.stream.synchronize()
+        assert 0 < be.cache.resident().sum()
+        before_staged = be.prefetch_stats().staged
+        tok = toks[0]
+        for _ in range(8):
+            before = be.cache.table.get()
+            be.step.launch(tok, be.n_cached)
+            tok, _ = be.step.result()
+            be.n_cached += 1
+            np.testing.assert_array_equal(be.cache.table.get(), before)
+        assert be.prefetch_stats().staged > before_staged
+    finally:
+        be.close()
+
+
+@gpu
+def test_prefetch_switch(cpu_runs):
+    model = cpu_runs["tiny-qwen3moe-q4k"][0]
+    total = model.config.n_layer * model.config.n_expert
+    for slots, flag, on in [(total, "on", False), (total // 2, "off", False), (total // 2, "on", True),
+                            (total // 2, None, pf.DEFAULT_ON)]:
+        be = cuda_backend(model, expert_slots=slots, prefetch=flag)
+        try:
+            assert (be.step.prefetch is not None) == on
+            assert be.info()["prefetch"] == ("on" if on else "off")
+            assert (be.prefetch_stats() is not None) == on
+        finally:
+            be.close()
