@@ -21,6 +21,7 @@ from engine.cuda.prefetch import wanted as prefetch_wanted
 from engine.cuda.prefill import Prefill
 from engine.cuda.programs import Kernels
 from engine.cuda.rope import rope_table
+from engine.cuda.sampler import GpuSampler
 from engine.cuda.weights import load_weights
 from engine.profile import from_flat, load_profile, save_profile
 from engine.sampling import SamplingError
@@ -76,6 +77,7 @@ class CUDABackend(Backend):
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.arena = None
         self.step = None
+        self.gpu_sampler = None     # engine/cuda/sampler.py: every pick but plain greedy
         self.mem = None             # engine/cuda/memory_mode.py: --mmap-experts / --resident-budget-gib
         self.stats = ExpertStats()
         self._tokens_since_adapt = 0
@@ -104,6 +106,7 @@ class CUDABackend(Backend):
                         self.mem.attach_cache(model, self.arena, self.cache, self.stream, opts, log)
                 self.step = DecodeStep(self.kernels, cfg, self.weights, self.kv, self.rope, self.cache, self.layout,
                                        self.stream)
+                self.gpu_sampler = GpuSampler(self.kernels, cfg.n_vocab, max_context + 1, self.stream)
                 self._attach_prefetch()
                 self.prefill = self._make_prefill()
                 if self.mem:
@@ -122,6 +125,7 @@ class CUDABackend(Backend):
             self._initial_fill()
         if not opts.no_graph:
             self.step.capture()
+            self.gpu_sampler.capture(self.step)     # the sampled variant, before READY
             if self.mem:
                 self.mem.paged.capture()
         self.vram_free_mib = cp.cuda.runtime.memGetInfo()[0] / MiB
@@ -283,33 +287,50 @@ class CUDABackend(Backend):
         return h if all_logits else h[-1]
 
     def next_token(self, tokens, sampler) -> int:
+        """Every Sampler picks on the GPU; only the id comes back. Plain greedy (no penalties) is the step's own
+        argmax (the fast path); everything else (penalties, temperature, top_k/top_p/min_p, seeds) is
+        engine/cuda/sampler.py, whose random source is its own (seeded: reproducible on the same build) but whose
+        chain and kept sets are engine/sampling.py's. None goes to the host."""
         tokens = [int(t) for t in tokens]
-        on_gpu = sampler.greedy and not sampler.penalties_active
+        greedy = sampler.greedy and not sampler.penalties_active
+        gs = self.gpu_sampler
         if len(tokens) > 1:
             lg = self._prefill(tokens, False)[-1]
-            if on_gpu:
-                with self.stream:
+            with self.stream:
+                if greedy:
                     if bool(cp.isnan(lg).any()):
                         raise SamplingError("the model produced NaN logits")
                     return int(cp.argmax(lg))
-            with self.stream:
-                return sampler.sample(lg.get(stream=self.stream))
-        tok, nan = self._decode(tokens[0])
-        if on_gpu:
+                gs.load(sampler)
+                gs.enqueue(self.kernels, cp.ascontiguousarray(lg, dtype=cp.float32), self.step.out.dptr)
+            return gs.picked(sampler, *self.step.result())
+        if greedy:
+            tok, nan = self._decode(tokens[0])
             if nan:
                 raise SamplingError("the model produced NaN logits")
             return tok
-        with self.stream:
-            return sampler.sample(self.step.logits.get(stream=self.stream))
+        if not gs.in_sync(sampler, tokens):
+            with self.stream:
+                gs.load(sampler)
+        return gs.picked(sampler, *self._decode(tokens[0], gs))
 
-    def _decode(self, token: int):
+    def _decode(self, token: int, gs: GpuSampler | None = None):
+        """One step; gs: pick with the GPU sampler instead of the argmax."""
         self._room(1)
         if self.cache is not None:
             self.cache.poll(self.stream)
+        use_graph = not self.opts.no_graph
         if self.mem:        # layer by layer while some expert is only in the file
-            self.mem.paged.launch(token, self.n_cached, use_graph=not self.opts.no_graph)
+            self.mem.paged.launch(token, self.n_cached, use_graph=use_graph)
+            if gs is not None:      # the paged graphs pick greedily: the sampled pick follows, stream-ordered
+                with self.stream:
+                    gs.enqueue(self.kernels, self.step.logits, self.step.out.dptr)
+        elif gs is not None:
+            if use_graph and gs.graph_of is not self.step:     # a new step (resize_expert_cache)
+                gs.capture(self.step)
+            gs.launch(self.step, token, self.n_cached, use_graph=use_graph)
         else:
-            self.step.launch(token, self.n_cached, use_graph=not self.opts.no_graph)
+            self.step.launch(token, self.n_cached, use_graph=use_graph)
         self.n_cached += 1
         res = self.step.result()
         self._tick()
@@ -387,6 +408,9 @@ class CUDABackend(Backend):
             if self.opts.expert_profile_save and getattr(self, "cache", None) is not None:
                 self.save_profile()
         finally:
+            if self.gpu_sampler is not None:
+                self.gpu_sampler.close()
+                self.gpu_sampler = None
             if self.step is not None:
                 self.step.close()
                 self.step = None

@@ -1,0 +1,207 @@
+"""Sampling on the GPU (cuda_src/sample.cu): penalties, top_k, top_p, min_p, temperature and a seeded draw from the
+logits in VRAM, so only the chosen id comes back to the host. engine/sampling.py's Sampler is the reference: the same
+chain in the same order with the same float32 penalty arithmetic; only the random source differs.
+
+The random source: u = uniform(seed, step), splitmix64 of the request's seed and the number of draws so far, as a
+double in [0, 1). The draw is the inverse CDF over the kept ids in id order: the first kept id whose cumulative
+tempered weight exceeds u * total. So a seeded request gives the same tokens on the same build, and uniform() below
+lets a test redo any draw in NumPy. A request without a seed gets 64 bits of OS entropy, as the host Sampler does.
+
+Settings live in device memory (PARAMS_DTYPE, written once per request by load()), the RNG counter and the penalty
+window (a ring of the last penalty_last_n ids plus a count per vocabulary id) in device memory that the select
+kernel updates when it picks. Nothing that changes between requests or steps is a kernel argument, so the launches
+are captured in the decode step's graph.
+
+Greedy without penalties keeps the step's own argmax (the fast path, its own graph); everything else goes through
+these kernels in a second graph variant of the same step (capture()): a mode word read by the kernels would put
+three launches (~8 us) into every greedy step as well.
+"""
+from __future__ import annotations
+
+import os
+
+import cupy as cp
+import numpy as np
+
+from engine.sampling import SamplingError
+
+SAMPLE_GRID = 264          # blocks of sample_prep / sample_exp (cuda_src/sample.cu SAMPLE_GRID)
+SELECT_THREADS = 1024      # sample_select's one block (SEL_THREADS)
+KERNELS = ("sample_prep", "sample_exp", "sample_select")
+MASK64 = (1 << 64) - 1
+
+PARAMS_DTYPE = np.dtype({
+    "names": ["top_p", "log_min_p", "seed", "temp", "pen_repeat", "pen_freq", "pen_present", "top_k", "penalties",
+              "window", "pad"],
+    "formats": ["<f8", "<f8", "<u8", "<f4", "<f4", "<f4", "<f4", "<i4", "<i4", "<i4", "<i4"],
+    "offsets": [0, 8, 16, 24, 28, 32, 36, 40, 44, 48, 52], "itemsize": 56})
+STATE_DTYPE = np.dtype({
+    "names": ["maxword", "nan", "step", "ring_head", "ring_len", "u", "total", "zk", "bkey", "m", "pick"],
+    "formats": ["<u8", "<i4", "<u8", "<i4", "<i4", "<f8", "<f8", "<f8", "<u4", "<i4", "<i4"],
+    "offsets": [0, 8, 16, 24, 28, 32, 40, 48, 56, 60, 64], "itemsize": 72})
+ALL_TIES = 0x7FFFFFFF
+
+
+def uniform(seed: int, step: int) -> float:
+    """The GPU's draw number `step` (0-based) for `seed`: splitmix64, top 53 bits as a double in [0, 1)."""
+    z = (int(seed) + (int(step) + 1) * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    z ^= z >> 31
+    return (z >> 11) * (1.0 / 9007199254740992.0)
+
+
+def window_length(sampler, ring_cap: int) -> int:
+    """Ring length on the device: 0 without penalties; -1 (the whole context) and anything longer than the ring
+    (max_context + 1) become the ring, which no request can fill."""
+    if not sampler.penalties_active:
+        return 0
+    n = sampler.penalty_last_n
+    return ring_cap if n < 0 or n > ring_cap else n
+
+
+def pack_params(sampler, ring_cap: int, seed: int) -> np.ndarray:
+    p = np.zeros(1, PARAMS_DTYPE)
+    p["top_p"] = sampler.top_p
+    p["log_min_p"] = np.log(sampler.min_p) if sampler.min_p > 0.0 else -np.inf
+    p["seed"] = int(seed) & MASK64
+    p["temp"] = sampler.temperature if sampler.temperature > 0.0 else 0.0
+    p["pen_repeat"], p["pen_freq"], p["pen_present"] = (sampler.penalty_repeat, sampler.penalty_freq,
+                                                        sampler.penalty_present)
+    p["top_k"] = sampler.top_k
+    p["penalties"] = 1 if sampler.penalties_active else 0
+    p["window"] = window_length(sampler, ring_cap)
+    return p
+
+
+def window_tokens(sampler, n_vocab: int, ring_cap: int) -> np.ndarray:
+    """The ids of the penalty window, oldest first (ids outside the vocabulary as -1: counted by neither side)."""
+    w = window_length(sampler, ring_cap)
+    if w == 0:
+        return np.zeros(0, np.int32)
+    hist = np.fromiter(sampler.history, dtype=np.int64, count=len(sampler.history))[-w:]
+    return np.where((hist >= 0) & (hist < n_vocab), hist, -1).astype(np.int32)
+
+
+class GpuSampler:
+    """The device buffers of cuda_src/sample.cu's kernels and the bookkeeping that keeps them in step with the
+    request's host Sampler (whose history stays the source of truth: any doubt reloads from it)."""
+
+    def __init__(self, kernels, n_vocab: int, ring_cap: int, stream):
+        self.n = int(n_vocab)
+        self.ring_cap = int(ring_cap)
+        self.stream = stream
+        with stream:
+            self.params = cp.zeros(PARAMS_DTYPE.itemsize, dtype=cp.uint8)
+            self.state = cp.zeros(STATE_DTYPE.itemsize, dtype=cp.uint8)
+            self.counts = cp.zeros(self.n, dtype=cp.int32)
+            self.ring = cp.full(self.ring_cap, -1, dtype=cp.int32)
+            self.work = cp.zeros(self.n, dtype=cp.float32)
+            self.pw = cp.zeros(self.n, dtype=cp.float64)
+            self.qw = cp.zeros(self.n, dtype=cp.float64)
+            self.zpart = cp.zeros(SAMPLE_GRID, dtype=cp.float64)
+        for name in KERNELS:            # loaded now: nothing is loaded mid-request or mid-capture
+            kernels(name)
+        self.active = False             # DecodeStep.enqueue_pick launches these kernels while True
+        self.graph = None               # the step's sampled variant (capture())
+        self.graph_of = None            # ... and the step it was captured from
+        self.owner = None               # the host Sampler the device state belongs to
+        self.draws = 0                  # the device's RNG counter, mirrored
+        self.last_pick = None
+        self.expected_len = 0
+
+    # --- the request's state ---------------------------------------------------------------------------------
+    def load(self, sampler) -> None:
+        """Settings, penalty window and RNG counter from the host Sampler (stream-ordered before the next step). The
+        counter carries on when the same Sampler is reloaded, so a reload never repeats a draw."""
+        if sampler is not self.owner:
+            self.draws = 0
+            self.seed = sampler.seed if sampler.seed is not None else int.from_bytes(os.urandom(8), "little")
+        p = pack_params(sampler, self.ring_cap, self.seed)
+        toks = window_tokens(sampler, self.n, self.ring_cap)
+        w = int(p["window"][0])
+        st = np.zeros(1, STATE_DTYPE)
+        st["step"] = self.draws
+        st["ring_len"] = len(toks)
+        st["ring_head"] = len(toks) % w if w else 0
+        s = self.stream
+        self.params.set(p.view(np.uint8), stream=s)
+        self.state.set(st.view(np.uint8), stream=s)
+        if w:
+            valid = toks[toks >= 0]
+            self.counts.set(np.bincount(valid, minlength=self.n).astype(np.int32), stream=s)
+            if len(toks):
+                self.ring[:len(toks)].set(toks, stream=s)
+        self.owner = sampler
+        self.last_pick = None
+        self.expected_len = len(sampler.history)
+
+    def in_sync(self, sampler, tokens) -> bool:
+        """Whether the device state is this Sampler's after the last pick was accepted and fed back (the session's
+        loop: pick, accept(pick), next_token([pick])). Anything else is reloaded from the host Sampler."""
+        if sampler is not self.owner or len(tokens) != 1 or tokens[0] != self.last_pick:
+            return False
+        if not sampler.penalties_active:
+            return True
+        h = sampler.history
+        return len(h) == self.expected_len and len(h) > 0 and h[-1] == self.last_pick
+
+    def picked(self, sampler, tok: int, nan: int) -> int:
+        """The pick the kernels wrote (out[0], out[1]); raises as the host Sampler would."""
+        if nan > 0:
+            self.owner = None
+            raise SamplingError("the model produced NaN logits")
+        if nan < 0:
+            self.owner = None
+            raise SamplingError("every logit is -inf: nothing to sample")
+        if not sampler.greedy:
+            self.draws += 1
+        self.last_pick = int(tok)
+        maxlen = sampler.history.maxlen
+        self.expected_len = len(sampler.history) + 1 if maxlen is None else min(len(sampler.history) + 1, maxlen)
+        return int(tok)
+
+    # --- launches --------------------------------------------------------------------------------------------
+    def enqueue(self, kernels, logits, out_dptr) -> None:
+        """The pick from `logits` (float32, n_vocab) into the mapped int32[2] at out_dptr, on the current stream."""
+        n = np.int32(self.n)
+        p, s = self.params, self.state
+        cp.cuda.runtime.memsetAsync(s.data.ptr, 0, 16, cp.cuda.get_current_stream().ptr)    # maxword, nan
+        kernels("sample_prep")((SAMPLE_GRID,), (256,), (logits, n, p, self.counts, self.work, s))
+        kernels("sample_exp")((SAMPLE_GRID,), (256,), (self.work, n, p, s, self.pw, self.qw, self.zpart))
+        kernels("sample_select")((1,), (SELECT_THREADS,),
+                                 (self.work, self.pw, self.qw, self.zpart, np.int32(SAMPLE_GRID), n, p, s,
+                                  self.counts, self.ring, np.uint64(out_dptr)))
+
+    def capture(self, step) -> None:
+        """The step's sampled variant: its graph captured with enqueue_pick() routed here; the greedy graph stays."""
+        greedy = step.graph
+        step.sampler = self
+        self.active = True
+        try:
+            step.capture()
+            self.graph = step.graph
+            self.graph_of = step
+        finally:
+            step.graph = greedy
+            self.active = False
+
+    def launch(self, step, token: int, pos: int, use_graph: bool = True) -> None:
+        """One decode step with the sampled pick (the graph variant, or eager launches without graphs)."""
+        greedy = step.graph
+        step.sampler = self
+        self.active = True
+        try:
+            step.graph = self.graph if use_graph and self.graph_of is step else None
+            step.launch(token, pos, use_graph=use_graph and step.graph is not None)
+        finally:
+            step.graph = greedy
+            self.active = False
+
+    def read_state(self) -> np.ndarray:
+        """The device state record (tests: the kept set's boundary, u, total, the pick)."""
+        return self.state.get(stream=self.stream).view(STATE_DTYPE)[0]
+
+    def close(self) -> None:
+        self.graph = self.graph_of = self.owner = None
+        self.params = self.state = self.counts = self.ring = self.work = self.pw = self.qw = self.zpart = None

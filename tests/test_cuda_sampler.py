@@ -1,0 +1,375 @@
+"""The GPU sampler (cuda_src/sample.cu, engine/cuda/sampler.py) against engine/sampling.py's Sampler.
+
+Kernel tests: the penalized logits equal the host's bit for bit; the kept set equals the host Sampler's filter and
+the probabilities its probabilities (1e-5); the pick equals the NumPy draw with the same uniform (the GPU's u is
+uniform(seed, step), checked against the Python mirror); outputs poisoned first. End to end: seeded sampled tokens
+reproduce (graph and eager alike), top_k=1 equals greedy, greedy with penalties equals the host's pick on the same
+logits. The host-side pieces (the RNG mirror, the packed settings, the penalty window, the sync rule) run on CPU."""
+from collections import deque
+
+import numpy as np
+import pytest
+
+from engine.cuda.sampler import (ALL_TIES, PARAMS_DTYPE, STATE_DTYPE, GpuSampler, pack_params, uniform,
+                                 window_length, window_tokens)
+from engine.sampling import Sampler, SamplingError
+
+gpu = pytest.mark.gpu
+SIZES = (1000, 49152, 151936)
+
+
+# --- host side (CPU) -----------------------------------------------------------------------------------------------
+def test_uniform_is_splitmix64():
+    # splitmix64's first output for state 0 is 0xe220a8397b1dcdaf (Vigna's reference implementation)
+    assert uniform(0, 0) == (0xE220A8397B1DCDAF >> 11) / 2.0 ** 53
+    us = np.array([uniform(12345, s) for s in range(20000)])
+    assert ((us >= 0) & (us < 1)).all()
+    assert abs(us.mean() - 0.5) < 0.01 and len(set(us.tolist())) == len(us)
+    assert [uniform(7, s) for s in range(5)] == [uniform(7, s) for s in range(5)]
+    assert uniform(7, 0) != uniform(8, 0)
+    assert 0 <= uniform(-1, 3) < 1 and 0 <= uniform(2 ** 70, 3) < 1      # any int seed folds into 64 bits
+
+
+def test_struct_layouts_match_the_kernel():
+    assert PARAMS_DTYPE.itemsize == 56 and STATE_DTYPE.itemsize == 72
+    assert PARAMS_DTYPE.fields["top_k"][1] == 40 and PARAMS_DTYPE.fields["window"][1] == 48
+    assert STATE_DTYPE.fields["step"][1] == 16 and STATE_DTYPE.fields["bkey"][1] == 56
+    assert STATE_DTYPE.fields["pick"][1] == 64
+
+
+def test_pack_params():
+    s = Sampler({"temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "penalty_repeat": 1.1})
+    p = pack_params(s, 1000, seed=-1)[0]
+    assert p["seed"] == 2 ** 64 - 1 and p["top_k"] == 40 and p["penalties"] == 1 and p["window"] == 64
+    assert p["top_p"] == 0.9 and p["log_min_p"] == np.log(0.05) and np.float32(p["temp"]) == np.float32(0.7)
+    g = pack_params(Sampler({}), 1000, seed=1)[0]
+    assert g["temp"] == 0 and g["penalties"] == 0 and g["window"] == 0 and np.isneginf(g["log_min_p"])
+
+
+def test_penalty_window_length_and_tokens():
+    ring = 100
+    assert window_length(Sampler({"penalty_repeat": 1.2}), ring) == 64
+    assert window_length(Sampler({"penalty_repeat": 1.2, "penalty_last_n": -1}), ring) == ring
+    assert window_length(Sampler({"penalty_repeat": 1.2, "penalty_last_n": 500}), ring) == ring
+    assert window_length(Sampler({"penalty_repeat": 1.2, "penalty_last_n": 0}), ring) == 0
+    assert window_length(Sampler({"temperature": 1.0}), ring) == 0
+    s = Sampler({"penalty_freq": 0.5, "penalty_last_n": 3})
+    s.accept_many([5, 6, 7, 2000, 8])
+    np.testing.assert_array_equal(window_tokens(s, 1000, ring), [7, -1, 8])
+
+
+def _bare(sampler_obj=None) -> GpuSampler:
+    """The bookkeeping half of a GpuSampler, without device buffers."""
+    gs = GpuSampler.__new__(GpuSampler)
+    gs.owner, gs.draws, gs.last_pick, gs.expected_len = sampler_obj, 0, None, 0
+    return gs
+
+
+def test_sync_rule_follows_the_sessions_loop():
+    s = Sampler({"temperature": 1.0, "penalty_repeat": 1.3, "penalty_last_n": 3})
+    s.accept_many([1, 2, 3, 4])
+    gs = _bare(s)
+    gs.expected_len = len(s.history)
+    assert gs.picked(s, 9, 0) == 9 and gs.draws == 1
+    s.accept(9)                                 # the session accepts the pick and feeds it back
+    assert gs.in_sync(s, [9])
+    assert not gs.in_sync(s, [8]) and not gs.in_sync(s, [9, 9]) and not gs.in_sync(Sampler({}), [9])
+    gs.picked(s, 5, 0)
+    s.accept(6)                                 # not the pick: the device window would be wrong
+    assert not gs.in_sync(s, [5])
+    with pytest.raises(SamplingError, match="NaN"):
+        gs.picked(s, 0, 3)
+    assert gs.owner is None                     # the next call reloads from the host Sampler
+    with pytest.raises(SamplingError, match="-inf"):
+        _bare(s).picked(s, -1, -1)
+
+
+def test_sync_rule_counts_an_unbounded_window():
+    s = Sampler({"temperature": 1.0, "penalty_present": 0.5, "penalty_last_n": -1})
+    s.accept_many(range(10))
+    gs = _bare(s)
+    gs.expected_len = len(s.history)
+    gs.picked(s, 3, 0)
+    s.accept(3)
+    assert gs.in_sync(s, [3]) and gs.expected_len == 11
+    greedy_pen = Sampler({"penalty_repeat": 2.0})
+    gs2 = _bare(greedy_pen)
+    gs2.picked(greedy_pen, 4, 0)
+    assert gs2.draws == 0                       # greedy picks draw no random number
+
+
+# --- NumPy reference of the GPU's draw ---------------------------------------------------------------------------
+def sortable(x: np.ndarray) -> np.ndarray:
+    b = (np.asarray(x, np.float32) + np.float32(0)).view(np.uint32)      # -0 ties with +0, as in the kernels
+    return np.where(b & 0x80000000, ~b, b | 0x80000000).astype(np.uint32)
+
+
+def kept_from_state(work, st) -> np.ndarray:
+    """The kept set the kernels chose: key > bkey, or key == bkey among the first m such ids."""
+    k = sortable(work)
+    tie = k == st["bkey"]
+    rank = np.cumsum(tie) - 1
+    return (k > st["bkey"]) | (tie & ((st["m"] == ALL_TIES) | (rank < st["m"])))
+
+
+def order_filter(x, top_k, top_p, min_p) -> np.ndarray:
+    """The chain's definition by a full stable sort (ties by lower id), as the kernels order them."""
+    x = x.astype(np.float64)
+    order = np.argsort(-x, kind="stable")
+    n = len(x)
+    keep = n if not 0 < top_k < n else top_k
+    if top_p < 1.0:
+        v = x[order[:keep]]
+        p = np.exp(v - v[0])
+        cum = np.cumsum(p / p.sum())
+        keep = min(keep, int(np.searchsorted(cum, top_p, side="left")) + 1)
+    if min_p > 0:
+        keep = min(keep, int((x >= x[order[0]] + np.log(min_p)).sum()))
+    out = np.zeros(n, bool)
+    out[order[:max(keep, 1)]] = True
+    return out
+
+
+def reference_draw(probs: np.ndarray, u: float) -> int:
+    """The inverse CDF over the kept ids in id order (what sample_select does), on the host's probabilities."""
+    ids = np.nonzero(probs > 0)[0]
+    cum = np.cumsum(probs[ids])
+    return int(ids[min(int(np.searchsorted(cum, u * cum[-1], side="right")), len(ids) - 1)])
+
+
+def lm_logits(rng, n):
+    """Peaked like a language model's: a few large values over a wide low floor."""
+    return (rng.standard_normal(n) * 2 + np.where(rng.random(n) < 0.01, 8, 0)).astype(np.float32)
+
+
+# --- kernels (GPU) -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def kern():
+    cp = pytest.importorskip("cupy")
+    from engine.cuda.programs import OPTIONS, source_text
+    mod = cp.RawModule(code=source_text(("sample.cu",)), options=OPTIONS)
+    return lambda name, qt=None, tag=None: mod.get_function(name)
+
+
+class Run:
+    """One GpuSampler over one vocabulary, poisoned buffers, a mapped output."""
+
+    def __init__(self, kern, n, ring_cap=4096):
+        import cupy as cp
+        from engine.cuda.decode import MappedInts
+        self.cp, self.kern = cp, kern
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.gs = GpuSampler(kern, n, ring_cap, self.stream)
+        self.out = MappedInts(2)
+
+    def pick(self, sampler, logits, load=True):
+        cp, gs = self.cp, self.gs
+        with self.stream:
+            if load:
+                gs.load(sampler)
+            for a in (gs.work, gs.pw, gs.qw):
+                a.fill(np.nan)
+            self.out.view[:] = -7
+            gs.enqueue(self.kern, cp.asarray(logits), self.out.dptr)
+        self.stream.synchronize()
+        return int(self.out.view[0]), int(self.out.view[1])
+
+    def close(self):
+        self.gs.close()
+        self.out.close()
+
+
+CHAINS = [  # temperature, top_k, top_p, min_p, penalties
+    (1.0, 0, 1.0, 0.0, {}),
+    (0.8, 40, 0.95, 0.0, {}),
+    (1.2, 0, 0.9, 0.0, {}),
+    (0.7, 0, 1.0, 0.05, {}),
+    (1.0, 3000, 0.99, 0.001, {"penalty_repeat": 1.3, "penalty_freq": 0.2, "penalty_present": 0.1}),
+    (1.5, 0, 0.5, 0.02, {"penalty_repeat": 0.8, "penalty_last_n": -1}),
+    (0.9, 1000, 1.0, 0.0, {"penalty_present": 1.5, "penalty_last_n": 16}),
+    (1.0, 0, 0.0, 0.0, {}),
+]
+
+
+@gpu
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chain", range(len(CHAINS)))
+def test_pick_matches_the_host_sampler(kern, n, chain):
+    temp, top_k, top_p, min_p, pen = CHAINS[chain]
+    rng = np.random.default_rng(n * 31 + chain)
+    logits = lm_logits(rng, n)
+    seed = int(rng.integers(0, 2 ** 63))
+    s = Sampler({"temperature": temp, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed, **pen})
+    history = rng.integers(0, n, size=200).tolist()
+    history[-5:] = [int(np.argmax(logits))] * 5         # the top token repeated: penalties move the top
+    s.accept_many(history)
+    r = Run(kern, n)
+    try:
+        tok, err = r.pick(s, logits)
+        st = r.gs.read_state()
+        work = r.gs.work.get()
+        np.testing.assert_array_equal(work, s.apply_penalties(logits))
+        assert err == 0 and st["step"] == 1 and st["u"] == uniform(seed, 0)
+        kept = kept_from_state(work, st)
+        np.testing.assert_array_equal(kept, np.isfinite(s.filter(work)))
+        np.testing.assert_array_equal(kept, order_filter(work, top_k, top_p, min_p))
+        probs = s.probabilities(logits)
+        gpu_probs = np.where(kept, r.gs.qw.get(), 0.0) / st["total"]
+        np.testing.assert_allclose(gpu_probs, probs, rtol=1e-5, atol=1e-9)
+        assert tok == st["pick"] == reference_draw(probs, st["u"])
+        if s.penalties_active:              # the pick entered the window (and the oldest left a full one)
+            win = list(deque(window_tokens(s, n, 4096).tolist() + [tok], maxlen=window_length(s, 4096)))
+            np.testing.assert_array_equal(r.gs.counts.get(), np.bincount(win, minlength=n))
+    finally:
+        r.close()
+
+
+@gpu
+@pytest.mark.parametrize("n", SIZES)
+def test_ties_keep_the_lowest_ids(kern, n):
+    rng = np.random.default_rng(n)
+    logits = np.round(lm_logits(rng, n) * 2) / 2         # many equal values (and -0 beside +0): cuts inside ties
+    r = Run(kern, n)
+    try:
+        for top_k, top_p in ((37, 1.0), (0, 0.8), (500, 0.6)):
+            s = Sampler({"temperature": 1.0, "top_k": top_k, "top_p": top_p, "seed": 3})
+            r.pick(s, logits)
+            st = r.gs.read_state()
+            kept = kept_from_state(r.gs.work.get(), st)
+            np.testing.assert_array_equal(kept, order_filter(logits, top_k, top_p, 0.0))
+            assert kept.sum() == np.isfinite(s.filter(logits)).sum()
+    finally:
+        r.close()
+
+
+@gpu
+@pytest.mark.parametrize("n", SIZES)
+def test_greedy_with_penalties_and_top_k_1_are_the_argmax(kern, n):
+    rng = np.random.default_rng(n + 5)
+    logits = lm_logits(rng, n)
+    top = int(np.argmax(logits))
+    r = Run(kern, n)
+    try:
+        s = Sampler({"penalty_repeat": 50.0})            # temperature 0: the argmax of the penalized logits
+        s.accept_many([top, 1, 2])
+        tok, err = r.pick(s, logits)
+        assert err == 0 and tok == s.sample(logits) != top
+        assert r.gs.read_state()["step"] == 0            # greedy draws nothing
+        k1 = Sampler({"temperature": 0.9, "top_k": 1, "seed": 11})
+        assert r.pick(k1, logits) == (top, 0)
+        nearly = Sampler({"temperature": 1e-4, "seed": 11})
+        assert r.pick(nearly, logits)[0] == top
+    finally:
+        r.close()
+
+
+@gpu
+def test_seeded_draws_reproduce_and_advance(kern):
+    n = 49152
+    logits = lm_logits(np.random.default_rng(1), n) / 4     # flat enough that draws differ
+    r = Run(kern, n)
+    try:
+        def run(seed, k=12):
+            s = Sampler({"temperature": 1.0, "top_p": 0.95, "seed": seed})
+            toks = [r.pick(s, logits, load=(i == 0))[0] for i in range(k)]
+            return toks, r.gs.read_state()
+        a, st = run(99)
+        assert st["step"] == 12 and st["u"] == uniform(99, 11)
+        assert run(99)[0] == a and run(100)[0] != a
+        assert len(set(a)) > 1
+    finally:
+        r.close()
+
+
+@gpu
+def test_sampled_frequencies_follow_the_probabilities(kern):
+    n = 1000
+    logits = np.full(n, -5.0, np.float32)
+    logits[[10, 500, 999, 3, 77, 600]] = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5]
+    s = Sampler({"temperature": 0.8, "top_k": 5, "seed": 2024})
+    probs = s.probabilities(logits)
+    r = Run(kern, n)
+    try:
+        draws = [r.pick(s, logits, load=(i == 0))[0] for i in range(3000)]
+    finally:
+        r.close()
+    ids = np.nonzero(probs)[0]
+    assert set(draws) <= set(ids.tolist())               # never a filtered token (600 is the 6th)
+    obs = np.array([draws.count(int(i)) for i in ids])
+    exp = probs[ids] * len(draws)
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    assert chi2 < 30.0, (chi2, obs, exp)                 # 4 degrees of freedom: p < 1e-5 if the draw were right
+
+
+@gpu
+def test_nan_and_all_neg_inf_are_reported(kern):
+    n = 1000
+    r = Run(kern, n)
+    try:
+        s = Sampler({"temperature": 1.0, "seed": 1})
+        x = lm_logits(np.random.default_rng(0), n)
+        x[17] = np.nan
+        assert r.pick(s, x)[1] > 0
+        assert r.pick(s, np.full(n, -np.inf, np.float32)) == (-1, -1)
+        assert r.gs.read_state()["step"] == 0            # a failed pick advances nothing
+    finally:
+        r.close()
+
+
+# --- end to end (GPU) --------------------------------------------------------------------------------------------
+E2E_MODELS = ("tiny-qwen3moe-q4k", "tiny-llama-legacy")
+
+
+def _sampled(be, prompt, params, n=32):
+    s = Sampler(params)
+    s.accept_many(prompt)
+    toks = [be.next_token(prompt, s)]
+    while len(toks) < n:
+        s.accept(toks[-1])
+        toks.append(be.next_token([toks[-1]], s))
+    return toks
+
+
+@gpu
+@pytest.mark.parametrize("name", E2E_MODELS)
+def test_backend_seeded_sampling_reproduces_and_top_k_1_is_greedy(fixtures_dir, name):
+    import json
+
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.gguf_model import open_model
+    from gpu_compare import greedy
+    model = open_model(fixtures_dir / "reference" / f"{name}.gguf")
+    prompt = list(json.loads((fixtures_dir / "reference" / f"{name}.json").read_text())["cases"][0]["prompt_ids"])
+    params = {"temperature": 1.3, "top_p": 0.95, "min_p": 0.01, "seed": 1234, "penalty_repeat": 1.1}
+    be = CUDABackend(model, 256, CudaOptions())
+    try:
+        a = _sampled(be, prompt, params)
+        be.truncate(0)
+        assert _sampled(be, prompt, params) == a
+        be.truncate(0)
+        g = greedy(be, prompt, 32)
+        be.truncate(0)
+        assert _sampled(be, prompt, {"temperature": 0.7, "top_k": 1, "seed": 5}) == g
+        be.truncate(0)
+        # greedy with a repeat penalty (on the GPU) equals the host Sampler on the same step's logits
+        s_gpu, s_host = Sampler({"penalty_repeat": 1.5}), Sampler({"penalty_repeat": 1.5})
+        s_gpu.accept_many(prompt)
+        s_host.accept_many(prompt)
+        tok = be.next_token(prompt, s_gpu)
+        for _ in range(8):
+            s_gpu.accept(tok)
+            s_host.accept(tok)
+            lg = be.forward([tok])                   # the step's logits (greedy graph) ...
+            be.truncate(be.n_cached - 1)
+            nxt = be.next_token([tok], s_gpu)        # ... and the same step again through the sampled graph
+            top2 = np.sort(s_host.apply_penalties(lg))[-2:]
+            if top2[1] - top2[0] > 1e-3:             # a near-tie may part on a last-bit difference of the logits
+                assert nxt == s_host.sample(lg)
+            tok = nxt
+    finally:
+        be.close()
+    eager = CUDABackend(model, 256, CudaOptions(no_graph=True))
+    try:
+        assert _sampled(eager, prompt, params) == a
+    finally:
+        eager.close()
