@@ -61,20 +61,6 @@ __device__ __forceinline__ bool last_block(int* counter) {
     return is_last;
 }
 
-// out = x / rms(x) * w over n values, by the calling block (x read past L1: other blocks wrote it).
-__device__ __forceinline__ void block_rmsnorm(const float* x, const float* __restrict__ w, float* __restrict__ out,
-                                              int n, float eps) {
-    __shared__ float nbuf[32];
-    float s = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = __ldcg(x + i);
-        s += v * v;
-    }
-    s = block_sum(s, nbuf);
-    const float inv = rsqrtf(s / n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = __ldcg(x + i) * inv * w[i];
-}
-
 // ---- wide Q4_K reads --------------------------------------------------------------------------------------------
 // quant.cuh's dot_row reads 8 elements per lane per step; for Q4_K (the benchmark model's type) a lane here takes a
 // 16-byte slice of a block's quants (32 elements: 16 low nibbles of one sub-block, 16 high of the next) in one load,
@@ -90,6 +76,46 @@ __device__ __forceinline__ void q4k_sm(const uint8_t* __restrict__ b, int s, flo
         sc = (float)((q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4));
         mn = (float)((q[s + 4] >> 4) | ((q[s] >> 6) << 4));
     }
+}
+
+// ---- x staged in shared memory ------------------------------------------------------------------------------
+// A decode mat-vec reads its whole input vector once per row; from L1 that costs more wavefronts than the weight
+// bytes (a Q4_K unit's eight float4 x loads touch 16 cache lines per warp). Staged in shared memory once per block,
+// with Q4_K's padded layout (4 floats after every 64: the 8 lanes of a quarter-warp read float4s 16 or 64 floats
+// apart, which the padding spreads over all 32 banks), the same reads take 4 wavefronts. The staging block can
+// apply the RMSNorm itself (the consumer recomputes sum(x^2) of an n_embd vector that sits in L2): no norm launch.
+extern __shared__ float4 strata_smem4[];   // dynamic shared memory: the launch passes staged_bytes(n) (decode.py)
+
+template <int QT> __device__ __forceinline__ int xs_at(int i) { return QT == STRATA_Q_Q4_K ? i + ((i >> 6) << 2) : i; }
+
+// Stage x[0, n) into shared memory, as x / rms(x) * w when w is given (x16-byte aligned, n a multiple of 4). Every
+// thread of the block calls it (it synchronises); returns the staged vector, laid out for readers of type QT.
+template <int QT>
+__device__ __forceinline__ const float* stage_x(const float* x, const float* __restrict__ w, float eps, int n) {
+    __shared__ float red[32];
+    float* xs = reinterpret_cast<float*>(strata_smem4);
+    float inv = 1.f;
+    if (w) {
+        float s = 0.f;
+        for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) {
+            const float4 v = *reinterpret_cast<const float4*>(x + i);
+            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        inv = rsqrtf(block_sum(s, red) / n + eps);
+    }
+    for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) {
+        float4 v = *reinterpret_cast<const float4*>(x + i);
+        if (w) {
+            const float4 g = *reinterpret_cast<const float4*>(w + i);
+            v.x = v.x * inv * g.x;
+            v.y = v.y * inv * g.y;
+            v.z = v.z * inv * g.z;
+            v.w = v.w * inv * g.w;
+        }
+        *reinterpret_cast<float4*>(xs + xs_at<QT>(i)) = v;
+    }
+    __syncthreads();
+    return xs;
 }
 
 // unit u of a row (8 per 256-element block): bytes 16 + 32j + 16hh of block u/8, j = (u/2)%4, hh = u%2
@@ -137,6 +163,118 @@ __device__ __forceinline__ float dotw<STRATA_Q_Q4_K>(const uint8_t* __restrict__
     return acc;
 }
 
+// A Q4_K unit as two 16-byte loads: the block header (d, dmin, the 12 scale bytes) and the unit's quants. Loaded
+// apart from the arithmetic, so a kernel can have all its units' loads in flight (or issue them before it stages
+// x) and unpack the scales from registers.
+struct Q4KRaw {
+    uint4 hd, qs;
+};
+__device__ __forceinline__ Q4KRaw q4k_load(const uint8_t* __restrict__ row, int u) {
+    const uint8_t* b = row + (u >> 3) * 144;
+    Q4KRaw r;
+    r.hd = *reinterpret_cast<const uint4*>(b);
+    r.qs = *reinterpret_cast<const uint4*>(b + 16 + 32 * ((u >> 1) & 3) + 16 * (u & 1));
+    return r;
+}
+// the unit's 32 elements and their d*scale, dmin*min (sub-blocks 2j and 2j+1), x staged padded
+__device__ __forceinline__ void q4k_unpack(const Q4KRaw& r, int u, float& d0, float& mn0, float& d1, float& mn1) {
+    const int j = (u >> 1) & 3;
+    const float d = h2f((unsigned short)(r.hd.x & 0xffff)), dmin = h2f((unsigned short)(r.hd.x >> 16));
+    unsigned int sc0, m0, sc1, m1;
+    if (j < 2) {          // sub-blocks 0..3: 6-bit scale in q[s], min in q[s + 4]
+        const int sh = 16 * j;
+        sc0 = (r.hd.y >> sh) & 63;
+        m0 = (r.hd.z >> sh) & 63;
+        sc1 = (r.hd.y >> (sh + 8)) & 63;
+        m1 = (r.hd.z >> (sh + 8)) & 63;
+    } else {              // sub-blocks 4..7: low 4 bits in q[s + 4], high 2 bits in the top of q[s - 4] / q[s]
+        const int sh = 16 * (j - 2);
+        const unsigned int lo0 = r.hd.w >> sh, lo1 = r.hd.w >> (sh + 8);
+        sc0 = (lo0 & 0xF) | (((r.hd.y >> (sh + 6)) & 3) << 4);
+        m0 = ((lo0 >> 4) & 0xF) | (((r.hd.z >> (sh + 6)) & 3) << 4);
+        sc1 = (lo1 & 0xF) | (((r.hd.y >> (sh + 14)) & 3) << 4);
+        m1 = ((lo1 >> 4) & 0xF) | (((r.hd.z >> (sh + 14)) & 3) << 4);
+    }
+    d0 = d * (float)sc0;
+    mn0 = dmin * (float)m0;
+    d1 = d * (float)sc1;
+    mn1 = dmin * (float)m1;
+}
+// the staged x of unit u: its low-nibble run (the high run is 32 floats on, in the same padded 64-float stretch)
+__device__ __forceinline__ const float4* q4k_xs(const float* xs, int u) {
+    const int e0 = (u >> 3) * 256 + 64 * ((u >> 1) & 3) + 16 * (u & 1);
+    return reinterpret_cast<const float4*>(xs + e0 + ((e0 >> 6) << 2));
+}
+// sum over the unit of (q * x) for the low and high nibbles, and of x (for the mins)
+__device__ __forceinline__ void q4k_sums(const uint4& qv, const float4* x0, float& s0, float& s1, float& t0,
+                                         float& t1) {
+    const float4* x1 = x0 + 8;
+    const unsigned int w[4] = {qv.x, qv.y, qv.z, qv.w};
+    s0 = s1 = t0 = t1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float4 a = x0[i], c = x1[i];
+        const unsigned int q = w[i];
+        s0 += (float)(q & 15) * a.x + (float)((q >> 8) & 15) * a.y + (float)((q >> 16) & 15) * a.z +
+              (float)((q >> 24) & 15) * a.w;
+        s1 += (float)((q >> 4) & 15) * c.x + (float)((q >> 12) & 15) * c.y + (float)((q >> 20) & 15) * c.z +
+              (float)(q >> 28) * c.w;
+        t0 += a.x + a.y + a.z + a.w;
+        t1 += c.x + c.y + c.z + c.w;
+    }
+}
+__device__ __forceinline__ float q4k_dot(const Q4KRaw& r, const float* xs, int u) {
+    float d0, mn0, d1, mn1, s0, s1, t0, t1;
+    q4k_unpack(r, u, d0, mn0, d1, mn1);
+    q4k_sums(r.qs, q4k_xs(xs, u), s0, s1, t0, t1);
+    return d0 * s0 + d1 * s1 - (mn0 * t0 + mn1 * t1);
+}
+// two rows' units against one staged x (gate and up): x read once
+__device__ __forceinline__ void q4k_dot2(const Q4KRaw& ra, const Q4KRaw& rb, const float* xs, int u, float& a,
+                                         float& b) {
+    const float4* x0 = q4k_xs(xs, u);
+    float d0, mn0, d1, mn1, s0, s1, t0, t1;
+    q4k_unpack(ra, u, d0, mn0, d1, mn1);
+    q4k_sums(ra.qs, x0, s0, s1, t0, t1);
+    a += d0 * s0 + d1 * s1 - (mn0 * t0 + mn1 * t1);
+    const unsigned int w[4] = {rb.qs.x, rb.qs.y, rb.qs.z, rb.qs.w};
+    const float4* x1 = x0 + 8;
+    float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {      // the x sums t0, t1 are the same for the second row
+        const float4 c0 = x0[i], c1 = x1[i];
+        const unsigned int q = w[i];
+        p0 += (float)(q & 15) * c0.x + (float)((q >> 8) & 15) * c0.y + (float)((q >> 16) & 15) * c0.z +
+              (float)((q >> 24) & 15) * c0.w;
+        p1 += (float)((q >> 4) & 15) * c1.x + (float)((q >> 12) & 15) * c1.y + (float)((q >> 20) & 15) * c1.z +
+              (float)(q >> 28) * c1.w;
+    }
+    q4k_unpack(rb, u, d0, mn0, d1, mn1);
+    b += d0 * p0 + d1 * p1 - (mn0 * t0 + mn1 * t1);
+}
+
+// dotw over x staged by stage_x<QT> (padded for Q4_K): a lane's Q4_K units, all loads issued before the arithmetic.
+#define Q4K_BATCH 2     // units per row and lane in flight at once (2 covers a 2048-wide row; registers bound occupancy)
+template <int QT>
+__device__ __forceinline__ float dot_s(const uint8_t* __restrict__ row, const float* xs, int ncols, int lane) {
+    if constexpr (QT == STRATA_Q_Q4_K) {
+        float acc = 0.f;
+        const int n = ncols / 32;
+        for (int u0 = lane; u0 < n; u0 += 32 * Q4K_BATCH) {
+            Q4KRaw r[Q4K_BATCH];
+#pragma unroll
+            for (int i = 0; i < Q4K_BATCH; ++i)
+                if (u0 + 32 * i < n) r[i] = q4k_load(row, u0 + 32 * i);
+#pragma unroll
+            for (int i = 0; i < Q4K_BATCH; ++i)
+                if (u0 + 32 * i < n) acc += q4k_dot(r[i], xs, u0 + 32 * i);
+        }
+        return acc;
+    } else {
+        return dot_row<QT>(row, xs, ncols, lane);
+    }
+}
+
 // This lane's partials of two rows' dot products with one x (gate and up): the two rows' loads interleave.
 template <int QT>
 __device__ __forceinline__ void dot2_row(const uint8_t* __restrict__ ra, const uint8_t* __restrict__ rb,
@@ -169,6 +307,31 @@ __device__ __forceinline__ void dot2_row<STRATA_Q_Q4_K>(const uint8_t* __restric
     for (int u = lane; u < n; u += 32) {
         a += q4k_unit(ra, x, u);
         b += q4k_unit(rb, x, u);
+    }
+}
+
+// dot2_row over x staged by stage_x<QT> (padded for Q4_K): both rows' loads issued before the arithmetic.
+template <int QT>
+__device__ __forceinline__ void dot2_s(const uint8_t* __restrict__ ra, const uint8_t* __restrict__ rb,
+                                       const float* xs, int ncols, int lane, float& a, float& b) {
+    if constexpr (QT == STRATA_Q_Q4_K) {
+        a = 0.f;
+        b = 0.f;
+        const int n = ncols / 32;
+        for (int u0 = lane; u0 < n; u0 += 32 * Q4K_BATCH) {
+            Q4KRaw p[Q4K_BATCH], q[Q4K_BATCH];
+#pragma unroll
+            for (int i = 0; i < Q4K_BATCH; ++i)
+                if (u0 + 32 * i < n) {
+                    p[i] = q4k_load(ra, u0 + 32 * i);
+                    q[i] = q4k_load(rb, u0 + 32 * i);
+                }
+#pragma unroll
+            for (int i = 0; i < Q4K_BATCH; ++i)
+                if (u0 + 32 * i < n) q4k_dot2(p[i], q[i], xs, u0 + 32 * i, a, b);
+        }
+    } else {
+        dot2_row<QT>(ra, rb, xs, ncols, lane, a, b);
     }
 }
 

@@ -3,35 +3,45 @@
 #include "quant.cuh"
 #include "common.cuh"
 
-// y[r] = (accumulate ? y[r] : 0) + gate * (W[r] . x + bias[r]); gate = sigmoid(*gate_logit) when given.
-// One warp per row; blockDim.x = 32 * rows per block. With norm_w given, the last block then writes
-// norm_out = rmsnorm(y) * norm_w (the next layer's input norm, fused: y is the residual stream).
+// Every mat-vec here can read x from shared memory, staged once per block (common.cuh stage_x): then the launch
+// passes dynamic shared memory staged_bytes(ncols), and with norm_w given the block stages rmsnorm(x) * norm_w, so
+// the norm before a projection needs no launch of its own (each block recomputes sum(x^2) of a vector in L2).
+
+// y[r] = (accumulate ? y[r] : 0) + gate * (W[r] . xn + bias[r]); gate = sigmoid(*gate_logit) when given.
+// xn = x, or staged (stage != 0) and then normed when norm_w is given. One warp per row, rows_per_warp rows in turn
+// (one staging serves them all: the output head has ~150k rows); blockDim.x = 32 * warps, grid
+// ceil(nrows / (warps * rows_per_warp)).
 template <int QT>
 __global__ void mv(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
                    float* __restrict__ y, const float* __restrict__ bias, const float* __restrict__ gate_logit,
-                   int nrows, int ncols, int accumulate, const float* __restrict__ norm_w, float* __restrict__ norm_out,
-                   int* __restrict__ counter, float eps) {
-    const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r < nrows) {
-        float s = warp_sum(dotw<QT>(W + (long long)r * row_bytes, x, ncols, lane));
+                   int nrows, int ncols, int accumulate, const float* __restrict__ norm_w, float eps, int stage,
+                   int rows_per_warp) {
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const float* xs = stage ? stage_x<QT>(x, norm_w, eps, ncols) : x;
+    for (int i = 0; i < rows_per_warp; ++i) {
+        const int r = (blockIdx.x * rows_per_warp + i) * nw + (threadIdx.x >> 5);
+        if (r >= nrows) break;
+        const uint8_t* row = W + (long long)r * row_bytes;
+        float s = warp_sum(stage ? dot_s<QT>(row, xs, ncols, lane) : dotw<QT>(row, x, ncols, lane));
         if (lane == 0) {
             if (bias) s += bias[r];
             if (gate_logit) s *= 1.f / (1.f + __expf(-gate_logit[0]));
             y[r] = accumulate ? y[r] + s : s;
         }
     }
-    if (norm_w && last_block(counter)) block_rmsnorm(y, norm_w, norm_out, nrows, eps);
 }
 
 // The Q, K and V projections in one launch (one quant type): rows [0, n0) of W0, then W1, then W2; bias optional.
+// x staged (normed by norm_w when given); dynamic shared memory staged_bytes(ncols).
 template <int QT>
 __global__ void mv3(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,
-                    long long row_bytes, const float* __restrict__ x, float* __restrict__ y0, float* __restrict__ y1,
-                    float* __restrict__ y2, const float* __restrict__ b0, const float* __restrict__ b1,
-                    const float* __restrict__ b2, int n0, int n1, int n2, int ncols) {
+                    long long row_bytes, const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
+                    float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
+                    const float* __restrict__ b0, const float* __restrict__ b1, const float* __restrict__ b2, int n0,
+                    int n1, int n2, int ncols) {
     const int lane = threadIdx.x & 31;
     int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const float* xs = stage_x<QT>(x, norm_w, eps, ncols);
     const uint8_t* W = W0;
     float* y = y0;
     const float* b = b0;
@@ -44,19 +54,22 @@ __global__ void mv3(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ 
             if (r >= n2) return;
         }
     }
-    float s = warp_sum(dotw<QT>(W + (long long)r * row_bytes, x, ncols, lane));
+    float s = warp_sum(dot_s<QT>(W + (long long)r * row_bytes, xs, ncols, lane));
     if (lane == 0) y[r] = b ? s + b[r] : s;
 }
 
-// h[r] = silu(Wg[r] . x) * (Wu[r] . x): the gate and up halves of a SwiGLU FFN in one pass.
+// h[r] = silu(Wg[r] . xn) * (Wu[r] . xn): the gate and up halves of a SwiGLU FFN in one pass. x staged (normed by
+// norm_w when given); dynamic shared memory staged_bytes(ncols).
 template <int QT>
 __global__ void swiglu_mv(const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long row_bytes,
-                          const float* __restrict__ x, float* __restrict__ h, int nrows, int ncols) {
+                          const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
+                          float* __restrict__ h, int nrows, int ncols) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const float* xs = stage_x<QT>(x, norm_w, eps, ncols);
     if (r >= nrows) return;
     float g, u;
-    dot2_row<QT>(Wg + (long long)r * row_bytes, Wu + (long long)r * row_bytes, x, ncols, lane, g, u);
+    dot2_s<QT>(Wg + (long long)r * row_bytes, Wu + (long long)r * row_bytes, xs, ncols, lane, g, u);
     g = warp_sum(g);
     u = warp_sum(u);
     if (lane == 0) h[r] = silu(g) * u;

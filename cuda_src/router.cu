@@ -94,21 +94,113 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int n_e
     route_warp(blockIdx.x, logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
 }
 
-// Decode (one token): the router logits (one warp per expert row of W) and, in the last block, the routing.
-// Grid ceil(n_expert / warps per block).
+// Decode (one token): the router logits (one warp per expert row of W, x staged normed in every block: the FFN
+// norm needs no launch of its own) and, in the last block, the routing. Grid ceil(n_expert / warps per block),
+// dynamic shared memory staged_bytes(ncols); n_expert <= ROUTER_MAX_EXPERTS, k <= ROUTER_MAX_K.
+#define ROUTER_MAX_EXPERTS 512
+#define ROUTER_F4 16       // float4 of an F32 row per lane in flight at once (16: a 2048-wide row in one round)
+
+// The routing of one token by a whole block (after every logit is written): softmax values, then each expert's
+// rank among them counted against all others in shared memory (ties: the lower id first, as route_warp's argmax
+// rounds pick), so the k choices come out in one pass instead of k rounds of warp shuffles.
+__device__ __forceinline__ void route_block(const float* logits, int n_expert, int k, int renorm, float scale,
+                                            int* __restrict__ ids, float* __restrict__ weights,
+                                            const unsigned long long* __restrict__ table, unsigned long long slot_lo,
+                                            unsigned long long slot_hi, int* __restrict__ counts,
+                                            unsigned long long* __restrict__ stats) {
+    __shared__ float4 v4[ROUTER_MAX_EXPERTS / 4];
+    __shared__ float red[32];
+    __shared__ int sel[ROUTER_MAX_K];
+    __shared__ float selv[ROUTER_MAX_K];
+    float* v = reinterpret_cast<float*>(v4);
+    const int n4 = (n_expert + 3) / 4;
+    float mx = NEG_INF;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) mx = fmaxf(mx, __ldcg(logits + e));
+    mx = warp_max(mx);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    mx = red[0];
+    for (int i = 1; i < (int)(blockDim.x >> 5); ++i) mx = fmaxf(mx, red[i]);
+    float s = 0.f;
+    for (int e = threadIdx.x; e < 4 * n4; e += blockDim.x) {
+        float p = -2.f;                            // padding: below every real value, never chosen
+        if (e < n_expert) {
+            p = expf(__ldcg(logits + e) - mx);
+            if (p != p) p = -1.f;                  // NaN: never chosen (as route_warp), rank still unique
+            else s += p;
+        }
+        v[e] = p;
+    }
+    s = block_sum(s, red);                         // synchronises: v is complete
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        const float ve = v[e];
+        int rank = 0;
+        for (int i = 0; i < n4; ++i) {
+            const float4 o = v4[i];
+            const int f = 4 * i;
+            rank += (o.x > ve || (o.x == ve && f < e)) + (o.y > ve || (o.y == ve && f + 1 < e)) +
+                    (o.z > ve || (o.z == ve && f + 2 < e)) + (o.w > ve || (o.w == ve && f + 3 < e));
+        }
+        if (rank < k) {
+            sel[rank] = e;
+            selv[rank] = ve;
+        }
+    }
+    __syncthreads();
+    float tot = 0.f;
+    for (int j = 0; j < k; ++j) tot += selv[j];
+    const float div = renorm ? tot : s;
+    const int j = threadIdx.x;
+    if (j < k) {
+        const int e = sel[j];
+        ids[j] = e;
+        weights[j] = selv[j] / div * scale;
+        if (counts) atomicAdd(counts + e, 1);
+        if (stats && table) {
+            const unsigned long long a = table[e];
+            if (a >= slot_lo && a < slot_hi) atomicAdd(stats, 1ull);
+        }
+        if (stats && j == 0) atomicAdd(stats + 1, (unsigned long long)k);
+    }
+}
+
 template <int QT>
 __global__ void router_fused(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
-                             int ncols, float* __restrict__ logits, int n_expert, int k, int renorm, float scale,
-                             int* __restrict__ ids, float* __restrict__ weights,
-                             const unsigned long long* __restrict__ table, unsigned long long slot_lo,
-                             unsigned long long slot_hi, int* __restrict__ counts,
+                             const float* __restrict__ norm_w, float eps, int ncols, float* __restrict__ logits,
+                             int n_expert, int k, int renorm, float scale, int* __restrict__ ids,
+                             float* __restrict__ weights, const unsigned long long* __restrict__ table,
+                             unsigned long long slot_lo, unsigned long long slot_hi, int* __restrict__ counts,
                              unsigned long long* __restrict__ stats, int* __restrict__ counter) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r < n_expert) {
-        const float s = warp_sum(dotw<QT>(W + (long long)r * row_bytes, x, ncols, lane));
-        if (lane == 0) logits[r] = s;
+    const uint8_t* row = W + (long long)min(r, n_expert - 1) * row_bytes;
+    float acc = 0.f;
+    if constexpr (QT == STRATA_Q_F32) {
+        // the row's first ROUTER_F4 float4 per lane are loaded before the staging: their HBM latency overlaps it
+        const float4* w4 = reinterpret_cast<const float4*>(row);
+        const int nf = ncols / 4;
+        float4 wv[ROUTER_F4];
+#pragma unroll
+        for (int i = 0; i < ROUTER_F4; ++i)
+            if (lane + 32 * i < nf) wv[i] = w4[lane + 32 * i];
+        const float4* x4 = reinterpret_cast<const float4*>(stage_x<QT>(x, norm_w, eps, ncols));
+#pragma unroll
+        for (int i = 0; i < ROUTER_F4; ++i)
+            if (lane + 32 * i < nf) {
+                const float4 a = x4[lane + 32 * i];
+                acc += wv[i].x * a.x + wv[i].y * a.y + wv[i].z * a.z + wv[i].w * a.w;
+            }
+        for (int f = lane + 32 * ROUTER_F4; f < nf; f += 32) {    // rows wider than 4 * 32 * ROUTER_F4
+            const float4 w = w4[f], a = x4[f];
+            acc += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
+        }
+    } else {
+        const float* xs = stage_x<QT>(x, norm_w, eps, ncols);
+        acc = dot_s<QT>(row, xs, ncols, lane);
     }
-    if (last_block(counter) && threadIdx.x < 32)
-        route_warp(0, logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
+    const float s = warp_sum(acc);
+    if (lane == 0 && r < n_expert) logits[r] = s;
+    if (last_block(counter))
+        route_block(logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
 }

@@ -7,7 +7,7 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-from engine.cuda.decode import F32, I32, I64, NULL, U64, MappedInts, ptr  # noqa: E402
+from engine.cuda.decode import F32, I32, I64, NULL, U64, MappedInts, ptr, staged_bytes  # noqa: E402
 from engine.cuda.quant_types import qtype, random_rows  # noqa: E402
 from engine.gguf_model import dequantize  # noqa: E402
 
@@ -31,6 +31,18 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def rel_to(a, b, scale):
+    """|a - b| relative to a scale that cannot cancel (|W| @ |x| for a mat-vec): a result near zero from large
+    terms (one output row of -0.008) is as accurate as its terms, not as its own size."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(scale), 1e-30))
+
+
+def rms_ref(x, w, eps=1e-6):
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w
+
+
 def rand_matrix(name, rows, cols, rng):
     raw = random_rows(name, rows, cols, rng)
     ref = dequantize(raw, qtype(name).ggml).reshape(rows, cols)
@@ -38,52 +50,54 @@ def rand_matrix(name, rows, cols, rng):
 
 
 @pytest.mark.parametrize("name", QTS)
-@pytest.mark.parametrize("rows,cols", [(1, 256), (37, 512), (300, 2048)])
-def test_mv_epilogues(K, name, rows, cols):
+@pytest.mark.parametrize("rows,cols,rpw", [(1, 256, 1), (37, 512, 3), (300, 2048, 1), (70, 4096, 2)])
+def test_mv_epilogues(K, name, rows, cols, rpw):
+    """x read from global memory, staged in shared memory, and staged with the RMSNorm applied per block."""
     rng = np.random.default_rng()
     raw, W = rand_matrix(name, rows, cols, rng)
-    x = rng.standard_normal(cols).astype(np.float32)
+    x = rng.standard_normal(cols).astype(np.float32) * 2
+    nw = rng.standard_normal(cols).astype(np.float32)
     bias = rng.standard_normal(rows).astype(np.float32)
     y0 = rng.standard_normal(rows).astype(np.float32)
     g = np.float32(rng.standard_normal())
-    d_raw, d_x, d_b, d_g = cp.asarray(raw), cp.asarray(x), cp.asarray(bias), cp.asarray(np.array([g]))
+    d_raw, d_x, d_b, d_g, d_nw = (cp.asarray(a) for a in (raw, x, bias, np.array([g]), nw))
     f = K("mv", qtype(name).id)
     rb = raw.shape[1]
-    grid = ((rows + 3) // 4,)
-    y = poisoned(rows)
-    f(grid, (128,), (ptr(d_raw), I64(rb), ptr(d_x), ptr(y), NULL, NULL, I32(rows), I32(cols), I32(0), NULL, NULL,
-                     NULL, F32(0)))
-    ref = W.astype(np.float64) @ x
-    assert rel(y.get(), ref) < 1e-4
-    # accumulate, bias, sigmoid gate, and the fused RMSNorm of the result by the last block
-    y = cp.asarray(y0)
-    nw = cp.asarray(rng.standard_normal(rows).astype(np.float32))
-    nout = poisoned(rows)
-    counter = cp.zeros(1, dtype=cp.int32)
-    for _ in range(2):          # twice: the counter must be back at zero after a launch
+    grid = ((rows + 4 * rpw - 1) // (4 * rpw),)
+    Wd = W.astype(np.float64)
+    for stage, norm in ((0, False), (1, False), (1, True)):
+        xin = rms_ref(x, nw) if norm else x.astype(np.float64)
+        ref = Wd @ xin
+        scale = np.abs(Wd) @ np.abs(xin)
+        y = poisoned(rows)
+        f(grid, (128,), (ptr(d_raw), I64(rb), ptr(d_x), ptr(y), NULL, NULL, I32(rows), I32(cols), I32(0),
+                         ptr(d_nw) if norm else NULL, F32(1e-6), I32(stage), I32(rpw)),
+          shared_mem=staged_bytes(cols) if stage else 0)
+        assert rel_to(y.get(), ref, scale) < 1e-5, (stage, norm)
+        # accumulate, bias and the sigmoid gate
         y = cp.asarray(y0)
-        nout.fill(np.nan)
         f(grid, (128,), (ptr(d_raw), I64(rb), ptr(d_x), ptr(y), ptr(d_b), ptr(d_g), I32(rows), I32(cols), I32(1),
-                         ptr(nw), ptr(nout), ptr(counter), F32(1e-6)))
-        ref2 = y0 + (ref + bias) / (1 + np.exp(-g))
-        assert rel(y.get(), ref2) < 1e-4
-        ref_n = ref2 / np.sqrt((ref2 ** 2).mean() + 1e-6) * nw.get()
-        assert rel(nout.get(), ref_n) < 1e-4
-        assert int(counter.get()[0]) == 0
+                         ptr(d_nw) if norm else NULL, F32(1e-6), I32(stage), I32(rpw)),
+          shared_mem=staged_bytes(cols) if stage else 0)
+        gate = 1 / (1 + np.exp(-np.float64(g)))
+        assert rel_to(y.get(), y0 + (ref + bias) * gate, np.abs(y0) + (scale + np.abs(bias)) * gate) < 1e-5
 
 
 @pytest.mark.parametrize("name", ("Q4_K", "Q8_0", "Q6_K"))
-@pytest.mark.parametrize("rows,cols", [(5, 256), (200, 1024)])
-def test_swiglu_mv(K, name, rows, cols):
+@pytest.mark.parametrize("rows,cols,norm", [(5, 256, False), (200, 1024, True), (9, 4096, True)])
+def test_swiglu_mv(K, name, rows, cols, norm):
     rng = np.random.default_rng()
     rg, Wg = rand_matrix(name, rows, cols, rng)
     ru, Wu = rand_matrix(name, rows, cols, rng)
     x = rng.standard_normal(cols).astype(np.float32)
+    nw = rng.standard_normal(cols).astype(np.float32)
     h = poisoned(rows)
     K("swiglu_mv", qtype(name).id)(((rows + 3) // 4,), (128,),
                                    (cp.asarray(rg), cp.asarray(ru), I64(rg.shape[1]), cp.asarray(x),
-                                    ptr(h), I32(rows), I32(cols)))
-    g, u = Wg.astype(np.float64) @ x, Wu.astype(np.float64) @ x
+                                    cp.asarray(nw) if norm else NULL, F32(1e-6), ptr(h), I32(rows), I32(cols)),
+                                   shared_mem=staged_bytes(cols))
+    xin = rms_ref(x, nw) if norm else x.astype(np.float64)
+    g, u = Wg.astype(np.float64) @ xin, Wu.astype(np.float64) @ xin
     assert rel(h.get(), g / (1 + np.exp(-g)) * u) < 1e-4
 
 
@@ -237,9 +251,11 @@ def test_router_topk(K, n_expert, k, renorm):
 
 
 @pytest.mark.parametrize("qg,qd", [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q8_0", "Q5_K")])
-@pytest.mark.parametrize("n_embd,n_ff,k,T", [(256, 256, 2, 1), (512, 768, 8, 1), (256, 512, 4, 3)])
+@pytest.mark.parametrize("n_embd,n_ff,k,T", [(256, 256, 2, 1), (512, 768, 8, 1), (256, 512, 4, 3),
+                                             (4096, 256, 2, 1), (256, 1024, 8, 1)])
 def test_moe_through_table(K, qg, qd, n_embd, n_ff, k, T):
-    """Experts in VRAM and in mapped pinned host memory, read through one pointer table."""
+    """Experts in VRAM and in mapped pinned host memory, read through one pointer table; gate/up on the FFN-normed
+    x (the norm applied per block); down with h from global memory and staged in shared memory."""
     from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE
     rng = np.random.default_rng()
     n_expert = 16
@@ -270,29 +286,40 @@ def test_moe_through_table(K, qg, qd, n_embd, n_ff, k, T):
         ids = np.stack([rng.choice(n_expert, size=k, replace=False) for _ in range(T)]).astype(np.int32)
         w = rng.uniform(0.1, 1, size=(T, k)).astype(np.float32)
         x = rng.standard_normal((T, n_embd)).astype(np.float32)
+        nw = rng.standard_normal(n_embd).astype(np.float32)
         up_off = n_ff * random_rows(qg, 1, n_embd, rng).shape[1]
         rb_g = up_off // n_ff
         rb_d = random_rows(qd, 1, n_ff, rng).shape[1]
         h = poisoned((T, k, n_ff))
         d_table, d_ids = cp.asarray(table), cp.asarray(ids)
         K("moe_gate_up", qtype(qg).id)(((n_ff + 3) // 4, k, T), (128,),
-                                       (ptr(d_table), ptr(d_ids), I64(up_off), I64(rb_g), cp.asarray(x), ptr(h),
-                                        I32(n_ff), I32(n_embd), I32(k)))
-        out0 = rng.standard_normal((T, n_embd)).astype(np.float32)
-        out = cp.asarray(out0)
-        K("moe_down", qtype(qd).id)(((n_embd + 3) // 4, T), (128,),
-                                    (ptr(d_table), ptr(d_ids), cp.asarray(w), I64(2 * up_off), I64(rb_d), ptr(h),
-                                     ptr(out), I32(n_embd), I32(n_ff), I32(k), NULL, NULL, NULL, F32(0)))
+                                       (ptr(d_table), ptr(d_ids), I64(up_off), I64(rb_g), cp.asarray(x),
+                                        cp.asarray(nw), F32(1e-6), ptr(h), I32(n_ff), I32(n_embd), I32(k)),
+                                       shared_mem=staged_bytes(n_embd))
+        xn = rms_ref(x, nw)
         ref_h = np.zeros((T, k, n_ff))
-        ref = out0.astype(np.float64).copy()
         for t in range(T):
             for j in range(k):
-                Wg, Wu, Wd = refs[ids[t, j]]
-                g, u = Wg.astype(np.float64) @ x[t], Wu.astype(np.float64) @ x[t]
+                Wg, Wu, _ = refs[ids[t, j]]
+                g, u = Wg.astype(np.float64) @ xn[t], Wu.astype(np.float64) @ xn[t]
                 ref_h[t, j] = g / (1 + np.exp(-g)) * u
-                ref[t] += w[t, j] * (Wd.astype(np.float64) @ ref_h[t, j])
         assert rel(h.get(), ref_h) < 1e-4
-        assert rel(out.get(), ref) < 1e-4
+        out0 = rng.standard_normal((T, n_embd)).astype(np.float32)
+        ref = out0.astype(np.float64).copy()
+        scale = np.abs(out0).astype(np.float64)
+        h_in = h.get()
+        for t in range(T):
+            for j in range(k):
+                Wd = refs[ids[t, j]][2].astype(np.float64)
+                ref[t] += w[t, j] * (Wd @ h_in[t, j])
+                scale[t] += w[t, j] * (np.abs(Wd) @ np.abs(h_in[t, j]))
+        for stage in (0, 1):
+            out = cp.asarray(out0)
+            K("moe_down", qtype(qd).id)(((n_embd + 3) // 4, T), (128,),
+                                        (ptr(d_table), ptr(d_ids), cp.asarray(w), I64(2 * up_off), I64(rb_d), ptr(h),
+                                         ptr(out), I32(n_embd), I32(n_ff), I32(k), I32(stage)),
+                                        shared_mem=staged_bytes(k * n_ff) if stage else 0)
+            assert rel_to(out.get(), ref, scale) < 1e-5, stage
     finally:
         cp.cuda.runtime.freeHost(hp)
 
@@ -322,47 +349,65 @@ def test_argmax(K, n):
 
 
 @pytest.mark.parametrize("name", ("Q4_K", "Q8_0", "Q5_K"))
-@pytest.mark.parametrize("n0,n1,n2,bias", [(256, 64, 64, False), (4096, 512, 512, True), (33, 7, 5, True)])
-def test_mv3(K, name, n0, n1, n2, bias):
+@pytest.mark.parametrize("n0,n1,n2,bias,cols", [(256, 64, 64, False, 512), (4096, 512, 512, True, 2048),
+                                                (33, 7, 5, True, 512)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_mv3(K, name, n0, n1, n2, bias, cols, norm):
     rng = np.random.default_rng()
-    cols = 512
     mats = [rand_matrix(name, n, cols, rng) for n in (n0, n1, n2)]
     x = cp.asarray(rng.standard_normal(cols).astype(np.float32))
+    nw = cp.asarray(rng.standard_normal(cols).astype(np.float32))
     ds = [cp.asarray(raw) for raw, _ in mats]
     bs = [cp.asarray(rng.standard_normal(n).astype(np.float32)) if bias else None for n in (n0, n1, n2)]
     ys = [poisoned(n) for n in (n0, n1, n2)]
     n = n0 + n1 + n2
     K("mv3", qtype(name).id)(((n + 3) // 4,), (128,),
-                             (*ds, I64(mats[0][0].shape[1]), x, *ys, *((b if bias else NULL) for b in bs),
-                              I32(n0), I32(n1), I32(n2), I32(cols)))
+                             (*ds, I64(mats[0][0].shape[1]), x, nw if norm else NULL, F32(1e-6), *ys,
+                              *((b if bias else NULL) for b in bs), I32(n0), I32(n1), I32(n2), I32(cols)),
+                             shared_mem=staged_bytes(cols))
+    xin = rms_ref(x.get(), nw.get()) if norm else x.get().astype(np.float64)
     for (raw, W), y, b in zip(mats, ys, bs):
-        ref = W.astype(np.float64) @ x.get() + (b.get() if bias else 0)
-        assert rel(y.get(), ref) < 1e-4
+        Wd = W.astype(np.float64)
+        ref = Wd @ xin + (b.get() if bias else 0)
+        assert rel_to(y.get(), ref, np.abs(Wd) @ np.abs(xin) + (np.abs(b.get()) if bias else 0)) < 1e-5
 
 
-@pytest.mark.parametrize("name", ("F32", "Q8_0"))
-@pytest.mark.parametrize("n_expert,k,ncols", [(8, 2, 256), (128, 8, 2048), (60, 4, 512)])
-def test_router_fused(K, name, n_expert, k, ncols):
-    """Router logits and the routing in one launch (the last block routes)."""
+@pytest.mark.parametrize("name", ("F32", "Q8_0", "Q4_K"))
+@pytest.mark.parametrize("n_expert,k,ncols,renorm", [(8, 2, 256, 1), (128, 8, 2048, 1), (60, 4, 512, 0),
+                                                     (512, 16, 1024, 1), (128, 8, 4608, 0)])
+def test_router_fused(K, name, n_expert, k, ncols, renorm):
+    """Router logits of the FFN-normed x (norm per block) and the routing in one launch (the last block routes);
+    twice, so the last-block counter must be back at zero and the counts add up."""
     rng = np.random.default_rng()
     raw, W = rand_matrix(name, n_expert, ncols, rng)
     x = rng.standard_normal(ncols).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, ncols).astype(np.float32)
     logits = poisoned(n_expert)
     ids = cp.full(k, -1, dtype=cp.int32)
     wts = poisoned(k)
     counts = cp.zeros(n_expert, dtype=cp.int32)
     stats = cp.zeros(2, dtype=cp.uint64)
     counter = cp.zeros(1, dtype=cp.int32)
-    table = np.full(n_expert, 5000, dtype=np.uint64)
-    K("router_fused", qtype(name).id)(((n_expert + 3) // 4,), (128,),
-                                      (cp.asarray(raw), I64(raw.shape[1]), cp.asarray(x), I32(ncols), ptr(logits),
-                                       I32(n_expert), I32(k), I32(1), F32(1.0), ptr(ids), ptr(wts),
-                                       cp.asarray(table), U64(0), U64(100), ptr(counts), ptr(stats), ptr(counter)))
-    lg = W.astype(np.float64) @ x
-    assert rel(logits.get(), lg) < 1e-4
+    slot_lo, slot_hi = 1000, 2000
+    table = rng.choice([1500, 5000], size=n_expert).astype(np.uint64)   # 1500: inside the slot range
+    for _ in range(2):
+        K("router_fused", qtype(name).id)(((n_expert + 3) // 4,), (128,),
+                                          (cp.asarray(raw), I64(raw.shape[1]), cp.asarray(x), cp.asarray(nw),
+                                           F32(1e-6), I32(ncols), ptr(logits), I32(n_expert), I32(k), I32(renorm),
+                                           F32(1.5), ptr(ids), ptr(wts), cp.asarray(table), U64(slot_lo),
+                                           U64(slot_hi), ptr(counts), ptr(stats), ptr(counter)),
+                                          shared_mem=staged_bytes(ncols))
+    xn = rms_ref(x, nw)
+    Wd = W.astype(np.float64)
+    lg = Wd @ xn
+    assert rel_to(logits.get(), lg, np.abs(Wd) @ np.abs(xn)) < 1e-5
+    lg = logits.get().astype(np.float64)       # the ranking is checked on the kernel's own logits
     p = np.exp(lg - lg.max())
     p /= p.sum()
     ref_ids = np.argsort(-p, kind="stable")[:k]
     np.testing.assert_array_equal(ids.get(), ref_ids)
-    np.testing.assert_allclose(wts.get(), p[ref_ids] / p[ref_ids].sum(), rtol=1e-4)
-    assert list(stats.get()) == [0, k] and int(counter.get()[0]) == 0
+    ref_w = p[ref_ids] / (p[ref_ids].sum() if renorm else 1.0) * 1.5
+    np.testing.assert_allclose(wts.get(), ref_w, rtol=1e-4)
+    np.testing.assert_array_equal(counts.get(), 2 * np.bincount(ref_ids, minlength=n_expert))
+    assert list(stats.get()) == [2 * int((table[ref_ids] == 1500).sum()), 2 * k]
+    assert int(counter.get()[0]) == 0

@@ -15,7 +15,14 @@ from engine.cuda.kv import DecodeAttention
 U64, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
 NULL = U64(0)
 MV_WARPS = 4           # rows per block in the mat-vec kernels (one warp each)
-FUSE_NORM = False     # see enqueue()
+SMEM_DEFAULT = 48 * 1024     # dynamic shared memory a kernel gets without opting in
+SMEM_MAX = 227 * 1024        # the most a block may opt in to (sm_80 / sm_90)
+BIG_ROWS = 16384             # a mat-vec with more rows gives each warp several (one staging of x serves them)
+
+
+def staged_bytes(n: int) -> int:
+    """Shared memory for n floats staged by common.cuh stage_x (Q4_K's padded layout: 4 floats per 64)."""
+    return 4 * (n + 4 * (n // 64))
 
 
 def ptr(a) -> U64:
@@ -59,29 +66,56 @@ class Launcher:
         self.k = kernels
         self.cfg = cfg
 
-    def mv(self, W, x, y, bias=None, gate_logit=None, accumulate=False, tag="mv", norm=None):
-        """norm = (norm_w, norm_out, counter): the last block also writes norm_out = rmsnorm(y) * norm_w."""
-        f = self.k("mv", W.qt, tag)
-        nw, nout, cnt = norm or (None, None, None)
-        f(((W.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
-          (U64(W.ptr), I64(W.row_bytes), ptr(x), ptr(y), ptr(bias), ptr(gate_logit), I32(W.rows), I32(W.cols),
-           I32(1 if accumulate else 0), ptr(nw), ptr(nout), ptr(cnt), F32(self.cfg.rms_eps)))
+    # The decode mat-vecs read x from shared memory, staged once per block (common.cuh stage_x); given a norm
+    # weight, the block stages rmsnorm(x) * norm itself, so no norm has a launch of its own.
+    @staticmethod
+    def smem(f, n: int, need: bool) -> int:
+        """Dynamic shared memory for staging n floats in kernel f: opted in above 48 KiB; 0 (read x from global
+        memory) when it does not fit and staging is optional."""
+        nb = staged_bytes(n)
+        if nb <= SMEM_DEFAULT:
+            return nb
+        if nb > SMEM_MAX:
+            if need:
+                raise ValueError(f"a {n}-float vector does not fit in shared memory ({nb} > {SMEM_MAX} bytes); "
+                                 f"this model's width is beyond the decode kernels")
+            return 0
+        if need:
+            if getattr(f, "max_dynamic_shared_size_bytes", 0) < nb:
+                f.max_dynamic_shared_size_bytes = nb
+            return nb
+        return 0
 
-    def mv3(self, Ws, x, ys, biases):
-        """Q, K and V in one launch when they share a quant type and width, else three."""
+    def mv(self, W, x, y, bias=None, gate_logit=None, accumulate=False, tag="mv", norm=None):
+        """y (+)= W @ xn; xn = rmsnorm(x) * norm when norm (a weight vector) is given, else x."""
+        f = self.k("mv", W.qt, tag)
+        sm = self.smem(f, W.cols, norm is not None)
+        rpw = min(8, max(1, W.rows // BIG_ROWS))
+        f(((W.rows + MV_WARPS * rpw - 1) // (MV_WARPS * rpw),), (32 * MV_WARPS,),
+          (U64(W.ptr), I64(W.row_bytes), ptr(x), ptr(y), ptr(bias), ptr(gate_logit), I32(W.rows), I32(W.cols),
+           I32(1 if accumulate else 0), ptr(norm), F32(self.cfg.rms_eps), I32(1 if sm else 0), I32(rpw)),
+          shared_mem=sm)
+
+    def mv3(self, Ws, x, ys, biases, norm=None):
+        """Q, K and V (of rmsnorm(x) * norm) in one launch when they share a quant type and width, else three."""
         if len({(W.qt, W.cols, W.row_bytes) for W in Ws}) != 1:
             for W, y, b in zip(Ws, ys, biases):
-                self.mv(W, x, y, bias=b, tag="qkv")
+                self.mv(W, x, y, bias=b, tag="qkv", norm=norm)
             return
         n = sum(W.rows for W in Ws)
-        self.k("mv3", Ws[0].qt, "qkv")(((n + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
-                                       (*(U64(W.ptr) for W in Ws), I64(Ws[0].row_bytes), ptr(x), *(ptr(y) for y in ys),
-                                        *(ptr(b) for b in biases), *(I32(W.rows) for W in Ws), I32(Ws[0].cols)))
+        f = self.k("mv3", Ws[0].qt, "qkv")
+        f(((n + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+          (*(U64(W.ptr) for W in Ws), I64(Ws[0].row_bytes), ptr(x), ptr(norm), F32(self.cfg.rms_eps),
+           *(ptr(y) for y in ys), *(ptr(b) for b in biases), *(I32(W.rows) for W in Ws), I32(Ws[0].cols)),
+          shared_mem=self.smem(f, Ws[0].cols, True))
 
-    def swiglu(self, Wg, Wu, x, h):
-        f = self.k("swiglu_mv", Wg.qt)
+    def swiglu(self, Wg, Wu, x, h, norm=None, tag="swiglu_mv"):
+        """h = silu(Wg @ xn) * (Wu @ xn), xn = rmsnorm(x) * norm when given."""
+        f = self.k("swiglu_mv", Wg.qt, tag)
         f(((Wg.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
-          (U64(Wg.ptr), U64(Wu.ptr), I64(Wg.row_bytes), ptr(x), ptr(h), I32(Wg.rows), I32(Wg.cols)))
+          (U64(Wg.ptr), U64(Wu.ptr), I64(Wg.row_bytes), ptr(x), ptr(norm), F32(self.cfg.rms_eps), ptr(h),
+           I32(Wg.rows), I32(Wg.cols)),
+          shared_mem=self.smem(f, Wg.cols, True))
 
     def rmsnorm(self, x, w, out, rows=1):
         self.k("rmsnorm")((rows,), (256,), (ptr(x), ptr(w), ptr(out), I32(w.size), F32(self.cfg.rms_eps)))
@@ -102,7 +136,6 @@ class DecodeStep:
         f32 = lambda n: cp.zeros(n, dtype=cp.float32)
         with stream:
             self.x = f32(c.n_embd)
-            self.xn = f32(c.n_embd)
             self.q = f32(c.n_head * c.head_dim)
             self.kk = f32(c.n_head_kv * c.head_dim)
             self.v = f32(c.n_head_kv * c.head_dim)
@@ -117,16 +150,16 @@ class DecodeStep:
             self.sgate = f32(1)
             self.logits = f32(c.n_vocab)
             self.state = cp.zeros(8, dtype=cp.int32)
-            self.counter = cp.zeros(1, dtype=cp.int32)          # the fused epilogues' "last block" counter
+            self.counter = cp.zeros(1, dtype=cp.int32)          # router_fused's "last block" counter
         self.params = MappedInts(2)
         self.out = MappedInts(2)
         self.graph = None
         self.prefetch = None        # engine/cuda/prefetch.py's Prefetcher, attached by the backend when it is on
 
     # --- the launch sequence ---------------------------------------------------------------------------------
-    # FUSE_NORM: each RMSNorm after the first done by the last block of the kernel that last adds to the residual
-    # stream (no launch of its own). Measured slower on the H200 (the fence and serial tail in wo and moe_down
-    # cost more than the launch saved: 4.93 vs 4.64 ms a step), so off; the kernels keep the option.
+    # The RMSNorms have no launches: each kernel that reads a normed vector stages rmsnorm(x) * w per block (the
+    # consumer recomputes sum(x^2); no inter-block sync). The other direction, the producer's last block writing
+    # the next norm (a fence and a serial tail in wo and moe_down), measured slower on the H200: 4.93 vs 4.64 ms.
     def enqueue(self):
         pf = self.prefetch
         self.enqueue_embed()
@@ -143,14 +176,6 @@ class DecodeStep:
         if pf:
             pf.enqueue_join()
 
-    def _next_norm(self, li):
-        """The fused-epilogue norm target of layer li's last residual add (FUSE_NORM only)."""
-        if not FUSE_NORM:
-            return None
-        w = self.w
-        nxt = w.layers[li + 1].attn_norm if li + 1 < len(w.layers) else w.output_norm
-        return (nxt, self.xn, self.counter)
-
     def enqueue_embed(self):
         c, te = self.cfg, self.w.tok_embd
         self.k("embed", te.qt)((1,), (256,), (U64(te.ptr), I64(te.row_bytes), NULL, self.params.dptr,
@@ -161,79 +186,68 @@ class DecodeStep:
         c, L = self.cfg, self.L
         ly = self.w.layers[li]
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
-        if li == 0 or not FUSE_NORM:
-            L.rmsnorm(self.x, ly.attn_norm, self.xn)
-        L.mv3((ly.wq, ly.wk, ly.wv), self.xn, (self.q, self.kk, self.v), (ly.bq, ly.bk, ly.bv))
+        L.mv3((ly.wq, ly.wk, ly.wv), self.x, (self.q, self.kk, self.v), (ly.bq, ly.bk, ly.bv), norm=ly.attn_norm)
         self.attn.store(self.k, li, self.q, self.kk, self.v, ly.q_norm, ly.k_norm, self.rope, self.state)
         self.attn.attend(self.k, li, self.q, self.att, self.state, scale)
-        if FUSE_NORM:
-            L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo", norm=(ly.ffn_norm, self.xn, self.counter))
-        else:
-            L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo")
+        L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo")
 
     def enqueue_router(self, li):
-        """The FFN norm and, for MoE layers, the router: afterwards self.ids / self.wts hold layer li's routing."""
-        c, L = self.cfg, self.L
+        """For MoE layers the router (on the FFN-normed x, the norm fused): afterwards self.ids / self.wts hold
+        layer li's routing. Dense layers: nothing (their FFN kernels apply the norm)."""
+        c = self.cfg
         ly = self.w.layers[li]
-        if not FUSE_NORM:
-            L.rmsnorm(self.x, ly.ffn_norm, self.xn)
         if not c.is_moe:
             return
         cache = self.cache
         k = c.n_expert_used
         tab = U64(cache.table.data.ptr + 8 * li * c.n_expert)
         R = ly.router
-        self.k("router_fused", R.qt, "router")(((R.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
-                                               (U64(R.ptr), I64(R.row_bytes), ptr(self.xn), I32(R.cols),
-                                                ptr(self.rlogits), I32(c.n_expert), I32(k),
-                                                I32(1 if c.expert_weights_norm else 0),
-                                                F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts), tab,
-                                                U64(cache.slot_lo), U64(cache.slot_hi),
-                                                U64(cache.counts.data.ptr + 4 * li * c.n_expert), ptr(cache.stats),
-                                                ptr(self.counter)))
+        f = self.k("router_fused", R.qt, "router")
+        f(((R.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+          (U64(R.ptr), I64(R.row_bytes), ptr(self.x), ptr(ly.ffn_norm), F32(c.rms_eps), I32(R.cols),
+           ptr(self.rlogits), I32(c.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
+           F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts), tab, U64(cache.slot_lo), U64(cache.slot_hi),
+           U64(cache.counts.data.ptr + 4 * li * c.n_expert), ptr(cache.stats), ptr(self.counter)),
+          shared_mem=self.L.smem(f, R.cols, True))
 
     def enqueue_experts(self, li):
         """The routed experts (gate/up then down, weighted, added to x) and the shared expert; or the dense FFN."""
         c, L = self.cfg, self.L
         ly = self.w.layers[li]
-        norm = self._next_norm(li)
+        nw, x = ly.ffn_norm, self.x
         if not c.is_moe:
-            L.swiglu(ly.w_gate, ly.w_up, self.xn, self.h)
-            L.mv(ly.w_down, self.h, self.x, accumulate=True, norm=norm)
+            L.swiglu(ly.w_gate, ly.w_up, x, self.h, norm=nw)
+            L.mv(ly.w_down, self.h, x, accumulate=True)
             return
-        lay, cache, xn, x = self.layout, self.cache, self.xn, self.x
+        lay, cache = self.layout, self.cache
         k = c.n_expert_used
         tab = U64(cache.table.data.ptr + 8 * li * c.n_expert)
-        self.k("moe_gate_up", lay.qt_gate_up)(((lay.n_ff + MV_WARPS - 1) // MV_WARPS, k, 1), (32 * MV_WARPS,),
-                                              (tab, ptr(self.ids), I64(lay.up_off), I64(lay.rb_gate_up), ptr(xn),
-                                               ptr(self.h), I32(lay.n_ff), I32(c.n_embd), I32(k)))
+        f = self.k("moe_gate_up", lay.qt_gate_up)
+        f(((lay.n_ff + MV_WARPS - 1) // MV_WARPS, k, 1), (32 * MV_WARPS,),
+          (tab, ptr(self.ids), I64(lay.up_off), I64(lay.rb_gate_up), ptr(x), ptr(nw), F32(c.rms_eps), ptr(self.h),
+           I32(lay.n_ff), I32(c.n_embd), I32(k)),
+          shared_mem=L.smem(f, c.n_embd, True))
         shared = ly.sh_up is not None
-        if shared:      # the shared expert reads xn before moe_down's fused norm overwrites it
+        if shared:      # the shared expert reads x before moe_down adds to it
             if ly.sh_gate_inp is not None:
-                L.mv(ly.sh_gate_inp, xn, self.sgate, tag="shexp")
-            L.swiglu(ly.sh_gate, ly.sh_up, xn, self.h2)
-        nw, nout, cnt = (None, None, None) if shared or norm is None else norm
-        self.k("moe_down", lay.qt_down)(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,),
-                                        (tab, ptr(self.ids), ptr(self.wts), I64(lay.down_off), I64(lay.rb_down),
-                                         ptr(self.h), ptr(x), I32(c.n_embd), I32(lay.n_ff), I32(k), ptr(nw),
-                                         ptr(nout), ptr(cnt), F32(c.rms_eps)))
+                L.mv(ly.sh_gate_inp, x, self.sgate, tag="shexp", norm=nw)
+            L.swiglu(ly.sh_gate, ly.sh_up, x, self.h2, norm=nw, tag="shexp")
+        f = self.k("moe_down", lay.qt_down)
+        sm = L.smem(f, k * lay.n_ff, False)
+        f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,),
+          (tab, ptr(self.ids), ptr(self.wts), I64(lay.down_off), I64(lay.rb_down), ptr(self.h), ptr(x),
+           I32(c.n_embd), I32(lay.n_ff), I32(k), I32(1 if sm else 0)),
+          shared_mem=sm)
         if shared:
             L.mv(ly.sh_down, self.h2, x, gate_logit=self.sgate if ly.sh_gate_inp is not None else None,
-                 accumulate=True, tag="shexp", norm=norm)
+                 accumulate=True, tag="shexp")
 
     def enqueue_output(self):
-        """The final norm and the output mat-vec into self.logits."""
-        if not FUSE_NORM:
-            self.L.rmsnorm(self.x, self.w.output_norm, self.xn)
-        self.L.mv(self.w.output, self.xn, self.logits, tag="output")
+        """The output mat-vec (of the final-normed x, the norm fused) into self.logits."""
+        self.L.mv(self.w.output, self.x, self.logits, tag="output", norm=self.w.output_norm)
 
     def enqueue_pick(self):
-        """The next token from self.logits into self.out: the argmax, or while a GPU sampler is active (its own graph
-        variant, engine/cuda/sampler.py) its penalties / top_k / top_p / min_p / temperature and seeded draw."""
-        gs = getattr(self, "sampler", None)
-        if gs is not None and gs.active:
-            gs.enqueue(self.k, self.logits, self.out.dptr)
-            return
+        """The next token from self.logits into self.state / self.out (greedy)."""
         c = self.cfg
         self.k("argmax_word")((264,), (256,), (ptr(self.logits), I32(c.n_vocab), ptr(self.state)))
         self.k("argmax_finish")((1,), (1,), (ptr(self.state), self.out.dptr))
