@@ -328,3 +328,17 @@ def test_worker_refuses_both_memory_flags_and_bad_budgets(fixtures_dir):
                             *flags], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
         assert p.returncode == 2 and says in p.stderr, (flags, p.stderr)
         assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_advise_hints_only_file_only_unstaged_experts(model, monkeypatch):
+    import os
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, adv: calls.append((off, n, adv)), raising=False)
+    src, _, lay, _ = make_source(model, 3, pinned=[0])
+    src.stage([1])
+    src.release([1])
+    assert src.advise([0, 1, 2]) == 1            # 0 is pinned, 1 is staged: only 2
+    t = model.tensor(model.expert_name(0, "up"))
+    per = t.data[0].nbytes
+    assert (t.offset + 2 * per, per, os.POSIX_FADV_WILLNEED) in calls and len(calls) == 3
+    src.close()

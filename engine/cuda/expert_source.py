@@ -20,6 +20,7 @@ the bookkeeping is tested on the CPU with fakes.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections import OrderedDict
@@ -207,6 +208,8 @@ class ExpertSource:
         self.file_bytes = 0
         self.staged_hits = 0
         self.log = log
+        self._fds: dict = {}                # model file -> descriptor for read-ahead hints
+        self._advise_failed = False
 
     @property
     def nbytes(self) -> int:
@@ -314,9 +317,45 @@ class ExpertSource:
     def note_table_reads(self, ev) -> None:
         self.table_fence = ev
 
+    # --- read-ahead --------------------------------------------------------------------------------------------
+    def advise(self, gs) -> int:
+        """Ask the OS to start reading these experts' file pages (posix_fadvise WILLNEED) so the disk works while
+        the host copies others; only for file-only experts the LRU does not hold. Returns how many were advised
+        (0 where the OS has no posix_fadvise)."""
+        if not hasattr(os, "posix_fadvise"):
+            return 0
+        n = 0
+        E = self.n_expert
+        for g in gs:
+            g = int(g)
+            if not self.file_only[g] or g in self.lru.slot_of:
+                continue
+            for kind in ("gate", "up", "down"):
+                t = self.model.tensor(self.model.expert_name(g // E, kind))
+                per = t.data[0].nbytes
+                try:
+                    os.posix_fadvise(self._fd(t.path), t.offset + (g % E) * per, per, os.POSIX_FADV_WILLNEED)
+                except OSError as e:        # a hint the file system refuses: say so once, read without it
+                    if not self._advise_failed:
+                        self._advise_failed = True
+                        self.log(f"expert staging: the OS refused read-ahead hints for {t.path.name} ({e}); "
+                                 f"experts are read on demand")
+                    return n
+            n += 1
+        return n
+
+    def _fd(self, path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
     # --- reporting -------------------------------------------------------------------------------------------
     def close(self):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         self.host = None

@@ -129,6 +129,7 @@ class StagedCopies:
         self.dev, self.cache = dev, cache
         self.copy_stream, self.compute_stream = dev.copy_stream, dev.compute_stream
         self._pinned: list[int] = []
+        self._layer = -1
 
     def __getattr__(self, name):
         return getattr(self.dev, name)
@@ -138,6 +139,11 @@ class StagedCopies:
         g = layer * cache.n_expert + e
         if cache.source is None or not cache.source.file_only[g]:
             return int(cache.arena.blob_ptr[g])
+        if layer != self._layer:       # the ring goes layer by layer: let the disk start on the next one
+            self._layer = layer
+            nxt = (layer + 1) % cache.n_layer
+            cache.source.advise(np.arange(nxt * cache.n_expert, (nxt + 1) * cache.n_expert)[~cache.resident()[
+                nxt * cache.n_expert:(nxt + 1) * cache.n_expert]])
         (a,), _ = cache.stage([g], self.compute_stream)
         self._pinned.append(g)
         return a
