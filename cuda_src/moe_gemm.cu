@@ -105,7 +105,7 @@ __device__ __forceinline__ uint4 mg_weight8(const uint8_t* base, long long row_b
 }
 
 // ---- gate/up with SwiGLU ----------------------------------------------------------------------------------------
-// Grid (ceil(n_ff / 64), ceil(max pairs per expert / 64), n_sel), block 256. sel[z]: the expert of grid slice z,
+// Grid (ceil(n_ff / 64), any number of row-tile blocks per expert, n_sel), block 256. sel[z]: the expert of grid slice z,
 // ptrs[z]: its blob (gate | up | down; up at up_off). x: (T, K) fp16 activations. h: (n_pairs, n_ff) fp16, row o
 // for sorted pair o: h[o, n] = silu(gate_n . x) * (up_n . x).
 template <int QT>
@@ -117,61 +117,64 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_gate_up(const int* __rest
     __shared__ __align__(16) unsigned short us[MG_BN * MG_LDS];
     const int e = sel[blockIdx.z];
     const int o0 = offsets[e], n_rows = offsets[e + 1] - o0;
-    const int m0 = blockIdx.y * MG_BM, n0 = blockIdx.x * MG_BN;
-    if (m0 >= n_rows) return;                 // the grid covers the busiest expert; most experts have fewer rows
+    const int n0 = blockIdx.x * MG_BN;
     const uint8_t* gbase = reinterpret_cast<const uint8_t*>(ptrs[blockIdx.z]);
     const uint8_t* ubase = gbase + up_off;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = (warp & 3) * 16, wn = (warp >> 2) * 32;
     const int lr = tid >> 2, lc = tid & 3;    // this thread's tile loads: row lr, chunk lc of the slice
-    const int tok = m0 + lr < n_rows ? rows[o0 + m0 + lr] : -1;
     const int nchunks = K >> 3;
-    float ag[4][4], au[4][4];
+    // gridDim.y blocks share an expert's row tiles: sized for the average expert, so a busy expert loops here
+    // instead of every expert launching (and retiring at once) as many blocks as the busiest could need
+    for (int m0 = blockIdx.y * MG_BM; m0 < n_rows; m0 += gridDim.y * MG_BM) {
+        const int tok = m0 + lr < n_rows ? rows[o0 + m0 + lr] : -1;
+        float ag[4][4], au[4][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) ag[j][i] = au[j][i] = 0.f;
-    for (int k0 = 0; k0 < K; k0 += MG_BK) {
-        const int c = (k0 >> 3) + lc;
-        uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-        if (tok >= 0 && c < nchunks) xv = *reinterpret_cast<const uint4*>(x + (long long)tok * K + c * 8);
-        *reinterpret_cast<uint4*>(xs + lr * MG_LDS + lc * 8) = xv;
-        *reinterpret_cast<uint4*>(gs + lr * MG_LDS + lc * 8) = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, c, nchunks);
-        *reinterpret_cast<uint4*>(us + lr * MG_LDS + lc * 8) = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, c, nchunks);
-        __syncthreads();
+            for (int i = 0; i < 4; ++i) ag[j][i] = au[j][i] = 0.f;
+        for (int k0 = 0; k0 < K; k0 += MG_BK) {
+            const int c = (k0 >> 3) + lc;
+            uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+            if (tok >= 0 && c < nchunks) xv = *reinterpret_cast<const uint4*>(x + (long long)tok * K + c * 8);
+            *reinterpret_cast<uint4*>(xs + lr * MG_LDS + lc * 8) = xv;
+            *reinterpret_cast<uint4*>(gs + lr * MG_LDS + lc * 8) = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, c, nchunks);
+            *reinterpret_cast<uint4*>(us + lr * MG_LDS + lc * 8) = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, c, nchunks);
+            __syncthreads();
 #pragma unroll
-        for (int kk = 0; kk < MG_BK; kk += 16) {
-            uint32_t a[4];
-            mg_load_a(xs, wm, kk, lane, a);
+            for (int kk = 0; kk < MG_BK; kk += 16) {
+                uint32_t a[4];
+                mg_load_a(xs, wm, kk, lane, a);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                uint32_t b0, b1;
-                mg_b(gs, wn + 8 * j, kk, lane, b0, b1);
-                mg_mma(ag[j], a, b0, b1);
-                mg_b(us, wn + 8 * j, kk, lane, b0, b1);
-                mg_mma(au[j], a, b0, b1);
+                for (int j = 0; j < 4; ++j) {
+                    uint32_t b0, b1;
+                    mg_b(gs, wn + 8 * j, kk, lane, b0, b1);
+                    mg_mma(ag[j], a, b0, b1);
+                    mg_b(us, wn + 8 * j, kk, lane, b0, b1);
+                    mg_mma(au[j], a, b0, b1);
+                }
             }
+            __syncthreads();
         }
-        __syncthreads();
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int r = m0 + wm + g + 8 * hh;
+                if (r >= n_rows) continue;
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const int col = n0 + wn + 8 * j + 2 * t + q;
+                    if (col < n_ff)
+                        h[(long long)(o0 + r) * n_ff + col] = f2h_sat(silu(ag[j][2 * hh + q]) * au[j][2 * hh + q]);
+                }
+            }
     }
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int r = m0 + wm + g + 8 * hh;
-            if (r >= n_rows) continue;
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const int col = n0 + wn + 8 * j + 2 * t + q;
-                if (col < n_ff)
-                    h[(long long)(o0 + r) * n_ff + col] = f2h_sat(silu(ag[j][2 * hh + q]) * au[j][2 * hh + q]);
-            }
-        }
 }
 
 // ---- down with the routing weight -------------------------------------------------------------------------------
-// Grid (ceil(n_embd / 64), ceil(max pairs per expert / 64), n_sel), block 256. out[rows[o], n] += row_w[o] *
+// Grid (ceil(n_embd / 64), any number of row-tile blocks per expert, n_sel), block 256. out[rows[o], n] += row_w[o] *
 // (h[o] . down_n) for the selected experts' sorted pairs o; out is the fp32 residual stream (T, n_embd), added to
 // with atomics (a token's k experts land from different blocks).
 template <int QT>
@@ -183,53 +186,73 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restric
     __shared__ __align__(16) unsigned short ds[MG_BN * MG_LDS];
     const int e = sel[blockIdx.z];
     const int o0 = offsets[e], n_rows = offsets[e + 1] - o0;
-    const int m0 = blockIdx.y * MG_BM, n0 = blockIdx.x * MG_BN;
-    if (m0 >= n_rows) return;
+    const int n0 = blockIdx.x * MG_BN;
     const uint8_t* dbase = reinterpret_cast<const uint8_t*>(ptrs[blockIdx.z]) + down_off;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = (warp & 3) * 16, wn = (warp >> 2) * 32;
     const int lr = tid >> 2, lc = tid & 3;
-    const bool row_ok = m0 + lr < n_rows;
     const int nchunks = K >> 3;
-    float acc[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
-    for (int k0 = 0; k0 < K; k0 += MG_BK) {
-        const int c = (k0 >> 3) + lc;
-        uint4 hv = make_uint4(0u, 0u, 0u, 0u);
-        if (row_ok && c < nchunks) hv = *reinterpret_cast<const uint4*>(h + (long long)(o0 + m0 + lr) * K + c * 8);
-        *reinterpret_cast<uint4*>(hs + lr * MG_LDS + lc * 8) = hv;
-        *reinterpret_cast<uint4*>(ds + lr * MG_LDS + lc * 8) = mg_weight8<QT>(dbase, row_bytes, n0 + lr, n_embd, c, nchunks);
-        __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < MG_BK; kk += 16) {
-            uint32_t a[4];
-            mg_load_a(hs, wm, kk, lane, a);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                uint32_t b0, b1;
-                mg_b(ds, wn + 8 * j, kk, lane, b0, b1);
-                mg_mma(acc[j], a, b0, b1);
-            }
-        }
-        __syncthreads();
-    }
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int r = m0 + wm + g + 8 * hh;
-        if (r >= n_rows) continue;
-        const int tok = rows[o0 + r];
-        const float wt = row_w[o0 + r];
+    for (int m0 = blockIdx.y * MG_BM; m0 < n_rows; m0 += gridDim.y * MG_BM) {   // as in gate/up
+        const bool row_ok = m0 + lr < n_rows;
+        float acc[4][4];
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const int col = n0 + wn + 8 * j + 2 * t + q;
-                if (col < n_embd) atomicAdd(out + (long long)tok * n_embd + col, wt * acc[j][2 * hh + q]);
+            for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+        for (int k0 = 0; k0 < K; k0 += MG_BK) {
+            const int c = (k0 >> 3) + lc;
+            uint4 hv = make_uint4(0u, 0u, 0u, 0u);
+            if (row_ok && c < nchunks) hv = *reinterpret_cast<const uint4*>(h + (long long)(o0 + m0 + lr) * K + c * 8);
+            *reinterpret_cast<uint4*>(hs + lr * MG_LDS + lc * 8) = hv;
+            *reinterpret_cast<uint4*>(ds + lr * MG_LDS + lc * 8) = mg_weight8<QT>(dbase, row_bytes, n0 + lr, n_embd, c, nchunks);
+            __syncthreads();
+#pragma unroll
+            for (int kk = 0; kk < MG_BK; kk += 16) {
+                uint32_t a[4];
+                mg_load_a(hs, wm, kk, lane, a);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    uint32_t b0, b1;
+                    mg_b(ds, wn + 8 * j, kk, lane, b0, b1);
+                    mg_mma(acc[j], a, b0, b1);
+                }
             }
+            __syncthreads();
+        }
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = m0 + wm + g + 8 * hh;
+            if (r >= n_rows) continue;
+            const int tok = rows[o0 + r];
+            const float wt = row_w[o0 + r];
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const int col = n0 + wn + 8 * j + 2 * t + q;
+                    if (col < n_embd) atomicAdd(out + (long long)tok * n_embd + col, wt * acc[j][2 * hh + q]);
+                }
+        }
+    }
+}
+
+// Rows of a quantized matrix as fp16 (rows x cols, row-major): the prompt pass's dense projections run as cuBLAS
+// GEMMs with fp16 operands on tensor cores (fp32 accumulation) on weights dequantized once per chunk (a 4K chunk
+// re-reads each matrix 4096 times, so the one dequantization is noise; fp32 GEMMs ran on CUDA cores at ~50 TFLOP/s).
+// Grid-stride over 8-value chunks; cols a multiple of 8.
+template <int QT>
+__global__ void dequant_rows_f16(const uint8_t* __restrict__ base, long long row_bytes, unsigned short* __restrict__ out,
+                                 int rows, int cols) {
+    constexpr int CPB = QTraits<QT>::QK / 8, BB = QTraits<QT>::BYTES;
+    const int cpr = cols >> 3;
+    const long long n = (long long)rows * cpr;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / cpr;
+        const int c = (int)(i - r * cpr);
+        float v[8];
+        dequant8<QT>(base + r * row_bytes + (long long)(c / CPB) * BB, c % CPB, v);
+        *reinterpret_cast<uint4*>(out + i * 8) = mg_pack8(v);
     }
 }
 

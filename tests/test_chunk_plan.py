@@ -35,11 +35,13 @@ def test_chunk_bytes_grow_with_the_chunk_and_count_every_buffer():
     sizes = [chunk_bytes(QWEN, T) for T in (1, 16, 1024, 4096, 8192)]
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
     names = {b.name for b in cp_.buffers(QWEN, 1024)}
-    assert {"x", "xn", "q", "k", "v", "att", "xh", "router_logits", "ids", "rows", "h", "dequant_scratch"} <= names
-    # the per-token part is what the buffers say: fp32 x/xn/q/k/v/att/proj, fp16 xh and h, routing arrays
+    assert {"x", "xn", "q", "k", "v", "att", "xh", "wh", "router_logits", "ids", "rows", "h",
+            "dequant_scratch"} <= names
+    # the per-token part is what the buffers say: fp32 x/xn/q/k/v/att, fp16 xh (n_embd or the attention
+    # width, whichever is wider) and h, routing arrays
     per_token = chunk_bytes(QWEN, 2048) - chunk_bytes(QWEN, 1024)
     E, qw, kw, k = 2048, 32 * 128, 4 * 128, 8
-    want = 1024 * (4 * (2 * E + qw + 2 * kw + qw + qw) + 2 * E + 4 * 128 + 4 * 4 * k + 2 * k * 768)
+    want = 1024 * (4 * (2 * E + qw + 2 * kw + qw) + 2 * max(E, qw) + 4 * 128 + 4 * 4 * k + 2 * k * 768)
     assert per_token == want
 
 

@@ -138,11 +138,12 @@ def test_grouped_expert_gemms(moe_mod, name, T, k, E, n_embd, n_ff):
     h = cp.full(T * k * n_ff, 0xFFFF, dtype=cp.uint16)
     out = cp.asarray(x0)
     base = int(blobs.data.ptr)
-    # two launches over disjoint expert sets, as the resident group and a ring batch run
-    for part in (list(range(0, E, 2)), list(range(1, E, 2))):
+    # two launches over disjoint expert sets, as the resident group and a ring batch run: one with a single block
+    # per expert along the rows (it loops over every row tile), one with the pass's own count
+    from engine.cuda.prefill_streamed import expert_row_blocks
+    for part, grid_y in ((list(range(0, E, 2)), 1), (list(range(1, E, 2)), expert_row_blocks(T, k, E))):
         sel = cp.asarray(np.array(part, np.int32))
         ptrs = cp.asarray(np.array([base + e * stride for e in part], np.uint64))
-        grid_y = (T + 63) // 64
         moe_mod.get_function(f"moe_gemm_gate_up<{qtype(name).id}>")(
             ((n_ff + 63) // 64, grid_y, len(part)), (256,),
             (sel, ptrs, offsets, rows, xh, h, I64(up_off), I64(rb_gu), I32(n_ff), I32(n_embd)))
@@ -328,3 +329,18 @@ OTHER_QTS = tuple(n for n in NAMES if n not in QTS)
 @pytest.mark.parametrize("name", OTHER_QTS)
 def test_grouped_expert_gemms_other_types(moe_mod_all, name):
     test_grouped_expert_gemms(moe_mod_all, name, 45, 2, 4, 512, 256)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dequant_rows_f16(moe_mod_all, name):
+    """The dense projections' weights as fp16 for cuBLAS: every type, rows and columns as gguf dequantizes them."""
+    rng = np.random.default_rng()
+    rows, cols = 37, 512
+    raw = scaled_rows(name, rows, cols, rng, 0.05)
+    want = f16(dequantize(raw, qtype(name).ggml).reshape(rows, cols))
+    out = cp.full(rows * cols, 0xFFFF, dtype=cp.uint16)
+    moe_mod_all.get_function(f"dequant_rows_f16<{qtype(name).id}>")(
+        (7,), (256,), (cp.asarray(raw), I64(raw.shape[1]), out, I32(rows), I32(cols)))
+    got = out.view(cp.float16).get().astype(np.float32).reshape(rows, cols)
+    assert np.isfinite(got).all()
+    assert np.allclose(got, want, rtol=1e-3, atol=1e-6)

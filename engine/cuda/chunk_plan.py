@@ -17,6 +17,7 @@ RING_MIN = 2             # two slots: one being copied while the other is read
 RING_MAX = 384           # the original engine measured 384 slots best with pinned sources
 RING_AUTO_FLOOR = 16     # auto keeps at least this many ring slots before it grows the chunk past AUTO_MIN
 DEQUANT_SCRATCH_ELEMS = 1 << 25   # dense weights are dequantized to fp32 scratch this many values at a time
+WH_ELEMS = 1 << 24       # attention weights dequantized to fp16 for cuBLAS this many values at a time (32 MiB)
 CUBLAS_WORKSPACE = 32 * MiB
 MARGIN = 64 * MiB        # the CuPy pool's rounding and small arrays (schedule tables, events)
 
@@ -39,10 +40,12 @@ def buffers(cfg, T: int) -> list[Buffer]:
     E, qw, kw = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     k = max(c.n_expert_used, 1)
     out = [Buffer("x", T * E, 4), Buffer("xn", T * E, 4), Buffer("q", T * qw, 4), Buffer("k", T * kw, 4),
-           Buffer("v", T * kw, 4), Buffer("att", T * qw, 4), Buffer("proj", T * max(E, qw, kw), 4)]
+           Buffer("v", T * kw, 4), Buffer("att", T * qw, 4),
+           # fp16 GEMM operands: the normed activations (or the attention output) once per token, and a dense
+           # weight matrix dequantized once per chunk
+           Buffer("xh", T * max(E, qw), 2), Buffer("wh", min(max(qw * E, kw * E), WH_ELEMS), 2)]
     if c.n_expert:
-        out += [Buffer("xh", T * E, 2),                        # activations in fp16, converted once per token
-                Buffer("router_logits", T * c.n_expert, 4),
+        out += [Buffer("router_logits", T * c.n_expert, 4),
                 Buffer("ids", T * k, 4), Buffer("wts", T * k, 4),
                 Buffer("rows", T * k, 4), Buffer("row_w", T * k, 4),   # pairs sorted by expert
                 Buffer("offsets", 2 * (c.n_expert + 1), 4),

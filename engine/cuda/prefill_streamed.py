@@ -28,11 +28,13 @@ AUTO_RING_RESERVE = 64      # ring slots reserved likewise (free expert-cache sl
 ATT_BM = 64                 # query rows per flash-attention block (prefill_attn.cu FA_BM)
 ATT_THREADS = 128           # 4 warps (FA_WARPS)
 GEMM_TILE = 64              # rows and columns per expert GEMM block (moe_gemm.cu MG_BM, MG_BN)
+CUDA_R_16F, CUDA_R_32F = 2, 0
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)     # cuBLAS scalars (host pointer mode)
 
 PHASES = ("dense", "attention", "router", "sort", "gate_up", "down", "ring_wait", "other")
 
 _INT = {"ids", "rows", "offsets"}
-_HALF = {"xh", "h"}
+_HALF = {"xh", "h", "wh"}
 
 
 def attn_module(head_dim: int):
@@ -45,6 +47,13 @@ def attn_launch(T: int, n_head: int, n_head_kv: int) -> tuple[tuple[int, int], t
     """(grid, block) of flash_attn_f16 / flash_attn_i8 for a chunk of T tokens."""
     G = n_head // n_head_kv
     return ((T * G + ATT_BM - 1) // ATT_BM, n_head_kv), (ATT_THREADS,)
+
+
+def expert_row_blocks(T: int, k: int, n_expert: int) -> int:
+    """Blocks per expert along the rows of the grouped GEMMs (moe_gemm.cu loops over the rest): twice the average
+    expert's 64-row tiles, at most what one expert can have (T rows)."""
+    avg = T * k / max(n_expert, 1)
+    return max(1, min(-(-T // GEMM_TILE), 2 * -(-int(avg) // GEMM_TILE)))
 
 
 def parse_chunk(v):
@@ -110,7 +119,8 @@ class StreamedPrefill:
         c = self.cfg
         self.att_mod = attn_module(c.head_dim)
         lay = self.layout
-        self.moe_mod = kernels.load("moe_gemm", qtypes=sorted({lay.qt_gate_up, lay.qt_down})) if lay else None
+        qts = set(self.w.qtype_ids()) | ({lay.qt_gate_up, lay.qt_down} if lay else set())
+        self.moe_mod = kernels.load("moe_gemm", qtypes=sorted(qts))     # also to_half and dequant_rows_f16
         stride = lay.stride if lay else 0
         # at least the experts the cache has no slot for stream; while the cache is not full, its free slots are
         # lent to the ring on top of its own
@@ -196,6 +206,41 @@ class StreamedPrefill:
                 out[:, r0:r0 + n] = X @ Wd.T
         return out
 
+    def linear_f16(self, W, xh, out, accumulate: bool = False):
+        """out (T, W.rows) fp32 = xh (T, W.cols) fp16 @ W^T, or out += that: W dequantized to fp16 once per chunk in
+        row blocks of the "wh" scratch, each block one cuBLAS GEMM with fp16 operands on tensor cores and fp32
+        accumulation (out's columns r0.. of each block written in place: ldc is the full row)."""
+        from cupy_backends.cuda.libs import cublas     # here: importing it needs libcublas, which CPU machines lack
+        T, K = xh.shape
+        if K != W.cols or out.shape != (T, W.rows):
+            raise ValueError(f"linear_f16: {xh.shape} @ ({W.rows}, {W.cols})^T into {out.shape}")
+        wh = self.buf["wh"]
+        deq = self.moe_mod.get_function(f"dequant_rows_f16<{W.qt}>")
+        step = max(1, wh.size // K)
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        mode = cublas.getPointerMode(handle)
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        try:
+            for r0 in range(0, W.rows, step):
+                n = min(step, W.rows - r0)
+                deq((max(1, min(4096, (n * K // 8 + 255) // 256)),), (256,),
+                    (U64(W.ptr + r0 * W.row_bytes), I64(W.row_bytes), wh, I32(n), I32(K)))
+                cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, T, K,
+                              _ONE.ctypes.data, wh.data.ptr, CUDA_R_16F, K, xh.data.ptr, CUDA_R_16F, K,
+                              (_ONE if accumulate else _ZERO).ctypes.data, out.data.ptr + 4 * r0, CUDA_R_32F, W.rows,
+                              cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        finally:
+            cublas.setPointerMode(handle, mode)
+        return out
+
+    def to_half(self, src, T: int, width: int):
+        """src (T, width) fp32 -> the "xh" buffer's first T * width values as fp16 (saturating); the (T, width) view."""
+        n = T * width
+        xh = self.buf["xh"]
+        self.moe_mod.get_function("to_half")((max(1, min(1024, (n // 4 + 255) // 256)),), (256,), (src, xh, I64(n)))
+        return xh[:n].reshape(T, width)
+
     def _mark(self, phase: str) -> None:
         if self._tm is not None:
             self._tm.mark(phase)
@@ -212,7 +257,7 @@ class StreamedPrefill:
         qw, kw = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         x, xn = self._view("x", T, c.n_embd), self._view("xn", T, c.n_embd)
         q, k, v = self._view("q", T, qw), self._view("k", T, kw), self._view("v", T, kw)
-        att, proj = self._view("att", T, qw), self._view("proj", T, c.n_embd)
+        att = self._view("att", T, qw)
         self._tm = PhaseTimer(self.step.stream) if self.profile else None
         tok = cp.asarray(np.asarray(tokens, dtype=np.int32))
         te = w.tok_embd
@@ -232,28 +277,30 @@ class StreamedPrefill:
         self._mark("other")
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
         att_grid, att_block = attn_launch(T, c.n_head, c.n_head_kv)
+        int8 = getattr(self.kv, "dtype", "f16") == "int8"
+        attend = self.att_mod.get_function("flash_attn_i8" if int8 else "flash_attn_f16")
         for li, ly in enumerate(w.layers):
             L.rmsnorm(x, ly.attn_norm, xn, rows=T)
-            self.linear_into(ly.wq, xn, q)
-            self.linear_into(ly.wk, xn, k)
-            self.linear_into(ly.wv, xn, v)
+            xh = self.to_half(xn, T, c.n_embd)
+            self.linear_f16(ly.wq, xh, q)
+            self.linear_f16(ly.wk, xh, k)
+            self.linear_f16(ly.wv, xh, v)
             if ly.bq is not None:
                 q += ly.bq
                 k += ly.bk
                 v += ly.bv
-            kc, vc = self.kv.layer(li)
             self._mark("dense")
-            self.k("qk_rope_store")((c.n_head + 2 * c.n_head_kv, T), (c.head_dim,),
-                                    (q, k, v, ptr(ly.q_norm), ptr(ly.k_norm), ptr(self.step.rope), NULL, I32(pos0),
-                                     U64(kc), U64(vc), I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim),
-                                     I32(c.n_rot), I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps),
-                                     I32(self.kv.max_ctx)))
-            self.att_mod.get_function("flash_attn_f16")(
-                att_grid, att_block,
-                (q, U64(kc), U64(vc), att, I32(T), I32(pos0), I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim),
-                 I32(self.kv.max_ctx), scale))
+            # q/k norms, RoPE, and K/V into the cache in whatever layout kv.py allocated (--kv f16|int8)
+            self.kv.store(self.k, c, li, q, k, v, ly.q_norm, ly.k_norm, self.step.rope, None, pos0, T)
+            if int8:
+                kq, ks, vq, vs = self.kv.layer_i8(li)
+                kv_args = (U64(kq), U64(vq), U64(ks), U64(vs))
+            else:
+                kv_args = tuple(U64(a) for a in self.kv.layer(li))
+            attend(att_grid, att_block, (q, *kv_args, att, I32(T), I32(pos0), I32(c.n_head), I32(c.n_head_kv),
+                                         I32(c.head_dim), I32(self.kv.max_ctx), scale))
             self._mark("attention")
-            x += self.linear_into(ly.wo, att, proj)
+            self.linear_f16(ly.wo, self.to_half(att, T, qw), x, accumulate=True)      # x += att @ wo^T
             self._mark("dense")
             L.rmsnorm(x, ly.ffn_norm, xn, rows=T)
             self._mark("other")
@@ -287,16 +334,14 @@ class StreamedPrefill:
                                F32(c.expert_weights_scale), ptr(ids), ptr(wts), NULL, U64(0), U64(0),
                                U64(cache.counts.data.ptr + 4 * li * c.n_expert), NULL))
         self._mark("router")
-        xh = self.buf["xh"]
-        mod.get_function("to_half")((min(1024, (T * c.n_embd // 4 + 255) // 256),), (256,),
-                                    (xn, xh, I64(T * c.n_embd)))
+        xh = self.to_half(xn, T, c.n_embd)
         offsets, rows, row_w, h = self.buf["offsets"], self.buf["rows"], self.buf["row_w"], self.buf["h"]
         mod.get_function("moe_sort")((1,), (1024,), (ids, wts, I32(T * kk), I32(kk), I32(c.n_expert), offsets,
                                                      rows, row_w))
         self._mark("sort")
         gu = mod.get_function(f"moe_gemm_gate_up<{lay.qt_gate_up}>")
         dn = mod.get_function(f"moe_gemm_down<{lay.qt_down}>")
-        gy = (T + GEMM_TILE - 1) // GEMM_TILE
+        gy = expert_row_blocks(T, kk, c.n_expert)
 
         def run(sel, ptrs, n):
             if not n:
