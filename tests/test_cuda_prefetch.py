@@ -98,19 +98,20 @@ def test_fork_join_order():
     """Layer l's prediction forks layer l+1's copy onto the side stream; layer l's experts wait for layer l's copy
     (forked one layer earlier), never for l+1's; the finish is forked after the last layer and joined at the end."""
     p, log = _fake_prefetcher(3)
-    for li in range(3):
-        log.ops.append(("experts", li))  # placeholder marker the step would launch after enqueue(li)
+    for li in range(3):                  # as DecodeStep.enqueue: router, prefetch hook, experts
+        log.ops.append(("router", li))
         p.enqueue(li)
+        log.ops.append(("experts", li))
     p.enqueue_finish()
     log.ops.append(("output",))
     p.enqueue_join()
     ops = [o for o in log.ops if o[0] not in ("enter", "exit")]
     assert ops == [
-        ("experts", 0), ("predict", 0), ("record", "forked", "main"), ("wait", "side", "forked"), ("copy", 1),
-        ("record", "done1", "side"),
-        ("experts", 1), ("predict", 1), ("record", "forked", "main"), ("wait", "side", "forked"), ("copy", 2),
-        ("record", "done2", "side"), ("wait", "main", "done1"),
-        ("experts", 2), ("wait", "main", "done2"),
+        ("router", 0), ("predict", 0), ("record", "forked", "main"), ("wait", "side", "forked"), ("copy", 1),
+        ("record", "done1", "side"), ("experts", 0),
+        ("router", 1), ("predict", 1), ("record", "forked", "main"), ("wait", "side", "forked"), ("copy", 2),
+        ("record", "done2", "side"), ("wait", "main", "done1"), ("experts", 1),
+        ("router", 2), ("wait", "main", "done2"), ("experts", 2),
         ("record", "forked", "main"), ("wait", "side", "forked"), ("finish",), ("record", "finished", "side"),
         ("output",), ("wait", "main", "finished")]
     # the copies and the finish run on the side stream

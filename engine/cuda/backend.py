@@ -99,9 +99,10 @@ class CUDABackend(Backend):
                     f"({time.perf_counter() - t0:.1f} s)")
                 self.cache = None
                 if cfg.is_moe:
-                    self.mem = MemoryMode.plan(model, opts, self.layout, log)
+                    n_slots = self._slot_count(pool)
+                    self.mem = MemoryMode.plan(model, opts, self.layout, log, n_vram=n_slots)
                     self.arena = ExpertArena(model, log=log, pinned=self.mem.pinned if self.mem else None)
-                    self.cache = ExpertCache(self.arena, self._slot_count(pool))
+                    self.cache = ExpertCache(self.arena, n_slots)
                     if self.mem:
                         self.mem.attach_cache(model, self.arena, self.cache, self.stream, opts, log)
                 self.step = DecodeStep(self.kernels, cfg, self.weights, self.kv, self.rope, self.cache, self.layout,
