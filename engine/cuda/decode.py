@@ -247,7 +247,12 @@ class DecodeStep:
         self.L.mv(self.w.output, self.x, self.logits, tag="output", norm=self.w.output_norm)
 
     def enqueue_pick(self):
-        """The next token from self.logits into self.state / self.out (greedy)."""
+        """The next token from self.logits into self.out: the argmax, or while a GPU sampler is active (its own graph
+        variant, engine/cuda/sampler.py) its penalties / top_k / top_p / min_p / temperature and seeded draw."""
+        gs = getattr(self, "sampler", None)
+        if gs is not None and gs.active:
+            gs.enqueue(self.k, self.logits, self.out.dptr)
+            return
         c = self.cfg
         self.k("argmax_word")((264,), (256,), (ptr(self.logits), I32(c.n_vocab), ptr(self.state)))
         self.k("argmax_finish")((1,), (1,), (ptr(self.state), self.out.dptr))
