@@ -102,6 +102,31 @@ def test_memory_mode_matches_cpu(cpu_runs, name, mode, share, prefill):
         be.close()
 
 
+def test_budget_after_a_profile_filled_vram_keeps_the_whole_step_graph(cpu_runs, tmp_path):
+    """VRAM holds the profile's first half, the budget pins the second half: every expert is readable without the
+    file, so every step is the whole-step graph (and nothing is read from the file while decoding)."""
+    from engine.profile import from_flat, save_profile
+    model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
+    cfg = model.config
+    total = cfg.n_layer * cfg.n_expert
+    order = np.random.default_rng(1).permutation(total)
+    path = tmp_path / "p.bin"
+    save_profile(path, from_flat(cfg.n_layer, cfg.n_expert, order))
+    be = backend(model, "budget", "half", "batched", expert_profile=str(path), adapt_every=0)
+    try:
+        assert be.cache.n_slots == total // 2
+        assert set(np.flatnonzero(be.cache.resident())) == set(order[:total // 2].tolist())
+        assert set(np.flatnonzero(be.arena.pinned)) == set(order[total // 2:].tolist())
+        assert be.cache.reachable()
+        be.reset_stats()
+        assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, cpu_logits)
+        assert be.mem.paged.paged_steps == 0 and be.mem.paged.graph_steps == N_GREEDY - 1
+        st = be.get_stats()
+        assert st.file_blobs == 0 and st.ram_blobs == st.lookups - st.hits
+    finally:
+        be.close()
+
+
 @pytest.mark.parametrize("mode", ["mmap", "budget"])
 def test_small_staging_ring_thrashes_and_stays_right(cpu_runs, mode):
     """Three staging slots (one layer's top-2 plus one): nearly every file-only expert is read again each step."""

@@ -42,6 +42,16 @@ def test_pinned_mask_takes_the_order_within_the_budget():
         pinned_mask(8, 100, -1, order)
 
 
+def test_the_budget_goes_to_the_experts_after_those_vram_holds():
+    from engine.cuda.expert_source import vram_aware_order
+    order = [5, 2, 7, 0, 1, 3, 4, 6]
+    assert list(vram_aware_order(order, 0)) == order
+    assert list(vram_aware_order(order, 3)) == [0, 1, 3, 4, 6, 7, 2, 5]     # VRAM's three last, coldest first
+    assert list(vram_aware_order(order, 99)) == order[::-1]
+    m = pinned_mask(8, 100, 300, vram_aware_order(order, 3))
+    assert list(np.flatnonzero(m)) == [0, 1, 3]
+
+
 def test_profile_order_first_then_the_fallback():
     out = merged_order(6, [4, 1], [0, 1, 2, 3, 4, 5])
     assert list(out) == [4, 1, 0, 2, 3, 5]

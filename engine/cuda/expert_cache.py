@@ -107,13 +107,6 @@ class ExpertCache:
         with stream:
             self.table[lo:hi].set(self.table_host[lo:hi], stream=stream)
 
-    def _read_addr(self, g: int) -> int:
-        """The address to copy expert g from (staged from the file, and pinned, in the memory modes)."""
-        if self.source is None:
-            return int(self.arena.blob_ptr[g])
-        (a,), _ = self.source.stage([g])
-        return a
-
     def slot_ptr(self, s: int) -> int:
         return self.slot_lo + int(s) * self.stride
 
@@ -125,13 +118,21 @@ class ExpertCache:
         """Load experts in `order` (global ids, hottest first) into free slots now; returns how many."""
         free = [s for s in range(self.n_slots) if self.owner[s] < 0]
         ids = [int(g) for g in order if self.slot_of[int(g)] < 0][:len(free)]
-        for g, s in zip(ids, free):
-            cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), self._read_addr(g), self.stride,
-                                        cp.cuda.runtime.memcpyDefault, stream.ptr)
-            if self.source is not None:
+        if self.source is not None:       # file-only experts staged a batch at a time (read in parallel)
+            per = max(1, min(64, self.source.lru.n_slots - 1))
+            for i in range(0, len(ids), per):
+                part, slots = ids[i:i + per], free[i:i + per]
+                addrs, _ = self.source.stage(part)
+                for a, s in zip(addrs, slots):
+                    cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), a, self.stride, cp.cuda.runtime.memcpyDefault,
+                                                stream.ptr)
                 ev = cp.cuda.Event(disable_timing=True)
                 ev.record(stream)
-                self.source.release([g], ev)
+                self.source.release(part, ev)
+        for g, s in zip(ids, free):
+            if self.source is None:
+                cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), int(self.arena.blob_ptr[g]), self.stride,
+                                            cp.cuda.runtime.memcpyDefault, stream.ptr)
             self.slot_of[g] = s
             self.owner[s] = g
             self.table_host[g] = self.slot_ptr(s)

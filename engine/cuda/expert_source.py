@@ -69,6 +69,17 @@ def merged_order(n_total: int, first, then) -> np.ndarray:
     return np.concatenate([first, then[~seen[then]]])
 
 
+def vram_aware_order(order, n_vram: int) -> np.ndarray:
+    """The pinning order given that the VRAM cache holds the first n_vram of `order` (it is filled in the same
+    order, and the adaptive tier keeps the hottest): an expert in VRAM needs no host copy to be read, so the budget
+    goes to the next-hottest first, which roughly doubles the routing that VRAM and RAM cover together. The VRAM
+    ones come last, coldest first (the tier evicts those first; an evicted expert without a host copy is staged from
+    the file when next routed)."""
+    order = np.asarray(order, dtype=np.int64)
+    n = max(0, min(int(n_vram), len(order)))
+    return np.concatenate([order[n:], order[:n][::-1]])
+
+
 def pinned_mask(n_total: int, stride: int, budget_bytes: float | None, order) -> np.ndarray:
     """Which experts the arena pins: every one without a budget; else the first of `order` that fit in budget_bytes
     (whole blobs of `stride` bytes). --mmap-experts is a budget of 0."""

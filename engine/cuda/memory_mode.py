@@ -13,7 +13,7 @@ import numpy as np
 from engine.cuda.arena import PinnedBuffer
 from engine.cuda.decode_paged import PagedDecode
 from engine.cuda.expert_source import (GiB, MiB, ExpertSource, merged_order, pinned_mask, router_norm_order,
-                                       staging_slots)
+                                       staging_slots, vram_aware_order)
 from engine.cuda.ring import BATCH_MAX as RING_BATCH_MAX
 from engine.profile import load_profile
 
@@ -34,8 +34,9 @@ class MemoryMode:
         self._base = (0, 0, 0)             # the source's counters at reset_stats
 
     @classmethod
-    def plan(cls, model, opts, layout, log):
-        """None when every expert is pinned (no mode, or a budget that holds them all)."""
+    def plan(cls, model, opts, layout, log, n_vram: int = 0):
+        """None when every expert is pinned (no mode, or a budget that holds them all). n_vram: the VRAM cache's
+        slots (engine/cuda/expert_source.py vram_aware_order: the budget goes to the experts after those)."""
         if not model.config.is_moe or not (opts.mmap_experts or opts.resident_budget_gib is not None):
             if opts.mmap_experts or opts.resident_budget_gib is not None:
                 log("memory mode: the model has no experts, so --mmap-experts / --resident-budget-gib change nothing")
@@ -52,10 +53,11 @@ class MemoryMode:
             first = load_profile(opts.expert_profile, cfg.n_layer, cfg.n_expert).flat_order()
             src = f"profile {opts.expert_profile}, then router-row norms"
         order = merged_order(n_total, first, router_norm_order(model)) if budget else np.arange(n_total)
-        mask = pinned_mask(n_total, layout.stride, budget, order)
+        mask = pinned_mask(n_total, layout.stride, budget, vram_aware_order(order, n_vram))
         name = "mmap" if opts.mmap_experts else "budget"
         what = (f"{int(mask.sum())} of {n_total} experts pinned ({mask.sum() * layout.stride / GiB:.2f} GiB, "
-                f"hottest by {src})" if budget else f"no expert pinned, all {n_total} read from the file")
+                f"the hottest by {src} after the {min(n_vram, n_total)} the VRAM cache holds)" if budget
+                else f"no expert pinned, all {n_total} read from the file")
         log(f"memory mode {name}: {what}; the rest are read from {model.path.name} through the OS file cache")
         return cls(name, mask, opts.resident_budget_gib)
 
