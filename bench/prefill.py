@@ -2,13 +2,17 @@
 
     python -m bench.prefill [--model data/models/qwen3-30b-a3b-q4k-g3.gguf] [--budgets all,16,12]
                             [--prompts 1024,4096,8192,32768] [--chunk auto] [--ring N] [--out prefill.json]
+                            [--prefill streamed|batched] [--no-profile]
 
 One backend process (the pinned arena is filled once); per budget the VRAM expert cache is rebuilt
 (--vram-budget-mib semantics: weights, KV cache, expert cache and the prompt pass's buffers all count), warmed by a
 1K prompt and 64 decoded tokens (the adaptive tier fills it from the routing), then each prompt length is read chunk
 by chunk as the worker's session reads it. Per row: tok/s, chunk, ring depth, expert bytes streamed per chunk, the
 link rate while copying and averaged over the prompt (against 55 GB/s, DESIGN §5's pinned copy), and the share of
-the prompt's time the copy engine was busy (from events around each ring batch's copies).
+the prompt's time the copy engine was busy (from events around each ring batch's copies). A second table splits the
+GPU time by phase (dense projections, attention, router, expert sort, gate/up, down, ring waits, other) from CUDA
+events recorded between phases, with the host's time to enqueue a chunk beside it (a launch-bound pass shows GPU
+time well under the wall time).
 Targets (issue 5, against llama.cpp on the same machine): 12 GiB, 4K >= 6,500 tok/s with the link >= 80% busy;
 everything resident, 4K >= 9,840 tok/s. The KV cache is sized for the longest prompt: at 32K it takes ~6 GiB of a
 budget (reported), so run `--prompts 1024,4096,8192` separately for the 4K target at 12 GiB.
@@ -47,8 +51,10 @@ def read_prompt(be, prompt, profile=True):
     time per phase when profiling: events between phases only, so the chunk's own figures barely move)."""
     be.truncate(0)
     pf = be.prefill
-    pf.timing = True
-    pf.profile = profile
+    streamed = hasattr(pf, "last")           # --prefill batched has no ring and no per-chunk facts
+    if streamed:
+        pf.timing = True
+        pf.profile = profile
     chunks = []
     t0 = time.perf_counter()
     step = be.prompt_chunk_size()
@@ -57,15 +63,44 @@ def read_prompt(be, prompt, profile=True):
         c0 = time.perf_counter()
         be.forward(part)                      # returns the last logits on the host: the chunk has finished
         dt = time.perf_counter() - c0
-        last = dict(pf.last)
+        last = dict(pf.last) if streamed else dict(ring=0, bytes=0)
         runner = last.pop("runner", None)
         timer = last.pop("phases", None)
         busy = runner.busy_ms() / 1000 if runner is not None and runner.spans else 0.0
         chunks.append(dict(tokens=len(part), s=dt, ring=last["ring"], bytes=last["bytes"], busy_s=busy,
                            host_ms=last.get("host_ms", 0.0), phases=timer.totals() if timer is not None else None))
     total = time.perf_counter() - t0
-    pf.timing = pf.profile = False
+    if streamed:
+        pf.timing = pf.profile = False
     return total, chunks
+
+
+def print_tables(rows) -> None:
+    """The main table, then GPU time by phase for the rows that were profiled."""
+    print("| budget GiB | prompt | resident/total | chunk | ring | tok/s | MB/chunk | GB/s copying | GB/s avg "
+          "| of 55 | copy busy |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['budget']} | refused: {r['error']} |")
+            continue
+        print(f"| {r['budget']} | {r['prompt']} | {r['resident']}/{r['experts_total']} | {r['chunk']} | {r['ring']} "
+              f"| {r['tok_s']:.0f} | {r['mb_per_chunk']:.0f} | {r['link_gbps_copying']:.1f} | "
+              f"{r['link_gbps_avg']:.1f} | {r['link_gbps_copying'] * 1e9 / LINK_BPS:.2f} | "
+              f"{r['copy_busy_share']:.2f} |")
+    prof = [r for r in rows if "phase_ms" in r]
+    if prof:
+        names = list(prof[0]["phase_ms"])
+        print("\nGPU ms per prompt by phase (CUDA events between phases; host = time to enqueue a chunk, per chunk):")
+        print("| budget GiB | prompt | " + " | ".join(names) + " | GPU total | wall | host/chunk |")
+        print("| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: |")
+        for r in prof:
+            ph = r["phase_ms"]
+            gpu = max(sum(ph.values()), 1e-9)
+            cells = " | ".join(f"{ph[n]:.1f} ({100 * ph[n] / gpu:.0f}%)" for n in names)
+            print(f"| {r['budget']} | {r['prompt']} | {cells} | {gpu:.1f} | {1000 * r['prompt'] / r['tok_s']:.1f} "
+                  f"| {r['host_ms_per_chunk']:.1f} |")
+
 
 
 def main(argv=None):
@@ -77,6 +112,8 @@ def main(argv=None):
     ap.add_argument("--ring", type=int, default=None, help="--ring: slots (default: the VRAM rule)")
     ap.add_argument("--stream-min", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prefill", choices=("streamed", "batched"), default="streamed",
+                    help="the prompt pass to measure (batched: the backend's default today, for the comparison)")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the per-phase GPU times (CUDA events between the phases of each chunk)")
     ap.add_argument("--out", type=Path)
@@ -93,7 +130,7 @@ def main(argv=None):
     model = open_model(a.model)
     ctx = max(lengths) + 16
     t0 = time.perf_counter()
-    opts = CudaOptions(prefill="streamed", prefill_chunk=parse_chunk(a.chunk), ring=a.ring, stream_min=a.stream_min,
+    opts = CudaOptions(prefill=a.prefill, prefill_chunk=parse_chunk(a.chunk), ring=a.ring, stream_min=a.stream_min,
                        calibrate=True)
     be = CUDABackend(model, ctx, opts)
     facts.update(load_s=round(time.perf_counter() - t0, 1), ctx=ctx, kv_gib=round(be.kv.k.nbytes * 2 / 2**30, 2),
@@ -118,7 +155,7 @@ def main(argv=None):
             nbytes = sum(c["bytes"] for c in chunks)
             busy = sum(c["busy_s"] for c in chunks)
             row = dict(budget=b, prompt=n, slots=slots, experts_total=be.cache.n_total,
-                       resident=int(be.cache.resident().sum()), chunk=be.prefill.chunk,
+                       resident=int(be.cache.resident().sum()), chunk=be.prompt_chunk_size(),
                        ring=max((c["ring"] for c in chunks), default=0), tok_s=round(n / total, 1),
                        chunks=len(chunks), mb_per_chunk=round(nbytes / max(len(streamed), 1) / 1e6, 1),
                        link_gbps_copying=round(nbytes / busy / 1e9, 1) if busy else 0.0,
@@ -132,31 +169,8 @@ def main(argv=None):
     be.close()
     if a.out:
         a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
-    print(f"model {a.model.name}: streamed prompt pass; link reference {LINK_BPS / 1e9:.0f} GB/s; {json.dumps(facts)}")
-    print("| budget GiB | prompt | resident/total | chunk | ring | tok/s | MB/chunk | GB/s copying | GB/s avg "
-          "| of 55 | copy busy |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['budget']} | refused: {r['error']} |")
-            continue
-        print(f"| {r['budget']} | {r['prompt']} | {r['resident']}/{r['experts_total']} | {r['chunk']} | {r['ring']} "
-              f"| {r['tok_s']:.0f} | {r['mb_per_chunk']:.0f} | {r['link_gbps_copying']:.1f} | "
-              f"{r['link_gbps_avg']:.1f} | {r['link_gbps_copying'] * 1e9 / LINK_BPS:.2f} | "
-              f"{r['copy_busy_share']:.2f} |")
-    prof = [r for r in rows if "phase_ms" in r]
-    if prof:
-        names = list(prof[0]["phase_ms"])
-        print("\nGPU ms per prompt by phase (CUDA events between phases; host = time to enqueue a chunk, per chunk):")
-        print("| budget GiB | prompt | " + " | ".join(names) + " | GPU total | wall | host/chunk |")
-        print("| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: |")
-        for r in prof:
-            ph = r["phase_ms"]
-            gpu = sum(ph.values())
-            cells = " | ".join(f"{ph[n]:.1f} ({100 * ph[n] / gpu:.0f}%)" for n in names)
-            print(f"| {r['budget']} | {r['prompt']} | {cells} | {gpu:.1f} | {1000 * r['prompt'] / r['tok_s']:.1f} "
-                  f"| {r['host_ms_per_chunk']:.1f} |")
-
+    print(f"model {a.model.name}: {a.prefill} prompt pass; link reference {LINK_BPS / 1e9:.0f} GB/s; {json.dumps(facts)}")
+    print_tables(rows)
 
 if __name__ == "__main__":
     main()
