@@ -52,6 +52,34 @@ def test_summary():
                                                       prefetch_wasted=None)
 
 
+def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_208):
+    from types import SimpleNamespace as NS
+    return NS(cache=NS(n_slots=n_slots, n_total=n_total), prefetch=None,
+              cfg=NS(n_expert=n_expert, n_expert_used=k, n_embd=n_embd), layout=NS(nbytes=nbytes, stride=2_654_208))
+
+
+def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
+    monkeypatch.setattr(pf, "Prefetcher", lambda step: "PF")
+    monkeypatch.setattr(pf, "DEFAULT_ON", True)
+    logs = []
+    st = _fake_step(16, 32)
+    assert pf.attach(st, "on", logs.append) == "PF" and st.prefetch == "PF"
+    assert "2 x 8 staging slots (40 MiB" in logs[-1]
+    st = _fake_step(32, 32)
+    assert pf.attach(st, "on", logs.append) is None and st.prefetch is None
+    assert pf.attach(_fake_step(16, 32), "off", logs.append) is None
+    big = dict(n_expert=1024)
+    with pytest.raises(ValueError, match="--prefetch on cannot serve this model: .*1024.*--prefetch off"):
+        pf.attach(_fake_step(16, 32, **big), "on", logs.append)
+    n = len(logs)
+    st = _fake_step(16, 32, **big)
+    assert pf.attach(st, None, logs.append) is None and st.prefetch is None
+    assert len(logs) == n + 1 and logs[-1].startswith("expert prefetch off: ")
+    assert pf.unsupported(_fake_step(0, 1, k=17).cfg, _fake_step(0, 1).layout)
+    assert pf.unsupported(_fake_step(0, 1, n_embd=65536).cfg, _fake_step(0, 1).layout)
+    assert pf.unsupported(_fake_step(0, 1, n_embd=16384).cfg, _fake_step(0, 1).layout) is None
+
+
 class _Log:
     def __init__(self):
         self.ops = []

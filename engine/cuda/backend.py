@@ -16,8 +16,8 @@ from engine.cuda.decode import DecodeStep
 from engine.cuda.expert_cache import ExpertCache
 from engine.cuda.kv import KVCache
 from engine.cuda.memory_mode import MemoryMode
-from engine.cuda.prefetch import Prefetcher, staging_slots
-from engine.cuda.prefetch import wanted as prefetch_wanted
+from engine.cuda.prefetch import attach as attach_prefetch
+from engine.cuda.prefetch import staging_slots
 from engine.cuda.prefill import Prefill
 from engine.cuda.programs import Kernels
 from engine.cuda.rope import rope_table
@@ -160,9 +160,7 @@ class CUDABackend(Backend):
         return n
 
     def _attach_prefetch(self):
-        c = self.cache
-        if c is not None and prefetch_wanted(self.opts.prefetch, c.n_slots, c.n_total):
-            self.step.prefetch = Prefetcher(self.step)
+        attach_prefetch(self.step, self.opts.prefetch, self.log)
 
     def _make_prefill(self):
         if self.opts.prefill == "streamed":

@@ -26,6 +26,8 @@ COPY_BLOCKS = 64           # x 256 threads x 4 loads of 16 B in flight: ~1 MiB o
 COPY_THREADS = 256
 MAX_K = 16                 # cuda_src/prefetch.cu PF_MAX_K
 MAX_EXPERTS = 512          # PF_MAX_PER_LANE x 32
+SMEM_DEFAULT = 48 * 1024   # dynamic shared memory without opting in (the predictor keeps n_embd floats there)
+SMEM_MAX = 227 * 1024      # the most a block may opt in to (sm_80 / sm_90)
 DEFAULT_ON = True          # --prefetch's default when some experts have no VRAM slot (the lead sets it from the bench)
 
 
@@ -37,6 +39,37 @@ def wanted(flag: str | None, n_slots: int, n_total: int) -> bool:
     if flag is None:
         return DEFAULT_ON
     return flag == "on"
+
+
+def unsupported(cfg, layout) -> str | None:
+    """Why the kernels cannot serve this model (None: they can)."""
+    if cfg.n_expert_used > MAX_K or cfg.n_expert > MAX_EXPERTS:
+        return (f"it handles up to {MAX_EXPERTS} experts and top-{MAX_K} routing (this model: {cfg.n_expert}, "
+                f"top-{cfg.n_expert_used})")
+    if 4 * cfg.n_embd > SMEM_MAX:
+        return f"its predictor keeps n_embd floats in shared memory (this model: {cfg.n_embd}, at most {SMEM_MAX // 4})"
+    if cfg.n_expert_used * ((layout.nbytes + 15) // 16) >= 2**31:
+        return "the expert blobs are too large for its 32-bit indexing"
+    return None
+
+
+def attach(step, flag: str | None, log) -> "Prefetcher | None":
+    """Give the decode step a Prefetcher when wanted() says so. A model the kernels cannot serve: refused when the
+    user asked for --prefetch on, else said in the log and left off."""
+    c = step.cache
+    if c is None or not wanted(flag, c.n_slots, c.n_total):
+        return None
+    why = unsupported(step.cfg, step.layout)
+    if why:
+        if flag == "on":
+            raise ValueError(f"--prefetch on cannot serve this model: {why}; run with --prefetch off")
+        log(f"expert prefetch off: {why}")
+        return None
+    step.prefetch = Prefetcher(step)
+    k = step.cfg.n_expert_used
+    log(f"expert prefetch on: next-layer prediction, 2 x {k} staging slots "
+        f"({2 * k * step.layout.stride / 2**20:.0f} MiB of VRAM)")
+    return step.prefetch
 
 
 def staging_slots(k: int) -> int:
@@ -74,16 +107,11 @@ class Prefetcher:
         self.step = step
         c, cache, lay = step.cfg, step.cache, step.layout
         self.n_layer, self.n_expert, self.k = c.n_layer, c.n_expert, c.n_expert_used
-        if self.k > MAX_K or self.n_expert > MAX_EXPERTS:
-            raise ValueError(f"expert prefetch handles up to {MAX_EXPERTS} experts and top-{MAX_K} routing "
-                             f"(this model: {self.n_expert}, top-{self.k}); run with --prefetch off")
-        if 4 * c.n_embd > 48 * 1024:
-            raise ValueError(f"expert prefetch's predictor keeps n_embd floats in shared memory (this model: "
-                             f"{c.n_embd}, limit 12288); run with --prefetch off")
+        why = unsupported(c, lay)
+        if why:
+            raise ValueError(f"expert prefetch cannot serve this model: {why}")
         self.stride = lay.stride
         self.units = (lay.nbytes + 15) // 16          # 16-byte units copied per expert (within the 256-aligned stride)
-        if self.k * self.units >= 2**31:
-            raise ValueError("expert blobs too large for the prefetch kernel's 32-bit indexing; run with --prefetch off")
         self.blob_bytes = self.units * 16
         self.slot_lo, self.slot_hi = cache.slot_lo, cache.slot_hi
         self.table = cache.table
@@ -91,6 +119,9 @@ class Prefetcher:
         mod = kernels.load("prefetch", qtypes=qts)
         # fetched now: no kernel is compiled or loaded while a graph is being captured
         self.f_predict = {qt: mod.get_function(f"predict<{qt}>") for qt in qts}
+        if 4 * c.n_embd > SMEM_DEFAULT:
+            for f in self.f_predict.values():
+                f.max_dynamic_shared_size_bytes = 4 * c.n_embd
         self.f_copy = mod.get_function("prefetch_copy")
         self.f_finish = mod.get_function("prefetch_finish")
         k = self.k
