@@ -1,14 +1,27 @@
 """The streamed prompt pass (issue 5), opt-in with `--prefill streamed` until a GPU session has verified it.
 
-Per chunk of T tokens, per layer: the dense projections as GEMMs on dequantized weights (as the batched pass), the
-chunk's K/V into the cache and tiled flash attention over it (cuda_src/prefill_attn.cu); then the router and top-k on
-the GPU, the (token, expert) pairs sorted by expert on the GPU (no host round trip), and the grouped expert GEMMs
+Per chunk of T tokens, per layer: the dense projections as cuBLAS GEMMs with fp16 operands on tensor cores (weights
+dequantized to fp16 once per chunk), the chunk's K/V into the cache in kv.py's layout (fp16 or int8) and tiled
+flash attention over it on tensor cores (cuda_src/prefill_attn.cu); then the router and top-k on the GPU, the
+(token, expert) pairs sorted by expert on the GPU (no host round trip), and the grouped expert GEMMs
 (cuda_src/moe_gemm.cu) — first over the experts resident in VRAM, then, for chunks of at least --stream-min tokens,
 over every other expert batch by batch as the ring (engine/cuda/ring.py) brings them in. Shorter chunks read the
 non-resident experts in place from the pinned arena through the same kernels.
 
 Every buffer comes from engine/cuda/chunk_plan.py's list, sized once when the backend starts, so a prompt never runs
 out of VRAM halfway; a chunk or ring that does not fit is refused at start with the numbers.
+
+Should this be the default? It already is the whole policy the issue asks for: chunks of --stream-min (1,024) tokens
+and up stream through the ring, shorter ones read the non-resident experts in place, so "streamed for prompts >=
+--stream-min" is `prefill = "streamed"` in CudaOptions (engine/cuda/backend.py), one line. The batched pass it would
+replace runs a Python loop per routed expert per layer (an fp32 dequantization of the expert's three matrices and
+three fp32 GEMMs each, and a host round trip per layer for the routing), so it should not be faster on an MoE model at any
+prompt length (the comparison below checks); on the H200 (2026-11-30, before the tensor-core attention and fp16 dense GEMMs) the streamed pass
+already read a 1K prompt at 5,444 tok/s all resident and 5,081 at 12 GiB. Nor does it cost the decode cache VRAM:
+the backend holds back chunk_plan's buffers for the 4,096-token auto target (74 KB a token plus ~0.23 GiB of scratch,
+0.52 GiB) and 64 ring slots (0.17 GiB) for the Qwen3-30B-A3B shape, 0.69 GiB, where it holds back 0.78 GiB for the
+batched pass's scratch (backend._prefill_scratch_bytes). Flip it once `python -m bench.prefill --prefill batched`
+and `--prefill streamed` have been compared on the GPU (and test_cuda_prefill_streamed passes there).
 """
 from __future__ import annotations
 
