@@ -169,7 +169,8 @@ def main(argv=None):
     be.close()
     if a.out:
         a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
-    print(f"model {a.model.name}: {a.prefill} prompt pass; link reference {LINK_BPS / 1e9:.0f} GB/s; {json.dumps(facts)}")
+    print(f"model {a.model.name}: {a.prefill} prompt pass; link reference {LINK_BPS / 1e9:.0f} GB/s; "
+          f"{json.dumps(facts)}")
     print_tables(rows)
 
 if __name__ == "__main__":
