@@ -43,7 +43,7 @@ for what in "$@"; do
         run worker-cuda 400 env STRATA_TEST_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/test_worker_protocol.py ;;
     bench)
-        run bench 420 python3 -m bench.decode --out "$LOG/bench.json" ;;
+        run bench 560 python3 -m bench.decode --prefetch both --out "$LOG/bench.json" ;;
     prefill-bench)
         run prefill 300 python3 -m bench.prefill --prompts 1024,4096 --budgets all,12 --out "$LOG/prefill.json" ;;
     prefill-long)
