@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -214,7 +213,6 @@ class ExpertSource:
         self.table_fence = None
         self._visible = np.zeros(n_slots, dtype=bool)    # the pointer table may point at this slot
         self._pool = ThreadPoolExecutor(max(1, threads)) if threads > 1 else None
-        self._lock = threading.Lock()
         self.file_blobs = 0
         self.file_bytes = 0
         self.staged_hits = 0
