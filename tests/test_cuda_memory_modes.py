@@ -150,11 +150,14 @@ def test_done_reports_file_blobs_with_the_cache_empty(cpu_runs):
     try:
         lines = []
         done = Session(be, eog_ids=()).run(protocol.GenRequest(16, prompt), lines.append)
-        assert done is not None and protocol.parse_done(lines[-1]) == done
+        assert done is not None
+        line = protocol.parse_done(lines[-1])
+        assert (line.hits, line.lookups, line.ram_blobs, line.file_blobs) == (done.hits, done.lookups,
+                                                                              done.ram_blobs, done.file_blobs)
         assert done.hits == 0 and done.file_blobs > 0
-        assert done.file_mb == pytest.approx(done.file_blobs * be.layout.nbytes / MiB, abs=0.05)
+        assert line.file_mb == pytest.approx(done.file_blobs * be.layout.nbytes / MiB, abs=0.06)
         assert done.ram_blobs <= done.lookups
-        assert [int(t.split()[1]) for t in lines if t.startswith("T ")] == toks[:16]
+        assert_same_greedy([int(t.split()[1]) for t in lines if t.startswith("T ")], toks[:16], cpu_logits)
     finally:
         be.close()
 
