@@ -112,6 +112,9 @@ def main(argv=None):
     ap.add_argument("--ring", type=int, default=None, help="--ring: slots (default: the VRAM rule)")
     ap.add_argument("--stream-min", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--moe-row-tiles", type=int, choices=(1, 2), default=None,
+                    help="64-row tiles per dequantized weight tile in the grouped expert GEMMs (moe_gemm.cu MG_MT; "
+                         "default 2)")
     ap.add_argument("--prefill", choices=("streamed", "batched"), default="streamed",
                     help="the prompt pass to measure (batched: the backend's default today, for the comparison)")
     ap.add_argument("--no-profile", action="store_true",
@@ -120,9 +123,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.cuda import prefill_streamed
     from engine.cuda.prefill_streamed import parse_chunk
     from engine.gguf_model import open_model
 
+    if a.moe_row_tiles:
+        prefill_streamed.MOE_ROW_TILES = a.moe_row_tiles
     lengths = [int(x) for x in a.prompts.split(",")]
     facts = {}
     if not a.model.is_file():
@@ -135,7 +141,7 @@ def main(argv=None):
     be = CUDABackend(model, ctx, opts)
     facts.update(load_s=round(time.perf_counter() - t0, 1), ctx=ctx, kv_gib=round(be.kv.k.nbytes * 2 / 2**30, 2),
                  arena_gib=round(be.arena.nbytes / 2**30, 2), pcie_copy_gbps=round(be.pcie_gbps, 1),
-                 expert_mb=round(be.layout.stride / 1e6, 2))
+                 expert_mb=round(be.layout.stride / 1e6, 2), moe_row_tiles=prefill_streamed.MOE_ROW_TILES)
     log(json.dumps(facts))
     rows = []
     rng = np.random.default_rng(a.seed)

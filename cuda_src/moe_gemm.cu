@@ -12,6 +12,10 @@
 #define MG_BK 32              // reduction slice per step (four 8-element chunks per row)
 #define MG_LDS (MG_BK + 8)    // halves per shared row: keeps rows 16-byte aligned, fragment reads bank-conflict free
 #define MG_THREADS 256        // 8 warps: 4 along M (16 rows each) x 2 along N (32 columns each)
+#ifndef MG_MT
+#define MG_MT 2               // 64-row tiles per pass over a weight tile: each dequantized tile feeds MG_MT * 64 rows
+#endif                        // (at 4K tokens an expert averages 256 rows: the dequantization is paid 2x, not 4x)
+#define MG_ROWS (MG_BM * MG_MT)
 #define MG_MAX_EXPERT 1024
 
 // ---- sorting pairs by expert ------------------------------------------------------------------------------------
@@ -112,7 +116,7 @@ template <int QT>
 __global__ __launch_bounds__(MG_THREADS) void moe_gemm_gate_up(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
                  const int* __restrict__ offsets, const int* __restrict__ rows, const unsigned short* __restrict__ x,
                  unsigned short* __restrict__ h, long long up_off, long long row_bytes, int n_ff, int K) {
-    __shared__ __align__(16) unsigned short xs[MG_BM * MG_LDS];
+    __shared__ __align__(16) unsigned short xs[MG_ROWS * MG_LDS];
     __shared__ __align__(16) unsigned short gs[MG_BN * MG_LDS];
     __shared__ __align__(16) unsigned short us[MG_BN * MG_LDS];
     const int e = sel[blockIdx.z];
@@ -122,54 +126,73 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_gate_up(const int* __rest
     const uint8_t* ubase = gbase + up_off;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = (warp & 3) * 16, wn = (warp >> 2) * 32;
-    const int lr = tid >> 2, lc = tid & 3;    // this thread's tile loads: row lr, chunk lc of the slice
+    const int lr = tid >> 2, lc = tid & 3;    // this thread's tile loads: row lr (of each 64-row tile), chunk lc
     const int nchunks = K >> 3;
-    // gridDim.y blocks share an expert's row tiles: sized for the average expert, so a busy expert loops here
-    // instead of every expert launching (and retiring at once) as many blocks as the busiest could need
-    for (int m0 = blockIdx.y * MG_BM; m0 < n_rows; m0 += gridDim.y * MG_BM) {
-        const int tok = m0 + lr < n_rows ? rows[o0 + m0 + lr] : -1;
-        float ag[4][4], au[4][4];
+    const int g = lane >> 2, t = lane & 3;
+    // gridDim.y blocks share an expert's rows: sized for the average expert, so a busy expert loops here instead of
+    // every expert launching (and retiring at once) as many blocks as the busiest could need
+    for (int m0 = blockIdx.y * MG_ROWS; m0 < n_rows; m0 += gridDim.y * MG_ROWS) {
+        const int mt = min(MG_MT, (n_rows - m0 + MG_BM - 1) / MG_BM);   // 64-row tiles holding rows (block-uniform)
+        int tok[MG_MT];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < MG_MT; ++i) {
+            const int r = m0 + i * MG_BM + lr;
+            tok[i] = r < n_rows ? rows[o0 + r] : -1;
+        }
+        float ag[MG_MT][4][4], au[MG_MT][4][4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) ag[j][i] = au[j][i] = 0.f;
+        for (int i = 0; i < MG_MT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) ag[i][j][q] = au[i][j][q] = 0.f;
         for (int k0 = 0; k0 < K; k0 += MG_BK) {
             const int c = (k0 >> 3) + lc;
-            uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-            if (tok >= 0 && c < nchunks) xv = *reinterpret_cast<const uint4*>(x + (long long)tok * K + c * 8);
-            *reinterpret_cast<uint4*>(xs + lr * MG_LDS + lc * 8) = xv;
+#pragma unroll
+            for (int i = 0; i < MG_MT; ++i) {
+                uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+                if (tok[i] >= 0 && c < nchunks) xv = *reinterpret_cast<const uint4*>(x + (long long)tok[i] * K + c * 8);
+                *reinterpret_cast<uint4*>(xs + (i * MG_BM + lr) * MG_LDS + lc * 8) = xv;
+            }
             *reinterpret_cast<uint4*>(gs + lr * MG_LDS + lc * 8) = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, c, nchunks);
             *reinterpret_cast<uint4*>(us + lr * MG_LDS + lc * 8) = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, c, nchunks);
             __syncthreads();
 #pragma unroll
             for (int kk = 0; kk < MG_BK; kk += 16) {
-                uint32_t a[4];
-                mg_load_a(xs, wm, kk, lane, a);
+                uint32_t a[MG_MT][4];
+#pragma unroll
+                for (int i = 0; i < MG_MT; ++i)
+                    if (i < mt) mg_load_a(xs, i * MG_BM + wm, kk, lane, a[i]);
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     uint32_t b0, b1;
                     mg_b(gs, wn + 8 * j, kk, lane, b0, b1);
-                    mg_mma(ag[j], a, b0, b1);
+#pragma unroll
+                    for (int i = 0; i < MG_MT; ++i)
+                        if (i < mt) mg_mma(ag[i][j], a[i], b0, b1);
                     mg_b(us, wn + 8 * j, kk, lane, b0, b1);
-                    mg_mma(au[j], a, b0, b1);
+#pragma unroll
+                    for (int i = 0; i < MG_MT; ++i)
+                        if (i < mt) mg_mma(au[i][j], a[i], b0, b1);
                 }
             }
             __syncthreads();
         }
-        const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < MG_MT; ++i)
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int r = m0 + wm + g + 8 * hh;
-                if (r >= n_rows) continue;
+            for (int j = 0; j < 4; ++j)
 #pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    const int col = n0 + wn + 8 * j + 2 * t + q;
-                    if (col < n_ff)
-                        h[(long long)(o0 + r) * n_ff + col] = f2h_sat(silu(ag[j][2 * hh + q]) * au[j][2 * hh + q]);
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int r = m0 + i * MG_BM + wm + g + 8 * hh;
+                    if (r >= n_rows) continue;
+#pragma unroll
+                    for (int q = 0; q < 2; ++q) {
+                        const int col = n0 + wn + 8 * j + 2 * t + q;
+                        if (col < n_ff)
+                            h[(long long)(o0 + r) * n_ff + col] = f2h_sat(silu(ag[i][j][2 * hh + q]) * au[i][j][2 * hh + q]);
+                    }
                 }
-            }
     }
 }
 
@@ -182,7 +205,7 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restric
               const int* __restrict__ offsets, const int* __restrict__ rows, const float* __restrict__ row_w,
               const unsigned short* __restrict__ h, float* __restrict__ out, long long down_off, long long row_bytes,
               int n_embd, int K) {
-    __shared__ __align__(16) unsigned short hs[MG_BM * MG_LDS];
+    __shared__ __align__(16) unsigned short hs[MG_ROWS * MG_LDS];
     __shared__ __align__(16) unsigned short ds[MG_BN * MG_LDS];
     const int e = sel[blockIdx.z];
     const int o0 = offsets[e], n_rows = offsets[e + 1] - o0;
@@ -192,48 +215,60 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restric
     const int wm = (warp & 3) * 16, wn = (warp >> 2) * 32;
     const int lr = tid >> 2, lc = tid & 3;
     const int nchunks = K >> 3;
-    for (int m0 = blockIdx.y * MG_BM; m0 < n_rows; m0 += gridDim.y * MG_BM) {   // as in gate/up
-        const bool row_ok = m0 + lr < n_rows;
-        float acc[4][4];
+    const int g = lane >> 2, t = lane & 3;
+    for (int m0 = blockIdx.y * MG_ROWS; m0 < n_rows; m0 += gridDim.y * MG_ROWS) {   // as in gate/up
+        const int mt = min(MG_MT, (n_rows - m0 + MG_BM - 1) / MG_BM);
+        float acc[MG_MT][4][4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < MG_MT; ++i)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
         for (int k0 = 0; k0 < K; k0 += MG_BK) {
             const int c = (k0 >> 3) + lc;
-            uint4 hv = make_uint4(0u, 0u, 0u, 0u);
-            if (row_ok && c < nchunks) hv = *reinterpret_cast<const uint4*>(h + (long long)(o0 + m0 + lr) * K + c * 8);
-            *reinterpret_cast<uint4*>(hs + lr * MG_LDS + lc * 8) = hv;
+#pragma unroll
+            for (int i = 0; i < MG_MT; ++i) {
+                const int r = m0 + i * MG_BM + lr;
+                uint4 hv = make_uint4(0u, 0u, 0u, 0u);
+                if (r < n_rows && c < nchunks) hv = *reinterpret_cast<const uint4*>(h + (long long)(o0 + r) * K + c * 8);
+                *reinterpret_cast<uint4*>(hs + (i * MG_BM + lr) * MG_LDS + lc * 8) = hv;
+            }
             *reinterpret_cast<uint4*>(ds + lr * MG_LDS + lc * 8) = mg_weight8<QT>(dbase, row_bytes, n0 + lr, n_embd, c, nchunks);
             __syncthreads();
 #pragma unroll
             for (int kk = 0; kk < MG_BK; kk += 16) {
-                uint32_t a[4];
-                mg_load_a(hs, wm, kk, lane, a);
+                uint32_t a[MG_MT][4];
+#pragma unroll
+                for (int i = 0; i < MG_MT; ++i)
+                    if (i < mt) mg_load_a(hs, i * MG_BM + wm, kk, lane, a[i]);
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     uint32_t b0, b1;
                     mg_b(ds, wn + 8 * j, kk, lane, b0, b1);
-                    mg_mma(acc[j], a, b0, b1);
+#pragma unroll
+                    for (int i = 0; i < MG_MT; ++i)
+                        if (i < mt) mg_mma(acc[i][j], a[i], b0, b1);
                 }
             }
             __syncthreads();
         }
-        const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int r = m0 + wm + g + 8 * hh;
-            if (r >= n_rows) continue;
-            const int tok = rows[o0 + r];
-            const float wt = row_w[o0 + r];
+        for (int i = 0; i < MG_MT; ++i)
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
+            for (int hh = 0; hh < 2; ++hh) {
+                const int r = m0 + i * MG_BM + wm + g + 8 * hh;
+                if (r >= n_rows) continue;
+                const int tok = rows[o0 + r];
+                const float wt = row_w[o0 + r];
 #pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    const int col = n0 + wn + 8 * j + 2 * t + q;
-                    if (col < n_embd) atomicAdd(out + (long long)tok * n_embd + col, wt * acc[j][2 * hh + q]);
-                }
-        }
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int q = 0; q < 2; ++q) {
+                        const int col = n0 + wn + 8 * j + 2 * t + q;
+                        if (col < n_embd) atomicAdd(out + (long long)tok * n_embd + col, wt * acc[i][j][2 * hh + q]);
+                    }
+            }
     }
 }
 

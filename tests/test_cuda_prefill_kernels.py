@@ -161,6 +161,13 @@ def test_grouped_expert_gemms(moe_mod, name, T, k, E, n_embd, n_ff):
     assert rel(out.get() - x0, ref - x0) < 5e-3
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_grouped_expert_gemms_one_row_tile_per_pass(name):
+    """moe_gemm.cu built with MG_MT=1 (bench.prefill --moe-row-tiles 1): one 64-row tile per dequantized weight tile."""
+    from engine.cuda.prefill_streamed import moe_module
+    test_grouped_expert_gemms(moe_module([name], row_tiles=1), name, 300, 4, 8, 256, 768)
+
+
 def test_swiglu_output_saturates_in_fp16(moe_mod):
     """h is fp16: a SwiGLU output past 65504 is kept as +-65504 (not inf, which would make the token's down
     projection inf/NaN); the others are as computed."""

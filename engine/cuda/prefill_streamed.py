@@ -42,6 +42,10 @@ AUTO_RING_RESERVE = 64      # ring slots reserved likewise (free expert-cache sl
 ATT_BM = 64                 # query rows per flash-attention block (prefill_attn.cu FA_BM)
 ATT_THREADS = 128           # 4 warps (FA_WARPS)
 GEMM_TILE = 64              # rows and columns per expert GEMM block (moe_gemm.cu MG_BM, MG_BN)
+# 64-row tiles a grouped-GEMM block multiplies per dequantized weight tile (moe_gemm.cu MG_MT): 2 halves the
+# dequantization of the 4K-token chunk's average expert (256 rows) at 110 instead of ~70 registers (2 blocks per SM
+# instead of 3). Not yet measured against 1: bench.prefill --moe-row-tiles 1 builds the other variant.
+MOE_ROW_TILES = 2
 CUDA_R_16F, CUDA_R_32F = 2, 0
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)     # cuBLAS scalars (host pointer mode)
 
@@ -63,11 +67,18 @@ def attn_launch(T: int, n_head: int, n_head_kv: int) -> tuple[tuple[int, int], t
     return ((T * G + ATT_BM - 1) // ATT_BM, n_head_kv), (ATT_THREADS,)
 
 
-def expert_row_blocks(T: int, k: int, n_expert: int) -> int:
-    """Blocks per expert along the rows of the grouped GEMMs (moe_gemm.cu loops over the rest): twice the average
-    expert's 64-row tiles, at most what one expert can have (T rows)."""
+def expert_row_blocks(T: int, k: int, n_expert: int, row_tiles: int | None = None) -> int:
+    """Blocks per expert along the rows of the grouped GEMMs (moe_gemm.cu loops over the rest): twice what the
+    average expert's rows need, at most what one expert can have (T rows)."""
+    rows = GEMM_TILE * (row_tiles or MOE_ROW_TILES)
     avg = T * k / max(n_expert, 1)
-    return max(1, min(-(-T // GEMM_TILE), 2 * -(-int(avg) // GEMM_TILE)))
+    return max(1, min(-(-T // rows), 2 * -(-int(avg) // rows)))
+
+
+def moe_module(qtypes, row_tiles: int | None = None):
+    """moe_gemm.cu for these quant types with MG_MT = row_tiles (the default build when it is the default)."""
+    mt = row_tiles or MOE_ROW_TILES
+    return kernels.load("moe_gemm", None if mt == 2 else {"MG_MT": mt}, qtypes=sorted(qtypes))
 
 
 def parse_chunk(v):
@@ -134,7 +145,7 @@ class StreamedPrefill:
         self.att_mod = attn_module(c.head_dim)
         lay = self.layout
         qts = set(self.w.qtype_ids()) | ({lay.qt_gate_up, lay.qt_down} if lay else set())
-        self.moe_mod = kernels.load("moe_gemm", qtypes=sorted(qts))     # also to_half and dequant_rows_f16
+        self.moe_mod = moe_module(qts)          # also to_half and dequant_rows_f16
         stride = lay.stride if lay else 0
         # at least the experts the cache has no slot for stream; while the cache is not full, its free slots are
         # lent to the ring on top of its own
