@@ -88,6 +88,12 @@ class ExpertCache:
         self.source.mark_visible(gs)
         return addrs, n_read
 
+    def advise(self, gs):
+        """Memory modes: ask the OS to start reading the file-only experts among gs that are not in VRAM."""
+        if self.source is not None:
+            gs = np.asarray(gs, dtype=np.int64)
+            self.source.advise(gs[self.slot_of[gs] < 0])
+
     def read_begin(self, g: int, stream) -> int:
         """The address the prompt pass reads expert g from (staged and pinned if it is only in the file); pair with
         read_end once its readers are enqueued."""

@@ -120,6 +120,7 @@ class Prefill:
                                F32(c.expert_weights_scale), ptr(ids), ptr(wts), NULL, U64(0), U64(0),
                                U64(cache.counts.data.ptr + 4 * li * c.n_expert), NULL))
         ids_h = ids.get()
+        cache.advise(li * c.n_expert + np.unique(ids_h))      # memory modes: the disk reads ahead of the loop
         out = cp.zeros((T, c.n_embd), dtype=cp.float32)
         for e in np.unique(ids_h):
             t_idx, j_idx = np.nonzero(ids_h == e)
