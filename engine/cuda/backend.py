@@ -3,6 +3,7 @@ the hottest cached in VRAM, decode steps replayed from one CUDA graph with greed
 as batched GEMMs."""
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -221,6 +222,10 @@ class CUDABackend(Backend):
         heat, prior = self.cache.heat.copy(), self.cache.prior.copy()
         self.step.close()
         self.step = self.prefill = self.cache = None
+        # The step, its prefetcher and sampler refer to each other: without a collection the old cache's slots stay
+        # allocated until the cyclic GC happens to run, and the new budget is then measured with both caches in VRAM
+        # (the H200 run refused 12 GiB because "the weights and the KV cache alone take 16499 MiB").
+        gc.collect()
         pool = cp.get_default_memory_pool()
         pool.free_all_blocks()
         self.opts.vram_budget_mib, self.opts.expert_slots = vram_budget_mib, expert_slots
