@@ -310,6 +310,27 @@ __device__ __forceinline__ void dot2_row<STRATA_Q_Q4_K>(const uint8_t* __restric
     }
 }
 
+// A lane's first batch of a Q4_K row, loaded before the kernel stages x (their latency overlaps the staging), and
+// the row's dot product once x is staged: that batch, then the rest of the row (rows wider than 32 * 32 * batch).
+__device__ __forceinline__ void q4k_preload(const uint8_t* __restrict__ row, int ncols, int lane,
+                                            Q4KRaw (&p)[Q4K_BATCH]) {
+#pragma unroll
+    for (int i = 0; i < Q4K_BATCH; ++i)
+        if (lane + 32 * i < ncols / 32) p[i] = q4k_load(row, lane + 32 * i);
+}
+#define Q4K_PRE_COLS (32 * 32 * Q4K_BATCH)    // the columns a preloaded batch covers (a multiple of 256)
+__device__ __forceinline__ float q4k_finish(const Q4KRaw (&p)[Q4K_BATCH], const uint8_t* __restrict__ row,
+                                            const float* xs, int ncols, int lane) {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < Q4K_BATCH; ++i)
+        if (lane + 32 * i < ncols / 32) acc += q4k_dot(p[i], xs, lane + 32 * i);
+    if (ncols > Q4K_PRE_COLS)
+        acc += dot_s<STRATA_Q_Q4_K>(row + Q4K_PRE_COLS / 256 * 144, xs + xs_at<STRATA_Q_Q4_K>(Q4K_PRE_COLS),
+                                    ncols - Q4K_PRE_COLS, lane);
+    return acc;
+}
+
 // dot2_row over x staged by stage_x<QT> (padded for Q4_K): both rows' loads issued before the arithmetic.
 template <int QT>
 __device__ __forceinline__ void dot2_s(const uint8_t* __restrict__ ra, const uint8_t* __restrict__ rb,
@@ -332,6 +353,24 @@ __device__ __forceinline__ void dot2_s(const uint8_t* __restrict__ ra, const uin
         }
     } else {
         dot2_row<QT>(ra, rb, xs, ncols, lane, a, b);
+    }
+}
+
+// the two-row (gate and up) version of q4k_finish
+__device__ __forceinline__ void q4k_finish2(const Q4KRaw (&p)[Q4K_BATCH], const Q4KRaw (&q)[Q4K_BATCH],
+                                            const uint8_t* __restrict__ ra, const uint8_t* __restrict__ rb,
+                                            const float* xs, int ncols, int lane, float& a, float& b) {
+    a = 0.f;
+    b = 0.f;
+#pragma unroll
+    for (int i = 0; i < Q4K_BATCH; ++i)
+        if (lane + 32 * i < ncols / 32) q4k_dot2(p[i], q[i], xs, lane + 32 * i, a, b);
+    if (ncols > Q4K_PRE_COLS) {
+        float a2, b2;
+        dot2_s<STRATA_Q_Q4_K>(ra + Q4K_PRE_COLS / 256 * 144, rb + Q4K_PRE_COLS / 256 * 144,
+                              xs + xs_at<STRATA_Q_Q4_K>(Q4K_PRE_COLS), ncols - Q4K_PRE_COLS, lane, a2, b2);
+        a += a2;
+        b += b2;
     }
 }
 

@@ -11,22 +11,58 @@
 // xn = x, or staged (stage != 0) and then normed when norm_w is given. One warp per row, rows_per_warp rows in turn
 // (one staging serves them all: the output head has ~150k rows); blockDim.x = 32 * warps, grid
 // ceil(nrows / (warps * rows_per_warp)).
+__device__ __forceinline__ void mv_store(int r, float s, float* __restrict__ y, const float* __restrict__ bias,
+                                         const float* __restrict__ gate_logit, int accumulate) {
+    if (bias) s += bias[r];
+    if (gate_logit) s *= 1.f / (1.f + __expf(-gate_logit[0]));
+    y[r] = accumulate ? y[r] + s : s;
+}
+
+// This warp's dot product of row (clamped to the last row) with x staged in shared memory: for Q4_K the row's
+// first loads go out before the staging, so their latency overlaps it. Returns the staged x through xs.
+template <int QT>
+__device__ __forceinline__ float staged_row_dot(const uint8_t* __restrict__ row, const float* x,
+                                                const float* __restrict__ norm_w, float eps, int ncols, int lane,
+                                                const float*& xs) {
+    if constexpr (QT == STRATA_Q_Q4_K) {
+        Q4KRaw p[Q4K_BATCH];
+        q4k_preload(row, ncols, lane, p);
+        xs = stage_x<QT>(x, norm_w, eps, ncols);
+        return q4k_finish(p, row, xs, ncols, lane);
+    } else {
+        xs = stage_x<QT>(x, norm_w, eps, ncols);
+        return dot_s<QT>(row, xs, ncols, lane);
+    }
+}
+
+// y[r] = (accumulate ? y[r] : 0) + gate * (W[r] . xn + bias[r]); gate = sigmoid(*gate_logit) when given.
+// xn = x, or staged (stage != 0) and then normed when norm_w is given. One warp per row, rows_per_warp rows in turn
+// (one staging serves them all: the output head has ~150k rows); blockDim.x = 32 * warps, grid
+// ceil(nrows / (warps * rows_per_warp)).
 template <int QT>
 __global__ void mv(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
                    float* __restrict__ y, const float* __restrict__ bias, const float* __restrict__ gate_logit,
                    int nrows, int ncols, int accumulate, const float* __restrict__ norm_w, float eps, int stage,
                    int rows_per_warp) {
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const float* xs = stage ? stage_x<QT>(x, norm_w, eps, ncols) : x;
-    for (int i = 0; i < rows_per_warp; ++i) {
-        const int r = (blockIdx.x * rows_per_warp + i) * nw + (threadIdx.x >> 5);
-        if (r >= nrows) break;
-        const uint8_t* row = W + (long long)r * row_bytes;
-        float s = warp_sum(stage ? dot_s<QT>(row, xs, ncols, lane) : dotw<QT>(row, x, ncols, lane));
-        if (lane == 0) {
-            if (bias) s += bias[r];
-            if (gate_logit) s *= 1.f / (1.f + __expf(-gate_logit[0]));
-            y[r] = accumulate ? y[r] + s : s;
+    const int r0 = blockIdx.x * rows_per_warp * nw + (threadIdx.x >> 5);
+    if (stage) {
+        const float* xs;
+        const float s = warp_sum(staged_row_dot<QT>(W + (long long)min(r0, nrows - 1) * row_bytes, x, norm_w, eps,
+                                                    ncols, lane, xs));
+        if (lane == 0 && r0 < nrows) mv_store(r0, s, y, bias, gate_logit, accumulate);
+        for (int i = 1; i < rows_per_warp; ++i) {
+            const int r = r0 + i * nw;
+            if (r >= nrows) break;
+            const float t = warp_sum(dot_s<QT>(W + (long long)r * row_bytes, xs, ncols, lane));
+            if (lane == 0) mv_store(r, t, y, bias, gate_logit, accumulate);
+        }
+    } else {
+        for (int i = 0; i < rows_per_warp; ++i) {
+            const int r = r0 + i * nw;
+            if (r >= nrows) break;
+            const float t = warp_sum(dotw<QT>(W + (long long)r * row_bytes, x, ncols, lane));
+            if (lane == 0) mv_store(r, t, y, bias, gate_logit, accumulate);
         }
     }
 }
@@ -41,7 +77,8 @@ __global__ void mv3(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ 
                     int n1, int n2, int ncols) {
     const int lane = threadIdx.x & 31;
     int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const float* xs = stage_x<QT>(x, norm_w, eps, ncols);
+    const bool valid = r < n0 + n1 + n2;
+    if (!valid) r = n0 + n1 + n2 - 1;            // a tail warp re-reads the last row (it must join the staging)
     const uint8_t* W = W0;
     float* y = y0;
     const float* b = b0;
@@ -51,11 +88,11 @@ __global__ void mv3(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ 
         if (r >= n1) {
             r -= n1;
             W = W2; y = y2; b = b2;
-            if (r >= n2) return;
         }
     }
-    float s = warp_sum(dot_s<QT>(W + (long long)r * row_bytes, xs, ncols, lane));
-    if (lane == 0) y[r] = b ? s + b[r] : s;
+    const float* xs;
+    const float s = warp_sum(staged_row_dot<QT>(W + (long long)r * row_bytes, x, norm_w, eps, ncols, lane, xs));
+    if (lane == 0 && valid) y[r] = b ? s + b[r] : s;
 }
 
 // h[r] = silu(Wg[r] . xn) * (Wu[r] . xn): the gate and up halves of a SwiGLU FFN in one pass. x staged (normed by
@@ -66,13 +103,22 @@ __global__ void swiglu_mv(const uint8_t* __restrict__ Wg, const uint8_t* __restr
                           float* __restrict__ h, int nrows, int ncols) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const float* xs = stage_x<QT>(x, norm_w, eps, ncols);
-    if (r >= nrows) return;
+    const uint8_t* rg = Wg + (long long)min(r, nrows - 1) * row_bytes;
+    const uint8_t* ru = Wu + (long long)min(r, nrows - 1) * row_bytes;
     float g, u;
-    dot2_s<QT>(Wg + (long long)r * row_bytes, Wu + (long long)r * row_bytes, xs, ncols, lane, g, u);
+    if constexpr (QT == STRATA_Q_Q4_K) {       // the first units' loads go out before the staging
+        Q4KRaw p[Q4K_BATCH], q[Q4K_BATCH];
+        q4k_preload(rg, ncols, lane, p);
+        q4k_preload(ru, ncols, lane, q);
+        const float* xs = stage_x<QT>(x, norm_w, eps, ncols);
+        q4k_finish2(p, q, rg, ru, xs, ncols, lane, g, u);
+    } else {
+        const float* xs = stage_x<QT>(x, norm_w, eps, ncols);
+        dot2_s<QT>(rg, ru, xs, ncols, lane, g, u);
+    }
     g = warp_sum(g);
     u = warp_sum(u);
-    if (lane == 0) h[r] = silu(g) * u;
+    if (lane == 0 && r < nrows) h[r] = silu(g) * u;
 }
 
 // out[t, :] = dequant(W[tok_t]). Tokens come from `tokens` (device) or, for a decode step, from the mapped host

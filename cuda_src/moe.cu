@@ -23,29 +23,13 @@ __global__ void moe_gate_up(const unsigned long long* __restrict__ table, const 
     const uint8_t* base = reinterpret_cast<const uint8_t*>(table[ids[t * k + j]]);
     const uint8_t* rg = base + (long long)min(r, n_ff - 1) * row_bytes;   // a tail warp re-reads the last row
     const uint8_t* ru = rg + up_off;
-    float g = 0.f, u = 0.f;
-    if constexpr (QT == STRATA_Q_Q4_K) {
-        // the first units' loads go out before the staging, so their latency overlaps it
-        const int n = ncols / 32;
+    float g, u;
+    if constexpr (QT == STRATA_Q_Q4_K) {       // the first units' loads go out before the staging
         Q4KRaw p[Q4K_BATCH], q[Q4K_BATCH];
-#pragma unroll
-        for (int i = 0; i < Q4K_BATCH; ++i)
-            if (lane + 32 * i < n) {
-                p[i] = q4k_load(rg, lane + 32 * i);
-                q[i] = q4k_load(ru, lane + 32 * i);
-            }
+        q4k_preload(rg, ncols, lane, p);
+        q4k_preload(ru, ncols, lane, q);
         const float* xs = stage_x<QT>(x + (long long)t * ncols, norm_w, eps, ncols);
-#pragma unroll
-        for (int i = 0; i < Q4K_BATCH; ++i)
-            if (lane + 32 * i < n) q4k_dot2(p[i], q[i], xs, lane + 32 * i, g, u);
-        constexpr int DONE = 32 * 32 * Q4K_BATCH;    // elements the first batch covered (a multiple of 256)
-        if (ncols > DONE) {
-            float g2, u2;
-            dot2_s<QT>(rg + DONE / 256 * 144, ru + DONE / 256 * 144, xs + xs_at<QT>(DONE), ncols - DONE, lane,
-                       g2, u2);
-            g += g2;
-            u += u2;
-        }
+        q4k_finish2(p, q, rg, ru, xs, ncols, lane, g, u);
     } else {
         const float* xs = stage_x<QT>(x + (long long)t * ncols, norm_w, eps, ncols);
         dot2_s<QT>(rg, ru, xs, ncols, lane, g, u);

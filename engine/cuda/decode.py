@@ -69,22 +69,18 @@ class Launcher:
     # The decode mat-vecs read x from shared memory, staged once per block (common.cuh stage_x); given a norm
     # weight, the block stages rmsnorm(x) * norm itself, so no norm has a launch of its own.
     @staticmethod
-    def smem(f, n: int, need: bool) -> int:
-        """Dynamic shared memory for staging n floats in kernel f: opted in above 48 KiB; 0 (read x from global
-        memory) when it does not fit and staging is optional."""
+    def smem(f, n: int, need: bool, optional_max: int = SMEM_DEFAULT) -> int:
+        """Dynamic shared memory for staging n floats in kernel f (opted in above 48 KiB). Staging that is optional
+        (x may also be read from global memory) is skipped, 0, above optional_max bytes."""
         nb = staged_bytes(n)
-        if nb <= SMEM_DEFAULT:
-            return nb
-        if nb > SMEM_MAX:
-            if need:
-                raise ValueError(f"a {n}-float vector does not fit in shared memory ({nb} > {SMEM_MAX} bytes); "
-                                 f"this model's width is beyond the decode kernels")
+        if not need and nb > optional_max:
             return 0
-        if need:
-            if getattr(f, "max_dynamic_shared_size_bytes", 0) < nb:
-                f.max_dynamic_shared_size_bytes = nb
-            return nb
-        return 0
+        if nb > SMEM_MAX:
+            raise ValueError(f"a {n}-float vector does not fit in shared memory ({nb} > {SMEM_MAX} bytes); "
+                             f"this model's width is beyond the decode kernels")
+        if nb > SMEM_DEFAULT and getattr(f, "max_dynamic_shared_size_bytes", 0) < nb:
+            f.max_dynamic_shared_size_bytes = nb
+        return nb
 
     def mv(self, W, x, y, bias=None, gate_logit=None, accumulate=False, tag="mv", norm=None):
         """y (+)= W @ xn; xn = rmsnorm(x) * norm when norm (a weight vector) is given, else x."""
@@ -233,7 +229,7 @@ class DecodeStep:
                 L.mv(ly.sh_gate_inp, x, self.sgate, tag="shexp", norm=nw)
             L.swiglu(ly.sh_gate, ly.sh_up, x, self.h2, norm=nw, tag="shexp")
         f = self.k("moe_down", lay.qt_down)
-        sm = L.smem(f, k * lay.n_ff, False)
+        sm = L.smem(f, k * lay.n_ff, False, optional_max=100 * 1024)   # e.g. 8 x 1536 (Qwen3-235B): 50 KiB
         f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,),
           (tab, ptr(self.ids), ptr(self.wts), I64(lay.down_off), I64(lay.rb_down), ptr(self.h), ptr(x),
            I32(c.n_embd), I32(lay.n_ff), I32(k), I32(1 if sm else 0)),
