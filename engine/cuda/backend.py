@@ -222,9 +222,11 @@ class CUDABackend(Backend):
         heat, prior = self.cache.heat.copy(), self.cache.prior.copy()
         self.step.close()
         self.step = self.prefill = self.cache = None
-        # The step, its prefetcher and sampler refer to each other: without a collection the old cache's slots stay
-        # allocated until the cyclic GC happens to run, and the new budget is then measured with both caches in VRAM
-        # (the H200 run refused 12 GiB because "the weights and the KV cache alone take 16499 MiB").
+        # Nothing may keep the old step alive, or its cache's slots stay allocated and the new budget is measured
+        # with both caches in VRAM (the H200 run refused 12 GiB: "the weights and the KV cache alone take 16499
+        # MiB"): the sampler's graph variant names its step, and the step and its prefetcher refer to each other.
+        if self.gpu_sampler is not None:
+            self.gpu_sampler.graph = self.gpu_sampler.graph_of = None
         gc.collect()
         pool = cp.get_default_memory_pool()
         pool.free_all_blocks()
