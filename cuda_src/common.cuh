@@ -312,22 +312,23 @@ __device__ __forceinline__ void dot2_row<STRATA_Q_Q4_K>(const uint8_t* __restric
 
 // A lane's first batch of a Q4_K row, loaded before the kernel stages x (their latency overlaps the staging), and
 // the row's dot product once x is staged: that batch, then the rest of the row (rows wider than 32 * 32 * batch).
-__device__ __forceinline__ void q4k_preload(const uint8_t* __restrict__ row, int ncols, int lane,
-                                            Q4KRaw (&p)[Q4K_BATCH]) {
+template <int B = Q4K_BATCH>
+__device__ __forceinline__ void q4k_preload(const uint8_t* __restrict__ row, int ncols, int lane, Q4KRaw (&p)[B]) {
 #pragma unroll
-    for (int i = 0; i < Q4K_BATCH; ++i)
+    for (int i = 0; i < B; ++i)
         if (lane + 32 * i < ncols / 32) p[i] = q4k_load(row, lane + 32 * i);
 }
 #define Q4K_PRE_COLS (32 * 32 * Q4K_BATCH)    // the columns a preloaded batch covers (a multiple of 256)
-__device__ __forceinline__ float q4k_finish(const Q4KRaw (&p)[Q4K_BATCH], const uint8_t* __restrict__ row,
-                                            const float* xs, int ncols, int lane) {
+template <int B = Q4K_BATCH>
+__device__ __forceinline__ float q4k_finish(const Q4KRaw (&p)[B], const uint8_t* __restrict__ row, const float* xs,
+                                            int ncols, int lane) {
+    constexpr int PRE = 32 * 32 * B;
     float acc = 0.f;
 #pragma unroll
-    for (int i = 0; i < Q4K_BATCH; ++i)
+    for (int i = 0; i < B; ++i)
         if (lane + 32 * i < ncols / 32) acc += q4k_dot(p[i], xs, lane + 32 * i);
-    if (ncols > Q4K_PRE_COLS)
-        acc += dot_s<STRATA_Q_Q4_K>(row + Q4K_PRE_COLS / 256 * 144, xs + xs_at<STRATA_Q_Q4_K>(Q4K_PRE_COLS),
-                                    ncols - Q4K_PRE_COLS, lane);
+    if (ncols > PRE)
+        acc += dot_s<STRATA_Q_Q4_K>(row + PRE / 256 * 144, xs + xs_at<STRATA_Q_Q4_K>(PRE), ncols - PRE, lane);
     return acc;
 }
 

@@ -19,16 +19,16 @@ __device__ __forceinline__ void mv_store(int r, float s, float* __restrict__ y, 
 }
 
 // This warp's dot product of row (clamped to the last row) with x staged in shared memory: for Q4_K the row's
-// first loads go out before the staging, so their latency overlaps it. Returns the staged x through xs.
-template <int QT>
+// first B units a lane go out before the staging, so their latency overlaps it. Returns the staged x through xs.
+template <int QT, int B = Q4K_BATCH>
 __device__ __forceinline__ float staged_row_dot(const uint8_t* __restrict__ row, const float* x,
                                                 const float* __restrict__ norm_w, float eps, int ncols, int lane,
                                                 const float*& xs) {
     if constexpr (QT == STRATA_Q_Q4_K) {
-        Q4KRaw p[Q4K_BATCH];
-        q4k_preload(row, ncols, lane, p);
+        Q4KRaw p[B];
+        q4k_preload<B>(row, ncols, lane, p);
         xs = stage_x<QT>(x, norm_w, eps, ncols);
-        return q4k_finish(p, row, xs, ncols, lane);
+        return q4k_finish<B>(p, row, xs, ncols, lane);
     } else {
         xs = stage_x<QT>(x, norm_w, eps, ncols);
         return dot_s<QT>(row, xs, ncols, lane);
@@ -48,8 +48,9 @@ __global__ void mv(const uint8_t* __restrict__ W, long long row_bytes, const flo
     const int r0 = blockIdx.x * rows_per_warp * nw + (threadIdx.x >> 5);
     if (stage) {
         const float* xs;
-        const float s = warp_sum(staged_row_dot<QT>(W + (long long)min(r0, nrows - 1) * row_bytes, x, norm_w, eps,
-                                                    ncols, lane, xs));
+        // 4 units a lane up front: wo's 4096-wide rows in one round (mv3, with 2048, keeps 2 and its registers)
+        const float s = warp_sum(staged_row_dot<QT, 4>(W + (long long)min(r0, nrows - 1) * row_bytes, x, norm_w,
+                                                       eps, ncols, lane, xs));
         if (lane == 0 && r0 < nrows) mv_store(r0, s, y, bias, gate_logit, accumulate);
         for (int i = 1; i < rows_per_warp; ++i) {
             const int r = r0 + i * nw;

@@ -50,7 +50,7 @@ def rand_matrix(name, rows, cols, rng):
 
 
 @pytest.mark.parametrize("name", QTS)
-@pytest.mark.parametrize("rows,cols,rpw", [(1, 256, 1), (37, 512, 3), (300, 2048, 1), (70, 4096, 2)])
+@pytest.mark.parametrize("rows,cols,rpw", [(1, 256, 1), (37, 512, 3), (300, 2048, 1), (70, 4096, 2), (3, 6144, 1)])
 def test_mv_epilogues(K, name, rows, cols, rpw):
     """x read from global memory, staged in shared memory, and staged with the RMSNorm applied per block."""
     rng = np.random.default_rng()
