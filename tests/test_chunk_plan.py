@@ -150,3 +150,14 @@ def test_the_backend_reserves_the_target_chunk_and_ring():
     opts = SimpleNamespace(prefill_chunk=2048, ring=8)
     assert reserve_bytes(QWEN, STRIDE, N_ALL, opts, 40960) == chunk_bytes(QWEN, 2048) + 8 * STRIDE
     assert reserve_bytes(QWEN, 0, 0, opts, 40960) == chunk_bytes(QWEN, 2048)
+
+
+def test_expert_row_blocks_cover_the_average_expert_twice():
+    from engine.cuda.prefill_streamed import GEMM_TILE, expert_row_blocks
+    # 4K tokens x 8 of 128 experts: 256 rows on average, two 128-row passes; twice that many blocks
+    assert expert_row_blocks(4096, 8, 128, row_tiles=2) == 4
+    assert expert_row_blocks(4096, 8, 128, row_tiles=1) == 8
+    for T, k, E in [(1, 8, 128), (5, 2, 4), (1024, 8, 128), (8192, 8, 128), (64, 1, 1)]:
+        for mt in (1, 2):
+            n = expert_row_blocks(T, k, E, row_tiles=mt)
+            assert 1 <= n <= -(-T // (GEMM_TILE * mt))       # never more than one expert's T rows need
