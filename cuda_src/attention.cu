@@ -151,7 +151,8 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 // KV layouts (per layer): fp16 (n_head_kv, max_ctx, head_dim); int8 the same with one fp32 scale per 32 values in
 // (n_head_kv, max_ctx, head_dim / 32), value = scale * q (prefill_attn.cu's qk_rope_store_i8 writes it).
 // part: n_head_kv * n_split * G * head_dim floats (acc), then n_head_kv * n_split * G * 2 (m, l). counters: one int
-// per KV head, zero between launches. Dynamic shared memory: attn_gqa_smem below (the host mirrors it).
+// per KV head, zero between launches. Dynamic shared memory: the group's q (G * head_dim floats) and two tile
+// buffers (engine/cuda/kv.py attn_smem mirrors it). attn_gqa_rope_* also do qk_rope_store's work (see FUSE below).
 #define AT_T 32               // positions per tile: one per lane for the scores
 #define AT_MAX_SPLITS 64
 #define AT_MAX_G 16
@@ -173,7 +174,7 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ float h_lo(unsigned w) { return h2f((unsigned short)(w & 0xffffu)); }
 __device__ __forceinline__ float h_hi(unsigned w) { return h2f((unsigned short)(w >> 16)); }
@@ -277,12 +278,96 @@ __device__ __forceinline__ void at_vrow(const unsigned char* buf, int row, int h
         if (i < dpl) x[i] = sc[(lane * dpl + i) >> 5] * (float)p[i];
 }
 
+// The fused variant's inputs: this step's raw (un-normed, un-rotated) K and V rows and what qk_rope_store takes.
+struct AtNew {
+    const float* k;
+    const float* v;
+    const float* q_norm;
+    const float* k_norm;
+    const float2* cs;
+    int n_rot, neox;
+    float eps;
+};
+
+// By one warp: dst[0 .. hd) = rope(rmsnorm(src) * w) at position pos, times mul (norm_rope.cu's qk_rope_store for one
+// head; lane holds d = lane + 32 i). dst is shared memory.
+__device__ __forceinline__ void at_rope_row(float* dst, const float* src, const float* w, const AtNew& nn, int pos,
+                                            int hd, float mul, int lane) {
+    const int dpl = hd / 32;
+    float x[AT_DPL];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < AT_DPL; ++i)
+        if (i < dpl) {
+            x[i] = src[lane + 32 * i];
+            ss += x[i] * x[i];
+        }
+    if (w) {
+        const float r = rsqrtf(warp_sum(ss) / hd + nn.eps);
+#pragma unroll
+        for (int i = 0; i < AT_DPL; ++i)
+            if (i < dpl) x[i] = x[i] * r * w[lane + 32 * i];
+    }
+#pragma unroll
+    for (int i = 0; i < AT_DPL; ++i)
+        if (i < dpl) dst[lane + 32 * i] = x[i];
+    __syncwarp();
+    const int half = nn.n_rot / 2;
+#pragma unroll
+    for (int i = 0; i < AT_DPL; ++i) {
+        const int d = lane + 32 * i;
+        if (i < dpl && d < nn.n_rot) {
+            int j, partner;
+            float sign;
+            if (nn.neox) {
+                j = d < half ? d : d - half;
+                partner = d < half ? d + half : d - half;
+                sign = d < half ? -1.f : 1.f;
+            } else {
+                j = d / 2;
+                partner = d ^ 1;
+                sign = (d & 1) ? 1.f : -1.f;
+            }
+            const float2 c = nn.cs[(long long)pos * half + j];
+            x[i] = x[i] * c.x + sign * dst[partner] * c.y;
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < AT_DPL; ++i)
+        if (i < dpl) dst[lane + 32 * i] = x[i] * mul;
+    __syncwarp();
+}
+
+// By one warp: row x (hd floats, shared memory) into a K or V row of the cache layout at dst (fp16, or int8 with its
+// hd / 32 scales at sc: kv_int8.cuh's rounding, so the cache and the patched tile hold the same values).
 template <bool I8>
+__device__ __forceinline__ void at_put_row(const float* x, unsigned char* dst, float* sc, int hd, int lane) {
+#pragma unroll
+    for (int i = 0; i < AT_DPL; ++i) {
+        if (i >= hd / 32) break;
+        const int d = lane + 32 * i;
+        const float val = x[d];
+        if (I8) {
+            const float s = warp_max(fabsf(val)) / 127.f;
+            reinterpret_cast<signed char*>(dst)[d] = (signed char)__float2int_rn(s > 0.f ? val / s : 0.f);
+            if (lane == 0) sc[i] = s;
+        } else {
+            reinterpret_cast<unsigned short*>(dst)[d] = f2h(val);
+        }
+    }
+}
+
+// FUSE: q arrives raw; every block norms and rotates its group's q itself, and the block holding the new position
+// (the last needed split) norms and rotates this step's K, writes K and V into the cache and into its own last tile
+// (which cp.async loaded before they were written). Nothing else in the launch reads that row, so no other block
+// waits for it; this replaces a qk_rope_store launch.
+template <bool I8, bool FUSE>
 __device__ __forceinline__ void attn_gqa_body(const float* __restrict__ q, const unsigned char* kg,
                                               const unsigned char* vg, const float* ksg, const float* vsg,
                                               const int* __restrict__ state, int n_fixed, float* __restrict__ part,
                                               int* __restrict__ counters, float* __restrict__ out, int n_head_kv,
-                                              int G, int hd, int max_ctx, float scale) {
+                                              int G, int hd, int max_ctx, float scale, const AtNew nn) {
     extern __shared__ __align__(16) unsigned char at_smem[];
     __shared__ float s_c[AT_MAX_G][AT_MAX_SPLITS];
     __shared__ float s_inv[AT_MAX_G];
@@ -301,7 +386,27 @@ __device__ __forceinline__ void attn_gqa_body(const float* __restrict__ q, const
     unsigned char* bufs = at_smem + G * hd * 4;
     const long long row0 = (long long)kvh * max_ctx + p0;
     at_issue<I8>(bufs, kg, vg, ksg, vsg, row0, min(AT_T, p1 - p0), hd);
-    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = q[(long long)kvh * G * hd + i] * scale;
+    const int pos = n_pos - 1;
+    const bool holds_new = FUSE && split == n_need - 1;
+    float* knew = &s_c[0][0];          // the merge's scratch, free until then: the new K and V rows
+    float* vnew = &s_c[8][0];
+    if (FUSE) {
+        for (int g = warp; g < G; g += nw)
+            at_rope_row(qs + g * hd, q + (long long)(kvh * G + g) * hd, nn.q_norm, nn, pos, hd, scale, lane);
+        if (holds_new && warp == 0) {
+            at_rope_row(knew, nn.k + (long long)kvh * hd, nn.k_norm, nn, pos, hd, 1.f, lane);
+            for (int d = lane; d < hd; d += 32) vnew[d] = nn.v[(long long)kvh * hd + d];
+            __syncwarp();
+            const long long row = (long long)kvh * max_ctx + pos;
+            const int rb = at_row_bytes(I8, hd);
+            at_put_row<I8>(knew, const_cast<unsigned char*>(kg) + row * rb,
+                           I8 ? const_cast<float*>(ksg) + row * (hd / 32) : nullptr, hd, lane);
+            at_put_row<I8>(vnew, const_cast<unsigned char*>(vg) + row * rb,
+                           I8 ? const_cast<float*>(vsg) + row * (hd / 32) : nullptr, hd, lane);
+        }
+    } else {
+        for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = q[(long long)kvh * G * hd + i] * scale;
+    }
 
     float acc[2][AT_DPL], m[2], l[2];
 #pragma unroll
@@ -321,6 +426,16 @@ __device__ __forceinline__ void attn_gqa_body(const float* __restrict__ q, const
             cp_async_wait<0>();
         }
         __syncthreads();
+        if (holds_new && t == n_tiles - 1) {         // block-uniform
+            if (warp == 0) {
+                unsigned char* b = bufs + (t & 1) * bb;
+                const int rs = at_row_bytes(I8, hd) + 16, r = pos - tp;
+                float* ksc = reinterpret_cast<float*>(b + 2 * AT_T * rs);
+                at_put_row<I8>(knew, b + r * rs, ksc + r * (hd / 32), hd, lane);
+                at_put_row<I8>(vnew, b + AT_T * rs + r * rs, ksc + AT_T * (hd / 32) + r * (hd / 32), hd, lane);
+            }
+            __syncthreads();
+        }
         const unsigned char* buf = bufs + (t & 1) * bb;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -435,9 +550,9 @@ extern "C" __global__ void __launch_bounds__(256)
 attn_gqa_f16(const float* __restrict__ q, const unsigned short* __restrict__ kc, const unsigned short* __restrict__ vc,
              const int* __restrict__ state, int n_fixed, float* __restrict__ part, int* __restrict__ counters,
              float* __restrict__ out, int n_head_kv, int group, int head_dim, int max_ctx, float scale) {
-    attn_gqa_body<false>(q, reinterpret_cast<const unsigned char*>(kc), reinterpret_cast<const unsigned char*>(vc),
-                         nullptr, nullptr, state, n_fixed, part, counters, out, n_head_kv, group, head_dim, max_ctx,
-                         scale);
+    attn_gqa_body<false, false>(q, reinterpret_cast<const unsigned char*>(kc),
+                                reinterpret_cast<const unsigned char*>(vc), nullptr, nullptr, state, n_fixed, part,
+                                counters, out, n_head_kv, group, head_dim, max_ctx, scale, AtNew{});
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -445,8 +560,34 @@ attn_gqa_i8(const float* __restrict__ q, const signed char* __restrict__ kq, con
             const signed char* __restrict__ vq, const float* __restrict__ vs, const int* __restrict__ state,
             int n_fixed, float* __restrict__ part, int* __restrict__ counters, float* __restrict__ out, int n_head_kv,
             int group, int head_dim, int max_ctx, float scale) {
-    attn_gqa_body<true>(q, reinterpret_cast<const unsigned char*>(kq), reinterpret_cast<const unsigned char*>(vq), ks,
-                        vs, state, n_fixed, part, counters, out, n_head_kv, group, head_dim, max_ctx, scale);
+    attn_gqa_body<true, false>(q, reinterpret_cast<const unsigned char*>(kq),
+                               reinterpret_cast<const unsigned char*>(vq), ks, vs, state, n_fixed, part, counters, out,
+                               n_head_kv, group, head_dim, max_ctx, scale, AtNew{});
+}
+
+// The fused launches: q, k, v are this step's raw projections (q is not written back); K and V land in the cache at
+// state[1]. Arguments as attn_gqa_* plus qk_rope_store's.
+extern "C" __global__ void __launch_bounds__(256)
+attn_gqa_rope_f16(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                  const float* __restrict__ q_norm, const float* __restrict__ k_norm, const float2* __restrict__ rope_cs,
+                  int n_rot, int neox, float eps, unsigned short* kc, unsigned short* vc, const int* __restrict__ state,
+                  float* __restrict__ part, int* __restrict__ counters, float* __restrict__ out, int n_head_kv,
+                  int group, int head_dim, int max_ctx, float scale) {
+    const AtNew nn{k, v, q_norm, k_norm, rope_cs, n_rot, neox, eps};
+    attn_gqa_body<false, true>(q, reinterpret_cast<const unsigned char*>(kc),
+                               reinterpret_cast<const unsigned char*>(vc), nullptr, nullptr, state, 0, part, counters,
+                               out, n_head_kv, group, head_dim, max_ctx, scale, nn);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attn_gqa_rope_i8(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                 const float* __restrict__ q_norm, const float* __restrict__ k_norm, const float2* __restrict__ rope_cs,
+                 int n_rot, int neox, float eps, signed char* kq, float* ks, signed char* vq, float* vs,
+                 const int* __restrict__ state, float* __restrict__ part, int* __restrict__ counters,
+                 float* __restrict__ out, int n_head_kv, int group, int head_dim, int max_ctx, float scale) {
+    const AtNew nn{k, v, q_norm, k_norm, rope_cs, n_rot, neox, eps};
+    attn_gqa_body<true, true>(q, reinterpret_cast<const unsigned char*>(kq), reinterpret_cast<const unsigned char*>(vq),
+                              ks, vs, state, 0, part, counters, out, n_head_kv, group, head_dim, max_ctx, scale, nn);
 }
 
 // norm_rope.cu's qk_rope_store for the int8 cache: the same optional q/k RMSNorm and RoPE (rotated q back into q),

@@ -183,8 +183,8 @@ class DecodeStep:
         ly = self.w.layers[li]
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
         L.mv3((ly.wq, ly.wk, ly.wv), self.x, (self.q, self.kk, self.v), (ly.bq, ly.bk, ly.bv), norm=ly.attn_norm)
-        self.attn.store(self.k, li, self.q, self.kk, self.v, ly.q_norm, ly.k_norm, self.rope, self.state)
-        self.attn.attend(self.k, li, self.q, self.att, self.state, scale)
+        self.attn.step(self.k, li, self.q, self.kk, self.v, ly.q_norm, ly.k_norm, self.rope, self.att, self.state,
+                       scale)
         L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo")
 
     def enqueue_router(self, li):

@@ -21,6 +21,9 @@ AT_MAX_SPLITS = 64
 AT_MAX_G = 16
 
 U64, I32, F32 = np.uint64, np.int32, np.float32
+# The decode step's K/V store folded into its attention launch (attn_gqa_rope_*: one launch a layer instead of two).
+# False: qk_rope_store(_kv8) then attn_gqa_* (both variants are tested alike).
+FUSED_STORE = True
 
 
 def _ptr(a) -> U64:
@@ -116,11 +119,11 @@ def attn_splits(n_head_kv: int, max_ctx: int, n_sm: int) -> int:
 
 
 class DecodeAttention:
-    """The decode step's attention over a KVCache, for one token at position state[1]: `store` writes K/V there (with
-    the q/k norms and RoPE), `attend` is one attn_gqa launch per layer. Buffers are sized once from max_ctx; the
-    position is read on the device, so a captured graph serves every step."""
+    """The decode step's attention over a KVCache, for one token at position state[1]: `step` norms and rotates q
+    and k, writes K/V there and attends, in one launch (fused) or two (`store`, then `attend`). Buffers are sized
+    once from max_ctx; the position is read on the device, so a captured graph serves every step."""
 
-    def __init__(self, kernels, cfg, kv: KVCache, n_split: int | None = None):
+    def __init__(self, kernels, cfg, kv: KVCache, n_split: int | None = None, fused: bool | None = None):
         G = cfg.n_head // cfg.n_head_kv
         if cfg.n_head % cfg.n_head_kv or not 1 <= G <= AT_MAX_G:
             raise ValueError(f"the CUDA decode attention takes 1 to {AT_MAX_G} q heads per KV head "
@@ -137,11 +140,30 @@ class DecodeAttention:
         self.n_split = n_split
         self.block = attn_block(G)
         self.smem = attn_smem(kv.dtype, G, cfg.head_dim)
+        self.fused = FUSED_STORE if fused is None else fused
         self.name = "attn_gqa_f16" if kv.dtype == "f16" else "attn_gqa_i8"
+        self.name_fused = "attn_gqa_rope_f16" if kv.dtype == "f16" else "attn_gqa_rope_i8"
         self.part = cp.zeros(cfg.n_head * n_split * (cfg.head_dim + 2), dtype=cp.float32)
         self.counters = cp.zeros(cfg.n_head_kv, dtype=cp.int32)
         # past 48 KiB (head_dim 256) a block must opt in; set before any capture, harmless below
         kernels(self.name).max_dynamic_shared_size_bytes = self.smem
+        kernels(self.name_fused).max_dynamic_shared_size_bytes = self.smem
+
+    def step(self, k, li, q, kk, v, q_norm, k_norm, rope, out, state, scale) -> None:
+        """This step's attention block between the Q/K/V projections (q, kk, v: raw, fp32) and wo: out gets the
+        attention of the token at position state[1] over positions 0 .. state[1] of layer li, whose K/V it stores."""
+        if not self.fused:
+            self.store(k, li, q, kk, v, q_norm, k_norm, rope, state)
+            self.attend(k, li, q, out, state, scale)
+            return
+        c = self.cfg
+        addrs = self.kv.layer(li) if self.kv.dtype == "f16" else self.kv.layer_i8(li)
+        k(self.name_fused)((c.n_head_kv, self.n_split), (self.block,),
+                           (_ptr(q), _ptr(kk), _ptr(v), _ptr(q_norm), _ptr(k_norm), _ptr(rope), I32(c.n_rot),
+                            I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps), *(U64(a) for a in addrs),
+                            _ptr(state), _ptr(self.part), _ptr(self.counters), _ptr(out), I32(c.n_head_kv),
+                            I32(self.group), I32(c.head_dim), I32(self.kv.max_ctx), F32(scale)),
+                           shared_mem=self.smem)
 
     def store(self, k, li, q, kk, v, q_norm, k_norm, rope, state) -> None:
         """K/V of this step's token at position state[1] (KVCache.store)."""
