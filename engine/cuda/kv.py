@@ -148,6 +148,7 @@ class DecodeAttention:
         # past 48 KiB (head_dim 256) a block must opt in; set before any capture, harmless below
         kernels(self.name).max_dynamic_shared_size_bytes = self.smem
         kernels(self.name_fused).max_dynamic_shared_size_bytes = self.smem
+        kernels("qk_rope_store" if kv.dtype == "f16" else "qk_rope_store_kv8")     # loaded now, not mid-capture
 
     def step(self, k, li, q, kk, v, q_norm, k_norm, rope, out, state, scale) -> None:
         """This step's attention block between the Q/K/V projections (q, kk, v: raw, fp32) and wo: out gets the
