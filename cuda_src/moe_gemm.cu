@@ -2,8 +2,10 @@
 // expert's rows through gate/up (SwiGLU in the epilogue) and down (routing weight in the epilogue) as tiled GEMMs on
 // tensor cores. Weights stay in their GGUF format wherever they are (VRAM cache slot, ring slot, or mapped host
 // memory); each block dequantizes its weight tile into shared memory as fp16 (quant.cuh's dequant8) and multiplies it
-// with fp16 activations (converted once per token) by mma.sync m16n8k16, accumulating in fp32.
-// Not yet run on a GPU: tests/test_cuda_prefill_kernels.py checks these against NumPy.
+// with fp16 activations (converted once per token) by mma.sync m16n8k16, accumulating in fp32. A block multiplies each
+// dequantized weight tile by MG_MT 64-row tiles, and reads the next slice into registers while the tensor cores work
+// on the current one. The first version ran on the H200 (correct); this one (MG_MT, the register staging, the row
+// loop, saturating fp16) is not yet run on a GPU: tests/test_cuda_prefill_kernels.py checks it against NumPy.
 #include "quant.cuh"
 #include "common.cuh"
 
@@ -108,12 +110,18 @@ __device__ __forceinline__ uint4 mg_weight8(const uint8_t* base, long long row_b
     return mg_pack8(v);
 }
 
+// 8 fp16 activations (chunk c) of row `row` of a (rows, K) fp16 matrix; zeros for row -1 or past the row's end.
+__device__ __forceinline__ uint4 mg_x8(const unsigned short* __restrict__ m, int row, int K, int c, int nchunks) {
+    if (row < 0 || c >= nchunks) return make_uint4(0u, 0u, 0u, 0u);
+    return *reinterpret_cast<const uint4*>(m + (long long)row * K + c * 8);
+}
+
 // ---- gate/up with SwiGLU ----------------------------------------------------------------------------------------
 // Grid (ceil(n_ff / 64), any number of row-tile blocks per expert, n_sel), block 256. sel[z]: the expert of grid slice z,
 // ptrs[z]: its blob (gate | up | down; up at up_off). x: (T, K) fp16 activations. h: (n_pairs, n_ff) fp16, row o
 // for sorted pair o: h[o, n] = silu(gate_n . x) * (up_n . x).
 template <int QT>
-__global__ __launch_bounds__(MG_THREADS) void moe_gemm_gate_up(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
+__global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
                  const int* __restrict__ offsets, const int* __restrict__ rows, const unsigned short* __restrict__ x,
                  unsigned short* __restrict__ h, long long up_off, long long row_bytes, int n_ff, int K) {
     __shared__ __align__(16) unsigned short xs[MG_ROWS * MG_LDS];
@@ -146,16 +154,18 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_gate_up(const int* __rest
             for (int j = 0; j < 4; ++j)
 #pragma unroll
                 for (int q = 0; q < 4; ++q) ag[i][j][q] = au[i][j][q] = 0.f;
-        for (int k0 = 0; k0 < K; k0 += MG_BK) {
-            const int c = (k0 >> 3) + lc;
+        // a slice's tiles go global -> registers (the weights dequantized) -> shared memory; the next slice's reads are
+        // issued right after this slice's mma instructions, so their latency runs under the tensor cores' work
+        uint4 xr[MG_MT], gr, ur;
 #pragma unroll
-            for (int i = 0; i < MG_MT; ++i) {
-                uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-                if (tok[i] >= 0 && c < nchunks) xv = *reinterpret_cast<const uint4*>(x + (long long)tok[i] * K + c * 8);
-                *reinterpret_cast<uint4*>(xs + (i * MG_BM + lr) * MG_LDS + lc * 8) = xv;
-            }
-            *reinterpret_cast<uint4*>(gs + lr * MG_LDS + lc * 8) = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, c, nchunks);
-            *reinterpret_cast<uint4*>(us + lr * MG_LDS + lc * 8) = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, c, nchunks);
+        for (int i = 0; i < MG_MT; ++i) xr[i] = mg_x8(x, tok[i], K, lc, nchunks);
+        gr = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, lc, nchunks);
+        ur = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, lc, nchunks);
+        for (int k0 = 0; k0 < K; k0 += MG_BK) {
+#pragma unroll
+            for (int i = 0; i < MG_MT; ++i) *reinterpret_cast<uint4*>(xs + (i * MG_BM + lr) * MG_LDS + lc * 8) = xr[i];
+            *reinterpret_cast<uint4*>(gs + lr * MG_LDS + lc * 8) = gr;
+            *reinterpret_cast<uint4*>(us + lr * MG_LDS + lc * 8) = ur;
             __syncthreads();
 #pragma unroll
             for (int kk = 0; kk < MG_BK; kk += 16) {
@@ -176,7 +186,14 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_gate_up(const int* __rest
                         if (i < mt) mg_mma(au[i][j], a[i], b0, b1);
                 }
             }
-            __syncthreads();
+            if (k0 + MG_BK < K) {
+                const int c = ((k0 + MG_BK) >> 3) + lc;
+#pragma unroll
+                for (int i = 0; i < MG_MT; ++i) xr[i] = mg_x8(x, tok[i], K, c, nchunks);
+                gr = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, c, nchunks);
+                ur = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, c, nchunks);
+            }
+            __syncthreads();            // every warp has read this slice: the next may overwrite it
         }
 #pragma unroll
         for (int i = 0; i < MG_MT; ++i)
@@ -225,16 +242,17 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restric
             for (int j = 0; j < 4; ++j)
 #pragma unroll
                 for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
-        for (int k0 = 0; k0 < K; k0 += MG_BK) {
-            const int c = (k0 >> 3) + lc;
+        int hrow[MG_MT];                // this thread's h row per 64-row tile (-1: past the expert's rows)
 #pragma unroll
-            for (int i = 0; i < MG_MT; ++i) {
-                const int r = m0 + i * MG_BM + lr;
-                uint4 hv = make_uint4(0u, 0u, 0u, 0u);
-                if (r < n_rows && c < nchunks) hv = *reinterpret_cast<const uint4*>(h + (long long)(o0 + r) * K + c * 8);
-                *reinterpret_cast<uint4*>(hs + (i * MG_BM + lr) * MG_LDS + lc * 8) = hv;
-            }
-            *reinterpret_cast<uint4*>(ds + lr * MG_LDS + lc * 8) = mg_weight8<QT>(dbase, row_bytes, n0 + lr, n_embd, c, nchunks);
+        for (int i = 0; i < MG_MT; ++i) hrow[i] = m0 + i * MG_BM + lr < n_rows ? o0 + m0 + i * MG_BM + lr : -1;
+        uint4 hr[MG_MT], dr;            // staged as in gate/up
+#pragma unroll
+        for (int i = 0; i < MG_MT; ++i) hr[i] = mg_x8(h, hrow[i], K, lc, nchunks);
+        dr = mg_weight8<QT>(dbase, row_bytes, n0 + lr, n_embd, lc, nchunks);
+        for (int k0 = 0; k0 < K; k0 += MG_BK) {
+#pragma unroll
+            for (int i = 0; i < MG_MT; ++i) *reinterpret_cast<uint4*>(hs + (i * MG_BM + lr) * MG_LDS + lc * 8) = hr[i];
+            *reinterpret_cast<uint4*>(ds + lr * MG_LDS + lc * 8) = dr;
             __syncthreads();
 #pragma unroll
             for (int kk = 0; kk < MG_BK; kk += 16) {
@@ -250,6 +268,12 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restric
                     for (int i = 0; i < MG_MT; ++i)
                         if (i < mt) mg_mma(acc[i][j], a[i], b0, b1);
                 }
+            }
+            if (k0 + MG_BK < K) {
+                const int c = ((k0 + MG_BK) >> 3) + lc;
+#pragma unroll
+                for (int i = 0; i < MG_MT; ++i) hr[i] = mg_x8(h, hrow[i], K, c, nchunks);
+                dr = mg_weight8<QT>(dbase, row_bytes, n0 + lr, n_embd, c, nchunks);
             }
             __syncthreads();
         }
