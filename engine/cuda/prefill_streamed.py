@@ -240,7 +240,7 @@ class StreamedPrefill:
         if K != W.cols or out.shape != (T, W.rows):
             raise ValueError(f"linear_f16: {xh.shape} @ ({W.rows}, {W.cols})^T into {out.shape}")
         wh = self.buf["wh"]
-        deq = self.moe_mod.get_function(f"dequant_rows_f16<{W.qt}>")
+        deq = self.moe_mod.get_function(f"dequant_rows_f16<{int(W.qt)}>")
         step = max(1, wh.size // K)
         handle = cp.cuda.device.get_cublas_handle()
         cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
