@@ -48,6 +48,7 @@ class CudaOptions:
     expert_profile_save_every: float = 10.0
     adapt_every: int = 32
     prefetch: str | None = None         # "on" / "off"; None: engine/cuda/prefetch.py's default when experts miss
+    kv: str = "f16"                     # "int8": engine/cuda/kv.py's int8 layout (one scale per 32 values)
     no_graph: bool = False
     calibrate: bool = False
     prompt_chunk: int = 512
@@ -89,7 +90,7 @@ class CUDABackend(Backend):
             with self.stream:
                 t0 = time.perf_counter()
                 self.weights = load_weights(model)
-                self.kv = KVCache(cfg, max_context)
+                self.kv = KVCache(cfg, max_context, opts.kv)
                 self.rope = cp.asarray(rope_table(cfg, max_context))
                 self.layout = blob_layout(model) if cfg.is_moe else None
                 qts = self.weights.qtype_ids()
@@ -390,7 +391,7 @@ class CUDABackend(Backend):
         dev = cp.cuda.Device()
         props = cp.cuda.runtime.getDeviceProperties(dev.id)
         out = {"gpu": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
-               "kv": "f16", "graph": "off" if self.opts.no_graph else "on",
+               "kv": self.kv.dtype, "graph": "off" if self.opts.no_graph else "on",
                "vram_free_mib": int(self.vram_free_mib)}
         if self.cache is not None:
             out.update(expert_slots=self.cache.n_slots, experts_total=self.cache.n_total,
