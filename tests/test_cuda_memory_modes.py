@@ -178,3 +178,28 @@ def test_worker_takes_the_memory_flags(fixtures_dir, flags):
         assert w.quit() == 0
     finally:
         w.kill()
+
+
+@pytest.mark.parametrize("mode", ["mmap", "budget"])
+def test_resize_frees_the_old_cache_and_stays_right(cpu_runs, mode):
+    """resize_expert_cache in a memory mode (bench.decode's budgets): the per-layer graphs held the old step and its
+    cache, so the old slots stayed allocated beside the new ones; swaps still copying on the cache's stream must land
+    before the old slots are freed. After it, greedy decoding still matches the CPU."""
+    model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
+    cfg = model.config
+    half = cfg.n_layer * cfg.n_expert // 2
+    be = backend(model, mode, "half", "batched")
+    pool = cp.get_default_memory_pool()
+    try:
+        greedy(be, prompt, 16)          # adapt_every=4: swaps have started
+        be.truncate(0)
+        cache_bytes = be.cache.n_slots * be.layout.stride
+        before = pool.used_bytes()
+        assert be.resize_expert_cache(expert_slots=half) == half
+        assert pool.used_bytes() < before + cache_bytes // 2     # the old cache is gone, not kept beside the new
+        be.reset_stats()
+        assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, cpu_logits)
+        st = be.get_stats()
+        assert 0 <= st.ram_blobs <= st.lookups - st.hits
+    finally:
+        be.close()

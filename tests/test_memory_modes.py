@@ -79,6 +79,61 @@ def test_staging_slots_hold_a_layer_and_a_ring_batch():
     assert staging_slots(4, 2, 1000, 30, requested=5) == 5
     with pytest.raises(ValueError, match="at least 3"):
         staging_slots(4, 2, 1000, 30, requested=2)
+    # the streamed pass's in-place group (a layer's file-only experts at once) is a floor too: Qwen3-235B-sized
+    # blobs (10.6 MB) fit 50 times in 512 MiB, fewer than a layer's 128 experts
+    assert staging_slots(94, 8, 10_600_000, 12_032, ring_batch=64, group=128) == 129
+    with pytest.raises(ValueError, match="in-place group 128"):
+        staging_slots(94, 8, 10_600_000, 12_032, ring_batch=64, group=128, requested=100)
+
+
+def _plan(model, budget_gib, n_vram, profile=None):
+    from engine.cuda.memory_mode import MemoryMode
+    opts = SimpleNamespace(mmap_experts=False, resident_budget_gib=budget_gib, expert_profile=profile)
+    return MemoryMode.plan(model, opts, layout_of(model), lambda m: None, n_vram=n_vram)
+
+
+def test_the_budget_skips_only_experts_the_vram_cache_will_hold(model, tmp_path):
+    """Without a profile VRAM starts empty: the budget pins the hottest by router norm whatever the slot count (else
+    the hottest would be neither in VRAM nor pinned, read from the file). With one, VRAM holds the profile's first
+    min(slots, ranked) experts and the budget goes to those after them."""
+    from engine.profile import from_flat, save_profile
+    cfg = model.config
+    n_total = cfg.n_layer * cfg.n_expert
+    stride = layout_of(model).stride
+    gib = 4 * stride / 2**30                                # four blobs
+    norm = router_norm_order(model)
+    for n_vram in (0, 5):
+        assert set(np.flatnonzero(_plan(model, gib, n_vram).pinned)) == set(norm[:4].tolist())
+    ranked = norm[::-1][:3]                                 # a profile ranking three experts
+    path = tmp_path / "p.bin"
+    save_profile(path, from_flat(cfg.n_layer, cfg.n_expert, ranked))
+    rest = merged_order(n_total, ranked, norm)[3:]
+    assert set(np.flatnonzero(_plan(model, gib, 10, str(path)).pinned)) == set(rest[:4].tolist())
+    assert set(np.flatnonzero(_plan(model, gib, 2, str(path)).pinned)) == \
+        set(merged_order(n_total, ranked, norm)[2:6].tolist())
+
+
+def test_detach_lets_the_old_decode_step_go():
+    """resize_expert_cache frees the old cache only if nothing holds the old step: the paged decode (its graphs and
+    its event factory's closure) and the mode's cache reference are dropped; the decode file-read count goes on."""
+    import gc
+    import weakref
+    from engine.cuda.memory_mode import MemoryMode
+    class Cache:
+        pass
+    mm = MemoryMode("mmap", np.zeros(8, bool), None)
+    mm.cache = Cache()
+    step = FakeStep(2, 4, [[0, 1], [2, 3]])
+    mm.attach_step(step, use_graphs=False)
+    mm.paged.decode_file_blobs = 7
+    ref, cref = weakref.ref(step), weakref.ref(mm.cache)
+    mm.detach()
+    del step
+    gc.collect()
+    assert ref() is None and cref() is None
+    mm.cache = Cache()
+    mm.attach_step(FakeStep(2, 4, [[0, 1], [2, 3]]), use_graphs=False)
+    assert mm.paged.decode_file_blobs == 7
 
 
 # --- reading from the file ---------------------------------------------------------------------------------------
@@ -178,6 +233,40 @@ def test_a_failed_file_read_leaves_nothing_pinned(model, monkeypatch):
     with pytest.raises(es.ExpertFileError):
         src.stage([1, 2])
     assert not src.lru.pins.any() and src.addr(1) == 0 and src.file_blobs == 0
+
+
+def test_staging_more_than_the_free_slots_leaves_nothing_pinned(model):
+    """A stage() that runs out of unpinned slots part-way must give back the pins it took, or every later stage()
+    fails the same way and the worker is wedged."""
+    src, _, _, _ = make_source(model, 3)
+    src.stage([1])                                  # pinned by a caller
+    with pytest.raises(RuntimeError, match="pinned"):
+        src.stage([2, 3, 4])                        # 2 and 3 fit, 4 does not
+    assert src.lru.pins.sum() == 1 and src.addr(2) == 0 and src.addr(3) == 0
+    src.release([1])
+    addrs, n = src.stage([2, 3, 4])
+    assert n == 3 and all(addrs)
+    src.release([2, 3, 4])
+
+
+def test_a_failed_read_waits_for_the_others_before_giving_their_slots_back(model, monkeypatch):
+    import time
+    import engine.cuda.expert_source as es
+    src, _, _, _ = make_source(model, 3)
+    finished = []
+
+    def read(model, lay, layer, e, dst):
+        if e == 1:
+            raise es.ExpertFileError("no")
+        time.sleep(0.2)
+        finished.append(e)
+        return 0
+    monkeypatch.setattr(es, "read_blob", read)
+    with pytest.raises(es.ExpertFileError):
+        src.stage([1, 2])
+    assert finished == [2]                          # the other read had ended before stage() gave its slot back
+    assert not src.lru.pins.any() and src.addr(2) == 0
+    src.close()
 
 
 def test_read_blob_names_the_flags_when_the_map_fails():

@@ -220,9 +220,14 @@ class CUDABackend(Backend):
         if self.cache is None:
             return 0
         self.stream.synchronize()
+        # an adaptive swap still copying on the cache's own stream would write into the freed slots, which the new
+        # cache (or anything allocated next) may already own
+        self.cache.copy_stream.synchronize()
         heat, prior = self.cache.heat.copy(), self.cache.prior.copy()
         self.step.close()
         self.step = self.prefill = self.cache = None
+        if self.mem:        # its per-layer graphs and references hold the old step and cache alive too
+            self.mem.detach()
         # Nothing may keep the old step alive, or its cache's slots stay allocated and the new budget is measured
         # with both caches in VRAM (the H200 run refused 12 GiB: "the weights and the KV cache alone take 16499
         # MiB"): the sampler's graph variant names its step, and the step and its prefetcher refer to each other.
@@ -426,6 +431,6 @@ class CUDABackend(Backend):
                 self.mem.close()
                 self.mem = None
             if self.arena is not None:
-                self.stream.synchronize()
+                cp.cuda.Device().synchronize()      # the cache's swap copies (their own stream) read the arena too
                 self.arena.close()
                 self.arena = None

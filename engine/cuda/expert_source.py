@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -97,15 +97,16 @@ def pinned_mask(n_total: int, stride: int, budget_bytes: float | None, order) ->
 
 
 def staging_slots(n_layer: int, k: int, stride: int, n_file_only: int, ring_batch: int = 0,
-                  requested: int | None = None) -> int:
-    """Slots of the staging LRU. It must hold one layer's routed experts at once (k) and one batch of the streamed
-    prompt pass's ring; beyond that, two decode steps' routed experts, within STAGING_MAX_BYTES, and never more than
-    there are file-only experts."""
-    need = max(k, ring_batch, 1) + 1
+                  requested: int | None = None, group: int = 0) -> int:
+    """Slots of the staging LRU. It must hold one layer's routed experts at once (k), one batch of the streamed
+    prompt pass's ring, and `group` (the streamed pass's in-place group of a chunk too short for the ring: every expert
+    a layer's tokens route to, pinned together); beyond that, two decode steps' routed experts, within
+    STAGING_MAX_BYTES, and never more than there are file-only experts."""
+    need = max(k, ring_batch, group, 1) + 1
     if requested is not None:
         if requested < need:
-            raise ValueError(f"the staging ring needs at least {need} slots (top-k {k}, ring batch {ring_batch}), "
-                             f"got {requested}")
+            raise ValueError(f"the staging ring needs at least {need} slots (top-k {k}, ring batch {ring_batch}, "
+                             f"in-place group {group}), got {requested}")
         return int(requested)
     want = min(STAGING_STEPS * n_layer * k, max(1, STAGING_MAX_BYTES // max(stride, 1)))
     return int(max(need, min(want, max(n_file_only, 1))))
@@ -246,24 +247,36 @@ class ExpertSource:
         gs = [int(g) for g in gs]
         addrs = [0] * len(gs)
         todo = []                          # (index, slot, g) to read from the file
-        for i, g in enumerate(gs):
-            a = int(self.arena_ptr[g])
-            if a:
-                addrs[i] = a
-                continue
-            s = self.lru.lookup(g)
-            if s is None:
-                s = self.lru.victim()
-                self._wait(s)
-                old = self.lru.assign(s, g)
-                self._visible[s] = False
-                if old >= 0:
-                    self.on_evict(old)
-                todo.append((i, s, g))
-            else:
-                self.staged_hits += 1
-            self.lru.pin(s)
-            addrs[i] = int(self.slot_dptr[s])
+        pinned = []                        # slots this call pinned: unpinned again if it fails part-way
+        try:
+            for i, g in enumerate(gs):
+                a = int(self.arena_ptr[g])
+                if a:
+                    addrs[i] = a
+                    continue
+                s = self.lru.lookup(g)
+                if s is None:
+                    s = self.lru.victim()
+                    self._wait(s)
+                    old = self.lru.assign(s, g)
+                    self._visible[s] = False
+                    if old >= 0:
+                        self.on_evict(old)
+                    todo.append((i, s, g))
+                else:
+                    self.staged_hits += 1
+                self.lru.pin(s)
+                pinned.append(s)
+                addrs[i] = int(self.slot_dptr[s])
+        except BaseException:
+            # e.g. more experts at once than unpinned slots: a pin left behind would make every later stage() fail
+            # the same way (the worker wedged); the slots assigned but not read hold nothing valid
+            for _, s, g in todo:
+                self.lru.expert[s] = -1
+                self.lru.slot_of.pop(g, None)
+            for s in pinned:
+                self.lru.unpin(s)
+            raise
         if todo:
             try:
                 self._read([(s, g) for _, s, g in todo])
@@ -286,7 +299,11 @@ class ExpertSource:
             return read_blob(self.model, lay, g // E, g % E, dst)
 
         if self._pool is not None and len(items) > 1:
-            sizes = list(self._pool.map(one, items))
+            # every read finishes before this returns or raises: a read still running after a failure would write
+            # into a slot that stage() has already given back
+            futs = [self._pool.submit(one, it) for it in items]
+            wait(futs)
+            sizes = [f.result() for f in futs]
         else:
             sizes = [one(it) for it in items]
         self.file_blobs += len(items)

@@ -32,6 +32,7 @@ class MemoryMode:
         self.budget_gib = budget_gib
         self.source = self.buffer = self.paged = self.cache = None
         self._base = (0, 0, 0)             # the source's counters at reset_stats
+        self._file_blobs = 0               # decode's file reads by the steps detach() let go of
 
     @classmethod
     def plan(cls, model, opts, layout, log, n_vram: int = 0):
@@ -52,6 +53,12 @@ class MemoryMode:
         if opts.expert_profile:
             first = load_profile(opts.expert_profile, cfg.n_layer, cfg.n_expert).flat_order()
             src = f"profile {opts.expert_profile}, then router-row norms"
+        # VRAM starts with the profile's first experts (the backend's first fill), every expert when all fit, else
+        # nothing: only experts it will hold may be left out of the budget, or the hottest would be neither in VRAM
+        # nor pinned, read from the file until the adaptive tier (which swaps in only pinned or staged ones) gets
+        # to them
+        if n_vram < n_total:
+            n_vram = min(int(n_vram), len(first)) if first is not None else 0
         order = merged_order(n_total, first, router_norm_order(model)) if budget else np.arange(n_total)
         mask = pinned_mask(n_total, layout.stride, budget, vram_aware_order(order, n_vram))
         name = "mmap" if opts.mmap_experts else "budget"
@@ -65,9 +72,13 @@ class MemoryMode:
     def attach_cache(self, model, arena, cache, stream, opts, log):
         cfg = model.config
         # a ring batch is at most half the ring, and the ring holds at most every expert
-        ring_batch = min(RING_BATCH_MAX, cfg.n_layer * cfg.n_expert // 2) if opts.prefill == "streamed" else 0
+        streamed = opts.prefill == "streamed"
+        ring_batch = min(RING_BATCH_MAX, cfg.n_layer * cfg.n_expert // 2) if streamed else 0
+        # a chunk too short for the ring pins every file-only expert its tokens route to in a layer at once
+        # (routed_group): up to a layer's file-only experts
+        group = int((~self.pinned).reshape(cfg.n_layer, cfg.n_expert).sum(axis=1).max()) if streamed else 0
         n = staging_slots(cfg.n_layer, cfg.n_expert_used, arena.layout.stride, int((~self.pinned).sum()),
-                          ring_batch, getattr(opts, "staging_slots", None))
+                          ring_batch, getattr(opts, "staging_slots", None), group=group)
         try:
             self.buffer = PinnedBuffer(n * arena.layout.stride)
         except cp.cuda.runtime.CUDARuntimeError as e:
@@ -86,6 +97,17 @@ class MemoryMode:
 
     def attach_step(self, step, use_graphs: bool):
         self.paged = PagedDecode(step, self.cache, self.source, lambda: _event(step.stream), use_graphs)
+        self.paged.decode_file_blobs = self._file_blobs     # after a resize the count goes on (reset_stats' base)
+
+    def detach(self):
+        """Let go of the decode step and the cache before the backend rebuilds them (resize_expert_cache): the per-layer
+        graphs and the event factory name the old step, whose cache must be freed before the new budget is
+        measured."""
+        if self.paged is not None:
+            self._file_blobs = self.paged.decode_file_blobs
+            self.paged.close()
+            self.paged = None
+        self.cache = None
 
     def attach_prefill(self, prefill):
         """The streamed pass's ring copies file-only experts from staging slots (StagedCopies)."""
