@@ -278,6 +278,12 @@ def main(argv=None) -> int:
     if args.prompt_chunk is not None and args.prompt_chunk < 1:
         print(f"strata_worker: --prompt-chunk must be at least 1, got {args.prompt_chunk}", file=sys.stderr)
         return 2
+    if args.backend != "cpu":
+        from engine.cuda.args import check_cuda_args
+        bad = check_cuda_args(args)
+        if bad:
+            print(f"strata_worker: {bad}", file=sys.stderr)
+            return 2
 
     from engine.gguf_model import ModelError, open_model
     from engine.session import BackendBroken, Session

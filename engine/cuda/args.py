@@ -38,6 +38,20 @@ def _gib(v: str) -> float:
     return x
 
 
+# The prompt pass a worker runs without --prefill (CudaOptions.prefill's default; the worker checks flag combinations
+# against it without importing CuPy).
+DEFAULT_PREFILL = "batched"
+
+
+def check_cuda_args(args) -> str | None:
+    """A one-line message for a flag combination the CUDA backend cannot run, else None."""
+    prefill = getattr(args, "prefill", None) or DEFAULT_PREFILL
+    if getattr(args, "kv", None) == "int8" and prefill != "streamed":
+        return ("--kv int8 needs the streamed prompt pass (the batched one reads an fp16 cache): add --prefill streamed "
+                "or use --kv f16")
+    return None
+
+
 def add_cuda_args(parser) -> None:
     g = parser
     g.add_argument("--vram-reserve-mib", type=int, default=700, metavar="MIB",

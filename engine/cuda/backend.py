@@ -13,6 +13,7 @@ import numpy as np
 
 from engine.backend import Backend, ExpertStats
 from engine.cuda.arena import ExpertArena, blob_layout
+from engine.cuda.args import DEFAULT_PREFILL
 from engine.cuda.decode import DecodeStep
 from engine.cuda.expert_cache import ExpertCache
 from engine.cuda.kv import KVCache
@@ -52,7 +53,7 @@ class CudaOptions:
     no_graph: bool = False
     calibrate: bool = False
     prompt_chunk: int = 512
-    prefill: str = "batched"            # "streamed": engine/cuda/prefill_streamed.py (issue 5; opt-in until verified)
+    prefill: str = DEFAULT_PREFILL      # "batched" (engine/cuda/prefill.py) or "streamed" (prefill_streamed.py)
     prefill_chunk: str | int = "auto"
     ring: int | None = None
     stream_min: int = 1024
