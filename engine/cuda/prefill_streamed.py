@@ -13,16 +13,16 @@ out of VRAM halfway; a chunk or ring that does not fit is refused at start with 
 
 Should this be the default? It already is the whole policy the issue asks for: chunks of --stream-min (1,024) tokens
 and up stream through the ring, shorter ones read the non-resident experts in place, so "streamed for prompts >=
---stream-min" is `prefill = "streamed"` in CudaOptions (engine/cuda/backend.py), one line. The batched pass it would
-replace runs a Python loop per routed expert per layer (an fp32 dequantization of the expert's three matrices and
-three fp32 GEMMs each, and a host round trip per layer for the routing), so it should not be faster on an MoE model at
-any prompt length (the comparison below checks); on the H200 (2026-11-30, before the tensor-core attention and fp16
-dense GEMMs) the streamed pass already read a 1K prompt at 5,444 tok/s all resident and 5,081 at 12 GiB. Nor does it
-cost the decode cache VRAM: the backend holds back chunk_plan's buffers for the 4,096-token auto target (74 KB a token
-plus ~0.23 GiB of scratch, 0.52 GiB) and 64 ring slots (0.17 GiB) for the Qwen3-30B-A3B shape, 0.69 GiB, where it
-holds back 0.78 GiB for the batched pass's scratch (backend._prefill_scratch_bytes). Flip it once `python -m
-bench.prefill --prefill batched` and `--prefill streamed` have been compared on the GPU (and
-test_cuda_prefill_streamed passes there).
+--stream-min" is `DEFAULT_PREFILL = "streamed"` in engine/cuda/args.py, one line. The batched pass it would replace
+runs a Python loop per routed expert per layer (an fp32 dequantization of the expert's three matrices and three fp32
+GEMMs each, and a host round trip per layer for the routing), so it should not be faster on an MoE model at any prompt
+length (the comparison below checks); on the H200 (2026-11-30, before the tensor-core attention and fp16 dense GEMMs)
+the streamed pass already read a 1K prompt at 5,444 tok/s all resident and 5,081 at 12 GiB. Nor does it cost the
+decode cache VRAM: the backend holds back chunk_plan's buffers for the 4,096-token auto target (74 KB a token plus
+~0.23 GiB of scratch, 0.52 GiB) and 64 ring slots (0.17 GiB) for the Qwen3-30B-A3B shape, 0.69 GiB, where it holds
+back 0.78 GiB for the batched pass's scratch (backend._prefill_scratch_bytes). Flip it once `python -m bench.prefill
+--prefill batched` and `--prefill streamed` have been compared on the GPU (and test_cuda_prefill_streamed passes
+there).
 """
 from __future__ import annotations
 
