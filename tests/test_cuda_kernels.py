@@ -190,38 +190,6 @@ def test_qk_rope_store(K, neox, head_dim, n_rot, norm):
     assert rel(vv, v) < 2e-3
 
 
-@pytest.mark.parametrize("n_pos", [1, 7, 300, 1500])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_attention_decode(K, n_pos, head_dim):
-    rng = np.random.default_rng()
-    n_head, n_kv, max_ctx, splits = 8, 2, 2048, 16
-    q = rng.standard_normal(n_head * head_dim).astype(np.float32)
-    kc = rng.standard_normal((n_kv, max_ctx, head_dim)).astype(np.float16)
-    vc = rng.standard_normal((n_kv, max_ctx, head_dim)).astype(np.float16)
-    state = cp.asarray(np.array([0, n_pos - 1, 0, 0, 0, 0, 0, 0], dtype=np.int32))
-    part = poisoned(n_head * splits * (2 + head_dim))
-    out = poisoned(n_head * head_dim)
-    scale = 1.0 / np.sqrt(head_dim)
-    K("attn_partial")((n_head, splits), (128,),
-                      (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), ptr(state), I32(0), ptr(part),
-                       I32(n_head), I32(n_kv), I32(head_dim), I32(max_ctx), F32(scale), NULL, NULL))
-    K("attn_combine")((n_head,), (head_dim,), (ptr(part), ptr(out), I32(splits), I32(head_dim)))
-    fused = poisoned(n_head * head_dim)
-    counters = cp.zeros(n_head, dtype=cp.int32)
-    K("attn_partial")((n_head, splits), (128,),
-                      (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), ptr(state), I32(0), ptr(part),
-                       I32(n_head), I32(n_kv), I32(head_dim), I32(max_ctx), F32(scale), ptr(counters), ptr(fused)))
-    ref = np.empty((n_head, head_dim))
-    for h in range(n_head):
-        kv = h // (n_head // n_kv)
-        s = kc[kv, :n_pos].astype(np.float64) @ q[h * head_dim:(h + 1) * head_dim] * scale
-        p = np.exp(s - s.max())
-        ref[h] = (p / p.sum()) @ vc[kv, :n_pos].astype(np.float64)
-    assert rel(out.get().reshape(n_head, head_dim), ref) < 1e-4
-    assert rel(fused.get().reshape(n_head, head_dim), ref) < 1e-4
-    assert not counters.get().any()
-
-
 @pytest.mark.parametrize("n_expert,k,renorm", [(8, 2, 1), (128, 8, 1), (60, 4, 0), (512, 10, 1)])
 def test_router_topk(K, n_expert, k, renorm):
     rng = np.random.default_rng()
