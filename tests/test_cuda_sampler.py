@@ -373,3 +373,38 @@ def test_backend_seeded_sampling_reproduces_and_top_k_1_is_greedy(fixtures_dir, 
         assert _sampled(eager, prompt, params) == a
     finally:
         eager.close()
+
+
+@gpu
+def test_sampled_variant_with_prefetch_restores_the_table_and_reproduces(fixtures_dir):
+    """Half the experts in VRAM: the sampled graph variant carries the next-layer prefetch's fork/join (the pick's
+    kernels between the restore's fork and its join). After sampled steps the device table equals the host's (the
+    restore ran in that variant too), a seeded run reproduces, and resize_expert_cache recaptures the variant."""
+    import json
+
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.gguf_model import open_model
+    name = "tiny-qwen3moe-q4k"
+    model = open_model(fixtures_dir / "reference" / f"{name}.gguf")
+    prompt = list(json.loads((fixtures_dir / "reference" / f"{name}.json").read_text())["cases"][0]["prompt_ids"])
+    total = model.config.n_layer * model.config.n_expert
+    params = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 77, "penalty_present": 0.5}
+    be = CUDABackend(model, 256, CudaOptions(expert_slots=total // 2, prefetch="on", adapt_every=0))
+    try:
+        assert be.step.prefetch is not None
+        a = _sampled(be, prompt, params)
+        assert be.gpu_sampler.graph_of is be.step
+        np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+        assert be.prefetch_stats().predicted > 0
+        be.truncate(0)
+        assert _sampled(be, prompt, params) == a
+        be.truncate(0)
+        be.resize_expert_cache(expert_slots=total // 2)      # no heat (adapt_every 0): another placement
+        assert be.step.prefetch is not None and be.gpu_sampler.graph_of is not be.step
+        b = _sampled(be, prompt, params)
+        assert be.gpu_sampler.graph_of is be.step
+        be.truncate(0)
+        assert _sampled(be, prompt, params) == b
+        np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+    finally:
+        be.close()
