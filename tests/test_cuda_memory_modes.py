@@ -127,6 +127,28 @@ def test_budget_after_a_profile_filled_vram_keeps_the_whole_step_graph(cpu_runs,
         be.close()
 
 
+def test_the_adaptive_tier_keeps_a_reachable_table_reachable(cpu_runs, tmp_path):
+    """VRAM holds the profile's first half, the budget pins the second half, the adaptive tier runs (every 4 tokens)
+    with the profile's order random against the real routing, so it wants swaps: it must not evict an expert that has
+    no pinned copy (its entry would become 0 and every later step would take the per-layer path)."""
+    from engine.profile import from_flat, save_profile
+    model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
+    cfg = model.config
+    total = cfg.n_layer * cfg.n_expert
+    order = np.random.default_rng(2).permutation(total)
+    path = tmp_path / "p.bin"
+    save_profile(path, from_flat(cfg.n_layer, cfg.n_expert, order))
+    be = backend(model, "budget", "half", "batched", expert_profile=str(path), adapt_every=4)
+    try:
+        assert be.cache.reachable()
+        be.reset_stats()
+        assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, cpu_logits)
+        assert be.cache.reachable() and be.mem.paged.paged_steps == 0
+        assert be.get_stats().file_blobs == 0
+    finally:
+        be.close()
+
+
 @pytest.mark.parametrize("mode", ["mmap", "budget"])
 def test_small_staging_ring_thrashes_and_stays_right(cpu_runs, mode):
     """Three staging slots (one layer's top-2 plus one): nearly every file-only expert is read again each step."""

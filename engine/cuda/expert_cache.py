@@ -176,6 +176,10 @@ class ExpertCache:
         # victims: free slots first, then the coldest residents
         free = np.flatnonzero(self.owner < 0)
         occ = np.flatnonzero(self.owner >= 0)
+        if self.source is not None and self.reachable():
+            # every expert is readable without the file, so every step is the whole-step graph: a victim with no
+            # pinned copy would get entry 0 and send each step down the per-layer path until it is staged again
+            occ = occ[~self.source.file_only[self.owner[occ]]]
         occ = occ[np.argsort(self.heat[self.owner[occ]], kind="stable")]
         victims = np.concatenate([free, occ])
         ids, slots, evicted = [], [], []
