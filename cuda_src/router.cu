@@ -100,8 +100,8 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int n_e
 #define ROUTER_MAX_EXPERTS 512
 #define ROUTER_F4 16       // float4 of an F32 row per lane in flight at once (16: a 2048-wide row in one round)
 
-// The routing of one token by a whole block (after every logit is written): softmax values, then each expert's
-// rank among them counted against all others in shared memory (ties: the lower id first, as route_warp's argmax
+// The routing of one token by a whole block (after every logit is written): each expert's rank among the logits
+// counted against all others in shared memory (ties: the lower id first, as route_warp's argmax
 // rounds pick), so the k choices come out in one pass instead of k rounds of warp shuffles.
 __device__ __forceinline__ void route_block(const float* logits, int n_expert, int k, int renorm, float scale,
                                             int* __restrict__ ids, float* __restrict__ weights,
@@ -122,15 +122,17 @@ __device__ __forceinline__ void route_block(const float* logits, int n_expert, i
     __syncthreads();
     mx = red[0];
     for (int i = 1; i < (int)(blockDim.x >> 5); ++i) mx = fmaxf(mx, red[i]);
+    // Ranked on the logits, not on exp(logit - max): a logit ~100 below the max underflows to 0 in fp32, and ranks
+    // among zeros would fall back to expert ids (the H200 test with quantized router rows caught that).
     float s = 0.f;
     for (int e = threadIdx.x; e < 4 * n4; e += blockDim.x) {
-        float p = -2.f;                            // padding: below every real value, never chosen
+        float l = NEG_INF;                         // padding: after every real expert (ties go to the lower id)
         if (e < n_expert) {
-            p = expf(__ldcg(logits + e) - mx);
-            if (p != p) p = -1.f;                  // NaN: never chosen (as route_warp), rank still unique
-            else s += p;
+            l = __ldcg(logits + e);
+            if (l != l) l = NEG_INF;               // NaN: ranked last, weight 0
+            else s += expf(l - mx);
         }
-        v[e] = p;
+        v[e] = l;
     }
     s = block_sum(s, red);                         // synchronises: v is complete
     for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
@@ -144,7 +146,7 @@ __device__ __forceinline__ void route_block(const float* logits, int n_expert, i
         }
         if (rank < k) {
             sel[rank] = e;
-            selv[rank] = ve;
+            selv[rank] = expf(ve - mx);
         }
     }
     __syncthreads();
