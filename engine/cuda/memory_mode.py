@@ -130,7 +130,7 @@ class MemoryMode:
     def info(self) -> dict:
         out = {"memory": self.name, "experts_pinned": int(self.pinned.sum())}
         if self.source is not None:
-            out["staging_mib"] = int(self.source.nbytes / MiB)
+            out["staging_mib"] = round(self.source.nbytes / MiB, 1)     # tiny models stage well under 1 MiB
         return out
 
     def close(self):
