@@ -10,130 +10,162 @@
 #include "quant.cuh"
 #include "common.cuh"
 
-#define PF_MAX_PER_LANE 16   // n_expert <= 512
+#define PF_MAX_EXPERTS 512
 #define PF_MAX_K 16
+#define PF_F4 16          // float4 of an F32 router row per lane loaded before the staging (a 2048-wide row)
+#define PF_LOADS 8        // 16-byte loads in flight per thread in prefetch_copy
 // stats: look-ups with a prediction, of them predicted right, experts staged (copied over PCIe), staged and used
 #define PF_PREDICTED 0
 #define PF_CORRECT 1
 #define PF_STAGED 2
 #define PF_USED 3
 
-// Layer l's routing as the prediction bookkeeping needs it (one warp): ids copied to actual (the restore two layers
-// on counts staged experts that were used), and, when the layer had a prediction, how many of ids it named.
+// Layer l's routing as the prediction bookkeeping needs it (lanes 0..k-1 of one warp, all 32 lanes call it): ids
+// copied to actual (the restore two layers on counts staged experts that were used), and, when the layer had a
+// prediction, how many of ids it named. The k look-ups run side by side (the old one-thread loop was k dependent
+// L2 round trips).
 __device__ __forceinline__ void note_routing(const int* __restrict__ ids, const int* __restrict__ pred, int check,
                                              int* __restrict__ actual, int k, unsigned long long* __restrict__ stats) {
     const int lane = threadIdx.x & 31;
-    unsigned long long hit = 0;
+    bool hit = false;
     if (lane < k) {
         const int e = __ldcg(ids + lane);
         actual[lane] = e;
-        if (check)
-            for (int j = 0; j < k; ++j) hit += __ldcg(pred + j) == e ? 1ull : 0ull;
-    }
-    if (check) {
+        if (check) {
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) hit += __shfl_xor_sync(0xffffffffu, hit, o);
-        if (lane == 0) {
-            atomicAdd(stats + PF_PREDICTED, (unsigned long long)k);
-            atomicAdd(stats + PF_CORRECT, hit);
+            for (int j = 0; j < PF_MAX_K; ++j)
+                if (j < k && __ldcg(pred + j) == e) hit = true;
         }
+    }
+    const unsigned int n = __popc(__ballot_sync(0xffffffffu, hit));
+    if (check && lane == 0) {
+        atomicAdd(stats + PF_PREDICTED, (unsigned long long)k);
+        atomicAdd(stats + PF_CORRECT, (unsigned long long)n);
     }
 }
 
-// Put a bank's rewritten table entries back (one thread) and count the staged experts its layer used.
+// Put a bank's rewritten table entries back and count the staged experts its layer used: one warp (all 32 lanes call
+// it), lane c restores the bank's entry c.
 __device__ __forceinline__ void restore_bank(unsigned long long* __restrict__ table, int n_expert, int k,
                                              int* __restrict__ rec, const unsigned long long* __restrict__ rec_addr,
                                              const int* __restrict__ actual, unsigned long long* __restrict__ stats) {
-    const int n = rec[1];
-    if (n <= 0) return;
-    const int l = rec[0];
-    unsigned long long used = 0;
-    for (int c = 0; c < n; ++c) {
-        const int e = rec[2 + c];
-        table[(long long)l * n_expert + e] = rec_addr[c];
-        for (int j = 0; j < k; ++j) used += actual[(long long)l * k + j] == e ? 1ull : 0ull;
-    }
-    rec[1] = 0;
-    atomicAdd(stats + PF_USED, used);
-}
-
-// The k largest of logits[0..n) by one warp, largest first, ties to the lowest id (as the router picks); NaN counts
-// as -inf so the choice is always k valid ids.
-__device__ __forceinline__ void topk_warp(const float* logits, int n, int k, int* __restrict__ out) {
     const int lane = threadIdx.x & 31;
-    float v[PF_MAX_PER_LANE];
-    unsigned int taken = 0;
+    const int n = __ldcg(rec + 1);
+    if (n <= 0) return;                            // the same for every lane
+    const int l = __ldcg(rec);
+    bool used = false;
+    if (lane < n) {
+        const int e = __ldcg(rec + 2 + lane);
+        table[(long long)l * n_expert + e] = __ldcg(rec_addr + lane);
 #pragma unroll
-    for (int i = 0; i < PF_MAX_PER_LANE; ++i) {
-        const int e = lane + 32 * i;
-        const float a = e < n ? __ldcg(logits + e) : NEG_INF;
-        v[i] = a == a ? a : NEG_INF;
-        if (e >= n) taken |= 1u << i;
+        for (int j = 0; j < PF_MAX_K; ++j)
+            if (j < k && __ldcg(actual + (long long)l * k + j) == e) used = true;
     }
-    for (int j = 0; j < k; ++j) {
-        float bv = NEG_INF;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < PF_MAX_PER_LANE; ++i) {
-            const int e = lane + 32 * i;
-            if (!(taken >> i & 1u) && (v[i] > bv || (v[i] == bv && e < bi))) { bv = v[i]; bi = e; }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-        if (lane == 0) out[j] = bi;
-        if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+    const unsigned int u = __popc(__ballot_sync(0xffffffffu, used));
+    if (lane == 0) {
+        rec[1] = 0;
+        atomicAdd(stats + PF_USED, (unsigned long long)u);
     }
 }
 
-// Grid ceil(n_expert / warps per block), one warp per router row; dynamic shared memory n_embd floats.
+// The k largest of logits[0..n) into out, largest first, ties to the lower id (as the router picks), NaN ranked
+// last: every thread of the block ranks its experts against all the others in shared memory, one pass instead of k
+// rounds of warp argmax. Ranked on the logits themselves, as router.cu's route_block (exp(logit - max) underflows to
+// 0 far below the max and the ranks among those zeros would fall back to ids).
+__device__ __forceinline__ void rank_topk(const float* logits, int n, int k, int* __restrict__ out) {
+    __shared__ float4 v4[PF_MAX_EXPERTS / 4];
+    float* v = reinterpret_cast<float*>(v4);
+    const int n4 = (n + 3) / 4;
+    for (int e = threadIdx.x; e < 4 * n4; e += blockDim.x) {
+        float l = NEG_INF;                         // padding: after every real expert (ties go to the lower id)
+        if (e < n) {
+            l = __ldcg(logits + e);
+            if (l != l) l = NEG_INF;
+        }
+        v[e] = l;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+        const float ve = v[e];
+        int rank = 0;
+        for (int i = 0; i < n4; ++i) {
+            const float4 o = v4[i];
+            const int f = 4 * i;
+            rank += (o.x > ve || (o.x == ve && f < e)) + (o.y > ve || (o.y == ve && f + 1 < e)) +
+                    (o.z > ve || (o.z == ve && f + 2 < e)) + (o.w > ve || (o.w == ve && f + 3 < e));
+        }
+        if (rank < k) out[rank] = e;
+    }
+}
+
+// Grid ceil(n_expert / warps per block), one warp per router row; dynamic shared memory staged_bytes(n_embd)
+// (decode.py; n_embd a multiple of 4, x and norm_w 16-byte aligned).
 // logits = R . (rmsnorm(x) * norm_w), the next layer's router on this layer's FFN input (x is the residual before this
-// layer's experts add to it; each block normalises it itself). The last block writes the top-k into pred_out and
-// notes this layer's routing (ids) against the prediction made for it (pred_in) when `check`.
+// layer's experts add to it; each block normalises it itself, as router_fused does). The last block writes the top-k
+// into pred_out and notes this layer's routing (ids) against the prediction made for it (pred_in) when `check`.
 // R == nullptr: the bookkeeping only (a layer with no next router).
+// It runs on the critical path between layer l's router and experts, so it is router_fused's latency chain and no
+// longer: an F32 row's loads issued before the staging (their HBM latency overlaps it), x staged as float4 by
+// stage_x, the ranks by the whole last block; the old version read x twice as scalars, loaded the row only after the
+// staging and picked the top-k in k serial warp rounds (17 us a layer on the H200).
 template <int QT>
 __global__ void predict(const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int n_embd,
                         const uint8_t* __restrict__ R, long long row_bytes, int n_expert, int k,
                         float* __restrict__ logits, int* __restrict__ pred_out, const int* __restrict__ ids,
                         const int* __restrict__ pred_in, int check, int* __restrict__ actual,
                         unsigned long long* __restrict__ stats, int* __restrict__ counter) {
-    extern __shared__ float4 xs4[];
-    float* xs = reinterpret_cast<float*>(xs4);
-    __shared__ float red[32];
     const int lane = threadIdx.x & 31;
     if (R) {
-        float s = 0.f;
-        for (int i = threadIdx.x; i < n_embd; i += blockDim.x) {
-            const float a = __ldcg(x + i);
-            s += a * a;
-        }
-        s = block_sum(s, red);
-        const float inv = rsqrtf(s / n_embd + eps);
-        for (int i = threadIdx.x; i < n_embd; i += blockDim.x) xs[i] = __ldcg(x + i) * inv * norm_w[i];
-        __syncthreads();
         const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-        if (r < n_expert) {
-            const float d = warp_sum(dotw<QT>(R + (long long)r * row_bytes, xs, n_embd, lane));
-            if (lane == 0) logits[r] = d;
+        const uint8_t* row = R + (long long)min(r, n_expert - 1) * row_bytes;
+        float acc = 0.f;
+        if constexpr (QT == STRATA_Q_F32) {
+            const float4* w4 = reinterpret_cast<const float4*>(row);
+            const int nf = n_embd / 4;
+            float4 wv[PF_F4];
+#pragma unroll
+            for (int i = 0; i < PF_F4; ++i)
+                if (lane + 32 * i < nf) wv[i] = w4[lane + 32 * i];
+            const float4* x4 = reinterpret_cast<const float4*>(stage_x<QT>(x, norm_w, eps, n_embd));
+#pragma unroll
+            for (int i = 0; i < PF_F4; ++i)
+                if (lane + 32 * i < nf) {
+                    const float4 a = x4[lane + 32 * i];
+                    acc += wv[i].x * a.x + wv[i].y * a.y + wv[i].z * a.z + wv[i].w * a.w;
+                }
+            for (int f = lane + 32 * PF_F4; f < nf; f += 32) {      // rows wider than 4 * 32 * PF_F4
+                const float4 w = w4[f], a = x4[f];
+                acc += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
+            }
+        } else {
+            const float* xs = stage_x<QT>(x, norm_w, eps, n_embd);
+            acc = dot_s<QT>(row, xs, n_embd, lane);
         }
+        const float s = warp_sum(acc);
+        if (lane == 0 && r < n_expert) logits[r] = s;
     }
-    if (last_block(counter) && threadIdx.x < 32) {
-        if (R) topk_warp(logits, n_expert, k, pred_out);
-        note_routing(ids, pred_in, check, actual, k, stats);
+    if (last_block(counter)) {
+        if (threadIdx.x < 32) note_routing(ids, pred_in, check, actual, k, stats);
+        if (R) rank_topk(logits, n_expert, k, pred_out);
     }
 }
 
-// Side stream, grid of a few dozen blocks. For layer `layer` (this bank): block 0 first restores the entries the
-// bank's previous layer rewrote (its experts finished before this layer's prediction was made); every block finds
-// the predicted experts whose entry is neither a VRAM cache slot (inside [slot_lo, slot_hi)) nor 0 (only in the
-// file, memory modes) and copies its share of their blobs (units of 16 bytes) from where the entry points into the
-// bank's staging slots, several 16-byte loads in flight per thread to keep the link busy; the last block then points
-// the entries at the staging slots and records them. Nothing else writes this layer's entries during the step, so
-// every block sees the same plan.
-#define PF_UNROLL 4
+// Side stream, launched right after predict, so the link starts on layer l+1's experts while layer l's experts and
+// layer l+1's attention compute. For layer `layer` (this bank):
+//  - every block's first warp compacts the prediction: lane j looks up predicted expert j's entry, and the experts
+//    whose entry is neither a VRAM cache slot (inside [slot_lo, slot_hi)) nor 0 (only in the file, memory modes) get
+//    staging slots 0, 1, ... in prediction order (a ballot; one round trip, where one thread used to walk the k
+//    entries serially in every block). Nothing else writes this layer's entries during the step, so every block
+//    sees the same plan;
+//  - block 0's last warp meanwhile restores the entries the bank's previous layer rewrote (its experts finished
+//    before this layer's prediction was made);
+//  - all threads then copy the concatenated blobs (n x units 16-byte units) as one range: warp w of the grid takes
+//    32 x PF_LOADS consecutive units a round (4 KiB contiguous: each load instruction is 512 coalesced bytes),
+//    all PF_LOADS loads issued before any store, so the blocks are not parked on a few experts while others exit
+//    and the unit count, not the expert count, sets the work per thread;
+//  - the last block points the entries at the staging slots and records them (lane c: entry c).
+// Any grid and any block size that is a multiple of 32 works (the tests use small ones); prefetch.py's choice is
+// explained at COPY_BLOCKS.
 extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table, int layer, int n_expert, int k,
                                          const int* __restrict__ pred, uint8_t* __restrict__ staging, long long stride,
                                          unsigned int units, unsigned long long slot_lo, unsigned long long slot_hi,
@@ -144,46 +176,62 @@ extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table,
     __shared__ int who[PF_MAX_K];
     __shared__ int n_sh;
     unsigned long long* row = table + (long long)layer * n_expert;
-    if (threadIdx.x == 0) {
-        int n = 0;
-        for (int j = 0; j < k; ++j) {
-            const int e = pred[j];
-            const unsigned long long a = __ldcg(row + e);
-            if (a && (a < slot_lo || a >= slot_hi)) {     // 0: only in the file (memory modes)
-                src[n] = a;
-                who[n] = e;
-                ++n;
-            }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (warp == 0) {
+        int e = 0;
+        unsigned long long a = 0;
+        if (lane < k) {
+            e = __ldcg(pred + lane);
+            a = __ldcg(row + e);
         }
-        n_sh = n;
-        if (blockIdx.x == 0) restore_bank(table, n_expert, k, rec, rec_addr, actual, stats);
+        const bool need = lane < k && a && (a < slot_lo || a >= slot_hi);
+        const unsigned int m = __ballot_sync(0xffffffffu, need);
+        if (need) {
+            const int c = __popc(m & ((1u << lane) - 1u));
+            src[c] = a;
+            who[c] = e;
+        }
+        if (lane == 0) n_sh = __popc(m);
     }
+    if (blockIdx.x == 0 && warp == nwarps - 1) restore_bank(table, n_expert, k, rec, rec_addr, actual, stats);
     __syncthreads();
     const unsigned int n = n_sh;
     const unsigned int total = n * units;
-    const unsigned int step = gridDim.x * blockDim.x;
-    for (unsigned int base = blockIdx.x * blockDim.x + threadIdx.x; base < total; base += PF_UNROLL * step) {
-        uint4 v[PF_UNROLL];
+    const unsigned int gwarp = blockIdx.x * nwarps + warp, gwarps = gridDim.x * nwarps;
+    const unsigned int chunk = 32u * PF_LOADS;
+    for (unsigned int base = gwarp * chunk + lane; base < total; base += gwarps * chunk) {
+        uint4 v[PF_LOADS];
 #pragma unroll
-        for (int i = 0; i < PF_UNROLL; ++i) {
-            const unsigned int u = base + i * step;
-            if (u < total) v[i] = reinterpret_cast<const uint4*>(src[u / units])[u % units];
+        for (int i = 0; i < PF_LOADS; ++i) {
+            const unsigned int u = base + 32u * i;
+            if (u < total) {
+                const unsigned int c = u / units;
+                // streaming: these host bytes are read once; the staged copy is what layer l+1 reads (from L2, if
+                // it is still there)
+                v[i] = __ldcs(reinterpret_cast<const uint4*>(src[c]) + (u - c * units));
+            }
         }
 #pragma unroll
-        for (int i = 0; i < PF_UNROLL; ++i) {
-            const unsigned int u = base + i * step;
-            if (u < total) reinterpret_cast<uint4*>(staging + (u / units) * stride)[u % units] = v[i];
+        for (int i = 0; i < PF_LOADS; ++i) {
+            const unsigned int u = base + 32u * i;
+            if (u < total) {
+                const unsigned int c = u / units;
+                reinterpret_cast<uint4*>(staging + (long long)c * stride)[u - c * units] = v[i];
+            }
         }
     }
-    if (last_block(counter) && threadIdx.x == 0) {
-        rec[0] = layer;
-        for (int c = 0; c < (int)n; ++c) {
+    if (last_block(counter)) {
+        const int c = threadIdx.x;
+        if (c < (int)n) {
             rec[2 + c] = who[c];
             rec_addr[c] = src[c];
-            row[who[c]] = (unsigned long long)(staging + c * stride);
+            row[who[c]] = (unsigned long long)(staging + (long long)c * stride);
         }
-        rec[1] = n;
-        if (n) atomicAdd(stats + PF_STAGED, (unsigned long long)n);
+        if (c == 0) {
+            rec[0] = layer;
+            rec[1] = n;
+            if (n) atomicAdd(stats + PF_STAGED, (unsigned long long)n);
+        }
         __threadfence();
     }
 }
@@ -197,10 +245,8 @@ extern "C" __global__ void prefetch_finish(unsigned long long* __restrict__ tabl
                                            const unsigned long long* __restrict__ rec_addr1,
                                            unsigned long long* __restrict__ stats) {
     note_routing(ids, pred, check, actual + (long long)last_layer * k, k, stats);
-    __syncwarp();
-    if (threadIdx.x == 0) {
-        restore_bank(table, n_expert, k, rec0, rec_addr0, actual, stats);
-        restore_bank(table, n_expert, k, rec1, rec_addr1, actual, stats);
-        __threadfence();
-    }
+    __syncwarp();      // the last layer's routing (actual) written before the restores count against it
+    restore_bank(table, n_expert, k, rec0, rec_addr0, actual, stats);
+    restore_bank(table, n_expert, k, rec1, rec_addr1, actual, stats);
+    __threadfence();
 }

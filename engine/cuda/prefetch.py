@@ -15,6 +15,12 @@ After the last layer's experts `enqueue_finish()` forks prefetch_finish (restore
 `enqueue_join()` joins it, so the graph ends with the table as it began.
 
 The stats counters (device, uint64): look-ups with a prediction, predicted right, experts staged, staged and used.
+
+Cost (H200, Qwen3-30B-A3B shape at 12 GiB, 01:20 run of the first version): predict sits on the critical path, so
+it is built like router_fused (17 us a layer before); the copy should move its bytes at the link's rate. The
+per-kind profile's "prefetch" figure (6.77 ms, read as 26 GB/s) replays the copies without predict, so every layer
+copies the experts predicted for the last two layers: about 8 x 0.33 non-resident ones a layer instead of the real
+1.4, i.e. ~330 MB in 6.77 ms, ~49 GB/s. Judge the copy by the step time, not by that column.
 """
 from __future__ import annotations
 
@@ -22,13 +28,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
-COPY_BLOCKS = 64           # x 256 threads x 4 loads of 16 B in flight: ~1 MiB outstanding, enough for PCIe's latency
+# prefetch_copy's grid. In flight: 32 blocks x 256 threads x 8 loads x 16 B = 1 MiB, 4-10x the link's
+# bandwidth-delay product (51 GB/s x 2-5 us of PCIe read latency = 100-250 KB), so the link never waits on the SMs;
+# a warp's 8 loads are 4 KiB contiguous and served together, so warps re-issue one by one and the rounds do not
+# drain the link between them. More would not be faster, only worse for the main stream: the mispredicted experts
+# that layer l's expert kernels read in place (on the critical path) queue behind whatever the copy has requested,
+# here at most ~20 us of link time, not a whole layer's copy; and 32 blocks take one block slot on a quarter of the
+# SMs (256 threads, ~12K registers of an SM's 64K), beside the latency-bound main-stream blocks.
+COPY_BLOCKS = 32
 COPY_THREADS = 256
+COPY_LOADS = 8             # cuda_src/prefetch.cu PF_LOADS
+PREDICT_WARPS = 4          # router rows per predict block (one warp each), as the router's
 MAX_K = 16                 # cuda_src/prefetch.cu PF_MAX_K
-MAX_EXPERTS = 512          # PF_MAX_PER_LANE x 32
+MAX_EXPERTS = 512          # cuda_src/prefetch.cu PF_MAX_EXPERTS
 SMEM_DEFAULT = 48 * 1024   # dynamic shared memory without opting in (the predictor keeps n_embd floats there)
 SMEM_MAX = 227 * 1024      # the most a block may opt in to (sm_80 / sm_90)
 DEFAULT_ON = True          # --prefetch's default when some experts have no VRAM slot (the lead sets it from the bench)
+
+
+def staged_bytes(n: int) -> int:
+    """predict's dynamic shared memory: n floats staged by common.cuh stage_x (decode.staged_bytes, which imports
+    cupy: Q4_K's padded layout, 4 floats per 64)."""
+    return 4 * (n + 4 * (n // 64))
 
 
 def wanted(flag: str | None, n_slots: int, n_total: int) -> bool:
@@ -46,8 +67,11 @@ def unsupported(cfg, layout) -> str | None:
     if cfg.n_expert_used > MAX_K or cfg.n_expert > MAX_EXPERTS:
         return (f"it handles up to {MAX_EXPERTS} experts and top-{MAX_K} routing (this model: {cfg.n_expert}, "
                 f"top-{cfg.n_expert_used})")
-    if 4 * cfg.n_embd > SMEM_MAX:
-        return f"its predictor keeps n_embd floats in shared memory (this model: {cfg.n_embd}, at most {SMEM_MAX // 4})"
+    if staged_bytes(cfg.n_embd) > SMEM_MAX:
+        return (f"its predictor keeps n_embd floats in shared memory (this model: {cfg.n_embd}, at most "
+                f"{SMEM_MAX * 16 // 68})")
+    if cfg.n_embd % 4:
+        return f"its predictor reads x as float4 (this model's n_embd {cfg.n_embd} is not a multiple of 4)"
     if cfg.n_expert_used * ((layout.nbytes + 15) // 16) >= 2**31:
         return "the expert blobs are too large for its 32-bit indexing"
     return None
@@ -119,9 +143,10 @@ class Prefetcher:
         mod = kernels.load("prefetch", qtypes=qts)
         # fetched now: no kernel is compiled or loaded while a graph is being captured
         self.f_predict = {qt: mod.get_function(f"predict<{qt}>") for qt in qts}
-        if 4 * c.n_embd > SMEM_DEFAULT:
+        self.smem = staged_bytes(c.n_embd)
+        if self.smem > SMEM_DEFAULT:
             for f in self.f_predict.values():
-                f.max_dynamic_shared_size_bytes = 4 * c.n_embd
+                f.max_dynamic_shared_size_bytes = self.smem
         self.f_copy = mod.get_function("prefetch_copy")
         self.f_finish = mod.get_function("prefetch_finish")
         k = self.k
@@ -194,14 +219,14 @@ class Prefetcher:
         ly, nxt = st.w.layers[li], st.w.layers[li + 1]
         R = nxt.router
         I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
-        warps = 4
+        warps = PREDICT_WARPS
         self.f_predict[int(R.qt)](
             ((self.n_expert + warps - 1) // warps,), (32 * warps,),
             (self._ptr(st.x), self._ptr(ly.ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(R.ptr), I64(R.row_bytes),
              I32(self.n_expert), I32(k), self._ptr(self.logits), self._ptr(self.pred, 4 * k * ((li + 1) % 2)),
              self._ptr(st.ids), self._ptr(self.pred, 4 * k * (li % 2)), I32(1 if li > 0 else 0),
              self._ptr(self.actual, 4 * k * li), self._ptr(self.stats), self._ptr(self.counters)),
-            shared_mem=4 * c.n_embd)
+            shared_mem=self.smem)
 
     def launch_copy(self, m: int):
         if not self._on("prefetch"):
