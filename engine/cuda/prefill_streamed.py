@@ -166,6 +166,9 @@ class StreamedPrefill:
         self.profile = False         # bench/prefill.py: GPU time per phase (PhaseTimer) in last["phases"]
         self._tm = None
         self.last = {}               # facts about the last chunk (bench)
+        # tests: a list to receive (pos0, layer, ids (T, k) device copy) per chunk and MoE layer, the routes taken, so
+        # the NumPy reference can follow them where its own router is a near-tie (tests/route_ties.py)
+        self.routes = None
         self._groups_key = self._groups_val = None
         log(f"streamed prompt pass: chunks of {self.chunk} tokens ({self.plan.chunk_bytes / MiB:.0f} MiB), "
             f"ring of {self.plan.ring} slots ({self.plan.ring_bytes / MiB:.0f} MiB) + free expert-cache slots; "
@@ -331,6 +334,8 @@ class StreamedPrefill:
             self._mark("other")
             if c.is_moe:
                 self.moe(li, ly, xn, x, T, groups[li], runner, ring_views)
+                if self.routes is not None:
+                    self.routes.append((pos0, li, self._view("ids", T, c.n_expert_used).copy()))
             else:
                 x += self.base.ffn(ly.w_gate, ly.w_up, ly.w_down, xn)
                 self._mark("dense")
