@@ -39,8 +39,10 @@ def _gib(v: str) -> float:
 
 
 # The prompt pass a worker runs without --prefill (CudaOptions.prefill's default; the worker checks flag combinations
-# against it without importing CuPy).
-DEFAULT_PREFILL = "batched"
+# against it without importing CuPy). Streamed: on the H200 it read 1K/4K prompts of the Qwen3-30B-A3B-shaped model
+# at 13,278/16,141 tok/s all resident, where the batched pass managed 128-186 tok/s at 512 tokens (bench.decode's
+# prompt column), and it holds back less VRAM (prefill_streamed.py's docstring has the comparison).
+DEFAULT_PREFILL = "streamed"
 
 
 def check_cuda_args(args) -> str | None:
@@ -87,8 +89,8 @@ def add_cuda_args(parser) -> None:
                    help="KV cache format: f16 (default) or int8 (one scale per 32 values; 56%% of the VRAM, so about "
                         "1.8x the context fits)")
     g.add_argument("--prefill", choices=("batched", "streamed"), default=None,
-                   help="prompt pass: batched (default) or streamed (every non-resident expert through a VRAM ring; "
-                        "new, not yet verified on a GPU)")
+                   help="prompt pass: streamed (default: grouped expert GEMMs on tensor cores, from --stream-min "
+                        "tokens every non-resident expert through a VRAM ring) or batched (the first version)")
     g.add_argument("--prefill-chunk", type=_chunk, default=None, metavar="N|auto",
                    help="streamed prompt pass: tokens per chunk (default auto: the largest that fits, 1024 and up)")
     g.add_argument("--ring", type=_at_least(2), default=None, metavar="N",
