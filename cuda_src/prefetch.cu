@@ -1,7 +1,8 @@
 // Next-layer expert prefetch for decode (engine/cuda/prefetch.py drives it; pre-gating as in Pre-gated MoE / ProMoE /
-// AdapMoE): right after layer l's router, `predict` runs layer l+1's router on layer l's FFN input, and on a side
-// stream `prefetch_copy` pulls the predicted experts that have no VRAM cache slot from the mapped pinned arena into
-// VRAM staging slots and points layer l+1's table entries at them. The PCIe link then works while layer l's experts
+// AdapMoE): layer l's router launch (router_predict) also runs layer l+1's router on layer l's FFN input and ranks
+// its top-k (`predict` does the same as a launch of its own), and on a side stream `prefetch_copy` pulls the
+// predicted experts that have no VRAM cache slot from the mapped pinned arena into VRAM staging slots and points
+// layer l+1's table entries at them. The PCIe link then works while layer l's experts
 // and layer l+1's attention compute, instead of only inside layer l+1's expert kernels.
 //
 // Staging: 2 banks (layer parity) of k slots. A bank's record (rec: layer, n, expert ids; rec_addr: the entries'
@@ -9,6 +10,9 @@
 // restores both banks at the end of the step, so the table is clean between steps.
 #include "quant.cuh"
 #include "common.cuh"
+// route_block (the router's last-block routing), for router_predict below. CuPy's kernel cache keys on this file's
+// text, not on what it includes: engine/cuda/prefetch.py passes a digest of router.cu as a define.
+#include "router.cu"
 
 #define PF_MAX_EXPERTS 512
 #define PF_MAX_K 16
@@ -108,45 +112,94 @@ __device__ __forceinline__ void rank_topk(const float* logits, int n, int k, int
 // longer: an F32 row's loads issued before the staging (their HBM latency overlaps it), x staged as float4 by
 // stage_x, the ranks by the whole last block; the old version read x twice as scalars, loaded the row only after the
 // staging and picked the top-k in k serial warp rounds (17 us a layer on the H200).
+// This lane's part of row r of R (n_rows rows) . (rmsnorm(x) * norm_w), staged by the whole block (every thread
+// calls it): an F32 row's first PF_F4 float4 a lane loaded before the staging (their HBM latency overlaps it), x
+// staged as float4 by stage_x; other row types through stage_x / dot_s (Q4_K: the padded layout).
+template <int QT>
+__device__ __forceinline__ float row_dot(const uint8_t* __restrict__ R, long long row_bytes, int r, int n_rows,
+                                         const float* x, const float* __restrict__ norm_w, float eps, int n_embd) {
+    const int lane = threadIdx.x & 31;
+    const uint8_t* row = R + (long long)min(r, n_rows - 1) * row_bytes;
+    float acc = 0.f;
+    if constexpr (QT == STRATA_Q_F32) {
+        const float4* w4 = reinterpret_cast<const float4*>(row);
+        const int nf = n_embd / 4;
+        float4 wv[PF_F4];
+#pragma unroll
+        for (int i = 0; i < PF_F4; ++i)
+            if (lane + 32 * i < nf) wv[i] = w4[lane + 32 * i];
+        const float4* x4 = reinterpret_cast<const float4*>(stage_x<QT>(x, norm_w, eps, n_embd));
+#pragma unroll
+        for (int i = 0; i < PF_F4; ++i)
+            if (lane + 32 * i < nf) {
+                const float4 a = x4[lane + 32 * i];
+                acc += wv[i].x * a.x + wv[i].y * a.y + wv[i].z * a.z + wv[i].w * a.w;
+            }
+        for (int f = lane + 32 * PF_F4; f < nf; f += 32) {      // rows wider than 4 * 32 * PF_F4
+            const float4 w = w4[f], a = x4[f];
+            acc += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
+        }
+    } else {
+        const float* xs = stage_x<QT>(x, norm_w, eps, n_embd);
+        acc = dot_s<QT>(row, xs, n_embd, lane);
+    }
+    return warp_sum(acc);
+}
+
+// Grid ceil(n_expert / warps per block), one warp per router row; dynamic shared memory staged_bytes(n_embd)
+// (decode.py; n_embd a multiple of 4, x and norm_w 16-byte aligned).
+// logits = R . (rmsnorm(x) * norm_w), the next layer's router on this layer's FFN input (x is the residual before this
+// layer's experts add to it; each block normalises it itself, as router_fused does). The last block writes the top-k
+// into pred_out and notes this layer's routing (ids) against the prediction made for it (pred_in) when `check`.
+// R == nullptr: the bookkeeping only (a layer with no next router).
+// The decode step uses it only where router_predict cannot serve (the two layers' router rows of different types);
+// it is router_fused's latency chain: the old version read x twice as scalars, loaded the row only after the staging
+// and picked the top-k in k serial warp rounds (17 us a layer on the H200).
 template <int QT>
 __global__ void predict(const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int n_embd,
                         const uint8_t* __restrict__ R, long long row_bytes, int n_expert, int k,
                         float* __restrict__ logits, int* __restrict__ pred_out, const int* __restrict__ ids,
                         const int* __restrict__ pred_in, int check, int* __restrict__ actual,
                         unsigned long long* __restrict__ stats, int* __restrict__ counter) {
-    const int lane = threadIdx.x & 31;
     if (R) {
         const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-        const uint8_t* row = R + (long long)min(r, n_expert - 1) * row_bytes;
-        float acc = 0.f;
-        if constexpr (QT == STRATA_Q_F32) {
-            const float4* w4 = reinterpret_cast<const float4*>(row);
-            const int nf = n_embd / 4;
-            float4 wv[PF_F4];
-#pragma unroll
-            for (int i = 0; i < PF_F4; ++i)
-                if (lane + 32 * i < nf) wv[i] = w4[lane + 32 * i];
-            const float4* x4 = reinterpret_cast<const float4*>(stage_x<QT>(x, norm_w, eps, n_embd));
-#pragma unroll
-            for (int i = 0; i < PF_F4; ++i)
-                if (lane + 32 * i < nf) {
-                    const float4 a = x4[lane + 32 * i];
-                    acc += wv[i].x * a.x + wv[i].y * a.y + wv[i].z * a.z + wv[i].w * a.w;
-                }
-            for (int f = lane + 32 * PF_F4; f < nf; f += 32) {      // rows wider than 4 * 32 * PF_F4
-                const float4 w = w4[f], a = x4[f];
-                acc += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
-            }
-        } else {
-            const float* xs = stage_x<QT>(x, norm_w, eps, n_embd);
-            acc = dot_s<QT>(row, xs, n_embd, lane);
-        }
-        const float s = warp_sum(acc);
-        if (lane == 0 && r < n_expert) logits[r] = s;
+        const float s = row_dot<QT>(R, row_bytes, r, n_expert, x, norm_w, eps, n_embd);
+        if ((threadIdx.x & 31) == 0 && r < n_expert) logits[r] = s;
     }
     if (last_block(counter)) {
         if (threadIdx.x < 32) note_routing(ids, pred_in, check, actual, k, stats);
         if (R) rank_topk(logits, n_expert, k, pred_out);
+    }
+}
+
+// Layer l's router and the prediction of layer l+1's experts in one launch (the decode step's choice when both
+// routers' rows have type QT): blocks [0, nb) compute layer l's router logits as router_fused does, blocks
+// [nb, 2 nb) layer l+1's router on the same normed x (nb = ceil(n_expert / warps per block)); the last block routes
+// layer l (router.cu's route_block: ids, weights, counts, hits), notes that routing against the prediction made
+// for it, and ranks the prediction for layer l+1. A separate predict launch sat on the critical path between the
+// router and the experts (~9-17 us a layer: a launch, a staging of x, a last-block sync of its own); here the two
+// routers' rows load side by side and share one last-block tail. Arguments: router_fused's, then predict's
+// (R2: layer l+1's router rows, logits2: its logits, pstats: the prefetch counters); counter: this kernel's own.
+template <int QT>
+__global__ void router_predict(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
+                               const float* __restrict__ norm_w, float eps, int ncols, float* __restrict__ logits,
+                               int n_expert, int k, int renorm, float scale, int* __restrict__ ids,
+                               float* __restrict__ weights, const unsigned long long* __restrict__ table,
+                               unsigned long long slot_lo, unsigned long long slot_hi, int* __restrict__ counts,
+                               unsigned long long* __restrict__ stats, const uint8_t* __restrict__ R2,
+                               long long row_bytes2, float* __restrict__ logits2, int* __restrict__ pred_out,
+                               const int* __restrict__ pred_in, int check, int* __restrict__ actual,
+                               unsigned long long* __restrict__ pstats, int* __restrict__ counter) {
+    const int nb = gridDim.x / 2;
+    const bool next = blockIdx.x >= nb;
+    const int r = (blockIdx.x - (next ? nb : 0)) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const float s = row_dot<QT>(next ? R2 : W, next ? row_bytes2 : row_bytes, r, n_expert, x, norm_w, eps, ncols);
+    if ((threadIdx.x & 31) == 0 && r < n_expert) (next ? logits2 : logits)[r] = s;
+    if (last_block(counter)) {
+        route_block(logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
+        __syncthreads();                           // ids written (by threads 0..k-1) before the note reads them
+        if (threadIdx.x < 32) note_routing(ids, pred_in, check, actual, k, pstats);
+        rank_topk(logits2, n_expert, k, pred_out);
     }
 }
 

@@ -2,8 +2,9 @@
 
 GPU: the predictor against NumPy (normalised x @ R.T for F32/F16/Q8_0/Q4_K rows, top-k on its logits, ties to the
 lowest id, logits far below the max ranked as logits), the copy kernel's compaction, exact bytes and table
-rewrites/restores on random tables at several grid shapes, and the CUDA backend with prefetch on against the NumPy backend (greedy
-tokens, logits, the table after each step as before it). CPU: the switch, the bench's summary, the fork/join order.
+rewrites/restores on random tables at several grid shapes, and the CUDA backend with prefetch on against the NumPy
+backend (greedy tokens, logits, the table after each step as before it). CPU: the switch, the bench's summary, the
+fork/join order, the launch constants against the kernel's.
 """
 import argparse
 
@@ -145,6 +146,7 @@ def _fake_prefetcher(n_layer):
     p.launch_predict = lambda li: log.ops.append(("predict", li))
     p.launch_copy = lambda m: log.ops.append(("copy", m))
     p.launch_finish = lambda: log.ops.append(("finish",))
+    p.fused = lambda li: False
     return p, log
 
 
@@ -176,14 +178,52 @@ def test_fork_join_order():
     assert p._pending == {1}
 
 
+def test_fused_router_launch_predicts_instead_of_a_predict_launch():
+    """Where layer li's router launch also predicts li+1 (router_predict), enqueue forks the copy without a predict
+    launch of its own; the last layer (nothing to predict) and mixed router types keep router_fused + predict."""
+    p, log = _fake_prefetcher(3)
+    p.fused = lambda li: li + 1 < 3
+    for li in range(3):
+        p.enqueue(li)
+    assert not any(o[0] == "predict" for o in log.ops)
+    assert [o for o in log.ops if o[0] == "copy"] == [("copy", 1), ("copy", 2)]
+    from types import SimpleNamespace as NS
+    q = pf.Prefetcher.__new__(pf.Prefetcher)
+    q.n_layer = 4
+    q.step = NS(w=NS(layers=[NS(router=NS(qt=t)) for t in (0, 0, 8, 8)]))
+    assert [q.fused(li) for li in range(4)] == [True, False, True, False]
+
+
+def test_decode_step_takes_the_router_launch_from_the_prefetch():
+    """DecodeStep.enqueue's hook: the step's own router runs only where the Prefetcher did not launch one."""
+    pytest.importorskip("cupy")
+    from types import SimpleNamespace as NS
+
+    from engine.cuda.decode import DecodeStep
+    ops = []
+    st = DecodeStep.__new__(DecodeStep)
+    st.w = NS(layers=[None] * 3)
+    for name in ("embed", "output", "pick"):
+        setattr(st, f"enqueue_{name}", lambda name=name: ops.append(name))
+    st.enqueue_attention_block = lambda li: ops.append(("attn", li))
+    st.enqueue_router = lambda li: ops.append(("step router", li))
+    st.enqueue_experts = lambda li: ops.append(("experts", li))
+    st.prefetch = NS(enqueue_router=lambda li: li < 2 and not ops.append(("pf router", li)),
+                     enqueue=lambda li: ops.append(("pf", li)), enqueue_finish=lambda: ops.append("finish"),
+                     enqueue_join=lambda: ops.append("join"))
+    st.enqueue()
+    assert ops == ["embed", ("attn", 0), ("pf router", 0), ("pf", 0), ("experts", 0),
+                   ("attn", 1), ("pf router", 1), ("pf", 1), ("experts", 1),
+                   ("attn", 2), ("step router", 2), ("pf", 2), ("experts", 2), "finish", "output", "pick", "join"]
+
+
 # --- GPU: the kernels ----------------------------------------------------------------------------------------------
 def _cp():
     return pytest.importorskip("cupy")
 
 
 def _module(qts):
-    from engine.cuda import kernels
-    return kernels.load("prefetch", qtypes=qts)
+    return pf.load_module(qts)
 
 
 def _u64(a, off=0):
@@ -249,7 +289,7 @@ def test_predict_matches_numpy(name, n_embd, n_expert, k):
     xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * w
     ref = R.astype(np.float64) @ xn
     scale = np.abs(R.astype(np.float64)) @ np.abs(xn)
-    assert np.all(np.abs(logits - ref) <= 1e-5 * scale + 1e-30)
+    assert np.linalg.norm(logits - ref) / np.linalg.norm(scale) < 1e-5     # as test_router_fused measures it
     np.testing.assert_array_equal(pred, _top_k(logits, k))
     np.testing.assert_array_equal(actual[:k], ids)            # this layer's routing, kept for the restore
     assert (actual[k:] == -7).all()
@@ -310,6 +350,67 @@ def test_predict_ranks_logits_far_below_the_max():
     assert np.all(np.abs(logits - t) < 0.05)               # the rows give the logits meant
     assert pred[0] == 77
     np.testing.assert_array_equal(pred, np.argsort(-t, kind="stable")[:k])
+
+
+@gpu
+@pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("n_embd,n_expert,k,renorm", [(2048, 128, 8, 1), (768, 60, 4, 0), (1024, 512, 16, 1),
+                                                      (4608, 128, 8, 0), (256, 8, 2, 1)])
+def test_router_predict_matches_router_and_predict(name, n_embd, n_expert, k, renorm):
+    """Layer l's routing exactly as router_fused's (ids by the kernel's own logits, weights, counts, hits) and the
+    prediction exactly as predict's (top-k of layer l+1's router on the same normed x), the routing noted against
+    the prediction made for it; twice, so the last-block counter resets and the counts add up."""
+    cp = _cp()
+    from engine.cuda.quant_types import qtype, random_rows
+    from engine.gguf_model import dequantize
+    rng = np.random.default_rng(n_embd * 3 + n_expert)
+    qt = qtype(name)
+    x = rng.standard_normal(n_embd).astype(np.float32) * 2
+    w = rng.uniform(0.5, 1.5, n_embd).astype(np.float32)
+    raws = [random_rows(name, n_expert, n_embd, rng) for _ in range(2)]
+    Rs = [dequantize(r, qt.ggml).reshape(n_expert, n_embd).astype(np.float64) for r in raws]
+    f = _module([qt.id]).get_function(f"router_predict<{qt.id}>")
+    smem = pf.staged_bytes(n_embd)
+    if smem > pf.SMEM_DEFAULT:
+        f.max_dynamic_shared_size_bytes = smem
+    d_raw = [cp.asarray(r) for r in raws]
+    d_x, d_w = cp.asarray(x), cp.asarray(w)
+    logits, logits2 = cp.full(n_expert, np.nan, cp.float32), cp.full(n_expert, np.nan, cp.float32)
+    ids, wts = cp.full(k, -1, cp.int32), cp.full(k, np.nan, cp.float32)
+    slot_lo, slot_hi = 1000, 2000
+    table = rng.choice([1500, 5000], size=n_expert).astype(np.uint64)      # 1500: inside the slot range
+    d_table = cp.asarray(table)
+    counts, stats = cp.zeros(n_expert, cp.int32), cp.zeros(2, cp.uint64)
+    pred = cp.full(k, -7, cp.int32)
+    pred_in_h = rng.permutation(n_expert)[:k].astype(np.int32)
+    pred_in = cp.asarray(pred_in_h)
+    actual, pstats, counter = cp.full(k + 1, -7, cp.int32), cp.zeros(4, cp.uint64), cp.zeros(1, cp.int32)
+    I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
+    nb = (n_expert + pf.PREDICT_WARPS - 1) // pf.PREDICT_WARPS
+    for _ in range(2):
+        f((2 * nb,), (32 * pf.PREDICT_WARPS,),
+          (_u64(d_raw[0]), I64(raws[0].shape[1]), _u64(d_x), _u64(d_w), F32(1e-6), I32(n_embd), _u64(logits),
+           I32(n_expert), I32(k), I32(renorm), F32(1.5), _u64(ids), _u64(wts), _u64(d_table), U64(slot_lo),
+           U64(slot_hi), _u64(counts), _u64(stats), _u64(d_raw[1]), I64(raws[1].shape[1]), _u64(logits2),
+           _u64(pred), _u64(pred_in), I32(1), _u64(actual), _u64(pstats), _u64(counter)), shared_mem=smem)
+    cp.cuda.Device().synchronize()
+    xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * w
+    for got, R in zip((logits.get(), logits2.get()), Rs):
+        assert np.linalg.norm(got - R @ xn) / np.linalg.norm(np.abs(R) @ np.abs(xn)) < 1e-5
+    lg = logits.get().astype(np.float64)
+    ref_ids = _top_k(logits.get(), k)
+    np.testing.assert_array_equal(ids.get(), ref_ids)
+    p = np.exp(lg - lg.max())
+    ref_w = p[ref_ids] / (p[ref_ids].sum() if renorm else p.sum()) * 1.5
+    np.testing.assert_allclose(wts.get(), ref_w, rtol=1e-4)
+    np.testing.assert_array_equal(counts.get(), 2 * np.bincount(ref_ids, minlength=n_expert))
+    assert stats.get().tolist() == [2 * int((table[ref_ids] == 1500).sum()), 2 * k]
+    np.testing.assert_array_equal(pred.get(), _top_k(logits2.get(), k))
+    np.testing.assert_array_equal(actual.get()[:k], ref_ids)
+    assert actual.get()[k] == -7
+    right = len(set(ref_ids.tolist()) & set(pred_in_h.tolist()))
+    assert pstats.get().tolist() == [2 * k, 2 * right, 0, 0]
+    assert int(counter.get()[0]) == 0
 
 
 class _Arena:

@@ -161,7 +161,8 @@ class DecodeStep:
         self.enqueue_embed()
         for li in range(len(self.w.layers)):
             self.enqueue_attention_block(li)
-            self.enqueue_router(li)
+            if not (pf and pf.enqueue_router(li)):      # the prefetch's router launch also predicts layer li+1
+                self.enqueue_router(li)
             if pf:          # predict layer li+1's experts and start fetching them; wait for layer li's fetch
                 pf.enqueue(li)
             self.enqueue_experts(li)

@@ -8,19 +8,23 @@ slot into staging slots while layer l's experts and layer l+1's attention run; l
 (an event: a graph edge) and read the staged copies through the rewritten table entries. A wrong guess costs only
 wasted link bytes: the expert actually routed is still read in place through its untouched entry.
 
-On the main stream, per layer l (between its router and its experts), `enqueue(l)`:
-    predict(l) -> event -> [side] prefetch_copy(l+1) -> event done[l+1]
+On the main stream, per layer l: `enqueue_router(l)` (DecodeStep.enqueue's hook) launches router_predict, layer l's
+router and layer l+1's in one kernel (the prediction costs no launch and no sync of its own on the critical path;
+where the two routers' rows differ in type, the step's router_fused and a separate predict launch instead); then,
+between the router and the experts, `enqueue(l)`:
+    event -> [side] prefetch_copy(l+1) -> event done[l+1]
     wait done[l]                                  (the copy for this layer, forked at layer l-1)
 After the last layer's experts `enqueue_finish()` forks prefetch_finish (restores the table) and, after the pick,
 `enqueue_join()` joins it, so the graph ends with the table as it began.
 
 The stats counters (device, uint64): look-ups with a prediction, predicted right, experts staged, staged and used.
 
-Cost (H200, Qwen3-30B-A3B shape at 12 GiB, 01:20 run of the first version): predict sits on the critical path, so
-it is built like router_fused (17 us a layer before); the copy should move its bytes at the link's rate. The
-per-kind profile's "prefetch" figure (6.77 ms, read as 26 GB/s) replays the copies without predict, so every layer
-copies the experts predicted for the last two layers: about 8 x 0.33 non-resident ones a layer instead of the real
-1.4, i.e. ~330 MB in 6.77 ms, ~49 GB/s. Judge the copy by the step time, not by that column.
+Cost (H200, Qwen3-30B-A3B shape at 12 GiB, the 01:20 run of the first version: 151.6 tok/s): predict was a launch
+of its own, 17 us a layer on the critical path (806 us a step). The per-kind profile's "prefetch" figure (6.77 ms
+for 47 copies, read as 26 GB/s) replays the copies without predict, so every layer copies the experts predicted for
+the last two layers: about 8 x 0.33 non-resident ones a layer instead of the real 1.4, i.e. ~330 MB in 6.77 ms,
+~49 GB/s, near the link. Judge the copy by the step time, not by that column. With the fused router the profile's
+"router" kind includes the prediction.
 """
 from __future__ import annotations
 
@@ -44,6 +48,17 @@ MAX_EXPERTS = 512          # cuda_src/prefetch.cu PF_MAX_EXPERTS
 SMEM_DEFAULT = 48 * 1024   # dynamic shared memory without opting in (the predictor keeps n_embd floats there)
 SMEM_MAX = 227 * 1024      # the most a block may opt in to (sm_80 / sm_90)
 DEFAULT_ON = True          # --prefetch's default when some experts have no VRAM slot (the lead sets it from the bench)
+
+
+def load_module(qtypes):
+    """cuda_src/prefetch.cu for these router row types. It includes router.cu (route_block, for router_predict), and
+    CuPy's kernel cache keys on the file's own text and the options: a digest of router.cu as a define makes a router
+    edit recompile it."""
+    import hashlib
+
+    from engine.cuda import kernels
+    digest = hashlib.sha256((kernels.CUDA_SRC / "router.cu").read_bytes()).hexdigest()[:16]
+    return kernels.load("prefetch", defines={"STRATA_ROUTER_SRC": digest}, qtypes=qtypes)
 
 
 def staged_bytes(n: int) -> int:
@@ -125,8 +140,6 @@ class Prefetcher:
     def __init__(self, step):
         import cupy as cp
 
-        from engine.cuda import kernels
-
         self.cp = cp
         self.step = step
         c, cache, lay = step.cfg, step.cache, step.layout
@@ -140,12 +153,13 @@ class Prefetcher:
         self.slot_lo, self.slot_hi = cache.slot_lo, cache.slot_hi
         self.table = cache.table
         qts = sorted({int(ly.router.qt) for ly in step.w.layers})
-        mod = kernels.load("prefetch", qtypes=qts)
+        mod = load_module(qts)
         # fetched now: no kernel is compiled or loaded while a graph is being captured
         self.f_predict = {qt: mod.get_function(f"predict<{qt}>") for qt in qts}
+        self.f_router_predict = {qt: mod.get_function(f"router_predict<{qt}>") for qt in qts}
         self.smem = staged_bytes(c.n_embd)
         if self.smem > SMEM_DEFAULT:
-            for f in self.f_predict.values():
+            for f in (*self.f_predict.values(), *self.f_router_predict.values()):
                 f.max_dynamic_shared_size_bytes = self.smem
         self.f_copy = mod.get_function("prefetch_copy")
         self.f_finish = mod.get_function("prefetch_finish")
@@ -179,13 +193,46 @@ class Prefetcher:
         return np.uint64(a.data.ptr + off_bytes)
 
     # --- the launches ------------------------------------------------------------------------------------------
+    def fused(self, li: int) -> bool:
+        """Whether layer li's router launch also predicts layer li+1 (router_predict): both routers' rows of one
+        type. The last layer has nothing to predict; mixed types take router_fused + predict."""
+        layers = self.step.w.layers
+        return li + 1 < self.n_layer and int(layers[li].router.qt) == int(layers[li + 1].router.qt)
+
+    def enqueue_router(self, li: int) -> bool:
+        """DecodeStep.enqueue's hook in place of its router launch: True when layer li's router ran here, with the
+        prediction of layer li+1 in the same launch (router_predict); False: the step launches its own router."""
+        if not self.fused(li):
+            return False
+        if not self._on("router"):      # profiling another kind: neither launch
+            return True
+        st, c, k = self.step, self.step.cfg, self.k
+        ly, nxt, cache = st.w.layers[li], st.w.layers[li + 1], st.cache
+        R, R2 = ly.router, nxt.router
+        I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
+        warps = PREDICT_WARPS
+        nb = (self.n_expert + warps - 1) // warps
+        self.f_router_predict[int(R.qt)](
+            (2 * nb,), (32 * warps,),
+            (U64(R.ptr), I64(R.row_bytes), self._ptr(st.x), self._ptr(ly.ffn_norm), F32(c.rms_eps), I32(c.n_embd),
+             self._ptr(st.rlogits), I32(self.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
+             F32(c.expert_weights_scale), self._ptr(st.ids), self._ptr(st.wts),
+             self._ptr(cache.table, 8 * li * self.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),
+             self._ptr(cache.counts, 4 * li * self.n_expert), self._ptr(cache.stats),
+             U64(R2.ptr), I64(R2.row_bytes), self._ptr(self.logits), self._ptr(self.pred, 4 * k * ((li + 1) % 2)),
+             self._ptr(self.pred, 4 * k * (li % 2)), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
+             self._ptr(self.stats), self._ptr(self.counters)),
+            shared_mem=self.smem)
+        return True
+
     def enqueue(self, li: int):
         """Between layer li's router and its experts, on the step's stream."""
         main = self.step.stream
         if li == 0:
             self._pending.clear()       # a capture that failed part-way left nothing to join
         if li + 1 < self.n_layer:
-            self.launch_predict(li)
+            if not self.fused(li):      # else the router launch predicted already
+                self.launch_predict(li)
             self.forked.record(main)
             self.side.wait_event(self.forked)
             with self.side:
