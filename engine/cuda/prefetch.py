@@ -21,10 +21,11 @@ The stats counters (device, uint64): look-ups with a prediction, predicted right
 
 Cost (H200, Qwen3-30B-A3B shape at 12 GiB, the 01:20 run of the first version: 151.6 tok/s): predict was a launch
 of its own, 17 us a layer on the critical path (806 us a step). The per-kind profile's "prefetch" figure (6.77 ms
-for 47 copies, read as 26 GB/s) replays the copies without predict, so every layer copies the experts predicted for
-the last two layers: about 8 x 0.33 non-resident ones a layer instead of the real 1.4, i.e. ~330 MB in 6.77 ms,
-~49 GB/s, near the link. Judge the copy by the step time, not by that column. With the fused router the profile's
-"router" kind includes the prediction.
+for 47 copies, read as 26 GB/s) replayed the copies without predict while the predictions sat in two banks, so
+every layer copied the experts predicted for the last two layers: about 8 x 0.33 non-resident ones a layer instead
+of the real 1.4, i.e. ~330 MB in 6.77 ms, ~49 GB/s, near the link. The predictions are now kept per layer, so that
+replay copies the real step's bytes (prefetch MB/tok / its time = the copy's rate). With the fused router the
+profile's "router" kind includes the prediction.
 """
 from __future__ import annotations
 
@@ -166,7 +167,10 @@ class Prefetcher:
         k = self.k
         with step.stream:
             self.staging = cp.empty(2 * k * self.stride, dtype=cp.uint8)
-            self.pred = cp.zeros(2 * k, dtype=cp.int32)              # bank b = predictions for layers of parity b
+            # the prediction for each layer, kept for the whole step (not in two banks): a replay of the copies
+            # alone (DecodeStep.profile's "prefetch" kind) then copies what the last real step predicted for each
+            # layer, the real bytes, instead of the last two layers' predictions applied to every layer
+            self.pred = cp.zeros(self.n_layer * k, dtype=cp.int32)
             self.actual = cp.zeros(self.n_layer * k, dtype=cp.int32)
             self.rec = cp.zeros((2, 2 + k), dtype=cp.int32)          # bank: layer, n, expert ids
             self.rec_addr = cp.zeros((2, k), dtype=cp.uint64)        # bank: the entries' original addresses
@@ -219,8 +223,8 @@ class Prefetcher:
              F32(c.expert_weights_scale), self._ptr(st.ids), self._ptr(st.wts),
              self._ptr(cache.table, 8 * li * self.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),
              self._ptr(cache.counts, 4 * li * self.n_expert), self._ptr(cache.stats),
-             U64(R2.ptr), I64(R2.row_bytes), self._ptr(self.logits), self._ptr(self.pred, 4 * k * ((li + 1) % 2)),
-             self._ptr(self.pred, 4 * k * (li % 2)), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
+             U64(R2.ptr), I64(R2.row_bytes), self._ptr(self.logits), self._ptr(self.pred, 4 * k * (li + 1)),
+             self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
              self._ptr(self.stats), self._ptr(self.counters)),
             shared_mem=self.smem)
         return True
@@ -270,8 +274,8 @@ class Prefetcher:
         self.f_predict[int(R.qt)](
             ((self.n_expert + warps - 1) // warps,), (32 * warps,),
             (self._ptr(st.x), self._ptr(ly.ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(R.ptr), I64(R.row_bytes),
-             I32(self.n_expert), I32(k), self._ptr(self.logits), self._ptr(self.pred, 4 * k * ((li + 1) % 2)),
-             self._ptr(st.ids), self._ptr(self.pred, 4 * k * (li % 2)), I32(1 if li > 0 else 0),
+             I32(self.n_expert), I32(k), self._ptr(self.logits), self._ptr(self.pred, 4 * k * (li + 1)),
+             self._ptr(st.ids), self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0),
              self._ptr(self.actual, 4 * k * li), self._ptr(self.stats), self._ptr(self.counters)),
             shared_mem=self.smem)
 
@@ -281,7 +285,7 @@ class Prefetcher:
         b, k = m % 2, self.k
         I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
         self.f_copy((COPY_BLOCKS,), (COPY_THREADS,),
-                    (self._ptr(self.table), I32(m), I32(self.n_expert), I32(k), self._ptr(self.pred, 4 * k * b),
+                    (self._ptr(self.table), I32(m), I32(self.n_expert), I32(k), self._ptr(self.pred, 4 * k * m),
                      self._ptr(self.staging, b * k * self.stride), I64(self.stride), U32(self.units),
                      U64(self.slot_lo), U64(self.slot_hi), self._ptr(self.rec[b]), self._ptr(self.rec_addr[b]),
                      self._ptr(self.actual), self._ptr(self.stats), self._ptr(self.counters, 4)))
@@ -293,7 +297,7 @@ class Prefetcher:
         I32 = np.int32
         self.f_finish((1,), (32,),
                       (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(st.ids),
-                       self._ptr(self.pred, 4 * k * (last % 2)), I32(1 if last > 0 else 0), I32(last),
+                       self._ptr(self.pred, 4 * k * last), I32(1 if last > 0 else 0), I32(last),
                        self._ptr(self.actual), self._ptr(self.rec[0]), self._ptr(self.rec_addr[0]),
                        self._ptr(self.rec[1]), self._ptr(self.rec_addr[1]), self._ptr(self.stats)))
 
