@@ -102,16 +102,6 @@ __device__ __forceinline__ void rank_topk(const float* logits, int n, int k, int
     }
 }
 
-// Grid ceil(n_expert / warps per block), one warp per router row; dynamic shared memory staged_bytes(n_embd)
-// (decode.py; n_embd a multiple of 4, x and norm_w 16-byte aligned).
-// logits = R . (rmsnorm(x) * norm_w), the next layer's router on this layer's FFN input (x is the residual before this
-// layer's experts add to it; each block normalises it itself, as router_fused does). The last block writes the top-k
-// into pred_out and notes this layer's routing (ids) against the prediction made for it (pred_in) when `check`.
-// R == nullptr: the bookkeeping only (a layer with no next router).
-// It runs on the critical path between layer l's router and experts, so it is router_fused's latency chain and no
-// longer: an F32 row's loads issued before the staging (their HBM latency overlaps it), x staged as float4 by
-// stage_x, the ranks by the whole last block; the old version read x twice as scalars, loaded the row only after the
-// staging and picked the top-k in k serial warp rounds (17 us a layer on the H200).
 // This lane's part of row r of R (n_rows rows) . (rmsnorm(x) * norm_w), staged by the whole block (every thread
 // calls it): an F32 row's first PF_F4 float4 a lane loaded before the staging (their HBM latency overlaps it), x
 // staged as float4 by stage_x; other row types through stage_x / dot_s (Q4_K: the padded layout).
@@ -203,8 +193,8 @@ __global__ void router_predict(const uint8_t* __restrict__ W, long long row_byte
     }
 }
 
-// Side stream, launched right after predict, so the link starts on layer l+1's experts while layer l's experts and
-// layer l+1's attention compute. For layer `layer` (this bank):
+// Side stream, launched right after the prediction (router_predict or predict), so the link starts on layer l+1's
+// experts while layer l's experts and layer l+1's attention compute. For layer `layer` (this bank):
 //  - every block's first warp compacts the prediction: lane j looks up predicted expert j's entry, and the experts
 //    whose entry is neither a VRAM cache slot (inside [slot_lo, slot_hi)) nor 0 (only in the file, memory modes) get
 //    staging slots 0, 1, ... in prediction order (a ballot; one round trip, where one thread used to walk the k
