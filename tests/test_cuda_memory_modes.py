@@ -95,7 +95,9 @@ def test_memory_mode_matches_cpu(cpu_runs, name, mode, share, prefill):
         assert rel_rows(lg, want).max() < 1e-2
         be.truncate(len(prompt))
         dec = np.stack([be.forward([t]) for t in toks[:-1]])
-        assert rel_rows(dec, want[1:]).max() < 1e-2      # the prompt's K/V came from the pass's routes
+        # Each decoded row matches the reference of one valid routing: the plain one where the decode step (fp32)
+        # resolved a near-tie the NumPy way, the route-following one where a prompt position's tie parted in the pass.
+        assert np.minimum(rel_rows(dec, cpu_logits[1:]), rel_rows(dec, want[1:])).max() < 1e-2
         # greedy from a fresh cache position, the stats of that request
         be.truncate(0)
         be.reset_stats()
@@ -202,7 +204,7 @@ def test_worker_takes_the_memory_flags(fixtures_dir, flags):
     try:
         mode = "mmap" if flags[0] == "--mmap-experts" else "budget"
         assert w.info["memory"] == mode
-        assert int(w.info["arena_mib"]) < 4 and int(w.info["staging_mib"]) >= 0
+        assert int(w.info["arena_mib"]) < 4 and float(w.info["staging_mib"]) >= 0
         lines = w.request(gen(6, PROMPT))
         assert re.fullmatch(r"RESUME( PP)+ REUSED( T)* DONE", shape(lines)), lines
         done = protocol.parse_done(lines[-1])
