@@ -26,12 +26,17 @@ __device__ __forceinline__ void route_warp(int t, const float* logits, int n_exp
         mx = fmaxf(mx, v[i]);
     }
     mx = warp_max(mx);
+    // Ranked on the logits (as route_block): exp(logit - max) underflows to ties far below the max.
     float s = 0.f;
+    unsigned free_mask = 0;                             // bit i: v[i] is a real expert not chosen yet
 #pragma unroll
     for (int i = 0; i < ROUTER_MAX_PER_LANE; ++i) {
         const int e = lane + 32 * i;
-        v[i] = e < n_expert ? expf(v[i] - mx) : -1.f;   // -1: never chosen
-        s += e < n_expert ? v[i] : 0.f;
+        if (e < n_expert) {
+            free_mask |= 1u << i;
+            if (v[i] != v[i]) v[i] = NEG_INF;          // NaN: ranked last, weight 0
+            s += expf(v[i] - mx);
+        }
     }
     s = warp_sum(s);
     int chosen[ROUTER_MAX_K];
@@ -40,25 +45,23 @@ __device__ __forceinline__ void route_warp(int t, const float* logits, int n_exp
 #pragma unroll
     for (int j = 0; j < ROUTER_MAX_K; ++j) {
         if (j >= k) break;
-        float bv = -2.f;
+        bool bok = false;
+        float bv = NEG_INF;
         int bi = 0x7fffffff;
 #pragma unroll
-        for (int i = 0; i < ROUTER_MAX_PER_LANE; ++i)
-            if (v[i] > bv) { bv = v[i]; bi = lane + 32 * i; }     // ascending ids: the first max wins
+        for (int i = 0; i < ROUTER_MAX_PER_LANE; ++i)     // ascending ids: the first max wins
+            if (((free_mask >> i) & 1u) && (!bok || v[i] > bv)) { bok = true; bv = v[i]; bi = lane + 32 * i; }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
+            const bool ook = __shfl_xor_sync(0xffffffffu, (int)bok, o) != 0;
             const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
             const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+            if (ook && (!bok || ov > bv || (ov == bv && oi < bi))) { bok = true; bv = ov; bi = oi; }
         }
         chosen[j] = bi;
-        chosen_v[j] = bv;
-        tot += bv;
-        if ((bi & 31) == lane) {
-#pragma unroll
-            for (int i = 0; i < ROUTER_MAX_PER_LANE; ++i)
-                if (i == (bi >> 5)) v[i] = -1.f;
-        }
+        chosen_v[j] = expf(bv - mx);
+        tot += chosen_v[j];
+        if ((bi & 31) == lane) free_mask &= ~(1u << (bi >> 5));
     }
     // lane j < k writes choice j: the k counter updates and table reads run side by side
     const float div = renorm ? tot : s;
