@@ -239,8 +239,11 @@ def dense_ffn(w: Weights, prefix: str, x: np.ndarray, suffix: str = "") -> np.nd
 
 def route(logits: np.ndarray, k: int, renormalize: bool, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Softmax over all experts, then the top k: (ids (T, k), weights (T, k)), as llama.cpp's build_moe_ffn."""
-    probs = softmax(logits.astype(np.float32))
-    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    logits = logits.astype(np.float32)
+    probs = softmax(logits)
+    # ranked on the logits: the same order as the probabilities, except where those underflow to ties at 0 (weight 0
+    # either way); the CUDA routers rank the same way, so the two pick the same experts there too
+    ids = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
     weights = np.take_along_axis(probs, ids, axis=-1)
     if renormalize:
         weights = weights / np.sum(weights, axis=-1, keepdims=True)
