@@ -7,7 +7,11 @@
 //
 // Staging: 2 banks (layer parity) of k slots. A bank's record (rec: layer, n, expert ids; rec_addr: the entries'
 // original addresses) lets the next user of the bank, two layers on, restore the table first; prefetch_finish
-// restores both banks at the end of the step, so the table is clean between steps.
+// restores both banks at the end of the step, so the table is clean between steps. At --prefetch-depth 2 (layer l
+// also predicts layer l+2, whose copy starts right away) there are 3 banks (layer m % 3): the copy for layer m,
+// launched after layer m-2's router, reuses the bank of layer m-3, whose experts ran before that router; the end of
+// the step adds prefetch_restore for the third bank. The kernels do not know the depth: prefetch.py picks the
+// pointers (pred of the layer copied, the bank, the stats pair a layer's routing is noted against).
 #include "quant.cuh"
 #include "common.cuh"
 // route_block (the router's last-block routing), for router_predict below. CuPy's kernel cache keys on this file's
@@ -18,7 +22,9 @@
 #define PF_MAX_K 16
 #define PF_F4 16          // float4 of an F32 router row per lane loaded before the staging (a 2048-wide row)
 #define PF_LOADS 8        // 16-byte loads in flight per thread in prefetch_copy
-// stats: look-ups with a prediction, of them predicted right, experts staged (copied over PCIe), staged and used
+// stats: look-ups with a prediction, of them predicted right, experts staged (copied over PCIe), staged and used;
+// prefetch.py keeps a second (predicted, right) pair at [4], [5] for the depth-2 predictions (note_routing is passed
+// stats + 4 for a layer predicted two layers ahead)
 #define PF_PREDICTED 0
 #define PF_CORRECT 1
 #define PF_STAGED 2
@@ -277,6 +283,16 @@ extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table,
         }
         __threadfence();
     }
+}
+
+// One bank's restore (one warp): the end of a depth-2 step restores its third bank with it, after prefetch_finish
+// (whose note there runs with check 0: at depth 2 the last layer's routing is noted by predict in bookkeeping mode,
+// against the depth-2 counters). A bank whose record is empty (n == 0) is left alone.
+extern "C" __global__ void prefetch_restore(unsigned long long* __restrict__ table, int n_expert, int k,
+                                            int* __restrict__ rec, const unsigned long long* __restrict__ rec_addr,
+                                            const int* __restrict__ actual, unsigned long long* __restrict__ stats) {
+    restore_bank(table, n_expert, k, rec, rec_addr, actual, stats);
+    __threadfence();
 }
 
 // End of the step (one warp, after the last layer's experts): the last layer's routing noted as predict does for the

@@ -3,8 +3,10 @@
 GPU: the predictor against NumPy (normalised x @ R.T for F32/F16/Q8_0/Q4_K rows, top-k on its logits, ties to the
 lowest id, logits far below the max ranked as logits), the copy kernel's compaction, exact bytes and table
 rewrites/restores on random tables at several grid shapes, and the CUDA backend with prefetch on against the NumPy
-backend (greedy tokens, logits, the table after each step as before it). CPU: the switch, the bench's summary, the
-fork/join order, the launch constants against the kernel's.
+backend (greedy tokens, logits, the table after each step as before it), each at --prefetch-depth 1 and 2 (three
+staging banks). CPU: the switch, the bench's summary, the fork/join order (at depth 2 over whole 48-layer steps on
+the stream-order graph: joins, bank reuse, the step boundary), the launches' pointers per depth, the launch
+constants against the kernel's.
 """
 import argparse
 
@@ -44,14 +46,34 @@ def test_options_take_the_flag():
     add_cuda_args(p)
     assert CudaOptions.from_args(p.parse_args(["--prefetch", "on"])).prefetch == "on"
     assert CudaOptions.from_args(p.parse_args([])).prefetch is None
+    assert CudaOptions.from_args(p.parse_args([])).prefetch_depth == pf.DEFAULT_DEPTH
+    assert CudaOptions.from_args(p.parse_args(["--prefetch-depth", "2"])).prefetch_depth == 2
 
 
 def test_summary():
     s = pf.PrefetchStats.from_counters(np.array([800, 600, 300, 240], dtype=np.uint64))
     out = s.summary(blob_bytes=2_000_000, steps=100)
-    assert out == dict(pred_accuracy=0.75, prefetch_mb_per_token=6.0, prefetch_wasted=0.2)
-    assert pf.PrefetchStats().summary(10, 0) == dict(pred_accuracy=None, prefetch_mb_per_token=0.0,
-                                                      prefetch_wasted=None)
+    assert out == dict(pred_accuracy=0.75, pred_accuracy_2=None, prefetch_mb_per_token=6.0, prefetch_wasted=0.2)
+    assert pf.PrefetchStats().summary(10, 0) == dict(pred_accuracy=None, pred_accuracy_2=None,
+                                                      prefetch_mb_per_token=0.0, prefetch_wasted=None)
+    # depth 2: the second counter pair, accuracy kept per depth
+    s = pf.PrefetchStats.from_counters(np.array([100, 90, 300, 240, 700, 350], dtype=np.uint64))
+    assert (s.predicted2, s.correct2) == (700, 350)
+    assert s.summary(2_000_000, 100)["pred_accuracy"] == 0.9
+    assert s.summary(2_000_000, 100)["pred_accuracy_2"] == 0.5
+
+
+def test_prefetch_depth_flag_and_staging_slots():
+    p = argparse.ArgumentParser()
+    add_cuda_args(p)
+    assert p.parse_args([]).prefetch_depth is None
+    assert p.parse_args(["--prefetch-depth", "2"]).prefetch_depth == 2
+    with pytest.raises(SystemExit):
+        p.parse_args(["--prefetch-depth", "3"])
+    assert pf.DEFAULT_DEPTH == 1
+    assert pf.staging_slots(8) == 16 and pf.staging_slots(8, 1) == 16 and pf.staging_slots(8, 2) == 24
+    with pytest.raises(ValueError, match="--prefetch-depth 3"):
+        pf.banks(3)
 
 
 def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_208):
@@ -61,12 +83,15 @@ def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_20
 
 
 def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
-    monkeypatch.setattr(pf, "Prefetcher", lambda step: "PF")
+    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth=1: f"PF{depth}")
     monkeypatch.setattr(pf, "DEFAULT_ON", True)
     logs = []
     st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append) == "PF" and st.prefetch == "PF"
-    assert "2 x 8 staging slots (40 MiB" in logs[-1]
+    assert pf.attach(st, "on", logs.append) == "PF1" and st.prefetch == "PF1"
+    assert "next-layer prediction, 2 x 8 staging slots (40 MiB" in logs[-1]
+    st = _fake_step(16, 32)
+    assert pf.attach(st, "on", logs.append, depth=2) == "PF2" and st.prefetch == "PF2"
+    assert "prediction 2 layers ahead, 3 x 8 staging slots (61 MiB" in logs[-1]
     st = _fake_step(32, 32)
     assert pf.attach(st, "on", logs.append) is None and st.prefetch is None
     assert pf.attach(_fake_step(16, 32), "off", logs.append) is None
@@ -134,16 +159,21 @@ class _Stream:
         self.log.ops.append(("exit", self.name))
 
 
-def _fake_prefetcher(n_layer):
+def _fake_prefetcher(n_layer, depth=None):
     log = _Log()
     p = pf.Prefetcher.__new__(pf.Prefetcher)
     p.n_layer = n_layer
+    if depth is not None:
+        p.depth, p.banks = depth, pf.banks(depth)
     p.step = type("S", (), {"stream": _Stream(log, "main")})()
     p.side = _Stream(log, "side")
     p.done = [_Ev(log, f"done{i}") for i in range(n_layer)]
     p.forked, p.finished = _Ev(log, "forked"), _Ev(log, "finished")
     p._pending, p._finish_pending = set(), False
-    p.launch_predict = lambda li: log.ops.append(("predict", li))
+    # ("predict", li): layer li predicts li+1 and notes its own routing, as depth 1 always does
+    p.launch_predict = lambda li, m=None, note=True: log.ops.append(
+        ("predict", li) if m in (None, li + 1) and note else ("predict", li, m, note))
+    p.launch_note = lambda li: log.ops.append(("note", li))
     p.launch_copy = lambda m: log.ops.append(("copy", m))
     p.launch_finish = lambda: log.ops.append(("finish",))
     p.fused = lambda li: False
@@ -192,6 +222,207 @@ def test_fused_router_launch_predicts_instead_of_a_predict_launch():
     q.n_layer = 4
     q.step = NS(w=NS(layers=[NS(router=NS(qt=t)) for t in (0, 0, 8, 8)]))
     assert [q.fused(li) for li in range(4)] == [True, False, True, False]
+
+
+def _happens_before(ops):
+    """The stream-order graph of a fake op log: each stream's ops in order, a wait after the latest record of its
+    event. Returns (nodes: op per index, before(a, b): whether op a must finish before op b starts)."""
+    nodes, last, rec, edges = [], {}, {}, {}
+    stream = "main"
+    for o in ops:
+        if o[0] == "enter":
+            stream = o[1]
+            continue
+        if o[0] == "exit":
+            stream = "main"
+            continue
+        s = o[2] if o[0] == "record" else o[1] if o[0] == "wait" else stream
+        i = len(nodes)
+        nodes.append(o)
+        edges[i] = set()
+        if s in last:
+            edges[i].add(last[s])
+        if o[0] == "record":
+            rec[o[1]] = i
+        if o[0] == "wait":
+            edges[i].add(rec[o[2]])
+        last[s] = i
+    anc = []
+    for i in range(len(nodes)):
+        a = set()
+        for j in edges[i]:
+            a |= anc[j] | {j}
+        anc.append(a)
+    return nodes, lambda a, b: a in anc[b]
+
+
+def _run_steps(p, log, n_layer, steps):
+    for s in range(steps):
+        log.ops.append(("begin", s))
+        for li in range(n_layer):          # as DecodeStep.enqueue: router, prefetch hook, experts
+            log.ops.append(("router", li, s))
+            p.enqueue(li)
+            log.ops.append(("experts", li, s))
+        p.enqueue_finish()
+        log.ops.append(("output", s))
+        p.enqueue_join()
+        log.ops.append(("end", s))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("n_layer", [48, 5, 3, 2])
+def test_depth2_launch_and_wait_order(n_layer, fused):
+    """Depth 2 over whole steps (48 layers as Qwen3-30B, and short models), two steps back to back, checked on the
+    stream-order graph: layer m's experts are predicted at layer m-2 (layer 1 at layer 0), the copy forked after that
+    prediction and joined before layer m's experts, never a later layer's copy joined early; the copy reusing a bank
+    (m % 3) starts only after the experts of the bank's previous layer; the finish restores after the last layer's
+    experts and before the step's end; the next step's copies start after it; every layer's routing noted once."""
+    p, log = _fake_prefetcher(n_layer, depth=2)
+    if fused:
+        p.fused = lambda li: bool(p.targets(li))
+        p.enqueue_router = None           # the router launch is the step's; here it is the ("router", li) op
+    _run_steps(p, log, n_layer, 2)
+    nodes, before = _happens_before(log.ops)
+    idx = {}
+    step = 0
+    for i, o in enumerate(nodes):
+        if o[0] == "begin":
+            step = o[1]
+        if o[0] in ("record", "wait"):
+            continue
+        key = (o[0], *o[1:]) if o[0] in ("router", "experts", "output", "begin", "end") else (*o, step)
+        assert key not in idx, f"{key} twice"
+        idx[key] = i
+    for s in range(2):
+        copies = sorted(k[1] for k in idx if k[0] == "copy" and k[-1] == s)
+        assert copies == list(range(1, n_layer))                       # every layer but the first, once
+        for m in copies:
+            src = 0 if m == 1 else m - 2
+            c = idx[("copy", m, s)]
+            # predicted by layer src: fused into its router launch, or a predict launch of its own
+            if fused and p.targets(src)[0] == m:
+                pred_op = idx[("router", src, s)]
+            else:
+                pk = ("predict", src) if m == src + 1 else ("predict", src, m, m == p.targets(src)[0])
+                pred_op = idx[pk + (s,)]
+            assert before(pred_op, c) and before(idx[("router", src, s)], c)
+            assert not before(idx[("experts", src, s)], c)              # forked before layer src's experts
+            assert before(c, idx[("experts", m, s)])                   # joined before its own experts
+            if m + 1 < n_layer:                                       # and only its own copy is waited for
+                assert not before(idx[("copy", m + 1, s)], idx[("experts", m, s)])
+            nxt = [m2 for m2 in copies if m2 > m and m2 % p.banks == m % p.banks]
+            if nxt:      # the next copy into this bank restores this layer's entries: after its experts
+                assert before(idx[("experts", m, s)], idx[("copy", nxt[0], s)])
+            assert before(c, idx[("finish", s)])
+        fin = idx[("finish", s)]
+        assert before(idx[("experts", n_layer - 1, s)], fin) and before(fin, idx[("end", s)])
+        if s == 0:
+            for m in range(1, n_layer):
+                assert before(fin, idx[("copy", m, 1)])
+        # routing notes: layer li's own note once, between its router and the next layer's router
+        for li in range(1, n_layer):
+            notes = [k for k in idx if k[-1] == s and k[1] == li and (
+                k in (("predict", li, s), ("note", li, s)) or (k[0] == "predict" and len(k) == 5 and k[3]))]
+            if fused and p.targets(li):
+                notes.append(("router", li, s))
+            assert len(notes) == 1, (li, notes)
+            assert (("note", li, s) in notes) == (li >= n_layer - 2)     # the layers with nothing to predict
+            for k in notes:
+                assert k[0] == "router" or before(idx[("router", li, s)], idx[k])
+                if li + 1 < n_layer:
+                    assert before(idx[k], idx[("router", li + 1, s)])
+    assert p._pending == set() and not p._finish_pending
+
+
+def test_targets_and_banks():
+    p, _ = _fake_prefetcher(48, depth=2)
+    assert p.banks == 3
+    assert p.targets(0) == [1, 2] and p.targets(1) == [3] and p.targets(45) == [47]
+    assert p.targets(46) == [] and p.targets(47) == []
+    q, _ = _fake_prefetcher(48)
+    assert q.depth == 1 and [q.targets(li) for li in (0, 46, 47)] == [[1], [47], []]
+    assert _fake_prefetcher(2, depth=2)[0].targets(0) == [1]
+
+
+class _Buf:
+    """A fake device array: .data.ptr, rows by index (rec[b]) at row_bytes apart."""
+
+    def __init__(self, ptr, row_bytes=0):
+        from types import SimpleNamespace as NS
+        self.data, self.row_bytes = NS(ptr=ptr), row_bytes
+
+    def __getitem__(self, b):
+        return _Buf(self.data.ptr + b * self.row_bytes)
+
+
+def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024):
+    """A Prefetcher with fake buffers and launch functions that record their arguments."""
+    from types import SimpleNamespace as NS
+    calls = []
+    p = pf.Prefetcher.__new__(pf.Prefetcher)
+    p.depth, p.banks = depth, pf.banks(depth)
+    p.n_layer, p.n_expert, p.k, p.stride, p.units, p.slot_lo, p.slot_hi = n_layer, n_expert, k, stride, 60, 1, 2
+    p.smem = 0
+    p.staging, p.pred, p.actual = _Buf(10**6), _Buf(2 * 10**6), _Buf(3 * 10**6)
+    p.rec, p.rec_addr = _Buf(4 * 10**6, 4 * (2 + k)), _Buf(5 * 10**6, 8 * k)
+    p.table, p.stats, p.counters, p.logits = _Buf(6 * 10**6), _Buf(7 * 10**6), _Buf(8 * 10**6), _Buf(9 * 10**6)
+    rec = lambda name: lambda grid, block, args, **kw: calls.append((name, grid, [int(a) for a in args]))
+    p.f_copy, p.f_finish, p.f_restore = rec("copy"), rec("finish"), rec("restore")
+    p.f_predict = {0: rec("predict")}
+    p.f_router_predict = {0: rec("router_predict")}
+    layers = [NS(router=NS(qt=0, ptr=100 + i, row_bytes=8), ffn_norm=_Buf(200 + i)) for i in range(n_layer)]
+    cfg = NS(rms_eps=1e-6, n_embd=64, expert_weights_norm=True, expert_weights_scale=1.0)
+    p.step = NS(k=None, w=NS(layers=layers), cfg=cfg, x=_Buf(11), ids=_Buf(12), rlogits=_Buf(13), wts=_Buf(14),
+                cache=NS(table=p.table, slot_lo=1, slot_hi=2, counts=_Buf(15), stats=_Buf(16)))
+    return p, calls
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_launch_pointers(depth):
+    """The arguments the launches get: the copy for layer m into bank m % banks (its staging, rec, rec_addr), the
+    prediction of layer m into pred[m], each layer's note against the counter pair of the depth that predicted it,
+    and at the end every bank restored (depth 2: prefetch_finish notes nothing, its note was launch_note's)."""
+    k, stride = 4, 1024
+    p, calls = _pointer_prefetcher(depth)
+    for m in range(1, 6):
+        calls.clear()
+        p.launch_copy(m)
+        (_, _, a), = calls
+        b = m % (depth + 1)
+        assert a[1] == m and a[4] == p.pred.data.ptr + 4 * k * m
+        assert a[5] == p.staging.data.ptr + b * k * stride
+        assert a[10] == p.rec.data.ptr + b * 4 * (2 + k) and a[11] == p.rec_addr.data.ptr + b * 8 * k
+    stats = p.stats.data.ptr
+    for li in range(6):
+        for m in p.targets(li):
+            calls.clear()
+            p.launch_predict(li, m, note=m == p.targets(li)[0])
+            (_, _, a), = calls
+            assert a[4] == 100 + m and a[9] == p.pred.data.ptr + 4 * k * m          # layer m's router, into pred[m]
+            assert a[11] == p.pred.data.ptr + 4 * k * li and a[13] == p.actual.data.ptr + 4 * k * li
+            assert a[12] == (1 if li > 0 and m == p.targets(li)[0] else 0)
+            assert a[14] == stats + (32 if depth == 2 and li >= 2 else 0)
+        if p.targets(li):
+            calls.clear()
+            assert p.enqueue_router(li)
+            (_, _, a), = calls
+            m = p.targets(li)[0]
+            assert a[18] == 100 + m and a[21] == p.pred.data.ptr + 4 * k * m
+            assert a[22] == p.pred.data.ptr + 4 * k * li and a[23] == (1 if li > 0 else 0)
+            assert a[25] == stats + (32 if depth == 2 and li >= 2 else 0)
+        else:
+            assert not p.enqueue_router(li)
+    calls.clear()
+    p.launch_note(5)
+    (_, grid, a), = calls
+    assert grid == (1,) and a[4] == 0 and a[9] == 0 and a[12] == 1 and a[14] == stats + (32 if depth == 2 else 0)
+    calls.clear()
+    p.launch_finish()
+    assert [c[0] for c in calls] == ["finish"] + ["restore"] * (depth - 1)
+    fa = calls[0][2]
+    assert fa[5] == (1 if depth == 1 else 0)
+    recs = {fa[8], fa[10], *(c[2][3] for c in calls[1:])}
+    assert recs == {p.rec.data.ptr + b * 4 * (2 + k) for b in range(depth + 1)}
 
 
 def test_decode_step_takes_the_router_launch_from_the_prefetch():
@@ -452,13 +683,15 @@ class _Arena:
     (16, 8, 4000, 4096, (pf.COPY_BLOCKS, pf.COPY_THREADS), 0.0),    # nothing resident: all k copied
     (16, 8, 4000, 4096, (pf.COPY_BLOCKS, pf.COPY_THREADS), 1.0),    # everything resident: nothing copied
 ])
-def test_prefetch_copy_and_restore(n_expert, k, nbytes, stride, grid, resident):
+@pytest.mark.parametrize("banks", [2, 3])
+def test_prefetch_copy_and_restore(n_expert, k, nbytes, stride, grid, resident, banks):
     """Layer by layer as in a step: only the predicted experts whose entry is neither a VRAM slot nor 0 are copied,
-    in prediction order, byte for byte (the staging past each blob, the unused slots and the other bank untouched),
-    their entries rewritten and recorded, the bank's layer two back restored; then the finish restores the rest."""
+    in prediction order, byte for byte (the staging past each blob, the unused slots and the other banks untouched),
+    their entries rewritten and recorded, the bank's previous layer (`banks` back: 2 at depth 1, 3 at depth 2)
+    restored; then the finish (+ prefetch_restore for a third bank) restores the rest."""
     cp = _cp()
     rng = np.random.default_rng(n_expert * k + grid[0])
-    n_layer = 5
+    n_layer = 7             # every bank reused at least once
     units = (nbytes + 15) // 16
     n_res = int(n_layer * n_expert * resident)
     A = _Arena(cp, rng, n_layer, n_expert, nbytes, stride, n_resident=n_res, zero=n_res < n_layer * n_expert)
@@ -466,19 +699,19 @@ def test_prefetch_copy_and_restore(n_expert, k, nbytes, stride, grid, resident):
     copy, finish = mod.get_function("prefetch_copy"), mod.get_function("prefetch_finish")
     I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
     try:
-        staging = cp.full(2 * k * stride, 0xFF, dtype=cp.uint8)
-        pred = cp.zeros(2 * k, dtype=cp.int32)
+        staging = cp.full(banks * k * stride, 0xFF, dtype=cp.uint8)
+        pred = cp.zeros(banks * k, dtype=cp.int32)
         act = np.stack([rng.permutation(n_expert)[:k] for _ in range(n_layer)]).astype(np.int32)
         actual = cp.asarray(act)
-        rec = cp.zeros((2, 2 + k), dtype=cp.int32)
-        rec_addr = cp.zeros((2, k), dtype=cp.uint64)
+        rec = cp.zeros((banks, 2 + k), dtype=cp.int32)
+        rec_addr = cp.zeros((banks, k), dtype=cp.uint64)
         stats = cp.zeros(4, dtype=cp.uint64)
         counter = cp.zeros(1, dtype=cp.int32)
         expect = A.table0.copy()
         staged_by_layer = []
         used = lambda j: sum(e in act[j].tolist() for e, _ in staged_by_layer[j])
         for m in range(n_layer):
-            b = m % 2
+            b = m % banks
             # predictions: resident, non-resident and (where this layer has it) the 0 entry, all mixed
             p = rng.permutation(n_expert)[:k]
             z = A.zero - m * n_expert
@@ -486,7 +719,8 @@ def test_prefetch_copy_and_restore(n_expert, k, nbytes, stride, grid, resident):
                 p[0] = z
             pred[b * k:(b + 1) * k] = cp.asarray(p.astype(np.int32))
             staging[b * k * stride:(b + 1) * k * stride] = 0xFF
-            other = staging.get()[(1 - b) * k * stride:(2 - b) * k * stride]
+            others = [o for o in range(banks) if o != b]
+            other = [staging.get()[o * k * stride:(o + 1) * k * stride] for o in others]
             copy(grid[:1], grid[1:], (_u64(A.table), I32(m), I32(n_expert), I32(k), _u64(pred, 4 * k * b),
                                       _u64(staging, b * k * stride), I64(stride), U32(units), U64(A.slot_lo),
                                       U64(A.slot_hi), _u64(rec[b]), _u64(rec_addr[b]), _u64(actual), _u64(stats),
@@ -499,8 +733,8 @@ def test_prefetch_copy_and_restore(n_expert, k, nbytes, stride, grid, resident):
                 assert len(staged) == k - (1 if 0 <= A.zero - m * n_expert < n_expert else 0)
             if resident == 1.0:
                 assert staged == []
-            if m >= 2:          # the bank's previous layer is back to its original entries
-                lo = (m - 2) * n_expert
+            if m >= banks:      # the bank's previous layer is back to its original entries
+                lo = (m - banks) * n_expert
                 expect[lo:lo + n_expert] = A.table0[lo:lo + n_expert]
             base = staging.data.ptr + b * k * stride
             for c, (e, _) in enumerate(staged):
@@ -513,29 +747,38 @@ def test_prefetch_copy_and_restore(n_expert, k, nbytes, stride, grid, resident):
                 np.testing.assert_array_equal(st[c, :units * 16], A.host[g * stride:g * stride + units * 16])
                 assert (st[c, units * 16:] == 0xFF).all()        # exactly the blob's bytes, no more
             assert (st[len(staged):] == 0xFF).all()
-            np.testing.assert_array_equal(full[(1 - b) * k * stride:(2 - b) * k * stride], other)
+            for o, before in zip(others, other):
+                np.testing.assert_array_equal(full[o * k * stride:(o + 1) * k * stride], before)
             r = rec.get()[b]
             assert r[0] == m and r[1] == len(staged)
             assert r[2:2 + len(staged)].tolist() == [e for e, _ in staged]
             assert rec_addr.get()[b][:len(staged)].tolist() == [a for _, a in staged]
             s = stats.get()
             assert int(s[2]) == sum(map(len, staged_by_layer))
-            assert int(s[3]) == sum(used(j) for j in range(m - 1))      # layers restored so far: 0 .. m-2
+            assert int(s[3]) == sum(used(j) for j in range(m - banks + 1))     # restored so far: 0 .. m-banks
             assert int(counter.get()[0]) == 0
         if resident < 1.0:
             assert sum(map(len, staged_by_layer)) > 0
-        # finish: the last layer's routing noted against its prediction, both banks restored
+        # finish: the last layer's routing noted against its prediction, banks 0 and 1 restored; a third bank by
+        # prefetch_restore (one warp), which must leave an already restored (empty) record alone
         last = n_layer - 1
         ids = cp.asarray(act[last])
         stats[:2] = 0
-        finish((1,), (32,), (_u64(A.table), I32(n_expert), I32(k), _u64(ids), _u64(pred, 4 * k * (last % 2)),
+        finish((1,), (32,), (_u64(A.table), I32(n_expert), I32(k), _u64(ids), _u64(pred, 4 * k * (last % banks)),
                              I32(1), I32(last), _u64(actual), _u64(rec[0]), _u64(rec_addr[0]), _u64(rec[1]),
                              _u64(rec_addr[1]), _u64(stats)))
+        if banks == 3:
+            restore = mod.get_function("prefetch_restore")
+            cp.cuda.Device().synchronize()
+            assert int(rec.get()[2, 1]) == len(staged_by_layer[5])       # layer 5's bank: still to restore
+            for b in (2, 0):                                            # bank 0: restored already, a no-op
+                restore((1,), (32,), (_u64(A.table), I32(n_expert), I32(k), _u64(rec[b]), _u64(rec_addr[b]),
+                                      _u64(actual), _u64(stats)))
         cp.cuda.Device().synchronize()
         np.testing.assert_array_equal(A.table.get(), A.table0)
-        assert rec.get()[:, 1].tolist() == [0, 0]
+        assert rec.get()[:, 1].tolist() == [0] * banks
         s = stats.get()
-        right = len(set(act[last].tolist()) & set(pred.get()[(last % 2) * k:][:k].tolist()))
+        right = len(set(act[last].tolist()) & set(pred.get()[(last % banks) * k:][:k].tolist()))
         assert s.tolist() == [k, right, sum(map(len, staged_by_layer)), sum(used(j) for j in range(n_layer))]
     finally:
         A.close()
@@ -543,28 +786,35 @@ def test_prefetch_copy_and_restore(n_expert, k, nbytes, stride, grid, resident):
 
 # --- GPU: end to end -----------------------------------------------------------------------------------------------
 @gpu
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("name", MOE)
 @pytest.mark.parametrize("share,graph", [("none", True), ("half", True), ("none", False)])
-def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph):
+def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth):
     model, prompt, toks, cpu_logits = cpu_runs[name]
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert
     slots = {"none": 0, "half": total // 2}[share]
-    be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch="on", no_graph=not graph)
+    be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch="on", no_graph=not graph,
+                      prefetch_depth=depth)
     try:
         assert be.step.prefetch is not None and be.info()["prefetch"] == "on"
+        assert be.step.prefetch.depth == depth and be.step.prefetch.banks == depth + 1
         got = greedy(be, prompt, N_GREEDY)
         assert_same_greedy(got, toks, cpu_logits)
         be.stream.synchronize()
         np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)   # clean between steps
+        assert (be.step.prefetch.rec.get()[:, 1] == 0).all()                       # every bank restored
         ps, st = be.prefetch_stats(), be.get_stats()
         steps = N_GREEDY - 1
-        assert ps.predicted == steps * (cfg.n_layer - 1) * cfg.n_expert_used
-        assert 0 <= ps.correct <= ps.predicted
+        k = cfg.n_expert_used
+        # every layer but the first noted against its prediction, layers 2.. against the depth-2 pair at depth 2
+        assert ps.predicted + ps.predicted2 == steps * (cfg.n_layer - 1) * k
+        assert ps.predicted2 == (steps * (cfg.n_layer - 2) * k if depth == 2 else 0)
+        assert 0 <= ps.correct <= ps.predicted and 0 <= ps.correct2 <= ps.predicted2
         assert 0 < ps.staged and ps.used <= ps.staged
-        assert st.lookups == steps * cfg.n_layer * cfg.n_expert_used
+        assert st.lookups == steps * cfg.n_layer * k
         if share == "none":
-            assert ps.staged == ps.predicted and ps.used == ps.correct
+            assert ps.staged == ps.predicted + ps.predicted2 and ps.used == ps.correct + ps.correct2
             assert st.hits == 0                  # a staged expert is not a cache hit
         be.truncate(len(prompt))
         dec = np.stack([be.forward([t]) for t in toks[:-1]])
@@ -574,10 +824,12 @@ def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph):
 
 
 @gpu
-def test_table_after_a_step_equals_before(cpu_runs):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_table_after_a_step_equals_before(cpu_runs, depth):
     model, prompt, toks, _ = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
-    be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch="on")
+    be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch="on",
+                      prefetch_depth=depth)
     try:
         greedy(be, prompt, 24)               # the adaptive tier fills half the slots: hits and misses mixed
         be.cache.poll(be.stream, wait=True)
@@ -609,3 +861,38 @@ def test_prefetch_switch(cpu_runs):
             assert (be.prefetch_stats() is not None) == on
         finally:
             be.close()
+
+
+@gpu
+def test_sampled_variant_at_depth_2_restores_the_table_and_matches_depth_1(fixtures_dir):
+    """The sampled graph variant carries the depth-2 fork/joins too: after sampled steps the device table equals the
+    host's and every bank's record is empty, a seeded run reproduces, and its tokens are depth 1's (the staged copies
+    are the arena's bytes: where an expert is read from cannot change the answer)."""
+    import json
+
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.gguf_model import open_model
+    from test_cuda_sampler import _sampled
+    name = "tiny-qwen3moe-q4k"
+    model = open_model(fixtures_dir / "reference" / f"{name}.gguf")
+    prompt = list(json.loads((fixtures_dir / "reference" / f"{name}.json").read_text())["cases"][0]["prompt_ids"])
+    total = model.config.n_layer * model.config.n_expert
+    params = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 77, "penalty_present": 0.5}
+    runs = {}
+    for depth in (1, 2):
+        be = CUDABackend(model, 256, CudaOptions(expert_slots=total // 2, prefetch="on", adapt_every=0,
+                                                 prefetch_depth=depth))
+        try:
+            assert be.step.prefetch is not None and be.step.prefetch.depth == depth
+            runs[depth] = _sampled(be, prompt, params)
+            assert be.gpu_sampler.graph_of is be.step
+            be.stream.synchronize()
+            np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+            assert (be.step.prefetch.rec.get()[:, 1] == 0).all()
+            ps = be.prefetch_stats()
+            assert ps.staged > 0 and (ps.predicted2 > 0) == (depth == 2)
+            be.truncate(0)
+            assert _sampled(be, prompt, params) == runs[depth]
+        finally:
+            be.close()
+    assert runs[2] == runs[1]

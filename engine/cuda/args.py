@@ -81,6 +81,9 @@ def add_cuda_args(parser) -> None:
                    help="decode: predict each next layer's experts from the current layer's FFN input and copy the "
                         "ones not in VRAM ahead of use, overlapping PCIe with compute (default: on when some experts "
                         "do not fit in VRAM; never when all do)")
+    g.add_argument("--prefetch-depth", type=int, choices=(1, 2), default=None, metavar="1|2",
+                   help="decode prefetch: predict the next layer's experts (1, default) or the one after it (2: each "
+                        "copy has two layers of compute to hide in, the guess is less accurate; 3 staging banks)")
     g.add_argument("--no-graph", action="store_true",
                    help="launch the decode step kernel by kernel instead of replaying a CUDA graph (debugging)")
     g.add_argument("--calibrate", action="store_true",

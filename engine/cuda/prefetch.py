@@ -17,7 +17,24 @@ between the router and the experts, `enqueue(l)`:
 After the last layer's experts `enqueue_finish()` forks prefetch_finish (restores the table) and, after the pick,
 `enqueue_join()` joins it, so the graph ends with the table as it began.
 
-The stats counters (device, uint64): look-ups with a prediction, predicted right, experts staged, staged and used.
+The stats counters (device, uint64): look-ups with a prediction, predicted right, experts staged, staged and used;
+then look-ups with a depth-2 prediction and predicted right (the first pair counts the depth-1 predictions only).
+
+--prefetch-depth 2: a layer's copy has only the window from layer l's router to layer l+1's experts (~45 us on the
+H200 at the Qwen3-30B shape) for ~70 us of copying, so the join waits every layer and the link idles between layers.
+At depth 2 layer l's router launch predicts layer l+2 instead (its router on layer l's FFN input: less accurate) and
+its copy starts right away, so it has two layers of compute to hide in and the copies queue back to back on the
+side stream. Layer 0 predicts layers 1 (depth 1: nothing earlier could) and 2 (a predict launch of its own, once a
+step); layers n-2 and n-1 predict nothing and note their routing by predict in bookkeeping mode (one-block
+launches: `actual` and the accuracy counters must see every layer's routing before the next router rewrites ids).
+Three staging banks (layer m % 3): the copy for layer m, forked after layer m-2's router, restores and reuses the
+bank of layer m-3, whose experts ran before that router on the main stream (two banks would hand it layer m-2's,
+whose experts have not run yet). Each layer's entries are rewritten by its one copy only, joined before its experts,
+and restored by the copy three layers on or at the step's end (prefetch_finish + prefetch_restore for the third
+bank). No depth-1 top-up at layer m-1 for what the depth-2 guess missed: the link is the bottleneck (193 MB a
+token, 3.8 ms at 51 GB/s, against a 3.1 ms compute step), a top-up moves no bytes off it (the missed expert is read
+in place anyway, by the same link) and would put a short-window copy back in front of every join, the wait depth 2
+exists to remove.
 
 Cost (H200, Qwen3-30B-A3B shape at 12 GiB, the 01:20 run of the first version: 151.6 tok/s): predict was a launch
 of its own, 17 us a layer on the critical path (806 us a step). The per-kind profile's "prefetch" figure (6.77 ms
@@ -49,6 +66,9 @@ MAX_EXPERTS = 512          # cuda_src/prefetch.cu PF_MAX_EXPERTS
 SMEM_DEFAULT = 48 * 1024   # dynamic shared memory without opting in (the predictor keeps n_embd floats there)
 SMEM_MAX = 227 * 1024      # the most a block may opt in to (sm_80 / sm_90)
 DEFAULT_ON = True          # --prefetch's default when some experts have no VRAM slot (the lead sets it from the bench)
+DEPTHS = (1, 2)            # --prefetch-depth: predict the next layer, or the one after it (module docstring)
+DEFAULT_DEPTH = 1          # the lead sets it from the bench (--prefetch-depth both)
+STATS = 6                  # the device counters (PrefetchStats' fields)
 
 
 def load_module(qtypes):
@@ -93,7 +113,7 @@ def unsupported(cfg, layout) -> str | None:
     return None
 
 
-def attach(step, flag: str | None, log) -> "Prefetcher | None":
+def attach(step, flag: str | None, log, depth: int = DEFAULT_DEPTH) -> "Prefetcher | None":
     """Give the decode step a Prefetcher when wanted() says so. A model the kernels cannot serve: refused when the
     user asked for --prefetch on, else said in the log and left off."""
     c = step.cache
@@ -105,16 +125,25 @@ def attach(step, flag: str | None, log) -> "Prefetcher | None":
             raise ValueError(f"--prefetch on cannot serve this model: {why}; run with --prefetch off")
         log(f"expert prefetch off: {why}")
         return None
-    step.prefetch = Prefetcher(step)
-    k = step.cfg.n_expert_used
-    log(f"expert prefetch on: next-layer prediction, 2 x {k} staging slots "
-        f"({2 * k * step.layout.stride / 2**20:.0f} MiB of VRAM)")
+    step.prefetch = Prefetcher(step, depth)
+    k, nb = step.cfg.n_expert_used, banks(depth)
+    what = "next-layer prediction" if depth == 1 else f"prediction {depth} layers ahead"
+    log(f"expert prefetch on: {what}, {nb} x {k} staging slots "
+        f"({nb * k * step.layout.stride / 2**20:.0f} MiB of VRAM)")
     return step.prefetch
 
 
-def staging_slots(k: int) -> int:
-    """VRAM staging slots the prefetch takes (two banks of k), in expert strides: the cache gives up as many."""
-    return 2 * k
+def banks(depth: int) -> int:
+    """Staging banks: a layer's bank is reused by the copy launched after the router of the layer `depth` before
+    the next user's layer, so depth + 1 banks keep it until its experts ran (module docstring)."""
+    if depth not in DEPTHS:
+        raise ValueError(f"--prefetch-depth {depth}: expected one of {', '.join(map(str, DEPTHS))}")
+    return depth + 1
+
+
+def staging_slots(k: int, depth: int = DEFAULT_DEPTH) -> int:
+    """VRAM staging slots the prefetch takes (depth + 1 banks of k), in expert strides: the cache gives up as many."""
+    return banks(depth) * k
 
 
 @dataclass
@@ -123,14 +152,17 @@ class PrefetchStats:
     correct: int = 0           # of them, experts the prediction named
     staged: int = 0            # experts copied over PCIe ahead of use (their bytes crossed the link)
     used: int = 0              # staged experts the router then chose
+    predicted2: int = 0        # look-ups whose prediction was made two layers ahead (--prefetch-depth 2)
+    correct2: int = 0          # of them, experts the prediction named
 
     @classmethod
     def from_counters(cls, c) -> "PrefetchStats":
-        return cls(*(int(v) for v in c[:4]))
+        return cls(*(int(v) for v in c[:STATS]))
 
     def summary(self, blob_bytes: int, steps: int) -> dict:
         """The bench's columns: prediction accuracy, staged MB per token, the share of staged bytes wasted."""
         return dict(pred_accuracy=round(self.correct / self.predicted, 4) if self.predicted else None,
+                    pred_accuracy_2=round(self.correct2 / self.predicted2, 4) if self.predicted2 else None,
                     prefetch_mb_per_token=round(self.staged * blob_bytes / max(steps, 1) / 1e6, 2),
                     prefetch_wasted=round(1 - self.used / self.staged, 4) if self.staged else None)
 
@@ -138,11 +170,14 @@ class PrefetchStats:
 class Prefetcher:
     """Buffers, staging slots, kernels and events of the prefetch for one DecodeStep (MoE models only)."""
 
-    def __init__(self, step):
+    depth = DEFAULT_DEPTH          # the instance's --prefetch-depth (set in __init__)
+
+    def __init__(self, step, depth: int = DEFAULT_DEPTH):
         import cupy as cp
 
         self.cp = cp
         self.step = step
+        self.depth, self.banks = depth, banks(depth)
         c, cache, lay = step.cfg, step.cache, step.layout
         self.n_layer, self.n_expert, self.k = c.n_layer, c.n_expert, c.n_expert_used
         why = unsupported(c, lay)
@@ -164,18 +199,19 @@ class Prefetcher:
                 f.max_dynamic_shared_size_bytes = self.smem
         self.f_copy = mod.get_function("prefetch_copy")
         self.f_finish = mod.get_function("prefetch_finish")
-        k = self.k
+        self.f_restore = mod.get_function("prefetch_restore")
+        k, nb = self.k, self.banks
         with step.stream:
-            self.staging = cp.empty(2 * k * self.stride, dtype=cp.uint8)
+            self.staging = cp.empty(nb * k * self.stride, dtype=cp.uint8)
             # the prediction for each layer, kept for the whole step (not in two banks): a replay of the copies
             # alone (DecodeStep.profile's "prefetch" kind) then copies what the last real step predicted for each
             # layer, the real bytes, instead of the last two layers' predictions applied to every layer
             self.pred = cp.zeros(self.n_layer * k, dtype=cp.int32)
             self.actual = cp.zeros(self.n_layer * k, dtype=cp.int32)
-            self.rec = cp.zeros((2, 2 + k), dtype=cp.int32)          # bank: layer, n, expert ids
-            self.rec_addr = cp.zeros((2, k), dtype=cp.uint64)        # bank: the entries' original addresses
+            self.rec = cp.zeros((nb, 2 + k), dtype=cp.int32)         # bank: layer, n, expert ids
+            self.rec_addr = cp.zeros((nb, k), dtype=cp.uint64)       # bank: the entries' original addresses
             self.logits = cp.zeros(self.n_expert, dtype=cp.float32)
-            self.stats = cp.zeros(4, dtype=cp.uint64)
+            self.stats = cp.zeros(STATS, dtype=cp.uint64)
             self.counters = cp.zeros(2, dtype=cp.int32)              # predict's and copy's last-block counters
         self.side = cp.cuda.Stream(non_blocking=True)
         self.done = [cp.cuda.Event(disable_timing=True) for _ in range(self.n_layer)]
@@ -197,21 +233,38 @@ class Prefetcher:
         return np.uint64(a.data.ptr + off_bytes)
 
     # --- the launches ------------------------------------------------------------------------------------------
+    def targets(self, li: int) -> list[int]:
+        """The layers whose experts layer li predicts (and starts copying): depth 1, li+1; depth 2, li+2, and at
+        layer 0 also layer 1 (nothing earlier can predict it). Past the last layer: none."""
+        if self.depth == 1:
+            t = [li + 1]
+        else:
+            t = [1, 2] if li == 0 else [li + 2]
+        return [m for m in t if m < self.n_layer]
+
+    def _note_stats(self, li: int):
+        """The (predicted, right) counter pair layer li's routing is noted against: the second pair for a layer
+        predicted two layers ahead (depth 2, from layer 2 on; layer 1 is predicted at depth 1 by layer 0)."""
+        return self._ptr(self.stats, 8 * 4 if self.depth == 2 and li >= 2 else 0)
+
     def fused(self, li: int) -> bool:
-        """Whether layer li's router launch also predicts layer li+1 (router_predict): both routers' rows of one
-        type. The last layer has nothing to predict; mixed types take router_fused + predict."""
+        """Whether layer li's router launch also predicts its first target layer (router_predict): both routers'
+        rows of one type. A layer with no target has nothing to predict; mixed types take router_fused + predict."""
+        t = self.targets(li)
         layers = self.step.w.layers
-        return li + 1 < self.n_layer and int(layers[li].router.qt) == int(layers[li + 1].router.qt)
+        return bool(t) and int(layers[li].router.qt) == int(layers[t[0]].router.qt)
 
     def enqueue_router(self, li: int) -> bool:
         """DecodeStep.enqueue's hook in place of its router launch: True when layer li's router ran here, with the
-        prediction of layer li+1 in the same launch (router_predict); False: the step launches its own router."""
+        prediction of its first target layer in the same launch (router_predict); False: the step launches its own
+        router."""
         if not self.fused(li):
             return False
         if not self._on("router"):      # profiling another kind: neither launch
             return True
         st, c, k = self.step, self.step.cfg, self.k
-        ly, nxt, cache = st.w.layers[li], st.w.layers[li + 1], st.cache
+        m = self.targets(li)[0]
+        ly, nxt, cache = st.w.layers[li], st.w.layers[m], st.cache
         R, R2 = ly.router, nxt.router
         I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
         warps = PREDICT_WARPS
@@ -223,26 +276,34 @@ class Prefetcher:
              F32(c.expert_weights_scale), self._ptr(st.ids), self._ptr(st.wts),
              self._ptr(cache.table, 8 * li * self.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),
              self._ptr(cache.counts, 4 * li * self.n_expert), self._ptr(cache.stats),
-             U64(R2.ptr), I64(R2.row_bytes), self._ptr(self.logits), self._ptr(self.pred, 4 * k * (li + 1)),
+             U64(R2.ptr), I64(R2.row_bytes), self._ptr(self.logits), self._ptr(self.pred, 4 * k * m),
              self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
-             self._ptr(self.stats), self._ptr(self.counters)),
+             self._note_stats(li), self._ptr(self.counters)),
             shared_mem=self.smem)
         return True
 
     def enqueue(self, li: int):
-        """Between layer li's router and its experts, on the step's stream."""
+        """Between layer li's router and its experts, on the step's stream: the predictions the router launch did
+        not make, the copies of the target layers forked onto the side stream, then the wait for this layer's copy
+        (forked `depth` layers earlier, or at layer 0 for layer 1)."""
         main = self.step.stream
         if li == 0:
             self._pending.clear()       # a capture that failed part-way left nothing to join
-        if li + 1 < self.n_layer:
-            if not self.fused(li):      # else the router launch predicted already
-                self.launch_predict(li)
+        targets = self.targets(li)
+        fused = self.fused(li)
+        for j, m in enumerate(targets):
+            if not (j == 0 and fused):  # else the router launch predicted it already
+                self.launch_predict(li, m, note=j == 0)
+        if not targets and self.depth > 1:
+            self.launch_note(li)        # depth 1's last layer is noted by prefetch_finish instead
+        if targets:
             self.forked.record(main)
             self.side.wait_event(self.forked)
-            with self.side:
-                self.launch_copy(li + 1)
-            self.done[li + 1].record(self.side)
-            self._pending.add(li + 1)
+            for m in targets:
+                with self.side:
+                    self.launch_copy(m)
+                self.done[m].record(self.side)
+                self._pending.add(m)
         if li in self._pending:
             main.wait_event(self.done[li])
             self._pending.discard(li)
@@ -263,26 +324,43 @@ class Prefetcher:
             self.step.stream.wait_event(self.finished)
             self._finish_pending = False
 
-    def launch_predict(self, li: int):
+    def launch_predict(self, li: int, m: int, note: bool = True):
+        """predict: layer m's router on layer li's FFN input into pred[m]; with `note`, layer li's routing noted
+        against its own prediction (a second predict launch of the same layer notes nothing: check 0)."""
         if not self._on("predict"):
             return
         st, k, c = self.step, self.k, self.step.cfg
-        ly, nxt = st.w.layers[li], st.w.layers[li + 1]
+        ly, nxt = st.w.layers[li], st.w.layers[m]
         R = nxt.router
         I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
         warps = PREDICT_WARPS
         self.f_predict[int(R.qt)](
             ((self.n_expert + warps - 1) // warps,), (32 * warps,),
             (self._ptr(st.x), self._ptr(ly.ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(R.ptr), I64(R.row_bytes),
-             I32(self.n_expert), I32(k), self._ptr(self.logits), self._ptr(self.pred, 4 * k * (li + 1)),
-             self._ptr(st.ids), self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0),
-             self._ptr(self.actual, 4 * k * li), self._ptr(self.stats), self._ptr(self.counters)),
+             I32(self.n_expert), I32(k), self._ptr(self.logits), self._ptr(self.pred, 4 * k * m),
+             self._ptr(st.ids), self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 and note else 0),
+             self._ptr(self.actual, 4 * k * li), self._note_stats(li), self._ptr(self.counters)),
             shared_mem=self.smem)
+
+    def launch_note(self, li: int):
+        """predict in bookkeeping mode (no router: one block, no staging): layer li's routing kept in actual and
+        noted against its prediction, for the layers that predict nothing at depth 2."""
+        if not self._on("predict"):
+            return
+        st, k, c = self.step, self.k, self.step.cfg
+        qt = int(st.w.layers[li].router.qt)
+        I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
+        self.f_predict[qt](
+            (1,), (32 * PREDICT_WARPS,),
+            (self._ptr(st.x), self._ptr(st.w.layers[li].ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(0), I64(0),
+             I32(self.n_expert), I32(k), self._ptr(self.logits), U64(0),
+             self._ptr(st.ids), self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0),
+             self._ptr(self.actual, 4 * k * li), self._note_stats(li), self._ptr(self.counters)))
 
     def launch_copy(self, m: int):
         if not self._on("prefetch"):
             return
-        b, k = m % 2, self.k
+        b, k = m % self.banks, self.k
         I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
         self.f_copy((COPY_BLOCKS,), (COPY_THREADS,),
                     (self._ptr(self.table), I32(m), I32(self.n_expert), I32(k), self._ptr(self.pred, 4 * k * m),
@@ -291,15 +369,21 @@ class Prefetcher:
                      self._ptr(self.actual), self._ptr(self.stats), self._ptr(self.counters, 4)))
 
     def launch_finish(self):
+        """The last layer's routing noted (depth 1; at depth 2 launch_note did it, against the depth-2 pair) and
+        every bank restored: prefetch_finish takes banks 0 and 1, prefetch_restore any further one."""
         if not self._on("prefetch"):
             return
         st, k, last = self.step, self.k, self.n_layer - 1
         I32 = np.int32
         self.f_finish((1,), (32,),
                       (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(st.ids),
-                       self._ptr(self.pred, 4 * k * last), I32(1 if last > 0 else 0), I32(last),
+                       self._ptr(self.pred, 4 * k * last), I32(1 if last > 0 and self.depth == 1 else 0), I32(last),
                        self._ptr(self.actual), self._ptr(self.rec[0]), self._ptr(self.rec_addr[0]),
                        self._ptr(self.rec[1]), self._ptr(self.rec_addr[1]), self._ptr(self.stats)))
+        for b in range(2, self.banks):
+            self.f_restore((1,), (32,),
+                           (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(self.rec[b]),
+                            self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats)))
 
     # --- counters ----------------------------------------------------------------------------------------------
     def read_stats(self) -> PrefetchStats:
