@@ -29,6 +29,12 @@ def prometheus(snap: dict) -> str:
     metric("decode_seconds_total", "counter", "Time spent generating.", round(t["decode_ms"] / 1000, 3))
     metric("expert_cache_hits_total", "counter", "Expert-cache hits while decoding.", t["hits"])
     metric("expert_cache_lookups_total", "counter", "Expert-cache look-ups while decoding.", t["lookups"])
+    metric("expert_ram_reads_total", "counter", "Experts read from pinned RAM over PCIe (decode misses).",
+           t["ram_blobs"])
+    metric("expert_file_reads_total", "counter", "Experts read from the model file (--mmap-experts or "
+           "--resident-budget-gib).", t["file_blobs"])
+    metric("expert_file_read_megabytes_total", "counter", "MB of experts read from the model file.",
+           round(t["file_mb"], 1))
     metric("queue_waiting", "gauge", "Requests waiting for the engine.", snap["queue"]["waiting"])
     metric("requests_running", "gauge", "Requests the engine is running (0 or 1).",
            int(snap["queue"]["running"] is not None))

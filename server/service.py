@@ -41,6 +41,9 @@ class Result:
     stop_string: str | None = None
     hits: int = 0
     lookups: int = 0
+    ram_blobs: int = 0              # experts read from pinned RAM (decode misses), from the file (memory modes)
+    file_blobs: int = 0
+    file_mb: float = 0.0
     passes: int = 0
 
 
@@ -85,7 +88,8 @@ class Service:
         self._token_times: collections.deque[float] = collections.deque()
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_LEN)
         self.totals = dict(requests=0, stop=0, length=0, cancel=0, error=0, prompt_tokens=0, prompt_read=0,
-                           cached_tokens=0, generated=0, prompt_ms=0.0, decode_ms=0.0, hits=0, lookups=0)
+                           cached_tokens=0, generated=0, prompt_ms=0.0, decode_ms=0.0, hits=0, lookups=0,
+                           ram_blobs=0, file_blobs=0, file_mb=0.0)
         self._thread = threading.Thread(target=self._engine_loop, daemon=True, name="engine")
         self._thread.start()
 
@@ -294,6 +298,9 @@ class Service:
             res.decode_ms += done.decode_ms
             res.hits += done.hits
             res.lookups += done.lookups
+            res.ram_blobs += done.ram_blobs
+            res.file_blobs += done.file_blobs
+            res.file_mb += done.file_mb
             if stopped_for == "budget" and not job.cancel.is_set():
                 # Replay: the loop head closes the thought, the next GEN continues from the cache. Whatever the pass
                 # ended with: the worker may have reached an end-of-generation token (or max_new: the loop head
@@ -331,14 +338,15 @@ class Service:
                      prompt_ms=round(res.prompt_ms, 1), decode_ms=round(res.decode_ms, 1),
                      prompt_tok_s=round(res.prompt_read / res.prompt_ms * 1000, 1) if res.prompt_ms else None,
                      decode_tok_s=round(res.generated / res.decode_ms * 1000, 1) if res.decode_ms else None,
-                     hits=res.hits, lookups=res.lookups, passes=res.passes)
+                     hits=res.hits, lookups=res.lookups, ram_blobs=res.ram_blobs, file_blobs=res.file_blobs,
+                     file_mb=round(res.file_mb, 1), passes=res.passes)
         with self._cv:
             self.history.append(entry)
             t = self.totals
             t["requests"] += 1
             t[finish] += 1
             for k in ("prompt_tokens", "prompt_read", "cached_tokens", "generated", "prompt_ms", "decode_ms",
-                      "hits", "lookups"):
+                      "hits", "lookups", "ram_blobs", "file_blobs", "file_mb"):
                 t[k] += entry[k]
 
     # --- /metrics ---------------------------------------------------------------------------------------------

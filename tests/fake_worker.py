@@ -181,7 +181,10 @@ def main() -> int:
         lookups = generated * 8 if a.moe else 0
         out(protocol.format_done(protocol.Done(
             generated=generated, prompt=len(req.prompt), prompt_ms=prompt_ms, decode_ms=decode_ms, finish=finish,
-            reused=reused, hits=lookups * 3 // 4, lookups=lookups, prompt_read=pos - reused)))
+            reused=reused, hits=lookups * 3 // 4, lookups=lookups, prompt_read=pos - reused,
+            # as a worker in a memory mode: one expert a token from the file, the other misses from pinned RAM
+            ram_blobs=lookups - lookups * 3 // 4 - generated if a.moe else 0, file_blobs=generated if a.moe else 0,
+            file_mb=2.5 * generated if a.moe else 0.0)))
         step += 1
         if a.moe:
             out(cache_line(step))

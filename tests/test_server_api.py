@@ -178,6 +178,10 @@ def test_models_health_metrics(server):
     text = requests.get(base + "/metrics?format=prometheus", timeout=30).text
     assert 'strata_requests_total{model="fake",finish="stop"}' in text
     assert "# TYPE strata_generated_tokens_total counter" in text
+    t = m["totals"]
+    assert t["file_blobs"] == t["generated"] > 0       # the fake worker reads one expert a token from the file
+    assert f'strata_expert_file_reads_total{{model="fake"}} {t["file_blobs"]}' in text
+    assert "# TYPE strata_expert_ram_reads_total counter" in text
 
 
 def test_unload_refused_while_busy_then_load(tmp_path, fixtures_dir):

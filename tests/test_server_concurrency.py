@@ -91,8 +91,10 @@ def test_sixteen_streaming_clients_quarter_leaving(tmp_path, fixtures_dir):
     t, hist = m["totals"], m["history"]
     assert len(hist) == N_CLIENTS and t["error"] == 0
     assert t["stop"] + t["cancel"] == N_CLIENTS and t["stop"] >= N_CLIENTS - len(leaving) and t["cancel"] >= 1
-    for key in ("prompt_tokens", "prompt_read", "cached_tokens", "generated", "hits", "lookups"):
+    for key in ("prompt_tokens", "prompt_read", "cached_tokens", "generated", "hits", "lookups", "ram_blobs",
+                "file_blobs"):
         assert t[key] == sum(h[key] for h in hist), key
+    assert t["file_blobs"] == t["generated"] and abs(t["file_mb"] - 2.5 * t["generated"]) < 1.0
     for h in hist:
         assert h["prompt_read"] + h["cached_tokens"] <= h["prompt_tokens"]
         if h["finish"] == "stop":
