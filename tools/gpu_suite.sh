@@ -7,6 +7,9 @@
 #     bench          bench/decode.py (makes the Qwen3-30B-A3B-shaped model on the device, ~15 s)
 #     prefill-bench  bench/prefill.py at 1K and 4K prompts, all resident and 12 GiB
 #     prefill-long   bench/prefill.py at 8K and 32K
+# On the device machine run it on a snapshot of the committed tree, so helpers' uncommitted edits never travel:
+#   here:   echo /.snap/ >> .git/info/exclude; rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap
+#   there:  (carry .whl, .snap, .fixtures) cd .snap && ln -s ../.fixtures .fixtures && OUT=$OUT bash tools/gpu_suite.sh
 # SmolLM2 (for test_smollm2_greedy_and_logits) travels in two calls (64 MiB a call): call A carries .whl and .smol_a
 # and runs `mkdir -p /root/keep && cp .smol_a/part00 /root/keep/`; call B, at once (warm 30 s), carries .whl and
 # .smol_b (+ what else fits) and runs this; the model is assembled below and checked by its sha256.
