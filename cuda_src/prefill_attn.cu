@@ -13,7 +13,7 @@
 // heads that share a KV head read each K/V tile once. Causal prompts over 48 layers x 32 heads at 4K are ~6.6 TFLOP:
 // a CUDA-core kernel (the first version: a warp per row, a lane per key) took ~0.8 s of a 1.5 s 4K prompt.
 // Head dims are compile-time (FA_HD, default 128; the pass loads the module with the model's head_dim).
-// The tensor-core version is not yet run on a GPU (tests/test_cuda_prefill_kernels.py checks it against NumPy).
+// tests/test_cuda_prefill_kernels.py checks it against NumPy (passed on the H200, 2026-11-30).
 #include "common.cuh"
 
 #ifndef FA_HD
@@ -311,7 +311,7 @@ extern "C" __global__ void attn_decode_i8(const float* __restrict__ q, const sig
     for (int p = warp; p < n_pos; p += nw) {
         const long long row = base + p;
         // the scale per value: a lane's dpl values cross a 32-value scale block when dpl does not divide 32
-        // (head_dim 96, 160, 192, 224); found by reading, not yet run on a GPU
+        // (head_dim 96, 160, 192, 224); found by reading, the head_dim 96 test shape passes on the H200
         float d = 0.f;
 #pragma unroll
         for (int i = 0; i < FA_MAX_HD / 32; ++i)
