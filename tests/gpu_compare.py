@@ -1,6 +1,10 @@
 """Comparisons the CUDA tests share: the CPU backend is the reference, and near-ties may part the greedy paths."""
+import json
+
 import numpy as np
 
+from engine.backend_cpu import CPUBackend
+from engine.gguf_model import open_model
 from engine.sampling import Sampler
 
 # A CPU top-1/top-2 margin below this is a near-tie: fp16 activations may pick the other token from there on.
@@ -28,3 +32,26 @@ def assert_same_greedy(got, want, step_logits):
                                              f"{top2[1] - top2[0]:.4f}")
             return
     assert len(got) == len(want)
+
+
+def cpu_greedy(model, prompt, n, ctx):
+    """The NumPy backend's greedy continuation of prompt: n tokens, and the logits (n, vocab) each was picked from."""
+    cpu = CPUBackend(model, ctx)
+    logits = [cpu.forward(prompt)]
+    toks = []
+    for _ in range(n):
+        toks.append(int(np.argmax(logits[-1])))
+        logits.append(cpu.forward([toks[-1]]))
+    cpu.close()
+    return toks, np.stack(logits[:-1])
+
+
+def cpu_runs(fixtures_dir, names, n, ctx):
+    """Per fixture model: the model, its reference prompt, the CPU's greedy continuation and its logits at every step."""
+    out = {}
+    for name in names:
+        model = open_model(fixtures_dir / "reference" / f"{name}.gguf")
+        case = json.loads((fixtures_dir / "reference" / f"{name}.json").read_text())["cases"][0]
+        prompt = list(case["prompt_ids"])
+        out[name] = (model, prompt, *cpu_greedy(model, prompt, n, ctx))
+    return out

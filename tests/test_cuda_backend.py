@@ -10,10 +10,10 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-from engine.backend_cpu import CPUBackend  # noqa: E402
 from engine.gguf_model import open_model  # noqa: E402
 from engine.profile import load_profile  # noqa: E402
-from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
+import gpu_compare  # noqa: E402
+from gpu_compare import assert_same_greedy, cpu_greedy, greedy, rel_rows  # noqa: E402
 
 CTX = 256
 N_GREEDY = 64
@@ -33,22 +33,7 @@ def cuda_backend(model, **opts):
 
 @pytest.fixture(scope="module")
 def cpu_runs(fixtures_dir):
-    """Per model: the model, its prompt, the CPU's greedy continuation and its logits at every step."""
-    out = {}
-    for name in MODELS:
-        model = open_model(fixtures_dir / "reference" / f"{name}.gguf")
-        case = json.loads((fixtures_dir / "reference" / f"{name}.json").read_text())["cases"][0]
-        cpu = CPUBackend(model, CTX)
-        prompt = list(case["prompt_ids"])
-        logits = [cpu.forward(prompt)]
-        toks = []
-        for _ in range(N_GREEDY):
-            toks.append(int(np.argmax(logits[-1])))
-            logits.append(cpu.forward([toks[-1]]))
-        cpu.close()
-        out[name] = (model, prompt, toks, np.stack(logits[:-1]))
-    return out
-
+    return gpu_compare.cpu_runs(fixtures_dir, MODELS, N_GREEDY, CTX)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -139,14 +124,7 @@ def test_smollm2_greedy_and_logits(fixtures_dir):
     model = open_model(path)
     ref = json.loads((fixtures_dir / "reference" / "smollm2-135m-chat.json").read_text())
     prompt = list(ref["cases"][0]["prompt_ids"])
-    cpu = CPUBackend(model, CTX)
-    logits = [cpu.forward(prompt)]
-    toks = []
-    for _ in range(N_GREEDY):
-        toks.append(int(np.argmax(logits[-1])))
-        logits.append(cpu.forward([toks[-1]]))
-    cpu.close()
-    logits = np.stack(logits[:-1])
+    toks, logits = cpu_greedy(model, prompt, N_GREEDY, CTX)
     be = cuda_backend(model)
     try:
         assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, logits)

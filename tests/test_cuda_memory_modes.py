@@ -2,7 +2,6 @@
 --resident-budget-gib (about half the experts pinned), with the VRAM cache holding all, half and none of the experts,
 through the batched and the streamed prompt pass: teacher-forced logits within 1e-2 relative, greedy tokens equal over
 64 steps, DONE's file blobs when experts come from the file; and the worker taking the flags end to end."""
-import json
 import re
 
 import numpy as np
@@ -13,9 +12,8 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 from engine import protocol  # noqa: E402
-from engine.backend_cpu import CPUBackend  # noqa: E402
-from engine.gguf_model import open_model  # noqa: E402
 from engine.session import Session  # noqa: E402
+import gpu_compare  # noqa: E402
 from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
 from route_ties import Reference, gpu_routes  # noqa: E402
 
@@ -27,20 +25,7 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def cpu_runs(fixtures_dir):
-    out = {}
-    for name in MODELS:
-        model = open_model(fixtures_dir / "reference" / f"{name}.gguf")
-        case = json.loads((fixtures_dir / "reference" / f"{name}.json").read_text())["cases"][0]
-        cpu = CPUBackend(model, CTX)
-        prompt = list(case["prompt_ids"])
-        logits = [cpu.forward(prompt)]
-        toks = []
-        for _ in range(N_GREEDY):
-            toks.append(int(np.argmax(logits[-1])))
-            logits.append(cpu.forward([toks[-1]]))
-        cpu.close()
-        out[name] = (model, prompt, toks, np.stack(logits[:-1]))
-    return out
+    return gpu_compare.cpu_runs(fixtures_dir, MODELS, N_GREEDY, CTX)
 
 
 def half_budget_gib(model):
