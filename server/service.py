@@ -21,6 +21,9 @@ from server.worker import Worker, WorkerDied, WorkerError
 CONTEXT_MARGIN = 8          # DESIGN §3: prompt + max_new + 8 must fit the context
 HISTORY_LEN = 500
 RATE_WINDOW_S = 2.0
+# DONE's counters, summed over a request's passes into its Result and over requests into the totals.
+PASS_SUMS = ("prompt_read", "prompt_ms", "decode_ms", "hits", "lookups", "ram_blobs", "file_blobs", "file_mb")
+TOTAL_SUMS = ("prompt_tokens", "cached_tokens", "generated") + PASS_SUMS
 
 
 class ServiceError(Exception):
@@ -87,9 +90,9 @@ class Service:
         self.worker_failures = 0
         self._token_times: collections.deque[float] = collections.deque()
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_LEN)
-        self.totals = dict(requests=0, stop=0, length=0, cancel=0, error=0, prompt_tokens=0, prompt_read=0,
-                           cached_tokens=0, generated=0, prompt_ms=0.0, decode_ms=0.0, hits=0, lookups=0,
-                           ram_blobs=0, file_blobs=0, file_mb=0.0)
+        zero = Result("stop")       # the sums start as its 0 or 0.0
+        self.totals = dict(requests=0, stop=0, length=0, cancel=0, error=0,
+                           **{k: getattr(zero, k) for k in TOTAL_SUMS})
         self._thread = threading.Thread(target=self._engine_loop, daemon=True, name="engine")
         self._thread.start()
 
@@ -293,14 +296,8 @@ class Service:
                 self._set(phase="idle", progress=None)
                 self._record(job, res, msg, started)
                 return
-            res.prompt_read += done.prompt_read
-            res.prompt_ms += done.prompt_ms
-            res.decode_ms += done.decode_ms
-            res.hits += done.hits
-            res.lookups += done.lookups
-            res.ram_blobs += done.ram_blobs
-            res.file_blobs += done.file_blobs
-            res.file_mb += done.file_mb
+            for k in PASS_SUMS:
+                setattr(res, k, getattr(res, k) + getattr(done, k))
             if stopped_for == "budget" and not job.cancel.is_set():
                 # Replay: the loop head closes the thought, the next GEN continues from the cache. Whatever the pass
                 # ended with: the worker may have reached an end-of-generation token (or max_new: the loop head
@@ -345,8 +342,7 @@ class Service:
             t = self.totals
             t["requests"] += 1
             t[finish] += 1
-            for k in ("prompt_tokens", "prompt_read", "cached_tokens", "generated", "prompt_ms", "decode_ms",
-                      "hits", "lookups", "ram_blobs", "file_blobs", "file_mb"):
+            for k in TOTAL_SUMS:
                 t[k] += entry[k]
 
     # --- /metrics ---------------------------------------------------------------------------------------------
