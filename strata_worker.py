@@ -23,17 +23,6 @@ import time
 
 ENGINE_VERSION = "0.1.0"
 
-# End-of-generation, as llama.cpp decides it (llama-vocab.cpp): eos/eot/eom ids, every token with one of these texts
-# whatever its declared type (llama.cpp overrides the type to CONTROL, warning that the model is wrong), and the FIM
-# pad/repo/file-separator tokens. The server's tokenizer (engine/tokenizer.py) follows the same rule, so both sides
-# agree on where an answer ends.
-EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-             "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-             "<end_of_utterance>", "<｜end▁of▁sentence｜>")
-FIM_EOG = (("fim_pad_token_id", ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")),
-           ("fim_rep_token_id", ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")),
-           ("fim_sep_token_id", ("<|file_sep|>",)))
-
 
 def log(msg: str) -> None:
     print(f"strata_worker: {msg}", file=sys.stderr, flush=True)
@@ -104,7 +93,9 @@ def _cupy_gpu() -> tuple[bool, str]:
 
 
 def eog_ids_from_metadata(md: dict) -> set[int]:
-    """End-of-generation ids from GGUF metadata (llama.cpp's rule, see EOG_TEXTS)."""
+    """End-of-generation ids from GGUF metadata by llama.cpp's rule (engine/tokenizer.py's EOG_TEXTS and FIM_EOG, which
+    the server's tokenizer follows too), without building a tokenizer."""
+    from engine.tokenizer import EOG_TEXTS, FIM_EOG
     tokens = md.get("tokenizer.ggml.tokens") or []
     n = len(tokens)
     index: dict[str, int] = {}

@@ -32,6 +32,17 @@ ATTR_LSTRIP, ATTR_RSTRIP = 128, 256
 _TYPE_TO_ATTR = {1: ATTR_NORMAL, 2: ATTR_UNKNOWN, 3: ATTR_CONTROL, 4: ATTR_USER_DEFINED, 5: ATTR_UNUSED,
                  6: ATTR_BYTE}
 
+# End-of-generation, as llama.cpp decides it (llama-vocab.cpp): eos/eot/eom ids, every token with one of these texts
+# whatever its declared type (llama.cpp overrides the type to CONTROL, warning that the model is wrong), and the FIM
+# pad/repo/file-separator tokens (tokenizer.ggml.<key>, else the first text found). strata_worker.py applies the same
+# tables without building a tokenizer, so both sides agree on where an answer ends.
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+             "<end_of_utterance>", "<｜end▁of▁sentence｜>")
+FIM_EOG = (("fim_pad_token_id", ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")),
+           ("fim_rep_token_id", ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")),
+           ("fim_sep_token_id", ("<|file_sep|>",)))
+
 _C_SPACE = " \t\n\v\f\r"   # C isspace(): what lstrip/rstrip special tokens strip
 _SPM_SPACE = "\u2581"       # ▁
 
@@ -364,16 +375,11 @@ class Tokenizer:
              ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
               "<|code_middle|>"))
         eog = set()
-        for keys, names in (((k + "fim_pad_token_id",), ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")),
-                            ((k + "fim_rep_token_id",), ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
-                                                         "<reponame>")),
-                            ((k + "fim_sep_token_id",), ("<|file_sep|>",))):
-            i = find(keys, names)
+        for key, names in FIM_EOG:
+            i = find((k + key,), names)
             if i is not None:
                 eog.add(i)
-        for t in ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-                  "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-                  "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>"):
+        for t in EOG_TEXTS:
             if t in self.vocab:
                 eog.add(self.vocab[t])
                 self.attr[self.vocab[t]] |= ATTR_CONTROL
