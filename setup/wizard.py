@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -582,19 +581,12 @@ def step_config_and_start(ui: UI, a, p: Paths, n: Needs, model_path: Path, c: cf
 # --- --update -----------------------------------------------------------------------------------------------
 
 def profile_state(path: Path) -> str | None:
-    """None when valid, else why not (DESIGN section 6's STRP layout)."""
+    """None when the engine can load the profile, else why not (the packages step has installed numpy by now)."""
+    from engine.profile import ProfileError, load_profile
     try:
-        data = path.read_bytes()
-    except OSError as e:
+        load_profile(path)
+    except ProfileError as e:
         return str(e)
-    if len(data) < 24 or data[:4] != b"STRP":
-        return "not an expert profile (no STRP header)"
-    version, n_layers, n_expert, n_ranked, n_ranked2 = struct.unpack_from("<5I", data, 4)
-    if version != 1 or n_ranked != n_ranked2:
-        return f"unknown profile version {version}"
-    want = 24 + 4 * n_ranked + 4 * n_layers * n_expert
-    if len(data) != want:
-        return f"{len(data)} bytes, expected {want} (cut short)"
     return None
 
 
