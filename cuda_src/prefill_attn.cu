@@ -1,10 +1,9 @@
 // Prompt attention for the streamed prompt pass: causal, GQA, tiled with an online softmax (flash-attention style),
 // so a 32K prompt never materialises its score matrix. Keys and values are read from the KV cache, which the chunk's
-// own K/V were written into first (qk_rope_store for fp16, qk_rope_store_i8 below for int8), so a chunk attends to
-// every earlier chunk and to itself alike.
+// own K/V were written into first (engine/cuda/kv.py KVCache.store: qk_rope_store for fp16, attention.cu's
+// qk_rope_store_kv8 for int8), so a chunk attends to every earlier chunk and to itself alike.
 // KV formats: fp16 (n_head_kv, max_ctx, head_dim) per layer, as the decode step reads it; int8 the same shape with
-// one fp32 scale per 32 values (n_head_kv, max_ctx, head_dim / 32), half the bytes. attn_decode_i8 is the decode
-// side's read of the int8 cache (one query per head).
+// one fp32 scale per 32 values (n_head_kv, max_ctx, head_dim / 32), half the bytes (cuda_src/kv_int8.cuh).
 //
 // On tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulators), as FlashAttention-2: a block holds 64 query rows
 // (4 warps x 16) of one KV head and walks the keys in tiles of FA_BN; per tile each warp computes S = Q K^T into
@@ -22,7 +21,6 @@
 #if FA_HD % 16 != 0 || FA_HD > 256
 #error "FA_HD must be a multiple of 16 and at most 256"
 #endif
-#define FA_MAX_HD 256      // the int8 store and decode kernels below take any head_dim up to this
 #define FA_WARPS 4
 #define FA_BM (16 * FA_WARPS)            // query rows per block
 #define FA_BN (FA_HD > 128 ? 32 : 64)    // keys per tile (two fp16 tiles of FA_BN x FA_HD stay under 48 KB)
@@ -227,121 +225,4 @@ flash_attn_i8(const float* __restrict__ q, const signed char* __restrict__ kc, c
               const float* __restrict__ k_scale, const float* __restrict__ v_scale, float* __restrict__ out, int T,
               int pos0, int n_head, int n_head_kv, int head_dim, int max_ctx, float scale) {
     fa_body<true>(q, kc, vc, k_scale, v_scale, out, T, pos0, n_head, n_head_kv, max_ctx, scale);
-}
-
-// qk_rope_store (norm_rope.cu) with an int8 cache: the same q/k norm and RoPE, K and V quantized per 32 values
-// (one warp: absmax / 127 as the scale, round to nearest). Grid (n_head + 2 * n_head_kv, T), blockDim.x = head_dim.
-__device__ __forceinline__ void i8_store(float val, signed char* q, float* sc, long long row, int d, int hd) {
-    const float amax = warp_max(fabsf(val));
-    const float s = amax / 127.f;
-    q[row * hd + d] = (signed char)__float2int_rn(s > 0.f ? val / s : 0.f);
-    if ((d & 31) == 0) sc[row * (hd / 32) + d / 32] = s;
-}
-
-extern "C" __global__ void qk_rope_store_i8(float* __restrict__ q, const float* __restrict__ k,
-                                            const float* __restrict__ v, const float* __restrict__ q_norm,
-                                            const float* __restrict__ k_norm, const float2* __restrict__ rope_cs,
-                                            const int* __restrict__ pos_dev, int pos0, signed char* __restrict__ kq,
-                                            float* __restrict__ ks, signed char* __restrict__ vq,
-                                            float* __restrict__ vs, int n_head, int n_head_kv, int head_dim,
-                                            int n_rot, int neox, float eps, int max_ctx) {
-    __shared__ float buf[32];
-    __shared__ float hv[FA_MAX_HD];
-    const int t = blockIdx.y, hb = blockIdx.x, d = threadIdx.x;
-    const int pos = pos0 + t + (pos_dev ? pos_dev[1] : 0);
-    const int qw = n_head * head_dim, kw = n_head_kv * head_dim;
-    if (hb >= n_head + n_head_kv) {
-        const int h = hb - n_head - n_head_kv;
-        i8_store(v[(long long)t * kw + h * head_dim + d], vq, vs, (long long)h * max_ctx + pos, d, head_dim);
-        return;
-    }
-    const bool is_q = hb < n_head;
-    const int h = is_q ? hb : hb - n_head;
-    const float* src = is_q ? q + (long long)t * qw + h * head_dim : k + (long long)t * kw + h * head_dim;
-    float val = src[d];
-    const float* nw = is_q ? q_norm : k_norm;
-    if (nw) {
-        const float s = block_sum(val * val, buf);
-        val = val * rsqrtf(s / head_dim + eps) * nw[d];
-    }
-    hv[d] = val;
-    __syncthreads();
-    if (d < n_rot) {
-        const int half_rot = n_rot / 2;
-        int i, partner;
-        float sign;
-        if (neox) {
-            i = d < half_rot ? d : d - half_rot;
-            partner = d < half_rot ? d + half_rot : d - half_rot;
-            sign = d < half_rot ? -1.f : 1.f;
-        } else {
-            i = d / 2;
-            partner = d ^ 1;
-            sign = (d & 1) ? 1.f : -1.f;
-        }
-        const float2 cs = rope_cs[(long long)pos * half_rot + i];
-        val = hv[d] * cs.x + sign * hv[partner] * cs.y;
-    }
-    if (is_q)
-        q[(long long)t * qw + h * head_dim + d] = val;
-    else
-        i8_store(val, kq, ks, (long long)h * max_ctx + pos, d, head_dim);
-}
-
-// Decode over the int8 cache: one query per head, grid n_head, block 128 (4 warps, positions round-robin, merged in
-// shared memory). n_pos = state[1] + 1 (a captured step) or n_fixed when state is null. q, out: n_head * head_dim.
-extern "C" __global__ void attn_decode_i8(const float* __restrict__ q, const signed char* __restrict__ kq,
-                                          const float* __restrict__ ksc, const signed char* __restrict__ vq,
-                                          const float* __restrict__ vsc, const int* __restrict__ state, int n_fixed,
-                                          float* __restrict__ out, int n_head, int n_head_kv, int head_dim,
-                                          int max_ctx, float scale) {
-    __shared__ float sm[4], sl[4];
-    __shared__ float sacc[4][FA_MAX_HD];
-    const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int n_pos = state ? state[1] + 1 : n_fixed;
-    const int kvh = h / (n_head / n_head_kv), dpl = head_dim / 32, nsc = head_dim / 32;
-    float qv[FA_MAX_HD / 32], acc[FA_MAX_HD / 32];
-#pragma unroll
-    for (int i = 0; i < FA_MAX_HD / 32; ++i) {
-        qv[i] = i < dpl ? q[h * head_dim + lane * dpl + i] * scale : 0.f;
-        acc[i] = 0.f;
-    }
-    float m = NEG_INF, l = 0.f;
-    const long long base = (long long)kvh * max_ctx;
-    for (int p = warp; p < n_pos; p += nw) {
-        const long long row = base + p;
-        // the scale per value: a lane's dpl values cross a 32-value scale block when dpl does not divide 32
-        // (head_dim 96, 160, 192, 224); found by reading, the head_dim 96 test shape passes on the H200
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < FA_MAX_HD / 32; ++i)
-            if (i < dpl)
-                d += qv[i] * ksc[row * nsc + (lane * dpl + i) / 32] * kq[row * head_dim + lane * dpl + i];
-        const float s = warp_sum(d);
-        const float mn = fmaxf(m, s);
-        const float corr = m == NEG_INF ? 0.f : __expf(m - mn);
-        const float w = __expf(s - mn);
-        l = l * corr + w;
-#pragma unroll
-        for (int i = 0; i < FA_MAX_HD / 32; ++i)
-            if (i < dpl)
-                acc[i] = acc[i] * corr + w * vsc[row * nsc + (lane * dpl + i) / 32] * vq[row * head_dim + lane * dpl + i];
-        m = mn;
-    }
-    if (lane == 0) { sm[warp] = m; sl[warp] = l; }
-#pragma unroll
-    for (int i = 0; i < FA_MAX_HD / 32; ++i)
-        if (i < dpl) sacc[warp][lane * dpl + i] = acc[i];
-    __syncthreads();
-    float M = NEG_INF;
-    for (int w = 0; w < nw; ++w) M = fmaxf(M, sm[w]);
-    float L = 0.f;
-    for (int w = 0; w < nw; ++w)
-        if (sm[w] > NEG_INF) L += sl[w] * __expf(sm[w] - M);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float a = 0.f;
-        for (int w = 0; w < nw; ++w)
-            if (sm[w] > NEG_INF) a += sacc[w][d] * __expf(sm[w] - M);
-        out[h * head_dim + d] = a / L;
-    }
 }
