@@ -527,17 +527,22 @@ def step_calibrate(ui: UI, a, p: Paths, name: str, model_path: Path, c: cfgmod.C
 
 # --- step 7 -------------------------------------------------------------------------------------------------
 
+def build_config(a, p: Paths, name: str, model_path: Path, c: cfgmod.Choices, m: Machine, moe: bool,
+                 previous: dict | None) -> dict:
+    """--host, --port and --api-key win over the earlier config's, which win over the defaults."""
+    prev = previous or {}
+    return cfgmod.build(name, model_path, c, p.config_dir, host=a.host or prev.get("host", "127.0.0.1"),
+                        port=a.port or prev.get("port", 8080),
+                        api_key=a.api_key if a.api_key is not None else prev.get("api_key"),
+                        gpus=[g.index for g in m.gpus] if c.backend == "cuda" else None, moe=moe, previous=previous)
+
+
 def step_config_and_start(ui: UI, a, p: Paths, n: Needs, model_path: Path, c: cfgmod.Choices, m: Machine) -> int:
     ui.step("write the config and start the service")
     name = n.model.name
     path = cfgmod.config_path(p.config_dir, name)
     previous = cfgmod.read(path) if path.is_file() else None
-    host = a.host or (previous or {}).get("host", "127.0.0.1")
-    port = a.port or (previous or {}).get("port", 8080)
-    api_key = a.api_key if a.api_key is not None else (previous or {}).get("api_key")
-    cfg = cfgmod.build(name, model_path, c, p.config_dir, host=host, port=port, api_key=api_key,
-                       gpus=[g.index for g in m.gpus] if c.backend == "cuda" else None, moe=n.model.is_moe,
-                       previous=previous)
+    cfg = build_config(a, p, name, model_path, c, m, n.model.is_moe, previous)
     if previous == cfg:
         ui.ok(f"{path} is up to date")
     else:
@@ -646,11 +651,7 @@ def run_update(ui: UI, a, p: Paths, m: Machine, catalog: list[CatalogModel]) -> 
                 ui.warn(f"{name}: expert profile {profile.name} is unusable ({bad}); moved to {aside.name}")
             else:
                 ui.ok(f"{name}: expert profile {profile.name} is valid")
-        cfg = cfgmod.build(name, model_path, c, p.config_dir, host=a.host or prev.get("host", "127.0.0.1"),
-                           port=a.port or prev.get("port", 8080),
-                           api_key=a.api_key if a.api_key is not None else prev.get("api_key"),
-                           gpus=[g.index for g in m.gpus] if c.backend == "cuda" else None, moe=model.is_moe,
-                           previous=prev)
+        cfg = build_config(a, p, name, model_path, c, m, model.is_moe, prev)
         if cfg == prev:
             ui.ok(f"{path.name} is up to date")
         else:
