@@ -67,11 +67,7 @@ class ReasoningSplitter:
         r, c = [], []
         while True:
             active = self.markers.active(self.state)
-            hit, at = None, -1
-            for m in active:
-                i = self._buf.find(m)
-                if i >= 0 and (at < 0 or i < at):
-                    hit, at = m, i
+            at, hit = earliest_marker(self._buf, active)
             if hit is None:
                 keep = partial_marker_len(self._buf, active)
                 self._emit(self._buf[:len(self._buf) - keep], r, c)
@@ -111,6 +107,16 @@ class ReasoningSplitter:
             self._ws += text[len(body):]
         else:
             c.append(text)
+
+
+def earliest_marker(buf: str, markers) -> tuple[int, str | None]:
+    """(position, marker) of the marker found first in buf (the longer one where two start there), or (-1, None)."""
+    hit, at = None, -1
+    for m in markers:
+        i = buf.find(m)
+        if i >= 0 and (at < 0 or i < at or (i == at and len(m) > len(hit))):
+            hit, at = m, i
+    return at, hit
 
 
 def partial_marker_len(buf: str, markers) -> int:

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.reasoning import partial_marker_len
+from engine.reasoning import earliest_marker, partial_marker_len
 
 log = logging.getLogger("strata.tools")
 
@@ -234,7 +234,7 @@ class ToolCallParser:
         if self.state == _WHOLE:
             return False
         if self.state == _OUT:
-            at, hit = _earliest(self._buf, self.fmt.starts)
+            at, hit = earliest_marker(self._buf, self.fmt.starts)
             if hit is None:
                 keep = partial_marker_len(self._buf, self.fmt.starts)
                 self._emit(self._buf[:len(self._buf) - keep], content)
@@ -246,7 +246,7 @@ class ToolCallParser:
             self._buf, self.state = self._buf[at + len(hit):], _IN
             return True
         # _IN
-        at, hit = _earliest(self._buf, self.fmt.ends)
+        at, hit = earliest_marker(self._buf, self.fmt.ends)
         if hit is None:
             return False
         body, self._buf = self._buf[:at], self._buf[at + len(hit):]
@@ -280,12 +280,3 @@ class ToolCallParser:
             content.append(self._ws + body)
             self._ws = ""
         self._ws += text[len(body):]
-
-
-def _earliest(buf: str, markers) -> tuple[int, str | None]:
-    hit, at = None, -1
-    for m in markers:
-        i = buf.find(m)
-        if i >= 0 and (at < 0 or i < at or (i == at and len(m) > len(hit))):
-            hit, at = m, i
-    return at, hit
