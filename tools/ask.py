@@ -15,6 +15,7 @@ import tempfile
 import time
 
 from engine.protocol import GEN_KEYS, GenRequest, ProtocolError, parse_gen, format_gen
+from server.text import TextCodec
 from tools.batch import WorkerClient, WorkerGone
 
 
@@ -24,21 +25,11 @@ def fail(msg: str) -> int:
 
 
 def build_prompt(model_path, question: str, system: str | None):
-    """(token ids, tokenizer) for one user turn, rendered with the model's own chat template."""
-    try:
-        from engine.tokenizer import Tokenizer
-        from engine.chat import render_chat
-    except ImportError as e:
-        raise RuntimeError(f"tools.ask needs engine/tokenizer.py and engine/chat.py to turn text into ids "
-                           f"({e}); they are not in this checkout yet. Use tools/batch.py with token ids meanwhile")
-    tok = Tokenizer.from_gguf(model_path)
+    """(token ids, tokenizer) for one user turn, rendered with the model's own chat template as the server does."""
+    codec = TextCodec.from_gguf(model_path)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-    eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-    text = render_chat(tok.chat_template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
-    # A template that writes the BOS itself must not get a second one from the vocabulary's add_bos.
-    add_special = not (bos and text.startswith(bos))
-    return tok.encode(text, add_special=add_special, parse_special=True), tok
+    ids, _ = codec.chat_prompt(messages)
+    return ids, codec.tok
 
 
 def main(argv=None) -> int:
@@ -64,8 +55,6 @@ def main(argv=None) -> int:
             return fail(str(e))
     try:
         prompt, tok = build_prompt(model, a.question, a.system)
-    except RuntimeError as e:
-        return fail(str(e))
     except Exception as e:  # the tokenizer's and template's own errors name the problem
         return fail(f"cannot prepare the prompt for {model}: {type(e).__name__}: {e}")
 
