@@ -6,6 +6,7 @@ import numpy as np
 from engine.backend_cpu import CPUBackend
 from engine.gguf_model import open_model
 from engine.sampling import Sampler
+from route_ties import greedy_reference
 
 # A CPU top-1/top-2 margin below this is a near-tie: fp16 activations may pick the other token from there on.
 TIE = 1e-2
@@ -37,13 +38,10 @@ def assert_same_greedy(got, want, step_logits):
 def cpu_greedy(model, prompt, n, ctx):
     """The NumPy backend's greedy continuation of prompt: n tokens, and the logits (n, vocab) each was picked from."""
     cpu = CPUBackend(model, ctx)
-    logits = [cpu.forward(prompt)]
-    toks = []
-    for _ in range(n):
-        toks.append(int(np.argmax(logits[-1])))
-        logits.append(cpu.forward([toks[-1]]))
-    cpu.close()
-    return toks, np.stack(logits[:-1])
+    try:
+        return greedy_reference(cpu, prompt, n)     # its loop needs only forward(), which CPUBackend has
+    finally:
+        cpu.close()
 
 
 def cpu_runs(fixtures_dir, names, n, ctx):
