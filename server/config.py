@@ -59,9 +59,6 @@ class ServerConfig:
             return {"CUDA_VISIBLE_DEVICES": str(self.gpu)}
         return {}
 
-    def log_path(self) -> Path:
-        return Path(self.log) if self.log else Path(self.cwd or ".") / f"strata-{self.model_name}.log"
-
 
 # key -> (accepted JSON types, description for the message). bool is excluded from numbers explicitly below.
 _TYPES = {
