@@ -31,8 +31,7 @@ class ExpertProfile:
 
     def ranks(self) -> np.ndarray:
         r = np.full(self.n_layers * self.n_expert, -1, dtype=np.int32)
-        flat = self.order[:, 0].astype(np.int64) * self.n_expert + self.order[:, 1]
-        r[flat] = np.arange(len(flat), dtype=np.int32)
+        r[self.flat_order()] = np.arange(len(self.order), dtype=np.int32)
         return r
 
     def flat_order(self) -> np.ndarray:
