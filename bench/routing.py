@@ -63,13 +63,7 @@ def topk_ids(logits: np.ndarray, k: int) -> np.ndarray:
 def hit_curve(learn: np.ndarray, measure: np.ndarray, n_expert: int,
               fractions=FRACTIONS) -> np.ndarray:
     """Hit rate on `measure` (T, k) of caches holding the experts most routed to in `learn`, one per fraction."""
-    counts = np.bincount(learn.ravel(), minlength=n_expert)
-    # ties broken by expert id, so the result is deterministic
-    order = np.lexsort((np.arange(n_expert), -counts))
-    rank = np.empty(n_expert, np.int64)
-    rank[order] = np.arange(n_expert)
-    r = rank[measure.ravel()]
-    return np.array([np.mean(r < round(f * n_expert)) for f in fractions])
+    return global_curve([learn], [measure], n_expert, fractions)
 
 
 def global_curve(learn: list[np.ndarray], measure: list[np.ndarray], n_expert: int,
@@ -77,6 +71,7 @@ def global_curve(learn: list[np.ndarray], measure: list[np.ndarray], n_expert: i
     """As hit_curve, one cache for all layers: (layer, expert) pairs ranked together."""
     n = len(learn) * n_expert
     counts = np.concatenate([np.bincount(a.ravel(), minlength=n_expert) for a in learn])
+    # ties broken by (layer, expert) id, so the result is deterministic
     order = np.lexsort((np.arange(n), -counts))
     rank = np.empty(n, np.int64)
     rank[order] = np.arange(n)
