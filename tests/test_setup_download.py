@@ -34,13 +34,18 @@ class FakeHub:
                 m = re.match(r"^/(.+)/resolve/([^/]+)/(.+)$", self.path)
                 return f"{m.group(1)}/{m.group(2)}/{m.group(3)}" if m else None
 
+            def _empty(self, status, **headers):
+                """A bodiless answer: the status, these headers, Content-Length 0."""
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k.replace("_", "-"), v)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
             def _renamed(self):
                 for old, new in hub.renamed.items():
                     if self.path.startswith(f"/{old}/"):
-                        self.send_response(307)
-                        self.send_header("Location", self.path.replace(f"/{old}/", f"/{new}/", 1))
-                        self.send_header("Content-Length", "0")
-                        self.end_headers()
+                        self._empty(307, Location=self.path.replace(f"/{old}/", f"/{new}/", 1))
                         return True
                 return False
 
@@ -50,18 +55,10 @@ class FakeHub:
                     return
                 key = self._key()
                 if key not in hub.files:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
+                    return self._empty(404)
                 data = hub.files[key]
-                self.send_response(302)
-                self.send_header("Location", "/cdn/" + key)
-                if hub.publish_hash:
-                    self.send_header("x-linked-etag", '"%s"' % hashlib.sha256(data).hexdigest())
-                self.send_header("x-linked-size", str(len(data)))
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                linked = {"x_linked_etag": '"%s"' % hashlib.sha256(data).hexdigest()} if hub.publish_hash else {}
+                self._empty(302, Location="/cdn/" + key, **linked, x_linked_size=str(len(data)))
 
             def do_GET(self):
                 hub.requests.append(("GET", self.path, self.headers.get("Range")))
@@ -71,14 +68,8 @@ class FakeHub:
                     return
                 key = self._key()
                 if key not in hub.files:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                self.send_response(302)
-                self.send_header("Location", "/cdn/" + key)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                    return self._empty(404)
+                self._empty(302, Location="/cdn/" + key)
 
             def _serve(self, key):
                 data = hub.files[key]
@@ -90,10 +81,7 @@ class FakeHub:
                 if rng and not hub.ignore_range:
                     start = int(re.match(r"bytes=(\d+)-", rng).group(1))
                     if start >= len(data):
-                        self.send_response(416)
-                        self.send_header("Content-Length", "0")
-                        self.end_headers()
-                        return
+                        return self._empty(416)
                     self.send_response(206)
                     self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
                 else:
