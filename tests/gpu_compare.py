@@ -12,6 +12,12 @@ from route_ties import greedy_reference
 TIE = 1e-2
 
 
+def rel(a, b):
+    """The relative error of a against b as a whole, in fp64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
 def rel_rows(a, b):
     return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
 

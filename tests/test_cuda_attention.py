@@ -14,6 +14,7 @@ cp = pytest.importorskip("cupy")
 
 from engine.cuda import kv as kvmod  # noqa: E402
 from engine.cuda.kv import DecodeAttention, KVCache  # noqa: E402
+from gpu_compare import rel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,11 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def cfg_of(n_head_kv, group, head_dim, n_layer=2, n_rot=None, rope_type="neox"):
     return types.SimpleNamespace(n_head=n_head_kv * group, n_head_kv=n_head_kv, head_dim=head_dim, n_layer=n_layer,
                                  n_rot=n_rot or head_dim, rope_type=rope_type, rms_eps=1e-6)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 # ---- host side (no GPU) ------------------------------------------------------------------------------------------

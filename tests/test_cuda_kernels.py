@@ -10,6 +10,7 @@ cp = pytest.importorskip("cupy")
 from engine.cuda.decode import F32, I32, I64, NULL, U64, MappedInts, ptr, staged_bytes  # noqa: E402
 from engine.cuda.quant_types import qtype, random_rows  # noqa: E402
 from engine.gguf_model import dequantize  # noqa: E402
+from gpu_compare import rel  # noqa: E402
 
 # Types whose blocks keep the loads quant.cuh makes aligned at any row length; every type's dot product and
 # dequantization is tests/test_cuda_quant.py's subject, these tests are about the kernels around them.
@@ -24,11 +25,6 @@ def K():
 
 def poisoned(shape, dtype=np.float32):
     return cp.full(shape, np.nan, dtype=dtype)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def rel_to(a, b, scale):

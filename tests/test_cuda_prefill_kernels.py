@@ -11,14 +11,10 @@ from engine.cuda import kernels  # noqa: E402
 from engine.cuda.decode import F32, I32, I64, NULL, U64, ptr  # noqa: E402
 from engine.cuda.quant_types import NAMES, qtype, random_rows  # noqa: E402
 from engine.gguf_model import dequantize  # noqa: E402
+from gpu_compare import rel  # noqa: E402
 
 QTS = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 ALIGN = 256
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def f16(a):

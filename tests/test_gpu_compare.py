@@ -1,10 +1,11 @@
-"""tests/gpu_compare.py's CPU side (the GPU tests' reference runs), checked here where there is no GPU."""
+"""tests/gpu_compare.py's CPU side (the GPU tests' reference runs and error measures), checked here where there is no GPU."""
 import json
 
 import numpy as np
+import pytest
 
 from engine.backend_cpu import CPUBackend
-from gpu_compare import cpu_runs, greedy
+from gpu_compare import cpu_runs, greedy, rel, rel_rows
 
 CTX = 64
 N = 6
@@ -28,3 +29,11 @@ def test_cpu_runs_are_the_greedy_continuation_of_the_reference_prompt(fixtures_d
             np.testing.assert_allclose(cpu.forward(prompt), logits[0], rtol=1e-5, atol=1e-5)
         finally:
             cpu.close()
+
+
+def test_rel_is_the_whole_arrays_relative_error_and_rel_rows_each_rows():
+    b = np.array([[3.0, 4.0], [0.0, 2.0]], np.float32)
+    a = b + np.array([[0.5, 0.0], [0.0, 1.0]], np.float32)
+    assert rel(a, b) == pytest.approx(np.sqrt(0.25 + 1.0) / np.sqrt(25.0 + 4.0), rel=1e-12)
+    np.testing.assert_allclose(rel_rows(a, b), [0.1, 0.5])
+    assert rel(b, b) == 0.0 and rel(np.ones(2), np.zeros(2)) > 1e29     # a zero reference does not divide by 0
