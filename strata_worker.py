@@ -5,11 +5,11 @@
 stdout carries protocol lines only; everything a person reads goes to stderr. Exit status: 0 after QUIT or the end
 of stdin, 2 for a bad model or a bad flag (one line on stderr), 1 when the engine breaks (the reason on stderr).
 
-The CUDA engine plugs in through three optional names in engine/cuda/__init__.py, looked up lazily so a machine
+The CUDA engine plugs in through three names in engine/cuda/__init__.py, whose import needs no CuPy, so a machine
 without CuPy still runs the CPU backend:
     add_cuda_args(parser)                      its own flags, added to this parser (must not import cupy)
     create_backend(model, max_context, args)   -> a Backend (engine/backend.py)
-    available() -> (bool, reason)              optional: whether a usable GPU is there (default: ask CuPy)
+    available() -> (bool, reason)              whether a usable GPU is there
 """
 from __future__ import annotations
 
@@ -41,8 +41,6 @@ def _cuda_module():
         import engine.cuda as cuda
     except Exception as e:  # ImportError for a missing CuPy, or anything the package raises while importing
         return None, f"engine.cuda does not import ({type(e).__name__}: {e})"
-    if not hasattr(cuda, "create_backend"):
-        return None, "the CUDA backend is not built yet (engine.cuda has no create_backend)"
     return cuda, ""
 
 
@@ -56,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-chunk", type=int, default=None, metavar="N",
                    help="read prompts in chunks of at most N tokens (default: the backend's own size)")
     cuda, _ = _cuda_module()
-    if cuda is not None and hasattr(cuda, "add_cuda_args"):
+    if cuda is not None:
         cuda.add_cuda_args(p.add_argument_group("CUDA backend"))
     return p
 
@@ -69,7 +67,7 @@ def choose_backend(choice: str) -> tuple[str, str, str]:
     ok = False
     if cuda is not None:
         try:
-            ok, why = cuda.available() if hasattr(cuda, "available") else _cupy_gpu()
+            ok, why = cuda.available()
         except Exception as e:
             ok, why = False, f"checking for a GPU failed ({type(e).__name__}: {e})"
     if choice == "cuda":
@@ -81,15 +79,6 @@ def choose_backend(choice: str) -> tuple[str, str, str]:
     if ok:
         return "cuda", "gpu_found", f"auto: {why or 'CuPy finds a GPU'}"
     return "cpu", "no_usable_gpu", f"auto: {why}"
-
-
-def _cupy_gpu() -> tuple[bool, str]:
-    try:
-        import cupy
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        return False, f"CuPy finds no GPU ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    return (n > 0, f"CuPy finds {n} GPU(s)")
 
 
 def eog_ids_from_metadata(md: dict) -> set[int]:
