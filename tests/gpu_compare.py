@@ -51,7 +51,7 @@ def cpu_greedy(model, prompt, n, ctx):
 
 
 def cpu_runs(fixtures_dir, names, n, ctx):
-    """Per fixture model: the model, its reference prompt, the CPU's greedy continuation and its logits at every step."""
+    """Per fixture model: the model, its reference prompt, the CPU's greedy continuation and each step's logits."""
     out = {}
     for name in names:
         model = open_model(fixtures_dir / "reference" / f"{name}.gguf")

@@ -1,4 +1,4 @@
-"""tests/gpu_compare.py's CPU side (the GPU tests' reference runs and error measures), checked here where there is no GPU."""
+"""tests/gpu_compare.py's CPU side (the GPU tests' reference runs and error measures), checked without a GPU."""
 import json
 
 import numpy as np
