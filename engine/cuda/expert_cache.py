@@ -11,6 +11,13 @@ non-resident experts into the slots of the coldest, on a copy stream, in this or
 In the memory modes (`source`: engine/cuda/expert_source.py) an expert outside VRAM is at its arena address, at its
 staging slot while the staging LRU holds it, or unreachable (entry 0; the paged decode step stages it first). The
 tier then swaps in only experts reachable from pinned memory (the hot ones were staged when they were routed).
+
+Lending (the streamed prompt pass's ring, engine/cuda/prefill_streamed.py): `lend` takes slots out of the cache,
+free ones first, then the coldest occupied ones (never one a pending swap is filling); their experts' entries go
+back to their home addresses on the main stream before the ring's copy stream may write the slots (the ring waits
+on an event recorded after that). A lent slot's owner is LENT, so neither fill nor the adaptive tier touches it.
+`give_back` refills lent slots with the hottest experts that have none, through the adaptive tier's swap path
+(steps 2 and 3 above), after everything already enqueued on the main stream (the ring's last readers).
 """
 from __future__ import annotations
 
@@ -20,6 +27,42 @@ import cupy as cp
 import numpy as np
 
 DECAY = 0.7
+FREE, LENT = -1, -2          # owner[s] of an empty slot, of a slot lent out (anything >= 0: the expert in it)
+
+
+def coldest_order(owner, heat, prior) -> np.ndarray:
+    """Occupied slots, coldest first: lowest heat, ties broken by the loaded profile's rank (a later rank, or none,
+    is colder), then by slot number."""
+    occ = np.flatnonzero(owner >= 0)
+    g = owner[occ]
+    rank = np.where(prior[g] >= 0, prior[g], len(prior))
+    return occ[np.lexsort((occ, -rank, heat[g]))]
+
+
+def lend_choice(owner, heat, prior, n: int, pending=(), occupied: bool = True, evictable=None) -> np.ndarray:
+    """Up to n slots to lend: free ones first, then (occupied=True) the coldest occupied ones whose expert is
+    evictable (a bool per expert; None: all); never a slot in `pending` (a swap is copying into it) or already lent."""
+    if n <= 0:
+        return np.zeros(0, dtype=np.int64)
+    busy = np.zeros(len(owner), dtype=bool)
+    busy[np.asarray(list(pending), dtype=np.int64)] = True
+    free = np.flatnonzero((owner == FREE) & ~busy)
+    out = [free]
+    if occupied:
+        occ = coldest_order(owner, heat, prior)
+        occ = occ[~busy[occ]]
+        if evictable is not None:
+            occ = occ[evictable[owner[occ]]]
+        out.append(occ)
+    return np.concatenate(out)[:n].astype(np.int64)
+
+
+def refill_order(slot_of, heat, prior, readable) -> np.ndarray:
+    """Experts without a slot that a copy can read now (readable: a bool per expert), hottest first: by heat, then
+    by the profile's rank (unranked last), then by id: the adaptive tier's order."""
+    gs = np.flatnonzero((slot_of < 0) & readable)
+    rank = np.where(prior[gs] >= 0, prior[gs], len(prior))
+    return gs[np.lexsort((gs, rank, -heat[gs]))]
 
 
 class ExpertCache:
@@ -122,7 +165,7 @@ class ExpertCache:
     # --- filling ---------------------------------------------------------------------------------------------
     def fill(self, order, stream) -> int:
         """Load experts in `order` (global ids, hottest first) into free slots now; returns how many."""
-        free = [s for s in range(self.n_slots) if self.owner[s] < 0]
+        free = [s for s in range(self.n_slots) if self.owner[s] == FREE]
         ids = [int(g) for g in order if self.slot_of[int(g)] < 0][:len(free)]
         if self.source is not None:       # file-only experts staged a batch at a time (read in parallel)
             per = max(1, min(64, self.source.lru.n_slots - 1))
@@ -174,7 +217,7 @@ class ExpertCache:
             return 0
         cand = cand[np.argsort(-self.heat[cand], kind="stable")][:self.max_swaps]
         # victims: free slots first, then the coldest residents
-        free = np.flatnonzero(self.owner < 0)
+        free = np.flatnonzero(self.owner == FREE)
         occ = np.flatnonzero(self.owner >= 0)
         if self.source is not None and self.reachable():
             # every expert is readable without the file, so every step is the whole-step graph: a victim with no
@@ -197,22 +240,68 @@ class ExpertCache:
             self.table_host[old] = self.home(old)
             self.slot_of[old] = -1
         for s in slots:
-            self.owner[s] = -1
+            self.owner[s] = FREE
         if evicted:
             self._upload_table(stream)
+        self._start_copies(ids, slots, stream)
+        return len(ids)
+
+    def _start_copies(self, ids, slots, stream):
+        """2. after everything enqueued on `stream` so far, copy experts ids into slots on the side stream; poll()
+        points the table at them once they have landed. The slots must be FREE and not read by anything later."""
         ev = cp.cuda.Event(disable_timing=True)
         ev.record(stream)
         self.copy_stream.wait_event(ev)
-        for g, s in zip(ids, slots):         # 2. copies on the side stream
+        for g, s in zip(ids, slots):
             cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), int(self.table_host[g]), self.stride,
                                         cp.cuda.runtime.memcpyDefault, self.copy_stream.ptr)
         done = cp.cuda.Event(disable_timing=True)
         done.record(self.copy_stream)
         if self.source is not None:          # a staged source slot is not refilled before its copy is done
             self.source.fence(ids, done)
-        self._pending = (done, ids, slots)
+        self._pending = (done, list(ids), list(slots))
         self.swaps += len(ids)
         self.bytes_swapped += len(ids) * self.stride
+
+    # --- lending slots to the prompt pass's ring -------------------------------------------------------------
+    def pending_slots(self) -> list[int]:
+        return list(self._pending[2]) if self._pending is not None else []
+
+    def _evictable(self):
+        """Experts whose eviction keeps every table entry readable: in the memory modes, while the whole-step graph
+        can run, only those with a pinned copy (as the adaptive tier's victims)."""
+        if self.source is not None and self.reachable():
+            return ~self.source.file_only
+        return None
+
+    def lend(self, n: int, stream, occupied: bool = True) -> list[int]:
+        """Take up to n slots for the ring (lend_choice's order); the experts in them go back home on `stream`.
+        Returns the slot numbers (slot_ptr gives their addresses)."""
+        self.poll(stream)
+        slots = lend_choice(self.owner, self.heat, self.prior, n, self.pending_slots(), occupied, self._evictable())
+        evicted = self.owner[slots][self.owner[slots] >= 0]
+        for g in evicted:
+            self.table_host[g] = self.home(int(g))
+            self.slot_of[g] = -1
+        self.owner[slots] = LENT
+        if len(evicted):
+            self._upload_table(stream)
+        return [int(s) for s in slots]
+
+    def give_back(self, slots, stream) -> int:
+        """Lent slots come back: refilled with the hottest experts that have no slot (copies after everything on
+        `stream` so far; entries written by poll() once they have landed). Returns how many are being refilled."""
+        slots = [int(s) for s in slots]
+        if not slots:
+            return 0
+        if any(self.owner[s] != LENT for s in slots):
+            raise RuntimeError(f"slots {[s for s in slots if self.owner[s] != LENT]} were not lent")
+        if self._pending is not None:        # one swap in flight at a time: the adaptive tier's, usually landed
+            self.poll(stream, wait=True)
+        self.owner[slots] = FREE
+        ids = refill_order(self.slot_of, self.heat, self.prior, self.table_host != 0)[:len(slots)]
+        if len(ids):
+            self._start_copies([int(g) for g in ids], slots[:len(ids)], stream)
         return len(ids)
 
     def poll(self, stream, wait: bool = False) -> bool:

@@ -1,0 +1,158 @@
+"""Lending expert-cache slots to the streamed prompt pass's ring (engine/cuda/expert_cache.py): which slots are lent
+(free first, then the coldest occupied, never one a pending swap fills), what lending does to the pointer table and
+the cache's books, and the refill when they come back. CPU only: the cache's state is driven without a GPU (its
+table uploads and side-stream copies recorded by fakes)."""
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")      # the module imports CuPy; nothing here touches a device
+
+from engine.cuda.expert_cache import FREE, LENT, ExpertCache, coldest_order, lend_choice, refill_order  # noqa: E402
+
+N_EXPERT, N_LAYER = 8, 3
+N_TOTAL = N_EXPERT * N_LAYER
+STRIDE = 1000
+SLOT_LO = 7_000_000
+HOME = np.arange(N_TOTAL, dtype=np.uint64) * 10_000 + 1_000_000
+
+
+def test_coldest_first_by_heat_then_profile_rank():
+    owner = np.array([5, -1, 2, 7, -2, 0])
+    heat = np.zeros(10)
+    heat[[5, 2, 7, 0]] = [3.0, 1.0, 1.0, 0.0]
+    prior = np.full(10, -1)
+    prior[2], prior[7] = 4, 9          # equal heat: the later profile rank is colder
+    assert coldest_order(owner, heat, prior).tolist() == [5, 3, 2, 0]
+
+
+def test_lend_choice_free_first_then_coldest_never_pending_or_lent():
+    owner = np.array([3, FREE, 1, LENT, 4, FREE, 0])
+    heat = np.array([5.0, 9.0, 0.0, 0.0, 2.0])
+    prior = np.full(5, -1)
+    assert lend_choice(owner, heat, prior, 4).tolist() == [1, 5, 0, 4]     # free, then heats 0 and 2
+    # slots a swap is copying into are never lent, free or not
+    assert lend_choice(owner, heat, prior, 4, pending=[5, 0]).tolist() == [1, 4, 6, 2]
+    assert lend_choice(owner, heat, prior, 10, occupied=False).tolist() == [1, 5]      # --ring: free only
+    evictable = np.array([True, True, True, False, True])      # expert 3 has no pinned copy (memory modes)
+    assert 0 not in lend_choice(owner, heat, prior, 10, evictable=evictable).tolist()
+    assert lend_choice(owner, heat, prior, 0).tolist() == []
+    got = lend_choice(owner, heat, prior, 99)
+    assert 3 not in got.tolist() and len(got) == len(set(got.tolist())) == 6
+
+
+def test_refill_order_is_hottest_without_a_slot_and_readable():
+    slot_of = np.array([-1, 0, -1, -1, -1, 1])
+    heat = np.array([1.0, 9.0, 3.0, 0.0, 0.0, 9.0])
+    prior = np.array([-1, -1, -1, 5, 2, -1])
+    readable = np.array([True, True, True, True, True, True])
+    assert refill_order(slot_of, heat, prior, readable).tolist() == [2, 0, 4, 3]
+    readable[2] = False                # a file-only expert (entry 0) cannot be copied
+    assert refill_order(slot_of, heat, prior, readable).tolist() == [0, 4, 3]
+
+
+class FakeEvent:
+    def __init__(self, done=True):
+        self.done = done
+
+    def synchronize(self):
+        self.done = True
+
+
+class FakeArena:
+    n_layer, n_expert, n_total = N_LAYER, N_EXPERT, N_TOTAL
+    blob_ptr = HOME
+
+
+def fake_cache(n_slots):
+    """An ExpertCache's host-side state without device memory: table uploads and copies are recorded."""
+    c = ExpertCache.__new__(ExpertCache)
+    c.arena, c.n_layer, c.n_expert, c.n_total, c.stride = FakeArena, N_LAYER, N_EXPERT, N_TOTAL, STRIDE
+    c.n_slots, c.slot_lo = n_slots, SLOT_LO
+    c.slot_hi = SLOT_LO + n_slots * STRIDE
+    c.table_host = HOME.copy()
+    c.slot_of = np.full(N_TOTAL, -1, dtype=np.int64)
+    c.owner = np.full(n_slots, FREE, dtype=np.int64)
+    c.heat = np.zeros(N_TOTAL)
+    c.prior = np.full(N_TOTAL, -1, dtype=np.int64)
+    c._pending, c.source, c.swaps, c.bytes_swapped = None, None, 0, 0
+    c.uploads, c.copies = [], []
+    c._upload_table = lambda stream: c.uploads.append(c.table_host.copy())
+
+    def start(ids, slots, stream):       # what _start_copies leaves behind, the copies only recorded
+        c.copies.append((list(ids), list(slots)))
+        c._pending = (FakeEvent(done=False), list(ids), list(slots))
+    c._start_copies = start
+    return c
+
+
+def put(c, g, s):
+    c.slot_of[g], c.owner[s], c.table_host[g] = s, g, c.slot_ptr(s)
+
+
+def check_books(c):
+    """slot_of and owner agree, and every entry points at the expert's slot or its home."""
+    for s, g in enumerate(c.owner):
+        if g >= 0:
+            assert c.slot_of[g] == s and c.table_host[g] == c.slot_ptr(s)
+    for g in np.flatnonzero(c.slot_of < 0):
+        assert c.table_host[g] == HOME[g]
+
+
+def test_lend_evicts_the_coldest_and_give_back_refills_with_the_hottest():
+    c = fake_cache(6)
+    for s, g in enumerate([0, 1, 2, 3, 4, 5]):
+        put(c, g, s)
+    c.heat[:] = np.arange(N_TOTAL)[::-1]           # expert 0 hottest; 23 coldest
+    c.heat[[7, 9]] = 100.0                         # two hot experts without a slot
+    lent = c.lend(2, stream=None)
+    assert sorted(lent) == [4, 5]                  # experts 5 and 4 are the coldest resident ones
+    assert (c.owner[lent] == LENT).all() and c.slot_of[4] == c.slot_of[5] == -1
+    assert len(c.uploads) == 1 and c.uploads[-1][4] == HOME[4] and c.uploads[-1][5] == HOME[5]
+    check_books(c)
+    # lent slots are no one's: lending more takes the next coldest, and they are not lent twice
+    more = c.lend(1, stream=None)
+    assert more == [3]
+    n = c.give_back(lent + more, stream=None)
+    assert n == 3 and c.copies[-1][0] == [7, 9, 3]  # the hottest experts without a slot
+    assert sorted(c.copies[-1][1]) == [3, 4, 5]
+    # until the copies land, the slots are not pointed at and not lendable
+    assert (c.owner[[3, 4, 5]] == FREE).all() and c.slot_of[7] == -1
+    assert c.lend(6, stream=None) == [2, 1, 0]
+    c.give_back([2, 1, 0], stream=None)             # a swap in flight: waited for, then the next one starts
+    c._pending[0].done = True
+    assert c.poll(stream=None)
+    check_books(c)
+    assert (c.owner >= 0).sum() == 6                # every slot occupied again, as before the prompt
+
+
+def test_pending_swap_slots_are_never_lent():
+    c = fake_cache(4)
+    put(c, 0, 0)
+    put(c, 1, 1)
+    c._pending = (FakeEvent(done=False), [9, 10], [2, 3])     # the adaptive tier copying into slots 2 and 3
+    c.owner[[2, 3]] = FREE
+    assert sorted(c.lend(4, stream=None)) == [0, 1]
+    assert c._pending is not None and c.slot_of[9] == -1
+
+
+def test_giving_back_a_slot_that_was_not_lent_is_refused():
+    c = fake_cache(2)
+    put(c, 0, 0)
+    with pytest.raises(RuntimeError, match="were not lent"):
+        c.give_back([0], stream=None)
+
+
+def test_fill_and_the_adaptive_tier_leave_lent_slots_alone(monkeypatch):
+    """fill() takes FREE slots only (a lent one is the ring's until it comes back)."""
+    import engine.cuda.expert_cache as ec
+    c = fake_cache(3)
+    c.owner[1] = LENT
+    monkeypatch.setattr(ec.cp.cuda.runtime, "memcpyAsync", lambda *a: None)
+
+    class S:
+        ptr = 0
+
+        def synchronize(self):
+            pass
+    assert c.fill([5, 6, 7], S()) == 2
+    assert c.owner[1] == LENT and sorted(c.owner[[0, 2]].tolist()) == [5, 6]
