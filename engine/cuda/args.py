@@ -84,6 +84,10 @@ def add_cuda_args(parser) -> None:
     g.add_argument("--prefetch-depth", type=int, choices=(1, 2), default=None, metavar="1|2",
                    help="decode prefetch: predict the next layer's experts (1, default) or the one after it (2: each "
                         "copy has two layers of compute to hide in, the guess is less accurate; 3 staging banks)")
+    g.add_argument("--embed-host", choices=("auto", "on", "off"), default=None,
+                   help="keep the token embedding in pinned host memory, read in place over PCIe (one row a token), "
+                        "so its VRAM holds expert-cache slots: auto (default) when not every expert fits in VRAM and "
+                        "that buys slots; on / off (A/B). Never when it is tied to the output head")
     g.add_argument("--no-graph", action="store_true",
                    help="launch the decode step kernel by kernel instead of replaying a CUDA graph (debugging)")
     g.add_argument("--calibrate", action="store_true",

@@ -15,6 +15,7 @@ from engine.backend import Backend, ExpertStats
 from engine.cuda.arena import ExpertArena, blob_layout
 from engine.cuda.args import DEFAULT_PREFILL
 from engine.cuda.decode import DecodeStep
+from engine.cuda.embed_place import embed_placement
 from engine.cuda.expert_cache import ExpertCache
 from engine.cuda.kv import KVCache
 from engine.cuda.memory_mode import MemoryMode
@@ -59,6 +60,7 @@ class CudaOptions:
     prefill_chunk: str | int = "auto"
     ring: int | None = None
     stream_min: int = 1024
+    embed_host: str = "auto"            # token embedding in pinned host memory: engine/cuda/embed_place.py
 
     @classmethod
     def from_args(cls, args) -> "CudaOptions":
@@ -104,7 +106,7 @@ class CUDABackend(Backend):
                     f"({time.perf_counter() - t0:.1f} s)")
                 self.cache = None
                 if cfg.is_moe:
-                    n_slots = self._slot_count(pool)
+                    n_slots = self._expert_slots(pool)
                     self.mem = MemoryMode.plan(model, opts, self.layout, log, n_vram=n_slots)
                     self.arena = ExpertArena(model, log=log, pinned=self.mem.pinned if self.mem else None)
                     self.cache = ExpertCache(self.arena, n_slots)
@@ -138,17 +140,38 @@ class CUDABackend(Backend):
         self.pcie_gbps = self._calibrate() if opts.calibrate else None
 
     # --- set-up ----------------------------------------------------------------------------------------------
-    def _slot_count(self, pool) -> int:
+    def _expert_slots(self, pool) -> int:
+        """The expert cache's slot count, the token embedding placed first: in mapped pinned host memory when the
+        cache cannot hold every expert and the embedding's VRAM buys it slots (embed_place.py), else in VRAM. Both
+        counts are measured here, with the same accounting as the cache's, so the freed bytes become slots."""
+        w, cfg = self.weights, self.config
+        nbytes, was = w.tok_embd.nbytes, w.tok_embd.where
+        n_vram = self._slot_count(pool, extra=nbytes if was == "host" else 0, quiet=True)
+        n_host = self._slot_count(pool, extra=0 if was == "host" else -nbytes, quiet=True)
+        where, why = embed_placement(self.opts.embed_host, cfg.tied_embeddings, n_vram, n_host,
+                                     cfg.n_layer * cfg.n_expert)
+        failed = w.place_embedding(self.model, where)
+        if failed:
+            why = f"{failed}; it stays in VRAM"
+        elif where != was:
+            pool.free_all_blocks()          # the old VRAM copy goes back to the device, where the cache can have it
+        place = "pinned host memory, read in place over PCIe" if w.tok_embd.where == "host" else "VRAM"
+        self.log(f"token embedding ({nbytes / MiB:.0f} MiB) in {place}: {why}")
+        return self._slot_count(pool)
+
+    def _slot_count(self, pool, extra: int = 0, quiet: bool = False) -> int:
+        """extra: VRAM a placement not yet made would add (negative: free); quiet: a what-if, with no log line and no
+        refusal (a budget the weights overrun gives 0 slots)."""
         opts, cfg = self.opts, self.config
         stride = self.layout.stride
         free, _ = cp.cuda.runtime.memGetInfo()
         # what the decode step and a prompt chunk still need beyond what is allocated now
-        later = STEP_HEADROOM + self._prefill_scratch_bytes()
+        later = STEP_HEADROOM + self._prefill_scratch_bytes() + extra
         avail = free - opts.vram_reserve_mib * MiB - later
         used = pool.total_bytes()
         if opts.vram_budget_mib is not None:
             left = opts.vram_budget_mib * MiB - used - later
-            if left < 0:
+            if left < 0 and not quiet:
                 raise MemoryError(
                     f"--vram-budget-mib {opts.vram_budget_mib} is too small: the weights and the KV cache alone take "
                     f"{used / MiB:.0f} MiB and the prompt pass {later / MiB:.0f} MiB; raise it or lower --ctx")
@@ -160,6 +183,8 @@ class CUDABackend(Backend):
         if opts.expert_slots is not None:
             n = min(n, max(0, opts.expert_slots))
         n = min(n, cfg.n_layer * cfg.n_expert)
+        if quiet:
+            return n
         self.log(f"expert cache: {n} of {cfg.n_layer * cfg.n_expert} experts fit in VRAM "
                  f"({n * stride / MiB:.0f} MiB; {free / MiB:.0f} MiB free, {opts.vram_reserve_mib} MiB reserved)")
         return n
@@ -219,7 +244,8 @@ class CUDABackend(Backend):
 
     def resize_expert_cache(self, vram_budget_mib=None, expert_slots=None) -> int:
         """Rebuild the VRAM expert cache for another budget, keeping the arena, weights and KV cache (benchmarks
-        emulate several card sizes in one process). The learned heat carries over; returns the slot count."""
+        emulate several card sizes in one process). The learned heat carries over; returns the slot count. The token
+        embedding is placed again for the new budget (_expert_slots)."""
         if self.cache is None:
             return 0
         self.stream.synchronize()
@@ -241,7 +267,7 @@ class CUDABackend(Backend):
         pool.free_all_blocks()
         self.opts.vram_budget_mib, self.opts.expert_slots = vram_budget_mib, expert_slots
         with self.stream:
-            self.cache = ExpertCache(self.arena, self._slot_count(pool))
+            self.cache = ExpertCache(self.arena, self._expert_slots(pool))
             self.cache.heat[:], self.cache.prior[:] = heat, prior
             if self.mem:
                 self.mem.attach_new_cache(self.cache)
@@ -400,7 +426,7 @@ class CUDABackend(Backend):
         props = cp.cuda.runtime.getDeviceProperties(dev.id)
         out = {"gpu": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
                "kv": self.kv.dtype, "graph": "off" if self.opts.no_graph else "on",
-               "vram_free_mib": int(self.vram_free_mib)}
+               "vram_free_mib": int(self.vram_free_mib), "embed": self.weights.tok_embd.where}
         if self.cache is not None:
             out.update(expert_slots=self.cache.n_slots, experts_total=self.cache.n_total,
                        arena_mib=int(self.arena.nbytes / MiB))
@@ -437,3 +463,6 @@ class CUDABackend(Backend):
                 cp.cuda.Device().synchronize()      # the cache's swap copies (their own stream) read the arena too
                 self.arena.close()
                 self.arena = None
+            if getattr(self, "weights", None) is not None:
+                self.stream.synchronize()           # the last step may still read a host-resident embedding
+                self.weights.close()
