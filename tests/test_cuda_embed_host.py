@@ -291,7 +291,7 @@ def test_host_embedding_gives_the_same_numbers(model, prefill):
 
 @gpu
 def test_auto_gives_the_cache_the_embedding_bytes(model):
-    """At a budget that holds about half the experts, auto moves the embedding to the host and the cache gets exactly
+    """At a budget that holds some of the experts, auto moves the embedding to the host and the cache gets exactly
     its bytes as slots; a resize to no budget brings it back to VRAM with every expert cached; decode stays right."""
     import cupy as cp
     from engine.backend_cpu import CPUBackend
@@ -310,9 +310,9 @@ def test_auto_gives_the_cache_the_embedding_bytes(model):
         seen = {}
         real = be._expert_slots
 
-        def at_the_accounting(pool):    # a budget for about half the experts, from what is allocated right now
+        def at_the_accounting(pool):    # room for 8-24 of the 32 experts, from what is allocated right now
             need = pool.total_bytes() + STEP_HEADROOM + be._prefill_scratch_bytes()
-            be.opts.vram_budget_mib = (need + total * stride // 2) // MiB
+            be.opts.vram_budget_mib = -(-(need + total * stride // 4) // MiB)
             seen.update(room=be.opts.vram_budget_mib * MiB - need)
             return real(pool)
 
@@ -320,7 +320,7 @@ def test_auto_gives_the_cache_the_embedding_bytes(model):
         n = be.resize_expert_cache(vram_budget_mib=1)
         del be._expert_slots
         room = seen["room"]
-        assert room // stride < total
+        assert 0 < room // stride < total
         assert be.info()["embed"] == "host"
         assert cp.cuda.runtime.pointerGetAttributes(be.weights.tok_embd.ptr).type == cp.cuda.runtime.memoryTypeHost
         assert n == be.cache.n_slots == min(total, (room + nb) // stride) > room // stride
