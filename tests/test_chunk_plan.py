@@ -92,20 +92,72 @@ def test_nothing_fits_is_refused():
         plan_chunk(QWEN, 100 * MiB, stride=STRIDE, n_stream=N_ALL)
 
 
-def test_explicit_ring_and_lent_slots():
+def test_explicit_ring_is_the_rings_own_depth():
     free = 2 << 30
     p = plan_chunk(QWEN, free, chunk=1024, ring=96, stride=STRIDE, n_stream=N_ALL)
-    assert (p.chunk, p.ring) == (1024, 96)
-    lent = plan_chunk(QWEN, free, chunk=1024, ring=96, stride=STRIDE, n_stream=N_ALL, lendable=60)
-    assert lent.ring == 36 and lent.ring_bytes == 36 * STRIDE
+    assert (p.chunk, p.ring, p.lend) == (1024, 96, 0)
+    # a cache that could lend changes nothing of the own ring; only its free slots are lent on top
+    lent = plan_chunk(QWEN, free, chunk=1024, ring=96, stride=STRIDE, n_stream=N_ALL, lendable=3000)
+    assert lent.ring == 96 and lent.ring_bytes == 96 * STRIDE
+    assert lent.lend == RING_MAX - 96 and not lent.lend_occupied
     with pytest.raises(ChunkRefused, match="700 ring slots.*lower --ring"):
         plan_chunk(QWEN, free, chunk=1024, ring=700, stride=STRIDE, n_stream=N_ALL)
     with pytest.raises(ChunkRefused, match="700 ring slots.*lower --ring"):
         plan_chunk(QWEN, 1536 * MiB, ring=700, stride=STRIDE, n_stream=N_ALL)
+    with pytest.raises(ChunkRefused, match="700 ring slots.*lower --ring"):
+        plan_chunk(QWEN, 1536 * MiB, ring=700, stride=STRIDE, n_stream=N_ALL, lendable=3000)
     with pytest.raises(ValueError, match="at least 2"):
         plan_chunk(QWEN, free, ring=1, stride=STRIDE, n_stream=N_ALL)
     with pytest.raises(ValueError, match="at least 1"):
         plan_chunk(QWEN, free, chunk=0, stride=STRIDE, n_stream=N_ALL)
+
+
+def test_ring_target_is_two_layers_of_streamed_experts_within_bounds():
+    # 12 GiB, 4K prompt on the H200: ~2,928 slots, 67 non-resident experts a layer
+    assert cp_.ring_target(N_ALL - 2928, 48) == 134
+    assert cp_.ring_target(N_ALL - 6000, 48) == cp_.RING_LEND_FLOOR       # 3 a layer: the floor
+    assert cp_.ring_target(40, 48) == 40                                   # never more than there are to stream
+    assert cp_.ring_target(N_ALL, 48) == 256                               # nothing resident: 128 a layer
+    assert cp_.ring_target(48 * 300, 48) == RING_MAX                       # the measured cap
+    assert cp_.ring_target(0, 48) == 0
+
+
+# what the 12 GiB bench.prefill run left the cache (4K prompt, 32K context)
+SLOTS_12G = 2928
+
+
+def test_a_partial_cache_gets_the_rings_bytes_and_lends_the_ring_its_depth():
+    """The backend holds back only the chunk (reserve_bytes), so the expert cache is sized with the bytes the ring
+    used to take; the plan then finds just the chunk's room and borrows the ring's depth from the cache."""
+    pytest.importorskip("cupy")
+    from engine.cuda.prefill_streamed import AUTO_TARGET, reserve_bytes
+    opts = SimpleNamespace(prefill_chunk="auto", ring=None)
+    held = reserve_bytes(QWEN, STRIDE, N_ALL, opts, 32768)
+    assert held == chunk_bytes(QWEN, AUTO_TARGET)                # no ring bytes held back from the cache
+    n_stream = N_ALL - SLOTS_12G
+    p = plan_chunk(QWEN, held, stride=STRIDE, n_stream=n_stream, max_tokens=32768, lendable=SLOTS_12G)
+    assert p.chunk == AUTO_TARGET and p.ring == 0 and p.ring_bytes == 0
+    assert p.lend == cp_.ring_target(n_stream, QWEN.n_layer) == 134 and p.lend_occupied
+    # VRAM the chunk leaves idle becomes own slots first, so fewer experts are evicted for the rest
+    p = plan_chunk(QWEN, held + 10 * STRIDE, chunk=AUTO_TARGET, stride=STRIDE, n_stream=n_stream,
+                   max_tokens=32768, lendable=SLOTS_12G)
+    assert p.chunk == AUTO_TARGET and (p.ring, p.lend) == (10, 124)
+    # without lending (an empty cache) the old rule: the ring's own floor first, the chunk smaller
+    p = plan_chunk(QWEN, held, stride=STRIDE, n_stream=N_ALL, max_tokens=32768)
+    assert p.chunk < AUTO_TARGET and p.ring >= cp_.RING_AUTO_FLOOR and p.lend == 0
+
+
+def test_lending_refusals_still_name_the_numbers():
+    with pytest.raises(ChunkRefused) as e:
+        plan_chunk(QWEN, 600 * MiB, chunk=8192, stride=STRIDE, n_stream=N_ALL - SLOTS_12G, lendable=SLOTS_12G)
+    msg = str(e.value)
+    assert f"{chunk_bytes(QWEN, 8192) / MiB:.0f} MiB" in msg and "600 MiB" in msg and "--prefill-chunk" in msg
+    # one lendable slot: the ring still needs one of its own
+    with pytest.raises(ChunkRefused) as e:
+        plan_chunk(QWEN, chunk_bytes(QWEN, 1024), chunk=1024, stride=STRIDE, n_stream=N_ALL - 1, lendable=1)
+    assert "1 ring slots" in str(e.value) and f"{(chunk_bytes(QWEN, 1024) + STRIDE) / MiB:.0f} MiB" in str(e.value)
+    p = plan_chunk(QWEN, chunk_bytes(QWEN, 1024), chunk=1024, stride=STRIDE, n_stream=N_ALL - 2, lendable=2)
+    assert (p.ring, p.lend) == (0, 2)
 
 
 def test_qwen3_next_shapes_plan_too():
@@ -140,13 +192,12 @@ def test_streamed_flags_parse_and_refuse_bad_values():
             p.parse_args(bad)
 
 
-def test_the_backend_reserves_the_target_chunk_and_ring():
+def test_the_backend_reserves_the_target_chunk_and_only_an_explicit_ring():
     pytest.importorskip("cupy")
-    from engine.cuda.prefill_streamed import AUTO_RING_RESERVE, AUTO_TARGET, reserve_bytes
+    from engine.cuda.prefill_streamed import AUTO_TARGET, reserve_bytes
     opts = SimpleNamespace(prefill_chunk="auto", ring=None)
-    assert reserve_bytes(QWEN, STRIDE, N_ALL, opts, 40960) == (chunk_bytes(QWEN, AUTO_TARGET)
-                                                               + AUTO_RING_RESERVE * STRIDE)
-    assert reserve_bytes(QWEN, STRIDE, N_ALL, opts, 1000) == chunk_bytes(QWEN, 1000) + AUTO_RING_RESERVE * STRIDE
+    assert reserve_bytes(QWEN, STRIDE, N_ALL, opts, 40960) == chunk_bytes(QWEN, AUTO_TARGET)
+    assert reserve_bytes(QWEN, STRIDE, N_ALL, opts, 1000) == chunk_bytes(QWEN, 1000)
     opts = SimpleNamespace(prefill_chunk=2048, ring=8)
     assert reserve_bytes(QWEN, STRIDE, N_ALL, opts, 40960) == chunk_bytes(QWEN, 2048) + 8 * STRIDE
     assert reserve_bytes(QWEN, 0, 0, opts, 40960) == chunk_bytes(QWEN, 2048)

@@ -1,7 +1,8 @@
 """The streamed prompt pass (--prefill streamed) end to end against the NumPy backend: logits within 1e-2 relative and
 the same greedy continuation for prompts that cross several chunks, with the ring at its smallest and largest depth
 and the expert cache full, half, empty (and empty with its free slots lent to the ring); STOP mid-prompt through the
-worker; a chunk that does not fit refused with the numbers."""
+worker; a chunk that does not fit refused with the numbers; the ring made of lent expert-cache slots (the coldest
+experts evicted for it) giving the same answers, the table equal to its host copy, and the slots refilled after it."""
 import dataclasses
 
 import numpy as np
@@ -204,5 +205,92 @@ def test_streamed_pass_writes_and_reads_an_int8_kv_cache(cpu_runs):
         n = len(seq)
         assert int(cp.count_nonzero(be.kv.k_scale[:, :, :n] > 0)) == be.kv.k_scale[:, :, :n].size
         assert int(cp.count_nonzero(be.kv.v_scale[:, :, :n] > 0)) == be.kv.v_scale[:, :, :n].size
+    finally:
+        be.close()
+
+
+def lend_all(be, k):
+    """The auto plan at a budget below all: no own ring slots, k cache slots borrowed per prompt, the coldest
+    experts evicted for them (the tiny models leave VRAM for a whole own ring, so the plan is set by hand)."""
+    be.prefill.plan = dataclasses.replace(be.prefill.plan, ring=0, ring_bytes=0, lend=k, lend_occupied=True)
+
+
+def table_matches_host(cache):
+    cp.cuda.Device().synchronize()
+    return np.array_equal(cp.asnumpy(cache.table), cache.table_host)
+
+
+def slots_hold_their_experts(be):
+    """Every occupied slot's bytes are its expert's (the refill's copies landed where the table says)."""
+    cache = be.cache
+    rt = cp.cuda.runtime
+    blob = cp.empty(cache.stride, dtype=cp.uint8)
+    for s in np.flatnonzero(cache.owner >= 0):
+        rt.memcpy(blob.data.ptr, int(cache.arena.blob_ptr[cache.owner[s]]), cache.stride, rt.memcpyDefault)
+        if not bool((cache.slots[s * cache.stride:(s + 1) * cache.stride] == blob).all()):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed"])
+def test_lent_occupied_slots_stream_and_come_back_refilled(cpu_runs, name):
+    from engine.cuda.expert_cache import LENT
+    model, prompt, toks, cpu_logits = cpu_runs[name]
+    cfg = model.config
+    total = cfg.n_layer * cfg.n_expert
+    be = streamed(model, expert_slots=total // 2)
+    try:
+        place(be, model, "half")
+        cache = be.cache
+        k = cache.n_slots // 2
+        lend_all(be, k)
+        cache.heat[:] = np.arange(total)[::-1]         # expert 0 hottest: the lent slots are the highest ids'
+        occupied = int((cache.owner >= 0).sum())
+        assert occupied == cache.n_slots
+        lg, want = routed_logits(be, model, prompt + toks[:-1])        # several chunks on one lending
+        assert np.isfinite(lg).all() and rel_rows(lg, want).max() < 1e-2
+        last = be.prefill.last
+        assert last["lent"] == k and last["ring"] == k and last["bytes"] > 0
+        lent = be.prefill.lent
+        assert len(lent) == k and (cache.owner[lent] == LENT).all()
+        evicted = np.flatnonzero((cache.slot_of < 0) & (np.arange(total) % 2 == 0))
+        assert len(evicted) == k and evicted.min() > np.flatnonzero(cache.slot_of >= 0).max()   # the coldest
+        assert table_matches_host(cache)
+        assert be.prefill.give_back(be.stream) == k
+        cache.poll(be.stream, wait=True)
+        assert int((cache.owner >= 0).sum()) == occupied and not (cache.owner == LENT).any()
+        assert table_matches_host(cache) and slots_hold_their_experts(be)
+        # the whole thing again through the session's calls: the prompt lends, the first decode step gives back
+        be.truncate(0)
+        assert_same_greedy(*routed_greedy(be, model, prompt, N_GREEDY))
+        assert be.prefill.lent == [] and not (cache.owner == LENT).any()
+        cache.poll(be.stream, wait=True)
+        assert int((cache.owner >= 0).sum()) == occupied
+        assert table_matches_host(cache) and slots_hold_their_experts(be)
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("mode", ["mmap", "budget"])
+def test_lending_in_the_memory_modes(cpu_runs, mode):
+    """File-only experts (entry 0 / staged reads): lent slots stream them through the staging ring, the answers stay
+    the same, and the slots come back."""
+    from test_cuda_memory_modes import backend as mm_backend
+    model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
+    cfg = model.config
+    be = mm_backend(model, mode, "half", "streamed", adapt_every=0, prefill_chunk=CHUNK)
+    try:
+        cache = be.cache
+        cache.fill(np.arange(cfg.n_layer * cfg.n_expert), be.stream)
+        occupied = int((cache.owner >= 0).sum())
+        lend_all(be, cache.n_slots // 2)
+        lg, want = routed_logits(be, model, prompt + toks[:-1])
+        assert np.isfinite(lg).all() and rel_rows(lg, want).max() < 1e-2
+        assert be.prefill.last["lent"] > 0
+        be.truncate(0)
+        assert_same_greedy(*routed_greedy(be, model, prompt, N_GREEDY))
+        cache.poll(be.stream, wait=True)
+        assert be.prefill.lent == [] and table_matches_host(cache)
+        assert int((cache.owner >= 0).sum()) <= occupied
     finally:
         be.close()

@@ -6,7 +6,7 @@ wait and one record per batch on each stream; every slot released at the end; no
 import numpy as np
 import pytest
 
-from engine.cuda.ring import BATCH_MAX, Device, RingRunner, batch_size, schedule
+from engine.cuda.ring import BATCH_MAX, Device, RingRunner, batch_size, overlap_ms, schedule
 
 STRIDE = 1000
 
@@ -197,3 +197,28 @@ def test_copies_run_ahead_by_the_ring_depth():
     r.release(s[0])
     copies = [o for o in dev.queues["copy"] if o[0] == "copy"]
     assert len(copies) == depth + len(s[1].items)
+
+
+def test_copy_busy_within_the_streamed_layers_window():
+    """bench.prefill's 'link busy in streamed layers': copying clipped to the window between two compute-stream
+    events, every time measured from one reference event."""
+    assert overlap_ms([(0, 2), (3, 5), (6, 9)], 1, 7) == 1 + 2 + 1
+    assert overlap_ms([(0, 1)], 2, 3) == 0 and overlap_ms([], 0, 5) == 0
+
+    class Timed(FakeDevice):
+        def elapsed_ms(self, a, b):
+            return float(self.at[b.id])
+    dev = Timed()
+    r = RingRunner(dev, [1, 2, 3, 4], STRIDE, timing=True)
+    s = schedule(np.zeros((1, 8), bool), 4)        # 4 batches of 2
+    ref = dev.event(True)
+    r.begin_chunk(s, lambda l, e: 10**6 + l * 8 + e)
+    for b in s:
+        r.acquire(b)
+        r.release(b)
+    lo, hi = dev.event(True), dev.event(True)
+    dev.at = {ref.id: 0, lo.id: 3, hi.id: 10}
+    for k, (a, b) in enumerate(r.spans):            # copies at [0,2], [2,4], [5,7], [8,12]
+        dev.at[a.id], dev.at[b.id] = [(0, 2), (2, 4), (5, 7), (8, 12)][k]
+    busy, window = r.busy_within_ms(ref, lo, hi)
+    assert (busy, window) == (0 + 1 + 2 + 2, 7)

@@ -359,6 +359,8 @@ class CUDABackend(Backend):
         """One step; gs: pick with the GPU sampler instead of the argmax."""
         self._room(1)
         if self.cache is not None:
+            if self.opts.prefill == "streamed":     # the prompt is over: the ring's lent cache slots come back
+                self.prefill.give_back(self.stream)
             self.cache.poll(self.stream)
         use_graph = not self.opts.no_graph
         if self.mem:        # layer by layer while some expert is only in the file
@@ -435,7 +437,8 @@ class CUDABackend(Backend):
         if self.pcie_gbps is not None:
             out["pcie_gbps"] = round(self.pcie_gbps, 1)
         if self.opts.prefill == "streamed" and self.prefill is not None:
-            out.update(prefill="streamed", prefill_chunk=self.prefill.chunk, ring=self.prefill.plan.ring)
+            out.update(prefill="streamed", prefill_chunk=self.prefill.chunk, ring=self.prefill.plan.ring,
+                       ring_lend=self.prefill.plan.lend)
         return out
 
     def cache_picture(self):

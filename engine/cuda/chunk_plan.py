@@ -16,6 +16,7 @@ STEP = 256               # auto chunk sizes are multiples of this (below AUTO_MI
 RING_MIN = 2             # two slots: one being copied while the other is read
 RING_MAX = 384           # the original engine measured 384 slots best with pinned sources
 RING_AUTO_FLOOR = 16     # auto keeps at least this many ring slots before it grows the chunk past AUTO_MIN
+RING_LEND_FLOOR = 64     # a lent ring is at least this deep (see ring_target)
 DEQUANT_SCRATCH_ELEMS = 1 << 25   # dense weights are dequantized to fp32 scratch this many values at a time
 WH_ELEMS = 1 << 24       # attention weights dequantized to fp16 for cuBLAS this many values at a time (32 MiB)
 CUBLAS_WORKSPACE = 32 * MiB
@@ -69,12 +70,32 @@ def ring_bytes(depth: int, stride: int) -> int:
     return depth * stride
 
 
+def ring_target(n_stream: int, n_layer: int) -> int:
+    """How deep the ring should be when expert-cache slots can be lent to it: two layers' worth of streamed experts
+    (at least RING_LEND_FLOOR, at most RING_MAX, never more than there are to stream).
+
+    Why two layers: the copy stream only refills a slot once the compute stream has released it, and during a
+    layer's attention and dense projections the compute stream releases nothing. With one layer's worth the copy
+    engine has at most the next layer's experts to copy while the current layer computes, then idles through the
+    next attention half (H200, 12 GiB, 4K prompt: a 17-slot ring, 0.9 ms of copies per 1.35 ms attention half, kept
+    the link 47% busy). Two layers' worth let the copies run a whole layer ahead, so the attention halves are covered
+    by the next layer's copies, and ring batches (half the ring, at most ring.BATCH_MAX) stay full size. The floor
+    covers an attention half (~27 experts at 52 GB/s on Qwen3-30B-A3B) with room for a batch being read; the cap is
+    the original engine's measured best."""
+    if not n_stream or not n_layer:
+        return 0
+    per_layer = -(-int(n_stream) // int(n_layer))
+    return min(RING_MAX, int(n_stream), max(2 * per_layer, RING_LEND_FLOOR))
+
+
 @dataclass(frozen=True)
 class Plan:
     chunk: int
-    ring: int                 # ring slots allocated (lent cache slots come on top, per prompt)
+    ring: int                 # ring slots allocated (the ring's own VRAM)
     chunk_bytes: int
     ring_bytes: int
+    lend: int = 0             # expert-cache slots the ring borrows per streamed prompt, on top of its own
+    lend_occupied: bool = False   # may it evict the coldest experts for them (auto), or only take free slots (--ring)
 
     @property
     def total(self) -> int:
@@ -90,16 +111,6 @@ def _refuse(what: str, need: int, free: int, hint: str) -> ChunkRefused:
                         f"weights, KV cache and expert cache; {hint}")
 
 
-def _ring_depth(ring, left: int, stride: int, n_stream: int) -> int:
-    """Slots for the ring: --ring N, else as many as the VRAM left holds up to RING_MAX (and no more than the
-    experts there are to stream)."""
-    if not stride or not n_stream:
-        return 0
-    if ring is not None:
-        return int(ring)
-    return max(0, min(RING_MAX, n_stream, left // stride))
-
-
 def _auto_sizes(cap: int) -> list[int]:
     """Chunk sizes auto tries, largest first: the cap, multiples of STEP down to AUTO_MIN, then multiples of 16."""
     s = {cap} | {n for n in range(AUTO_MIN, cap + 1, STEP)} | {n for n in range(16, min(cap, AUTO_MIN), 16)}
@@ -110,52 +121,64 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
                max_tokens: int | None = None, lendable: int = 0) -> Plan:
     """The chunk and ring for `free` bytes of VRAM.
 
-    chunk: an int or "auto"; ring: an int or None (auto); stride: bytes per expert blob (0: no experts);
-    n_stream: how many experts may stream (the non-resident ones; 0 when everything is resident);
-    max_tokens: the context (no chunk is longer); lendable: expert-cache slots the ring may borrow, which lower
-    the slots it must allocate. Raises ChunkRefused with the numbers when nothing fits.
+    chunk: an int or "auto"; ring: an int (--ring: the ring's own slots, exactly) or None (auto); stride: bytes per
+    expert blob (0: no experts); n_stream: how many experts stream (the non-resident ones; 0 when everything is
+    resident); max_tokens: the context (no chunk is longer); lendable: expert-cache slots the ring may borrow (the
+    cache's slot count).
+
+    Auto: the ring's own slots are whatever VRAM the chunk leaves (the backend reserves none for it, so the expert
+    cache gets those bytes for decode), and per streamed prompt the ring borrows cache slots up to ring_target(),
+    evicting the coldest experts for them. --ring N: N own slots, plus only free (empty) cache slots lent on top.
+    Raises ChunkRefused with the numbers when nothing fits.
     """
     cap = AUTO_MAX if max_tokens is None else max(1, min(AUTO_MAX, int(max_tokens)))
-    want_ring = 0 if not (stride and n_stream) else max(RING_MIN, 0 if ring is None else int(ring))
+    streams = bool(stride and n_stream)
     if ring is not None and int(ring) < RING_MIN:
         raise ValueError(f"--ring {ring} is too small; use at least {RING_MIN}")
+    lendable = max(0, int(lendable)) if streams else 0
+    if ring is not None:
+        own_floor = int(ring) if streams else 0
+    else:       # the auto ring needs RING_MIN slots in all; borrowed ones count
+        own_floor = max(0, RING_MIN - lendable) if streams else 0
     if chunk != "auto":
         T = int(chunk)
         if T < 1:
             raise ValueError(f"--prefill-chunk must be at least 1 (or auto), got {chunk}")
         if max_tokens is not None:
             T = min(T, int(max_tokens))
-        need_ring = max(0, want_ring - lendable)
-        need = chunk_bytes(cfg, T) + ring_bytes(need_ring, stride)
+        need = chunk_bytes(cfg, T) + ring_bytes(own_floor, stride)
         if need > free:
-            raise _refuse(f"a prompt chunk of {T} tokens (with {want_ring} ring slots)", need, free,
+            raise _refuse(f"a prompt chunk of {T} tokens (with {own_floor} ring slots)", need, free,
                           ("lower --ring, " if ring is not None else "") + "lower --prefill-chunk (or use auto), "
                           "lower --ctx or --expert-slots, or raise --vram-budget-mib")
-        T_fixed = T
     else:
-        T_fixed = None
-    if T_fixed is None:
-        # Largest multiple of STEP up to the cap that leaves room for the ring's floor; below AUTO_MIN, smaller steps.
-        floor = 0 if not want_ring else max(want_ring, min(RING_AUTO_FLOOR, n_stream))
-        floor_bytes = ring_bytes(max(0, floor - lendable), stride)
-        T_fixed = next((T for T in _auto_sizes(cap) if chunk_bytes(cfg, T) + floor_bytes <= free), None)
-        if T_fixed is None:
+        # Largest multiple of STEP up to the cap that leaves room for the ring's own floor (the auto floor's
+        # RING_AUTO_FLOOR slots may be borrowed); below AUTO_MIN, smaller steps.
+        floor = own_floor
+        if ring is None and streams:
+            floor = max(own_floor, min(RING_AUTO_FLOOR, n_stream) - lendable)
+        floor_bytes = ring_bytes(floor, stride)
+        T = next((T for T in _auto_sizes(cap) if chunk_bytes(cfg, T) + floor_bytes <= free), None)
+        if T is None:
             T = _auto_sizes(cap)[-1]
-            need = chunk_bytes(cfg, T) + floor_bytes
-            raise _refuse(f"the smallest prompt chunk ({T} tokens, {floor} ring slots)", need, free,
-                          ("lower --ring, " if ring is not None else "") + "lower --ctx or --expert-slots, or raise --vram-budget-mib")
-    cb = chunk_bytes(cfg, T_fixed)
+            raise _refuse(f"the smallest prompt chunk ({T} tokens, {floor} ring slots)", chunk_bytes(cfg, T)
+                          + floor_bytes, free, ("lower --ring, " if ring is not None else "")
+                          + "lower --ctx or --expert-slots, or raise --vram-budget-mib")
+    cb = chunk_bytes(cfg, T)
     left = free - cb
+    if not streams:
+        return Plan(T, 0, cb, 0)
     if ring is not None:
-        depth = int(ring) if (stride and n_stream) else 0
-        own = max(0, depth - lendable)
+        own = int(ring)
         if own * stride > left:
-            raise _refuse(f"--ring {ring} beside a chunk of {T_fixed} tokens", cb + own * stride, free,
+            raise _refuse(f"--ring {ring} beside a chunk of {T} tokens", cb + own * stride, free,
                           "lower --ring, or --prefill-chunk")
-    else:
-        depth = _ring_depth(None, left + lendable * stride, stride, n_stream)
-        if stride and n_stream and depth < RING_MIN:
-            raise _refuse(f"a chunk of {T_fixed} tokens and {RING_MIN} ring slots",
-                          cb + RING_MIN * stride, free, "lower --prefill-chunk, --ctx or --expert-slots")
-        own = max(0, depth - lendable)
-    return Plan(T_fixed, own, cb, ring_bytes(own, stride))
+        return Plan(T, own, cb, ring_bytes(own, stride), max(0, min(lendable, RING_MAX - own)), False)
+    # VRAM the chunk leaves would sit idle: the ring's own slots take it first (up to RING_MAX), so fewer experts
+    # are evicted for lent slots
+    own = max(0, min(RING_MAX, n_stream, left // stride))
+    lend = max(0, min(lendable, ring_target(n_stream, cfg.n_layer) - own))
+    if own + lend < RING_MIN:
+        raise _refuse(f"a chunk of {T} tokens and {RING_MIN} ring slots", cb + (RING_MIN - lend) * stride, free,
+                      "lower --prefill-chunk, --ctx or --expert-slots")
+    return Plan(T, own, cb, ring_bytes(own, stride), lend, True)

@@ -15,10 +15,14 @@ Why it is the default (engine/cuda/args.DEFAULT_PREFILL): it is the whole policy
 --stream-min tokens and up stream through the ring, shorter ones read the non-resident experts in place), and on the
 H200 (2026-11-30, Qwen3-30B-A3B-shaped Q4_K) it read 4K prompts at 16,586 tok/s all resident and 11,311 tok/s at a
 12 GiB budget, where the batched pass (a Python loop per routed expert per layer, fp32 GEMMs, a host round trip per
-layer for the routing) read 512-token prompts at 128-186 tok/s. Nor does it cost the decode cache VRAM: the backend
-holds back chunk_plan's buffers for the 4,096-token auto target (74 KB a token plus ~0.23 GiB of scratch, 0.52 GiB)
-and 64 ring slots (0.17 GiB) for the Qwen3-30B-A3B shape, 0.69 GiB, against 0.78 GiB for the batched pass's scratch
-(backend._prefill_scratch_bytes). The CUDA worker-protocol suite passed with it as the default.
+layer for the routing) read 512-token prompts at 128-186 tok/s.
+
+The ring's VRAM: the backend holds back chunk_plan's buffers for the 4,096-token auto target (74 KB a token plus
+~0.23 GiB of scratch for the Qwen3-30B-A3B shape) and no ring (with --ring N: N slots) before the expert cache takes
+the rest, so decode gets those bytes as cache slots. A streamed prompt borrows expert-cache slots instead
+(chunk_plan.ring_target deep: two layers' worth of streamed experts): free ones first, then the coldest occupied
+ones, whose experts stream with the rest; the first decode step after the prompt gives them back
+(ExpertCache.give_back: refilled with the hottest experts that have no slot, on the cache's side stream).
 """
 from __future__ import annotations
 
@@ -28,13 +32,12 @@ import cupy as cp
 import numpy as np
 
 from engine.cuda import kernels
-from engine.cuda.chunk_plan import MiB, RING_MAX, RING_MIN, buffers, chunk_bytes, plan_chunk
+from engine.cuda.chunk_plan import MiB, RING_MIN, buffers, chunk_bytes, plan_chunk
 from engine.cuda.decode import F32, I32, I64, NULL, U64, ptr
 from engine.cuda.prefill import Prefill
 from engine.cuda.ring import CupyDevice, RingRunner, schedule
 
 AUTO_TARGET = 4096          # the chunk auto reserves room for before the expert cache takes the rest
-AUTO_RING_RESERVE = 64      # ring slots reserved likewise (free expert-cache slots are lent on top)
 ATT_BM = 64                 # query rows per flash-attention block (prefill_attn.cu FA_BM)
 ATT_THREADS = 128           # 4 warps (FA_WARPS)
 GEMM_TILE = 64              # rows and columns per expert GEMM block (moe_gemm.cu MG_BM, MG_BN)
@@ -92,12 +95,12 @@ def vram_left(opts) -> int:
 
 
 def reserve_bytes(cfg, stride: int, n_total: int, opts, max_ctx: int) -> int:
-    """What the backend holds back for the streamed pass before sizing the expert cache."""
+    """What the backend holds back for the streamed pass before sizing the expert cache: the target chunk, and the
+    ring only when --ring N asks for its own slots (the auto ring borrows cache slots per prompt; when the cache
+    holds every expert nothing streams)."""
     chunk = parse_chunk(opts.prefill_chunk)
     T = min(AUTO_TARGET if chunk == "auto" else chunk, max_ctx)
-    ring = 0
-    if stride and n_total:
-        ring = opts.ring if opts.ring is not None else min(AUTO_RING_RESERVE, n_total)
+    ring = opts.ring if (stride and n_total and opts.ring is not None) else 0
     return chunk_bytes(cfg, T) + ring * stride
 
 
@@ -143,12 +146,12 @@ class StreamedPrefill:
         qts = set(self.w.qtype_ids()) | ({lay.qt_gate_up, lay.qt_down} if lay else set())
         self.moe_mod = moe_module(qts)          # also to_half and dequant_rows_f16
         stride = lay.stride if lay else 0
-        # at least the experts the cache has no slot for stream; while the cache is not full, its free slots are
-        # lent to the ring on top of its own
+        # at least the experts the cache has no slot for stream; the ring borrows cache slots on top of its own
         n_stream = self.cache.n_total - self.cache.n_slots if self.cache is not None else 0
         free = vram_left(opts)
         self.plan = plan_chunk(c, free, chunk=parse_chunk(opts.prefill_chunk), ring=opts.ring, stride=stride,
-                               n_stream=n_stream, max_tokens=self.kv.max_ctx)
+                               n_stream=n_stream, max_tokens=self.kv.max_ctx,
+                               lendable=self.cache.n_slots if self.cache is not None else 0)
         self.chunk = self.plan.chunk
         with step.stream:
             self.buf = {}
@@ -156,7 +159,7 @@ class StreamedPrefill:
                 if b.keep:
                     dt = cp.int32 if b.name in _INT else cp.float16 if b.name in _HALF else cp.float32
                     self.buf[b.name] = cp.empty(b.elems, dtype=dt)
-            self.ring_mem = cp.empty(max(self.plan.ring, 1) * max(stride, 1), dtype=cp.uint8)
+            self.ring_mem = cp.empty(self.plan.ring * stride, dtype=cp.uint8)
         self.dev = CupyDevice(step.stream) if lay else None
         self.timing = False          # bench/prefill.py: copy-engine busy time per chunk
         self.profile = False         # bench/prefill.py: GPU time per phase (PhaseTimer) in last["phases"]
@@ -166,16 +169,35 @@ class StreamedPrefill:
         # the NumPy reference can follow them where its own router is a near-tie (tests/route_ties.py)
         self.routes = None
         self._groups_key = self._groups_val = None
-        log(f"streamed prompt pass: chunks of {self.chunk} tokens ({self.plan.chunk_bytes / MiB:.0f} MiB), "
-            f"ring of {self.plan.ring} slots ({self.plan.ring_bytes / MiB:.0f} MiB) + free expert-cache slots; "
-            f"{free / MiB:.0f} MiB were left")
+        self.lent: list[int] = []    # expert-cache slots the ring holds now (given back by give_back)
+        p = self.plan
+        lend = (f"up to {p.lend} expert-cache slots lent per prompt (the coldest experts evicted for them)"
+                if p.lend_occupied else f"up to {p.lend} free expert-cache slots lent")
+        log(f"streamed prompt pass: chunks of {self.chunk} tokens ({p.chunk_bytes / MiB:.0f} MiB), "
+            f"ring of {p.ring} own slots ({p.ring_bytes / MiB:.0f} MiB) + {lend}; {free / MiB:.0f} MiB were left")
 
-    # --- per-chunk set-up ------------------------------------------------------------------------------------
-    def _lent_slots(self) -> list[int]:
-        """Expert-cache slots holding nothing (and not being filled by a swap): the ring may use them meanwhile."""
-        cache = self.cache
-        pending = set(cache._pending[2]) if cache._pending is not None else set()
-        return [cache.slot_ptr(s) for s in np.flatnonzero(cache.owner < 0) if int(s) not in pending]
+    # --- lent expert-cache slots ------------------------------------------------------------------------------
+    def borrow(self) -> list[int]:
+        """Top the ring's lent cache slots up to the plan's count (the first streamed chunk of a prompt borrows them,
+        later chunks keep them); returns their addresses. The cache writes the evicted experts' entries on the
+        compute stream, before the event the ring's copy stream waits on."""
+        want = self.plan.lend - len(self.lent)
+        if want > 0:
+            new = self.cache.lend(want, self.step.stream, occupied=self.plan.lend_occupied)
+            if new:
+                self.lent += new
+                self.log(f"streamed prompt pass: {len(self.lent)} expert-cache slots lent to the ring "
+                         f"({self.plan.ring} own)")
+        return [self.cache.slot_ptr(s) for s in self.lent]
+
+    def give_back(self, stream) -> int:
+        """The prompt is over: the lent slots go back to the cache, refilled with its hottest experts that have
+        none (after everything on `stream`, which includes the ring's last readers). Returns how many."""
+        if not self.lent:
+            return 0
+        slots, self.lent = self.lent, []
+        self._groups_key = self._groups_val = None
+        return self.cache.give_back(slots, stream)
 
     def _groups(self, T: int):
         """Per layer the in-place group (sel, ptrs, n): the resident experts when the ring streams the rest, else every
@@ -186,8 +208,10 @@ class StreamedPrefill:
         slots = []
         if stream:
             own = [int(self.ring_mem.data.ptr) + i * self.layout.stride for i in range(self.plan.ring)]
-            slots = own + self._lent_slots()[:max(0, RING_MAX - len(own))]
+            slots = own + self.borrow()
             stream = len(slots) >= RING_MIN
+            # lending evicted experts: they stream too
+            resident = (cache.slot_of >= 0).reshape(c.n_layer, c.n_expert)
         key = (stream, resident.tobytes(), tuple(slots), cache.table_host.tobytes())
         if self._groups_key == key:       # the same placement as the last chunk: the same tables and batches
             groups, per_layer, batches = self._groups_val
@@ -265,6 +289,11 @@ class StreamedPrefill:
         self.moe_mod.get_function("to_half")((max(1, min(1024, (n // 4 + 255) // 256)),), (256,), (src, xh, I64(n)))
         return xh[:n].reshape(T, width)
 
+    def _timing_event(self):
+        ev = cp.cuda.Event()
+        ev.record(self.step.stream)
+        return ev
+
     def _mark(self, phase: str) -> None:
         if self._tm is not None:
             self._tm.mark(phase)
@@ -287,13 +316,16 @@ class StreamedPrefill:
         te = w.tok_embd
         self.k("embed", te.qt)((T,), (256,), (U64(te.ptr), I64(te.row_bytes), ptr(tok), NULL, NULL, ptr(x),
                                             I32(c.n_embd)))
-        groups = runner = ring_views = None
+        groups = runner = ring_views = window = None
         if c.is_moe:
             groups, ring_views, runner, batches = self._groups(T)
             if runner is not None:
-                ev = cp.cuda.Event(disable_timing=True)     # the ring's slots may still be read by earlier work
+                # the ring's slots may still be read by earlier work (and lent ones by the decode steps before the
+                # table writes that evicted their experts); with timing, every copy-span time counts from here
+                ev = cp.cuda.Event(disable_timing=not self.timing)
                 ev.record(self.step.stream)
                 self.dev.copy_stream.wait_event(ev)
+                window = [ev, None, None]
                 arena = self.cache.arena.blob_ptr
                 # the memory modes' device stages file-only experts for the ring (engine/cuda/memory_mode.py)
                 src_of = getattr(self.dev, "source_of", None) or (lambda li, e: int(arena[li * c.n_expert + e]))
@@ -303,7 +335,11 @@ class StreamedPrefill:
         att_grid, att_block = attn_launch(T, c.n_head, c.n_head_kv)
         int8 = getattr(self.kv, "dtype", "f16") == "int8"
         attend = self.att_mod.get_function("flash_attn_i8" if int8 else "flash_attn_f16")
+        # bench: the link's busy share counts from the first layer that streams experts to the end of the last one
+        streamed = [li for li in range(c.n_layer) if ring_views[li]] if window and self.timing else []
         for li, ly in enumerate(w.layers):
+            if streamed and li == streamed[0]:
+                window[1] = self._timing_event()
             L.rmsnorm(x, ly.attn_norm, xn, rows=T)
             xh = self.to_half(xn, T, c.n_embd)
             self.linear_f16(ly.wq, xh, q)
@@ -332,14 +368,17 @@ class StreamedPrefill:
                 self.moe(li, ly, xn, x, T, groups[li], runner, ring_views)
                 if self.routes is not None:
                     self.routes.append((pos0, li, self._view("ids", T, c.n_expert_used).copy()))
+                if streamed and li == streamed[-1]:
+                    window[2] = self._timing_event()
             else:
                 x += self.base.ffn(ly.w_gate, ly.w_up, ly.w_down, xn)
                 self._mark("dense")
         if runner is not None:
             runner.end_chunk()
-            self.last = dict(ring=runner.depth, bytes=runner.bytes_copied, runner=runner)
+            self.last = dict(ring=runner.depth, lent=len(self.lent), bytes=runner.bytes_copied, runner=runner,
+                             window=tuple(window) if streamed else None)
         else:
-            self.last = dict(ring=0, bytes=0, runner=None)
+            self.last = dict(ring=0, lent=0, bytes=0, runner=None, window=None)
         self.last.update(tokens=T, host_ms=(time.perf_counter() - t0) * 1000)
         xs = x if all_logits else x[-1:]
         xo = cp.empty_like(xs)

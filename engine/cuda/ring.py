@@ -69,6 +69,12 @@ def schedule(resident, depth: int, batch: int | None = None) -> list[Batch]:
     return out
 
 
+def overlap_ms(spans, lo: float, hi: float) -> float:
+    """Total length of the parts of intervals `spans` ((start, end) pairs that do not overlap one another: one copy
+    stream) inside [lo, hi]."""
+    return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in spans)
+
+
 class Device:
     """What the runner needs from CUDA. Streams are opaque values; events are what event() returns."""
     copy_stream = None
@@ -209,6 +215,14 @@ class RingRunner:
     def busy_ms(self) -> float:
         """Milliseconds the copy stream spent copying (timing runners; waits for the last copy)."""
         return sum(self.dev.elapsed_ms(a, b) for a, b in self.spans)
+
+    def busy_within_ms(self, ref, lo, hi) -> tuple[float, float]:
+        """(copying, window): milliseconds the copy stream spent copying between timing events lo and hi, and the
+        window's length. ref: a timing event that completed before any of them (times are measured from it, so
+        every difference is of events in order)."""
+        t = lambda ev: self.dev.elapsed_ms(ref, ev)      # noqa: E731
+        a, b = t(lo), t(hi)
+        return overlap_ms([(t(s), t(e)) for s, e in self.spans], a, b), max(0.0, b - a)
 
     def of_layer(self, layer: int) -> list[Batch]:
         return [b for b in self.batches if b.layer == layer]
