@@ -2,7 +2,7 @@
 
     python -m bench.decode [--model data/models/qwen3-30b-a3b-q4k-g3.gguf] [--budgets all,24,16,12,8]
                            [--prompt 512] [--new 256] [--prefetch on|off|both] [--prefetch-depth 1|2|both]
-                           [--out bench.json]
+                           [--fetch-misses on|off|both] [--out bench.json]
 
 Makes the Qwen3-30B-A3B-shaped Q4_K model with tools/make_moe.py when it is not there (timed). One backend process:
 the pinned arena is filled once, and the VRAM expert cache is rebuilt for each budget (--vram-budget-mib semantics:
@@ -13,6 +13,8 @@ With the next-layer prefetch (engine/cuda/prefetch.py): its prediction accuracy,
 share of them wasted (never routed), and the bytes that really crossed the link (misses read in place + copies).
 --prefetch both measures each budget twice, on and off; --prefetch-depth both measures each budget's prefetch-on row
 at depth 1 (predict the next layer) and 2 (the one after it), with the prediction accuracy of each depth.
+--fetch-misses both measures each prefetching row with the late-miss copy on and off (the routed experts the prediction
+missed copied into VRAM before the layer's expert kernels, or read in place by them); "late MB/tok" is what it copied.
 """
 from __future__ import annotations
 
@@ -101,6 +103,8 @@ def main(argv=None):
                     help="next-layer expert prefetch (default: the engine's default); both: each budget on and off")
     ap.add_argument("--prefetch-depth", choices=("1", "2", "both"), default=None,
                     help="prefetch depth (default: the engine's default); both: each prefetching budget at 1 and 2")
+    ap.add_argument("--fetch-misses", choices=("on", "off", "both"), default=None,
+                    help="late-miss copy (default: the engine's default); both: each prefetching row on and off")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
                     help="also time a sampled pass (temperature/top_k/top_p/min_p, seeded) at the first budget")
@@ -120,8 +124,10 @@ def main(argv=None):
     t0 = time.perf_counter()
     modes = ["on", "off"] if a.prefetch == "both" else [a.prefetch]
     depths = [1, 2] if a.prefetch_depth == "both" else [int(a.prefetch_depth or DEFAULT_DEPTH)]
+    fetches = ["on", "off"] if a.fetch_misses == "both" else [a.fetch_misses]
     be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True,
-                                                               prefetch=modes[0], prefetch_depth=depths[0]))
+                                                               prefetch=modes[0], prefetch_depth=depths[0],
+                                                               fetch_misses=fetches[0]))
     facts["load_s"] = round(time.perf_counter() - t0, 1)
     facts["arena_gib"] = round(be.arena.nbytes / 2**30, 2)
     facts["arena_fill_gib_s"] = round(be.arena.nbytes / 2**30 / be.arena.fill_seconds, 1)
@@ -139,12 +145,13 @@ def main(argv=None):
         # resident): one unmeasured pass with every expert in VRAM learns it, as the default budget list does.
         be.resize_expert_cache(vram_budget_mib=None)
         run_pass(be, rng, a.prompt, a.new)
-    # everything resident never prefetches: one row for it; prefetch off: one row whatever the depth
-    runs = [(b, mode, d) for b in a.budgets.split(",") for mode in (modes[:1] if b == "all" else modes)
-            for d in (depths[:1] if b == "all" or mode == "off" else depths)]
-    for b, mode, depth in runs:
+    # everything resident never prefetches: one row for it; prefetch off: one row whatever the depth and late copy
+    runs = [(b, mode, d, f) for b in a.budgets.split(",") for mode in (modes[:1] if b == "all" else modes)
+            for d in (depths[:1] if b == "all" or mode == "off" else depths)
+            for f in (fetches[:1] if b == "all" or mode == "off" else fetches)]
+    for b, mode, depth, fetch in runs:
         mib = None if b == "all" else int(float(b) * 1024)
-        be.opts.prefetch, be.opts.prefetch_depth = mode, depth
+        be.opts.prefetch, be.opts.prefetch_depth, be.opts.fetch_misses = mode, depth, fetch
         slots = be.resize_expert_cache(vram_budget_mib=mib)
         used_mib = cp.get_default_memory_pool().total_bytes() / 2**20
         learn = run_pass(be, rng, a.prompt, a.new)
@@ -155,8 +162,10 @@ def main(argv=None):
         pcie_ceiling = PCIE_BPS / miss_bytes if miss_bytes else float("inf")
         ps = m["prefetch"]
         pre = ps.summary(blob, m["steps"]) if ps else dict(pred_accuracy=None, pred_accuracy_2=None,
-                                                          prefetch_mb_per_token=0.0, prefetch_wasted=None)
-        # what crossed the link: misses not served from a prefetched copy, read in place, plus every copy
+                                                          prefetch_mb_per_token=0.0, prefetch_wasted=None,
+                                                          late_mb_per_token=0.0)
+        # what crossed the link: misses not served from a prefetched copy (read in place, or copied late: the same
+        # bytes), plus every prefetch copy
         link_bytes = miss_bytes + ((ps.staged - ps.used) * blob / m["steps"] if ps else 0.0)
         hbm_ceiling = HBM_BPS / touched
         rows.append(dict(budget=b, slots=slots, experts_total=be.cache.n_total, vram_used_mib=round(used_mib),
@@ -167,6 +176,7 @@ def main(argv=None):
                          of_pcie_ceiling=round(tps / pcie_ceiling, 3), of_hbm_ceiling=round(tps / hbm_ceiling, 3),
                          prompt_tok_s=round(a.prompt / m["prompt_s"], 1), swaps=be.cache.swaps,
                          prefetch="on" if ps else "off", prefetch_depth=be.step.prefetch.depth if ps else None,
+                         fetch_misses=("on" if be.step.prefetch.fetch_misses else "off") if ps else None,
                          **pre, link_mb_per_token=round(link_bytes / 1e6, 2),
                          link_gbps=round(link_bytes * tps / 1e9, 1)))
         if b == a.budgets.split(",")[0] and a.sampled:
@@ -180,20 +190,21 @@ def main(argv=None):
         a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
     print(f"model {a.model.name}: prompt {a.prompt}, {a.new} new tokens, ceilings PCIe {PCIE_BPS / 1e9:.0f} GB/s, "
           f"HBM {HBM_BPS / 1e12:.1f} TB/s; {json.dumps(facts)}")
-    print("| budget GiB | prefetch | depth | slots | hit rate | tok/s | PCIe MB/tok | PCIe GB/s | PCIe ceiling | of it "
-          "| HBM ceiling | of it | prompt tok/s | acc d1 | acc d2 | prefetch MB/tok | wasted | link MB/tok "
-          "| link GB/s |")
-    print("| --- | --- | --- |" + " ---: |" * 16)
+    print("| budget GiB | prefetch | depth | late copy | slots | hit rate | tok/s | PCIe MB/tok | PCIe GB/s "
+          "| PCIe ceiling | of it | HBM ceiling | of it | prompt tok/s | acc d1 | acc d2 | prefetch MB/tok | wasted "
+          "| late MB/tok | link MB/tok | link GB/s |")
+    print("| --- | --- | --- | --- |" + " ---: |" * 17)
     opt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
-        print(f"| {r['budget']} | {r['prefetch']} | {r['prefetch_depth'] or '-'} | {r['slots']}/{r['experts_total']} | "
+        print(f"| {r['budget']} | {r['prefetch']} | {r['prefetch_depth'] or '-'} | {r['fetch_misses'] or '-'} | "
+              f"{r['slots']}/{r['experts_total']} | "
               f"{r['hit_rate']:.3f} | "
               f"{r['tok_s']:.1f} | {r['pcie_mb_per_token']:.1f} | {r['pcie_gbps']:.1f} | "
               f"{r['pcie_ceiling_tok_s']:.0f} | {r['of_pcie_ceiling']:.2f} | {r['hbm_ceiling_tok_s']:.0f} | "
               f"{r['of_hbm_ceiling']:.2f} | {r['prompt_tok_s']:.0f} | {opt(r['pred_accuracy'], '.3f')} | "
               f"{opt(r['pred_accuracy_2'], '.3f')} | "
               f"{r['prefetch_mb_per_token']:.1f} | {opt(r['prefetch_wasted'], '.2f')} | "
-              f"{r['link_mb_per_token']:.1f} | {r['link_gbps']:.1f} |")
+              f"{r['late_mb_per_token']:.1f} | {r['link_mb_per_token']:.1f} | {r['link_gbps']:.1f} |")
     for r in rows:
         if "sampled_tok_s" in r:
             print(f"\nsampled decode ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())}) at budget {r['budget']}: "
@@ -202,8 +213,9 @@ def main(argv=None):
     if prof:
         kinds = list(dict.fromkeys(k for r in prof for k in r["profile_us"]))
         print("\nmicroseconds per decode step by kind of kernel (a graph of only that kind, replayed)")
-        print("| kind | " + " | ".join(f"{r['budget']} {r['prefetch']}{'' if r['prefetch_depth'] in (None, 1) else ' d2'}"
-                                     for r in prof) + " |")
+        label = lambda r: (f"{r['budget']} {r['prefetch']}{'' if r['prefetch_depth'] in (None, 1) else ' d2'}"
+                           f"{' late off' if r['fetch_misses'] == 'off' else ''}")
+        print("| kind | " + " | ".join(label(r) for r in prof) + " |")
         print("| --- |" + " ---: |" * len(prof))
         for k in kinds:
             print(f"| {k} | " + " | ".join(f"{r['profile_us'].get(k, 0):.0f}" for r in prof) + " |")

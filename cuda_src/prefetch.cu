@@ -12,6 +12,14 @@
 // launched after layer m-2's router, reuses the bank of layer m-3, whose experts ran before that router; the end of
 // the step adds prefetch_restore for the third bank. The kernels do not know the depth: prefetch.py picks the
 // pointers (pred of the layer copied, the bank, the stats pair a layer's routing is noted against).
+//
+// Late misses (--fetch-misses, on by default): after layer l's prefetch copy is joined, the main stream runs
+// prefetch_copy once more for layer l with the layer's actual routing as the "prediction", into one of two miss
+// banks (layer parity): every routed expert still outside VRAM (neither a cache slot nor a staging or miss slot, the
+// second VRAM range [stage_lo, stage_hi) covering all banks; nor 0, file-only) is copied with the whole grid's loads
+// in flight (~46 GB/s) instead of being read in place by the expert kernels, whose k-way split leaves one missed
+// expert few loads in flight (~15-20 GB/s on the H200). Its own counters: `staged` is the fetched counter, `used`
+// and `actual` null (a late copy is used by definition).
 #include "quant.cuh"
 #include "common.cuh"
 // route_block (the router's last-block routing), for router_predict below. CuPy's kernel cache keys on this file's
@@ -24,7 +32,7 @@
 #define PF_LOADS 8        // 16-byte loads in flight per thread in prefetch_copy
 // stats: look-ups with a prediction, of them predicted right, experts staged (copied over PCIe), staged and used;
 // prefetch.py keeps a second (predicted, right) pair at [4], [5] for the depth-2 predictions (note_routing is passed
-// stats + 4 for a layer predicted two layers ahead)
+// stats + 4 for a layer predicted two layers ahead), and at [6] the experts the miss copy fetched late (its staged_ctr)
 #define PF_PREDICTED 0
 #define PF_CORRECT 1
 #define PF_STAGED 2
@@ -54,11 +62,13 @@ __device__ __forceinline__ void note_routing(const int* __restrict__ ids, const 
     }
 }
 
-// Put a bank's rewritten table entries back and count the staged experts its layer used: one warp (all 32 lanes call
-// it), lane c restores the bank's entry c.
+// Put a bank's rewritten table entries back and count the staged experts its layer used (into *used_ctr; none
+// counted when it is null, the miss banks: actual is not read then): one warp (all 32 lanes call it), lane c restores
+// the bank's entry c.
 __device__ __forceinline__ void restore_bank(unsigned long long* __restrict__ table, int n_expert, int k,
                                              int* __restrict__ rec, const unsigned long long* __restrict__ rec_addr,
-                                             const int* __restrict__ actual, unsigned long long* __restrict__ stats) {
+                                             const int* __restrict__ actual,
+                                             unsigned long long* __restrict__ used_ctr) {
     const int lane = threadIdx.x & 31;
     const int n = __ldcg(rec + 1);
     if (n <= 0) return;                            // the same for every lane
@@ -67,14 +77,16 @@ __device__ __forceinline__ void restore_bank(unsigned long long* __restrict__ ta
     if (lane < n) {
         const int e = __ldcg(rec + 2 + lane);
         table[(long long)l * n_expert + e] = __ldcg(rec_addr + lane);
+        if (used_ctr) {
 #pragma unroll
-        for (int j = 0; j < PF_MAX_K; ++j)
-            if (j < k && __ldcg(actual + (long long)l * k + j) == e) used = true;
+            for (int j = 0; j < PF_MAX_K; ++j)
+                if (j < k && __ldcg(actual + (long long)l * k + j) == e) used = true;
+        }
     }
     const unsigned int u = __popc(__ballot_sync(0xffffffffu, used));
     if (lane == 0) {
         rec[1] = 0;
-        atomicAdd(stats + PF_USED, (unsigned long long)u);
+        if (used_ctr) atomicAdd(used_ctr, (unsigned long long)u);
     }
 }
 
@@ -202,7 +214,9 @@ __global__ void router_predict(const uint8_t* __restrict__ W, long long row_byte
 // Side stream, launched right after the prediction (router_predict or predict), so the link starts on layer l+1's
 // experts while layer l's experts and layer l+1's attention compute. For layer `layer` (this bank):
 //  - every block's first warp compacts the prediction: lane j looks up predicted expert j's entry, and the experts
-//    whose entry is neither a VRAM cache slot (inside [slot_lo, slot_hi)) nor 0 (only in the file, memory modes) get
+//    whose entry is neither a VRAM cache slot (inside [slot_lo, slot_hi)), nor a staging or miss slot (inside
+//    [stage_lo, stage_hi): staged earlier in the step, which only the miss copy meets), nor 0 (only in the file,
+//    memory modes) get
 //    staging slots 0, 1, ... in prediction order (a ballot; one round trip, where one thread used to walk the k
 //    entries serially in every block). Nothing else writes this layer's entries during the step, so every block
 //    sees the same plan;
@@ -212,15 +226,18 @@ __global__ void router_predict(const uint8_t* __restrict__ W, long long row_byte
 //    32 x PF_LOADS consecutive units a round (4 KiB contiguous: each load instruction is 512 coalesced bytes),
 //    all PF_LOADS loads issued before any store, so the blocks are not parked on a few experts while others exit
 //    and the unit count, not the expert count, sets the work per thread;
-//  - the last block points the entries at the staging slots and records them (lane c: entry c).
+//  - the last block points the entries at the staging slots, records them (lane c: entry c) and adds their count to
+//    *staged_ctr (the prefetch's staged counter, or the miss copy's fetched one); the restore counts into *used_ctr
+//    (null for the miss copy).
 // Any grid and any block size that is a multiple of 32 works (the tests use small ones); prefetch.py's choice is
 // explained at COPY_BLOCKS.
 extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table, int layer, int n_expert, int k,
                                          const int* __restrict__ pred, uint8_t* __restrict__ staging, long long stride,
                                          unsigned int units, unsigned long long slot_lo, unsigned long long slot_hi,
+                                         unsigned long long stage_lo, unsigned long long stage_hi,
                                          int* __restrict__ rec, unsigned long long* __restrict__ rec_addr,
-                                         const int* __restrict__ actual, unsigned long long* __restrict__ stats,
-                                         int* __restrict__ counter) {
+                                         const int* __restrict__ actual, unsigned long long* __restrict__ staged_ctr,
+                                         unsigned long long* __restrict__ used_ctr, int* __restrict__ counter) {
     __shared__ unsigned long long src[PF_MAX_K];
     __shared__ int who[PF_MAX_K];
     __shared__ int n_sh;
@@ -233,7 +250,7 @@ extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table,
             e = __ldcg(pred + lane);
             a = __ldcg(row + e);
         }
-        const bool need = lane < k && a && (a < slot_lo || a >= slot_hi);
+        const bool need = lane < k && a && (a < slot_lo || a >= slot_hi) && (a < stage_lo || a >= stage_hi);
         const unsigned int m = __ballot_sync(0xffffffffu, need);
         if (need) {
             const int c = __popc(m & ((1u << lane) - 1u));
@@ -242,7 +259,7 @@ extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table,
         }
         if (lane == 0) n_sh = __popc(m);
     }
-    if (blockIdx.x == 0 && warp == nwarps - 1) restore_bank(table, n_expert, k, rec, rec_addr, actual, stats);
+    if (blockIdx.x == 0 && warp == nwarps - 1) restore_bank(table, n_expert, k, rec, rec_addr, actual, used_ctr);
     __syncthreads();
     const unsigned int n = n_sh;
     const unsigned int total = n * units;
@@ -279,19 +296,22 @@ extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table,
         if (c == 0) {
             rec[0] = layer;
             rec[1] = n;
-            if (n) atomicAdd(stats + PF_STAGED, (unsigned long long)n);
+            if (n) atomicAdd(staged_ctr, (unsigned long long)n);
         }
         __threadfence();
     }
 }
 
-// One bank's restore (one warp): the end of a depth-2 step restores its third bank with it, after prefetch_finish
-// (whose note there runs with check 0: at depth 2 the last layer's routing is noted by predict in bookkeeping mode,
-// against the depth-2 counters). A bank whose record is empty (n == 0) is left alone.
+// Consecutive banks' restores, one warp each (one block of 32 x banks threads; bank b's record at rec + b (2 + k),
+// rec_addr + b k): the end of a depth-2 step restores its third bank with it, after prefetch_finish (whose note there
+// runs with check 0: at depth 2 the last layer's routing is noted by predict in bookkeeping mode, against the depth-2
+// counters), and the end of a step with late misses the two miss banks (used_ctr null). A bank whose record is empty
+// (n == 0) is left alone.
 extern "C" __global__ void prefetch_restore(unsigned long long* __restrict__ table, int n_expert, int k,
                                             int* __restrict__ rec, const unsigned long long* __restrict__ rec_addr,
-                                            const int* __restrict__ actual, unsigned long long* __restrict__ stats) {
-    restore_bank(table, n_expert, k, rec, rec_addr, actual, stats);
+                                            const int* __restrict__ actual, unsigned long long* __restrict__ used_ctr) {
+    const int b = threadIdx.x >> 5;
+    restore_bank(table, n_expert, k, rec + (long long)b * (2 + k), rec_addr + (long long)b * k, actual, used_ctr);
     __threadfence();
 }
 
@@ -305,7 +325,7 @@ extern "C" __global__ void prefetch_finish(unsigned long long* __restrict__ tabl
                                            unsigned long long* __restrict__ stats) {
     note_routing(ids, pred, check, actual + (long long)last_layer * k, k, stats);
     __syncwarp();      // the last layer's routing (actual) written before the restores count against it
-    restore_bank(table, n_expert, k, rec0, rec_addr0, actual, stats);
-    restore_bank(table, n_expert, k, rec1, rec_addr1, actual, stats);
+    restore_bank(table, n_expert, k, rec0, rec_addr0, actual, stats + PF_USED);
+    restore_bank(table, n_expert, k, rec1, rec_addr1, actual, stats + PF_USED);
     __threadfence();
 }

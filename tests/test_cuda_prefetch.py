@@ -4,9 +4,11 @@ GPU: the predictor against NumPy (normalised x @ R.T for F32/F16/Q8_0/Q4_K rows,
 lowest id, logits far below the max ranked as logits), the copy kernel's compaction, exact bytes and table
 rewrites/restores on random tables at several grid shapes, and the CUDA backend with prefetch on against the NumPy
 backend (greedy tokens, logits, the table after each step as before it), each at --prefetch-depth 1 and 2 (three
-staging banks). CPU: the switch, the bench's summary, the fork/join order (at depth 2 over whole 48-layer steps on
-the stream-order graph: joins, bank reuse, the step boundary), the launches' pointers per depth, the launch
-constants against the kernel's.
+staging banks); the late-miss copy (--fetch-misses: the same copy kernel with the routing as its prediction and the
+staging + miss banks as a second VRAM range) on random tables, and end to end on and off against all-resident and the
+CPU, in the memory modes too. CPU: the switches, the bench's summary, the fork/join order (at depth 2 over whole
+48-layer steps on the stream-order graph: joins, bank reuse, the step boundary, the miss copy between join and
+fork), the launches' pointers per depth, the launch constants against the kernel's.
 """
 import argparse
 
@@ -48,19 +50,43 @@ def test_options_take_the_flag():
     assert CudaOptions.from_args(p.parse_args([])).prefetch is None
     assert CudaOptions.from_args(p.parse_args([])).prefetch_depth == pf.DEFAULT_DEPTH
     assert CudaOptions.from_args(p.parse_args(["--prefetch-depth", "2"])).prefetch_depth == 2
+    assert CudaOptions.from_args(p.parse_args([])).fetch_misses is None
+    assert CudaOptions.from_args(p.parse_args(["--fetch-misses", "off"])).fetch_misses == "off"
+
+
+def test_fetch_misses_flag():
+    from engine.cuda.args import check_cuda_args
+    p = argparse.ArgumentParser()
+    add_cuda_args(p)
+    assert p.parse_args([]).fetch_misses is None
+    assert p.parse_args(["--fetch-misses", "off"]).fetch_misses == "off"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--fetch-misses", "maybe"])
+    assert pf.fetching(None) == pf.DEFAULT_FETCH_MISSES and pf.fetching("on") and not pf.fetching("off")
+    # the late-miss copy is part of the prefetch: asking for it with the prefetch off is refused, with the fix
+    bad = check_cuda_args(p.parse_args(["--prefetch", "off", "--fetch-misses", "on"]))
+    assert bad and "--prefetch off" in bad
+    for ok in ([], ["--prefetch", "off"], ["--prefetch", "off", "--fetch-misses", "off"], ["--fetch-misses", "on"]):
+        assert check_cuda_args(p.parse_args(ok)) is None
 
 
 def test_summary():
     s = pf.PrefetchStats.from_counters(np.array([800, 600, 300, 240], dtype=np.uint64))
     out = s.summary(blob_bytes=2_000_000, steps=100)
-    assert out == dict(pred_accuracy=0.75, pred_accuracy_2=None, prefetch_mb_per_token=6.0, prefetch_wasted=0.2)
+    assert out == dict(pred_accuracy=0.75, pred_accuracy_2=None, prefetch_mb_per_token=6.0, prefetch_wasted=0.2,
+                       late_mb_per_token=0.0)
     assert pf.PrefetchStats().summary(10, 0) == dict(pred_accuracy=None, pred_accuracy_2=None,
-                                                      prefetch_mb_per_token=0.0, prefetch_wasted=None)
+                                                      prefetch_mb_per_token=0.0, prefetch_wasted=None,
+                                                      late_mb_per_token=0.0)
     # depth 2: the second counter pair, accuracy kept per depth
     s = pf.PrefetchStats.from_counters(np.array([100, 90, 300, 240, 700, 350], dtype=np.uint64))
     assert (s.predicted2, s.correct2) == (700, 350)
     assert s.summary(2_000_000, 100)["pred_accuracy"] == 0.9
     assert s.summary(2_000_000, 100)["pred_accuracy_2"] == 0.5
+    # the late-miss count: its own counter (stats[6]), none of the prediction's
+    s = pf.PrefetchStats.from_counters(np.array([100, 90, 300, 240, 0, 0, 150], dtype=np.uint64))
+    assert s.fetched == 150 and s.staged == 300 and pf.STATS == pf.FETCHED + 1 == 7
+    assert s.summary(2_000_000, 100)["late_mb_per_token"] == 3.0 and s.summary(2_000_000, 100)["pred_accuracy"] == 0.9
 
 
 def test_prefetch_depth_flag_and_staging_slots():
@@ -71,7 +97,10 @@ def test_prefetch_depth_flag_and_staging_slots():
     with pytest.raises(SystemExit):
         p.parse_args(["--prefetch-depth", "3"])
     assert pf.DEFAULT_DEPTH == 1
-    assert pf.staging_slots(8) == 16 and pf.staging_slots(8, 1) == 16 and pf.staging_slots(8, 2) == 24
+    assert pf.staging_slots(8, 1, False) == 16 and pf.staging_slots(8, 2, False) == 24
+    # the two late-miss banks on top
+    assert pf.staging_slots(8, 1, True) == 32 and pf.staging_slots(8, 2, True) == 40
+    assert pf.staging_slots(8) == pf.staging_slots(8, pf.DEFAULT_DEPTH, pf.DEFAULT_FETCH_MISSES)
     with pytest.raises(ValueError, match="--prefetch-depth 3"):
         pf.banks(3)
 
@@ -83,15 +112,18 @@ def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_20
 
 
 def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
-    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth=1: f"PF{depth}")
+    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth=1, fetch=True: f"PF{depth}{'f' if fetch else ''}")
     monkeypatch.setattr(pf, "DEFAULT_ON", True)
     logs = []
     st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append) == "PF1" and st.prefetch == "PF1"
-    assert "next-layer prediction, 2 x 8 staging slots (40 MiB" in logs[-1]
+    assert pf.attach(st, "on", logs.append, fetch_misses=False) == "PF1" and st.prefetch == "PF1"
+    assert "next-layer prediction, 2 x 8 staging slots, late misses read in place (40 MiB" in logs[-1]
     st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append, depth=2) == "PF2" and st.prefetch == "PF2"
-    assert "prediction 2 layers ahead, 3 x 8 staging slots (61 MiB" in logs[-1]
+    assert pf.attach(st, "on", logs.append, depth=2, fetch_misses=False) == "PF2" and st.prefetch == "PF2"
+    assert "prediction 2 layers ahead, 3 x 8 staging slots, late misses read in place (61 MiB" in logs[-1]
+    st = _fake_step(16, 32)
+    assert pf.attach(st, "on", logs.append, fetch_misses=True) == "PF1f"
+    assert "next-layer prediction, 2 x 8 staging slots + 2 x 8 for late misses (81 MiB" in logs[-1]
     st = _fake_step(32, 32)
     assert pf.attach(st, "on", logs.append) is None and st.prefetch is None
     assert pf.attach(_fake_step(16, 32), "off", logs.append) is None
@@ -159,10 +191,11 @@ class _Stream:
         self.log.ops.append(("exit", self.name))
 
 
-def _fake_prefetcher(n_layer, depth=None):
+def _fake_prefetcher(n_layer, depth=None, fetch_misses=False):
     log = _Log()
     p = pf.Prefetcher.__new__(pf.Prefetcher)
     p.n_layer = n_layer
+    p.fetch_misses = fetch_misses
     if depth is not None:
         p.depth, p.banks = depth, pf.banks(depth)
     p.step = type("S", (), {"stream": _Stream(log, "main")})()
@@ -175,6 +208,7 @@ def _fake_prefetcher(n_layer, depth=None):
         ("predict", li) if m in (None, li + 1) and note else ("predict", li, m, note))
     p.launch_note = lambda li: log.ops.append(("note", li))
     p.launch_copy = lambda m: log.ops.append(("copy", m))
+    p.launch_miss = lambda li: log.ops.append(("miss", li))
     p.launch_finish = lambda: log.ops.append(("finish",))
     p.fused = lambda li: False
     return p, log
@@ -206,6 +240,31 @@ def test_fork_join_order():
     # a second capture starts clean
     p.enqueue(0)
     assert p._pending == {1}
+
+
+def test_fork_join_order_with_late_misses():
+    """--fetch-misses: each layer's miss copy runs on the main stream after its prefetch copy is joined (its staged
+    entries in the table) and before its experts, the first layer too; the next copy is forked only after it, so
+    nothing on the side stream competes with it for the link."""
+    p, log = _fake_prefetcher(3, fetch_misses=True)
+    for li in range(3):
+        log.ops.append(("router", li))
+        p.enqueue(li)
+        log.ops.append(("experts", li))
+    p.enqueue_finish()
+    log.ops.append(("output",))
+    p.enqueue_join()
+    ops = [o for o in log.ops if o[0] not in ("enter", "exit")]
+    assert ops == [
+        ("router", 0), ("predict", 0), ("miss", 0), ("record", "forked", "main"), ("wait", "side", "forked"),
+        ("copy", 1), ("record", "done1", "side"), ("experts", 0),
+        ("router", 1), ("predict", 1), ("wait", "main", "done1"), ("miss", 1), ("record", "forked", "main"),
+        ("wait", "side", "forked"), ("copy", 2), ("record", "done2", "side"), ("experts", 1),
+        ("router", 2), ("wait", "main", "done2"), ("miss", 2), ("experts", 2),
+        ("record", "forked", "main"), ("wait", "side", "forked"), ("finish",), ("record", "finished", "side"),
+        ("output",), ("wait", "main", "finished")]
+    i = log.ops.index(("miss", 1))
+    assert ("enter", "side") not in log.ops[i - 1:i + 2]        # on the main stream
 
 
 def test_fused_router_launch_predicts_instead_of_a_predict_launch():
@@ -269,15 +328,18 @@ def _run_steps(p, log, n_layer, steps):
         log.ops.append(("end", s))
 
 
+@pytest.mark.parametrize("fetch", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("n_layer", [48, 5, 3, 2])
-def test_depth2_launch_and_wait_order(n_layer, fused):
+def test_depth2_launch_and_wait_order(n_layer, fused, fetch):
     """Depth 2 over whole steps (48 layers as Qwen3-30B, and short models), two steps back to back, checked on the
     stream-order graph: layer m's experts are predicted at layer m-2 (layer 1 at layer 0), the copy forked after that
     prediction and joined before layer m's experts, never a later layer's copy joined early; the copy reusing a bank
     (m % 3) starts only after the experts of the bank's previous layer; the finish restores after the last layer's
-    experts and before the step's end; the next step's copies start after it; every layer's routing noted once."""
-    p, log = _fake_prefetcher(n_layer, depth=2)
+    experts and before the step's end; the next step's copies start after it; every layer's routing noted once.
+    With late misses (fetch): each layer's miss copy once, after its own copy and its routing note, before its
+    experts, and every copy forked after the miss copy of the layer that forks it."""
+    p, log = _fake_prefetcher(n_layer, depth=2, fetch_misses=fetch)
     if fused:
         p.fused = lambda li: bool(p.targets(li))
         p.enqueue_router = None           # the router launch is the step's; here it is the ("router", li) op
@@ -296,6 +358,17 @@ def test_depth2_launch_and_wait_order(n_layer, fused):
     for s in range(2):
         copies = sorted(k[1] for k in idx if k[0] == "copy" and k[-1] == s)
         assert copies == list(range(1, n_layer))                       # every layer but the first, once
+        misses = sorted(k[1] for k in idx if k[0] == "miss" and k[-1] == s)
+        assert misses == (list(range(n_layer)) if fetch else [])
+        for li in misses:
+            mi = idx[("miss", li, s)]
+            assert before(idx[("router", li, s)], mi) and before(mi, idx[("experts", li, s)])
+            if li > 0:
+                assert before(idx[("copy", li, s)], mi)                # its staged entries are in the table
+                assert before(idx[("experts", li - 1, s)], mi)
+            if li + 1 < n_layer:
+                assert not before(idx[("experts", li, s)], mi) and before(mi, idx[("router", li + 1, s)])
+            assert before(mi, idx[("finish", s)])
         for m in copies:
             src = 0 if m == 1 else m - 2
             c = idx[("copy", m, s)]
@@ -306,6 +379,8 @@ def test_depth2_launch_and_wait_order(n_layer, fused):
                 pk = ("predict", src) if m == src + 1 else ("predict", src, m, m == p.targets(src)[0])
                 pred_op = idx[pk + (s,)]
             assert before(pred_op, c) and before(idx[("router", src, s)], c)
+            if fetch:                                                  # forked after the miss copy
+                assert before(idx[("miss", src, s)], c)
             assert not before(idx[("experts", src, s)], c)              # forked before layer src's experts
             assert before(c, idx[("experts", m, s)])                   # joined before its own experts
             if m + 1 < n_layer:                                       # and only its own copy is waited for
@@ -355,18 +430,20 @@ class _Buf:
         return _Buf(self.data.ptr + b * self.row_bytes)
 
 
-def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024):
-    """A Prefetcher with fake buffers and launch functions that record their arguments."""
+def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_misses=True):
+    """A Prefetcher with fake buffers and launch functions that record their arguments (name, grid + block, args)."""
     from types import SimpleNamespace as NS
     calls = []
     p = pf.Prefetcher.__new__(pf.Prefetcher)
-    p.depth, p.banks = depth, pf.banks(depth)
+    p.depth, p.banks, p.fetch_misses = depth, pf.banks(depth), fetch_misses
     p.n_layer, p.n_expert, p.k, p.stride, p.units, p.slot_lo, p.slot_hi = n_layer, n_expert, k, stride, 60, 1, 2
     p.smem = 0
     p.staging, p.pred, p.actual = _Buf(10**6), _Buf(2 * 10**6), _Buf(3 * 10**6)
     p.rec, p.rec_addr = _Buf(4 * 10**6, 4 * (2 + k)), _Buf(5 * 10**6, 8 * k)
+    p.miss_rec, p.miss_rec_addr = _Buf(4 * 10**7, 4 * (2 + k)), _Buf(5 * 10**7, 8 * k)
+    p.stage_lo, p.stage_hi = 10**6, 10**6 + (p.banks + 2 * fetch_misses) * k * stride
     p.table, p.stats, p.counters, p.logits = _Buf(6 * 10**6), _Buf(7 * 10**6), _Buf(8 * 10**6), _Buf(9 * 10**6)
-    rec = lambda name: lambda grid, block, args, **kw: calls.append((name, grid, [int(a) for a in args]))
+    rec = lambda name: lambda grid, block, args, **kw: calls.append((name, grid + block, [int(a) for a in args]))
     p.f_copy, p.f_finish, p.f_restore = rec("copy"), rec("finish"), rec("restore")
     p.f_predict = {0: rec("predict")}
     p.f_router_predict = {0: rec("router_predict")}
@@ -391,7 +468,26 @@ def test_launch_pointers(depth):
         b = m % (depth + 1)
         assert a[1] == m and a[4] == p.pred.data.ptr + 4 * k * m
         assert a[5] == p.staging.data.ptr + b * k * stride
-        assert a[10] == p.rec.data.ptr + b * 4 * (2 + k) and a[11] == p.rec_addr.data.ptr + b * 8 * k
+        assert a[10] == a[11] == 0                          # no second VRAM range: the layer's entries are its own
+        assert a[12] == p.rec.data.ptr + b * 4 * (2 + k) and a[13] == p.rec_addr.data.ptr + b * 8 * k
+        assert a[14] == p.actual.data.ptr
+        assert a[15] == p.stats.data.ptr + 8 * 2 and a[16] == p.stats.data.ptr + 8 * 3    # staged, used
+        assert a[17] == p.counters.data.ptr + 4
+    # the miss copy of layer li: its actual routing (depth 1's last layer: ids, noted only at the finish) into miss
+    # bank li % 2 past the staging banks, the staging + miss range as VRAM, counted as fetched only, its own counter
+    for li in range(6):
+        calls.clear()
+        p.launch_miss(li)
+        (name, grid, a), = calls
+        mb = li % 2
+        assert name == "copy" and grid == (pf.COPY_BLOCKS, pf.COPY_THREADS) and a[1] == li
+        assert a[4] == (p.step.ids.data.ptr if depth == 1 and li == 5 else p.actual.data.ptr + 4 * k * li)
+        assert a[5] == p.staging.data.ptr + (depth + 1 + mb) * k * stride
+        assert (a[8], a[9], a[10], a[11]) == (1, 2, p.stage_lo, p.stage_hi)
+        assert a[5] + k * stride <= p.stage_hi
+        assert a[12] == p.miss_rec.data.ptr + mb * 4 * (2 + k) and a[13] == p.miss_rec_addr.data.ptr + mb * 8 * k
+        assert a[14] == 0 and a[15] == p.stats.data.ptr + 8 * pf.FETCHED and a[16] == 0
+        assert a[17] == p.counters.data.ptr + 8
     stats = p.stats.data.ptr
     for li in range(6):
         for m in p.targets(li):
@@ -415,14 +511,22 @@ def test_launch_pointers(depth):
     calls.clear()
     p.launch_note(5)
     (_, grid, a), = calls
-    assert grid == (1,) and a[4] == 0 and a[9] == 0 and a[12] == 1 and a[14] == stats + (32 if depth == 2 else 0)
+    assert grid == (1, 32 * pf.PREDICT_WARPS) and a[4] == 0 and a[9] == 0 and a[12] == 1
+    assert a[14] == stats + (32 if depth == 2 else 0)
     calls.clear()
     p.launch_finish()
-    assert [c[0] for c in calls] == ["finish"] + ["restore"] * (depth - 1)
-    fa = calls[0][2]
+    # the miss banks first (one warp each, counting nothing), then the prefetch's
+    assert [c[0] for c in calls] == ["restore", "finish"] + ["restore"] * (depth - 1)
+    (_, grid, ma), fa = calls[0], calls[1][2]
+    assert grid == (1, 64) and ma[3] == p.miss_rec.data.ptr and ma[4] == p.miss_rec_addr.data.ptr
+    assert ma[5] == ma[6] == 0
     assert fa[5] == (1 if depth == 1 else 0)
-    recs = {fa[8], fa[10], *(c[2][3] for c in calls[1:])}
+    recs = {fa[8], fa[10], *(c[2][3] for c in calls[2:])}
     assert recs == {p.rec.data.ptr + b * 4 * (2 + k) for b in range(depth + 1)}
+    assert all(c[1] == (1, 32) and c[2][6] == stats + 8 * 3 for c in calls[2:])     # the third bank counts used
+    q, calls = _pointer_prefetcher(depth, fetch_misses=False)
+    q.launch_finish()
+    assert [c[0] for c in calls] == ["finish"] + ["restore"] * (depth - 1)
 
 
 def test_decode_step_takes_the_router_launch_from_the_prefetch():
@@ -723,8 +827,8 @@ def test_prefetch_copy_and_restore(n_expert, k, nbytes, stride, grid, resident, 
             other = [staging.get()[o * k * stride:(o + 1) * k * stride] for o in others]
             copy(grid[:1], grid[1:], (_u64(A.table), I32(m), I32(n_expert), I32(k), _u64(pred, 4 * k * b),
                                       _u64(staging, b * k * stride), I64(stride), U32(units), U64(A.slot_lo),
-                                      U64(A.slot_hi), _u64(rec[b]), _u64(rec_addr[b]), _u64(actual), _u64(stats),
-                                      _u64(counter)))
+                                      U64(A.slot_hi), U64(0), U64(0), _u64(rec[b]), _u64(rec_addr[b]), _u64(actual),
+                                      _u64(stats, 8 * 2), _u64(stats, 8 * 3), _u64(counter)))
             cp.cuda.Device().synchronize()
             orig = A.table0[m * n_expert + p]
             staged = [(int(e), int(a)) for e, a in zip(p, orig) if a and not (A.slot_lo <= a < A.slot_hi)]
@@ -773,13 +877,91 @@ def test_prefetch_copy_and_restore(n_expert, k, nbytes, stride, grid, resident, 
             assert int(rec.get()[2, 1]) == len(staged_by_layer[5])       # layer 5's bank: still to restore
             for b in (2, 0):                                            # bank 0: restored already, a no-op
                 restore((1,), (32,), (_u64(A.table), I32(n_expert), I32(k), _u64(rec[b]), _u64(rec_addr[b]),
-                                      _u64(actual), _u64(stats)))
+                                      _u64(actual), _u64(stats, 8 * 3)))
         cp.cuda.Device().synchronize()
         np.testing.assert_array_equal(A.table.get(), A.table0)
         assert rec.get()[:, 1].tolist() == [0] * banks
         s = stats.get()
         right = len(set(act[last].tolist()) & set(pred.get()[(last % banks) * k:][:k].tolist()))
         assert s.tolist() == [k, right, sum(map(len, staged_by_layer)), sum(used(j) for j in range(n_layer))]
+    finally:
+        A.close()
+
+
+@gpu
+@pytest.mark.parametrize("n_expert,k,nbytes,stride,grid", [
+    (16, 8, 40000, 40192, (pf.COPY_BLOCKS, pf.COPY_THREADS)),
+    (128, 8, 4000, 4096, (pf.COPY_BLOCKS, pf.COPY_THREADS)),
+    (16, 8, 40000, 40192, (3, 64)),              # many rounds a warp, the restore by the block's last warp
+    (8, 2, 160, 256, (1, 32)),                   # one warp does it all
+])
+def test_miss_copy_copies_only_what_is_still_outside_vram(n_expert, k, nbytes, stride, grid):
+    """The late-miss copy (prefetch_copy with the routing as its prediction and the staging + miss banks as a second
+    VRAM range), layer by layer into two miss banks: of the routed experts, those in a cache slot, already staged by
+    the prefetch (entry inside the banks' range) or file-only (0) are left alone; the others are copied byte for byte
+    into the layer's miss bank, their entries pointed there; the bank's layer before is restored first (the staged
+    entries it met stay as the prefetch left them); only the fetched counter moves. Then prefetch_restore with two
+    warps (the step's end) puts both miss banks back."""
+    cp = _cp()
+    rng = np.random.default_rng(n_expert + k + grid[0])
+    n_layer, nb = 6, 2                           # nb: the prefetch's banks, before the two miss banks
+    units = (nbytes + 15) // 16
+    A = _Arena(cp, rng, n_layer, n_expert, nbytes, stride, n_resident=n_layer * n_expert // 3)
+    copy, restore = _module([0]).get_function("prefetch_copy"), _module([0]).get_function("prefetch_restore")
+    I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
+    try:
+        staging = cp.full((nb + 2) * k * stride, 0xFF, dtype=cp.uint8)
+        lo, hi = staging.data.ptr, staging.data.ptr + staging.nbytes
+        miss_base = lambda b: lo + (nb + b) * k * stride
+        rec, rec_addr = cp.zeros((2, 2 + k), dtype=cp.int32), cp.zeros((2, k), dtype=cp.uint64)
+        stats, counter = cp.zeros(pf.STATS, dtype=cp.uint64), cp.zeros(1, dtype=cp.int32)
+        table0 = A.table0.copy()                 # as the prefetch left it: some routed experts staged
+        routes, fetched = [], []
+        for m in range(n_layer):
+            ids = rng.permutation(n_expert)[:k]
+            z = A.zero - m * n_expert
+            if 0 <= z < n_expert and z not in ids:
+                ids[-1] = z                      # the file-only expert routed
+            outside = [e for e in ids if table0[m * n_expert + e] and
+                       not (A.slot_lo <= table0[m * n_expert + e] < A.slot_hi)]
+            for c, e in enumerate(outside[:2]):  # two of them staged by the prefetch (bank m % nb)
+                table0[m * n_expert + e] = lo + ((m % nb) * k + c) * stride
+            routes.append(ids.astype(np.int32))
+        A.table[:] = cp.asarray(table0)
+        expect = table0.copy()
+        for m in range(n_layer):
+            b = m % 2
+            ids = cp.asarray(routes[m])
+            copy(grid[:1], grid[1:], (_u64(A.table), I32(m), I32(n_expert), I32(k), _u64(ids),
+                                      U64(miss_base(b)), I64(stride), U32(units), U64(A.slot_lo), U64(A.slot_hi),
+                                      U64(lo), U64(hi), _u64(rec[b]), _u64(rec_addr[b]), U64(0), _u64(stats, 8 * 6),
+                                      U64(0), _u64(counter)))
+            cp.cuda.Device().synchronize()
+            row = table0[m * n_expert:(m + 1) * n_expert]
+            late = [int(e) for e in routes[m] if row[e] and not (A.slot_lo <= row[e] < A.slot_hi)
+                    and not (lo <= row[e] < hi)]
+            fetched.append(late)
+            if m >= 2:                           # the bank's previous layer back to the prefetch's entries
+                expect[(m - 2) * n_expert:(m - 1) * n_expert] = table0[(m - 2) * n_expert:(m - 1) * n_expert]
+            for c, e in enumerate(late):
+                expect[m * n_expert + e] = miss_base(b) + c * stride
+            np.testing.assert_array_equal(A.table.get(), expect)
+            bank = staging.get()[(nb + b) * k * stride:(nb + b + 1) * k * stride].reshape(k, stride)
+            for c, e in enumerate(late):
+                g = m * n_expert + e
+                np.testing.assert_array_equal(bank[c, :units * 16], A.host[g * stride:g * stride + units * 16])
+            r = rec.get()[b]
+            assert r[0] == m and r[1] == len(late) and r[2:2 + len(late)].tolist() == late
+            assert rec_addr.get()[b][:len(late)].tolist() == [int(row[e]) for e in late]
+            assert stats.get().tolist() == [0] * 6 + [sum(map(len, fetched))]
+            assert int(counter.get()[0]) == 0
+        assert sum(map(len, fetched)) > 0
+        assert (staging.get()[:nb * k * stride] == 0xFF).all()        # the prefetch's banks untouched
+        restore((1,), (64,), (_u64(A.table), I32(n_expert), I32(k), _u64(rec), _u64(rec_addr), U64(0), U64(0)))
+        cp.cuda.Device().synchronize()
+        np.testing.assert_array_equal(A.table.get(), table0)
+        assert rec.get()[:, 1].tolist() == [0, 0]
+        assert stats.get().tolist() == [0] * 6 + [sum(map(len, fetched))]
     finally:
         A.close()
 
@@ -824,18 +1006,19 @@ def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth):
 
 
 @gpu
+@pytest.mark.parametrize("fetch", ["on", "off"])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_table_after_a_step_equals_before(cpu_runs, depth):
+def test_table_after_a_step_equals_before(cpu_runs, depth, fetch):
     model, prompt, toks, _ = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
     be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch="on",
-                      prefetch_depth=depth)
+                      prefetch_depth=depth, fetch_misses=fetch)
     try:
         greedy(be, prompt, 24)               # the adaptive tier fills half the slots: hits and misses mixed
         be.cache.poll(be.stream, wait=True)
         be.stream.synchronize()
         assert 0 < be.cache.resident().sum()
-        before_staged = be.prefetch_stats().staged
+        before_staged, before_fetched = be.prefetch_stats().staged, be.prefetch_stats().fetched
         tok = toks[0]
         for _ in range(8):
             before = be.cache.table.get()
@@ -843,7 +1026,10 @@ def test_table_after_a_step_equals_before(cpu_runs, depth):
             tok, _ = be.step.result()
             be.n_cached += 1
             np.testing.assert_array_equal(be.cache.table.get(), before)
+            np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+            assert (be.step.prefetch.miss_rec.get()[:, 1] == 0).all()
         assert be.prefetch_stats().staged > before_staged
+        assert (be.prefetch_stats().fetched > before_fetched) == (fetch == "on")
     finally:
         be.close()
 
@@ -896,3 +1082,106 @@ def test_sampled_variant_at_depth_2_restores_the_table_and_matches_depth_1(fixtu
         finally:
             be.close()
     assert runs[2] == runs[1]
+
+
+def _teacher_forced(be, prompt, toks):
+    be.truncate(len(prompt))
+    return np.stack([be.forward([t]) for t in toks[:-1]])
+
+
+@gpu
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("name", MOE)
+def test_fetch_misses_changes_no_token_or_logit(cpu_runs, name, depth):
+    """--fetch-misses on and off, with none and half of the experts in VRAM, against the CPU and against every expert
+    resident: the same greedy tokens and the same decode logits (the late copies are the arena's bytes, read by the
+    same kernels from VRAM instead of over PCIe), the table clean and every bank empty after the steps. With it on,
+    every miss is either a staged expert the router chose or a late copy (used + fetched == lookups - hits, and
+    fetched > 0); with it off nothing is fetched."""
+    model, prompt, toks, cpu_logits = cpu_runs[name]
+    cfg = model.config
+    total = cfg.n_layer * cfg.n_expert
+    ref = cuda_backend(model, expert_slots=total, adapt_every=0)
+    try:
+        assert ref.step.prefetch is None
+        ref_toks = greedy(ref, prompt, N_GREEDY)
+        ref_dec = _teacher_forced(ref, prompt, toks)
+    finally:
+        ref.close()
+    assert_same_greedy(ref_toks, toks, cpu_logits)
+    for fetch in ("on", "off"):
+        for slots in (0, total // 2):
+            be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch="on", prefetch_depth=depth,
+                              fetch_misses=fetch)
+            try:
+                p = be.step.prefetch
+                assert p is not None and p.fetch_misses == (fetch == "on") and p.depth == depth
+                got = greedy(be, prompt, N_GREEDY)
+                assert got == ref_toks, (fetch, slots)
+                be.stream.synchronize()
+                np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+                assert (p.rec.get()[:, 1] == 0).all() and (p.miss_rec.get()[:, 1] == 0).all()
+                ps, st = be.prefetch_stats(), be.get_stats()
+                misses = st.lookups - st.hits
+                assert misses > 0 and st.lookups == (N_GREEDY - 1) * cfg.n_layer * cfg.n_expert_used
+                if fetch == "on":
+                    assert ps.fetched > 0 and ps.used + ps.fetched == misses, (ps, st)
+                else:
+                    assert ps.fetched == 0 and ps.used <= misses
+                dec = _teacher_forced(be, prompt, toks)
+                # the same bytes through the same kernels: equal but for reduction order, nowhere near 1e-2
+                assert rel_rows(dec, ref_dec).max() < 1e-5, (fetch, slots)
+                assert rel_rows(dec, cpu_logits[1:]).max() < 1e-2
+            finally:
+                be.close()
+
+
+def _profile_half(model, path, seed):
+    """A profile putting a random half of the experts first (VRAM) and the rest after (pinned by the budget)."""
+    from engine.profile import from_flat, save_profile
+    cfg = model.config
+    order = np.random.default_rng(seed).permutation(cfg.n_layer * cfg.n_expert)
+    save_profile(path, from_flat(cfg.n_layer, cfg.n_expert, order))
+    return order
+
+
+@gpu
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("mode", ["mmap", "budget"])
+def test_fetch_misses_in_the_memory_modes(cpu_runs, mode, depth, tmp_path):
+    """--mmap-experts (no expert pinned: entries 0 until the staging ring holds them, the per-layer path, then the
+    whole-step graph over the ring's pinned slots) and --resident-budget-gib (VRAM holds the profile's first half,
+    the budget pins the rest: every step the whole-step graph, every miss pinned): tokens as the CPU's, the table
+    clean after the steps; in the budget mode every miss a used staged copy or a late one."""
+    from engine.cuda.arena import blob_layout
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
+    cfg = model.config
+    total = cfg.n_layer * cfg.n_expert
+    opts = dict(expert_slots=total // 2, prefill="batched", prefetch="on", prefetch_depth=depth, fetch_misses="on")
+    if mode == "mmap":
+        opts.update(mmap_experts=True, adapt_every=4)
+    else:
+        _profile_half(model, tmp_path / "p.bin", seed=3)
+        opts.update(resident_budget_gib=(total // 2) * blob_layout(model).stride / 2**30, adapt_every=0,
+                    expert_profile=str(tmp_path / "p.bin"))
+    be = CUDABackend(model, 256, CudaOptions(**opts))
+    try:
+        assert be.step.prefetch is not None and be.step.prefetch.fetch_misses
+        if mode == "budget":
+            assert be.cache.reachable()
+        be.reset_stats()
+        assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, cpu_logits)
+        be.stream.synchronize()
+        np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+        p = be.step.prefetch
+        assert (p.rec.get()[:, 1] == 0).all() and (p.miss_rec.get()[:, 1] == 0).all()
+        ps, st = be.prefetch_stats(), be.get_stats()
+        if mode == "budget":
+            assert be.mem.paged.paged_steps == 0 and st.file_blobs == 0
+            assert ps.fetched > 0 and ps.used + ps.fetched == st.lookups - st.hits, (ps, st)
+        else:
+            assert ps.used + ps.fetched <= st.lookups - st.hits
+            assert (ps.fetched > 0) or be.mem.paged.graph_steps == 0
+    finally:
+        be.close()

@@ -51,6 +51,8 @@ def check_cuda_args(args) -> str | None:
     if getattr(args, "kv", None) == "int8" and prefill != "streamed":
         return ("--kv int8 needs the streamed prompt pass (the batched one reads an fp16 cache): add --prefill streamed "
                 "or use --kv f16")
+    if getattr(args, "fetch_misses", None) == "on" and getattr(args, "prefetch", None) == "off":
+        return "--fetch-misses on is part of the decode prefetch: drop --prefetch off (or --fetch-misses on)"
     return None
 
 
@@ -84,6 +86,10 @@ def add_cuda_args(parser) -> None:
     g.add_argument("--prefetch-depth", type=int, choices=(1, 2), default=None, metavar="1|2",
                    help="decode prefetch: predict the next layer's experts (1, default) or the one after it (2: each "
                         "copy has two layers of compute to hide in, the guess is less accurate; 3 staging banks)")
+    g.add_argument("--fetch-misses", choices=("on", "off"), default=None,
+                   help="decode prefetch: copy each layer's routed experts that are neither cached nor prefetched "
+                        "into VRAM with one fast copy before its expert kernels, instead of letting them read those in "
+                        "place over PCIe (default on; off: A/B)")
     g.add_argument("--embed-host", choices=("auto", "on", "off"), default=None,
                    help="keep the token embedding in pinned host memory, read in place over PCIe (one row a token), "
                         "so its VRAM holds expert-cache slots: auto (default) when not every expert fits in VRAM and "

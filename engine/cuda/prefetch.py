@@ -36,6 +36,22 @@ token, 3.8 ms at 51 GB/s, against a 3.1 ms compute step), a top-up moves no byte
 in place anyway, by the same link) and would put a short-window copy back in front of every join, the wait depth 2
 exists to remove.
 
+Late misses (--fetch-misses on, the default): what the prediction missed used to be read in place by the expert
+kernels, which spread their blocks over the k routed experts, so one missed expert had few loads in flight: ~15-20
+GB/s against the link's 41-51 (DESIGN §5). The H200 trace at 12 GiB (hit rate 0.815, depth 1) put moe_gate_up +
+moe_down at +1.76 ms a step over all-resident (6.0 ms a step), while the next layer's prefetch copy competed for the
+link. Now, after the join of layer l's prefetch copy (its staged entries are in the table), the main stream runs
+prefetch_copy once more for layer l with the actual routing as its "prediction" (`miss_copy`): every routed expert
+still outside VRAM (not a cache slot, not in the staging + miss banks, the kernel's second VRAM range; not 0,
+file-only) is copied by the whole grid into a miss bank (two, by layer parity, each restored by the bank's next
+miss copy and at the step's end) and its entry pointed there, so the expert kernels read VRAM. Only then is the
+next copy forked onto the side stream: nothing competes with the critical-path copy. Per layer:
+    wait done[l] -> miss_copy(l) -> event -> [side] prefetch_copy(l+1) -> event done[l+1]
+The miss copy runs at every layer, the first too (nothing predicts it), and at both depths; a layer with no late miss
+costs its launch (~3 us). Its counters: `fetched` (stats[6]) only, so the prediction counters are the prefetch's own.
+Profile kind "miss_copy": its replay without the prefetch copies (or with them: either way the routing read is the
+last real step's, `actual`) also copies what the prefetch would have staged, so it over-counts.
+
 Cost (H200, Qwen3-30B-A3B shape at 12 GiB, the 01:20 run of the first version: 151.6 tok/s): predict was a launch
 of its own, 17 us a layer on the critical path (806 us a step). The per-kind profile's "prefetch" figure (6.77 ms
 for 47 copies, read as 26 GB/s) replayed the copies without predict while the predictions sat in two banks, so
@@ -68,7 +84,10 @@ SMEM_MAX = 227 * 1024      # the most a block may opt in to (sm_80 / sm_90)
 DEFAULT_ON = True          # --prefetch's default when some experts have no VRAM slot (the lead sets it from the bench)
 DEPTHS = (1, 2)            # --prefetch-depth: predict the next layer, or the one after it (module docstring)
 DEFAULT_DEPTH = 1          # the lead sets it from the bench (--prefetch-depth both)
-STATS = 6                  # the device counters (PrefetchStats' fields)
+DEFAULT_FETCH_MISSES = True    # --fetch-misses' default (the lead sets it from the bench, --fetch-misses both)
+MISS_BANKS = 2             # late-miss banks of k slots: layer parity (a bank is reused two layers on)
+FETCHED = 6                # stats index of the late-miss count (cuda_src/prefetch.cu's stats comment)
+STATS = 7                  # the device counters (PrefetchStats' fields)
 
 
 def load_module(qtypes):
@@ -113,9 +132,10 @@ def unsupported(cfg, layout) -> str | None:
     return None
 
 
-def attach(step, flag: str | None, log, depth: int = DEFAULT_DEPTH) -> "Prefetcher | None":
-    """Give the decode step a Prefetcher when wanted() says so. A model the kernels cannot serve: refused when the
-    user asked for --prefetch on, else said in the log and left off."""
+def attach(step, flag: str | None, log, depth: int = DEFAULT_DEPTH,
+           fetch_misses: bool = DEFAULT_FETCH_MISSES) -> "Prefetcher | None":
+    """Give the decode step a Prefetcher when wanted() says so (with the late-miss copy when fetch_misses). A model
+    the kernels cannot serve: refused when the user asked for --prefetch on, else said in the log and left off."""
     c = step.cache
     if c is None or not wanted(flag, c.n_slots, c.n_total):
         return None
@@ -125,12 +145,18 @@ def attach(step, flag: str | None, log, depth: int = DEFAULT_DEPTH) -> "Prefetch
             raise ValueError(f"--prefetch on cannot serve this model: {why}; run with --prefetch off")
         log(f"expert prefetch off: {why}")
         return None
-    step.prefetch = Prefetcher(step, depth)
+    step.prefetch = Prefetcher(step, depth, fetch_misses)
     k, nb = step.cfg.n_expert_used, banks(depth)
     what = "next-layer prediction" if depth == 1 else f"prediction {depth} layers ahead"
-    log(f"expert prefetch on: {what}, {nb} x {k} staging slots "
-        f"({nb * k * step.layout.stride / 2**20:.0f} MiB of VRAM)")
+    late = f" + {MISS_BANKS} x {k} for late misses" if fetch_misses else ", late misses read in place"
+    log(f"expert prefetch on: {what}, {nb} x {k} staging slots{late} "
+        f"({staging_slots(k, depth, fetch_misses) * step.layout.stride / 2**20:.0f} MiB of VRAM)")
     return step.prefetch
+
+
+def fetching(flag: str | None) -> bool:
+    """Whether the prefetch also copies its layer's late misses (--fetch-misses on|off; None: the default)."""
+    return DEFAULT_FETCH_MISSES if flag is None else flag == "on"
 
 
 def banks(depth: int) -> int:
@@ -141,9 +167,10 @@ def banks(depth: int) -> int:
     return depth + 1
 
 
-def staging_slots(k: int, depth: int = DEFAULT_DEPTH) -> int:
-    """VRAM staging slots the prefetch takes (depth + 1 banks of k), in expert strides: the cache gives up as many."""
-    return banks(depth) * k
+def staging_slots(k: int, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES) -> int:
+    """VRAM staging slots the prefetch takes (depth + 1 banks of k, and the late-miss banks), in expert strides: the
+    cache gives up as many."""
+    return (banks(depth) + (MISS_BANKS if fetch_misses else 0)) * k
 
 
 @dataclass
@@ -154,30 +181,35 @@ class PrefetchStats:
     used: int = 0              # staged experts the router then chose
     predicted2: int = 0        # look-ups whose prediction was made two layers ahead (--prefetch-depth 2)
     correct2: int = 0          # of them, experts the prediction named
+    fetched: int = 0           # experts copied late (routed, neither cached nor staged: the miss copy)
 
     @classmethod
     def from_counters(cls, c) -> "PrefetchStats":
         return cls(*(int(v) for v in c[:STATS]))
 
     def summary(self, blob_bytes: int, steps: int) -> dict:
-        """The bench's columns: prediction accuracy, staged MB per token, the share of staged bytes wasted."""
+        """The bench's columns: prediction accuracy, staged MB per token, the share of staged bytes wasted, the MB
+        per token copied late (the misses the prediction left)."""
         return dict(pred_accuracy=round(self.correct / self.predicted, 4) if self.predicted else None,
                     pred_accuracy_2=round(self.correct2 / self.predicted2, 4) if self.predicted2 else None,
                     prefetch_mb_per_token=round(self.staged * blob_bytes / max(steps, 1) / 1e6, 2),
-                    prefetch_wasted=round(1 - self.used / self.staged, 4) if self.staged else None)
+                    prefetch_wasted=round(1 - self.used / self.staged, 4) if self.staged else None,
+                    late_mb_per_token=round(self.fetched * blob_bytes / max(steps, 1) / 1e6, 2))
 
 
 class Prefetcher:
     """Buffers, staging slots, kernels and events of the prefetch for one DecodeStep (MoE models only)."""
 
     depth = DEFAULT_DEPTH          # the instance's --prefetch-depth (set in __init__)
+    fetch_misses = DEFAULT_FETCH_MISSES
 
-    def __init__(self, step, depth: int = DEFAULT_DEPTH):
+    def __init__(self, step, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES):
         import cupy as cp
 
         self.cp = cp
         self.step = step
         self.depth, self.banks = depth, banks(depth)
+        self.fetch_misses = fetch_misses
         c, cache, lay = step.cfg, step.cache, step.layout
         self.n_layer, self.n_expert, self.k = c.n_layer, c.n_expert, c.n_expert_used
         why = unsupported(c, lay)
@@ -201,8 +233,13 @@ class Prefetcher:
         self.f_finish = mod.get_function("prefetch_finish")
         self.f_restore = mod.get_function("prefetch_restore")
         k, nb = self.k, self.banks
+        mb = MISS_BANKS if fetch_misses else 0
         with step.stream:
-            self.staging = cp.empty(nb * k * self.stride, dtype=cp.uint8)
+            # the staging banks, then the miss banks, as one range: an entry pointing inside it is in VRAM already
+            # (the miss copy's second range)
+            self.staging = cp.empty((nb + mb) * k * self.stride, dtype=cp.uint8)
+            self.stage_lo = self.staging.data.ptr
+            self.stage_hi = self.stage_lo + self.staging.nbytes
             # the prediction for each layer, kept for the whole step (not in two banks): a replay of the copies
             # alone (DecodeStep.profile's "prefetch" kind) then copies what the last real step predicted for each
             # layer, the real bytes, instead of the last two layers' predictions applied to every layer
@@ -210,9 +247,11 @@ class Prefetcher:
             self.actual = cp.zeros(self.n_layer * k, dtype=cp.int32)
             self.rec = cp.zeros((nb, 2 + k), dtype=cp.int32)         # bank: layer, n, expert ids
             self.rec_addr = cp.zeros((nb, k), dtype=cp.uint64)       # bank: the entries' original addresses
+            self.miss_rec = cp.zeros((MISS_BANKS, 2 + k), dtype=cp.int32)     # the miss banks' records, as rec
+            self.miss_rec_addr = cp.zeros((MISS_BANKS, k), dtype=cp.uint64)
             self.logits = cp.zeros(self.n_expert, dtype=cp.float32)
             self.stats = cp.zeros(STATS, dtype=cp.uint64)
-            self.counters = cp.zeros(2, dtype=cp.int32)              # predict's and copy's last-block counters
+            self.counters = cp.zeros(3, dtype=cp.int32)      # predict's, copy's, miss copy's last-block counters
         self.side = cp.cuda.Stream(non_blocking=True)
         self.done = [cp.cuda.Event(disable_timing=True) for _ in range(self.n_layer)]
         self.forked = cp.cuda.Event(disable_timing=True)
@@ -286,7 +325,6 @@ class Prefetcher:
         """Between layer li's router and its experts, on the step's stream: the predictions the router launch did
         not make, the copies of the target layers forked onto the side stream, then the wait for this layer's copy
         (forked `depth` layers earlier, or at layer 0 for layer 1)."""
-        main = self.step.stream
         if li == 0:
             self._pending.clear()       # a capture that failed part-way left nothing to join
         targets = self.targets(li)
@@ -296,16 +334,28 @@ class Prefetcher:
                 self.launch_predict(li, m, note=j == 0)
         if not targets and self.depth > 1:
             self.launch_note(li)        # depth 1's last layer is noted by prefetch_finish instead
-        if targets:
-            self.forked.record(main)
-            self.side.wait_event(self.forked)
-            for m in targets:
-                with self.side:
-                    self.launch_copy(m)
-                self.done[m].record(self.side)
-                self._pending.add(m)
+        if self.fetch_misses:           # join, copy what is still missing, then fork: the side stream's next copy
+            self._join(li)              # would compete with this one for the link
+            self.launch_miss(li)
+            self._fork(targets)
+        else:
+            self._fork(targets)
+            self._join(li)
+
+    def _fork(self, targets: list[int]):
+        if not targets:
+            return
+        self.forked.record(self.step.stream)
+        self.side.wait_event(self.forked)
+        for m in targets:
+            with self.side:
+                self.launch_copy(m)
+            self.done[m].record(self.side)
+            self._pending.add(m)
+
+    def _join(self, li: int):
         if li in self._pending:
-            main.wait_event(self.done[li])
+            self.step.stream.wait_event(self.done[li])
             self._pending.discard(li)
 
     def enqueue_finish(self):
@@ -362,19 +412,50 @@ class Prefetcher:
             return
         b, k = m % self.banks, self.k
         I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
+        # no second VRAM range: layer m's entries are the table's own until this copy (each layer's entries are
+        # rewritten by its one copy, and its miss copy runs after this one is joined)
         self.f_copy((COPY_BLOCKS,), (COPY_THREADS,),
                     (self._ptr(self.table), I32(m), I32(self.n_expert), I32(k), self._ptr(self.pred, 4 * k * m),
                      self._ptr(self.staging, b * k * self.stride), I64(self.stride), U32(self.units),
-                     U64(self.slot_lo), U64(self.slot_hi), self._ptr(self.rec[b]), self._ptr(self.rec_addr[b]),
-                     self._ptr(self.actual), self._ptr(self.stats), self._ptr(self.counters, 4)))
+                     U64(self.slot_lo), U64(self.slot_hi), U64(0), U64(0), self._ptr(self.rec[b]),
+                     self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 2),
+                     self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 4)))
+
+    def routing(self, li: int):
+        """Where layer li's routing is when its miss copy runs: actual[li], noted by the layer's router_predict,
+        predict or bookkeeping launch before it (so a replay of the miss copies alone copies each layer's own
+        misses), except the last layer at depth 1, noted only by prefetch_finish: ids, which then hold it."""
+        if self.depth == 1 and li == self.n_layer - 1:
+            return self._ptr(self.step.ids)
+        return self._ptr(self.actual, 4 * self.k * li)
+
+    def launch_miss(self, li: int):
+        """prefetch_copy on the main stream for layer li's routing: the routed experts in neither a cache slot nor a
+        staging/miss slot (nor 0) copied into miss bank li % 2 (restoring the bank's previous layer first), their
+        entries pointed there; counted as fetched only."""
+        if not self._on("miss_copy"):
+            return
+        b, k = li % MISS_BANKS, self.k
+        I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
+        self.f_copy((COPY_BLOCKS,), (COPY_THREADS,),
+                    (self._ptr(self.table), I32(li), I32(self.n_expert), I32(k), self.routing(li),
+                     self._ptr(self.staging, (self.banks + b) * k * self.stride), I64(self.stride), U32(self.units),
+                     U64(self.slot_lo), U64(self.slot_hi), U64(self.stage_lo), U64(self.stage_hi),
+                     self._ptr(self.miss_rec[b]), self._ptr(self.miss_rec_addr[b]), U64(0),
+                     self._ptr(self.stats, 8 * FETCHED), U64(0), self._ptr(self.counters, 8)))
 
     def launch_finish(self):
         """The last layer's routing noted (depth 1; at depth 2 launch_note did it, against the depth-2 pair) and
-        every bank restored: prefetch_finish takes banks 0 and 1, prefetch_restore any further one."""
+        every bank restored: prefetch_finish takes banks 0 and 1, prefetch_restore any further one, and the miss
+        banks (one warp each, counting nothing)."""
+        st, k, last = self.step, self.k, self.n_layer - 1
+        I32, U64 = np.int32, np.uint64
+        if self.fetch_misses and self._on("miss_copy"):
+            self.f_restore((1,), (32 * MISS_BANKS,),
+                           (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(self.miss_rec),
+                            self._ptr(self.miss_rec_addr), U64(0), U64(0)))
         if not self._on("prefetch"):
             return
-        st, k, last = self.step, self.k, self.n_layer - 1
-        I32 = np.int32
         self.f_finish((1,), (32,),
                       (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(st.ids),
                        self._ptr(self.pred, 4 * k * last), I32(1 if last > 0 and self.depth == 1 else 0), I32(last),
@@ -383,7 +464,7 @@ class Prefetcher:
         for b in range(2, self.banks):
             self.f_restore((1,), (32,),
                            (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(self.rec[b]),
-                            self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats)))
+                            self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 3)))
 
     # --- counters ----------------------------------------------------------------------------------------------
     def read_stats(self) -> PrefetchStats:
