@@ -2,7 +2,7 @@
 
     python -m bench.prefill [--model data/models/qwen3-30b-a3b-q4k-g3.gguf] [--budgets all,16,12]
                             [--prompts 1024,4096,8192,32768] [--chunk auto] [--ring N] [--out prefill.json]
-                            [--prefill streamed|batched] [--no-profile]
+                            [--prefill streamed|batched] [--no-profile] [--lend-floor N]
 
 One backend process (the pinned arena is filled once); per budget the VRAM expert cache is rebuilt
 (--vram-budget-mib semantics: weights, KV cache, expert cache and the prompt pass's buffers all count), warmed by a
@@ -129,6 +129,9 @@ def main(argv=None):
     ap.add_argument("--moe-row-tiles", type=int, choices=(1, 2), default=None,
                     help="64-row tiles per dequantized weight tile in the grouped expert GEMMs (moe_gemm.cu MG_MT; "
                          "default 2)")
+    ap.add_argument("--lend-floor", type=int, default=None,
+                    help="the lent ring's least depth (chunk_plan.RING_LEND_FLOOR, default 64): the auto ring borrows "
+                         "max(2 layers of streamed experts, this) cache slots, at most 384; 384 tries the deepest")
     ap.add_argument("--prefill", choices=("streamed", "batched"), default="streamed",
                     help="the prompt pass to measure (batched: the backend's default today, for the comparison)")
     ap.add_argument("--no-profile", action="store_true",
@@ -137,12 +140,14 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     from engine.cuda.backend import CUDABackend, CudaOptions
-    from engine.cuda import prefill_streamed
+    from engine.cuda import chunk_plan, prefill_streamed
     from engine.cuda.prefill_streamed import parse_chunk
     from engine.gguf_model import open_model
 
     if a.moe_row_tiles:
         prefill_streamed.MOE_ROW_TILES = a.moe_row_tiles
+    if a.lend_floor:
+        chunk_plan.RING_LEND_FLOOR = a.lend_floor
     lengths = [int(x) for x in a.prompts.split(",")]
     facts = {}
     if not a.model.is_file():
@@ -155,7 +160,8 @@ def main(argv=None):
     be = CUDABackend(model, ctx, opts)
     facts.update(load_s=round(time.perf_counter() - t0, 1), ctx=ctx, kv_gib=round(be.kv.k.nbytes * 2 / 2**30, 2),
                  arena_gib=round(be.arena.nbytes / 2**30, 2), pcie_copy_gbps=round(be.pcie_gbps, 1),
-                 expert_mb=round(be.layout.stride / 1e6, 2), moe_row_tiles=prefill_streamed.MOE_ROW_TILES)
+                 expert_mb=round(be.layout.stride / 1e6, 2), moe_row_tiles=prefill_streamed.MOE_ROW_TILES,
+                 ring_lend_floor=chunk_plan.RING_LEND_FLOOR)
     log(json.dumps(facts))
     rows = []
     rng = np.random.default_rng(a.seed)
