@@ -48,9 +48,10 @@ miss copy and at the step's end) and its entry pointed there, so the expert kern
 next copy forked onto the side stream: nothing competes with the critical-path copy. Per layer:
     wait done[l] -> miss_copy(l) -> event -> [side] prefetch_copy(l+1) -> event done[l+1]
 The miss copy runs at every layer, the first too (nothing predicts it), and at both depths; a layer with no late miss
-costs its launch (~3 us). Its counters: `fetched` (stats[6]) only, so the prediction counters are the prefetch's own.
-Profile kind "miss_copy": its replay without the prefetch copies (or with them: either way the routing read is the
-last real step's, `actual`) also copies what the prefetch would have staged, so it over-counts.
+costs its launch (~3 us, not yet measured). Its counters: `fetched` (stats[6]) only, so the prediction counters
+stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies alone reads each layer's routing of the
+last real step (`actual`), but with no prefetch copy in that graph it also copies what they would have staged, so it
+over-counts; bench.decode_trace (the miss copy is the prefetch_copy on the main stream) has the real figure.
 
 Cost (H200, Qwen3-30B-A3B shape at 12 GiB, the 01:20 run of the first version: 151.6 tok/s): predict was a launch
 of its own, 17 us a layer on the critical path (806 us a step). The per-kind profile's "prefetch" figure (6.77 ms
