@@ -212,14 +212,14 @@ __global__ void router_predict(const uint8_t* __restrict__ W, long long row_byte
 }
 
 // Side stream, launched right after the prediction (router_predict or predict), so the link starts on layer l+1's
-// experts while layer l's experts and layer l+1's attention compute. For layer `layer` (this bank):
+// experts while layer l's experts and layer l+1's attention compute; and as the miss copy on the main stream, with
+// the routing as `pred`, before a layer's experts (top of the file). For layer `layer` (this bank):
 //  - every block's first warp compacts the prediction: lane j looks up predicted expert j's entry, and the experts
 //    whose entry is neither a VRAM cache slot (inside [slot_lo, slot_hi)), nor a staging or miss slot (inside
 //    [stage_lo, stage_hi): staged earlier in the step, which only the miss copy meets), nor 0 (only in the file,
-//    memory modes) get
-//    staging slots 0, 1, ... in prediction order (a ballot; one round trip, where one thread used to walk the k
-//    entries serially in every block). Nothing else writes this layer's entries during the step, so every block
-//    sees the same plan;
+//    memory modes) get staging slots 0, 1, ... in prediction order (a ballot; one round trip, where one thread used
+//    to walk the k entries serially in every block). Nothing else writes this layer's entries while it runs, so
+//    every block sees the same plan;
 //  - block 0's last warp meanwhile restores the entries the bank's previous layer rewrote (its experts finished
 //    before this layer's prediction was made);
 //  - all threads then copy the concatenated blobs (n x units 16-byte units) as one range: warp w of the grid takes
