@@ -47,6 +47,10 @@ def main(argv=None):
     ap.add_argument("--n-ff", type=int, default=768)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--row-tiles", type=int, default=None, help="moe_gemm.cu MG_MT (default: the engine's)")
+    ap.add_argument("--module", default="moe_gemm",
+                    help="the cuda_src file (stem) to load, for an A/B against a copy of an earlier version")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a moe_gemm.cu define for a variant (e.g. MG_MT=1, MG_Q4K_F32=1); repeatable")
     a = ap.parse_args(argv)
 
     import cupy as cp
@@ -59,11 +63,19 @@ def main(argv=None):
     E, k, n_embd, n_ff = a.experts, a.k, a.n_embd, a.n_ff
     rng = np.random.default_rng(1)
     t0 = time.perf_counter()
-    mod = moe_module([q.id], a.row_tiles)
+    if a.define or a.module != "moe_gemm":
+        from engine.cuda import kernels
+        defs = dict(d.split("=", 1) for d in a.define)
+        if a.row_tiles:
+            defs["MG_MT"] = str(a.row_tiles)
+        mod = kernels.load(a.module, defs or None, qtypes=[q.id])
+    else:
+        mod = moe_module([q.id], a.row_tiles)
     sort, gu, dn = (mod.get_function(n) for n in ("moe_sort", f"moe_gemm_gate_up<{q.id}>", f"moe_gemm_down<{q.id}>"))
     dev, stride, up_off, down_off, rb_gu, rb_d = blobs(cp, q, E, n_embd, n_ff, rng)
-    print(f"bench.moe_gemm: {a.qtype}, {E} experts of {stride / 1e6:.2f} MB, top-{k}, n_embd {n_embd}, n_ff {n_ff} "
-          f"(set up in {time.perf_counter() - t0:.1f} s)", flush=True)
+    print(f"bench.moe_gemm: {a.module} {' '.join(a.define) or 'default build'}: {a.qtype}, {E} experts of "
+          f"{stride / 1e6:.2f} MB, top-{k}, n_embd {n_embd}, n_ff {n_ff} (set up in {time.perf_counter() - t0:.1f} s)",
+          flush=True)
     sel = cp.arange(E, dtype=cp.int32)
     ptrs = cp.asarray(np.array([int(dev.data.ptr) + e * stride for e in range(E)], np.uint64))
     rows_out = []
@@ -106,7 +118,8 @@ def main(argv=None):
     print(f"| tokens | kernel | ms | TFLOP/s | of {CUBLAS_TFLOPS:.0f} (cuBLAS fp16) | weight GB/s | of 4,400 |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for T, name, ms, tf, gbs in rows_out:
-        print(f"| {T} | {name} | {ms:.3f} | {tf:.0f} | {tf / CUBLAS_TFLOPS:.2f} | {gbs:.0f} | {gbs * 1e9 / HBM_BPS:.2f} |")
+        print(f"| {T} | {name} | {ms:.3f} | {tf:.0f} | {tf / CUBLAS_TFLOPS:.2f} | {gbs:.0f} "
+              f"| {gbs * 1e9 / HBM_BPS:.2f} |")
 
 
 if __name__ == "__main__":

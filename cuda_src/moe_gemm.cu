@@ -1,10 +1,16 @@
 // The streamed prompt pass's expert FFN: a chunk's (token, expert) pairs sorted by expert on the GPU, then each
 // expert's rows through gate/up (SwiGLU in the epilogue) and down (routing weight in the epilogue) as tiled GEMMs on
 // tensor cores. Weights stay in their GGUF format wherever they are (VRAM cache slot, ring slot, or mapped host
-// memory); each block dequantizes its weight tile into shared memory as fp16 (quant.cuh's dequant8) and multiplies it
-// with fp16 activations (converted once per token) by mma.sync m16n8k16, accumulating in fp32. A block multiplies each
-// dequantized weight tile by MG_MT 64-row tiles, and reads the next slice into registers while the tensor cores work
-// on the current one. tests/test_cuda_prefill_kernels.py checks it against NumPy (88 passed on the H200, 2026-11-30).
+// memory); each block dequantizes its weight tile into shared memory as fp16 (Q4_K in fp16x2 arithmetic, the other
+// types through quant.cuh's dequant8) and multiplies it with fp16 activations (converted once per token) by mma.sync
+// m16n8k16 with ldmatrix fragment loads, accumulating in fp32. A block multiplies each dequantized weight tile by MG_MT
+// 64-row tiles; the tiles are double-buffered in shared memory, and the next slice's global reads are issued before
+// this slice's mma instructions (one barrier a slice).
+// H200, Qwen3-30B-A3B shape, 4,096 tokens x top-8 over 128 experts (python -m bench.moe_gemm): gate/up 1.83 -> 1.37 ms,
+// down 1.19 -> 0.95 ms against the first version (ldmatrix and the fp16x2 Q4_K path; the generic dequant8 path for
+// Q4_K measured 1.66 ms). Still ~20% of cuBLAS's fp16 rate: the dequantization is most of the issued instructions
+// (ncu: ALU the busiest pipe, IPC 1.9, one warp in four issuing).
+// tests/test_cuda_prefill_kernels.py checks it against NumPy (101 passed with test_cuda_embed_host on the H200).
 #include "quant.cuh"
 #include "common.cuh"
 
@@ -16,6 +22,10 @@
 #ifndef MG_MT
 #define MG_MT 2               // 64-row tiles per pass over a weight tile: each dequantized tile feeds MG_MT * 64 rows
 #endif                        // (at 4K tokens an expert averages 256 rows: the dequantization is paid 2x, not 4x)
+#define MG_ROWS (MG_BM * MG_MT)
+#ifndef MG_MT
+#define MG_MT MG_MT      // the down GEMM's own count (bench.moe_gemm --define MG_MT=4 tries others)
+#endif
 #define MG_ROWS (MG_BM * MG_MT)
 #define MG_MAX_EXPERT 1024
 
@@ -82,20 +92,73 @@ __device__ __forceinline__ void mg_mma(float (&d)[4], const uint32_t (&a)[4], ui
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void mg_load_a(const unsigned short* xs, int row0, int kk, int lane, uint32_t (&a)[4]) {
-    const int g = lane >> 2, t = lane & 3;
-    const unsigned short* p = xs + (row0 + g) * MG_LDS + kk + 2 * t;
-    a[0] = *reinterpret_cast<const uint32_t*>(p);
-    a[1] = *reinterpret_cast<const uint32_t*>(p + 8 * MG_LDS);
-    a[2] = *reinterpret_cast<const uint32_t*>(p + 8);
-    a[3] = *reinterpret_cast<const uint32_t*>(p + 8 * MG_LDS + 8);
+// ldmatrix: four 8x8 fp16 tiles from shared memory in one instruction, each lane naming one tile row's 16 bytes
+// (lanes 8i..8i+7: tile i), and each lane receiving the mma fragment layout. One instruction replaces the four (A) or
+// four (two B fragments) 32-bit shared loads per fragment the first version issued: at 4K tokens the kernels were
+// bound by issued instructions (ncu: IPC 1.9, tensor pipe mostly idle, ALU the busiest pipe), not by the tensor cores.
+__device__ __forceinline__ void mg_ldsm4(const unsigned short* p, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                         uint32_t& r3) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a));
 }
 
-__device__ __forceinline__ void mg_b(const unsigned short* ws, int col0, int kk, int lane, uint32_t& b0, uint32_t& b1) {
-    const int g = lane >> 2, t = lane & 3;
-    const unsigned short* p = ws + (col0 + g) * MG_LDS + kk + 2 * t;
-    b0 = *reinterpret_cast<const uint32_t*>(p);
-    b1 = *reinterpret_cast<const uint32_t*>(p + 8);
+// A fragment (16 rows from row0, 16 k from kk): tiles (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
+// (rows 8-15, k 8-15) are a[0..3] of the m16n8k16 layout; rows are MG_LDS halves (80 bytes) apart, so the eight
+// 16-byte rows of a tile fall in distinct bank groups.
+__device__ __forceinline__ void mg_load_a(const unsigned short* xs, int row0, int kk, int lane, uint32_t (&a)[4]) {
+    mg_ldsm4(xs + (row0 + (lane & 15)) * MG_LDS + kk + ((lane >> 4) << 3), a[0], a[1], a[2], a[3]);
+}
+
+// B fragments of two adjacent 8-column groups (col0, col0 + 8), 16 k from kk: the weight tile is stored [n][k], so
+// a non-transposed tile row is one output column's 8 k values, the col-major B operand mma wants.
+// b[0], b[1]: columns col0..col0+7 (k 0-7, k 8-15); b[2], b[3]: columns col0+8..col0+15.
+__device__ __forceinline__ void mg_load_b2(const unsigned short* ws, int col0, int kk, int lane, uint32_t (&b)[4]) {
+    mg_ldsm4(ws + (col0 + ((lane >> 4) << 3) + (lane & 7)) * MG_LDS + kk + (((lane >> 3) & 1) << 3),
+             b[0], b[1], b[2], b[3]);
+}
+
+// fp16x2 arithmetic for the Q4_K tile path (PTX: NVRTC builds without cuda_fp16.h here)
+__device__ __forceinline__ uint32_t mg_h2_sub(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ uint32_t mg_h2_fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ uint32_t mg_h2_splat(float f) {
+    uint32_t d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(f));
+    return d;
+}
+
+// Q4_K chunk j (8 values) of the block at b as fp16, computed in fp16x2: each nibble byte q becomes the fp16 1024 + q
+// by a byte permute with 0x64 (fp16's exponent for [1024, 2048), where the mantissa counts units), 1024 is taken off
+// exactly, then one fma per pair applies d * scale and - dmin * min. About 40 instructions for 8 values where the
+// generic path (fp32 dequant8, then 8 saturating conversions) took ~90: the dequantization was most of the kernels'
+// issued instructions. Rounding: d * scale and dmin * min are rounded to fp16 before the fma (the fp32 path rounds
+// only the result), a few fp16 ulps of the weight; weights stay far inside fp16's range (|w| <= 945 * d).
+__device__ __forceinline__ uint4 mg_q4k8_qs(const uint8_t* __restrict__ b, int j, uint32_t d2, uint32_t m2) {
+    const int s = j >> 2;
+    uint32_t q0, q1;
+    ld8(b + 16 + (s >> 1) * 32 + (j & 3) * 8, q0, q1);
+    const int sh = (s & 1) * 4;
+    q0 = (q0 >> sh) & 0x0f0f0f0fu;
+    q1 = (q1 >> sh) & 0x0f0f0f0fu;
+    const uint32_t k1024 = 0x64006400u;
+    const auto pair = [&](uint32_t q, uint32_t sel) {
+        return mg_h2_fma(mg_h2_sub(__byte_perm(q, 0x64646464u, sel), k1024), d2, m2);
+    };
+    return make_uint4(pair(q0, 0x4140u), pair(q0, 0x4342u), pair(q1, 0x4140u), pair(q1, 0x4342u));
+}
+
+__device__ __forceinline__ uint4 mg_q4k8(const uint8_t* __restrict__ b, int j) {
+    float dl, ml;
+    strata_k4_header(b, j >> 2, dl, ml);
+    return mg_q4k8_qs(b, j, mg_h2_splat(dl), mg_h2_splat(-ml));
 }
 
 // 8 elements (chunk c) of weight row `row` of a quantized matrix at `base`, as fp16; zeros outside the matrix.
@@ -104,6 +167,11 @@ __device__ __forceinline__ uint4 mg_weight8(const uint8_t* base, long long row_b
                                             int nchunks) {
     constexpr int CPB = QTraits<QT>::QK / 8, BB = QTraits<QT>::BYTES;
     if (row >= nrows || c >= nchunks) return make_uint4(0u, 0u, 0u, 0u);
+    if constexpr (QT == STRATA_Q_Q4_K) {
+#ifndef MG_Q4K_F32
+        return mg_q4k8(base + (long long)row * row_bytes + (long long)(c / CPB) * BB, c % CPB);
+#endif
+    }
     float v[8];
     dequant8<QT>(base + (long long)row * row_bytes + (long long)(c / CPB) * BB, c % CPB, v);
     return mg_pack8(v);
@@ -123,9 +191,12 @@ template <int QT>
 __global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
                  const int* __restrict__ offsets, const int* __restrict__ rows, const unsigned short* __restrict__ x,
                  unsigned short* __restrict__ h, long long up_off, long long row_bytes, int n_ff, int K) {
-    __shared__ __align__(16) unsigned short xs[MG_ROWS * MG_LDS];
-    __shared__ __align__(16) unsigned short gs[MG_BN * MG_LDS];
-    __shared__ __align__(16) unsigned short us[MG_BN * MG_LDS];
+    // two buffers of each tile: a slice is written into one while the last slice's readers may still be in the
+    // other, so one barrier a slice suffices (the first version wrote in place and needed two)
+    __shared__ __align__(16) unsigned short xs2[2][MG_ROWS * MG_LDS];
+    __shared__ __align__(16) unsigned short gs2[2][MG_BN * MG_LDS];
+    __shared__ __align__(16) unsigned short us2[2][MG_BN * MG_LDS];
+    int cur = 0;
     const int e = sel[blockIdx.z];
     const int o0 = offsets[e], n_rows = offsets[e + 1] - o0;
     const int n0 = blockIdx.x * MG_BN;
@@ -160,12 +231,22 @@ __global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up(const int* __r
         for (int i = 0; i < MG_MT; ++i) xr[i] = mg_x8(x, tok[i], K, lc, nchunks);
         gr = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, lc, nchunks);
         ur = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, lc, nchunks);
-        for (int k0 = 0; k0 < K; k0 += MG_BK) {
 #pragma unroll
-            for (int i = 0; i < MG_MT; ++i) *reinterpret_cast<uint4*>(xs + (i * MG_BM + lr) * MG_LDS + lc * 8) = xr[i];
-            *reinterpret_cast<uint4*>(gs + lr * MG_LDS + lc * 8) = gr;
-            *reinterpret_cast<uint4*>(us + lr * MG_LDS + lc * 8) = ur;
-            __syncthreads();
+        for (int i = 0; i < MG_MT; ++i)
+            *reinterpret_cast<uint4*>(xs2[cur] + (i * MG_BM + lr) * MG_LDS + lc * 8) = xr[i];
+        *reinterpret_cast<uint4*>(gs2[cur] + lr * MG_LDS + lc * 8) = gr;
+        *reinterpret_cast<uint4*>(us2[cur] + lr * MG_LDS + lc * 8) = ur;
+        __syncthreads();
+        for (int k0 = 0; k0 < K; k0 += MG_BK, cur ^= 1) {
+            const unsigned short *xs = xs2[cur], *gs = gs2[cur], *us = us2[cur];
+            const bool more = k0 + MG_BK < K;
+            if (more) {     // the next slice's reads go out before this slice's mma: their latency runs under them
+                const int c = ((k0 + MG_BK) >> 3) + lc;
+#pragma unroll
+                for (int i = 0; i < MG_MT; ++i) xr[i] = mg_x8(x, tok[i], K, c, nchunks);
+                gr = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, c, nchunks);
+                ur = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, c, nchunks);
+            }
 #pragma unroll
             for (int kk = 0; kk < MG_BK; kk += 16) {
                 uint32_t a[MG_MT][4];
@@ -173,26 +254,28 @@ __global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up(const int* __r
                 for (int i = 0; i < MG_MT; ++i)
                     if (i < mt) mg_load_a(xs, i * MG_BM + wm, kk, lane, a[i]);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    uint32_t b0, b1;
-                    mg_b(gs, wn + 8 * j, kk, lane, b0, b1);
+                for (int jp = 0; jp < 4; jp += 2) {
+                    uint32_t bg[4], bu[4];
+                    mg_load_b2(gs, wn + 8 * jp, kk, lane, bg);
+                    mg_load_b2(us, wn + 8 * jp, kk, lane, bu);
 #pragma unroll
                     for (int i = 0; i < MG_MT; ++i)
-                        if (i < mt) mg_mma(ag[i][j], a[i], b0, b1);
-                    mg_b(us, wn + 8 * j, kk, lane, b0, b1);
-#pragma unroll
-                    for (int i = 0; i < MG_MT; ++i)
-                        if (i < mt) mg_mma(au[i][j], a[i], b0, b1);
+                        if (i < mt) {
+                            mg_mma(ag[i][jp], a[i], bg[0], bg[1]);
+                            mg_mma(ag[i][jp + 1], a[i], bg[2], bg[3]);
+                            mg_mma(au[i][jp], a[i], bu[0], bu[1]);
+                            mg_mma(au[i][jp + 1], a[i], bu[2], bu[3]);
+                        }
                 }
             }
-            if (k0 + MG_BK < K) {
-                const int c = ((k0 + MG_BK) >> 3) + lc;
+            if (more) {     // into the other buffer, whose last readers passed the barrier below a slice ago
 #pragma unroll
-                for (int i = 0; i < MG_MT; ++i) xr[i] = mg_x8(x, tok[i], K, c, nchunks);
-                gr = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, c, nchunks);
-                ur = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, c, nchunks);
+                for (int i = 0; i < MG_MT; ++i)
+                    *reinterpret_cast<uint4*>(xs2[cur ^ 1] + (i * MG_BM + lr) * MG_LDS + lc * 8) = xr[i];
+                *reinterpret_cast<uint4*>(gs2[cur ^ 1] + lr * MG_LDS + lc * 8) = gr;
+                *reinterpret_cast<uint4*>(us2[cur ^ 1] + lr * MG_LDS + lc * 8) = ur;
             }
-            __syncthreads();            // every warp has read this slice: the next may overwrite it
+            __syncthreads();
         }
 #pragma unroll
         for (int i = 0; i < MG_MT; ++i)
@@ -221,8 +304,9 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restric
               const int* __restrict__ offsets, const int* __restrict__ rows, const float* __restrict__ row_w,
               const unsigned short* __restrict__ h, float* __restrict__ out, long long down_off, long long row_bytes,
               int n_embd, int K) {
-    __shared__ __align__(16) unsigned short hs[MG_ROWS * MG_LDS];
-    __shared__ __align__(16) unsigned short ds[MG_BN * MG_LDS];
+    __shared__ __align__(16) unsigned short hs2[2][MG_ROWS * MG_LDS];     // double-buffered as in gate/up
+    __shared__ __align__(16) unsigned short ds2[2][MG_BN * MG_LDS];
+    int cur = 0;
     const int e = sel[blockIdx.z];
     const int o0 = offsets[e], n_rows = offsets[e + 1] - o0;
     const int n0 = blockIdx.x * MG_BN;
@@ -248,11 +332,20 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restric
 #pragma unroll
         for (int i = 0; i < MG_MT; ++i) hr[i] = mg_x8(h, hrow[i], K, lc, nchunks);
         dr = mg_weight8<QT>(dbase, row_bytes, n0 + lr, n_embd, lc, nchunks);
-        for (int k0 = 0; k0 < K; k0 += MG_BK) {
 #pragma unroll
-            for (int i = 0; i < MG_MT; ++i) *reinterpret_cast<uint4*>(hs + (i * MG_BM + lr) * MG_LDS + lc * 8) = hr[i];
-            *reinterpret_cast<uint4*>(ds + lr * MG_LDS + lc * 8) = dr;
-            __syncthreads();
+        for (int i = 0; i < MG_MT; ++i)
+            *reinterpret_cast<uint4*>(hs2[cur] + (i * MG_BM + lr) * MG_LDS + lc * 8) = hr[i];
+        *reinterpret_cast<uint4*>(ds2[cur] + lr * MG_LDS + lc * 8) = dr;
+        __syncthreads();
+        for (int k0 = 0; k0 < K; k0 += MG_BK, cur ^= 1) {
+            const unsigned short *hs = hs2[cur], *ds = ds2[cur];
+            const bool more = k0 + MG_BK < K;
+            if (more) {     // as in gate/up: the next slice's reads before this slice's mma
+                const int c = ((k0 + MG_BK) >> 3) + lc;
+#pragma unroll
+                for (int i = 0; i < MG_MT; ++i) hr[i] = mg_x8(h, hrow[i], K, c, nchunks);
+                dr = mg_weight8<QT>(dbase, row_bytes, n0 + lr, n_embd, c, nchunks);
+            }
 #pragma unroll
             for (int kk = 0; kk < MG_BK; kk += 16) {
                 uint32_t a[MG_MT][4];
@@ -260,19 +353,22 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restric
                 for (int i = 0; i < MG_MT; ++i)
                     if (i < mt) mg_load_a(hs, i * MG_BM + wm, kk, lane, a[i]);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    uint32_t b0, b1;
-                    mg_b(ds, wn + 8 * j, kk, lane, b0, b1);
+                for (int jp = 0; jp < 4; jp += 2) {
+                    uint32_t b[4];
+                    mg_load_b2(ds, wn + 8 * jp, kk, lane, b);
 #pragma unroll
                     for (int i = 0; i < MG_MT; ++i)
-                        if (i < mt) mg_mma(acc[i][j], a[i], b0, b1);
+                        if (i < mt) {
+                            mg_mma(acc[i][jp], a[i], b[0], b[1]);
+                            mg_mma(acc[i][jp + 1], a[i], b[2], b[3]);
+                        }
                 }
             }
-            if (k0 + MG_BK < K) {
-                const int c = ((k0 + MG_BK) >> 3) + lc;
+            if (more) {
 #pragma unroll
-                for (int i = 0; i < MG_MT; ++i) hr[i] = mg_x8(h, hrow[i], K, c, nchunks);
-                dr = mg_weight8<QT>(dbase, row_bytes, n0 + lr, n_embd, c, nchunks);
+                for (int i = 0; i < MG_MT; ++i)
+                    *reinterpret_cast<uint4*>(hs2[cur ^ 1] + (i * MG_BM + lr) * MG_LDS + lc * 8) = hr[i];
+                *reinterpret_cast<uint4*>(ds2[cur ^ 1] + lr * MG_LDS + lc * 8) = dr;
             }
             __syncthreads();
         }
