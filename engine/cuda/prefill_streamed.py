@@ -223,7 +223,7 @@ class StreamedPrefill:
             es = np.flatnonzero(resident[li]) if stream else np.arange(c.n_expert)
             spans.append((len(sel_all), len(es)))
             sel_all += es.tolist()
-            ptr_all += [int(table[li, e]) for e in es]
+            ptr_all += table[li, es].tolist()
         batches = schedule(resident, len(slots)) if stream else []
         for b in batches:
             spans.append((len(sel_all), len(b.items)))
