@@ -294,18 +294,21 @@ def test_auto_gives_the_cache_the_embedding_bytes(model):
     """At a budget that holds some of the experts, auto moves the embedding to the host and the cache gets exactly
     its bytes as slots; a resize to no budget brings it back to VRAM with every expert cached; decode stays right."""
     import cupy as cp
-    from engine.backend_cpu import CPUBackend
     from engine.cuda.backend import STEP_HEADROOM
     from gpu_compare import rel_rows
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert
     seq = np.random.default_rng(8).integers(3, cfg.n_vocab, 24).tolist()
-    cpu = CPUBackend(model, CTX)
-    want = cpu.forward(seq, all_logits=True)
-    cpu.close()
     be = cuda(model, adapt_every=0, prefetch="off")
     try:
         assert be.info()["embed"] == "vram" and be.cache.n_slots == total
+        # the reference: this backend's own decode with every expert and the embedding in VRAM. Not the CPU's
+        # teacher-forced logits: on this model and sequence a near-tie in the router picks another expert in fp32
+        # than in fp64 from row 1 on (the H200 gave 0.405 against the CPU for every placement alike, the embedding
+        # in VRAM or on the host, before or after a resize); test_host_embedding_gives_the_same_numbers checks the
+        # CPU agreement where the routes are followed
+        want = np.stack([be.forward([t]) for t in seq])
+        be.truncate(0)
         stride, nb = be.layout.stride, be.weights.tok_embd.nbytes
         seen = {}
         real = be._expert_slots

@@ -924,7 +924,9 @@ def test_miss_copy_copies_only_what_is_still_outside_vram(n_expert, k, nbytes, s
                 ids[-1] = z                      # the file-only expert routed
             outside = [e for e in ids if table0[m * n_expert + e] and
                        not (A.slot_lo <= table0[m * n_expert + e] < A.slot_hi)]
-            for c, e in enumerate(outside[:2]):  # two of them staged by the prefetch (bank m % nb)
+            # up to two of them staged by the prefetch (bank m % nb), always leaving one for the miss copy (at k=2
+            # staging two left nothing to fetch in any layer)
+            for c, e in enumerate(outside[:min(2, len(outside) - 1)]):
                 table0[m * n_expert + e] = lo + ((m % nb) * k + c) * stride
             routes.append(ids.astype(np.int32))
         A.table[:] = cp.asarray(table0)
