@@ -125,6 +125,9 @@ def main(argv=None):
     ap.add_argument("--chunk", default="auto", help="--prefill-chunk: tokens or auto")
     ap.add_argument("--ring", type=int, default=None, help="--ring: slots (default: the VRAM rule)")
     ap.add_argument("--stream-min", type=int, default=1024)
+    ap.add_argument("--ctx", type=int, default=None,
+                    help="the context the backend is built for (default: the longest prompt + 16); its KV cache "
+                         "shares the budget, so --ctx 32784 measures a 4K prompt as the 32K rows' backend runs it")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--moe-row-tiles", type=int, choices=(1, 2), default=None,
                     help="64-row tiles per dequantized weight tile in the grouped expert GEMMs (moe_gemm.cu MG_MT; "
@@ -153,7 +156,7 @@ def main(argv=None):
     if not a.model.is_file():
         facts["model_make_s"] = round(make_model(a.model), 1)
     model = open_model(a.model)
-    ctx = max(lengths) + 16
+    ctx = max(max(lengths) + 16, a.ctx or 0)
     t0 = time.perf_counter()
     opts = CudaOptions(prefill=a.prefill, prefill_chunk=parse_chunk(a.chunk), ring=a.ring, stream_min=a.stream_min,
                        calibrate=True)
