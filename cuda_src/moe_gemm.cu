@@ -1,16 +1,16 @@
 // The streamed prompt pass's expert FFN: a chunk's (token, expert) pairs sorted by expert on the GPU, then each
 // expert's rows through gate/up (SwiGLU in the epilogue) and down (routing weight in the epilogue) as tiled GEMMs on
 // tensor cores. Weights stay in their GGUF format wherever they are (VRAM cache slot, ring slot, or mapped host
-// memory); each block dequantizes its weight tile into shared memory as fp16 (Q4_K in fp16x2 arithmetic, the other
+// memory); each block dequantizes its weight tile into shared memory as fp16 (Q4_K through mg_q4k8, the other
 // types through quant.cuh's dequant8) and multiplies it with fp16 activations (converted once per token) by mma.sync
 // m16n8k16 with ldmatrix fragment loads, accumulating in fp32. A block multiplies each dequantized weight tile by MG_MT
 // 64-row tiles; the tiles are double-buffered in shared memory, and the next slice's global reads are issued before
 // this slice's mma instructions (one barrier a slice).
-// H200, Qwen3-30B-A3B shape, 4,096 tokens x top-8 over 128 experts (python -m bench.moe_gemm): gate/up 1.83 -> 1.37 ms,
-// down 1.19 -> 0.95 ms against the first version (ldmatrix and the fp16x2 Q4_K path; the generic dequant8 path for
-// Q4_K measured 1.66 ms). Still ~20% of cuBLAS's fp16 rate: the dequantization is most of the issued instructions
-// (ncu: ALU the busiest pipe, IPC 1.9, one warp in four issuing).
-// tests/test_cuda_prefill_kernels.py checks it against NumPy (101 passed with test_cuda_embed_host on the H200).
+// H200, Qwen3-30B-A3B shape, 4,096 tokens x top-8 over 128 experts (python -m bench.moe_gemm): gate/up 1.83 ms and
+// down 1.19 ms in the first version; with ldmatrix and double buffering, 1.66 / 0.99 ms through dequant8 and 1.37 /
+// 0.95 ms with Q4_K's products in fp16x2 (too inexact: mg_q4k8). Still ~20% of cuBLAS's fp16 rate: the
+// dequantization is most of the issued instructions (ncu: ALU the busiest pipe, IPC 1.9, one warp in four issuing).
+// tests/test_cuda_prefill_kernels.py checks it against NumPy on the H200.
 #include "quant.cuh"
 #include "common.cuh"
 
@@ -118,47 +118,40 @@ __device__ __forceinline__ void mg_load_b2(const unsigned short* ws, int col0, i
              b[0], b[1], b[2], b[3]);
 }
 
-// fp16x2 arithmetic for the Q4_K tile path (PTX: NVRTC builds without cuda_fp16.h here)
+// PTX helpers for the Q4_K tile path (NVRTC builds without cuda_fp16.h here)
 __device__ __forceinline__ uint32_t mg_h2_sub(uint32_t a, uint32_t b) {
     uint32_t d;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
 }
-__device__ __forceinline__ uint32_t mg_h2_fma(uint32_t a, uint32_t b, uint32_t c) {
+__device__ __forceinline__ uint32_t mg_f2_to_h2(float lo, float hi) {
     uint32_t d;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-__device__ __forceinline__ uint32_t mg_h2_splat(float f) {
-    uint32_t d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(f));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
 }
 
-// Q4_K chunk j (8 values) of the block at b as fp16, computed in fp16x2: each nibble byte q becomes the fp16 1024 + q
-// by a byte permute with 0x64 (fp16's exponent for [1024, 2048), where the mantissa counts units), 1024 is taken off
-// exactly, then one fma per pair applies d * scale and - dmin * min. About 40 instructions for 8 values where the
-// generic path (fp32 dequant8, then 8 saturating conversions) took ~90: the dequantization was most of the kernels'
-// issued instructions. Rounding: d * scale and dmin * min are rounded to fp16 before the fma (the fp32 path rounds
-// only the result), a few fp16 ulps of the weight; weights stay far inside fp16's range (|w| <= 945 * d).
-__device__ __forceinline__ uint4 mg_q4k8_qs(const uint8_t* __restrict__ b, int j, uint32_t d2, uint32_t m2) {
+// Q4_K chunk j (8 values) of the block at b as fp16: each nibble byte q becomes the fp16 1024 + q by a byte permute
+// with 0x64 (fp16's exponent for [1024, 2048), where the mantissa counts units) and 1024 is taken off exactly, two
+// values an instruction; then d * scale * q - dmin * min in fp32 (one fma each) and one rounding to fp16 per pair, the
+// same numbers as dequant8's fp32 path. The generic path (dequant8, then 8 saturating conversions) measured gate/up
+// 1.66 ms at 4K tokens on the H200; computing the fma in fp16x2 too (d * scale and dmin * min rounded to fp16 first)
+// measured 1.37 ms but took tests/test_cuda_prefill_streamed.py's int8-KV case over its bound (0.0509 against 0.05;
+// this path's numbers pass it), so the products stay in fp32. |w| <= 945 d stays far inside fp16's range.
+__device__ __forceinline__ uint4 mg_q4k8(const uint8_t* __restrict__ b, int j) {
     const int s = j >> 2;
+    float dl, ml;
+    strata_k4_header(b, s, dl, ml);
     uint32_t q0, q1;
     ld8(b + 16 + (s >> 1) * 32 + (j & 3) * 8, q0, q1);
     const int sh = (s & 1) * 4;
     q0 = (q0 >> sh) & 0x0f0f0f0fu;
     q1 = (q1 >> sh) & 0x0f0f0f0fu;
-    const uint32_t k1024 = 0x64006400u;
     const auto pair = [&](uint32_t q, uint32_t sel) {
-        return mg_h2_fma(mg_h2_sub(__byte_perm(q, 0x64646464u, sel), k1024), d2, m2);
+        const uint32_t h = mg_h2_sub(__byte_perm(q, 0x64646464u, sel), 0x64006400u);    // (q_lo, q_hi), exact
+        return mg_f2_to_h2(fmaf(h2f((unsigned short)(h & 0xffffu)), dl, -ml),
+                           fmaf(h2f((unsigned short)(h >> 16)), dl, -ml));
     };
     return make_uint4(pair(q0, 0x4140u), pair(q0, 0x4342u), pair(q1, 0x4140u), pair(q1, 0x4342u));
-}
-
-__device__ __forceinline__ uint4 mg_q4k8(const uint8_t* __restrict__ b, int j) {
-    float dl, ml;
-    strata_k4_header(b, j >> 2, dl, ml);
-    return mg_q4k8_qs(b, j, mg_h2_splat(dl), mg_h2_splat(-ml));
 }
 
 // 8 elements (chunk c) of weight row `row` of a quantized matrix at `base`, as fp16; zeros outside the matrix.
