@@ -107,7 +107,9 @@ def add_cuda_args(parser) -> None:
     g.add_argument("--prefill-chunk", type=_chunk, default=None, metavar="N|auto",
                    help="streamed prompt pass: tokens per chunk (default auto: the largest that fits, 1024 and up)")
     g.add_argument("--ring", type=_at_least(2), default=None, metavar="N",
-                   help="streamed prompt pass: expert ring slots (default: as many as the VRAM left holds, <= 384)")
+                   help="streamed prompt pass: N expert ring slots of its own (default: whatever VRAM the chunk "
+                        "leaves, plus up to two layers' worth of streamed experts (64..384) borrowed from the coldest "
+                        "expert-cache slots for the prompt and refilled at the first decode step)")
     g.add_argument("--stream-min", type=_at_least(1), default=None, metavar="N",
                    help="streamed prompt pass: chunks of at least N tokens stream experts through the ring; shorter "
                         "ones read them in place (default 1024)")
