@@ -1,6 +1,7 @@
 """Where a decode step's time goes at one VRAM budget: a kernel timeline of a few steps, summarized per stream.
 
-    python -m bench.decode_trace [--budget 12] [--steps 16] [--prefetch on|off] [--trace trace.json]
+    python -m bench.decode_trace [--budget 12] [--steps 16] [--prefetch on|off] [--prefetch-depth 1|2]
+                                 [--fetch-misses on|off] [--trace trace.json]
 
 bench.decode's per-kind profile replays a graph of one kind of kernel at a time, so it cannot show what the step
 waits on when experts cross PCIe: the main stream idling until a prefetch copy lands, a copy idling until the next
@@ -78,7 +79,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--prefetch", choices=("on", "off"), default=None)
-    ap.add_argument("--prefetch-depth", type=int, default=None)
+    ap.add_argument("--prefetch-depth", type=int, choices=(1, 2), default=None)
+    ap.add_argument("--fetch-misses", choices=("on", "off"), default=None,
+                    help="the late-miss copy (default: the engine's); it shows as prefetch_copy on the main stream")
     ap.add_argument("--trace", type=Path, help="write the chrome trace here")
     a = ap.parse_args(argv)
 
@@ -94,7 +97,8 @@ def main(argv=None):
         make_model(a.model)
     model = open_model(a.model)
     be = CUDABackend(model, a.prompt + 512, CudaOptions(adapt_every=32, prefetch=a.prefetch,
-                                                        prefetch_depth=a.prefetch_depth or DEFAULT_DEPTH))
+                                                        prefetch_depth=a.prefetch_depth or DEFAULT_DEPTH,
+                                                        fetch_misses=a.fetch_misses))
     rng = np.random.default_rng(1)
     be.resize_expert_cache(vram_budget_mib=None)
     run_pass(be, rng, a.prompt, 256)                      # learn the routing heat with every expert resident
