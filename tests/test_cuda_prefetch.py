@@ -32,20 +32,29 @@ def test_wanted_follows_flag_unless_all_resident():
     assert pf.wanted(None, 0, 32) == pf.DEFAULT_ON
 
 
-def test_prefetch_flag():
+def cuda_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     add_cuda_args(p)
-    assert p.parse_args([]).prefetch is None
-    assert p.parse_args(["--prefetch", "off"]).prefetch == "off"
+    return p
+
+
+def check_choice(flag: str, dest: str, value: str, bad: str):
+    """The flag defaults to None (the engine's default), takes `value`, and refuses `bad`."""
+    p = cuda_parser()
+    assert getattr(p.parse_args([]), dest) is None
+    assert getattr(p.parse_args([flag, value]), dest) == (int(value) if value.isdigit() else value)
     with pytest.raises(SystemExit):
-        p.parse_args(["--prefetch", "maybe"])
+        p.parse_args([flag, bad])
+
+
+def test_prefetch_flag():
+    check_choice("--prefetch", "prefetch", "off", "maybe")
 
 
 def test_options_take_the_flag():
     pytest.importorskip("cupy")
     from engine.cuda.backend import CudaOptions
-    p = argparse.ArgumentParser()
-    add_cuda_args(p)
+    p = cuda_parser()
     assert CudaOptions.from_args(p.parse_args(["--prefetch", "on"])).prefetch == "on"
     assert CudaOptions.from_args(p.parse_args([])).prefetch is None
     assert CudaOptions.from_args(p.parse_args([])).prefetch_depth == pf.DEFAULT_DEPTH
@@ -56,12 +65,8 @@ def test_options_take_the_flag():
 
 def test_fetch_misses_flag():
     from engine.cuda.args import check_cuda_args
-    p = argparse.ArgumentParser()
-    add_cuda_args(p)
-    assert p.parse_args([]).fetch_misses is None
-    assert p.parse_args(["--fetch-misses", "off"]).fetch_misses == "off"
-    with pytest.raises(SystemExit):
-        p.parse_args(["--fetch-misses", "maybe"])
+    check_choice("--fetch-misses", "fetch_misses", "off", "maybe")
+    p = cuda_parser()
     assert pf.fetching(None) == pf.DEFAULT_FETCH_MISSES and pf.fetching("on") and not pf.fetching("off")
     # the late-miss copy is part of the prefetch: asking for it with the prefetch off is refused, with the fix
     bad = check_cuda_args(p.parse_args(["--prefetch", "off", "--fetch-misses", "on"]))
@@ -90,12 +95,7 @@ def test_summary():
 
 
 def test_prefetch_depth_flag_and_staging_slots():
-    p = argparse.ArgumentParser()
-    add_cuda_args(p)
-    assert p.parse_args([]).prefetch_depth is None
-    assert p.parse_args(["--prefetch-depth", "2"]).prefetch_depth == 2
-    with pytest.raises(SystemExit):
-        p.parse_args(["--prefetch-depth", "3"])
+    check_choice("--prefetch-depth", "prefetch_depth", "2", "3")
     assert pf.DEFAULT_DEPTH == 1
     assert pf.staging_slots(8, 1, False) == 16 and pf.staging_slots(8, 2, False) == 24
     # the two late-miss banks on top
@@ -214,18 +214,24 @@ def _fake_prefetcher(n_layer, depth=None, fetch_misses=False):
     return p, log
 
 
-def test_fork_join_order():
-    """Layer l's prediction forks layer l+1's copy onto the side stream; layer l's experts wait for layer l's copy
-    (forked one layer earlier), never for l+1's; the finish is forked after the last layer and joined at the end."""
-    p, log = _fake_prefetcher(3)
-    for li in range(3):                  # as DecodeStep.enqueue: router, prefetch hook, experts
+def _step_ops(p, log, n_layer: int) -> list:
+    """The stream operations of one step as DecodeStep.enqueue orders them (router, prefetch hook, experts per layer,
+    then the finish, the output and the join), stream switches left out."""
+    for li in range(n_layer):
         log.ops.append(("router", li))
         p.enqueue(li)
         log.ops.append(("experts", li))
     p.enqueue_finish()
     log.ops.append(("output",))
     p.enqueue_join()
-    ops = [o for o in log.ops if o[0] not in ("enter", "exit")]
+    return [o for o in log.ops if o[0] not in ("enter", "exit")]
+
+
+def test_fork_join_order():
+    """Layer l's prediction forks layer l+1's copy onto the side stream; layer l's experts wait for layer l's copy
+    (forked one layer earlier), never for l+1's; the finish is forked after the last layer and joined at the end."""
+    p, log = _fake_prefetcher(3)
+    ops = _step_ops(p, log, 3)
     assert ops == [
         ("router", 0), ("predict", 0), ("record", "forked", "main"), ("wait", "side", "forked"), ("copy", 1),
         ("record", "done1", "side"), ("experts", 0),
@@ -247,14 +253,7 @@ def test_fork_join_order_with_late_misses():
     entries in the table) and before its experts, the first layer too; the next copy is forked only after it, so
     nothing on the side stream competes with it for the link."""
     p, log = _fake_prefetcher(3, fetch_misses=True)
-    for li in range(3):
-        log.ops.append(("router", li))
-        p.enqueue(li)
-        log.ops.append(("experts", li))
-    p.enqueue_finish()
-    log.ops.append(("output",))
-    p.enqueue_join()
-    ops = [o for o in log.ops if o[0] not in ("enter", "exit")]
+    ops = _step_ops(p, log, 3)
     assert ops == [
         ("router", 0), ("predict", 0), ("miss", 0), ("record", "forked", "main"), ("wait", "side", "forked"),
         ("copy", 1), ("record", "done1", "side"), ("experts", 0),
