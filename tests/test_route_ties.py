@@ -51,17 +51,24 @@ def test_no_routes_given_is_the_plain_backend(qwen2):
     assert all(m >= 0 for m in ref.margins.values())
 
 
-def test_a_near_tie_is_followed_and_reported(qwen2):
-    model, prompt, plain = qwen2
+def forced(model, prompt, pick):
+    """The route of the (token, layer) with the smallest (pick=min) or largest (max) router margin handed to a fresh
+    Reference as another backend's choice: (its margin, the key, the route given, the Reference, its logits)."""
     probed = probe(model, prompt)
-    key, g = min(probed.margins.items(), key=lambda kv: kv[1])
-    assert g < ROUTE_TIE           # the fixture prompt has near-ties (token 192, layer 0: 1.3e-4)
+    key, g = pick(probed.margins.items(), key=lambda kv: kv[1])
     theirs = other_route(probed, key, model.config.n_expert_used)
     ref = Reference(model, CTX, {key: theirs})
     try:
         got = ref.forward(prompt, all_logits=True)
     finally:
         ref.close()
+    return g, key, theirs, ref, got
+
+
+def test_a_near_tie_is_followed_and_reported(qwen2):
+    model, prompt, plain = qwen2
+    g, key, theirs, ref, got = forced(model, prompt, min)
+    assert g < ROUTE_TIE           # the fixture prompt has near-ties (token 192, layer 0: 1.3e-4)
     pos = key[0]
     assert [p[:2] for p in ref.parted] == [key] and sorted(theirs) == ref.parted[0][4]
     assert ref.clear_parts() == []
@@ -73,15 +80,8 @@ def test_a_near_tie_is_followed_and_reported(qwen2):
 
 def test_a_clear_gap_is_not_followed_but_reported(qwen2):
     model, prompt, plain = qwen2
-    probed = probe(model, prompt)
-    key, g = max(probed.margins.items(), key=lambda kv: kv[1])
+    g, key, _, ref, got = forced(model, prompt, max)
     assert g >= ROUTE_TIE
-    theirs = other_route(probed, key, model.config.n_expert_used)
-    ref = Reference(model, CTX, {key: theirs})
-    try:
-        got = ref.forward(prompt, all_logits=True)
-    finally:
-        ref.close()
     np.testing.assert_array_equal(got, plain)
     assert [p[:2] for p in ref.clear_parts()] == [key]
 

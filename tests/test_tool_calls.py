@@ -11,16 +11,19 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "description
                                      "metric": {"type": "boolean"}}}}}]
 
 
+def take(out, content, calls):
+    """One (content, calls) answer of ToolCallParser.feed/flush added to the running lists."""
+    c, k = out
+    content.append(c)
+    calls += k
+
+
 def run(fmt, pieces, tools=WEATHER):
     p = ToolCallParser(fmt, tools)
     content, calls = [], []
     for piece in pieces:
-        c, k = p.feed(piece)
-        content.append(c)
-        calls += k
-    c, k = p.flush()
-    content.append(c)
-    calls += k
+        take(p.feed(piece), content, calls)
+    take(p.flush(), content, calls)
     return "".join(content), [(k.name, json.loads(k.arguments)) for k in calls]
 
 
@@ -127,17 +130,11 @@ def through_the_splitter(template, prompt, text, cut):
     for piece in (text[:cut], text[cut:]):
         r, c = splitter.feed(piece)
         reasoning.append(r)
-        c, k = parser.feed(c)
-        content.append(c)
-        calls += k
+        take(parser.feed(c), content, calls)
     r, c = splitter.flush()
     reasoning.append(r)
-    c, k = parser.feed(c)
-    content.append(c)
-    calls += k
-    c, k = parser.flush()
-    content.append(c)
-    calls += k
+    take(parser.feed(c), content, calls)
+    take(parser.flush(), content, calls)
     return "".join(reasoning), "".join(content), [(k.name, json.loads(k.arguments)) for k in calls]
 
 
