@@ -13,7 +13,7 @@
 // With one split needed the block writes the output itself; otherwise the last block of each KV head to finish
 // merges the splits' (m, l, acc), every split's loads issued together.
 // KV layouts (per layer): fp16 (n_head_kv, max_ctx, head_dim); int8 the same with one fp32 scale per 32 values in
-// (n_head_kv, max_ctx, head_dim / 32), value = scale * q (prefill_attn.cu's qk_rope_store_i8 writes it).
+// (n_head_kv, max_ctx, head_dim / 32), value = scale * q (prefill_attn.cu's qk_rope_store_kv8 writes it).
 // part: n_head_kv * n_split * G * head_dim floats (acc), then n_head_kv * n_split * G * 2 (m, l). counters: one int
 // per KV head, zero between launches. Dynamic shared memory: the group's q (G * head_dim floats) and two tile
 // buffers (engine/cuda/kv.py attn_smem mirrors it). attn_gqa_rope_* also do qk_rope_store's work (see FUSE below).
@@ -183,15 +183,7 @@ __device__ __forceinline__ void at_rope_row(float* dst, const float* src, const 
         if (i < dpl && d < nn.n_rot) {
             int j, partner;
             float sign;
-            if (nn.neox) {
-                j = d < half ? d : d - half;
-                partner = d < half ? d + half : d - half;
-                sign = d < half ? -1.f : 1.f;
-            } else {
-                j = d / 2;
-                partner = d ^ 1;
-                sign = (d & 1) ? 1.f : -1.f;
-            }
+            rope_pair(d, half, nn.neox, j, partner, sign);
             const float2 c = nn.cs[(long long)pos * half + j];
             x[i] = x[i] * c.x + sign * dst[partner] * c.y;
         }
@@ -477,30 +469,8 @@ extern "C" __global__ void qk_rope_store_kv8(float* __restrict__ q, const float*
     const bool is_q = hb < n_head;
     const int h = is_q ? hb : hb - n_head;
     const float* src = is_q ? q + (long long)t * qw + h * head_dim : k + (long long)t * kw + h * head_dim;
-    float val = src[d];
-    const float* nw = is_q ? q_norm : k_norm;
-    if (nw) {
-        const float s = block_sum(val * val, buf);
-        val = val * rsqrtf(s / head_dim + eps) * nw[d];
-    }
-    hv[d] = val;
-    __syncthreads();
-    if (d < n_rot) {
-        const int half_rot = n_rot / 2;
-        int i, partner;
-        float sign;
-        if (neox) {
-            i = d < half_rot ? d : d - half_rot;
-            partner = d < half_rot ? d + half_rot : d - half_rot;
-            sign = d < half_rot ? -1.f : 1.f;
-        } else {
-            i = d / 2;
-            partner = d ^ 1;
-            sign = (d & 1) ? 1.f : -1.f;
-        }
-        const float2 cs = rope_cs[(long long)pos * half_rot + i];
-        val = hv[d] * cs.x + sign * hv[partner] * cs.y;
-    }
+    const float val = norm_rope_value(src[d], is_q ? q_norm : k_norm, rope_cs, pos, d, head_dim, n_rot, neox, eps, hv,
+                                      buf);
     if (is_q)
         q[(long long)t * qw + h * head_dim + d] = val;
     else

@@ -26,6 +26,45 @@ __device__ __forceinline__ float block_sum(float v, float* buf) {
     return t;
 }
 
+// RoPE's pairing for dimension d < n_rot (half = n_rot / 2): its cos/sin index j, the partner dimension and the sign
+// of the partner's term (NeoX: halves rotate together; otherwise adjacent pairs). Rotated value:
+// x[d] * cos + sign * x[partner] * sin.
+__device__ __forceinline__ void rope_pair(int d, int half, int neox, int& j, int& partner, float& sign) {
+    if (neox) {
+        j = d < half ? d : d - half;
+        partner = d < half ? d + half : d - half;
+        sign = d < half ? -1.f : 1.f;
+    } else {
+        j = d / 2;
+        partner = d ^ 1;
+        sign = (d & 1) ? 1.f : -1.f;
+    }
+}
+
+// Element d of one q or k head (blockDim.x == head_dim, thread d holding val) after the optional per-head RMSNorm
+// (weights nw, may be null) and RoPE at position pos: the body of the prompt pass's K/V stores for both cache
+// layouts (norm_rope.cu qk_rope_store, attention.cu qk_rope_store_kv8). hv: head_dim floats of shared memory,
+// buf: block_sum's 32.
+__device__ __forceinline__ float norm_rope_value(float val, const float* __restrict__ nw,
+                                                 const float2* __restrict__ rope_cs, int pos, int d, int head_dim,
+                                                 int n_rot, int neox, float eps, float* hv, float* buf) {
+    if (nw) {
+        const float s = block_sum(val * val, buf);
+        val = val * rsqrtf(s / head_dim + eps) * nw[d];
+    }
+    hv[d] = val;
+    __syncthreads();
+    if (d < n_rot) {
+        const int half_rot = n_rot / 2;
+        int i, partner;
+        float sign;
+        rope_pair(d, half_rot, neox, i, partner, sign);
+        const float2 cs = rope_cs[(long long)pos * half_rot + i];
+        val = hv[d] * cs.x + sign * hv[partner] * cs.y;
+    }
+    return val;
+}
+
 #define NEG_INF __int_as_float(0xff800000)
 
 // fp16 <-> fp32 without cuda_fp16.h (NVRTC finds no CUDA headers unless told where they are)

@@ -38,30 +38,8 @@ extern "C" __global__ void qk_rope_store(float* __restrict__ q, const float* __r
     const bool is_q = hb < n_head;
     const int h = is_q ? hb : hb - n_head;
     const float* src = is_q ? q + (long long)t * qw + h * head_dim : k + (long long)t * kw + h * head_dim;
-    float val = src[d];
-    const float* nw = is_q ? q_norm : k_norm;
-    if (nw) {
-        const float s = block_sum(val * val, buf);
-        val = val * rsqrtf(s / head_dim + eps) * nw[d];
-    }
-    hv[d] = val;
-    __syncthreads();
-    if (d < n_rot) {
-        const int half_rot = n_rot / 2;
-        int i, partner;
-        float sign;
-        if (neox) {
-            i = d < half_rot ? d : d - half_rot;
-            partner = d < half_rot ? d + half_rot : d - half_rot;
-            sign = d < half_rot ? -1.f : 1.f;
-        } else {
-            i = d / 2;
-            partner = d ^ 1;
-            sign = (d & 1) ? 1.f : -1.f;
-        }
-        const float2 cs = rope_cs[(long long)pos * half_rot + i];
-        val = hv[d] * cs.x + sign * hv[partner] * cs.y;
-    }
+    const float val = norm_rope_value(src[d], is_q ? q_norm : k_norm, rope_cs, pos, d, head_dim, n_rot, neox, eps, hv,
+                                      buf);
     if (is_q) {
         q[(long long)t * qw + h * head_dim + d] = val;
     } else {

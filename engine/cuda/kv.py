@@ -5,7 +5,7 @@ Layouts, per layer (the kernels take one layer's addresses):
 - int8: K and V (n_head_kv, max_ctx, head_dim) int8 plus their scales (n_head_kv, max_ctx, head_dim / 32) fp32,
   value = scale * q with one scale per 32 values (absmax / 127; cuda_src/kv_int8.cuh). `layer_i8(i) -> (k_q, k_scale,
   v_q, v_scale)`, the argument order of attention.cu's qk_rope_store_kv8 / attn_gqa_i8 (and prefill_attn.cu's
-  qk_rope_store_i8 / flash_attn_i8).
+  qk_rope_store_kv8 / flash_attn_i8).
   A row is head_dim + head_dim / 8 bytes instead of 2 * head_dim: 56% of the fp16 cache.
 """
 from __future__ import annotations
