@@ -28,7 +28,6 @@
 
 #define PF_MAX_EXPERTS 512
 #define PF_MAX_K 16
-#define PF_F4 16          // float4 of an F32 router row per lane loaded before the staging (a 2048-wide row)
 #define PF_LOADS 8        // 16-byte loads in flight per thread in prefetch_copy
 // stats: look-ups with a prediction, of them predicted right, experts staged (copied over PCIe), staged and used;
 // prefetch.py keeps a second (predicted, right) pair at [4], [5] for the depth-2 predictions (note_routing is passed
@@ -118,40 +117,6 @@ __device__ __forceinline__ void rank_topk(const float* logits, int n, int k, int
         }
         if (rank < k) out[rank] = e;
     }
-}
-
-// This lane's part of row r of R (n_rows rows) . (rmsnorm(x) * norm_w), staged by the whole block (every thread
-// calls it): an F32 row's first PF_F4 float4 a lane loaded before the staging (their HBM latency overlaps it), x
-// staged as float4 by stage_x; other row types through stage_x / dot_s (Q4_K: the padded layout).
-template <int QT>
-__device__ __forceinline__ float row_dot(const uint8_t* __restrict__ R, long long row_bytes, int r, int n_rows,
-                                         const float* x, const float* __restrict__ norm_w, float eps, int n_embd) {
-    const int lane = threadIdx.x & 31;
-    const uint8_t* row = R + (long long)min(r, n_rows - 1) * row_bytes;
-    float acc = 0.f;
-    if constexpr (QT == STRATA_Q_F32) {
-        const float4* w4 = reinterpret_cast<const float4*>(row);
-        const int nf = n_embd / 4;
-        float4 wv[PF_F4];
-#pragma unroll
-        for (int i = 0; i < PF_F4; ++i)
-            if (lane + 32 * i < nf) wv[i] = w4[lane + 32 * i];
-        const float4* x4 = reinterpret_cast<const float4*>(stage_x<QT>(x, norm_w, eps, n_embd));
-#pragma unroll
-        for (int i = 0; i < PF_F4; ++i)
-            if (lane + 32 * i < nf) {
-                const float4 a = x4[lane + 32 * i];
-                acc += wv[i].x * a.x + wv[i].y * a.y + wv[i].z * a.z + wv[i].w * a.w;
-            }
-        for (int f = lane + 32 * PF_F4; f < nf; f += 32) {      // rows wider than 4 * 32 * PF_F4
-            const float4 w = w4[f], a = x4[f];
-            acc += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
-        }
-    } else {
-        const float* xs = stage_x<QT>(x, norm_w, eps, n_embd);
-        acc = dot_s<QT>(row, xs, n_embd, lane);
-    }
-    return warp_sum(acc);
 }
 
 // Grid ceil(n_expert / warps per block), one warp per router row; dynamic shared memory staged_bytes(n_embd)

@@ -170,6 +170,41 @@ __device__ __forceinline__ void route_block(const float* logits, int n_expert, i
     }
 }
 
+// Row r of R (n_rows rows) . (rmsnorm(x) * norm_w), one warp a row, x staged by the whole block (every thread calls
+// it): an F32 row's first ROUTER_F4 float4 a lane loaded before the staging (their HBM latency overlaps it), x staged
+// as float4 by stage_x; other row types through stage_x / dot_s (Q4_K: the padded layout). router_fused and
+// prefetch.cu's predictors (which include this file) share it.
+template <int QT>
+__device__ __forceinline__ float row_dot(const uint8_t* __restrict__ R, long long row_bytes, int r, int n_rows,
+                                         const float* x, const float* __restrict__ norm_w, float eps, int n_embd) {
+    const int lane = threadIdx.x & 31;
+    const uint8_t* row = R + (long long)min(r, n_rows - 1) * row_bytes;
+    float acc = 0.f;
+    if constexpr (QT == STRATA_Q_F32) {
+        const float4* w4 = reinterpret_cast<const float4*>(row);
+        const int nf = n_embd / 4;
+        float4 wv[ROUTER_F4];
+#pragma unroll
+        for (int i = 0; i < ROUTER_F4; ++i)
+            if (lane + 32 * i < nf) wv[i] = w4[lane + 32 * i];
+        const float4* x4 = reinterpret_cast<const float4*>(stage_x<QT>(x, norm_w, eps, n_embd));
+#pragma unroll
+        for (int i = 0; i < ROUTER_F4; ++i)
+            if (lane + 32 * i < nf) {
+                const float4 a = x4[lane + 32 * i];
+                acc += wv[i].x * a.x + wv[i].y * a.y + wv[i].z * a.z + wv[i].w * a.w;
+            }
+        for (int f = lane + 32 * ROUTER_F4; f < nf; f += 32) {      // rows wider than 4 * 32 * ROUTER_F4
+            const float4 w = w4[f], a = x4[f];
+            acc += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
+        }
+    } else {
+        const float* xs = stage_x<QT>(x, norm_w, eps, n_embd);
+        acc = dot_s<QT>(row, xs, n_embd, lane);
+    }
+    return warp_sum(acc);
+}
+
 template <int QT>
 __global__ void router_fused(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
                              const float* __restrict__ norm_w, float eps, int ncols, float* __restrict__ logits,
@@ -179,32 +214,7 @@ __global__ void router_fused(const uint8_t* __restrict__ W, long long row_bytes,
                              unsigned long long* __restrict__ stats, int* __restrict__ counter) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const uint8_t* row = W + (long long)min(r, n_expert - 1) * row_bytes;
-    float acc = 0.f;
-    if constexpr (QT == STRATA_Q_F32) {
-        // the row's first ROUTER_F4 float4 per lane are loaded before the staging: their HBM latency overlaps it
-        const float4* w4 = reinterpret_cast<const float4*>(row);
-        const int nf = ncols / 4;
-        float4 wv[ROUTER_F4];
-#pragma unroll
-        for (int i = 0; i < ROUTER_F4; ++i)
-            if (lane + 32 * i < nf) wv[i] = w4[lane + 32 * i];
-        const float4* x4 = reinterpret_cast<const float4*>(stage_x<QT>(x, norm_w, eps, ncols));
-#pragma unroll
-        for (int i = 0; i < ROUTER_F4; ++i)
-            if (lane + 32 * i < nf) {
-                const float4 a = x4[lane + 32 * i];
-                acc += wv[i].x * a.x + wv[i].y * a.y + wv[i].z * a.z + wv[i].w * a.w;
-            }
-        for (int f = lane + 32 * ROUTER_F4; f < nf; f += 32) {    // rows wider than 4 * 32 * ROUTER_F4
-            const float4 w = w4[f], a = x4[f];
-            acc += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
-        }
-    } else {
-        const float* xs = stage_x<QT>(x, norm_w, eps, ncols);
-        acc = dot_s<QT>(row, xs, ncols, lane);
-    }
-    const float s = warp_sum(acc);
+    const float s = row_dot<QT>(W, row_bytes, r, n_expert, x, norm_w, eps, ncols);
     if (lane == 0 && r < n_expert) logits[r] = s;
     if (last_block(counter))
         route_block(logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
