@@ -335,19 +335,6 @@ __device__ __forceinline__ void dot2_row(const uint8_t* __restrict__ ra, const u
         }
     }
 }
-template <>
-__device__ __forceinline__ void dot2_row<STRATA_Q_Q4_K>(const uint8_t* __restrict__ ra,
-                                                        const uint8_t* __restrict__ rb, const float* __restrict__ x,
-                                                        int ncols, int lane, float& a, float& b) {
-    a = 0.f;
-    b = 0.f;
-    const int n = ncols / 32;
-#pragma unroll 4
-    for (int u = lane; u < n; u += 32) {
-        a += q4k_unit(ra, x, u);
-        b += q4k_unit(rb, x, u);
-    }
-}
 
 // A lane's first batch of a Q4_K row, loaded before the kernel stages x (their latency overlaps the staging), and
 // the row's dot product once x is staged: that batch, then the rest of the row (rows wider than 32 * 32 * batch).
