@@ -1,8 +1,8 @@
 // The streamed prompt pass's expert FFN: a chunk's (token, expert) pairs sorted by expert on the GPU, then each
 // expert's rows through gate/up (SwiGLU in the epilogue) and down (routing weight in the epilogue) as tiled GEMMs on
 // tensor cores. Weights stay in their GGUF format wherever they are (VRAM cache slot, ring slot, or mapped host
-// memory); each block dequantizes its weight tile into shared memory as fp16 (Q4_K through mg_q4k8, the other
-// types through quant.cuh's dequant8) and multiplies it with fp16 activations (converted once per token) by mma.sync
+// memory); each block dequantizes its weight tile into shared memory as fp16 (quant.cuh's dequant8; Q4_K through
+// mg_q4k8 instead only when built with MG_Q4K_FAST) and multiplies it with fp16 activations (converted once per token) by mma.sync
 // m16n8k16 with ldmatrix fragment loads, accumulating in fp32. A block multiplies each dequantized weight tile by MG_MT
 // 64-row tiles; the tiles are double-buffered in shared memory, and the next slice's global reads are issued before
 // this slice's mma instructions (one barrier a slice).
@@ -22,10 +22,6 @@
 #ifndef MG_MT
 #define MG_MT 2               // 64-row tiles per pass over a weight tile: each dequantized tile feeds MG_MT * 64 rows
 #endif                        // (at 4K tokens an expert averages 256 rows: the dequantization is paid 2x, not 4x)
-#define MG_ROWS (MG_BM * MG_MT)
-#ifndef MG_MT
-#define MG_MT MG_MT      // the down GEMM's own count (bench.moe_gemm --define MG_MT=4 tries others)
-#endif
 #define MG_ROWS (MG_BM * MG_MT)
 #define MG_MAX_EXPERT 1024
 
