@@ -343,6 +343,19 @@ __device__ void select_prefix(const float* __restrict__ work, const double* __re
     __syncthreads();
 }
 
+// Whether id i (< s1) is in the kept set, for a warp walking [s0, s1) 32 ids at a time (all lanes call it): keys
+// above bkey, and of the ties at bkey the first m in id order (all when m == ALL_TIES); run counts the ties the walk
+// has passed (this warp's offset in s_toff first), advanced here for the whole warp.
+__device__ __forceinline__ bool kept_at(const float* work, int i, int s1, unsigned int bkey, int m, int lane,
+                                        int& run) {
+    const unsigned int k = i < s1 ? skey(work[i]) : 0u;
+    const bool tie = i < s1 && k == bkey;
+    const unsigned int tb = __ballot_sync(FULL_MASK, tie);
+    const bool in = i < s1 && (k > bkey || (tie && (m == ALL_TIES || run + __popc(tb & ((1u << lane) - 1u)) < m)));
+    run += __popc(tb);
+    return in;
+}
+
 // 3. One block of SEL_THREADS: the kept set, the draw, the window update; out_host[0] = id, out_host[1] = NaN count
 //    (-1: every logit is -inf). One block because the select is a chain of small dependent decisions: passes over
 //    the ~1 MB of pw/work come from L2, and a grid-wide chain would cost a launch (2-3 us) per decision.
@@ -430,13 +443,7 @@ sample_select(const float* __restrict__ work, const double* __restrict__ pw, con
         int run = m != ALL_TIES ? s_toff[warp] : 0;
         for (int i0 = s0; i0 < s1; i0 += 32) {
             const int i = i0 + lane;
-            const unsigned int k = i < s1 ? skey(work[i]) : 0u;
-            const bool tie = i < s1 && k == bkey;
-            const unsigned int tb = __ballot_sync(FULL_MASK, tie);
-            const bool in = i < s1 && (k > bkey || (tie && (m == ALL_TIES ||
-                                                             run + __popc(tb & ((1u << lane) - 1u)) < m)));
-            run += __popc(tb);
-            if (in) acc += qw[i];
+            if (kept_at(work, i, s1, bkey, m, lane, run)) acc += qw[i];
         }
         acc = warp_sum_d(acc);
         if (lane == 0) s_wm[warp] = acc;
@@ -477,12 +484,7 @@ sample_select(const float* __restrict__ work, const double* __restrict__ pw, con
             run = m != ALL_TIES ? s_toff[warp] : 0;
             for (int i0 = s0; i0 < s1 && found < 0; i0 += 32) {
                 const int i = i0 + lane;
-                const unsigned int k = i < s1 ? skey(work[i]) : 0u;
-                const bool tie = i < s1 && k == bkey;
-                const unsigned int tb = __ballot_sync(FULL_MASK, tie);
-                const bool in = i < s1 && (k > bkey || (tie && (m == ALL_TIES ||
-                                                                 run + __popc(tb & ((1u << lane) - 1u)) < m)));
-                run += __popc(tb);
+                const bool in = kept_at(work, i, s1, bkey, m, lane, run);
                 double q = in ? qw[i] : 0.0;
 #pragma unroll
                 for (int o = 1; o < 32; o <<= 1) {
