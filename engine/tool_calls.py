@@ -127,24 +127,27 @@ _HARMONY_NAME = re.compile(r"([\w.\-]+)")
 def parse_harmony(body: str, types: dict) -> list[ToolCall]:
     """After `to=functions.`: `NAME<|channel|>commentary json<|message|>{...}` (or `NAME <|constrain|>json...`)."""
     m = _HARMONY_NAME.match(body)
-    head, sep, args = body.partition("<|message|>")
+    _, sep, args = body.partition("<|message|>")
     if not m or not sep:
         raise ToolCallError("expected to=functions.NAME ... <|message|>{arguments}")
     return [ToolCall(m.group(1), _args_text(_loads(args.strip()), m.group(1)))]
 
 
-def parse_llama3(body: str, types: dict) -> list[ToolCall]:
+def _json_calls(body: str, keys: tuple[str, str], allow_empty: bool) -> list[ToolCall]:
+    """One JSON call object or a list of them; keys: where the arguments are, in the order the format prefers."""
     obj = _loads(body.strip())
     objs = obj if isinstance(obj, list) else [obj]
-    return [_json_call(o, ("parameters", "arguments")) for o in objs]
+    if not objs and not allow_empty:
+        raise ToolCallError("an empty list of calls")
+    return [_json_call(o, keys) for o in objs]
+
+
+def parse_llama3(body: str, types: dict) -> list[ToolCall]:
+    return _json_calls(body, ("parameters", "arguments"), allow_empty=True)
 
 
 def parse_mistral(body: str, types: dict) -> list[ToolCall]:
-    obj = _loads(body.strip())
-    objs = obj if isinstance(obj, list) else [obj]
-    if not objs:
-        raise ToolCallError("an empty list of calls")
-    return [_json_call(o, ("arguments", "parameters")) for o in objs]
+    return _json_calls(body, ("arguments", "parameters"), allow_empty=False)
 
 
 TAGS = Format("tags", ("<tool_call>",), ("</tool_call>",), "", parse_tags)
