@@ -65,14 +65,8 @@ def test_kv_sizes_and_checks():
 
 
 def test_kv_flag():
-    import argparse
-    from engine.cuda.args import add_cuda_args
-    p = argparse.ArgumentParser()
-    add_cuda_args(p)
-    assert p.parse_args(["--kv", "int8"]).kv == "int8"
-    assert p.parse_args([]).kv is None             # CudaOptions' default (f16) applies
-    with pytest.raises(SystemExit):
-        p.parse_args(["--kv", "fp8"])
+    from cuda_flags import check_choice
+    check_choice("--kv", "kv", "int8", "fp8")      # default None: CudaOptions' default (f16) applies
 
 
 # ---- on the GPU --------------------------------------------------------------------------------------------------

@@ -2,13 +2,12 @@
 the backend's slot accounting on the CPU (against fakes); on the GPU, the embed kernel reading rows in place from the
 host, the same numbers with the embedding on the host as in VRAM (decode bit for bit, the prompt pass's embedded
 rows bit for bit), the cache getting the freed bytes as slots, and the tied case staying in VRAM."""
-import argparse
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from engine.cuda.args import add_cuda_args
+from cuda_flags import check_choice
 from engine.cuda.embed_place import embed_placement
 
 MiB = 1 << 20
@@ -47,12 +46,7 @@ def test_on_and_off_force_it():
 
 
 def test_flag_parses_and_refuses_bad_values():
-    p = argparse.ArgumentParser()
-    add_cuda_args(p)
-    assert p.parse_args([]).embed_host is None
-    assert p.parse_args(["--embed-host", "off"]).embed_host == "off"
-    with pytest.raises(SystemExit):
-        p.parse_args(["--embed-host", "maybe"])
+    check_choice("--embed-host", "embed_host", "off", "maybe")
 
 
 # --- the backend's accounting (CPU, the GPU parts faked) --------------------------------------------------------

@@ -1,18 +1,12 @@
 """CUDA flag combinations the backend cannot run are refused before anything loads, with one line naming the fix."""
-import argparse
 import subprocess
 import sys
 from pathlib import Path
 
-from engine.cuda.args import DEFAULT_PREFILL, add_cuda_args, check_cuda_args
+from cuda_flags import parse
+from engine.cuda.args import DEFAULT_PREFILL, check_cuda_args
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def parse(*flags):
-    p = argparse.ArgumentParser()
-    add_cuda_args(p)
-    return p.parse_args(list(flags))
 
 
 def test_int8_kv_needs_the_streamed_prompt_pass():

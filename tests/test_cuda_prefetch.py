@@ -10,13 +10,12 @@ CPU, in the memory modes too. CPU: the switches, the bench's summary, the fork/j
 48-layer steps on the stream-order graph: joins, bank reuse, the step boundary, the miss copy between join and
 fork), the launches' pointers per depth, the launch constants against the kernel's.
 """
-import argparse
 
 import numpy as np
 import pytest
 
 from engine.cuda import prefetch as pf
-from engine.cuda.args import add_cuda_args
+from cuda_flags import check_choice, cuda_parser
 from gpu_compare import assert_same_greedy, greedy, rel_rows
 from test_cuda_backend import MOE, N_GREEDY, cpu_runs, cuda_backend  # noqa: F401 (cpu_runs: a fixture)
 
@@ -30,21 +29,6 @@ def test_wanted_follows_flag_unless_all_resident():
     assert pf.wanted("on", 16, 32)
     assert not pf.wanted("off", 16, 32)
     assert pf.wanted(None, 0, 32) == pf.DEFAULT_ON
-
-
-def cuda_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser()
-    add_cuda_args(p)
-    return p
-
-
-def check_choice(flag: str, dest: str, value: str, bad: str):
-    """The flag defaults to None (the engine's default), takes `value`, and refuses `bad`."""
-    p = cuda_parser()
-    assert getattr(p.parse_args([]), dest) is None
-    assert getattr(p.parse_args([flag, value]), dest) == (int(value) if value.isdigit() else value)
-    with pytest.raises(SystemExit):
-        p.parse_args([flag, bad])
 
 
 def test_prefetch_flag():
