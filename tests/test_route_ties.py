@@ -21,7 +21,10 @@ def qwen2(fixtures_dir):
     return model, prompt, plain
 
 
-def probe(model, prompt):
+@pytest.fixture(scope="module")
+def probed(qwen2):
+    """A Reference that read the prompt with its own routes: its margins and rankings (one forward for the module)."""
+    model, prompt, _ = qwen2
     ref = Reference(model, CTX)
     ref.forward(prompt, all_logits=True)
     ref.close()
@@ -51,10 +54,9 @@ def test_no_routes_given_is_the_plain_backend(qwen2):
     assert all(m >= 0 for m in ref.margins.values())
 
 
-def forced(model, prompt, pick):
+def forced(model, prompt, probed, pick):
     """The route of the (token, layer) with the smallest (pick=min) or largest (max) router margin handed to a fresh
     Reference as another backend's choice: (its margin, the key, the route given, the Reference, its logits)."""
-    probed = probe(model, prompt)
     key, g = pick(probed.margins.items(), key=lambda kv: kv[1])
     theirs = other_route(probed, key, model.config.n_expert_used)
     ref = Reference(model, CTX, {key: theirs})
@@ -65,9 +67,9 @@ def forced(model, prompt, pick):
     return g, key, theirs, ref, got
 
 
-def test_a_near_tie_is_followed_and_reported(qwen2):
+def test_a_near_tie_is_followed_and_reported(qwen2, probed):
     model, prompt, plain = qwen2
-    g, key, theirs, ref, got = forced(model, prompt, min)
+    g, key, theirs, ref, got = forced(model, prompt, probed, min)
     assert g < ROUTE_TIE           # the fixture prompt has near-ties (token 192, layer 0: 1.3e-4)
     pos = key[0]
     assert [p[:2] for p in ref.parted] == [key] and sorted(theirs) == ref.parted[0][4]
@@ -78,9 +80,9 @@ def test_a_near_tie_is_followed_and_reported(qwen2):
     assert rel_rows(got[pos:pos + 1], plain[pos:pos + 1])[0] > 5e-2
 
 
-def test_a_clear_gap_is_not_followed_but_reported(qwen2):
+def test_a_clear_gap_is_not_followed_but_reported(qwen2, probed):
     model, prompt, plain = qwen2
-    g, key, _, ref, got = forced(model, prompt, max)
+    g, key, _, ref, got = forced(model, prompt, probed, max)
     assert g >= ROUTE_TIE
     np.testing.assert_array_equal(got, plain)
     assert [p[:2] for p in ref.clear_parts()] == [key]
