@@ -96,6 +96,11 @@ def test_chat_stream(server):
     assert [e["choices"][0]["finish_reason"] for e in evs if e["choices"][0]["finish_reason"]] == ["tool_calls"]
 
 
+def streamed_content(evs) -> str:
+    """The content deltas of a streamed chat completion, joined."""
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in evs)
+
+
 def test_without_tools_or_with_tool_choice_none_the_answer_is_unchanged(server):
     kind, base = server
     text, _, _ = answer_for(kind)
@@ -104,7 +109,7 @@ def test_without_tools_or_with_tool_choice_none_the_answer_is_unchanged(server):
         c = b["choices"][0]
         assert c["message"]["content"] == text and "tool_calls" not in c["message"] and c["finish_reason"] == "stop"
         evs = list(sse_events(post(base, "/v1/chat/completions", stream=True, messages=user(text), **extra)))
-        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in evs) == text
+        assert streamed_content(evs) == text
         assert all("tool_calls" not in e["choices"][0]["delta"] for e in evs)
 
 
@@ -117,7 +122,7 @@ def test_a_malformed_call_stays_content(server):
     c = post(base, "/v1/chat/completions", messages=user(text), tools=TOOLS).json()["choices"][0]
     assert c["message"]["content"] == text and "tool_calls" not in c["message"] and c["finish_reason"] == "stop"
     evs = list(sse_events(post(base, "/v1/chat/completions", stream=True, messages=user(text), tools=TOOLS)))
-    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in evs) == text
+    assert streamed_content(evs) == text
 
 
 def test_messages_non_stream(server):
@@ -134,7 +139,7 @@ def test_messages_stream(server):
     kind, base = server
     text, content, want = answer_for(kind)
     r = post(base, "/v1/messages", stream=True, messages=user(text), tools=ANTHROPIC_TOOLS)
-    evs = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: ")]
+    evs = list(sse_events(r))
     starts = [e for e in evs if e["type"] == "content_block_start"]
     stops = [e["index"] for e in evs if e["type"] == "content_block_stop"]
     assert [s["index"] for s in starts] == stops == list(range(len(starts)))    # blocks open and close in order
