@@ -121,7 +121,7 @@ def test_detach_lets_the_old_decode_step_go():
     from engine.cuda.memory_mode import MemoryMode
     class Cache:
         pass
-    mm = MemoryMode("mmap", np.zeros(8, bool), None)
+    mm = MemoryMode("mmap", np.zeros(8, bool))
     mm.cache = Cache()
     step = FakeStep(2, 4, [[0, 1], [2, 3]])
     mm.attach_step(step, use_graphs=False)

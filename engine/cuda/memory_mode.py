@@ -26,10 +26,9 @@ def _event(stream):
 
 
 class MemoryMode:
-    def __init__(self, name: str, pinned: np.ndarray, budget_gib: float | None):
+    def __init__(self, name: str, pinned: np.ndarray):
         self.name = name                   # "mmap" | "budget"
         self.pinned = pinned
-        self.budget_gib = budget_gib
         self.source = self.buffer = self.paged = self.cache = None
         self._base = (0, 0, 0)             # the source's counters at reset_stats
         self._file_blobs = 0               # decode's file reads by the steps detach() let go of
@@ -66,7 +65,7 @@ class MemoryMode:
                 f"the hottest by {src} after the {min(n_vram, n_total)} the VRAM cache holds)" if budget
                 else f"no expert pinned, all {n_total} read from the file")
         log(f"memory mode {name}: {what}; the rest are read from {model.path.name} through the OS file cache")
-        return cls(name, mask, opts.resident_budget_gib)
+        return cls(name, mask)
 
     # --- wiring ----------------------------------------------------------------------------------------------
     def attach_cache(self, model, arena, cache, stream, opts, log):

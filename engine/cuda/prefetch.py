@@ -207,7 +207,6 @@ class Prefetcher:
     def __init__(self, step, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES):
         import cupy as cp
 
-        self.cp = cp
         self.step = step
         self.depth, self.banks = depth, banks(depth)
         self.fetch_misses = fetch_misses
