@@ -78,13 +78,13 @@ def test_summary():
     assert s.summary(2_000_000, 100)["late_mb_per_token"] == 3.0 and s.summary(2_000_000, 100)["pred_accuracy"] == 0.9
 
 
-def test_prefetch_depth_flag_and_staging_slots():
+def test_prefetch_depth_flag_and_vram_staging_slots():
     check_choice("--prefetch-depth", "prefetch_depth", "2", "3")
     assert pf.DEFAULT_DEPTH == 1
-    assert pf.staging_slots(8, 1, False) == 16 and pf.staging_slots(8, 2, False) == 24
+    assert pf.vram_staging_slots(8, 1, False) == 16 and pf.vram_staging_slots(8, 2, False) == 24
     # the two late-miss banks on top
-    assert pf.staging_slots(8, 1, True) == 32 and pf.staging_slots(8, 2, True) == 40
-    assert pf.staging_slots(8) == pf.staging_slots(8, pf.DEFAULT_DEPTH, pf.DEFAULT_FETCH_MISSES)
+    assert pf.vram_staging_slots(8, 1, True) == 32 and pf.vram_staging_slots(8, 2, True) == 40
+    assert pf.vram_staging_slots(8) == pf.vram_staging_slots(8, pf.DEFAULT_DEPTH, pf.DEFAULT_FETCH_MISSES)
     with pytest.raises(ValueError, match="--prefetch-depth 3"):
         pf.banks(3)
 

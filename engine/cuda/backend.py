@@ -22,7 +22,7 @@ from engine.cuda.memory_mode import MemoryMode
 from engine.cuda.prefetch import attach as attach_prefetch
 from engine.cuda.prefetch import DEFAULT_DEPTH as DEFAULT_PREFETCH_DEPTH
 from engine.cuda.prefetch import fetching as fetching_misses
-from engine.cuda.prefetch import staging_slots
+from engine.cuda.prefetch import vram_staging_slots
 from engine.cuda.prefill import Prefill
 from engine.cuda.programs import Kernels
 from engine.cuda.rope import rope_table
@@ -181,8 +181,8 @@ class CUDABackend(Backend):
         n = max(0, int(avail // stride))
         total = cfg.n_layer * cfg.n_expert
         if n < total and opts.prefetch != "off":        # the prefetch's VRAM staging slots come out of the budget
-            n = max(0, n - staging_slots(cfg.n_expert_used, opts.prefetch_depth,
-                                         fetching_misses(opts.fetch_misses)))
+            n = max(0, n - vram_staging_slots(cfg.n_expert_used, opts.prefetch_depth,
+                                              fetching_misses(opts.fetch_misses)))
         if opts.expert_slots is not None:
             n = min(n, max(0, opts.expert_slots))
         n = min(n, cfg.n_layer * cfg.n_expert)

@@ -151,7 +151,7 @@ def attach(step, flag: str | None, log, depth: int = DEFAULT_DEPTH,
     what = "next-layer prediction" if depth == 1 else f"prediction {depth} layers ahead"
     late = f" + {MISS_BANKS} x {k} for late misses" if fetch_misses else ", late misses read in place"
     log(f"expert prefetch on: {what}, {nb} x {k} staging slots{late} "
-        f"({staging_slots(k, depth, fetch_misses) * step.layout.stride / 2**20:.0f} MiB of VRAM)")
+        f"({vram_staging_slots(k, depth, fetch_misses) * step.layout.stride / 2**20:.0f} MiB of VRAM)")
     return step.prefetch
 
 
@@ -168,7 +168,7 @@ def banks(depth: int) -> int:
     return depth + 1
 
 
-def staging_slots(k: int, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES) -> int:
+def vram_staging_slots(k: int, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES) -> int:
     """VRAM staging slots the prefetch takes (depth + 1 banks of k, and the late-miss banks), in expert strides: the
     cache gives up as many."""
     return (banks(depth) + (MISS_BANKS if fetch_misses else 0)) * k
