@@ -50,7 +50,7 @@ def main(argv=None):
     ap.add_argument("--module", default="moe_gemm",
                     help="the cuda_src file (stem) to load, for an A/B against a copy of an earlier version")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                    help="a moe_gemm.cu define for a variant (e.g. MG_MT=1, MG_Q4K_FAST=1); repeatable")
+                    help="a moe_gemm.cu define for a variant (e.g. MG_MT=1); repeatable")
     a = ap.parse_args(argv)
 
     import cupy as cp

@@ -2,13 +2,13 @@
 // expert's rows through gate/up (SwiGLU in the epilogue) and down (routing weight in the epilogue) as tiled GEMMs on
 // tensor cores. Weights stay in their GGUF format wherever they are (VRAM cache slot, ring slot, or mapped host
 // memory); each block dequantizes its weight tile into shared memory as fp16 (quant.cuh's dequant8; Q4_K through
-// mg_q4k8 instead only when built with MG_Q4K_FAST) and multiplies it with fp16 activations (converted once per token) by mma.sync
+// mg_q4k8) and multiplies it with fp16 activations (converted once per token) by mma.sync
 // m16n8k16 with ldmatrix fragment loads, accumulating in fp32. A block multiplies each dequantized weight tile by MG_MT
 // 64-row tiles; the tiles are double-buffered in shared memory, and the next slice's global reads are issued before
 // this slice's mma instructions (one barrier a slice).
 // H200, Qwen3-30B-A3B shape, 4,096 tokens x top-8 over 128 experts (python -m bench.moe_gemm): gate/up 1.83 ms and
-// down 1.19 ms in the first version; with ldmatrix and double buffering, 1.66 / 0.99 ms through dequant8 (the
-// default) and 1.37 / 0.95 ms with Q4_K's products in fp16x2 (too inexact: see mg_q4k8). Still 13-20% of cuBLAS's
+// down 1.19 ms in the first version; with ldmatrix and double buffering, 1.71 / 1.01 ms through dequant8 and 1.43 /
+// 0.96 ms through mg_q4k8 (2026-11-30). Still 14-19% of cuBLAS's
 // fp16 rate: the dequantization is most of the issued instructions (ncu: ALU the busiest pipe, IPC 1.9).
 // tests/test_cuda_prefill_kernels.py checks it against NumPy on the H200.
 #include "quant.cuh"
@@ -133,9 +133,8 @@ __device__ __forceinline__ uint32_t mg_f2_to_h2(float lo, float hi) {
 // 1.66 ms at 4K tokens on the H200; computing the fma in fp16x2 too (d * scale and dmin * min rounded to fp16 first)
 // measured 1.37 ms but took tests/test_cuda_prefill_streamed.py's int8-KV case over its bound (0.0509 against 0.05;
 // this path's numbers pass it), so the products stay in fp32. |w| <= 945 d stays far inside fp16's range.
-// Built only with MG_Q4K_FAST: this fp32-product version was written after the session's last GPU run, so neither
-// its numbers nor its speed have been checked there (python -m bench.moe_gemm --define MG_Q4K_FAST=1, and
-// tests/test_cuda_prefill_kernels.py / test_cuda_prefill_streamed.py built with it, are the next run's first jobs).
+// H200 (2026-11-30, python -m bench.moe_gemm --tokens 4096): gate/up 1.434 ms against dequant8's 1.712 in the same
+// run, down 0.961 against 1.006; the grouped-GEMM and int8-KV streamed-pass tests pass with it.
 __device__ __forceinline__ uint4 mg_q4k8(const uint8_t* __restrict__ b, int j) {
     const int s = j >> 2;
     float dl, ml;
@@ -159,10 +158,8 @@ __device__ __forceinline__ uint4 mg_weight8(const uint8_t* base, long long row_b
                                             int nchunks) {
     constexpr int CPB = QTraits<QT>::QK / 8, BB = QTraits<QT>::BYTES;
     if (row >= nrows || c >= nchunks) return make_uint4(0u, 0u, 0u, 0u);
-#ifdef MG_Q4K_FAST          // mg_q4k8: not yet run on a GPU (see its comment); the default is dequant8's path
     if constexpr (QT == STRATA_Q_Q4_K)
         return mg_q4k8(base + (long long)row * row_bytes + (long long)(c / CPB) * BB, c % CPB);
-#endif
     float v[8];
     dequant8<QT>(base + (long long)row * row_bytes + (long long)(c / CPB) * BB, c % CPB, v);
     return mg_pack8(v);

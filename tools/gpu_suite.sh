@@ -7,7 +7,7 @@
 #     bench          bench/decode.py (makes the Qwen3-30B-A3B-shaped model on the device, ~15 s)
 #     prefill-bench  bench/prefill.py at 1K and 4K prompts, all resident and 12 GiB
 #     prefill-long   bench/prefill.py at 8K and 32K
-#     gemm           bench/moe_gemm.py, the default build and the unrun MG_Q4K_FAST one (its tests: see moe_gemm.cu)
+#     gemm           bench/moe_gemm.py at 1K, 4K and 8K tokens
 # On the device machine run it on a snapshot of the committed tree, so helpers' uncommitted edits never travel:
 #   here:   echo /.snap/ >> .git/info/exclude; rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap
 #   there:  (carry .whl, .snap, .fixtures) cd .snap && ln -s ../.fixtures .fixtures && OUT=$OUT bash tools/gpu_suite.sh
@@ -57,8 +57,7 @@ for what in "$@"; do
         run prefill-long 400 python3 -m bench.prefill --prompts 8192,32768 --budgets all,12 \
             --out "$LOG/prefill-long.json" ;;
     gemm)
-        run gemm 120 python3 -m bench.moe_gemm --tokens 1024,4096,8192
-        run gemm-fast 120 python3 -m bench.moe_gemm --tokens 1024,4096,8192 --define MG_Q4K_FAST=1 ;;
+        run gemm 120 python3 -m bench.moe_gemm --tokens 1024,4096,8192 ;;
     *) echo "unknown part: $what"; status=2 ;;
     esac
 done
