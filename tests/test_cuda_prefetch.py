@@ -7,7 +7,7 @@ backend (greedy tokens, logits, the table after each step as before it), each at
 staging banks); the late-miss copy (--fetch-misses: the same copy kernel with the routing as its prediction and the
 staging + miss banks as a second VRAM range) on random tables, and end to end on and off against all-resident and the
 CPU, in the memory modes too. CPU: the switches, the bench's summary, the fork/join order (at depth 2 over whole
-48-layer steps on the stream-order graph: joins, bank reuse, the step boundary, the miss copy between join and
+48-layer steps on the stream-order graph: joins, bank reuse, the step boundary, the miss copy after the join and
 fork), the launches' pointers per depth, the launch constants against the kernel's.
 """
 
@@ -234,15 +234,15 @@ def test_fork_join_order():
 
 def test_fork_join_order_with_late_misses():
     """--fetch-misses: each layer's miss copy runs on the main stream after its prefetch copy is joined (its staged
-    entries in the table) and before its experts, the first layer too; the next copy is forked only after it, so
-    nothing on the side stream competes with it for the link."""
+    entries in the table) and before its experts, the first layer too; the next copy is forked before the join, as
+    without late misses, so it queues on the side stream behind this layer's and the link has no gap."""
     p, log = _fake_prefetcher(3, fetch_misses=True)
     ops = _step_ops(p, log, 3)
     assert ops == [
-        ("router", 0), ("predict", 0), ("miss", 0), ("record", "forked", "main"), ("wait", "side", "forked"),
-        ("copy", 1), ("record", "done1", "side"), ("experts", 0),
-        ("router", 1), ("predict", 1), ("wait", "main", "done1"), ("miss", 1), ("record", "forked", "main"),
-        ("wait", "side", "forked"), ("copy", 2), ("record", "done2", "side"), ("experts", 1),
+        ("router", 0), ("predict", 0), ("record", "forked", "main"), ("wait", "side", "forked"),
+        ("copy", 1), ("record", "done1", "side"), ("miss", 0), ("experts", 0),
+        ("router", 1), ("predict", 1), ("record", "forked", "main"), ("wait", "side", "forked"), ("copy", 2),
+        ("record", "done2", "side"), ("wait", "main", "done1"), ("miss", 1), ("experts", 1),
         ("router", 2), ("wait", "main", "done2"), ("miss", 2), ("experts", 2),
         ("record", "forked", "main"), ("wait", "side", "forked"), ("finish",), ("record", "finished", "side"),
         ("output",), ("wait", "main", "finished")]
@@ -321,7 +321,7 @@ def test_depth2_launch_and_wait_order(n_layer, fused, fetch):
     (m % 3) starts only after the experts of the bank's previous layer; the finish restores after the last layer's
     experts and before the step's end; the next step's copies start after it; every layer's routing noted once.
     With late misses (fetch): each layer's miss copy once, after its own copy and its routing note, before its
-    experts, and every copy forked after the miss copy of the layer that forks it."""
+    experts, and every copy forked before the miss copy of the layer that forks it."""
     p, log = _fake_prefetcher(n_layer, depth=2, fetch_misses=fetch)
     if fused:
         p.fused = lambda li: bool(p.targets(li))
@@ -362,8 +362,8 @@ def test_depth2_launch_and_wait_order(n_layer, fused, fetch):
                 pk = ("predict", src) if m == src + 1 else ("predict", src, m, m == p.targets(src)[0])
                 pred_op = idx[pk + (s,)]
             assert before(pred_op, c) and before(idx[("router", src, s)], c)
-            if fetch:                                                  # forked after the miss copy
-                assert before(idx[("miss", src, s)], c)
+            if fetch:                        # forked before the miss copy (which shares the link with it)
+                assert not before(idx[("miss", src, s)], c)
             assert not before(idx[("experts", src, s)], c)              # forked before layer src's experts
             assert before(c, idx[("experts", m, s)])                   # joined before its own experts
             if m + 1 < n_layer:                                       # and only its own copy is waited for
@@ -463,7 +463,7 @@ def test_launch_pointers(depth):
         p.launch_miss(li)
         (name, grid, a), = calls
         mb = li % 2
-        assert name == "copy" and grid == (pf.COPY_BLOCKS, pf.COPY_THREADS) and a[1] == li
+        assert name == "copy" and grid == (pf.MISS_BLOCKS, pf.COPY_THREADS) and a[1] == li
         assert a[4] == (p.step.ids.data.ptr if depth == 1 and li == 5 else p.actual.data.ptr + 4 * k * li)
         assert a[5] == p.staging.data.ptr + (depth + 1 + mb) * k * stride
         assert (a[8], a[9], a[10], a[11]) == (1, 2, p.stage_lo, p.stage_hi)

@@ -43,10 +43,15 @@ moe_down at +1.76 ms a step over all-resident (6.0 ms a step), while the next la
 link. Now, after the join of layer l's prefetch copy (its staged entries are in the table), the main stream runs
 prefetch_copy once more for layer l with the actual routing as its "prediction" (`miss_copy`): every routed expert
 still outside VRAM (not a cache slot, not in the staging + miss banks, the kernel's second VRAM range; not 0,
-file-only) is copied by the whole grid into a miss bank (two, by layer parity, each restored by the bank's next
-miss copy and at the step's end) and its entry pointed there, so the expert kernels read VRAM. Only then is the
-next copy forked onto the side stream: nothing competes with the critical-path copy. Per layer:
-    wait done[l] -> miss_copy(l) -> event -> [side] prefetch_copy(l+1) -> event done[l+1]
+file-only) is copied by a grid of MISS_BLOCKS into a miss bank (two, by layer parity, each restored by the bank's
+next miss copy and at the step's end) and its entry pointed there, so the expert kernels read VRAM. Per layer:
+    event -> [side] prefetch_copy(l+1) -> event done[l+1];  wait done[l] -> miss_copy(l)
+The next copy is forked before the join, as without late misses, so it queues on the side stream right behind layer
+l's and the link has no gap between them. The first version forked it after the miss copy, so that nothing competed
+with the critical-path copy, but then the link idled from the end of layer l's copy to the end of the join and the
+miss copy: the H200 trace at 12 GiB, depth 1 (2026-11-30, bench.decode_trace) showed 3.43 ms of prefetch copies and
+0.88 ms of miss copies (13 experts) a step against 3.6 ms of compute, in a 6.1 ms step. The miss copy now shares
+the link with the next prefetch, and outweighs it four to one in loads in flight (MISS_BLOCKS).
 The miss copy runs at every layer, the first too (nothing predicts it), and at both depths; a layer with no late miss
 costs its launch (~3 us, not yet measured). Its counters: `fetched` (stats[6]) only, so the prediction counters
 stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies alone reads each layer's routing of the
@@ -75,6 +80,11 @@ import numpy as np
 # here at most ~20 us of link time, not a whole layer's copy; and 32 blocks take one block slot on a quarter of the
 # SMs (256 threads, ~12K registers of an SM's 64K), beside the latency-bound main-stream blocks.
 COPY_BLOCKS = 32
+# The miss copy's grid (module docstring, "Late misses"): it shares the link with the side stream's next prefetch
+# copy, and PCIe serves reads roughly in proportion to those in flight, so 4x the blocks (4 MiB in flight, more than
+# an expert's 2.65 MB: its whole blob is requested at once) give the critical-path copy ~4/5 of the link. On the main
+# stream nothing else runs beside it, so the blocks take no SM time from other work.
+MISS_BLOCKS = 4 * COPY_BLOCKS
 COPY_THREADS = 256
 COPY_LOADS = 8             # cuda_src/prefetch.cu PF_LOADS
 PREDICT_WARPS = 4          # router rows per predict block (one warp each), as the router's
@@ -334,13 +344,12 @@ class Prefetcher:
                 self.launch_predict(li, m, note=j == 0)
         if not targets and self.depth > 1:
             self.launch_note(li)        # depth 1's last layer is noted by prefetch_finish instead
-        if self.fetch_misses:           # join, copy what is still missing, then fork: the side stream's next copy
-            self._join(li)              # would compete with this one for the link
+        # fork first: the side stream's next copy queues behind this layer's and the link never waits for the join
+        # (module docstring, "Late misses"); the miss copy after the join outweighs it on the link
+        self._fork(targets)
+        self._join(li)
+        if self.fetch_misses:
             self.launch_miss(li)
-            self._fork(targets)
-        else:
-            self._fork(targets)
-            self._join(li)
 
     def _fork(self, targets: list[int]):
         if not targets:
@@ -437,7 +446,7 @@ class Prefetcher:
             return
         b, k = li % MISS_BANKS, self.k
         I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
-        self.f_copy((COPY_BLOCKS,), (COPY_THREADS,),
+        self.f_copy((MISS_BLOCKS,), (COPY_THREADS,),
                     (self._ptr(self.table), I32(li), I32(self.n_expert), I32(k), self.routing(li),
                      self._ptr(self.staging, (self.banks + b) * k * self.stride), I64(self.stride), U32(self.units),
                      U64(self.slot_lo), U64(self.slot_hi), U64(self.stage_lo), U64(self.stage_hi),
