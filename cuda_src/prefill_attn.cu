@@ -5,14 +5,22 @@
 // KV formats: fp16 (n_head_kv, max_ctx, head_dim) per layer, as the decode step reads it; int8 the same shape with
 // one fp32 scale per 32 values (n_head_kv, max_ctx, head_dim / 32), half the bytes (cuda_src/kv_int8.cuh).
 //
-// On tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulators), as FlashAttention-2: a block holds 64 query rows
-// (4 warps x 16) of one KV head and walks the keys in tiles of FA_BN; per tile each warp computes S = Q K^T into
-// registers, masks, updates its running max and sum, rescales its output, and multiplies P (the same registers,
-// repacked as fp16) by V. Row r of the T * G rows of a KV head is token r / G, head kvh * G + r % G, so the G query
-// heads that share a KV head read each K/V tile once. Causal prompts over 48 layers x 32 heads at 4K are ~6.6 TFLOP:
-// a CUDA-core kernel (the first version: a warp per row, a lane per key) took ~0.8 s of a 1.5 s 4K prompt.
+// On tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulators), as FlashAttention-2: a block holds FA_BM = 128
+// query rows (8 warps x 16) of one KV head and walks the keys in tiles of FA_BN; per tile each warp computes S = Q K^T
+// into registers, masks (only on the tiles that cross its rows' diagonal), updates its running max and sum, rescales
+// its output, and multiplies P (the same registers, repacked as fp16) by V. Row r of the T * G rows of a KV head is
+// token r / G, head kvh * G + r % G, so the G query heads that share a KV head read each K/V tile once, and 8 warps
+// share each tile that the block brings in (the first version had 4: twice the L2 reads per query row).
+// Loads overlap the tensor cores: fp16 tiles come global -> shared by 16-byte cp.async into the other of two stages
+// while this one is multiplied; int8 tiles come raw by cp.async two tiles ahead, and each thread dequantizes the
+// chunks it copied itself (its own cp.async data needs no barrier) into the other fp16 stage after its warp's
+// multiplies, so one __syncthreads per tile orders everything. Fragments come from shared memory by ldmatrix (K
+// plain, V transposed). Causal prompts over 48 layers x 32 heads at 4K are ~6.6 TFLOP: the first tensor-core version
+// (4 warps, synchronous loads, scalar K reads) ran them at ~100 TFLOP/s on the H200.
 // Head dims are compile-time (FA_HD, default 128; the pass loads the module with the model's head_dim).
-// tests/test_cuda_prefill_kernels.py checks it against NumPy (passed on the H200, 2026-11-30).
+// The launch shape (rows per block, threads, dynamic shared memory per KV format) comes from the module itself
+// (flash_attn_shape, read by engine/cuda/prefill_streamed.py attn_kernel), so a launch cannot disagree with the build.
+// tests/test_cuda_prefill_kernels.py checks it against NumPy.
 #include "common.cuh"
 
 #ifndef FA_HD
@@ -21,13 +29,41 @@
 #if FA_HD % 16 != 0 || FA_HD > 256
 #error "FA_HD must be a multiple of 16 and at most 256"
 #endif
-#define FA_WARPS 4
+#ifndef FA_WARPS
+#define FA_WARPS 8
+#endif
+#ifndef FA_MINB
+#define FA_MINB 1                        // blocks per SM the registers must allow (__launch_bounds__), for A/B builds
+#endif
+#define FA_THREADS (32 * FA_WARPS)
 #define FA_BM (16 * FA_WARPS)            // query rows per block
-#define FA_BN (FA_HD > 128 ? 32 : 64)    // keys per tile (two fp16 tiles of FA_BN x FA_HD stay under 48 KB)
-#define FA_LD (FA_HD + 8)                // halves per shared row: 16-byte aligned rows, conflict-free fragment reads
+#define FA_BN (FA_HD > 128 ? 32 : 64)    // keys per tile (hd 256, 64 keys: 285 KB of shared memory for int8)
+// Q's A fragments stay in registers up to hd 128; at hd 256 they would take 64 of the 255 registers next to the
+// output's 128 (ptxas spills), so each warp parks its 16 rows in shared memory and reads them back by ldmatrix
+#define FA_QSM (FA_HD > 128)
+#define FA_LD (FA_HD + 8)                // halves per shared row: 16-byte aligned rows, conflict-free ldmatrix
+#define FA_TILE_B (FA_BN * FA_LD * 2)    // bytes of one fp16 K or V tile in shared memory
+#define FA_STAGE_B (2 * FA_TILE_B)       // K then V
+#define FA_RCH (FA_BN * FA_HD / 16)      // 16-byte int8 chunks per K or V tile
+#define FA_RAW_B (2 * FA_RCH * 16 + 2 * FA_RCH * 4)    // int8 K, V, then one scale per chunk of each
+#define FA_Q_B (FA_QSM ? FA_BM * FA_LD * 2 : 0)      // Q in shared memory (FA_QSM)
+#define FA_SMEM_F16 (2 * FA_STAGE_B + FA_Q_B)
+#define FA_SMEM_I8 (2 * FA_STAGE_B + FA_Q_B + 2 * FA_RAW_B)
 
+// This build's launch shape: rows per block, threads per block, dynamic shared memory of flash_attn_f16 and of
+// flash_attn_i8 (a kernel, not a __constant__: nvcc makes an unused constant module-local, not found by name)
+extern "C" __global__ void flash_attn_shape(int* out) {
+    out[0] = FA_BM;
+    out[1] = FA_THREADS;
+    out[2] = FA_SMEM_F16;
+    out[3] = FA_SMEM_I8;
+}
+
+// two floats as fp16 in one register, a in the low half (mma fragment order)
 __device__ __forceinline__ uint32_t fa_pack2(float a, float b) {
-    return (uint32_t)f2h(a) | ((uint32_t)f2h(b) << 16);
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
 }
 
 __device__ __forceinline__ void fa_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -43,184 +79,340 @@ __device__ __forceinline__ uint32_t fa_smem_addr(const void* p) {
     return a;
 }
 
-// Four 8x8 fp16 matrices from shared memory, transposed (lanes 8i..8i+7 give the row addresses of matrix i).
+// Four 8x8 fp16 matrices from shared memory (lanes 8i..8i+7 give the row addresses of matrix i); .trans: transposed
+__device__ __forceinline__ void fa_ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
 __device__ __forceinline__ void fa_ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
-// The tile of FA_BN keys and values from position p0 into shared memory as fp16; zeros from position `end` on
-// (never NaN from unwritten cache, which a zero softmax weight would not cancel). 16 bytes of fp16 (8 values) per
-// load; int8: 8 values and their 32-value block's scale.
-template <bool I8>
-__device__ __forceinline__ void fa_load_tile(unsigned short* ks, unsigned short* vs, const void* kc, const void* vc,
-                                             const float* ksc, const float* vsc, long long head_base, int p0,
-                                             int end) {
-    constexpr int CH = FA_HD / 8;
-    for (int w = threadIdx.x; w < FA_BN * CH; w += FA_WARPS * 32) {
-        const int r = w / CH, c = w % CH, p = p0 + r;
-        uint4 kw = make_uint4(0u, 0u, 0u, 0u), vw = kw;
-        if (p < end) {
-            const long long row = head_base + p;
-            if (I8) {
-                const uint2 kq = *reinterpret_cast<const uint2*>(reinterpret_cast<const signed char*>(kc) + row * FA_HD + 8 * c);
-                const uint2 vq = *reinterpret_cast<const uint2*>(reinterpret_cast<const signed char*>(vc) + row * FA_HD + 8 * c);
-                const long long si = row * (FA_HD / 32) + (8 * c) / 32;
-                const float a = ksc[si], b = vsc[si];
-                const signed char* k8 = reinterpret_cast<const signed char*>(&kq);
-                const signed char* v8 = reinterpret_cast<const signed char*>(&vq);
-                kw = make_uint4(fa_pack2(a * k8[0], a * k8[1]), fa_pack2(a * k8[2], a * k8[3]),
-                                fa_pack2(a * k8[4], a * k8[5]), fa_pack2(a * k8[6], a * k8[7]));
-                vw = make_uint4(fa_pack2(b * v8[0], b * v8[1]), fa_pack2(b * v8[2], b * v8[3]),
-                                fa_pack2(b * v8[4], b * v8[5]), fa_pack2(b * v8[6], b * v8[7]));
-            } else {
-                kw = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned short*>(kc) + row * FA_HD + 8 * c);
-                vw = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned short*>(vc) + row * FA_HD + 8 * c);
-            }
+// 16 (or 4) bytes global -> shared without a register round trip; zeros when !ok (keys from `end` on: never NaN from
+// unwritten cache, which a zero softmax weight would not cancel). src must be a valid address either way.
+__device__ __forceinline__ void fa_cp16(uint32_t dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void fa_cp4(uint32_t dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void fa_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// The fp16 tile of FA_BN keys and values from position p0 into the stage at shared address st (K, then V).
+__device__ __forceinline__ void fa_issue_f16(uint32_t st, const unsigned short* kc, const unsigned short* vc,
+                                             long long head_base, int p0, int end) {
+    constexpr int CH = FA_HD / 8, N = FA_BN * CH;
+#pragma unroll
+    for (int i = 0; i < (N + FA_THREADS - 1) / FA_THREADS; ++i) {
+        const int w = threadIdx.x + i * FA_THREADS;
+        if (N % FA_THREADS == 0 || w < N) {
+            const int r = w / CH, c = w % CH, p = p0 + r;
+            const bool ok = p < end;
+            const long long off = (head_base + (ok ? p : 0)) * FA_HD + 8 * c;
+            const uint32_t so = (uint32_t)((r * FA_LD + 8 * c) * 2);
+            fa_cp16(st + so, kc + off, ok);
+            fa_cp16(st + FA_TILE_B + so, vc + off, ok);
         }
-        *reinterpret_cast<uint4*>(ks + r * FA_LD + 8 * c) = kw;
-        *reinterpret_cast<uint4*>(vs + r * FA_LD + 8 * c) = vw;
     }
 }
 
-// Grid (ceil(T * G / FA_BM), n_head_kv), block 32 * FA_WARPS; G = n_head / n_head_kv, head_dim == FA_HD.
-// q, out: (T, n_head * head_dim) fp32, q already rotated; the query rows of token t see positions 0 .. pos0 + t.
+// The int8 tile from p0 into the raw stage at shared address rs: chunk w (16 values of row w / (FA_HD / 16)) of K at
+// rs + 16 w, of V after K's, and the chunk's scale (of its 32-value block) at one float per chunk after those.
+__device__ __forceinline__ void fa_issue_i8(uint32_t rs, const signed char* kc, const signed char* vc,
+                                            const float* ksc, const float* vsc, long long head_base, int p0, int end) {
+    constexpr int CH = FA_HD / 16;
+#pragma unroll
+    for (int i = 0; i < (FA_RCH + FA_THREADS - 1) / FA_THREADS; ++i) {
+        const int w = threadIdx.x + i * FA_THREADS;
+        if (FA_RCH % FA_THREADS == 0 || w < FA_RCH) {
+            const int r = w / CH, c = w % CH, p = p0 + r;
+            const bool ok = p < end;
+            const long long row = head_base + (ok ? p : 0);
+            fa_cp16(rs + 16 * w, kc + row * FA_HD + 16 * c, ok);
+            fa_cp16(rs + 16 * (FA_RCH + w), vc + row * FA_HD + 16 * c, ok);
+            const long long si = row * (FA_HD / 32) + c / 2;
+            fa_cp4(rs + 32 * FA_RCH + 4 * w, ksc + si, ok);
+            fa_cp4(rs + 36 * FA_RCH + 4 * w, vsc + si, ok);
+        }
+    }
+}
+
+// 4 int8 values times s as 4 fp16 (2 registers). Exact int -> float through the float bit pattern 2^23 + (q + 128)
+// (a byte permute and a subtract instead of the slow conversion unit), then rounded once, as fp32 q * s to fp16.
+__device__ __forceinline__ void fa_i8x4(uint32_t w, float s, uint32_t& lo, uint32_t& hi) {
+    const uint32_t u = w ^ 0x80808080u;
+    const float f0 = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7540)) - 8388736.f;
+    const float f1 = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7541)) - 8388736.f;
+    const float f2 = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7542)) - 8388736.f;
+    const float f3 = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7543)) - 8388736.f;
+    lo = fa_pack2(f0 * s, f1 * s);
+    hi = fa_pack2(f2 * s, f3 * s);
+}
+
+// The chunks this thread copied into the raw stage at raw (after its own wait: no barrier needed) as fp16 into the
+// stage at st.
+__device__ __forceinline__ void fa_dequant(const unsigned char* raw, unsigned char* st) {
+    constexpr int CH = FA_HD / 16;
+#pragma unroll
+    for (int i = 0; i < (FA_RCH + FA_THREADS - 1) / FA_THREADS; ++i) {
+        const int w = threadIdx.x + i * FA_THREADS;
+        if (FA_RCH % FA_THREADS == 0 || w < FA_RCH) {
+            const int r = w / CH, c = w % CH;
+            const uint32_t so = (uint32_t)((r * FA_LD + 16 * c) * 2);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {       // K, then V
+                const uint4 q = *reinterpret_cast<const uint4*>(raw + 16 * (m * FA_RCH + w));
+                const float s = *reinterpret_cast<const float*>(raw + 32 * FA_RCH + 4 * (m * FA_RCH + w));
+                uint4 a, b;
+                fa_i8x4(q.x, s, a.x, a.y);
+                fa_i8x4(q.y, s, a.z, a.w);
+                fa_i8x4(q.z, s, b.x, b.y);
+                fa_i8x4(q.w, s, b.z, b.w);
+                unsigned char* d = st + m * FA_TILE_B + so;
+                *reinterpret_cast<uint4*>(d) = a;
+                *reinterpret_cast<uint4*>(d + 16) = b;
+            }
+        }
+    }
+}
+
+constexpr int FA_KS = FA_HD / 16, FA_NS = FA_BN / 8, FA_NO = FA_HD / 8, FA_QR = FA_QSM ? 1 : FA_KS;
+
+// One warp's 16 rows against the tile in the stage at st: S = Q K^T, causal mask when `diag` (keys past lim_a /
+// lim_b), online softmax, O += P V. k_lane, v_lane: this lane's ldmatrix row offsets (bytes) within a tile; Q's
+// fragments: qa, or (FA_QSM) by ldmatrix at q_lane.
+__device__ __forceinline__ void fa_tile(float (&o)[FA_NO][4], float& m_a, float& m_b, float& l_a, float& l_b,
+                                        const uint32_t (&qa)[FA_QR][4], uint32_t q_lane, uint32_t st, uint32_t k_lane,
+                                        uint32_t v_lane, int p0, bool diag, int lim_a, int lim_b) {
+    const int t4 = threadIdx.x & 3;
+    float s[FA_NS][4];
+#pragma unroll
+    for (int n = 0; n < FA_NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < FA_KS; ++kk) {
+        uint32_t a[4];
+        if (FA_QSM) {
+            fa_ldsm_x4(q_lane + 32 * kk, a[0], a[1], a[2], a[3]);
+        } else {
+            a[0] = qa[FA_QSM ? 0 : kk][0];
+            a[1] = qa[FA_QSM ? 0 : kk][1];
+            a[2] = qa[FA_QSM ? 0 : kk][2];
+            a[3] = qa[FA_QSM ? 0 : kk][3];
+        }
+#pragma unroll
+        for (int np = 0; np < FA_NS / 2; ++np) {
+            // keys 16 np .. +7 and +8 .. +15 (rows of K), dims 16 kk .. +7 and +8 .. +15: B fragments of n-tiles 2np, 2np+1
+            uint32_t b0, b1, b2, b3;
+            fa_ldsm_x4(st + k_lane + (uint32_t)((16 * np * FA_LD + 16 * kk) * 2), b0, b1, b2, b3);
+            fa_mma(s[2 * np], a, b0, b1);
+            fa_mma(s[2 * np + 1], a, b2, b3);
+        }
+    }
+    float mx_a = NEG_INF, mx_b = NEG_INF;
+    if (diag) {
+#pragma unroll
+        for (int n = 0; n < FA_NS; ++n) {
+            const int key = p0 + 8 * n + 2 * t4;
+            if (key > lim_a) s[n][0] = NEG_INF;
+            if (key + 1 > lim_a) s[n][1] = NEG_INF;
+            if (key > lim_b) s[n][2] = NEG_INF;
+            if (key + 1 > lim_b) s[n][3] = NEG_INF;
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < FA_NS; ++n) {
+        mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    // key 0 is in every row's first tile, so the running max is finite from the first tile on
+    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+    const float c_a = exp2f(m_a - mn_a), c_b = exp2f(m_b - mn_b);   // exp2(-inf) = 0 on the first tile
+    m_a = mn_a;
+    m_b = mn_b;
+    l_a *= c_a;
+    l_b *= c_b;
+#pragma unroll
+    for (int j = 0; j < FA_NO; ++j) {
+        o[j][0] *= c_a;
+        o[j][1] *= c_a;
+        o[j][2] *= c_b;
+        o[j][3] *= c_b;
+    }
+#pragma unroll
+    for (int n = 0; n < FA_NS; ++n) {
+        s[n][0] = exp2f(s[n][0] - mn_a);
+        s[n][1] = exp2f(s[n][1] - mn_a);
+        s[n][2] = exp2f(s[n][2] - mn_b);
+        s[n][3] = exp2f(s[n][3] - mn_b);
+        l_a += s[n][0] + s[n][1];
+        l_b += s[n][2] + s[n][3];
+    }
+    // O += P V: P's accumulator layout is the A fragment layout of keys 16c .. 16c+15
+#pragma unroll
+    for (int c = 0; c < FA_BN / 16; ++c) {
+        uint32_t pa[4];
+        pa[0] = fa_pack2(s[2 * c][0], s[2 * c][1]);
+        pa[1] = fa_pack2(s[2 * c][2], s[2 * c][3]);
+        pa[2] = fa_pack2(s[2 * c + 1][0], s[2 * c + 1][1]);
+        pa[3] = fa_pack2(s[2 * c + 1][2], s[2 * c + 1][3]);
+#pragma unroll
+        for (int jj = 0; jj < FA_HD / 16; ++jj) {
+            uint32_t b0, b1, b2, b3;
+            fa_ldsm_x4_t(st + FA_TILE_B + v_lane + (uint32_t)((16 * c * FA_LD + 16 * jj) * 2), b0, b1, b2, b3);
+            fa_mma(o[2 * jj], pa, b0, b1);
+            fa_mma(o[2 * jj + 1], pa, b2, b3);
+        }
+    }
+}
+
+// Grid (ceil(T * G / FA_BM), n_head_kv), block FA_THREADS, FA_SMEM_F16 / FA_SMEM_I8 bytes of dynamic shared memory;
+// G = n_head / n_head_kv, head_dim == FA_HD. q, out: (T, n_head * head_dim) fp32, q already rotated; the query rows
+// of token t see positions 0 .. pos0 + t.
 template <bool I8>
 __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void* kc, const void* vc,
                                         const float* ksc, const float* vsc, float* __restrict__ out, int T, int pos0,
                                         int n_head, int n_head_kv, int max_ctx, float scale) {
-    __shared__ __align__(16) unsigned short ks[FA_BN * FA_LD];
-    __shared__ __align__(16) unsigned short vs[FA_BN * FA_LD];
-    constexpr int KS = FA_HD / 16, NS = FA_BN / 8, NO = FA_HD / 8;
-    const int G = n_head / n_head_kv, kvh = blockIdx.y;
+    extern __shared__ __align__(16) unsigned char fa_sm[];
+    const int G = n_head / n_head_kv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int rows = T * G;
-    // the last row tiles see the most keys: start them first
-    const int r0 = (gridDim.x - 1 - blockIdx.x) * FA_BM;
+    // blocks in order of decreasing work (the last row tiles see the most keys), every KV head's at each size
+    // before the next smaller: the grid's tail is the cheapest tiles
+    const int lin = blockIdx.y * gridDim.x + blockIdx.x;
+    const int kvh = lin % n_head_kv;
+    const int r0 = (gridDim.x - 1 - lin / n_head_kv) * FA_BM;
     const int end = pos0 + (min(rows, r0 + FA_BM) - 1) / G + 1;          // keys this block reads: 0 .. end-1
     const int wr0 = r0 + 16 * warp;
-    const int w_last = pos0 + min(rows - 1, wr0 + 15) / G;                // the warp's last key
+    const bool w_live = wr0 < rows;                                       // warps past the last row only load
+    const int w_first = pos0 + min(wr0, rows - 1) / G;                    // the warp's first and last rows' last keys
+    const int w_last = pos0 + min(rows - 1, wr0 + 15) / G;
     const int ra = wr0 + g, rb = ra + 8;                                  // this lane's two rows
     const int ta = min(ra, rows - 1) / G, tb = min(rb, rows - 1) / G;
     const int lim_a = pos0 + ta, lim_b = pos0 + tb;
     const int ha = kvh * G + min(ra, rows - 1) % G, hb = kvh * G + min(rb, rows - 1) % G;
     const long long qo_a = (long long)ta * n_head * FA_HD + ha * FA_HD;
     const long long qo_b = (long long)tb * n_head * FA_HD + hb * FA_HD;
+    const long long head_base = (long long)kvh * max_ctx;
+    // shared memory: two fp16 K/V stages, Q (FA_QSM), int8's two raw stages
+    const uint32_t sm0 = fa_smem_addr(fa_sm);
+    constexpr int RAW0 = 2 * FA_STAGE_B + FA_Q_B;
+    // tile p (keys p .. p + FA_BN - 1) into fp16 stage `stage` (fp16 cache) or raw stage `stage` (int8 cache)
+    auto issue = [&](int stage, int p) {
+        if (I8)
+            fa_issue_i8(sm0 + RAW0 + stage * FA_RAW_B, (const signed char*)kc, (const signed char*)vc, ksc, vsc,
+                        head_base, p, end);
+        else
+            fa_issue_f16(sm0 + stage * FA_STAGE_B, (const unsigned short*)kc, (const unsigned short*)vc, head_base, p,
+                         end);
+    };
+
+    // the first tiles start loading before Q is read: int8 two ahead, fp16 one
+    issue(0, 0);
+    fa_commit();
+    if (I8) {
+        if (FA_BN < end) issue(1, FA_BN);
+        fa_commit();
+    }
 
     // Q as A fragments (rows g, g+8; columns 2*t4.. and 2*t4+8..), scaled by scale * log2(e) for exp2
     const float qs = scale * 1.4426950408889634f;
-    uint32_t qa[KS][4];
+    uint32_t qa[FA_QR][4];
+    // FA_QSM: the warp's 16 rows of Q, rows g and g + 8 of this lane at columns 2 t4 (+8) of each 16
+    unsigned char* qw = fa_sm + 2 * FA_STAGE_B + warp * 16 * FA_LD * 2;
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
+    for (int kk = 0; kk < FA_KS; ++kk) {
         const int c = 16 * kk + 2 * t4;
         const float2 a0 = *reinterpret_cast<const float2*>(q + qo_a + c);
         const float2 a1 = *reinterpret_cast<const float2*>(q + qo_b + c);
         const float2 a2 = *reinterpret_cast<const float2*>(q + qo_a + c + 8);
         const float2 a3 = *reinterpret_cast<const float2*>(q + qo_b + c + 8);
-        qa[kk][0] = fa_pack2(a0.x * qs, a0.y * qs);
-        qa[kk][1] = fa_pack2(a1.x * qs, a1.y * qs);
-        qa[kk][2] = fa_pack2(a2.x * qs, a2.y * qs);
-        qa[kk][3] = fa_pack2(a3.x * qs, a3.y * qs);
+        const uint32_t f0 = fa_pack2(a0.x * qs, a0.y * qs), f1 = fa_pack2(a1.x * qs, a1.y * qs);
+        const uint32_t f2 = fa_pack2(a2.x * qs, a2.y * qs), f3 = fa_pack2(a3.x * qs, a3.y * qs);
+        if (FA_QSM) {
+            *reinterpret_cast<uint32_t*>(qw + (g * FA_LD + c) * 2) = f0;
+            *reinterpret_cast<uint32_t*>(qw + ((g + 8) * FA_LD + c) * 2) = f1;
+            *reinterpret_cast<uint32_t*>(qw + (g * FA_LD + c + 8) * 2) = f2;
+            *reinterpret_cast<uint32_t*>(qw + ((g + 8) * FA_LD + c + 8) * 2) = f3;
+        } else {
+            qa[FA_QSM ? 0 : kk][0] = f0;
+            qa[FA_QSM ? 0 : kk][1] = f1;
+            qa[FA_QSM ? 0 : kk][2] = f2;
+            qa[FA_QSM ? 0 : kk][3] = f3;
+        }
     }
-    float o[NO][4];
+    __syncwarp();                                             // FA_QSM: the warp's Q rows before its ldmatrix reads
+    float o[FA_NO][4];
 #pragma unroll
-    for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    for (int j = 0; j < FA_NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.f, l_b = 0.f;            // l: this lane's part of the row sums
-    const long long head_base = (long long)kvh * max_ctx;
-    // ldmatrix row addresses for V: lanes 0-7 keys 0-7, 8-15 keys 8-15 (columns d0..), 16-31 the same at d0 + 8
-    const uint32_t v_addr = fa_smem_addr(vs + ((lane & 7) + ((lane >> 3) & 1) * 8) * FA_LD + (lane >> 4) * 8);
+    // ldmatrix row addresses: K (plain) lanes 0-7 keys 0-7 dims d0.., 8-15 keys 0-7 at d0 + 8, 16-31 keys 8-15 the
+    // same; V (transposed) lanes 0-7 keys 0-7, 8-15 keys 8-15 (dims d0..), 16-31 the same at d0 + 8
+    const uint32_t k_lane = (uint32_t)((((lane & 7) + (lane >> 4) * 8) * FA_LD + ((lane >> 3) & 1) * 8) * 2);
+    const uint32_t v_lane = (uint32_t)((((lane & 7) + ((lane >> 3) & 1) * 8) * FA_LD + (lane >> 4) * 8) * 2);
+    // Q (FA_QSM) as A fragments, plain: matrices (rows 0-7, dims 0-7), (rows 8-15, 0-7), (0-7, 8-15), (8-15, 8-15),
+    // the same row addresses as V's
+    const uint32_t q_lane = fa_smem_addr(qw) + v_lane;
 
-    for (int p0 = 0; p0 < end; p0 += FA_BN) {
-        __syncthreads();                       // every warp is done with the previous tile
-        fa_load_tile<I8>(ks, vs, kc, vc, ksc, vsc, head_base, p0, end);
+    if (I8) {
+        fa_wait<1>();                                         // this thread's chunks of tile 0
+        fa_dequant(fa_sm + RAW0, fa_sm);
+        if (2 * FA_BN < end) issue(0, 2 * FA_BN);
+        fa_commit();
         __syncthreads();
-        if (p0 > w_last) continue;             // warp-uniform: no key of this tile is visible to the warp's rows
-        float s[NS][4];
-#pragma unroll
-        for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-            for (int n = 0; n < NS; ++n) {
-                const unsigned short* kp = ks + (8 * n + g) * FA_LD + 16 * kk + 2 * t4;
-                fa_mma(s[n], qa[kk], *reinterpret_cast<const uint32_t*>(kp), *reinterpret_cast<const uint32_t*>(kp + 8));
-            }
-        float mx_a = NEG_INF, mx_b = NEG_INF;
-#pragma unroll
-        for (int n = 0; n < NS; ++n) {
-            const int key = p0 + 8 * n + 2 * t4;
-            if (key > lim_a) s[n][0] = NEG_INF;
-            if (key + 1 > lim_a) s[n][1] = NEG_INF;
-            if (key > lim_b) s[n][2] = NEG_INF;
-            if (key + 1 > lim_b) s[n][3] = NEG_INF;
-            mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
-            mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
+    }
+    for (int j = 0, p0 = 0; p0 < end; ++j, p0 += FA_BN) {
+        const int cur = j & 1, nxt = cur ^ 1;
+        if (!I8) {
+            fa_wait<0>();                                     // this thread's part of tile j is in
+            __syncthreads();                                  // everyone's is; everyone is done with tile j - 1's stage
+            if (p0 + FA_BN < end) issue(nxt, p0 + FA_BN);
+            fa_commit();
         }
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-        // key 0 is in every row's first tile, so the running max is finite from the first tile on
-        const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
-        const float c_a = exp2f(m_a - mn_a), c_b = exp2f(m_b - mn_b);   // exp2(-inf) = 0 on the first tile
-        m_a = mn_a;
-        m_b = mn_b;
-        l_a *= c_a;
-        l_b *= c_b;
-#pragma unroll
-        for (int j = 0; j < NO; ++j) {
-            o[j][0] *= c_a;
-            o[j][1] *= c_a;
-            o[j][2] *= c_b;
-            o[j][3] *= c_b;
-        }
-#pragma unroll
-        for (int n = 0; n < NS; ++n) {
-            s[n][0] = exp2f(s[n][0] - mn_a);
-            s[n][1] = exp2f(s[n][1] - mn_a);
-            s[n][2] = exp2f(s[n][2] - mn_b);
-            s[n][3] = exp2f(s[n][3] - mn_b);
-            l_a += s[n][0] + s[n][1];
-            l_b += s[n][2] + s[n][3];
-        }
-        // O += P V: P's accumulator layout is the A fragment layout of keys 16c .. 16c+15
-#pragma unroll
-        for (int c = 0; c < FA_BN / 16; ++c) {
-            uint32_t pa[4];
-            pa[0] = fa_pack2(s[2 * c][0], s[2 * c][1]);
-            pa[1] = fa_pack2(s[2 * c][2], s[2 * c][3]);
-            pa[2] = fa_pack2(s[2 * c + 1][0], s[2 * c + 1][1]);
-            pa[3] = fa_pack2(s[2 * c + 1][2], s[2 * c + 1][3]);
-#pragma unroll
-            for (int jj = 0; jj < FA_HD / 16; ++jj) {
-                uint32_t b0, b1, b2, b3;
-                fa_ldsm_x4_t(v_addr + (uint32_t)((16 * c * FA_LD + 16 * jj) * 2), b0, b1, b2, b3);
-                fa_mma(o[2 * jj], pa, b0, b1);
-                fa_mma(o[2 * jj + 1], pa, b2, b3);
-            }
+        // warp-uniform: no key of this tile is visible to the warp's rows (or the warp has none)
+        if (w_live && p0 <= w_last)
+            fa_tile(o, m_a, m_b, l_a, l_b, qa, q_lane, sm0 + cur * FA_STAGE_B, k_lane, v_lane, p0,
+                    p0 + FA_BN - 1 > w_first, lim_a, lim_b);
+        if (I8 && p0 + FA_BN < end) {
+            // tile j + 1 (raw, issued two tiles ago: its own chunks only) into the other fp16 stage, which every warp
+            // finished with before the last barrier; then tile j + 3 into the raw stage just emptied
+            fa_wait<1>();
+            fa_dequant(fa_sm + RAW0 + nxt * FA_RAW_B, fa_sm + nxt * FA_STAGE_B);
+            if (p0 + 3 * FA_BN < end) issue(nxt, p0 + 3 * FA_BN);
+            fa_commit();
+            __syncthreads();
         }
     }
+    fa_wait<0>();                                             // nothing in flight when the block exits
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
     const float ia = 1.f / l_a, ib = 1.f / l_b;
 #pragma unroll
-    for (int j = 0; j < NO; ++j) {
-        const int c = 8 * j + 2 * t4;
-        if (ra < rows) *reinterpret_cast<float2*>(out + qo_a + c) = make_float2(o[j][0] * ia, o[j][1] * ia);
-        if (rb < rows) *reinterpret_cast<float2*>(out + qo_b + c) = make_float2(o[j][2] * ib, o[j][3] * ib);
+    for (int jo = 0; jo < FA_NO; ++jo) {
+        const int c = 8 * jo + 2 * t4;
+        if (ra < rows) *reinterpret_cast<float2*>(out + qo_a + c) = make_float2(o[jo][0] * ia, o[jo][1] * ia);
+        if (rb < rows) *reinterpret_cast<float2*>(out + qo_b + c) = make_float2(o[jo][2] * ib, o[jo][3] * ib);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * FA_WARPS)
+extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB)
 flash_attn_f16(const float* __restrict__ q, const unsigned short* __restrict__ kc, const unsigned short* __restrict__ vc,
                float* __restrict__ out, int T, int pos0, int n_head, int n_head_kv, int head_dim, int max_ctx,
                float scale) {
     fa_body<false>(q, kc, vc, nullptr, nullptr, out, T, pos0, n_head, n_head_kv, max_ctx, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * FA_WARPS)
+extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB)
 flash_attn_i8(const float* __restrict__ q, const signed char* __restrict__ kc, const signed char* __restrict__ vc,
               const float* __restrict__ k_scale, const float* __restrict__ v_scale, float* __restrict__ out, int T,
               int pos0, int n_head, int n_head_kv, int head_dim, int max_ctx, float scale) {

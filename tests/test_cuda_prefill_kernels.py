@@ -1,5 +1,5 @@
 """The streamed prompt pass's kernels (cuda_src/moe_gemm.cu, cuda_src/prefill_attn.cu) against NumPy on fresh random
-data at several sizes (chunks crossing the 64-row and 32-key tiles), every output poisoned first."""
+data at several sizes (chunks crossing the kernels' row and key tiles), every output poisoned first."""
 import numpy as np
 import pytest
 
@@ -210,17 +210,22 @@ def attention_ref(q, K, V, pos0, n_head, n_kv, hd, scale):
     return out
 
 
-# hd 96: a lane's values cross a 32-value int8 scale block. The tensor-core
-# kernel's tiles: 64 query rows (T * G rows per KV head), 64 keys (32 for hd > 128); G 3 leaves tokens straddling
-# row tiles. The last two: a 4K context (a whole 4K prompt as one chunk, and the last 512 tokens of one).
+# hd 96: a lane's values cross a 32-value int8 scale block. The tensor-core kernel's tiles: 128 query rows (8 warps
+# x 16 of the T * G rows per KV head), 64 keys (32 for hd > 128, where Q waits in shared memory); G 3 leaves tokens
+# straddling row tiles and warps. Rows not a multiple of 128 leave idle warps in the last block; pos0 > 0 with
+# T * G > 128 puts several diagonal tiles, and tiles no warp masks, after the earlier chunks' keys (the int8 path's
+# raw tiles run two ahead: chunks of 1 to 6+ key tiles). The last two: a 4K context (a whole 4K prompt as one chunk,
+# and the last 512 tokens of one).
 SHAPES = [(1, 0, 4, 2, 64), (37, 5, 8, 2, 128), (100, 250, 32, 4, 128), (70, 0, 8, 8, 256), (33, 31, 16, 2, 32),
-          (33, 31, 6, 2, 96), (41, 90, 12, 4, 128), (130, 7, 16, 2, 256)]
+          (33, 31, 6, 2, 96), (41, 90, 12, 4, 128), (130, 7, 16, 2, 256), (200, 61, 6, 2, 128),
+          (300, 129, 16, 2, 128), (150, 300, 4, 4, 64), (97, 200, 24, 2, 256)]
 SHAPES_4K = [(4096, 0, 8, 1, 128), (512, 3584, 32, 4, 128)]
 
 
-def launch(T, n_head, n_kv):
-    from engine.cuda.prefill_streamed import attn_launch
-    return attn_launch(T, n_head, n_kv)
+def attend(mod, int8, T, n_head, n_kv, args):
+    """Launch as the engine does (its AttnKernel: the build's own rows per block, threads, shared memory)."""
+    from engine.cuda.prefill_streamed import attn_kernel
+    attn_kernel(mod, int8)(T, n_head, n_kv, args)
 
 
 @pytest.mark.parametrize("T,pos0,n_head,n_kv,hd", SHAPES + SHAPES_4K)
@@ -234,9 +239,8 @@ def test_flash_attn_f16(T, pos0, n_head, n_kv, hd):
     q = rng.standard_normal((T, n_head * hd)).astype(np.float32)
     out = cp.full((T, n_head * hd), np.nan, cp.float32)
     scale = 1.0 / np.sqrt(hd)
-    att_mod(hd).get_function("flash_attn_f16")(*launch(T, n_head, n_kv),
-                                               (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, I32(T), I32(pos0),
-                                                I32(n_head), I32(n_kv), I32(hd), I32(max_ctx), F32(scale)))
+    attend(att_mod(hd), False, T, n_head, n_kv, (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, I32(T), I32(pos0),
+                                                 I32(n_head), I32(n_kv), I32(hd), I32(max_ctx), F32(scale)))
     ref = attention_ref(q, kc.astype(np.float64), vc.astype(np.float64), pos0, n_head, n_kv, hd, scale)
     # fp16 operands on tensor cores: q (scaled) and the softmax weights are rounded to fp16, ~2^-11 each
     got = out.get()
@@ -308,9 +312,8 @@ def test_int8_kv_store_and_attention(T, pos0, n_head, n_kv, hd):
         assert (np.abs(got - want).reshape(n_kv, T, hd // 32, 32) <= step * 0.501 + 1e-5).all()
     out = cp.full((T, n_head * hd), np.nan, cp.float32)
     scale = 1.0 / np.sqrt(hd)
-    mod.get_function("flash_attn_i8")(*launch(T, n_head, n_kv),
-                                      (d_q, kq, vq, ks, vs, out, I32(T), I32(pos0), I32(n_head), I32(n_kv),
-                                       I32(hd), I32(max_ctx), F32(scale)))
+    attend(mod, True, T, n_head, n_kv, (d_q, kq, vq, ks, vs, out, I32(T), I32(pos0), I32(n_head), I32(n_kv),
+                                        I32(hd), I32(max_ctx), F32(scale)))
     # the tile is held as fp16 in shared memory: the reference rounds the dequantized values the same way (and the
     # tensor cores round q and the softmax weights to fp16)
     ref = attention_ref(d_q.get(), f16(K8), f16(V8), pos0, n_head, n_kv, hd, scale)

@@ -27,19 +27,18 @@ ones, whose experts stream with the rest; the first decode step after the prompt
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
 
 from engine.cuda import kernels
 from engine.cuda.chunk_plan import MiB, RING_MIN, buffers, chunk_bytes, plan_chunk
-from engine.cuda.decode import F32, I32, I64, NULL, U64, ptr
+from engine.cuda.decode import F32, I32, I64, NULL, SMEM_DEFAULT, U64, ptr
 from engine.cuda.prefill import Prefill
 from engine.cuda.ring import CupyDevice, RingRunner, schedule
 
 AUTO_TARGET = 4096          # the chunk auto reserves room for before the expert cache takes the rest
-ATT_BM = 64                 # query rows per flash-attention block (prefill_attn.cu FA_BM)
-ATT_THREADS = 128           # 4 warps (FA_WARPS)
 GEMM_TILE = 64              # rows and columns per expert GEMM block (moe_gemm.cu MG_BM, MG_BN)
 # 64-row tiles a grouped-GEMM block multiplies per dequantized weight tile (moe_gemm.cu MG_MT): 2 halves the
 # dequantization of the 4K-token chunk's average expert (256 rows) at 110 instead of ~70 registers (2 blocks per SM
@@ -60,10 +59,37 @@ def attn_module(head_dim: int):
     return kernels.load("prefill_attn", None if head_dim == 128 else {"FA_HD": head_dim})
 
 
-def attn_launch(T: int, n_head: int, n_head_kv: int) -> tuple[tuple[int, int], tuple[int]]:
-    """(grid, block) of flash_attn_f16 / flash_attn_i8 for a chunk of T tokens."""
+def attn_grid(T: int, n_head: int, n_head_kv: int, rows_per_block: int) -> tuple[int, int]:
+    """flash_attn_*'s grid for a chunk of T tokens: the T * G query rows of each KV head in blocks of
+    rows_per_block (prefill_attn.cu FA_BM), one grid row per KV head."""
     G = n_head // n_head_kv
-    return ((T * G + ATT_BM - 1) // ATT_BM, n_head_kv), (ATT_THREADS,)
+    return (T * G + rows_per_block - 1) // rows_per_block, n_head_kv
+
+
+@dataclass(frozen=True)
+class AttnKernel:
+    """flash_attn_f16 or flash_attn_i8 of one prefill_attn build with the launch shape that build was compiled for."""
+    fn: object
+    rows: int           # query rows per block (FA_BM)
+    threads: int        # FA_THREADS
+    smem: int           # dynamic shared memory bytes (two K/V stages; int8 also its raw stages)
+
+    def __call__(self, T: int, n_head: int, n_head_kv: int, args) -> None:
+        self.fn(attn_grid(T, n_head, n_head_kv, self.rows), (self.threads,), args, shared_mem=self.smem)
+
+
+def attn_kernel(mod, int8: bool) -> AttnKernel:
+    """The attention kernel of an attn_module build for this KV format, its shape asked of the build itself
+    (flash_attn_shape), so the engine, the tests and bench.prefill_attn launch every variant alike; opted in to the
+    shared memory it needs above 48 KiB."""
+    shape = cp.zeros(4, cp.int32)
+    mod.get_function("flash_attn_shape")((1,), (1,), (shape,))
+    rows, threads, smem_f16, smem_i8 = (int(x) for x in shape.get())
+    fn = mod.get_function("flash_attn_i8" if int8 else "flash_attn_f16")
+    smem = smem_i8 if int8 else smem_f16
+    if smem > SMEM_DEFAULT and getattr(fn, "max_dynamic_shared_size_bytes", 0) < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+    return AttnKernel(fn, rows, threads, smem)
 
 
 def expert_row_blocks(T: int, k: int, n_expert: int, row_tiles: int | None = None) -> int:
@@ -142,6 +168,7 @@ class StreamedPrefill:
             step.k, step.cfg, step.w, step.kv, step.cache, step.layout, step.L)
         c = self.cfg
         self.att_mod = attn_module(c.head_dim)
+        self.attend = attn_kernel(self.att_mod, getattr(self.kv, "dtype", "f16") == "int8")
         lay = self.layout
         qts = set(self.w.qtype_ids()) | ({lay.qt_gate_up, lay.qt_down} if lay else set())
         self.moe_mod = moe_module(qts)          # also to_half and dequant_rows_f16
@@ -332,9 +359,7 @@ class StreamedPrefill:
                 runner.begin_chunk(batches, src_of)
         self._mark("other")
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
-        att_grid, att_block = attn_launch(T, c.n_head, c.n_head_kv)
         int8 = getattr(self.kv, "dtype", "f16") == "int8"
-        attend = self.att_mod.get_function("flash_attn_i8" if int8 else "flash_attn_f16")
         # bench: the link's busy share counts from the first layer that streams experts to the end of the last one
         streamed = [li for li in range(c.n_layer) if ring_views[li]] if window and self.timing else []
         for li, ly in enumerate(w.layers):
@@ -357,8 +382,8 @@ class StreamedPrefill:
                 kv_args = (U64(kq), U64(vq), U64(ks), U64(vs))
             else:
                 kv_args = tuple(U64(a) for a in self.kv.layer(li))
-            attend(att_grid, att_block, (q, *kv_args, att, I32(T), I32(pos0), I32(c.n_head), I32(c.n_head_kv),
-                                         I32(c.head_dim), I32(self.kv.max_ctx), scale))
+            self.attend(T, c.n_head, c.n_head_kv, (q, *kv_args, att, I32(T), I32(pos0), I32(c.n_head),
+                                                   I32(c.n_head_kv), I32(c.head_dim), I32(self.kv.max_ctx), scale))
             self._mark("attention")
             self.linear_f16(ly.wo, self.to_half(att, T, qw), x, accumulate=True)      # x += att @ wo^T
             self._mark("dense")
