@@ -35,12 +35,21 @@
 #ifndef FA_MINB
 #define FA_MINB 1                        // blocks per SM the registers must allow (__launch_bounds__), for A/B builds
 #endif
+#ifndef FA_MT
+#define FA_MT 1                          // 16-row m-tiles per warp: 2 reads each K/V fragment once for 32 rows
+#endif
+#if FA_MT < 1 || FA_MT > 2 || FA_MT * FA_HD > 256
+#error "FA_MT is 1, or 2 up to head_dim 128 (two m-tiles' outputs at hd 256 alone would take 256 registers)"
+#endif
 #define FA_THREADS (32 * FA_WARPS)
-#define FA_BM (16 * FA_WARPS)            // query rows per block
-#define FA_BN (FA_HD > 128 ? 32 : 64)    // keys per tile (hd 256, 64 keys: 285 KB of shared memory for int8)
-// Q's A fragments stay in registers up to hd 128; at hd 256 they would take 64 of the 255 registers next to the
-// output's 128 (ptxas spills), so each warp parks its 16 rows in shared memory and reads them back by ldmatrix
-#define FA_QSM (FA_HD > 128)
+#define FA_BM (16 * FA_MT * FA_WARPS)    // query rows per block
+#ifndef FA_BN                            // keys per tile (hd 256, 64 keys: 285 KB of shared memory for int8)
+#define FA_BN (FA_HD * FA_MT > 128 ? 32 : 64)
+#endif
+// Q's A fragments stay in registers up to 128 values a row (hd x m-tiles); at hd 256 they would take 64 of the 255
+// registers next to the output's 128 (ptxas spills), so each warp parks its rows in shared memory and reads them
+// back by ldmatrix
+#define FA_QSM (FA_HD * FA_MT > 128)
 #define FA_LD (FA_HD + 8)                // halves per shared row: 16-byte aligned rows, conflict-free ldmatrix
 #define FA_TILE_B (FA_BN * FA_LD * 2)    // bytes of one fp16 K or V tile in shared memory
 #define FA_STAGE_B (2 * FA_TILE_B)       // K then V
@@ -183,93 +192,121 @@ __device__ __forceinline__ void fa_dequant(const unsigned char* raw, unsigned ch
 
 constexpr int FA_KS = FA_HD / 16, FA_NS = FA_BN / 8, FA_NO = FA_HD / 8, FA_QR = FA_QSM ? 1 : FA_KS;
 
-// One warp's 16 rows against the tile in the stage at st: S = Q K^T, causal mask when `diag` (keys past lim_a /
-// lim_b), online softmax, O += P V. k_lane, v_lane: this lane's ldmatrix row offsets (bytes) within a tile; Q's
-// fragments: qa, or (FA_QSM) by ldmatrix at q_lane.
-__device__ __forceinline__ void fa_tile(float (&o)[FA_NO][4], float& m_a, float& m_b, float& l_a, float& l_b,
-                                        const uint32_t (&qa)[FA_QR][4], uint32_t q_lane, uint32_t st, uint32_t k_lane,
-                                        uint32_t v_lane, int p0, bool diag, int lim_a, int lim_b) {
+// 2^x, flushing results below 2^-126 to zero (softmax weights that small add nothing to an fp32 sum of ones)
+__device__ __forceinline__ float fa_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// One warp's rows against the tile in the stage at st: S = Q K^T, causal mask when `diag` (keys past lim), online
+// softmax, O += P V. Per m-tile mt the lane holds rows g and g + 8: state index 2 mt and 2 mt + 1 (m, l, lim).
+// k_lane, v_lane: this lane's ldmatrix row offsets (bytes) within a tile; Q's fragments: qa, or (FA_QSM) by ldmatrix
+// at q_lane (+ 16 rows per m-tile).
+__device__ __forceinline__ void fa_tile(float (&o)[FA_MT][FA_NO][4], float (&m)[2 * FA_MT], float (&l)[2 * FA_MT],
+                                        const uint32_t (&qa)[FA_MT][FA_QR][4], uint32_t q_lane, uint32_t st,
+                                        uint32_t k_lane, uint32_t v_lane, int p0, bool diag,
+                                        const int (&lim)[2 * FA_MT]) {
     const int t4 = threadIdx.x & 3;
-    float s[FA_NS][4];
+    float s[FA_MT][FA_NS][4];
 #pragma unroll
-    for (int n = 0; n < FA_NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    for (int mt = 0; mt < FA_MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < FA_NS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < FA_KS; ++kk) {
-        uint32_t a[4];
-        if (FA_QSM) {
-            fa_ldsm_x4(q_lane + 32 * kk, a[0], a[1], a[2], a[3]);
-        } else {
-            a[0] = qa[FA_QSM ? 0 : kk][0];
-            a[1] = qa[FA_QSM ? 0 : kk][1];
-            a[2] = qa[FA_QSM ? 0 : kk][2];
-            a[3] = qa[FA_QSM ? 0 : kk][3];
+        uint32_t a[FA_MT][4];
+#pragma unroll
+        for (int mt = 0; mt < FA_MT; ++mt) {
+            if (FA_QSM) {
+                fa_ldsm_x4(q_lane + (uint32_t)((16 * mt * FA_LD + 16 * kk) * 2), a[mt][0], a[mt][1], a[mt][2],
+                           a[mt][3]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) a[mt][i] = qa[mt][FA_QSM ? 0 : kk][i];
+            }
         }
 #pragma unroll
         for (int np = 0; np < FA_NS / 2; ++np) {
-            // keys 16 np .. +7 and +8 .. +15 (rows of K), dims 16 kk .. +7 and +8 .. +15: B fragments of n-tiles 2np, 2np+1
+            // keys 16 np .. +7 and +8 .. +15 (rows of K), dims 16 kk .. +7 and +8 .. +15: the B fragments of
+            // n-tiles 2 np and 2 np + 1, for every m-tile
             uint32_t b0, b1, b2, b3;
             fa_ldsm_x4(st + k_lane + (uint32_t)((16 * np * FA_LD + 16 * kk) * 2), b0, b1, b2, b3);
-            fa_mma(s[2 * np], a, b0, b1);
-            fa_mma(s[2 * np + 1], a, b2, b3);
+#pragma unroll
+            for (int mt = 0; mt < FA_MT; ++mt) {
+                fa_mma(s[mt][2 * np], a[mt], b0, b1);
+                fa_mma(s[mt][2 * np + 1], a[mt], b2, b3);
+            }
         }
     }
-    float mx_a = NEG_INF, mx_b = NEG_INF;
-    if (diag) {
+#pragma unroll
+    for (int mt = 0; mt < FA_MT; ++mt) {
+        const int ia = 2 * mt, ib = ia + 1;
+        if (diag) {
+#pragma unroll
+            for (int n = 0; n < FA_NS; ++n) {
+                const int key = p0 + 8 * n + 2 * t4;
+                if (key > lim[ia]) s[mt][n][0] = NEG_INF;
+                if (key + 1 > lim[ia]) s[mt][n][1] = NEG_INF;
+                if (key > lim[ib]) s[mt][n][2] = NEG_INF;
+                if (key + 1 > lim[ib]) s[mt][n][3] = NEG_INF;
+            }
+        }
+        float mx_a = NEG_INF, mx_b = NEG_INF;
 #pragma unroll
         for (int n = 0; n < FA_NS; ++n) {
-            const int key = p0 + 8 * n + 2 * t4;
-            if (key > lim_a) s[n][0] = NEG_INF;
-            if (key + 1 > lim_a) s[n][1] = NEG_INF;
-            if (key > lim_b) s[n][2] = NEG_INF;
-            if (key + 1 > lim_b) s[n][3] = NEG_INF;
+            mx_a = fmaxf(mx_a, fmaxf(s[mt][n][0], s[mt][n][1]));
+            mx_b = fmaxf(mx_b, fmaxf(s[mt][n][2], s[mt][n][3]));
         }
-    }
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        // key 0 is in every row's first tile, so the running max is finite from the first tile on (a row with no
+        // visible key in a later diagonal tile keeps its max: c = 1, weights 0)
+        const float mn_a = fmaxf(m[ia], mx_a), mn_b = fmaxf(m[ib], mx_b);
+        const float c_a = fa_exp2(m[ia] - mn_a), c_b = fa_exp2(m[ib] - mn_b);   // exp2(-inf) = 0 on the first tile
+        m[ia] = mn_a;
+        m[ib] = mn_b;
+        l[ia] *= c_a;
+        l[ib] *= c_b;
 #pragma unroll
-    for (int n = 0; n < FA_NS; ++n) {
-        mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
-        mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
-    }
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-    // key 0 is in every row's first tile, so the running max is finite from the first tile on
-    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
-    const float c_a = exp2f(m_a - mn_a), c_b = exp2f(m_b - mn_b);   // exp2(-inf) = 0 on the first tile
-    m_a = mn_a;
-    m_b = mn_b;
-    l_a *= c_a;
-    l_b *= c_b;
+        for (int j = 0; j < FA_NO; ++j) {
+            o[mt][j][0] *= c_a;
+            o[mt][j][1] *= c_a;
+            o[mt][j][2] *= c_b;
+            o[mt][j][3] *= c_b;
+        }
 #pragma unroll
-    for (int j = 0; j < FA_NO; ++j) {
-        o[j][0] *= c_a;
-        o[j][1] *= c_a;
-        o[j][2] *= c_b;
-        o[j][3] *= c_b;
-    }
-#pragma unroll
-    for (int n = 0; n < FA_NS; ++n) {
-        s[n][0] = exp2f(s[n][0] - mn_a);
-        s[n][1] = exp2f(s[n][1] - mn_a);
-        s[n][2] = exp2f(s[n][2] - mn_b);
-        s[n][3] = exp2f(s[n][3] - mn_b);
-        l_a += s[n][0] + s[n][1];
-        l_b += s[n][2] + s[n][3];
+        for (int n = 0; n < FA_NS; ++n) {
+            s[mt][n][0] = fa_exp2(s[mt][n][0] - mn_a);
+            s[mt][n][1] = fa_exp2(s[mt][n][1] - mn_a);
+            s[mt][n][2] = fa_exp2(s[mt][n][2] - mn_b);
+            s[mt][n][3] = fa_exp2(s[mt][n][3] - mn_b);
+            l[ia] += s[mt][n][0] + s[mt][n][1];
+            l[ib] += s[mt][n][2] + s[mt][n][3];
+        }
     }
     // O += P V: P's accumulator layout is the A fragment layout of keys 16c .. 16c+15
 #pragma unroll
     for (int c = 0; c < FA_BN / 16; ++c) {
-        uint32_t pa[4];
-        pa[0] = fa_pack2(s[2 * c][0], s[2 * c][1]);
-        pa[1] = fa_pack2(s[2 * c][2], s[2 * c][3]);
-        pa[2] = fa_pack2(s[2 * c + 1][0], s[2 * c + 1][1]);
-        pa[3] = fa_pack2(s[2 * c + 1][2], s[2 * c + 1][3]);
+        uint32_t pa[FA_MT][4];
+#pragma unroll
+        for (int mt = 0; mt < FA_MT; ++mt) {
+            pa[mt][0] = fa_pack2(s[mt][2 * c][0], s[mt][2 * c][1]);
+            pa[mt][1] = fa_pack2(s[mt][2 * c][2], s[mt][2 * c][3]);
+            pa[mt][2] = fa_pack2(s[mt][2 * c + 1][0], s[mt][2 * c + 1][1]);
+            pa[mt][3] = fa_pack2(s[mt][2 * c + 1][2], s[mt][2 * c + 1][3]);
+        }
 #pragma unroll
         for (int jj = 0; jj < FA_HD / 16; ++jj) {
             uint32_t b0, b1, b2, b3;
             fa_ldsm_x4_t(st + FA_TILE_B + v_lane + (uint32_t)((16 * c * FA_LD + 16 * jj) * 2), b0, b1, b2, b3);
-            fa_mma(o[2 * jj], pa, b0, b1);
-            fa_mma(o[2 * jj + 1], pa, b2, b3);
+#pragma unroll
+            for (int mt = 0; mt < FA_MT; ++mt) {
+                fa_mma(o[mt][2 * jj], pa[mt], b0, b1);
+                fa_mma(o[mt][2 * jj + 1], pa[mt], b2, b3);
+            }
         }
     }
 }
@@ -291,16 +328,19 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
     const int kvh = lin % n_head_kv;
     const int r0 = (gridDim.x - 1 - lin / n_head_kv) * FA_BM;
     const int end = pos0 + (min(rows, r0 + FA_BM) - 1) / G + 1;          // keys this block reads: 0 .. end-1
-    const int wr0 = r0 + 16 * warp;
+    const int wr0 = r0 + 16 * FA_MT * warp;
     const bool w_live = wr0 < rows;                                       // warps past the last row only load
     const int w_first = pos0 + min(wr0, rows - 1) / G;                    // the warp's first and last rows' last keys
-    const int w_last = pos0 + min(rows - 1, wr0 + 15) / G;
-    const int ra = wr0 + g, rb = ra + 8;                                  // this lane's two rows
-    const int ta = min(ra, rows - 1) / G, tb = min(rb, rows - 1) / G;
-    const int lim_a = pos0 + ta, lim_b = pos0 + tb;
-    const int ha = kvh * G + min(ra, rows - 1) % G, hb = kvh * G + min(rb, rows - 1) % G;
-    const long long qo_a = (long long)ta * n_head * FA_HD + ha * FA_HD;
-    const long long qo_b = (long long)tb * n_head * FA_HD + hb * FA_HD;
+    const int w_last = pos0 + min(rows - 1, wr0 + 16 * FA_MT - 1) / G;
+    // this lane's rows: g and g + 8 of each m-tile (rows past the last read the last row's Q and write nothing)
+    auto row_of = [&](int i) { return wr0 + 16 * (i >> 1) + 8 * (i & 1) + g; };
+    auto q_off = [&](int r) {
+        r = min(r, rows - 1);
+        return (long long)(r / G) * n_head * FA_HD + (long long)(kvh * G + r % G) * FA_HD;
+    };
+    int lim[2 * FA_MT];
+#pragma unroll
+    for (int i = 0; i < 2 * FA_MT; ++i) lim[i] = pos0 + min(row_of(i), rows - 1) / G;
     const long long head_base = (long long)kvh * max_ctx;
     // shared memory: two fp16 K/V stages, Q (FA_QSM), int8's two raw stages
     const uint32_t sm0 = fa_smem_addr(fa_sm);
@@ -323,37 +363,49 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
         fa_commit();
     }
 
-    // Q as A fragments (rows g, g+8; columns 2*t4.. and 2*t4+8..), scaled by scale * log2(e) for exp2
+    // Q as A fragments (rows g, g+8 of each m-tile; columns 2*t4.. and 2*t4+8..), scaled by scale * log2(e) for exp2
     const float qs = scale * 1.4426950408889634f;
-    uint32_t qa[FA_QR][4];
-    // FA_QSM: the warp's 16 rows of Q, rows g and g + 8 of this lane at columns 2 t4 (+8) of each 16
-    unsigned char* qw = fa_sm + 2 * FA_STAGE_B + warp * 16 * FA_LD * 2;
+    uint32_t qa[FA_MT][FA_QR][4];
+    // FA_QSM: the warp's rows of Q in shared memory, each lane's at its fragments' places
+    unsigned char* qw = fa_sm + 2 * FA_STAGE_B + warp * 16 * FA_MT * FA_LD * 2;
 #pragma unroll
-    for (int kk = 0; kk < FA_KS; ++kk) {
-        const int c = 16 * kk + 2 * t4;
-        const float2 a0 = *reinterpret_cast<const float2*>(q + qo_a + c);
-        const float2 a1 = *reinterpret_cast<const float2*>(q + qo_b + c);
-        const float2 a2 = *reinterpret_cast<const float2*>(q + qo_a + c + 8);
-        const float2 a3 = *reinterpret_cast<const float2*>(q + qo_b + c + 8);
-        const uint32_t f0 = fa_pack2(a0.x * qs, a0.y * qs), f1 = fa_pack2(a1.x * qs, a1.y * qs);
-        const uint32_t f2 = fa_pack2(a2.x * qs, a2.y * qs), f3 = fa_pack2(a3.x * qs, a3.y * qs);
-        if (FA_QSM) {
-            *reinterpret_cast<uint32_t*>(qw + (g * FA_LD + c) * 2) = f0;
-            *reinterpret_cast<uint32_t*>(qw + ((g + 8) * FA_LD + c) * 2) = f1;
-            *reinterpret_cast<uint32_t*>(qw + (g * FA_LD + c + 8) * 2) = f2;
-            *reinterpret_cast<uint32_t*>(qw + ((g + 8) * FA_LD + c + 8) * 2) = f3;
-        } else {
-            qa[FA_QSM ? 0 : kk][0] = f0;
-            qa[FA_QSM ? 0 : kk][1] = f1;
-            qa[FA_QSM ? 0 : kk][2] = f2;
-            qa[FA_QSM ? 0 : kk][3] = f3;
+    for (int mt = 0; mt < FA_MT; ++mt) {
+        const long long qo_a = q_off(row_of(2 * mt)), qo_b = q_off(row_of(2 * mt + 1));
+#pragma unroll
+        for (int kk = 0; kk < FA_KS; ++kk) {
+            const int c = 16 * kk + 2 * t4;
+            const float2 a0 = *reinterpret_cast<const float2*>(q + qo_a + c);
+            const float2 a1 = *reinterpret_cast<const float2*>(q + qo_b + c);
+            const float2 a2 = *reinterpret_cast<const float2*>(q + qo_a + c + 8);
+            const float2 a3 = *reinterpret_cast<const float2*>(q + qo_b + c + 8);
+            const uint32_t f0 = fa_pack2(a0.x * qs, a0.y * qs), f1 = fa_pack2(a1.x * qs, a1.y * qs);
+            const uint32_t f2 = fa_pack2(a2.x * qs, a2.y * qs), f3 = fa_pack2(a3.x * qs, a3.y * qs);
+            if (FA_QSM) {
+                const int r = 16 * mt + g;
+                *reinterpret_cast<uint32_t*>(qw + (r * FA_LD + c) * 2) = f0;
+                *reinterpret_cast<uint32_t*>(qw + ((r + 8) * FA_LD + c) * 2) = f1;
+                *reinterpret_cast<uint32_t*>(qw + (r * FA_LD + c + 8) * 2) = f2;
+                *reinterpret_cast<uint32_t*>(qw + ((r + 8) * FA_LD + c + 8) * 2) = f3;
+            } else {
+                qa[mt][FA_QSM ? 0 : kk][0] = f0;
+                qa[mt][FA_QSM ? 0 : kk][1] = f1;
+                qa[mt][FA_QSM ? 0 : kk][2] = f2;
+                qa[mt][FA_QSM ? 0 : kk][3] = f3;
+            }
         }
     }
     __syncwarp();                                             // FA_QSM: the warp's Q rows before its ldmatrix reads
-    float o[FA_NO][4];
+    float o[FA_MT][FA_NO][4];
 #pragma unroll
-    for (int j = 0; j < FA_NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.f, l_b = 0.f;            // l: this lane's part of the row sums
+    for (int mt = 0; mt < FA_MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < FA_NO; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+    float m[2 * FA_MT], l[2 * FA_MT];                         // l: this lane's part of the row sums
+#pragma unroll
+    for (int i = 0; i < 2 * FA_MT; ++i) {
+        m[i] = NEG_INF;
+        l[i] = 0.f;
+    }
     // ldmatrix row addresses: K (plain) lanes 0-7 keys 0-7 dims d0.., 8-15 keys 0-7 at d0 + 8, 16-31 keys 8-15 the
     // same; V (transposed) lanes 0-7 keys 0-7, 8-15 keys 8-15 (dims d0..), 16-31 the same at d0 + 8
     const uint32_t k_lane = (uint32_t)((((lane & 7) + (lane >> 4) * 8) * FA_LD + ((lane >> 3) & 1) * 8) * 2);
@@ -379,8 +431,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
         }
         // warp-uniform: no key of this tile is visible to the warp's rows (or the warp has none)
         if (w_live && p0 <= w_last)
-            fa_tile(o, m_a, m_b, l_a, l_b, qa, q_lane, sm0 + cur * FA_STAGE_B, k_lane, v_lane, p0,
-                    p0 + FA_BN - 1 > w_first, lim_a, lim_b);
+            fa_tile(o, m, l, qa, q_lane, sm0 + cur * FA_STAGE_B, k_lane, v_lane, p0, p0 + FA_BN - 1 > w_first, lim);
         if (I8 && p0 + FA_BN < end) {
             // tile j + 1 (raw, issued two tiles ago: its own chunks only) into the other fp16 stage, which every warp
             // finished with before the last barrier; then tile j + 3 into the raw stage just emptied
@@ -392,16 +443,20 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
         }
     }
     fa_wait<0>();                                             // nothing in flight when the block exits
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-    const float ia = 1.f / l_a, ib = 1.f / l_b;
 #pragma unroll
-    for (int jo = 0; jo < FA_NO; ++jo) {
-        const int c = 8 * jo + 2 * t4;
-        if (ra < rows) *reinterpret_cast<float2*>(out + qo_a + c) = make_float2(o[jo][0] * ia, o[jo][1] * ia);
-        if (rb < rows) *reinterpret_cast<float2*>(out + qo_b + c) = make_float2(o[jo][2] * ib, o[jo][3] * ib);
+    for (int i = 0; i < 2 * FA_MT; ++i) {
+        float li = l[i];
+        li += __shfl_xor_sync(0xffffffffu, li, 1);
+        li += __shfl_xor_sync(0xffffffffu, li, 2);
+        const int r = row_of(i);
+        if (r < rows) {
+            const float inv = 1.f / li;
+            float* dst = out + q_off(r) + 2 * t4;
+#pragma unroll
+            for (int jo = 0; jo < FA_NO; ++jo)
+                *reinterpret_cast<float2*>(dst + 8 * jo) =
+                    make_float2(o[i >> 1][jo][2 * (i & 1)] * inv, o[i >> 1][jo][2 * (i & 1) + 1] * inv);
+        }
     }
 }
 
