@@ -230,6 +230,10 @@ def attend(mod, int8, T, n_head, n_kv, args):
 
 @pytest.mark.parametrize("T,pos0,n_head,n_kv,hd", SHAPES + SHAPES_4K)
 def test_flash_attn_f16(T, pos0, n_head, n_kv, hd):
+    check_f16(att_mod(hd), T, pos0, n_head, n_kv, hd)
+
+
+def check_f16(mod, T, pos0, n_head, n_kv, hd):
     rng = np.random.default_rng()
     max_ctx = pos0 + T + 40
     kc = np.full((n_kv, max_ctx, hd), np.nan, np.float16)         # past the chunk: never read
@@ -239,8 +243,8 @@ def test_flash_attn_f16(T, pos0, n_head, n_kv, hd):
     q = rng.standard_normal((T, n_head * hd)).astype(np.float32)
     out = cp.full((T, n_head * hd), np.nan, cp.float32)
     scale = 1.0 / np.sqrt(hd)
-    attend(att_mod(hd), False, T, n_head, n_kv, (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, I32(T), I32(pos0),
-                                                 I32(n_head), I32(n_kv), I32(hd), I32(max_ctx), F32(scale)))
+    attend(mod, False, T, n_head, n_kv, (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, I32(T), I32(pos0),
+                                         I32(n_head), I32(n_kv), I32(hd), I32(max_ctx), F32(scale)))
     ref = attention_ref(q, kc.astype(np.float64), vc.astype(np.float64), pos0, n_head, n_kv, hd, scale)
     # fp16 operands on tensor cores: q (scaled) and the softmax weights are rounded to fp16, ~2^-11 each
     got = out.get()
@@ -318,6 +322,39 @@ def test_int8_kv_store_and_attention(T, pos0, n_head, n_kv, hd):
     # tensor cores round q and the softmax weights to fp16)
     ref = attention_ref(d_q.get(), f16(K8), f16(V8), pos0, n_head, n_kv, hd, scale)
     assert rel(out.get(), ref) < 1e-3
+
+
+# The builds bench.prefill_attn --define can A/B against the default (32 rows a warp; 4 warps of 16 rows), at shapes
+# with partial blocks and diagonal tiles after earlier chunks, so a variant is known correct before it is timed.
+VARIANTS = [{"FA_MT": 2, "FA_WARPS": 4}, {"FA_WARPS": 4}]
+VARIANT_SHAPES = [(37, 5, 8, 2, 128), (300, 129, 16, 2, 128), (150, 300, 4, 4, 64), (33, 31, 6, 2, 96),
+                  (512, 3584, 32, 4, 128)]
+
+
+@pytest.mark.parametrize("defs", VARIANTS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("T,pos0,n_head,n_kv,hd", VARIANT_SHAPES)
+def test_flash_attn_variant_builds(defs, T, pos0, n_head, n_kv, hd):
+    mod = kernels.load("prefill_attn", {**defs, **({} if hd == 128 else {"FA_HD": hd})})
+    check_f16(mod, T, pos0, n_head, n_kv, hd)
+    # int8: a cache quantized here (the store kernel has its own test above), NaN scales past the chunk
+    rng = np.random.default_rng()
+    max_ctx = pos0 + T + 40
+    kq, vq = (rng.integers(-127, 128, (n_kv, max_ctx, hd), dtype=np.int8) for _ in range(2))
+    ks, vs = (np.full((n_kv, max_ctx, hd // 32), np.nan, np.float32) for _ in range(2))
+    for sc in (ks, vs):
+        sc[:, :pos0 + T] = rng.uniform(0.005, 0.02, (n_kv, pos0 + T, hd // 32))
+    q = rng.standard_normal((T, n_head * hd)).astype(np.float32)
+    out = cp.full((T, n_head * hd), np.nan, cp.float32)
+    scale = 1.0 / np.sqrt(hd)
+    attend(mod, True, T, n_head, n_kv, (cp.asarray(q), cp.asarray(kq), cp.asarray(vq), cp.asarray(ks),
+                                        cp.asarray(vs), out, I32(T), I32(pos0), I32(n_head), I32(n_kv), I32(hd),
+                                        I32(max_ctx), F32(scale)))
+    n = pos0 + T
+    K8, V8 = dequant_i8(kq[:, :n], ks[:, :n]), dequant_i8(vq[:, :n], vs[:, :n])
+    ref = attention_ref(q, f16(K8), f16(V8), pos0, n_head, n_kv, hd, scale)
+    got = out.get()
+    assert np.isfinite(got).all()
+    assert rel(got, ref) < 1e-3
 
 
 # Every other type the decode path reads, at one size, after the rest (a misaligned load would poison the context for
