@@ -11,12 +11,13 @@
 // its output, and multiplies P (the same registers, repacked as fp16) by V. Row r of the T * G rows of a KV head is
 // token r / G, head kvh * G + r % G, so the G query heads that share a KV head read each K/V tile once, and 8 warps
 // share each tile that the block brings in (the first version had 4: twice the L2 reads per query row).
-// Loads overlap the tensor cores: fp16 tiles come global -> shared by 16-byte cp.async into the other of two stages
-// while this one is multiplied; int8 tiles come raw by cp.async two tiles ahead, and each thread dequantizes the
-// chunks it copied itself (its own cp.async data needs no barrier) into the other fp16 stage after its warp's
-// multiplies, so one __syncthreads per tile orders everything. Fragments come from shared memory by ldmatrix (K
-// plain, V transposed). Causal prompts over 48 layers x 32 heads at 4K are ~6.6 TFLOP: the first tensor-core version
-// (4 warps, synchronous loads, scalar K reads) ran them at ~100 TFLOP/s on the H200.
+// Loads overlap the tensor cores: fp16 tiles come global -> shared by 16-byte cp.async into a ring of FA_STAGES (3),
+// the next two loading while this one is multiplied; int8 tiles come raw by cp.async two tiles ahead, and each
+// thread dequantizes the chunks it copied itself (its own cp.async data needs no barrier) into the other of two fp16
+// stages after its warp's multiplies, so one __syncthreads per tile orders everything. Fragments come from shared
+// memory by ldmatrix (K plain, V transposed). Causal prompts over 48 layers x 32 heads at 4K are ~6.6 TFLOP: the
+// first tensor-core version (4 warps, synchronous loads, scalar K reads) ran them at ~100 TFLOP/s on the H200.
+// A/B builds (bench.prefill_attn --define): FA_WARPS, FA_MT (2: 32 rows a warp), FA_STAGES, FA_BN, FA_MINB.
 // Head dims are compile-time (FA_HD, default 128; the pass loads the module with the model's head_dim).
 // The launch shape (rows per block, threads, dynamic shared memory per KV format) comes from the module itself
 // (flash_attn_shape, read by engine/cuda/prefill_streamed.py attn_kernel), so a launch cannot disagree with the build.
@@ -41,6 +42,12 @@
 #if FA_MT < 1 || FA_MT > 2 || FA_MT * FA_HD > 256
 #error "FA_MT is 1, or 2 up to head_dim 128 (two m-tiles' outputs at hd 256 alone would take 256 registers)"
 #endif
+#ifndef FA_STAGES
+#define FA_STAGES 3                      // fp16 K/V stages: tiles j+1 and j+2 load while j is multiplied
+#endif
+#if FA_STAGES < 2
+#error "FA_STAGES is at least 2"
+#endif
 #define FA_THREADS (32 * FA_WARPS)
 #define FA_BM (16 * FA_MT * FA_WARPS)    // query rows per block
 #ifndef FA_BN                            // keys per tile (hd 256, 64 keys: 285 KB of shared memory for int8)
@@ -56,7 +63,7 @@
 #define FA_RCH (FA_BN * FA_HD / 16)      // 16-byte int8 chunks per K or V tile
 #define FA_RAW_B (2 * FA_RCH * 16 + 2 * FA_RCH * 4)    // int8 K, V, then one scale per chunk of each
 #define FA_Q_B (FA_QSM ? FA_BM * FA_LD * 2 : 0)      // Q in shared memory (FA_QSM)
-#define FA_SMEM_F16 (2 * FA_STAGE_B + FA_Q_B)
+#define FA_SMEM_F16 (FA_STAGES * FA_STAGE_B + FA_Q_B)
 #define FA_SMEM_I8 (2 * FA_STAGE_B + FA_Q_B + 2 * FA_RAW_B)
 
 // This build's launch shape: rows per block, threads per block, dynamic shared memory of flash_attn_f16 and of
@@ -342,9 +349,10 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
 #pragma unroll
     for (int i = 0; i < 2 * FA_MT; ++i) lim[i] = pos0 + min(row_of(i), rows - 1) / G;
     const long long head_base = (long long)kvh * max_ctx;
-    // shared memory: two fp16 K/V stages, Q (FA_QSM), int8's two raw stages
+    // shared memory: NST fp16 K/V stages, Q (FA_QSM), int8's two raw stages (int8 tiles run two ahead in those, so
+    // two fp16 stages suffice)
+    constexpr int NST = I8 ? 2 : FA_STAGES, Q0 = NST * FA_STAGE_B, RAW0 = Q0 + FA_Q_B;
     const uint32_t sm0 = fa_smem_addr(fa_sm);
-    constexpr int RAW0 = 2 * FA_STAGE_B + FA_Q_B;
     // tile p (keys p .. p + FA_BN - 1) into fp16 stage `stage` (fp16 cache) or raw stage `stage` (int8 cache)
     auto issue = [&](int stage, int p) {
         if (I8)
@@ -355,11 +363,11 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
                          end);
     };
 
-    // the first tiles start loading before Q is read: int8 two ahead, fp16 one
-    issue(0, 0);
-    fa_commit();
-    if (I8) {
-        if (FA_BN < end) issue(1, FA_BN);
+    // the first tiles start loading before Q is read: int8 two, fp16 NST - 1 (one commit group a tile, empty past end)
+    constexpr int AHEAD = I8 ? 2 : NST - 1;
+#pragma unroll
+    for (int t = 0; t < AHEAD; ++t) {
+        if (t * FA_BN < end) issue(t, t * FA_BN);
         fa_commit();
     }
 
@@ -367,7 +375,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
     const float qs = scale * 1.4426950408889634f;
     uint32_t qa[FA_MT][FA_QR][4];
     // FA_QSM: the warp's rows of Q in shared memory, each lane's at its fragments' places
-    unsigned char* qw = fa_sm + 2 * FA_STAGE_B + warp * 16 * FA_MT * FA_LD * 2;
+    unsigned char* qw = fa_sm + Q0 + warp * 16 * FA_MT * FA_LD * 2;
 #pragma unroll
     for (int mt = 0; mt < FA_MT; ++mt) {
         const long long qo_a = q_off(row_of(2 * mt)), qo_b = q_off(row_of(2 * mt + 1));
@@ -421,12 +429,14 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
         fa_commit();
         __syncthreads();
     }
-    for (int j = 0, p0 = 0; p0 < end; ++j, p0 += FA_BN) {
-        const int cur = j & 1, nxt = cur ^ 1;
+    for (int p0 = 0, cur = 0; p0 < end; p0 += FA_BN, cur = cur + 1 == NST ? 0 : cur + 1) {
+        // tile j (keys from p0) is in stage cur; nxt, tile j - 1's, is free once every warp has passed tile j's
+        // barrier: fp16 loads tile j + NST - 1 into it, int8 dequantizes tile j + 1 into it
+        const int nxt = cur == 0 ? NST - 1 : cur - 1;
         if (!I8) {
-            fa_wait<0>();                                     // this thread's part of tile j is in
+            fa_wait<NST - 2>();                               // this thread's part of tile j is in
             __syncthreads();                                  // everyone's is; everyone is done with tile j - 1's stage
-            if (p0 + FA_BN < end) issue(nxt, p0 + FA_BN);
+            if (p0 + (NST - 1) * FA_BN < end) issue(nxt, p0 + (NST - 1) * FA_BN);
             fa_commit();
         }
         // warp-uniform: no key of this tile is visible to the warp's rows (or the warp has none)

@@ -324,9 +324,10 @@ def test_int8_kv_store_and_attention(T, pos0, n_head, n_kv, hd):
     assert rel(out.get(), ref) < 1e-3
 
 
-# The builds bench.prefill_attn --define can A/B against the default (32 rows a warp; 4 warps of 16 rows), at shapes
-# with partial blocks and diagonal tiles after earlier chunks, so a variant is known correct before it is timed.
-VARIANTS = [{"FA_MT": 2, "FA_WARPS": 4}, {"FA_WARPS": 4}]
+# The builds bench.prefill_attn --define can A/B against the default (32 rows a warp; 4 warps of 16 rows; two fp16
+# stages), at shapes with partial blocks and diagonal tiles after earlier chunks, so a variant is known correct
+# before it is timed.
+VARIANTS = [{"FA_MT": 2, "FA_WARPS": 4}, {"FA_WARPS": 4}, {"FA_STAGES": 2}]
 VARIANT_SHAPES = [(37, 5, 8, 2, 128), (300, 129, 16, 2, 128), (150, 300, 4, 4, 64), (33, 31, 6, 2, 96),
                   (512, 3584, 32, 4, 128)]
 
