@@ -53,6 +53,9 @@
 #ifndef FA_BN                            // keys per tile (hd 256, 64 keys: 285 KB of shared memory for int8)
 #define FA_BN (FA_HD * FA_MT > 128 ? 32 : 64)
 #endif
+#if FA_BN % 16 != 0
+#error "FA_BN must be a multiple of 16 (P V takes keys 16 at a time)"
+#endif
 // Q's A fragments stay in registers up to 128 values a row (hd x m-tiles); at hd 256 they would take 64 of the 255
 // registers next to the output's 128 (ptxas spills), so each warp parks its rows in shared memory and reads them
 // back by ldmatrix
