@@ -206,12 +206,11 @@ __global__ void router_predict(const uint8_t* __restrict__ W, long long row_byte
 //    (null for the miss copy).
 // Any grid and any block size that is a multiple of 32 works (the tests use small ones); prefetch.py's choice is
 // explained at COPY_BLOCKS.
-// The link's priority count (prio): a copy some layer's experts will wait for (raise_prio 1: the depth-1 prefetch
-// copy, the miss copy) adds one while it copies; a background copy (raise_prio 0: the lookahead) waits before each
-// round of loads while the count is above zero, so it only fills the link's idle time. Sharing the link does not
-// follow the loads in flight: the H200 trace at 12 GiB (2026-11-30) showed a 128-block miss copy of one expert take
-// 152 us beside a 32-block prefetch copy of three (162 us), against 58 us alone. The wait is bounded (PF_YIELD_NS),
-// so a count left up by a failed launch slows the background copies down but never hangs them.
+// The link's priority flag (prio): the miss copy, on the critical path, raises it while it copies and every other
+// copy's warps wait before each round of loads while it is up. Sharing the link did not follow the loads in flight:
+// the H200 trace at 12 GiB (2026-11-30) showed a 128-block miss copy of one expert take 152 us beside a 32-block
+// prefetch copy of three (162 us), against 58 us alone. The wait is bounded (PF_YIELD_NS), so a flag left up by a
+// failed launch slows the copies down but never hangs them.
 #define PF_YIELD_NS 400000ull     // 400 us: more than a miss copy of k = 8 experts (~8 x 58 us)
 
 __device__ __forceinline__ unsigned long long pf_now_ns() {
@@ -264,7 +263,7 @@ extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table,
     const unsigned int total = n * units;
     const unsigned int gwarp = blockIdx.x * nwarps + warp, gwarps = gridDim.x * nwarps;
     const unsigned int chunk = 32u * PF_LOADS;
-    if (prio && raise_prio && n && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(prio, 1);
+    if (prio && raise_prio && n && blockIdx.x == 0 && threadIdx.x == 0) atomicExch(prio, 1);
     for (unsigned int base = gwarp * chunk + lane; base < total; base += gwarps * chunk) {
         if (prio && !raise_prio) pf_yield(prio);
         uint4 v[PF_LOADS];
@@ -298,7 +297,7 @@ extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table,
             rec[0] = layer;
             rec[1] = n;
             if (n) atomicAdd(staged_ctr, (unsigned long long)n);
-            if (prio && raise_prio && n) atomicSub(prio, 1);       // every block's loads are done
+            if (prio && raise_prio && n) atomicExch(prio, 0);      // every block's loads are done
         }
         __threadfence();
     }

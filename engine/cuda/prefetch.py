@@ -47,14 +47,13 @@ file-only) is copied by a grid of MISS_BLOCKS into a miss bank (two, by layer pa
 next miss copy and at the step's end) and its entry pointed there, so the expert kernels read VRAM. Per layer:
     event -> [side] prefetch_copy(l+1) -> event done[l+1];  wait done[l] -> miss_copy(l)
 The next copy is forked before the join, as without late misses, so it queues on the side stream right behind layer
-l's and the link has no gap between them. The first version forked it after the miss copy, so that nothing competed
+l's and the link has no gap between them; while the miss copy runs, it raises a flag in device memory (`prio`) that
+the other copies' warps wait on before each round of loads (bounded: prefetch.cu pf_yield), so the critical-path copy
+has the link to itself. The first version forked it after the miss copy, so that nothing competed
 with the critical-path copy, but then the link idled from the end of layer l's copy to the end of the join and the
 miss copy: the H200 trace at 12 GiB, depth 1 (2026-11-30, bench.decode_trace) showed 3.43 ms of prefetch copies and
-0.88 ms of miss copies (13 experts) a step against 3.6 ms of compute, in a 6.1 ms step. Forking first measured the
-same (181.3 tok/s against 181.4): the miss copy then shared the link and slowed down by as much. Having the next
-prefetch copy wait while a miss copy ran (a flag in device memory) made the miss copies fast again (58-81 us for one
-expert instead of up to 152) and still measured the same (183.5): both copies are on the critical path, and in a
-layer where the link is the bottleneck only fewer bytes help.
+0.88 ms of miss copies (13 experts) a step against 3.6 ms of compute, in a 6.1 ms step. Forking first without the
+flag measured the same (181.3 tok/s against 181.4): the miss copies shared the link and slowed down by as much.
 The miss copy runs at every layer, the first too (nothing predicts it), and at both depths; a layer with no late miss
 costs its launch (~3 us, not yet measured). Its counters: `fetched` (stats[6]) only, so the prediction counters
 stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies alone reads each layer's routing of the
@@ -65,18 +64,13 @@ Lookahead (--prefetch-lookahead, depth 1 only): depth 1's copy for layer l+1 can
 and the link work a layer brings is lumpy: the H200 trace at 12 GiB (2026-11-30) showed layers with nothing to copy
 (the link idle for a whole layer's ~75 us of compute) beside layers with three predicted misses (a 163 us copy the
 experts wait ~85 us for), the link busy ~65% of a step on average. With the lookahead, layer l's router launch also
-runs layer l+2's router on the same FFN input (a third block group of router_predict: no launch of its own), and a
-third stream copies the experts that guess names into lookahead bank (l+2) % 3. Layer l+2's own depth-1 copy skips
-what is staged already (the staging range is its second VRAM range), so a heavy layer's copying starts early, in the
-link time a light layer left. It is a background copy: the copies a layer waits for (depth-1 and miss copies) count
-themselves into `prio` while they copy, and the lookahead's threads wait while the count is up (prefetch.cu
-pf_yield), so its wrong guesses take only idle link time. No join waits for it: a depth-1 or miss copy that starts
-before it staged an expert copies that expert again (the same bytes; either table entry is right, and both banks
-record the arena address to restore). The step's finish waits for it before restoring the banks.
-The first version queued the lookahead on the side stream behind each depth-1 copy: 179.3 tok/s against 183.5
-without it (12 GiB, H200), its extra 30 MB a token delaying the next depth-1 copy.
+runs layer l+2's router on the same FFN input (a third block group of router_predict: no launch of its own), and
+right after layer l+1's copy (after its done record, so layer l+1's join does not wait for it) the side stream copies
+the experts that guess names into lookahead bank (l+2) % 3. Layer l+2's own depth-1 copy, forked a layer later,
+skips what is staged already (the staging range is its second VRAM range), so a heavy layer's copying starts a layer
+early, in the link time a light layer left. The cost: the depth-2 guess's wrong experts cross the link too.
 Per layer l (with late misses):
-    event -> [side] prefetch_copy(l+1) -> event done[l+1];  [look] look_copy(l+2);  wait done[l] -> miss_copy(l)
+    event -> [side] prefetch_copy(l+1) -> event done[l+1] -> look_copy(l+2);  wait done[l] -> miss_copy(l)
 
 Cost (H200, Qwen3-30B-A3B shape at 12 GiB, the 01:20 run of the first version: 151.6 tok/s): predict was a launch
 of its own, 17 us a layer on the critical path (806 us a step). The per-kind profile's "prefetch" figure (6.77 ms
@@ -103,7 +97,7 @@ COPY_BLOCKS = 32
 # The miss copy's grid (module docstring, "Late misses"): 4 MiB in flight, more than an expert's 2.65 MB, so its whole
 # blob is requested at once; on the main stream nothing else runs beside it, so the blocks take no SM time from other
 # work. Loads in flight did not win it the link, though (a 1-expert miss copy of 128 blocks took 152 us beside a
-# 32-block prefetch copy, H200 trace); it shares it with the next depth-1 copy, both on the critical path.
+# 32-block prefetch copy, H200 trace): the priority flag does (prefetch.cu pf_yield).
 MISS_BLOCKS = 4 * COPY_BLOCKS
 COPY_THREADS = 256
 COPY_LOADS = 8             # cuda_src/prefetch.cu PF_LOADS
@@ -311,15 +305,9 @@ class Prefetcher:
             self.stats = cp.zeros(STATS, dtype=cp.uint64)
             # predict's, copy's, miss copy's, lookahead copy's last-block counters
             self.counters = cp.zeros(4, dtype=cp.int32)
-            # the link's priority count (prefetch.cu pf_yield): the copies some layer waits for (depth-1, miss)
-            # count themselves in while they copy; the lookahead's wait while it is above zero
+            # the link's priority flag (prefetch.cu pf_yield): up while a miss copy runs; the other copies wait
             self.prio = cp.zeros(1, dtype=cp.int32)
         self.side = cp.cuda.Stream(non_blocking=True)
-        # the lookahead's own stream: its copies wait for nothing but their prediction and never delay the side
-        # stream's depth-1 copies (they yield the link to them: prio)
-        self.look_stream = cp.cuda.Stream(non_blocking=True) if lookahead else None
-        self.look_done = cp.cuda.Event(disable_timing=True)
-        self._look_pending = False
         self.done = [cp.cuda.Event(disable_timing=True) for _ in range(self.n_layer)]
         self.forked = cp.cuda.Event(disable_timing=True)
         self.finished = cp.cuda.Event(disable_timing=True)
@@ -409,7 +397,6 @@ class Prefetcher:
         (forked `depth` layers earlier, or at layer 0 for layer 1)."""
         if li == 0:
             self._pending.clear()       # a capture that failed part-way left nothing to join
-            self._look_pending = False
         targets = self.targets(li)
         fused = self.fused(li)
         if not fused:
@@ -420,7 +407,7 @@ class Prefetcher:
         if not targets and self.depth > 1:
             self.launch_note(li)        # depth 1's last layer is noted by prefetch_finish instead
         # fork first: the side stream's next copy queues behind this layer's and the link never waits for the join
-        # (module docstring, "Late misses")
+        # (module docstring, "Late misses"); the miss copy after the join takes the link from it (prio)
         self._fork(targets)
         self._join(li)
         if self.fetch_misses:
@@ -436,14 +423,12 @@ class Prefetcher:
                 self.launch_copy(m)
             self.done[m].record(self.side)
             self._pending.add(m)
-        # on its own stream: no join waits for it, and it takes the link only while no other copy has it
-        # (module docstring, "Lookahead")
+        # after the done record: layer m's join does not wait for it; it queues on the link behind layer m's copy
+        # and fills the link while layers with nothing to copy compute (module docstring, "Lookahead")
         la = getattr(self, "_looked", None)
         if la is not None:
-            self.look_stream.wait_event(self.forked)
-            with self.look_stream:
+            with self.side:
                 self.launch_look(la)
-            self._look_pending = True
             self._looked = None
 
     def _join(self, li: int):
@@ -456,10 +441,6 @@ class Prefetcher:
         main = self.step.stream
         self.forked.record(main)
         self.side.wait_event(self.forked)
-        if self._look_pending:          # the lookahead banks are restored after their last copy
-            self.look_done.record(self.look_stream)
-            self.side.wait_event(self.look_done)
-            self._look_pending = False
         with self.side:
             self.launch_finish()
         self.finished.record(self.side)
@@ -517,7 +498,11 @@ class Prefetcher:
                      self._ptr(self.staging, b * k * self.stride), I64(self.stride), U32(self.units),
                      U64(self.slot_lo), U64(self.slot_hi), U64(lo), U64(hi), self._ptr(self.rec[b]),
                      self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 2),
-                     self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 4), self._ptr(self.prio), I32(1)))
+                     self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 4), self._yield_to(), I32(0)))
+
+    def _yield_to(self):
+        """The priority flag a prefetch or lookahead copy waits on (null without late misses: nothing raises it)."""
+        return self._ptr(self.prio) if self.fetch_misses else np.uint64(0)
 
     def launch_look(self, m: int):
         """The lookahead copy of layer m (predicted at layer m-2, look_pred[m]) into lookahead bank m % 3, after the
@@ -531,7 +516,7 @@ class Prefetcher:
                      self._ptr(self.staging, (self.banks + b) * k * self.stride), I64(self.stride), U32(self.units),
                      U64(self.slot_lo), U64(self.slot_hi), U64(0), U64(0), self._ptr(self.look_rec[b]),
                      self._ptr(self.look_rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 2),
-                     self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 12), self._ptr(self.prio), I32(0)))
+                     self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 12), self._yield_to(), I32(0)))
 
     def routing(self, li: int):
         """Where layer li's routing is when its miss copy runs: actual[li], noted by the layer's router_predict,
