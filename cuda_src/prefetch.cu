@@ -206,36 +206,13 @@ __global__ void router_predict(const uint8_t* __restrict__ W, long long row_byte
 //    (null for the miss copy).
 // Any grid and any block size that is a multiple of 32 works (the tests use small ones); prefetch.py's choice is
 // explained at COPY_BLOCKS.
-// The link's priority flag (prio): the miss copy, on the critical path, raises it while it copies and every other
-// copy's warps wait before each round of loads while it is up. Sharing the link did not follow the loads in flight:
-// the H200 trace at 12 GiB (2026-11-30) showed a 128-block miss copy of one expert take 152 us beside a 32-block
-// prefetch copy of three (162 us), against 58 us alone. The wait is bounded (PF_YIELD_NS), so a flag left up by a
-// failed launch slows the copies down but never hangs them.
-#define PF_YIELD_NS 400000ull     // 400 us: more than a miss copy of k = 8 experts (~8 x 58 us)
-
-__device__ __forceinline__ unsigned long long pf_now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-// Every thread polls for itself (one L2 word, the warp's reads coalesce): the copy loop's lanes leave it at different
-// rounds, so a warp-wide sync here could wait for lanes that are gone.
-__device__ __forceinline__ void pf_yield(const int* prio) {
-    if (*reinterpret_cast<const volatile int*>(prio)) {
-        const unsigned long long t0 = pf_now_ns();
-        while (*reinterpret_cast<const volatile int*>(prio) && pf_now_ns() - t0 < PF_YIELD_NS) __nanosleep(500);
-    }
-}
-
 extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table, int layer, int n_expert, int k,
                                          const int* __restrict__ pred, uint8_t* __restrict__ staging, long long stride,
                                          unsigned int units, unsigned long long slot_lo, unsigned long long slot_hi,
                                          unsigned long long stage_lo, unsigned long long stage_hi,
                                          int* __restrict__ rec, unsigned long long* __restrict__ rec_addr,
                                          const int* __restrict__ actual, unsigned long long* __restrict__ staged_ctr,
-                                         unsigned long long* __restrict__ used_ctr, int* __restrict__ counter,
-                                         int* __restrict__ prio, int raise_prio) {
+                                         unsigned long long* __restrict__ used_ctr, int* __restrict__ counter) {
     __shared__ unsigned long long src[PF_MAX_K];
     __shared__ int who[PF_MAX_K];
     __shared__ int n_sh;
@@ -263,9 +240,7 @@ extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table,
     const unsigned int total = n * units;
     const unsigned int gwarp = blockIdx.x * nwarps + warp, gwarps = gridDim.x * nwarps;
     const unsigned int chunk = 32u * PF_LOADS;
-    if (prio && raise_prio && n && blockIdx.x == 0 && threadIdx.x == 0) atomicExch(prio, 1);
     for (unsigned int base = gwarp * chunk + lane; base < total; base += gwarps * chunk) {
-        if (prio && !raise_prio) pf_yield(prio);
         uint4 v[PF_LOADS];
 #pragma unroll
         for (int i = 0; i < PF_LOADS; ++i) {
@@ -297,7 +272,6 @@ extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table,
             rec[0] = layer;
             rec[1] = n;
             if (n) atomicAdd(staged_ctr, (unsigned long long)n);
-            if (prio && raise_prio && n) atomicExch(prio, 0);      // every block's loads are done
         }
         __threadfence();
     }

@@ -47,13 +47,11 @@ file-only) is copied by a grid of MISS_BLOCKS into a miss bank (two, by layer pa
 next miss copy and at the step's end) and its entry pointed there, so the expert kernels read VRAM. Per layer:
     event -> [side] prefetch_copy(l+1) -> event done[l+1];  wait done[l] -> miss_copy(l)
 The next copy is forked before the join, as without late misses, so it queues on the side stream right behind layer
-l's and the link has no gap between them; while the miss copy runs, it raises a flag in device memory (`prio`) that
-the other copies' warps wait on before each round of loads (bounded: prefetch.cu pf_yield), so the critical-path copy
-has the link to itself. The first version forked it after the miss copy, so that nothing competed
+l's and the link has no gap between them. The first version forked it after the miss copy, so that nothing competed
 with the critical-path copy, but then the link idled from the end of layer l's copy to the end of the join and the
 miss copy: the H200 trace at 12 GiB, depth 1 (2026-11-30, bench.decode_trace) showed 3.43 ms of prefetch copies and
-0.88 ms of miss copies (13 experts) a step against 3.6 ms of compute, in a 6.1 ms step. Forking first without the
-flag measured the same (181.3 tok/s against 181.4): the miss copies shared the link and slowed down by as much.
+0.88 ms of miss copies (13 experts) a step against 3.6 ms of compute, in a 6.1 ms step. The miss copy now shares
+the link with the next prefetch, and outweighs it four to one in loads in flight (MISS_BLOCKS).
 The miss copy runs at every layer, the first too (nothing predicts it), and at both depths; a layer with no late miss
 costs its launch (~3 us, not yet measured). Its counters: `fetched` (stats[6]) only, so the prediction counters
 stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies alone reads each layer's routing of the
@@ -94,10 +92,10 @@ import numpy as np
 # here at most ~20 us of link time, not a whole layer's copy; and 32 blocks take one block slot on a quarter of the
 # SMs (256 threads, ~12K registers of an SM's 64K), beside the latency-bound main-stream blocks.
 COPY_BLOCKS = 32
-# The miss copy's grid (module docstring, "Late misses"): 4 MiB in flight, more than an expert's 2.65 MB, so its whole
-# blob is requested at once; on the main stream nothing else runs beside it, so the blocks take no SM time from other
-# work. Loads in flight did not win it the link, though (a 1-expert miss copy of 128 blocks took 152 us beside a
-# 32-block prefetch copy, H200 trace): the priority flag does (prefetch.cu pf_yield).
+# The miss copy's grid (module docstring, "Late misses"): it shares the link with the side stream's next prefetch
+# copy, and PCIe serves reads roughly in proportion to those in flight, so 4x the blocks (4 MiB in flight, more than
+# an expert's 2.65 MB: its whole blob is requested at once) give the critical-path copy ~4/5 of the link. On the main
+# stream nothing else runs beside it, so the blocks take no SM time from other work.
 MISS_BLOCKS = 4 * COPY_BLOCKS
 COPY_THREADS = 256
 COPY_LOADS = 8             # cuda_src/prefetch.cu PF_LOADS
@@ -305,8 +303,6 @@ class Prefetcher:
             self.stats = cp.zeros(STATS, dtype=cp.uint64)
             # predict's, copy's, miss copy's, lookahead copy's last-block counters
             self.counters = cp.zeros(4, dtype=cp.int32)
-            # the link's priority flag (prefetch.cu pf_yield): up while a miss copy runs; the other copies wait
-            self.prio = cp.zeros(1, dtype=cp.int32)
         self.side = cp.cuda.Stream(non_blocking=True)
         self.done = [cp.cuda.Event(disable_timing=True) for _ in range(self.n_layer)]
         self.forked = cp.cuda.Event(disable_timing=True)
@@ -407,7 +403,7 @@ class Prefetcher:
         if not targets and self.depth > 1:
             self.launch_note(li)        # depth 1's last layer is noted by prefetch_finish instead
         # fork first: the side stream's next copy queues behind this layer's and the link never waits for the join
-        # (module docstring, "Late misses"); the miss copy after the join takes the link from it (prio)
+        # (module docstring, "Late misses"); the miss copy after the join outweighs it on the link
         self._fork(targets)
         self._join(li)
         if self.fetch_misses:
@@ -498,11 +494,7 @@ class Prefetcher:
                      self._ptr(self.staging, b * k * self.stride), I64(self.stride), U32(self.units),
                      U64(self.slot_lo), U64(self.slot_hi), U64(lo), U64(hi), self._ptr(self.rec[b]),
                      self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 2),
-                     self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 4), self._yield_to(), I32(0)))
-
-    def _yield_to(self):
-        """The priority flag a prefetch or lookahead copy waits on (null without late misses: nothing raises it)."""
-        return self._ptr(self.prio) if self.fetch_misses else np.uint64(0)
+                     self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 4)))
 
     def launch_look(self, m: int):
         """The lookahead copy of layer m (predicted at layer m-2, look_pred[m]) into lookahead bank m % 3, after the
@@ -516,7 +508,7 @@ class Prefetcher:
                      self._ptr(self.staging, (self.banks + b) * k * self.stride), I64(self.stride), U32(self.units),
                      U64(self.slot_lo), U64(self.slot_hi), U64(0), U64(0), self._ptr(self.look_rec[b]),
                      self._ptr(self.look_rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 2),
-                     self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 12), self._yield_to(), I32(0)))
+                     self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 12)))
 
     def routing(self, li: int):
         """Where layer li's routing is when its miss copy runs: actual[li], noted by the layer's router_predict,
@@ -539,8 +531,7 @@ class Prefetcher:
                      self._ptr(self.staging, (self.banks + self.look_banks + b) * k * self.stride), I64(self.stride),
                      U32(self.units), U64(self.slot_lo), U64(self.slot_hi), U64(self.stage_lo), U64(self.stage_hi),
                      self._ptr(self.miss_rec[b]), self._ptr(self.miss_rec_addr[b]), U64(0),
-                     self._ptr(self.stats, 8 * FETCHED), U64(0), self._ptr(self.counters, 8), self._ptr(self.prio),
-                     I32(1)))
+                     self._ptr(self.stats, 8 * FETCHED), U64(0), self._ptr(self.counters, 8)))
 
     def launch_finish(self):
         """The last layer's routing noted (depth 1; at depth 2 launch_note did it, against the depth-2 pair) and
