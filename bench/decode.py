@@ -2,7 +2,6 @@
 
     python -m bench.decode [--model data/models/qwen3-30b-a3b-q4k-g3.gguf] [--budgets all,24,16,12,8]
                            [--prompt 512] [--new 256] [--prefetch on|off|both] [--prefetch-depth 1|2|both]
-                           [--prefetch-lookahead on|off|both]
                            [--fetch-misses on|off|both] [--out bench.json]
 
 Makes the Qwen3-30B-A3B-shaped Q4_K model with tools/make_moe.py when it is not there (timed). One backend process:
@@ -106,9 +105,6 @@ def main(argv=None):
                     help="prefetch depth (default: the engine's default); both: each prefetching budget at 1 and 2")
     ap.add_argument("--fetch-misses", choices=("on", "off", "both"), default=None,
                     help="late-miss copy (default: the engine's default); both: each prefetching row on and off")
-    ap.add_argument("--prefetch-lookahead", choices=("on", "off", "both"), default=None,
-                    help="depth 1's copy of a guess two layers ahead (default: the engine's default); both: each "
-                         "depth-1 prefetching row on and off")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
                     help="also time a sampled pass (temperature/top_k/top_p/min_p, seeded) at the first budget")
@@ -129,11 +125,9 @@ def main(argv=None):
     modes = ["on", "off"] if a.prefetch == "both" else [a.prefetch]
     depths = [1, 2] if a.prefetch_depth == "both" else [int(a.prefetch_depth or DEFAULT_DEPTH)]
     fetches = ["on", "off"] if a.fetch_misses == "both" else [a.fetch_misses]
-    looks = ["on", "off"] if a.prefetch_lookahead == "both" else [a.prefetch_lookahead]
     be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True,
                                                                prefetch=modes[0], prefetch_depth=depths[0],
-                                                               fetch_misses=fetches[0],
-                                                               prefetch_lookahead=looks[0] if depths[0] == 1 else None))
+                                                               fetch_misses=fetches[0]))
     facts["load_s"] = round(time.perf_counter() - t0, 1)
     facts["arena_gib"] = round(be.arena.nbytes / 2**30, 2)
     facts["arena_fill_gib_s"] = round(be.arena.nbytes / 2**30 / be.arena.fill_seconds, 1)
@@ -152,15 +146,12 @@ def main(argv=None):
         be.resize_expert_cache(vram_budget_mib=None)
         run_pass(be, rng, a.prompt, a.new)
     # everything resident never prefetches: one row for it; prefetch off: one row whatever the depth and late copy
-    # the lookahead only at depth 1 (depth 2 predicts two layers ahead already)
-    runs = [(b, mode, d, f, lk) for b in a.budgets.split(",") for mode in (modes[:1] if b == "all" else modes)
+    runs = [(b, mode, d, f) for b in a.budgets.split(",") for mode in (modes[:1] if b == "all" else modes)
             for d in (depths[:1] if b == "all" or mode == "off" else depths)
-            for f in (fetches[:1] if b == "all" or mode == "off" else fetches)
-            for lk in (looks[:1] if b == "all" or mode == "off" else looks if d == 1 else [None])]
-    for b, mode, depth, fetch, look in runs:
+            for f in (fetches[:1] if b == "all" or mode == "off" else fetches)]
+    for b, mode, depth, fetch in runs:
         mib = None if b == "all" else int(float(b) * 1024)
         be.opts.prefetch, be.opts.prefetch_depth, be.opts.fetch_misses = mode, depth, fetch
-        be.opts.prefetch_lookahead = look
         slots = be.resize_expert_cache(vram_budget_mib=mib)
         used_mib = cp.get_default_memory_pool().total_bytes() / 2**20
         learn = run_pass(be, rng, a.prompt, a.new)
@@ -185,7 +176,6 @@ def main(argv=None):
                          of_pcie_ceiling=round(tps / pcie_ceiling, 3), of_hbm_ceiling=round(tps / hbm_ceiling, 3),
                          prompt_tok_s=round(a.prompt / m["prompt_s"], 1), swaps=be.cache.swaps,
                          prefetch="on" if ps else "off", prefetch_depth=be.step.prefetch.depth if ps else None,
-                         lookahead=("on" if be.step.prefetch.lookahead else "off") if ps else None,
                          fetch_misses=("on" if be.step.prefetch.fetch_misses else "off") if ps else None,
                          **pre, link_mb_per_token=round(link_bytes / 1e6, 2),
                          link_gbps=round(link_bytes * tps / 1e9, 1)))
@@ -206,8 +196,7 @@ def main(argv=None):
     print("| --- | --- | --- | --- |" + " ---: |" * 17)
     opt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
-        depth = f"{r['prefetch_depth']}{'+2' if r.get('lookahead') == 'on' else ''}" if r['prefetch_depth'] else "-"
-        print(f"| {r['budget']} | {r['prefetch']} | {depth} | {r['fetch_misses'] or '-'} | "
+        print(f"| {r['budget']} | {r['prefetch']} | {r['prefetch_depth'] or '-'} | {r['fetch_misses'] or '-'} | "
               f"{r['slots']}/{r['experts_total']} | "
               f"{r['hit_rate']:.3f} | "
               f"{r['tok_s']:.1f} | {r['pcie_mb_per_token']:.1f} | {r['pcie_gbps']:.1f} | "
@@ -225,7 +214,6 @@ def main(argv=None):
         kinds = list(dict.fromkeys(k for r in prof for k in r["profile_us"]))
         print("\nmicroseconds per decode step by kind of kernel (a graph of only that kind, replayed)")
         label = lambda r: (f"{r['budget']} {r['prefetch']}{'' if r['prefetch_depth'] in (None, 1) else ' d2'}"
-                           f"{' look' if r.get('lookahead') == 'on' else ''}"
                            f"{' late off' if r['fetch_misses'] == 'off' else ''}")
         print("| kind | " + " | ".join(label(r) for r in prof) + " |")
         print("| --- |" + " ---: |" * len(prof))

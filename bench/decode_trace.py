@@ -82,7 +82,6 @@ def main(argv=None):
     ap.add_argument("--prefetch-depth", type=int, choices=(1, 2), default=None)
     ap.add_argument("--fetch-misses", choices=("on", "off"), default=None,
                     help="the late-miss copy (default: the engine's); it shows as prefetch_copy on the main stream")
-    ap.add_argument("--prefetch-lookahead", choices=("on", "off"), default=None)
     ap.add_argument("--trace", type=Path, help="write the chrome trace here")
     a = ap.parse_args(argv)
 
@@ -99,8 +98,7 @@ def main(argv=None):
     model = open_model(a.model)
     be = CUDABackend(model, a.prompt + 512, CudaOptions(adapt_every=32, prefetch=a.prefetch,
                                                         prefetch_depth=a.prefetch_depth or DEFAULT_DEPTH,
-                                                        fetch_misses=a.fetch_misses,
-                                                        prefetch_lookahead=a.prefetch_lookahead))
+                                                        fetch_misses=a.fetch_misses))
     rng = np.random.default_rng(1)
     be.resize_expert_cache(vram_budget_mib=None)
     run_pass(be, rng, a.prompt, 256)                      # learn the routing heat with every expert resident

@@ -152,8 +152,7 @@ __global__ void predict(const float* __restrict__ x, const float* __restrict__ n
 // for it, and ranks the prediction for layer l+1. A separate predict launch sat on the critical path between the
 // router and the experts (~9-17 us a layer: a launch, a staging of x, a last-block sync of its own); here the two
 // routers' rows load side by side and share one last-block tail. Arguments: router_fused's, then predict's
-// (R2: layer l+1's router rows, logits2: its logits, pstats: the prefetch counters); counter: this kernel's own;
-// then, with --prefetch-lookahead, layer l+2's router rows R3 (null: none), logits3 and its top-k pred_out3.
+// (R2: layer l+1's router rows, logits2: its logits, pstats: the prefetch counters); counter: this kernel's own.
 template <int QT>
 __global__ void router_predict(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
                                const float* __restrict__ norm_w, float eps, int ncols, float* __restrict__ logits,
@@ -163,26 +162,17 @@ __global__ void router_predict(const uint8_t* __restrict__ W, long long row_byte
                                unsigned long long* __restrict__ stats, const uint8_t* __restrict__ R2,
                                long long row_bytes2, float* __restrict__ logits2, int* __restrict__ pred_out,
                                const int* __restrict__ pred_in, int check, int* __restrict__ actual,
-                               unsigned long long* __restrict__ pstats, int* __restrict__ counter,
-                               const uint8_t* __restrict__ R3, long long row_bytes3, float* __restrict__ logits3,
-                               int* __restrict__ pred_out3) {
-    // R3 (the lookahead: layer l+2's router on the same x, into pred_out3) adds a third group of nb blocks
-    const int nb = gridDim.x / (R3 ? 3 : 2);
-    const int part = blockIdx.x / nb;
-    const int r = (blockIdx.x - part * nb) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const uint8_t* M = part == 0 ? W : part == 1 ? R2 : R3;
-    const float s = row_dot<QT>(M, part == 0 ? row_bytes : part == 1 ? row_bytes2 : row_bytes3, r, n_expert, x,
-                                norm_w, eps, ncols);
-    if ((threadIdx.x & 31) == 0 && r < n_expert) (part == 0 ? logits : part == 1 ? logits2 : logits3)[r] = s;
+                               unsigned long long* __restrict__ pstats, int* __restrict__ counter) {
+    const int nb = gridDim.x / 2;
+    const bool next = blockIdx.x >= nb;
+    const int r = (blockIdx.x - (next ? nb : 0)) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const float s = row_dot<QT>(next ? R2 : W, next ? row_bytes2 : row_bytes, r, n_expert, x, norm_w, eps, ncols);
+    if ((threadIdx.x & 31) == 0 && r < n_expert) (next ? logits2 : logits)[r] = s;
     if (last_block(counter)) {
         route_block(logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
         __syncthreads();                           // ids written (by threads 0..k-1) before the note reads them
         if (threadIdx.x < 32) note_routing(ids, pred_in, check, actual, k, pstats);
         rank_topk(logits2, n_expert, k, pred_out);
-        if (R3) {
-            __syncthreads();                       // rank_topk's shared copy of the logits is reused
-            rank_topk(logits3, n_expert, k, pred_out3);
-        }
     }
 }
 

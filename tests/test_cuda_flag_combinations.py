@@ -17,16 +17,6 @@ def test_int8_kv_needs_the_streamed_prompt_pass():
     assert check_cuda_args(parse()) is None
 
 
-def test_prefetch_lookahead_needs_the_depth_1_prefetch():
-    from cuda_flags import check_choice
-    check_choice("--prefetch-lookahead", "prefetch_lookahead", "on", "2")
-    assert check_cuda_args(parse("--prefetch-lookahead", "on")) is None
-    assert check_cuda_args(parse("--prefetch-lookahead", "on", "--prefetch-depth", "1")) is None
-    assert check_cuda_args(parse("--prefetch-lookahead", "off", "--prefetch-depth", "2")) is None
-    assert "--prefetch-depth 1" in check_cuda_args(parse("--prefetch-lookahead", "on", "--prefetch-depth", "2"))
-    assert "--prefetch off" in check_cuda_args(parse("--prefetch-lookahead", "on", "--prefetch", "off"))
-
-
 def test_worker_exits_2_with_one_line(fixtures_dir):
     model = fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf"
     p = subprocess.run([sys.executable, str(ROOT / "strata_worker.py"), "--model", str(model), "--backend", "auto",

@@ -96,8 +96,7 @@ def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_20
 
 
 def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
-    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth=1, fetch=True, look=False:
-                        f"PF{depth}{'f' if fetch else ''}{'l' if look else ''}")
+    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth=1, fetch=True: f"PF{depth}{'f' if fetch else ''}")
     monkeypatch.setattr(pf, "DEFAULT_ON", True)
     logs = []
     st = _fake_step(16, 32)
@@ -109,10 +108,6 @@ def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
     st = _fake_step(16, 32)
     assert pf.attach(st, "on", logs.append, fetch_misses=True) == "PF1f"
     assert "next-layer prediction, 2 x 8 staging slots + 2 x 8 for late misses (81 MiB" in logs[-1]
-    st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append, fetch_misses=True, lookahead=True) == "PF1fl"
-    assert ("next-layer prediction, 2 x 8 staging slots + 3 x 8 for the lookahead two layers ahead + 2 x 8 for late "
-            "misses (142 MiB") in logs[-1]
     st = _fake_step(32, 32)
     assert pf.attach(st, "on", logs.append) is None and st.prefetch is None
     assert pf.attach(_fake_step(16, 32), "off", logs.append) is None
@@ -418,21 +413,18 @@ class _Buf:
         return _Buf(self.data.ptr + b * self.row_bytes)
 
 
-def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_misses=True, lookahead=False):
+def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_misses=True):
     """A Prefetcher with fake buffers and launch functions that record their arguments (name, grid + block, args)."""
     from types import SimpleNamespace as NS
     calls = []
     p = pf.Prefetcher.__new__(pf.Prefetcher)
     p.depth, p.banks, p.fetch_misses = depth, pf.banks(depth), fetch_misses
-    p.lookahead, p.look_banks = lookahead, pf.LOOK_BANKS if lookahead else 0
-    p.look_pred, p.look_logits = _Buf(2 * 10**7), _Buf(3 * 10**7)
-    p.look_rec, p.look_rec_addr = _Buf(6 * 10**7, 4 * (2 + k)), _Buf(7 * 10**7, 8 * k)
     p.n_layer, p.n_expert, p.k, p.stride, p.units, p.slot_lo, p.slot_hi = n_layer, n_expert, k, stride, 60, 1, 2
     p.smem = 0
     p.staging, p.pred, p.actual = _Buf(10**6), _Buf(2 * 10**6), _Buf(3 * 10**6)
     p.rec, p.rec_addr = _Buf(4 * 10**6, 4 * (2 + k)), _Buf(5 * 10**6, 8 * k)
     p.miss_rec, p.miss_rec_addr = _Buf(4 * 10**7, 4 * (2 + k)), _Buf(5 * 10**7, 8 * k)
-    p.stage_lo, p.stage_hi = 10**6, 10**6 + (p.banks + p.look_banks + 2 * fetch_misses) * k * stride
+    p.stage_lo, p.stage_hi = 10**6, 10**6 + (p.banks + 2 * fetch_misses) * k * stride
     p.table, p.stats, p.counters, p.logits = _Buf(6 * 10**6), _Buf(7 * 10**6), _Buf(8 * 10**6), _Buf(9 * 10**6)
     rec = lambda name: lambda grid, block, args, **kw: calls.append((name, grid + block, [int(a) for a in args]))
     p.f_copy, p.f_finish, p.f_restore = rec("copy"), rec("finish"), rec("restore")
@@ -518,91 +510,6 @@ def test_launch_pointers(depth):
     q, calls = _pointer_prefetcher(depth, fetch_misses=False)
     q.launch_finish()
     assert [c[0] for c in calls] == ["finish"] + ["restore"] * (depth - 1)
-
-
-def test_lookahead_pointers():
-    """--prefetch-lookahead: layer li's router launch adds layer li+2's router (a third block group, its top-k into
-    look_pred[li+2]); the lookahead copy of layer m goes into lookahead bank m % 3 past the staging banks, as the
-    first writer of layer m's entries (no second range), with its own last-block counter; the depth-1 copy then skips
-    what it staged (the staging range as its second range); the miss banks sit past the lookahead banks; the finish
-    restores the lookahead banks too."""
-    k, stride, n_layer = 4, 1024, 6
-    p, calls = _pointer_prefetcher(1, n_layer=n_layer, lookahead=True)
-    p.fused = lambda li: li + 1 < n_layer
-    nb = (p.n_expert + pf.PREDICT_WARPS - 1) // pf.PREDICT_WARPS
-    for li in range(n_layer - 1):
-        calls.clear()
-        assert p.enqueue_router(li)
-        (_, grid, a), = calls
-        if li + 2 < n_layer:
-            assert grid[0] == 3 * nb and p._looked == li + 2
-            assert a[27] == 100 + li + 2 and a[28] == 8
-            assert a[29] == p.look_logits.data.ptr and a[30] == p.look_pred.data.ptr + 4 * k * (li + 2)
-        else:
-            assert grid[0] == 2 * nb and p._looked is None and a[27] == 0
-    for m in range(2, n_layer):
-        calls.clear()
-        p.launch_look(m)
-        (name, grid, a), = calls
-        b = m % pf.LOOK_BANKS
-        assert name == "copy" and grid == (pf.COPY_BLOCKS, pf.COPY_THREADS) and a[1] == m
-        assert a[4] == p.look_pred.data.ptr + 4 * k * m
-        assert a[5] == p.staging.data.ptr + (p.banks + b) * k * stride
-        assert a[10] == a[11] == 0
-        assert a[12] == p.look_rec.data.ptr + b * 4 * (2 + k) and a[13] == p.look_rec_addr.data.ptr + b * 8 * k
-        assert a[15] == p.stats.data.ptr + 8 * 2 and a[16] == p.stats.data.ptr + 8 * 3
-        assert a[17] == p.counters.data.ptr + 12
-        calls.clear()
-        p.launch_copy(m)
-        (_, _, a), = calls
-        assert (a[10], a[11]) == (p.stage_lo, p.stage_hi)
-        calls.clear()
-        p.launch_miss(m)
-        (_, _, a), = calls
-        assert a[5] == p.staging.data.ptr + (p.banks + pf.LOOK_BANKS + m % 2) * k * stride
-        assert a[5] + k * stride <= p.stage_hi
-    calls.clear()
-    p.launch_finish()
-    look = [c for c in calls if c[0] == "restore" and c[2][3] == p.look_rec.data.ptr]
-    assert len(look) == 1 and look[0][1] == (1, 32 * pf.LOOK_BANKS) and look[0][2][4] == p.look_rec_addr.data.ptr
-    # without the lookahead: no third router, the depth-1 copy's entries are its own
-    q, qcalls = _pointer_prefetcher(1, n_layer=n_layer)
-    q.fused = lambda li: li + 1 < n_layer
-    q.enqueue_router(0)
-    (_, grid, a), = qcalls
-    assert grid[0] == 2 * nb and a[27] == 0
-    qcalls.clear()
-    q.launch_copy(1)
-    assert qcalls[0][2][10] == qcalls[0][2][11] == 0
-
-
-def test_fork_order_with_lookahead():
-    """The lookahead copy of layer li+2 is forked with layer li+1's depth-1 copy, after that copy's done record (layer
-    li+1's join does not wait for it) and before layer li+2's depth-1 copy (which skips what it staged); each layer
-    from 2 on gets one, and a layer whose router launch did not predict (the last) forks none."""
-    n = 5
-    p, log = _fake_prefetcher(n, fetch_misses=True)
-    p.lookahead = True
-    p.fused = lambda li: li + 1 < n
-    p.launch_look = lambda m: log.ops.append(("look", m))
-    for li in range(n):
-        log.ops.append(("router", li))
-        p._looked = p.look_target(li) if p.fused(li) else None      # what enqueue_router leaves
-        p.enqueue(li)
-        log.ops.append(("experts", li))
-    ops = [o for o in log.ops if o[0] not in ("enter", "exit")]
-    looks = [o[1] for o in ops if o[0] == "look"]
-    assert looks == list(range(2, n))
-    for m in looks:
-        i = ops.index(("look", m))
-        assert ops.index(("record", f"done{m - 1}", "side")) < i < ops.index(("copy", m))
-        assert i < ops.index(("record", f"done{m}", "side"))
-        assert ops.index(("router", m - 2)) < i < ops.index(("experts", m - 2))
-    assert pf.vram_staging_slots(8, 1, True, True) == (2 + 3 + 2) * 8
-    assert pf.looking_ahead(None, 1) == pf.DEFAULT_LOOKAHEAD and not pf.looking_ahead(None, 2)
-    assert pf.looking_ahead("on", 1) and not pf.looking_ahead("off", 1)
-    with pytest.raises(ValueError, match="--prefetch-depth 1"):
-        pf.looking_ahead("on", 2)
 
 
 def test_decode_step_takes_the_router_launch_from_the_prefetch():
@@ -767,12 +674,10 @@ def test_predict_ranks_logits_far_below_the_max():
 @pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("n_embd,n_expert,k,renorm", [(2048, 128, 8, 1), (768, 60, 4, 0), (1024, 512, 16, 1),
                                                       (4608, 128, 8, 0), (256, 8, 2, 1)])
-@pytest.mark.parametrize("look", [False, True])
-def test_router_predict_matches_router_and_predict(name, n_embd, n_expert, k, renorm, look):
+def test_router_predict_matches_router_and_predict(name, n_embd, n_expert, k, renorm):
     """Layer l's routing exactly as router_fused's (ids by the kernel's own logits, weights, counts, hits) and the
     prediction exactly as predict's (top-k of layer l+1's router on the same normed x), the routing noted against
-    the prediction made for it; twice, so the last-block counter resets and the counts add up. With the lookahead
-    (look): a third router's top-k too, and nothing else changes."""
+    the prediction made for it; twice, so the last-block counter resets and the counts add up."""
     cp = _cp()
     from engine.cuda.quant_types import qtype, random_rows
     from engine.gguf_model import dequantize
@@ -780,7 +685,7 @@ def test_router_predict_matches_router_and_predict(name, n_embd, n_expert, k, re
     qt = qtype(name)
     x = rng.standard_normal(n_embd).astype(np.float32) * 2
     w = rng.uniform(0.5, 1.5, n_embd).astype(np.float32)
-    raws = [random_rows(name, n_expert, n_embd, rng) for _ in range(3)]
+    raws = [random_rows(name, n_expert, n_embd, rng) for _ in range(2)]
     Rs = [dequantize(r, qt.ggml).reshape(n_expert, n_embd).astype(np.float64) for r in raws]
     f = _module([qt.id]).get_function(f"router_predict<{qt.id}>")
     smem = pf.staged_bytes(n_embd)
@@ -788,34 +693,28 @@ def test_router_predict_matches_router_and_predict(name, n_embd, n_expert, k, re
         f.max_dynamic_shared_size_bytes = smem
     d_raw = [cp.asarray(r) for r in raws]
     d_x, d_w = cp.asarray(x), cp.asarray(w)
-    logits, logits2, logits3 = (cp.full(n_expert, np.nan, cp.float32) for _ in range(3))
+    logits, logits2 = cp.full(n_expert, np.nan, cp.float32), cp.full(n_expert, np.nan, cp.float32)
     ids, wts = cp.full(k, -1, cp.int32), cp.full(k, np.nan, cp.float32)
     slot_lo, slot_hi = 1000, 2000
     table = rng.choice([1500, 5000], size=n_expert).astype(np.uint64)      # 1500: inside the slot range
     d_table = cp.asarray(table)
     counts, stats = cp.zeros(n_expert, cp.int32), cp.zeros(2, cp.uint64)
-    pred, pred3 = cp.full(k, -7, cp.int32), cp.full(k, -7, cp.int32)
+    pred = cp.full(k, -7, cp.int32)
     pred_in_h = rng.permutation(n_expert)[:k].astype(np.int32)
     pred_in = cp.asarray(pred_in_h)
     actual, pstats, counter = cp.full(k + 1, -7, cp.int32), cp.zeros(4, cp.uint64), cp.zeros(1, cp.int32)
     I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
     nb = (n_expert + pf.PREDICT_WARPS - 1) // pf.PREDICT_WARPS
     for _ in range(2):
-        f(((3 if look else 2) * nb,), (32 * pf.PREDICT_WARPS,),
+        f((2 * nb,), (32 * pf.PREDICT_WARPS,),
           (_u64(d_raw[0]), I64(raws[0].shape[1]), _u64(d_x), _u64(d_w), F32(1e-6), I32(n_embd), _u64(logits),
            I32(n_expert), I32(k), I32(renorm), F32(1.5), _u64(ids), _u64(wts), _u64(d_table), U64(slot_lo),
            U64(slot_hi), _u64(counts), _u64(stats), _u64(d_raw[1]), I64(raws[1].shape[1]), _u64(logits2),
-           _u64(pred), _u64(pred_in), I32(1), _u64(actual), _u64(pstats), _u64(counter),
-           _u64(d_raw[2]) if look else U64(0), I64(raws[2].shape[1] if look else 0), _u64(logits3), _u64(pred3)),
-          shared_mem=smem)
+           _u64(pred), _u64(pred_in), I32(1), _u64(actual), _u64(pstats), _u64(counter)), shared_mem=smem)
     cp.cuda.Device().synchronize()
     xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * w
-    for got, R in zip((logits.get(), logits2.get(), logits3.get()), Rs[:3 if look else 2]):
+    for got, R in zip((logits.get(), logits2.get()), Rs):
         assert np.linalg.norm(got - R @ xn) / np.linalg.norm(np.abs(R) @ np.abs(xn)) < 1e-5
-    if look:
-        np.testing.assert_array_equal(pred3.get(), _top_k(logits3.get(), k))
-    else:                                                   # no third router: its outputs untouched
-        assert np.isnan(logits3.get()).all() and (pred3.get() == -7).all()
     lg = logits.get().astype(np.float64)
     ref_ids = _top_k(logits.get(), k)
     np.testing.assert_array_equal(ids.get(), ref_ids)
@@ -1054,16 +953,16 @@ def test_miss_copy_copies_only_what_is_still_outside_vram(n_expert, k, nbytes, s
 
 # --- GPU: end to end -----------------------------------------------------------------------------------------------
 @gpu
-@pytest.mark.parametrize("depth,look", [(1, "off"), (2, "off"), (1, "on")])
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("name", MOE)
 @pytest.mark.parametrize("share,graph", [("none", True), ("half", True), ("none", False)])
-def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth, look):
+def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth):
     model, prompt, toks, cpu_logits = cpu_runs[name]
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert
     slots = {"none": 0, "half": total // 2}[share]
     be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch="on", no_graph=not graph,
-                      prefetch_depth=depth, prefetch_lookahead=look)
+                      prefetch_depth=depth)
     try:
         assert be.step.prefetch is not None and be.info()["prefetch"] == "on"
         assert be.step.prefetch.depth == depth and be.step.prefetch.banks == depth + 1
@@ -1072,8 +971,6 @@ def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth, look):
         be.stream.synchronize()
         np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)   # clean between steps
         assert (be.step.prefetch.rec.get()[:, 1] == 0).all()                       # every bank restored
-        assert (be.step.prefetch.look_rec.get()[:, 1] == 0).all()
-        assert be.step.prefetch.lookahead == (look == "on")
         ps, st = be.prefetch_stats(), be.get_stats()
         steps = N_GREEDY - 1
         k = cfg.n_expert_used
@@ -1083,12 +980,9 @@ def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth, look):
         assert 0 <= ps.correct <= ps.predicted and 0 <= ps.correct2 <= ps.predicted2
         assert 0 < ps.staged and ps.used <= ps.staged
         assert st.lookups == steps * cfg.n_layer * k
-        if share == "none" and look == "off":
-            assert ps.staged == ps.predicted + ps.predicted2 and ps.used == ps.correct + ps.correct2
         if share == "none":
+            assert ps.staged == ps.predicted + ps.predicted2 and ps.used == ps.correct + ps.correct2
             assert st.hits == 0                  # a staged expert is not a cache hit
-        if look == "on":                         # the lookahead staged some of what the depth-1 copy would have
-            assert ps.staged >= ps.predicted
         be.truncate(len(prompt))
         dec = np.stack([be.forward([t]) for t in toks[:-1]])
         assert rel_rows(dec, cpu_logits[1:]).max() < 1e-2
@@ -1098,12 +992,12 @@ def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth, look):
 
 @gpu
 @pytest.mark.parametrize("fetch", ["on", "off"])
-@pytest.mark.parametrize("depth,look", [(1, "off"), (2, "off"), (1, "on")])
-def test_table_after_a_step_equals_before(cpu_runs, depth, fetch, look):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_table_after_a_step_equals_before(cpu_runs, depth, fetch):
     model, prompt, toks, _ = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
     be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch="on",
-                      prefetch_depth=depth, fetch_misses=fetch, prefetch_lookahead=look)
+                      prefetch_depth=depth, fetch_misses=fetch)
     try:
         greedy(be, prompt, 24)               # the adaptive tier fills half the slots: hits and misses mixed
         be.cache.poll(be.stream, wait=True)
@@ -1119,7 +1013,6 @@ def test_table_after_a_step_equals_before(cpu_runs, depth, fetch, look):
             np.testing.assert_array_equal(be.cache.table.get(), before)
             np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
             assert (be.step.prefetch.miss_rec.get()[:, 1] == 0).all()
-            assert (be.step.prefetch.look_rec.get()[:, 1] == 0).all()
         assert be.prefetch_stats().staged > before_staged
         assert (be.prefetch_stats().fetched > before_fetched) == (fetch == "on")
     finally:

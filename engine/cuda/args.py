@@ -53,12 +53,6 @@ def check_cuda_args(args) -> str | None:
                 "or use --kv f16")
     if getattr(args, "fetch_misses", None) == "on" and getattr(args, "prefetch", None) == "off":
         return "--fetch-misses on is part of the decode prefetch: drop --prefetch off (or --fetch-misses on)"
-    if getattr(args, "prefetch_lookahead", None) == "on":
-        if getattr(args, "prefetch", None) == "off":
-            return "--prefetch-lookahead on is part of the decode prefetch: drop --prefetch off (or the lookahead)"
-        if getattr(args, "prefetch_depth", None) == 2:
-            return ("--prefetch-lookahead on needs --prefetch-depth 1 (depth 2 already predicts two layers ahead): "
-                    "drop one of them")
     return None
 
 
@@ -96,10 +90,6 @@ def add_cuda_args(parser) -> None:
                    help="decode prefetch: copy each layer's routed experts that are neither cached nor prefetched "
                         "into VRAM with one fast copy before its expert kernels, instead of letting them read those in "
                         "place over PCIe (default on; off: A/B)")
-    g.add_argument("--prefetch-lookahead", choices=("on", "off"), default=None,
-                   help="decode prefetch at depth 1: also copy the experts predicted two layers ahead, queued behind "
-                        "each next-layer copy, so the link works while layers with nothing to copy compute (3 more "
-                        "staging banks)")
     g.add_argument("--embed-host", choices=("auto", "on", "off"), default=None,
                    help="keep the token embedding in pinned host memory, read in place over PCIe (one row a token), "
                         "so its VRAM holds expert-cache slots: auto (default) when not every expert fits in VRAM and "

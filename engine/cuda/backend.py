@@ -22,7 +22,6 @@ from engine.cuda.memory_mode import MemoryMode
 from engine.cuda.prefetch import attach as attach_prefetch
 from engine.cuda.prefetch import DEFAULT_DEPTH as DEFAULT_PREFETCH_DEPTH
 from engine.cuda.prefetch import fetching as fetching_misses
-from engine.cuda.prefetch import looking_ahead
 from engine.cuda.prefetch import vram_staging_slots
 from engine.cuda.prefill import Prefill
 from engine.cuda.programs import Kernels
@@ -55,7 +54,6 @@ class CudaOptions:
     prefetch: str | None = None         # "on" / "off"; None: engine/cuda/prefetch.py's default when experts miss
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH    # 1: predict the next layer; 2: the one after it (prefetch.py)
     fetch_misses: str | None = None     # "on" / "off": the prefetch copies each layer's late misses (None: default)
-    prefetch_lookahead: str | None = None   # "on" / "off": depth 1 also copies a guess two layers ahead (prefetch.py)
     kv: str = "f16"                     # "int8": engine/cuda/kv.py's int8 layout (one scale per 32 values)
     no_graph: bool = False
     calibrate: bool = False
@@ -184,8 +182,7 @@ class CUDABackend(Backend):
         total = cfg.n_layer * cfg.n_expert
         if n < total and opts.prefetch != "off":        # the prefetch's VRAM staging slots come out of the budget
             n = max(0, n - vram_staging_slots(cfg.n_expert_used, opts.prefetch_depth,
-                                              fetching_misses(opts.fetch_misses),
-                                              looking_ahead(opts.prefetch_lookahead, opts.prefetch_depth)))
+                                              fetching_misses(opts.fetch_misses)))
         if opts.expert_slots is not None:
             n = min(n, max(0, opts.expert_slots))
         n = min(n, cfg.n_layer * cfg.n_expert)
@@ -197,8 +194,7 @@ class CUDABackend(Backend):
 
     def _attach_prefetch(self):
         attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth,
-                        fetching_misses(self.opts.fetch_misses),
-                        looking_ahead(self.opts.prefetch_lookahead, self.opts.prefetch_depth))
+                        fetching_misses(self.opts.fetch_misses))
 
     def _make_prefill(self):
         if self.opts.prefill == "streamed":

@@ -58,18 +58,6 @@ stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies a
 last real step (`actual`), but with no prefetch copy in that graph it also copies what they would have staged, so it
 over-counts; bench.decode_trace (the miss copy is the prefetch_copy on the main stream) has the real figure.
 
-Lookahead (--prefetch-lookahead, depth 1 only): depth 1's copy for layer l+1 can start only at layer l's router,
-and the link work a layer brings is lumpy: the H200 trace at 12 GiB (2026-11-30) showed layers with nothing to copy
-(the link idle for a whole layer's ~75 us of compute) beside layers with three predicted misses (a 163 us copy the
-experts wait ~85 us for), the link busy ~65% of a step on average. With the lookahead, layer l's router launch also
-runs layer l+2's router on the same FFN input (a third block group of router_predict: no launch of its own), and
-right after layer l+1's copy (after its done record, so layer l+1's join does not wait for it) the side stream copies
-the experts that guess names into lookahead bank (l+2) % 3. Layer l+2's own depth-1 copy, forked a layer later,
-skips what is staged already (the staging range is its second VRAM range), so a heavy layer's copying starts a layer
-early, in the link time a light layer left. The cost: the depth-2 guess's wrong experts cross the link too.
-Per layer l (with late misses):
-    event -> [side] prefetch_copy(l+1) -> event done[l+1] -> look_copy(l+2);  wait done[l] -> miss_copy(l)
-
 Cost (H200, Qwen3-30B-A3B shape at 12 GiB, the 01:20 run of the first version: 151.6 tok/s): predict was a launch
 of its own, 17 us a layer on the critical path (806 us a step). The per-kind profile's "prefetch" figure (6.77 ms
 for 47 copies, read as 26 GB/s) replayed the copies without predict while the predictions sat in two banks, so
@@ -109,9 +97,6 @@ DEPTHS = (1, 2)            # --prefetch-depth: predict the next layer, or the on
 DEFAULT_DEPTH = 1          # the lead sets it from the bench (--prefetch-depth both)
 DEFAULT_FETCH_MISSES = True    # --fetch-misses' default (the lead sets it from the bench, --fetch-misses both)
 MISS_BANKS = 2             # late-miss banks of k slots: layer parity (a bank is reused two layers on)
-LOOK_BANKS = 3             # lookahead banks (layer m % 3): look(m), forked after layer m-2's router, is restored by
-                           # look(m+3), forked after layer m+1's router, after layer m's experts ran
-DEFAULT_LOOKAHEAD = False  # --prefetch-lookahead's default (the lead sets it from the bench)
 FETCHED = 6                # stats index of the late-miss count (cuda_src/prefetch.cu's stats comment)
 STATS = 7                  # the device counters (PrefetchStats' fields)
 
@@ -159,7 +144,7 @@ def unsupported(cfg, layout) -> str | None:
 
 
 def attach(step, flag: str | None, log, depth: int = DEFAULT_DEPTH,
-           fetch_misses: bool = DEFAULT_FETCH_MISSES, lookahead: bool = DEFAULT_LOOKAHEAD) -> "Prefetcher | None":
+           fetch_misses: bool = DEFAULT_FETCH_MISSES) -> "Prefetcher | None":
     """Give the decode step a Prefetcher when wanted() says so (with the late-miss copy when fetch_misses). A model
     the kernels cannot serve: refused when the user asked for --prefetch on, else said in the log and left off."""
     c = step.cache
@@ -171,25 +156,13 @@ def attach(step, flag: str | None, log, depth: int = DEFAULT_DEPTH,
             raise ValueError(f"--prefetch on cannot serve this model: {why}; run with --prefetch off")
         log(f"expert prefetch off: {why}")
         return None
-    step.prefetch = Prefetcher(step, depth, fetch_misses, lookahead)
+    step.prefetch = Prefetcher(step, depth, fetch_misses)
     k, nb = step.cfg.n_expert_used, banks(depth)
     what = "next-layer prediction" if depth == 1 else f"prediction {depth} layers ahead"
-    look = f" + {LOOK_BANKS} x {k} for the lookahead two layers ahead" if lookahead else ""
     late = f" + {MISS_BANKS} x {k} for late misses" if fetch_misses else ", late misses read in place"
-    log(f"expert prefetch on: {what}, {nb} x {k} staging slots{look}{late} "
-        f"({vram_staging_slots(k, depth, fetch_misses, lookahead) * step.layout.stride / 2**20:.0f} MiB of VRAM)")
+    log(f"expert prefetch on: {what}, {nb} x {k} staging slots{late} "
+        f"({vram_staging_slots(k, depth, fetch_misses) * step.layout.stride / 2**20:.0f} MiB of VRAM)")
     return step.prefetch
-
-
-def looking_ahead(flag: str | None, depth: int = DEFAULT_DEPTH) -> bool:
-    """Whether the depth-1 prefetch also copies a prediction two layers ahead (--prefetch-lookahead on|off; None: the
-    default, which applies at depth 1 only). Asked for at depth 2: refused (that prediction is depth 2's own)."""
-    if flag is None:
-        return DEFAULT_LOOKAHEAD and depth == 1
-    if flag == "on" and depth != 1:
-        raise ValueError("--prefetch-lookahead on needs --prefetch-depth 1 (depth 2 already predicts two layers "
-                         "ahead); drop one of them")
-    return flag == "on"
 
 
 def fetching(flag: str | None) -> bool:
@@ -205,11 +178,10 @@ def banks(depth: int) -> int:
     return depth + 1
 
 
-def vram_staging_slots(k: int, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES,
-                       lookahead: bool = False) -> int:
-    """VRAM staging slots the prefetch takes (depth + 1 banks of k, the lookahead banks and the late-miss banks), in
-    expert strides: the cache gives up as many."""
-    return (banks(depth) + (LOOK_BANKS if lookahead else 0) + (MISS_BANKS if fetch_misses else 0)) * k
+def vram_staging_slots(k: int, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES) -> int:
+    """VRAM staging slots the prefetch takes (depth + 1 banks of k, and the late-miss banks), in expert strides: the
+    cache gives up as many."""
+    return (banks(depth) + (MISS_BANKS if fetch_misses else 0)) * k
 
 
 @dataclass
@@ -241,19 +213,13 @@ class Prefetcher:
 
     depth = DEFAULT_DEPTH          # the instance's --prefetch-depth (set in __init__)
     fetch_misses = DEFAULT_FETCH_MISSES
-    lookahead = False
-    look_banks = 0
 
-    def __init__(self, step, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES,
-                 lookahead: bool = False):
+    def __init__(self, step, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES):
         import cupy as cp
 
         self.step = step
         self.depth, self.banks = depth, banks(depth)
-        if lookahead and depth != 1:
-            raise ValueError("the lookahead copy serves --prefetch-depth 1 only")
         self.fetch_misses = fetch_misses
-        self.lookahead, self.look_banks = lookahead, (LOOK_BANKS if lookahead else 0)
         c, cache, lay = step.cfg, step.cache, step.layout
         self.n_layer, self.n_expert, self.k = c.n_layer, c.n_expert, c.n_expert_used
         why = unsupported(c, lay)
@@ -279,9 +245,9 @@ class Prefetcher:
         k, nb = self.k, self.banks
         mb = MISS_BANKS if fetch_misses else 0
         with step.stream:
-            # the staging banks, the lookahead banks, then the miss banks, as one range: an entry pointing inside it
-            # is in VRAM already (the second range of the miss copy, and of the depth-1 copy after a lookahead)
-            self.staging = cp.empty((nb + self.look_banks + mb) * k * self.stride, dtype=cp.uint8)
+            # the staging banks, then the miss banks, as one range: an entry pointing inside it is in VRAM already
+            # (the miss copy's second range)
+            self.staging = cp.empty((nb + mb) * k * self.stride, dtype=cp.uint8)
             self.stage_lo = self.staging.data.ptr
             self.stage_hi = self.stage_lo + self.staging.nbytes
             # the prediction for each layer, kept for the whole step (not in two banks): a replay of the copies
@@ -294,15 +260,8 @@ class Prefetcher:
             self.miss_rec = cp.zeros((MISS_BANKS, 2 + k), dtype=cp.int32)     # the miss banks' records, as rec
             self.miss_rec_addr = cp.zeros((MISS_BANKS, k), dtype=cp.uint64)
             self.logits = cp.zeros(self.n_expert, dtype=cp.float32)
-            # the lookahead's predictions (layer l+2 from layer l's FFN input), records and router logits
-            nl = max(self.look_banks, 1)
-            self.look_pred = cp.zeros(self.n_layer * k, dtype=cp.int32)
-            self.look_rec = cp.zeros((nl, 2 + k), dtype=cp.int32)
-            self.look_rec_addr = cp.zeros((nl, k), dtype=cp.uint64)
-            self.look_logits = cp.zeros(self.n_expert, dtype=cp.float32)
             self.stats = cp.zeros(STATS, dtype=cp.uint64)
-            # predict's, copy's, miss copy's, lookahead copy's last-block counters
-            self.counters = cp.zeros(4, dtype=cp.int32)
+            self.counters = cp.zeros(3, dtype=cp.int32)      # predict's, copy's, miss copy's last-block counters
         self.side = cp.cuda.Stream(non_blocking=True)
         self.done = [cp.cuda.Event(disable_timing=True) for _ in range(self.n_layer)]
         self.forked = cp.cuda.Event(disable_timing=True)
@@ -332,12 +291,6 @@ class Prefetcher:
             t = [1, 2] if li == 0 else [li + 2]
         return [m for m in t if m < self.n_layer]
 
-    def look_target(self, li: int) -> int | None:
-        """The layer whose experts layer li's lookahead copies (li + 2, with --prefetch-lookahead; none past the last
-        layer)."""
-        m = li + 2
-        return m if self.lookahead and m < self.n_layer else None
-
     def _note_stats(self, li: int):
         """The (predicted, right) counter pair layer li's routing is noted against: the second pair for a layer
         predicted two layers ahead (depth 2, from layer 2 on; layer 1 is predicted at depth 1 by layer 0)."""
@@ -354,7 +307,6 @@ class Prefetcher:
         """DecodeStep.enqueue's hook in place of its router launch: True when layer li's router ran here, with the
         prediction of its first target layer in the same launch (router_predict); False: the step launches its own
         router."""
-        self._looked = None
         if not self.fused(li):
             return False
         if not self._on("router"):      # profiling another kind: neither launch
@@ -366,13 +318,8 @@ class Prefetcher:
         I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
         warps = PREDICT_WARPS
         nb = (self.n_expert + warps - 1) // warps
-        la = self.look_target(li)
-        # the lookahead router joins the launch only when its rows have the same type, else none this layer
-        R3 = st.w.layers[la].router if la is not None else None
-        if R3 is not None and int(R3.qt) != int(R.qt):
-            R3 = None
         self.f_router_predict[int(R.qt)](
-            ((3 if R3 is not None else 2) * nb,), (32 * warps,),
+            (2 * nb,), (32 * warps,),
             (U64(R.ptr), I64(R.row_bytes), self._ptr(st.x), self._ptr(ly.ffn_norm), F32(c.rms_eps), I32(c.n_embd),
              self._ptr(st.rlogits), I32(self.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
              F32(c.expert_weights_scale), self._ptr(st.ids), self._ptr(st.wts),
@@ -380,11 +327,8 @@ class Prefetcher:
              self._ptr(cache.counts, 4 * li * self.n_expert), self._ptr(cache.stats),
              U64(R2.ptr), I64(R2.row_bytes), self._ptr(self.logits), self._ptr(self.pred, 4 * k * m),
              self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
-             self._note_stats(li), self._ptr(self.counters),
-             U64(R3.ptr if R3 is not None else 0), I64(R3.row_bytes if R3 is not None else 0),
-             self._ptr(self.look_logits), self._ptr(self.look_pred, 4 * k * (la or 0))),
+             self._note_stats(li), self._ptr(self.counters)),
             shared_mem=self.smem)
-        self._looked = la if R3 is not None else None
         return True
 
     def enqueue(self, li: int):
@@ -395,8 +339,6 @@ class Prefetcher:
             self._pending.clear()       # a capture that failed part-way left nothing to join
         targets = self.targets(li)
         fused = self.fused(li)
-        if not fused:
-            self._looked = None         # the lookahead rides only on router_predict
         for j, m in enumerate(targets):
             if not (j == 0 and fused):  # else the router launch predicted it already
                 self.launch_predict(li, m, note=j == 0)
@@ -419,13 +361,6 @@ class Prefetcher:
                 self.launch_copy(m)
             self.done[m].record(self.side)
             self._pending.add(m)
-        # after the done record: layer m's join does not wait for it; it queues on the link behind layer m's copy
-        # and fills the link while layers with nothing to copy compute (module docstring, "Lookahead")
-        la = getattr(self, "_looked", None)
-        if la is not None:
-            with self.side:
-                self.launch_look(la)
-            self._looked = None
 
     def _join(self, li: int):
         if li in self._pending:
@@ -486,29 +421,14 @@ class Prefetcher:
             return
         b, k = m % self.banks, self.k
         I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
-        # no second VRAM range: layer m's entries are the table's own until this copy (its miss copy runs after
-        # this one is joined), except for what the lookahead staged before it: then the staging range is one
-        lo, hi = (self.stage_lo, self.stage_hi) if self.lookahead else (0, 0)
+        # no second VRAM range: layer m's entries are the table's own until this copy (each layer's entries are
+        # rewritten by its one copy, and its miss copy runs after this one is joined)
         self.f_copy((COPY_BLOCKS,), (COPY_THREADS,),
                     (self._ptr(self.table), I32(m), I32(self.n_expert), I32(k), self._ptr(self.pred, 4 * k * m),
                      self._ptr(self.staging, b * k * self.stride), I64(self.stride), U32(self.units),
-                     U64(self.slot_lo), U64(self.slot_hi), U64(lo), U64(hi), self._ptr(self.rec[b]),
+                     U64(self.slot_lo), U64(self.slot_hi), U64(0), U64(0), self._ptr(self.rec[b]),
                      self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 2),
                      self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 4)))
-
-    def launch_look(self, m: int):
-        """The lookahead copy of layer m (predicted at layer m-2, look_pred[m]) into lookahead bank m % 3, after the
-        staging banks: the first writer of layer m's entries (no second VRAM range); counted as staged and used."""
-        if not self._on("prefetch"):
-            return
-        b, k = m % LOOK_BANKS, self.k
-        I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
-        self.f_copy((COPY_BLOCKS,), (COPY_THREADS,),
-                    (self._ptr(self.table), I32(m), I32(self.n_expert), I32(k), self._ptr(self.look_pred, 4 * k * m),
-                     self._ptr(self.staging, (self.banks + b) * k * self.stride), I64(self.stride), U32(self.units),
-                     U64(self.slot_lo), U64(self.slot_hi), U64(0), U64(0), self._ptr(self.look_rec[b]),
-                     self._ptr(self.look_rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 2),
-                     self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 12)))
 
     def routing(self, li: int):
         """Where layer li's routing is when its miss copy runs: actual[li], noted by the layer's router_predict,
@@ -528,8 +448,8 @@ class Prefetcher:
         I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
         self.f_copy((MISS_BLOCKS,), (COPY_THREADS,),
                     (self._ptr(self.table), I32(li), I32(self.n_expert), I32(k), self.routing(li),
-                     self._ptr(self.staging, (self.banks + self.look_banks + b) * k * self.stride), I64(self.stride),
-                     U32(self.units), U64(self.slot_lo), U64(self.slot_hi), U64(self.stage_lo), U64(self.stage_hi),
+                     self._ptr(self.staging, (self.banks + b) * k * self.stride), I64(self.stride), U32(self.units),
+                     U64(self.slot_lo), U64(self.slot_hi), U64(self.stage_lo), U64(self.stage_hi),
                      self._ptr(self.miss_rec[b]), self._ptr(self.miss_rec_addr[b]), U64(0),
                      self._ptr(self.stats, 8 * FETCHED), U64(0), self._ptr(self.counters, 8)))
 
@@ -554,10 +474,6 @@ class Prefetcher:
             self.f_restore((1,), (32,),
                            (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(self.rec[b]),
                             self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 3)))
-        if self.look_banks:
-            self.f_restore((1,), (32 * self.look_banks,),
-                           (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(self.look_rec),
-                            self._ptr(self.look_rec_addr), self._ptr(self.actual), self._ptr(self.stats, 8 * 3)))
 
     # --- counters ----------------------------------------------------------------------------------------------
     def read_stats(self) -> PrefetchStats:
