@@ -80,7 +80,7 @@ def test_summary():
 
 def test_prefetch_depth_flag_and_vram_staging_slots():
     check_choice("--prefetch-depth", "prefetch_depth", "2", "3")
-    assert pf.DEFAULT_DEPTH == 1
+    assert pf.DEFAULT_DEPTH == 2
     assert pf.vram_staging_slots(8, 1, False) == 16 and pf.vram_staging_slots(8, 2, False) == 24
     # the two late-miss banks on top
     assert pf.vram_staging_slots(8, 1, True) == 32 and pf.vram_staging_slots(8, 2, True) == 40
@@ -100,13 +100,13 @@ def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
     monkeypatch.setattr(pf, "DEFAULT_ON", True)
     logs = []
     st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append, fetch_misses=False) == "PF1" and st.prefetch == "PF1"
+    assert pf.attach(st, "on", logs.append, depth=1, fetch_misses=False) == "PF1" and st.prefetch == "PF1"
     assert "next-layer prediction, 2 x 8 staging slots, late misses read in place (40 MiB" in logs[-1]
     st = _fake_step(16, 32)
     assert pf.attach(st, "on", logs.append, depth=2, fetch_misses=False) == "PF2" and st.prefetch == "PF2"
     assert "prediction 2 layers ahead, 3 x 8 staging slots, late misses read in place (61 MiB" in logs[-1]
     st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append, fetch_misses=True) == "PF1f"
+    assert pf.attach(st, "on", logs.append, depth=1, fetch_misses=True) == "PF1f"
     assert "next-layer prediction, 2 x 8 staging slots + 2 x 8 for late misses (81 MiB" in logs[-1]
     st = _fake_step(32, 32)
     assert pf.attach(st, "on", logs.append) is None and st.prefetch is None
@@ -175,7 +175,7 @@ class _Stream:
         self.log.ops.append(("exit", self.name))
 
 
-def _fake_prefetcher(n_layer, depth=None, fetch_misses=False):
+def _fake_prefetcher(n_layer, depth=1, fetch_misses=False):
     log = _Log()
     p = pf.Prefetcher.__new__(pf.Prefetcher)
     p.n_layer = n_layer
@@ -261,7 +261,7 @@ def test_fused_router_launch_predicts_instead_of_a_predict_launch():
     assert [o for o in log.ops if o[0] == "copy"] == [("copy", 1), ("copy", 2)]
     from types import SimpleNamespace as NS
     q = pf.Prefetcher.__new__(pf.Prefetcher)
-    q.n_layer = 4
+    q.n_layer, q.depth = 4, 1
     q.step = NS(w=NS(layers=[NS(router=NS(qt=t)) for t in (0, 0, 8, 8)]))
     assert [q.fused(li) for li in range(4)] == [True, False, True, False]
 

@@ -84,7 +84,7 @@ def add_cuda_args(parser) -> None:
                         "ones not in VRAM ahead of use, overlapping PCIe with compute (default: on when some experts "
                         "do not fit in VRAM; never when all do)")
     g.add_argument("--prefetch-depth", type=int, choices=(1, 2), default=None, metavar="1|2",
-                   help="decode prefetch: predict the next layer's experts (1, default) or the one after it (2: each "
+                   help="decode prefetch: predict the next layer's experts (1) or the one after it (2, default: each "
                         "copy has two layers of compute to hide in, the guess is less accurate; 3 staging banks)")
     g.add_argument("--fetch-misses", choices=("on", "off"), default=None,
                    help="decode prefetch: copy each layer's routed experts that are neither cached nor prefetched "

@@ -50,8 +50,22 @@ The next copy is forked before the join, as without late misses, so it queues on
 l's and the link has no gap between them. The first version forked it after the miss copy, so that nothing competed
 with the critical-path copy, but then the link idled from the end of layer l's copy to the end of the join and the
 miss copy: the H200 trace at 12 GiB, depth 1 (2026-11-30, bench.decode_trace) showed 3.43 ms of prefetch copies and
-0.88 ms of miss copies (13 experts) a step against 3.6 ms of compute, in a 6.1 ms step. The miss copy now shares
-the link with the next prefetch, and outweighs it four to one in loads in flight (MISS_BLOCKS).
+0.88 ms of miss copies (13 experts) a step against 3.6 ms of compute, in a 6.1 ms step. Forking first measured the
+same (bench.decode at 12 GiB, depth 1: 181.3 tok/s against 181.4): the miss copy now shares the link with the next
+prefetch copy, and four times the loads in flight (MISS_BLOCKS) did not win it the link (the trace: a one-expert miss
+copy took 152 us beside a three-expert prefetch copy, against 58 us alone).
+
+Tried on the H200 on 2026-11-30 and dropped (the link is what a 12 GiB step waits on: 181-199 MB a token at 46-50
+GB/s while copying; in a layer where it is the bottleneck only fewer bytes help):
+- a priority flag in device memory, raised by the miss copy, that the prefetch copies waited on before each round of
+  loads: the miss copies were fast again (58-81 us for one expert) and the step the same (183.5 tok/s), since the
+  prefetch copy it delays is on the critical path too;
+- a lookahead at depth 1: layer l's router launch also ranked layer l+2's router (a third block group) and a copy of
+  that guess followed layer l+1's copy, to use the link time that layers with nothing to copy leave idle (the trace:
+  0 to 3 predicted misses a layer, 58-163 us of copying against ~75 us of compute). Queued on the side stream:
+  179.3 tok/s against 183.5 (its 30 MB a token of wrong guesses delayed the next copies); on a stream of its own,
+  waiting while another copy held the link: 38.7 tok/s (the waits stretched it past the step, whose end joins it).
+  Depth 2 is the measured form of copying earlier (below).
 The miss copy runs at every layer, the first too (nothing predicts it), and at both depths; a layer with no late miss
 costs its launch (~3 us, not yet measured). Its counters: `fetched` (stats[6]) only, so the prediction counters
 stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies alone reads each layer's routing of the
@@ -94,7 +108,9 @@ SMEM_DEFAULT = 48 * 1024   # dynamic shared memory without opting in (the predic
 SMEM_MAX = 227 * 1024      # the most a block may opt in to (sm_80 / sm_90)
 DEFAULT_ON = True          # --prefetch's default when some experts have no VRAM slot (the lead sets it from the bench)
 DEPTHS = (1, 2)            # --prefetch-depth: predict the next layer, or the one after it (module docstring)
-DEFAULT_DEPTH = 1          # the lead sets it from the bench (--prefetch-depth both)
+# H200, 12 GiB, late copy on (bench.decode --prefetch-depth both, three runs on 2026-11-29/30): depth 2 186.0, 186.1
+# and 188.0 tok/s against depth 1's 181.4, 181.3 and 183.5; the sampled variant at depth 2 passed its GPU test
+DEFAULT_DEPTH = 2
 DEFAULT_FETCH_MISSES = True    # --fetch-misses' default (the lead sets it from the bench, --fetch-misses both)
 MISS_BANKS = 2             # late-miss banks of k slots: layer parity (a bank is reused two layers on)
 FETCHED = 6                # stats index of the late-miss count (cuda_src/prefetch.cu's stats comment)
