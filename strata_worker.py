@@ -81,33 +81,6 @@ def choose_backend(choice: str) -> tuple[str, str, str]:
     return "cpu", "no_usable_gpu", f"auto: {why}"
 
 
-def eog_ids_from_metadata(md: dict) -> set[int]:
-    """End-of-generation ids from GGUF metadata by llama.cpp's rule (engine/tokenizer.py's EOG_TEXTS and FIM_EOG, which
-    the server's tokenizer follows too), without building a tokenizer."""
-    from engine.tokenizer import EOG_TEXTS, FIM_EOG
-    tokens = md.get("tokenizer.ggml.tokens") or []
-    n = len(tokens)
-    index: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        index.setdefault(t, i)
-
-    def valid(v):
-        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n
-
-    ids = {md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                           "tokenizer.ggml.eom_token_id") if valid(md.get(k))}
-    ids |= {index[t] for t in EOG_TEXTS if t in index}
-    for key, texts in FIM_EOG:
-        v = md.get("tokenizer.ggml." + key)
-        found = v if valid(v) else next((index[t] for t in texts if t in index), None)
-        if found is not None:
-            ids.add(found)
-    # gpt-oss (harmony): <|end|> closes one message, not the answer, when <|return|> and <|call|> exist.
-    if "<|end|>" in index and ({"<|return|>", "<|call|>"} <= index.keys() or {"<|calls|>", "<|flush|>"} <= index.keys()):
-        ids.discard(index["<|end|>"])
-    return ids
-
-
 def _info_value(v) -> str:
     text = f"{v:.1f}" if isinstance(v, float) else str(v)
     return "_".join(text.split()) or "-"
@@ -298,6 +271,7 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         return 1
 
+    from engine.tokenizer import eog_ids_from_metadata
     eog = eog_ids_from_metadata(model.metadata)
     if not eog:
         log("warning: the model declares no end-of-generation token; requests end only at max_new")

@@ -34,8 +34,8 @@ _TYPE_TO_ATTR = {1: ATTR_NORMAL, 2: ATTR_UNKNOWN, 3: ATTR_CONTROL, 4: ATTR_USER_
 
 # End-of-generation, as llama.cpp decides it (llama-vocab.cpp): eos/eot/eom ids, every token with one of these texts
 # whatever its declared type (llama.cpp overrides the type to CONTROL, warning that the model is wrong), and the FIM
-# pad/repo/file-separator tokens (tokenizer.ggml.<key>, else the first text found). strata_worker.py applies the same
-# tables without building a tokenizer, so both sides agree on where an answer ends.
+# pad/repo/file-separator tokens (tokenizer.ggml.<key>, else the first text found). eog_ids_from_metadata applies it;
+# the worker (where generation stops) and the server's Tokenizer (what it hides) both call it.
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
              "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
              "<end_of_utterance>", "<｜end▁of▁sentence｜>")
@@ -230,6 +230,41 @@ _BYTE_DECODE = {c: b for b, c in enumerate(_BYTE_CHARS)}
 _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+def special_id(md: dict, key: str, default: int | None, n_vocab: int) -> int | None:
+    """The token id md[key] when it is one of the n_vocab ids, else default when that is one, else None."""
+    v = md.get(key)
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n_vocab:
+        return v
+    return default if default is not None and 0 <= default < n_vocab else None
+
+
+def _harmony_end(vocab) -> bool:
+    """gpt-oss (harmony): <|end|> closes one message, not the answer, when <|return|> and <|call|> exist."""
+    return "<|end|>" in vocab and ({"<|return|>", "<|call|>"} <= vocab.keys() or
+                                   {"<|calls|>", "<|flush|>"} <= vocab.keys())
+
+
+def eog_ids_from_metadata(md: dict) -> set[int]:
+    """End-of-generation ids by llama.cpp's rule (see EOG_TEXTS), from GGUF metadata alone: the worker needs them
+    without building a tokenizer. Metadata without a vocabulary gives the empty set."""
+    tokens = md.get("tokenizer.ggml.tokens") or []
+    n = len(tokens)
+    vocab = dict(zip(reversed(tokens), range(n - 1, -1, -1)))    # the first id of a text, as llama.cpp looks it up
+    k = "tokenizer.ggml."
+    # Only the ids the metadata declares: llama.cpp would add its per-kind default eos (11 for gpt2, 2 for llama) when
+    # the key is missing, but in gpt2 vocabularies that id is ",", and an answer must not end (or lose) its commas.
+    ids = {special_id(md, k + "eos_token_id", None, n), special_id(md, k + "eot_token_id", None, n),
+           special_id(md, k + "eom_token_id", None, n)}
+    ids |= {vocab[t] for t in EOG_TEXTS if t in vocab}
+    for key, names in FIM_EOG:
+        found = special_id(md, k + key, None, n)
+        ids.add(found if found is not None else next((vocab[t] for t in names if t in vocab), None))
+    if _harmony_end(vocab):
+        ids.discard(vocab["<|end|>"])
+    ids.discard(None)
+    return ids
+
+
 # --------------------------------------------------------------------------------------------------------------------
 
 class Tokenizer:
@@ -308,10 +343,7 @@ class Tokenizer:
         self.add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", self.add_space_prefix))
 
         def tok_id(key, default):
-            v = md.get(key)
-            if v is not None and 0 <= int(v) < self.n_vocab:
-                return int(v)
-            return default if default is not None and 0 <= default < self.n_vocab else None
+            return special_id(md, key, default, n)
 
         self.bos_id = tok_id("tokenizer.ggml.bos_token_id", bos)
         self.eos_id = tok_id("tokenizer.ggml.eos_token_id", eos)
@@ -327,7 +359,8 @@ class Tokenizer:
             raise TokenizerError("tokenizer.ggml.add_bos_token is true, but there is no valid bos_token_id")
         if self.add_eos and self.eos_id is None:
             raise TokenizerError("tokenizer.ggml.add_eos_token is true, but there is no valid eos_token_id")
-        self.eog_ids = self._find_eog(md)
+        self._mark_specials(md)
+        self.eog_ids = eog_ids_from_metadata(md)
         # Tokens cut out of the text before the tokenizer proper: longest first, as llama.cpp's cache is sorted.
         self._specials = sorted((i for i, a in enumerate(self.attr)
                                  if a & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN)),
@@ -344,14 +377,15 @@ class Tokenizer:
         self._spm_pairs: set[str] | None = None
 
     # ----------------------------------------------------------------------------------------------------------------
-    def _find_eog(self, md: dict) -> set[int]:
-        """The end-of-generation set, found by token text as llama.cpp does (GGUFs carry no full list). Tokens it
-        finds by name become control tokens, so that typed text never produces them."""
+    def _mark_specials(self, md: dict) -> None:
+        """The eot/eom and FIM tokens that the metadata leaves out, found by text as llama.cpp does; tokens found by
+        text become control tokens, so that typed text never produces them. (Which ids end a generation is
+        eog_ids_from_metadata's rule.)"""
         def find(keys, names):
-            for k in keys:
-                v = md.get(k)
-                if v is not None and 0 <= int(v) < self.n_vocab:
-                    return int(v)
+            for key in keys:
+                v = special_id(md, key, None, self.n_vocab)
+                if v is not None:
+                    return v
             for t in names:
                 if t in self.vocab:
                     self.attr[self.vocab[t]] |= ATTR_CONTROL
@@ -374,29 +408,16 @@ class Tokenizer:
         find((k + "fim_mid_token_id", k + "middle_token_id"),
              ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
               "<|code_middle|>"))
-        eog = set()
         for key, names in FIM_EOG:
-            i = find((k + key,), names)
-            if i is not None:
-                eog.add(i)
+            find((k + key,), names)
         for t in EOG_TEXTS:
             if t in self.vocab:
-                eog.add(self.vocab[t])
                 self.attr[self.vocab[t]] |= ATTR_CONTROL
-        for i in (self.eos_id, self.eot_id, self.eom_id):
-            if i is not None:
-                eog.add(i)
-        # gpt-oss (harmony): <|end|> closes a message, not the generation, when <|return|> and <|call|> exist.
-        texts = {self.tokens[i] for i in eog}
-        if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts) or
-                                   ("<|calls|>" in texts and "<|flush|>" in texts)):
-            end = self.vocab["<|end|>"]
-            eog.discard(end)
-            self.attr[end] = ATTR_USER_DEFINED
+        if _harmony_end(self.vocab):
+            self.attr[self.vocab["<|end|>"]] = ATTR_USER_DEFINED
         for t in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):   # llama.cpp: always rendered
             if t in self.vocab:
                 self.attr[self.vocab[t]] = ATTR_USER_DEFINED
-        return eog
 
     # ----------------------------------------------------------------------------------------------------------------
     def token_text(self, i: int) -> str:

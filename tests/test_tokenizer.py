@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import pytest
 
-from engine.tokenizer import StreamDecoder, Tokenizer, TokenizerError, read_gguf_metadata
+from engine.tokenizer import StreamDecoder, Tokenizer, TokenizerError, eog_ids_from_metadata, read_gguf_metadata
 
 VOCABS = ["gpt-2", "llama-bpe", "llama-spm", "phi-3", "qwen2"]
 SEP = "\n__ggml_vocab_test__\n"
@@ -72,6 +72,31 @@ def test_special_tokens_only_where_allowed(fixtures_dir):
     assert tok.decode(ids, special=True) == typed
     assert {end, tok.vocab["<|endoftext|>"]} <= tok.eog_ids
     assert tok.vocab["<|im_start|>"] not in tok.eog_ids
+
+
+def test_eog_ids_come_from_metadata_and_end_texts():
+    md = {"tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 7,
+          "tokenizer.ggml.tokens": ["a", "<|im_end|>", "b", "<|endoftext|>", "<|eot_id|>", "<|im_start|>", "c", "d",
+                                    "<|file_sep|>"],
+          "tokenizer.ggml.token_type": [1, 3, 1, 1, 3, 3, 1, 1, 3]}
+    # like llama.cpp: end texts count whatever their declared type; <|im_start|> is not an end
+    assert eog_ids_from_metadata(md) == {1, 2, 3, 4, 7, 8}
+    assert eog_ids_from_metadata({}) == set()
+    harmony = {"tokenizer.ggml.tokens": ["<|end|>", "<|return|>", "<|call|>", "x"]}
+    assert eog_ids_from_metadata(harmony) == {1, 2}
+    assert eog_ids_from_metadata({"tokenizer.ggml.tokens": ["<|end|>", "x"]}) == {0}
+
+
+def test_eog_is_only_what_the_metadata_declares(fixtures_dir):
+    """Without an eos_token_id key llama.cpp falls back to a per-kind default id (11 in gpt2 vocabularies: ","); the
+    generation must not end at (and the server must not hide) an ordinary token, so only declared ids count."""
+    for name, default in (("qwen2", 11), ("llama-spm", 2)):
+        md = dict(read_gguf_metadata(fixtures_dir / "vocab" / f"ggml-vocab-{name}.gguf"))
+        del md["tokenizer.ggml.eos_token_id"]
+        tok = Tokenizer.from_metadata(md)
+        assert tok.eos_id == default                       # still what add_eos would append, as llama.cpp does
+        assert default not in tok.eog_ids and default not in eog_ids_from_metadata(md)
+        assert tok.eog_ids == eog_ids_from_metadata(md)
 
 
 def test_bos_eos_as_the_metadata_says(fixtures_dir):

@@ -120,10 +120,13 @@ def shape(lines):
 PROMPT = [1021, 1022, 87, 301, 45, 600, 12, 999, 250, 77, 31, 402, 5, 18, 700, 66, 90]
 
 
-def test_ready_info_and_one_request_in_order(worker):
+def test_ready_info_and_one_request_in_order(worker, model):
+    from engine.tokenizer import Tokenizer
     assert worker.ready == f"READY {worker.info['ctx']} stop"
     assert worker.info["backend"] == BACKEND and worker.info["arch"] == "llama"
-    assert set(worker.info["eog"].split(",")) >= {"1023"}  # <|im_end|>, CONTROL in the tiny vocabulary
+    eog = {int(i) for i in worker.info["eog"].split(",")}
+    assert 1023 in eog  # <|im_end|>, CONTROL in the tiny vocabulary
+    assert eog == Tokenizer.from_gguf(model).eog_ids   # the worker stops where the server's text ends
     lines = worker.request(gen(6, PROMPT))
     assert re.fullmatch(r"RESUME( PP)+ REUSED( T)* DONE", shape(lines)), lines
     assert lines[0] == "RESUME 0"
@@ -318,30 +321,6 @@ def test_worker_greedy_tokens_follow_llama_cpp(fixtures_dir, name):
         assert protocol.parse_done(lines[-1]).prompt_read == len(case["prompt_ids"])
     finally:
         w.kill()
-
-
-def test_eog_ids_come_from_metadata_and_end_texts():
-    import strata_worker
-    md = {"tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 7,
-          "tokenizer.ggml.tokens": ["a", "<|im_end|>", "b", "<|endoftext|>", "<|eot_id|>", "<|im_start|>", "c", "d",
-                                    "<|file_sep|>"],
-          "tokenizer.ggml.token_type": [1, 3, 1, 1, 3, 3, 1, 1, 3]}
-    # like llama.cpp: end texts count whatever their declared type; <|im_start|> is not an end
-    assert strata_worker.eog_ids_from_metadata(md) == {1, 2, 3, 4, 7, 8}
-    assert strata_worker.eog_ids_from_metadata({}) == set()
-    harmony = {"tokenizer.ggml.tokens": ["<|end|>", "<|return|>", "<|call|>", "x"]}
-    assert strata_worker.eog_ids_from_metadata(harmony) == {1, 2}
-
-
-def test_worker_and_tokenizer_agree_on_where_answers_end(fixtures_dir):
-    """Two implementations of llama.cpp's rule (the worker's and the server's tokenizer) on every vocabulary."""
-    import strata_worker
-    from engine import tokenizer
-    paths = sorted((fixtures_dir / "vocab").glob("*.gguf")) + sorted((fixtures_dir / "reference").glob("*.gguf"))
-    assert paths
-    for path in paths:
-        md = tokenizer.read_gguf_metadata(path)
-        assert strata_worker.eog_ids_from_metadata(md) == tokenizer.Tokenizer.from_metadata(md).eog_ids, path.name
 
 
 def test_calibrate_times_a_prompt_and_a_decode_then_exits(model):
