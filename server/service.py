@@ -308,6 +308,9 @@ class Service:
         r, c = text.finish()
         if r or c:
             job.emit("delta", r, c)
+        if text.stop_hit is not None and res.stop_string is None and res.finish != "cancel":
+            # a stop that only the end of the text decided (a longer stop could still have followed)
+            res.stop_string, res.finish = text.stop_hit, "stop"
         res.generated = len(generated)
         self._set(phase="idle", progress=None)
         job.emit("done", res)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+from engine.reasoning import earliest_marker, partial_marker_len
+
 log = logging.getLogger("strata.text")
 
 # Appended when a thinking budget runs out: the model then answers as if it had closed the thought itself.
@@ -84,7 +86,12 @@ class TextCodec:
 
 
 class StopFilter:
-    """Holds back text that could be the start of a stop string; cuts the text at the first stop string."""
+    """Holds back text that could be the start of a stop string; cuts the text where the first stop string starts.
+
+    The stop that wins is the one the whole text would give, however it arrives in pieces: the earliest start, and
+    at an equal start the longest (engine.reasoning.earliest_marker). So a stop found in the buffer is acted on only
+    once no other stop can still complete at or before its start ("Hu" waits while "Human:" may follow).
+    """
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
@@ -95,29 +102,25 @@ class StopFilter:
         if self.hit is not None:
             return ""
         self.buf += text
-        if not self.stops:
-            out, self.buf = self.buf, ""
-            return out
-        first = None
-        for s in self.stops:
-            i = self.buf.find(s)
-            if i >= 0 and (first is None or i < first[0]):
-                first = (i, s)
-        if first:
-            out, self.buf, self.hit = self.buf[:first[0]], "", first[1]
-            return out
-        keep = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.buf)), keep, -1):
-                if self.buf.endswith(s[:n]):
-                    keep = n
-                    break
-        out = self.buf[:len(self.buf) - keep]
-        self.buf = self.buf[len(self.buf) - keep:]
+        at, hit = earliest_marker(self.buf, self.stops)
+        open_from = len(self.buf) - partial_marker_len(self.buf, self.stops)   # where an unfinished stop may start
+        if hit is not None and at < open_from:
+            return self._cut(at, hit)
+        out, self.buf = self.buf[:open_from], self.buf[open_from:]
         return out
 
     def flush(self) -> str:
-        out, self.buf = ("" if self.hit is not None else self.buf), ""
+        """The end of the answer: what was held back, up to a stop that it completes."""
+        if self.hit is not None:
+            return ""
+        at, hit = earliest_marker(self.buf, self.stops)
+        if hit is not None:
+            return self._cut(at, hit)
+        out, self.buf = self.buf, ""
+        return out
+
+    def _cut(self, at: int, hit: str) -> str:
+        out, self.buf, self.hit = self.buf[:at], "", hit
         return out
 
 

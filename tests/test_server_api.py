@@ -68,6 +68,32 @@ def test_completions_stop_string_across_tokens(server):
     assert c["text"] == "one two t" and c["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_ties_the_same_streamed_or_not(server, stream):
+    """Earliest start wins, then the longest stop at that start (the fake worker answers with the prompt)."""
+    _, base = server
+
+    def messages(content, stops):
+        r = requests.post(base + "/v1/messages", stream=stream, timeout=30, json=dict(
+            max_tokens=100, stream=stream, stop_sequences=stops, messages=[{"role": "user", "content": content}]))
+        if not stream:
+            b = r.json()
+            return b["content"][-1]["text"], b["stop_reason"], b["stop_sequence"]
+        text, end = "", None
+        for ln in r.iter_lines(decode_unicode=True):
+            if ln.startswith("data: "):
+                ev = json.loads(ln[6:])
+                text += ev.get("delta", {}).get("text", "") if ev["type"] == "content_block_delta" else ""
+                end = ev["delta"] if ev["type"] == "message_delta" else end
+        return text, end["stop_reason"], end["stop_sequence"]
+
+    text, reason, seq = messages("one two three four", ["thr", "four", "three f"])
+    assert text.endswith("one two ") and (reason, seq) == ("stop_sequence", "three f")
+    # the answer ends while a longer stop could still have followed: the end decides for the shorter one
+    text, reason, seq = messages("one two thr", ["three", "thr"])
+    assert text.endswith("one two ") and "thr" not in text and (reason, seq) == ("stop_sequence", "thr")
+
+
 def test_completions_stream(server):
     _, base = server
     r = requests.post(base + "/v1/completions", json=dict(prompt="stream me", max_tokens=50, stream=True),

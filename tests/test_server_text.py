@@ -25,6 +25,25 @@ def test_earliest_of_several_stops_wins():
     assert f.feed("hello world") == "hel" and f.hit == "lo w"
 
 
+def test_stop_tie_rule_holds_however_the_text_is_split():
+    """Earliest start wins; at an equal start the longest stop is cut and reported, whatever the pieces."""
+    cases = [(["Hu", "Human:"], "a Human: b", "a ", "Human:"), (["Human:", "Hu"], "a Human: b", "a ", "Human:"),
+             (["Hu", "Human:"], "a Humble", "a ", "Hu"), (["c", "abcd"], "xabcdy", "x", "abcd"),
+             (["c", "abcd"], "xabcy", "xab", "c"), (["Hu", "Human:"], "a Hu", "a ", "Hu")]
+    for stops, text, out, hit in cases:
+        for i in range(len(text) + 1):
+            for j in range(i, len(text) + 1):
+                f = StopFilter(stops)
+                assert (feed_all(f, [text[:i], text[i:j], text[j:]]), f.hit) == (out, hit), (stops, text, i, j)
+
+
+def test_a_stop_that_may_grow_is_held_until_decided():
+    f = StopFilter(["Hu", "Human:"])
+    assert f.feed("a Hu") == "a " and f.hit is None      # "Human:" may still follow
+    assert f.feed("m") == "" and f.hit is None
+    assert f.feed("ble") == "" and f.hit == "Hu"
+
+
 def test_no_stops_passes_through():
     assert feed_all(StopFilter([]), ["a", "b"]) == "ab"
     assert feed_all(StopFilter([""]), ["a", "b"]) == "ab"
