@@ -364,9 +364,7 @@ class Handler(BaseHTTPRequestHandler):
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
 
         def on_delta(r, c):
-            calls = []
-            if parser is not None and c:
-                c, calls = parser.feed(c)
+            c, calls = feed_calls(parser, c)
             d = {}
             if r:
                 d["reasoning_content"] = r
@@ -380,10 +378,8 @@ class Handler(BaseHTTPRequestHandler):
             return [chunk({"tool_calls": [dict(index=first + i, **openai_call(k))]}) for i, k in enumerate(calls)]
 
         def on_done(res):
-            out = []
-            if parser is not None:
-                c, calls = parser.flush()
-                out = ([chunk({"content": c})] if c else []) + call_chunks(calls)
+            c, calls = flush_calls(parser)
+            out = ([chunk({"content": c})] if c else []) + call_chunks(calls)
             out.append(chunk({}, finish_reason(res, parser.calls if parser else ()), timings=timings(res)))
             if include_usage:
                 out.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -508,9 +504,7 @@ class Handler(BaseHTTPRequestHandler):
             return out
 
         def on_delta(r, c):
-            calls = []
-            if parser is not None and c:
-                c, calls = parser.feed(c)
+            c, calls = feed_calls(parser, c)
             return text_events(r, c) + call_blocks(calls)
 
         def text_events(r, c):
@@ -526,10 +520,8 @@ class Handler(BaseHTTPRequestHandler):
             return out
 
         def on_done(res):
-            out = []
-            if parser is not None:
-                c, last = parser.flush()
-                out = text_events("", c) + call_blocks(last)
+            c, last = flush_calls(parser)
+            out = text_events("", c) + call_blocks(last)
             calls = parser.calls if parser is not None else []
             if state["type"] is not None or not calls:
                 out += block("text") if state["type"] is None else []
@@ -628,12 +620,23 @@ def tool_choice(body: dict) -> str | None:
                    param="tool_choice")
 
 
+def feed_calls(parser, content: str) -> tuple[str, list]:
+    """A piece of the answer's content through the tool-call parser (None: the request offers no tools): (the content
+    without calls, the calls it completed). Streamed answers feed each piece; split_calls feeds the whole answer."""
+    if parser is None or not content:
+        return content, []
+    return parser.feed(content)
+
+
+def flush_calls(parser) -> tuple[str, list]:
+    """At the end of the answer: (the content the parser held back, the calls that the end completes)."""
+    return ("", []) if parser is None else parser.flush()
+
+
 def split_calls(parser, content: str) -> tuple[str, list]:
     """The whole answer's content through the tool-call parser: (content without the calls, the calls)."""
-    if parser is None:
-        return content, []
-    c1, k1 = parser.feed(content)
-    c2, k2 = parser.flush()
+    c1, k1 = feed_calls(parser, content)
+    c2, k2 = flush_calls(parser)
     return c1 + c2, k1 + k2
 
 
