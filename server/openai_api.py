@@ -15,6 +15,7 @@ import select
 import socket
 import time
 import uuid
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -339,10 +340,8 @@ class Handler(BaseHTTPRequestHandler):
         so = field(body, "stream_options", "dict", default={})
         include_usage = bool(so.get("include_usage"))
         parser = self.server.codec.tool_parser(tools, tool_choice(body))
-        try:
+        with prompt_errors_are_400("messages"):
             prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, template_kwargs=kwargs)
-        except PromptError as e:
-            raise ApiError(400, str(e), param="messages") from None
         job = self._submit("/v1/chat/completions", prompt, max_new, common, stops, text)
         rid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
         if not common["stream"]:
@@ -403,10 +402,8 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, "'echo' is not supported", param="echo")
         stops = stop_list(body)
         max_new = max_new_tokens(body, "max_tokens")
-        try:
+        with prompt_errors_are_400("prompt"):
             ids = self.server.codec.completion_prompt(prompt)
-        except PromptError as e:
-            raise ApiError(400, str(e), param="prompt") from None
         job = self._submit("/v1/completions", ids, max_new, common, stops, None)
         rid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
         if not common["stream"]:
@@ -451,10 +448,8 @@ class Handler(BaseHTTPRequestHandler):
                     raise ApiError(400, "'thinking.budget_tokens' must be an integer >= 0", param="thinking")
                 common["budget"] = budget
         stops = stop_list(body, "stop_sequences")
-        try:
+        with prompt_errors_are_400("messages"):
             prompt, text = self.server.codec.chat_prompt(msgs, tools=tools)
-        except PromptError as e:
-            raise ApiError(400, str(e), param="messages") from None
         job = self._submit("/v1/messages", prompt, max_new, common, stops, text)
         rid, model = "msg_" + uuid.uuid4().hex[:24], self.server.cfg.model_name
 
@@ -600,6 +595,15 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
             job.cancel.set()
             raise ClientGone() from None
+
+
+@contextmanager
+def prompt_errors_are_400(param: str):
+    """A prompt the codec cannot build (a template error, an unknown token id) is the request's fault."""
+    try:
+        yield
+    except PromptError as e:
+        raise ApiError(400, str(e), param=param) from None
 
 
 def finish_reason(res: Result, calls=()) -> str:

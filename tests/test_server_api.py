@@ -128,6 +128,13 @@ def test_prompt_too_long_is_a_400_never_truncated(server):
     assert r.status_code == 400 and "context holds 256" in r.json()["error"]["message"]
 
 
+def test_a_prompt_the_codec_refuses_is_a_400(server):
+    _, base = server
+    r = requests.post(base + "/v1/completions", json=dict(prompt=[5, 99999]), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "token id 99999 is outside" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("body, param", [
     (dict(messages="hi"), "messages"),
     (dict(messages=[]), "messages"),
