@@ -10,19 +10,13 @@ import cupy as cp
 import numpy as np
 
 from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE, device_address
+from engine.cuda.kernels import SMEM_DEFAULT, SMEM_MAX, staged_bytes  # noqa: F401 (tests import them from here)
 from engine.cuda.kv import DecodeAttention
 
 U64, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
 NULL = U64(0)
 MV_WARPS = 4           # rows per block in the mat-vec kernels (one warp each)
-SMEM_DEFAULT = 48 * 1024     # dynamic shared memory a kernel gets without opting in
-SMEM_MAX = 227 * 1024        # the most a block may opt in to (sm_80 / sm_90)
 BIG_ROWS = 16384             # a mat-vec with more rows gives each warp several (one staging of x serves them)
-
-
-def staged_bytes(n: int) -> int:
-    """Shared memory for n floats staged by common.cuh stage_x (Q4_K's padded layout: 4 floats per 64)."""
-    return 4 * (n + 4 * (n // 64))
 
 
 def ptr(a) -> U64:

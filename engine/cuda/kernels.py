@@ -26,6 +26,14 @@ from pathlib import Path
 from engine.cuda.quant_types import QTYPES, qtype
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
+SMEM_DEFAULT = 48 * 1024     # dynamic shared memory a kernel gets without opting in
+SMEM_MAX = 227 * 1024        # the most a block may opt in to (sm_80 / sm_90)
+
+
+def staged_bytes(n: int) -> int:
+    """Shared memory for n floats staged by common.cuh stage_x (Q4_K's padded layout: 4 floats per 64)."""
+    return 4 * (n + 4 * (n // 64))
+
 STD = "-std=c++17"
 _BUILD_RE = re.compile(r"^\s*//\s*@build\b(.*)$")
 _QT_TEMPLATE_RE = re.compile(r"template\s*<\s*int\s+QT\s*>\s*(?:__launch_bounds__\s*\([^)]*\)\s*)?"

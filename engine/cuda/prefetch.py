@@ -86,6 +86,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.cuda import kernels
+# predict stages n_embd floats with common.cuh stage_x: the decode kernels' shared-memory rule
+from engine.cuda.kernels import SMEM_DEFAULT, SMEM_MAX, staged_bytes
+
 # prefetch_copy's grid. In flight: 32 blocks x 256 threads x 8 loads x 16 B = 1 MiB, 4-10x the link's
 # bandwidth-delay product (51 GB/s x 2-5 us of PCIe read latency = 100-250 KB), so the link never waits on the SMs;
 # a warp's 8 loads are 4 KiB contiguous and served together, so warps re-issue one by one and the rounds do not
@@ -104,8 +108,6 @@ COPY_LOADS = 8             # cuda_src/prefetch.cu PF_LOADS
 PREDICT_WARPS = 4          # router rows per predict block (one warp each), as the router's
 MAX_K = 16                 # cuda_src/prefetch.cu PF_MAX_K
 MAX_EXPERTS = 512          # cuda_src/prefetch.cu PF_MAX_EXPERTS
-SMEM_DEFAULT = 48 * 1024   # dynamic shared memory without opting in (the predictor keeps n_embd floats there)
-SMEM_MAX = 227 * 1024      # the most a block may opt in to (sm_80 / sm_90)
 DEFAULT_ON = True          # --prefetch's default when some experts have no VRAM slot (the lead sets it from the bench)
 DEPTHS = (1, 2)            # --prefetch-depth: predict the next layer, or the one after it (module docstring)
 # H200, 12 GiB, late copy on (bench.decode --prefetch-depth both, three runs on 2026-11-29/30): depth 2 186.0, 186.1
@@ -123,15 +125,8 @@ def load_module(qtypes):
     edit recompile it."""
     import hashlib
 
-    from engine.cuda import kernels
     digest = hashlib.sha256((kernels.CUDA_SRC / "router.cu").read_bytes()).hexdigest()[:16]
     return kernels.load("prefetch", defines={"STRATA_ROUTER_SRC": digest}, qtypes=qtypes)
-
-
-def staged_bytes(n: int) -> int:
-    """predict's dynamic shared memory: n floats staged by common.cuh stage_x (decode.staged_bytes, which imports
-    cupy: Q4_K's padded layout, 4 floats per 64)."""
-    return 4 * (n + 4 * (n // 64))
 
 
 def wanted(flag: str | None, n_slots: int, n_total: int) -> bool:
