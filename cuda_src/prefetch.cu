@@ -108,13 +108,7 @@ __device__ __forceinline__ void rank_topk(const float* logits, int n, int k, int
     __syncthreads();
     for (int e = threadIdx.x; e < n; e += blockDim.x) {
         const float ve = v[e];
-        int rank = 0;
-        for (int i = 0; i < n4; ++i) {
-            const float4 o = v4[i];
-            const int f = 4 * i;
-            rank += (o.x > ve || (o.x == ve && f < e)) + (o.y > ve || (o.y == ve && f + 1 < e)) +
-                    (o.z > ve || (o.z == ve && f + 2 < e)) + (o.w > ve || (o.w == ve && f + 3 < e));
-        }
+        const int rank = rank_among(v4, n4, ve, e);
         if (rank < k) out[rank] = e;
     }
 }

@@ -103,6 +103,20 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int n_e
 #define ROUTER_MAX_EXPERTS 512
 #define ROUTER_F4 16       // float4 of an F32 row per lane in flight at once (16: a 2048-wide row in one round)
 
+// Expert e's place among the n4 * 4 values in shared memory (v4; e's own value ve): how many are larger, or equal
+// with a lower id (ties go to the lower id, as route_warp's argmax rounds pick). route_block and prefetch.cu's
+// rank_topk rank every expert this way in one pass.
+__device__ __forceinline__ int rank_among(const float4* v4, int n4, float ve, int e) {
+    int rank = 0;
+    for (int i = 0; i < n4; ++i) {
+        const float4 o = v4[i];
+        const int f = 4 * i;
+        rank += (o.x > ve || (o.x == ve && f < e)) + (o.y > ve || (o.y == ve && f + 1 < e)) +
+                (o.z > ve || (o.z == ve && f + 2 < e)) + (o.w > ve || (o.w == ve && f + 3 < e));
+    }
+    return rank;
+}
+
 // The routing of one token by a whole block (after every logit is written): each expert's rank among the logits
 // counted against all others in shared memory (ties: the lower id first, as route_warp's argmax
 // rounds pick), so the k choices come out in one pass instead of k rounds of warp shuffles.
@@ -140,13 +154,7 @@ __device__ __forceinline__ void route_block(const float* logits, int n_expert, i
     s = block_sum(s, red);                         // synchronises: v is complete
     for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
         const float ve = v[e];
-        int rank = 0;
-        for (int i = 0; i < n4; ++i) {
-            const float4 o = v4[i];
-            const int f = 4 * i;
-            rank += (o.x > ve || (o.x == ve && f < e)) + (o.y > ve || (o.y == ve && f + 1 < e)) +
-                    (o.z > ve || (o.z == ve && f + 2 < e)) + (o.w > ve || (o.w == ve && f + 3 < e));
-        }
+        const int rank = rank_among(v4, n4, ve, e);
         if (rank < k) {
             sel[rank] = e;
             selv[rank] = expf(ve - mx);
