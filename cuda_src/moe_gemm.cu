@@ -13,6 +13,7 @@
 // tests/test_cuda_prefill_kernels.py checks it against NumPy on the H200.
 #include "quant.cuh"
 #include "common.cuh"
+#include "mma.cuh"
 
 #define MG_BM 64              // pair rows per block tile
 #define MG_BN 64              // output columns per block tile
@@ -79,50 +80,29 @@ __device__ __forceinline__ uint4 mg_pack8(const float (&v)[8]) {
     return make_uint4(mg_pack2(v[0], v[1]), mg_pack2(v[2], v[3]), mg_pack2(v[4], v[5]), mg_pack2(v[6], v[7]));
 }
 
-// d += a (16x16, row-major fp16) * b (16x8, column-major fp16), fp32 accumulators (PTX ISA fragment layout:
-// g = lane / 4, t = lane % 4; a: rows g, g+8 x cols 2t.., 2t+8..; b: rows 2t.., 2t+8.. x col g; d: rows g, g+8 x 2t..)
-__device__ __forceinline__ void mg_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// ldmatrix: four 8x8 fp16 tiles from shared memory in one instruction, each lane naming one tile row's 16 bytes
-// (lanes 8i..8i+7: tile i), and each lane receiving the mma fragment layout. One instruction replaces the four (A) or
-// four (two B fragments) 32-bit shared loads per fragment the first version issued: at 4K tokens the kernels were
-// bound by issued instructions (ncu: IPC 1.9, tensor pipe mostly idle, ALU the busiest pipe), not by the tensor cores.
-__device__ __forceinline__ void mg_ldsm4(const unsigned short* p, uint32_t& r0, uint32_t& r1, uint32_t& r2,
-                                         uint32_t& r3) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a));
-}
+// Fragments by ldmatrix (mma.cuh ldsm_x4): one instruction replaces the four (A) or four (two B fragments) 32-bit
+// shared loads per fragment the first version issued: at 4K tokens the kernels were bound by issued instructions
+// (ncu: IPC 1.9, tensor pipe mostly idle, ALU the busiest pipe), not by the tensor cores.
 
 // A fragment (16 rows from row0, 16 k from kk): tiles (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
 // (rows 8-15, k 8-15) are a[0..3] of the m16n8k16 layout; rows are MG_LDS halves (80 bytes) apart, so the eight
 // 16-byte rows of a tile fall in distinct bank groups.
 __device__ __forceinline__ void mg_load_a(const unsigned short* xs, int row0, int kk, int lane, uint32_t (&a)[4]) {
-    mg_ldsm4(xs + (row0 + (lane & 15)) * MG_LDS + kk + ((lane >> 4) << 3), a[0], a[1], a[2], a[3]);
+    ldsm_x4(smem_u32(xs + (row0 + (lane & 15)) * MG_LDS + kk + ((lane >> 4) << 3)), a[0], a[1], a[2], a[3]);
 }
 
 // B fragments of two adjacent 8-column groups (col0, col0 + 8), 16 k from kk: the weight tile is stored [n][k], so
 // a non-transposed tile row is one output column's 8 k values, the col-major B operand mma wants.
 // b[0], b[1]: columns col0..col0+7 (k 0-7, k 8-15); b[2], b[3]: columns col0+8..col0+15.
 __device__ __forceinline__ void mg_load_b2(const unsigned short* ws, int col0, int kk, int lane, uint32_t (&b)[4]) {
-    mg_ldsm4(ws + (col0 + ((lane >> 4) << 3) + (lane & 7)) * MG_LDS + kk + (((lane >> 3) & 1) << 3),
-             b[0], b[1], b[2], b[3]);
+    ldsm_x4(smem_u32(ws + (col0 + ((lane >> 4) << 3) + (lane & 7)) * MG_LDS + kk + (((lane >> 3) & 1) << 3)),
+            b[0], b[1], b[2], b[3]);
 }
 
 // PTX helpers for the Q4_K tile path (NVRTC builds without cuda_fp16.h here)
 __device__ __forceinline__ uint32_t mg_h2_sub(uint32_t a, uint32_t b) {
     uint32_t d;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-__device__ __forceinline__ uint32_t mg_f2_to_h2(float lo, float hi) {
-    uint32_t d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
 }
 
@@ -146,7 +126,7 @@ __device__ __forceinline__ uint4 mg_q4k8(const uint8_t* __restrict__ b, int j) {
     q1 = (q1 >> sh) & 0x0f0f0f0fu;
     const auto pair = [&](uint32_t q, uint32_t sel) {
         const uint32_t h = mg_h2_sub(__byte_perm(q, 0x64646464u, sel), 0x64006400u);    // (q_lo, q_hi), exact
-        return mg_f2_to_h2(fmaf(h2f((unsigned short)(h & 0xffffu)), dl, -ml),
+        return pack_h2(fmaf(h2f((unsigned short)(h & 0xffffu)), dl, -ml),
                            fmaf(h2f((unsigned short)(h >> 16)), dl, -ml));
     };
     return make_uint4(pair(q0, 0x4140u), pair(q0, 0x4342u), pair(q1, 0x4140u), pair(q1, 0x4342u));
@@ -249,10 +229,10 @@ __global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up(const int* __r
 #pragma unroll
                     for (int i = 0; i < MG_MT; ++i)
                         if (i < mt) {
-                            mg_mma(ag[i][jp], a[i], bg[0], bg[1]);
-                            mg_mma(ag[i][jp + 1], a[i], bg[2], bg[3]);
-                            mg_mma(au[i][jp], a[i], bu[0], bu[1]);
-                            mg_mma(au[i][jp + 1], a[i], bu[2], bu[3]);
+                            mma_16816(ag[i][jp], a[i], bg[0], bg[1]);
+                            mma_16816(ag[i][jp + 1], a[i], bg[2], bg[3]);
+                            mma_16816(au[i][jp], a[i], bu[0], bu[1]);
+                            mma_16816(au[i][jp + 1], a[i], bu[2], bu[3]);
                         }
                 }
             }
@@ -347,8 +327,8 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restric
 #pragma unroll
                     for (int i = 0; i < MG_MT; ++i)
                         if (i < mt) {
-                            mg_mma(acc[i][jp], a[i], b[0], b[1]);
-                            mg_mma(acc[i][jp + 1], a[i], b[2], b[3]);
+                            mma_16816(acc[i][jp], a[i], b[0], b[1]);
+                            mma_16816(acc[i][jp + 1], a[i], b[2], b[3]);
                         }
                 }
             }

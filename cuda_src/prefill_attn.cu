@@ -23,6 +23,7 @@
 // (flash_attn_shape, read by engine/cuda/prefill_streamed.py attn_kernel), so a launch cannot disagree with the build.
 // tests/test_cuda_prefill_kernels.py checks it against NumPy.
 #include "common.cuh"
+#include "mma.cuh"
 
 #ifndef FA_HD
 #define FA_HD 128
@@ -76,36 +77,6 @@ extern "C" __global__ void flash_attn_shape(int* out) {
     out[1] = FA_THREADS;
     out[2] = FA_SMEM_F16;
     out[3] = FA_SMEM_I8;
-}
-
-// two floats as fp16 in one register, a in the low half (mma fragment order)
-__device__ __forceinline__ uint32_t fa_pack2(float a, float b) {
-    uint32_t r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-    return r;
-}
-
-__device__ __forceinline__ void fa_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t fa_smem_addr(const void* p) {
-    uint32_t a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// Four 8x8 fp16 matrices from shared memory (lanes 8i..8i+7 give the row addresses of matrix i); .trans: transposed
-__device__ __forceinline__ void fa_ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-__device__ __forceinline__ void fa_ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
 // 16 (or 4) bytes global -> shared without a register round trip; zeros when !ok (keys from `end` on: never NaN from
@@ -169,8 +140,8 @@ __device__ __forceinline__ void fa_i8x4(uint32_t w, float s, uint32_t& lo, uint3
     const float f1 = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7541)) - 8388736.f;
     const float f2 = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7542)) - 8388736.f;
     const float f3 = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7543)) - 8388736.f;
-    lo = fa_pack2(f0 * s, f1 * s);
-    hi = fa_pack2(f2 * s, f3 * s);
+    lo = pack_h2(f0 * s, f1 * s);
+    hi = pack_h2(f2 * s, f3 * s);
 }
 
 // The chunks this thread copied into the raw stage at raw (after its own wait: no barrier needed) as fp16 into the
@@ -229,7 +200,7 @@ __device__ __forceinline__ void fa_tile(float (&o)[FA_MT][FA_NO][4], float (&m)[
 #pragma unroll
         for (int mt = 0; mt < FA_MT; ++mt) {
             if (FA_QSM) {
-                fa_ldsm_x4(q_lane + (uint32_t)((16 * mt * FA_LD + 16 * kk) * 2), a[mt][0], a[mt][1], a[mt][2],
+                ldsm_x4(q_lane + (uint32_t)((16 * mt * FA_LD + 16 * kk) * 2), a[mt][0], a[mt][1], a[mt][2],
                            a[mt][3]);
             } else {
 #pragma unroll
@@ -241,11 +212,11 @@ __device__ __forceinline__ void fa_tile(float (&o)[FA_MT][FA_NO][4], float (&m)[
             // keys 16 np .. +7 and +8 .. +15 (rows of K), dims 16 kk .. +7 and +8 .. +15: the B fragments of
             // n-tiles 2 np and 2 np + 1, for every m-tile
             uint32_t b0, b1, b2, b3;
-            fa_ldsm_x4(st + k_lane + (uint32_t)((16 * np * FA_LD + 16 * kk) * 2), b0, b1, b2, b3);
+            ldsm_x4(st + k_lane + (uint32_t)((16 * np * FA_LD + 16 * kk) * 2), b0, b1, b2, b3);
 #pragma unroll
             for (int mt = 0; mt < FA_MT; ++mt) {
-                fa_mma(s[mt][2 * np], a[mt], b0, b1);
-                fa_mma(s[mt][2 * np + 1], a[mt], b2, b3);
+                mma_16816(s[mt][2 * np], a[mt], b0, b1);
+                mma_16816(s[mt][2 * np + 1], a[mt], b2, b3);
             }
         }
     }
@@ -303,19 +274,19 @@ __device__ __forceinline__ void fa_tile(float (&o)[FA_MT][FA_NO][4], float (&m)[
         uint32_t pa[FA_MT][4];
 #pragma unroll
         for (int mt = 0; mt < FA_MT; ++mt) {
-            pa[mt][0] = fa_pack2(s[mt][2 * c][0], s[mt][2 * c][1]);
-            pa[mt][1] = fa_pack2(s[mt][2 * c][2], s[mt][2 * c][3]);
-            pa[mt][2] = fa_pack2(s[mt][2 * c + 1][0], s[mt][2 * c + 1][1]);
-            pa[mt][3] = fa_pack2(s[mt][2 * c + 1][2], s[mt][2 * c + 1][3]);
+            pa[mt][0] = pack_h2(s[mt][2 * c][0], s[mt][2 * c][1]);
+            pa[mt][1] = pack_h2(s[mt][2 * c][2], s[mt][2 * c][3]);
+            pa[mt][2] = pack_h2(s[mt][2 * c + 1][0], s[mt][2 * c + 1][1]);
+            pa[mt][3] = pack_h2(s[mt][2 * c + 1][2], s[mt][2 * c + 1][3]);
         }
 #pragma unroll
         for (int jj = 0; jj < FA_HD / 16; ++jj) {
             uint32_t b0, b1, b2, b3;
-            fa_ldsm_x4_t(st + FA_TILE_B + v_lane + (uint32_t)((16 * c * FA_LD + 16 * jj) * 2), b0, b1, b2, b3);
+            ldsm_x4_t(st + FA_TILE_B + v_lane + (uint32_t)((16 * c * FA_LD + 16 * jj) * 2), b0, b1, b2, b3);
 #pragma unroll
             for (int mt = 0; mt < FA_MT; ++mt) {
-                fa_mma(o[mt][2 * jj], pa[mt], b0, b1);
-                fa_mma(o[mt][2 * jj + 1], pa[mt], b2, b3);
+                mma_16816(o[mt][2 * jj], pa[mt], b0, b1);
+                mma_16816(o[mt][2 * jj + 1], pa[mt], b2, b3);
             }
         }
     }
@@ -355,7 +326,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
     // shared memory: NST fp16 K/V stages, Q (FA_QSM), int8's two raw stages (int8 tiles run two ahead in those, so
     // two fp16 stages suffice)
     constexpr int NST = I8 ? 2 : FA_STAGES, Q0 = NST * FA_STAGE_B, RAW0 = Q0 + FA_Q_B;
-    const uint32_t sm0 = fa_smem_addr(fa_sm);
+    const uint32_t sm0 = smem_u32(fa_sm);
     // tile p (keys p .. p + FA_BN - 1) into fp16 stage `stage` (fp16 cache) or raw stage `stage` (int8 cache)
     auto issue = [&](int stage, int p) {
         if (I8)
@@ -389,8 +360,8 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
             const float2 a1 = *reinterpret_cast<const float2*>(q + qo_b + c);
             const float2 a2 = *reinterpret_cast<const float2*>(q + qo_a + c + 8);
             const float2 a3 = *reinterpret_cast<const float2*>(q + qo_b + c + 8);
-            const uint32_t f0 = fa_pack2(a0.x * qs, a0.y * qs), f1 = fa_pack2(a1.x * qs, a1.y * qs);
-            const uint32_t f2 = fa_pack2(a2.x * qs, a2.y * qs), f3 = fa_pack2(a3.x * qs, a3.y * qs);
+            const uint32_t f0 = pack_h2(a0.x * qs, a0.y * qs), f1 = pack_h2(a1.x * qs, a1.y * qs);
+            const uint32_t f2 = pack_h2(a2.x * qs, a2.y * qs), f3 = pack_h2(a3.x * qs, a3.y * qs);
             if (FA_QSM) {
                 const int r = 16 * mt + g;
                 *reinterpret_cast<uint32_t*>(qw + (r * FA_LD + c) * 2) = f0;
@@ -423,7 +394,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
     const uint32_t v_lane = (uint32_t)((((lane & 7) + ((lane >> 3) & 1) * 8) * FA_LD + (lane >> 4) * 8) * 2);
     // Q (FA_QSM) as A fragments, plain: matrices (rows 0-7, dims 0-7), (rows 8-15, 0-7), (0-7, 8-15), (8-15, 8-15),
     // the same row addresses as V's
-    const uint32_t q_lane = fa_smem_addr(qw) + v_lane;
+    const uint32_t q_lane = smem_u32(qw) + v_lane;
 
     if (I8) {
         fa_wait<1>();                                         // this thread's chunks of tile 0
