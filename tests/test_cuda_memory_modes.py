@@ -99,17 +99,24 @@ def test_memory_mode_matches_cpu(cpu_runs, name, mode, share, prefill):
         be.close()
 
 
+def _profile_half_and_half(cpu_runs, tmp_path, seed: int, adapt_every: int):
+    """The tiny MoE model's backend with a random expert profile (seeded): VRAM holds its first half, the resident
+    budget pins the second half. Returns (backend, the profile's order, the CPU run)."""
+    from engine.profile import from_flat, save_profile
+    run = cpu_runs["tiny-qwen3moe-q4k"]
+    cfg = run[0].config
+    order = np.random.default_rng(seed).permutation(cfg.n_layer * cfg.n_expert)
+    path = tmp_path / "p.bin"
+    save_profile(path, from_flat(cfg.n_layer, cfg.n_expert, order))
+    be = backend(run[0], "budget", "half", "batched", expert_profile=str(path), adapt_every=adapt_every)
+    return be, order, run
+
+
 def test_budget_after_a_profile_filled_vram_keeps_the_whole_step_graph(cpu_runs, tmp_path):
     """VRAM holds the profile's first half, the budget pins the second half: every expert is readable without the
     file, so every step is the whole-step graph (and nothing is read from the file while decoding)."""
-    from engine.profile import from_flat, save_profile
-    model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
-    cfg = model.config
-    total = cfg.n_layer * cfg.n_expert
-    order = np.random.default_rng(1).permutation(total)
-    path = tmp_path / "p.bin"
-    save_profile(path, from_flat(cfg.n_layer, cfg.n_expert, order))
-    be = backend(model, "budget", "half", "batched", expert_profile=str(path), adapt_every=0)
+    be, order, (_, prompt, toks, cpu_logits) = _profile_half_and_half(cpu_runs, tmp_path, 1, adapt_every=0)
+    total = len(order)
     try:
         assert be.cache.n_slots == total // 2
         assert set(np.flatnonzero(be.cache.resident())) == set(order[:total // 2].tolist())
@@ -128,14 +135,7 @@ def test_the_adaptive_tier_keeps_a_reachable_table_reachable(cpu_runs, tmp_path)
     """VRAM holds the profile's first half, the budget pins the second half, the adaptive tier runs (every 4 tokens)
     with the profile's order random against the real routing, so it wants swaps: it must not evict an expert that has
     no pinned copy (its entry would become 0 and every later step would take the per-layer path)."""
-    from engine.profile import from_flat, save_profile
-    model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
-    cfg = model.config
-    total = cfg.n_layer * cfg.n_expert
-    order = np.random.default_rng(2).permutation(total)
-    path = tmp_path / "p.bin"
-    save_profile(path, from_flat(cfg.n_layer, cfg.n_expert, order))
-    be = backend(model, "budget", "half", "batched", expert_profile=str(path), adapt_every=4)
+    be, _, (_, prompt, toks, cpu_logits) = _profile_half_and_half(cpu_runs, tmp_path, 2, adapt_every=4)
     try:
         assert be.cache.reachable()
         be.reset_stats()
