@@ -16,7 +16,8 @@ import time
 
 import numpy as np
 
-CUBLAS_TFLOPS = 749.0
+from bench.variant import CUBLAS_TFLOPS, add_args, defines
+
 HBM_BPS = 4.4e12
 ALIGN = 256
 
@@ -47,11 +48,9 @@ def main(argv=None):
     ap.add_argument("--n-ff", type=int, default=768)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--row-tiles", type=int, default=None, help="moe_gemm.cu MG_MT (default: the engine's)")
-    ap.add_argument("--module", default="moe_gemm",
-                    help="the cuda_src file (stem) to load, for an A/B against a copy of an earlier version")
-    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                    help="a moe_gemm.cu define for a variant (e.g. MG_MT=1); repeatable")
+    add_args(ap, "moe_gemm", "MG_MT=1")
     a = ap.parse_args(argv)
+    defs = defines(ap, a)
 
     import cupy as cp
 
@@ -65,7 +64,6 @@ def main(argv=None):
     t0 = time.perf_counter()
     if a.define or a.module != "moe_gemm":
         from engine.cuda import kernels
-        defs = dict(d.split("=", 1) for d in a.define)
         if a.row_tiles:
             defs["MG_MT"] = str(a.row_tiles)
         mod = kernels.load(a.module, defs or None, qtypes=[q.id])

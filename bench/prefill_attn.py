@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-CUBLAS_TFLOPS = 749.0
+from bench.variant import CUBLAS_TFLOPS, add_args, defines
+
 
 
 def causal_flops(T: int, pos0: int, n_head: int, head_dim: int) -> int:
@@ -48,19 +49,14 @@ def parse(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=48, help="for the per-prompt column: ms x layers")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--module", default="prefill_attn",
-                    help="the cuda_src file (stem) to load, for an A/B against a copy of an earlier version")
-    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                    help="a prefill_attn.cu define for a variant (e.g. FA_WARPS=4); repeatable")
+    add_args(ap, "prefill_attn", "FA_WARPS=4")
     a = ap.parse_args(argv)
     kvs = [k for k in a.kv.split(",") if k]
     if not kvs or set(kvs) - {"f16", "int8"}:
         ap.error(f"--kv takes f16, int8 or f16,int8, got {a.kv!r}")
     if a.n_head % a.n_head_kv or a.head_dim % 32:
         ap.error("--n-head must be a multiple of --n-head-kv and --head-dim a multiple of 32")
-    bad = [d for d in a.define if "=" not in d]
-    if bad:
-        ap.error(f"--define takes NAME=VALUE, got {bad[0]!r}")
+    a.defines = defines(ap, a)
     a.kvs = kvs
     a.cases = cases(a.tokens, a.chunks, a.chunk_len)
     return a
@@ -92,7 +88,7 @@ def main(argv=None):
     H, KV, hd = a.n_head, a.n_head_kv, a.head_dim
     t0 = time.perf_counter()
     if a.define or a.module != "prefill_attn":
-        defs = dict(d.split("=", 1) for d in a.define)
+        defs = dict(a.defines)
         if hd != 128:
             defs.setdefault("FA_HD", str(hd))
         mod = kernels.load(a.module, defs or None)
