@@ -23,6 +23,7 @@ from engine.cuda.prefetch import attach as attach_prefetch
 from engine.cuda.prefetch import DEFAULT_DEPTH as DEFAULT_PREFETCH_DEPTH
 from engine.cuda.prefetch import fetching as fetching_misses
 from engine.cuda.prefetch import vram_staging_slots
+from engine.cuda.prefetch import wanted as prefetch_wanted
 from engine.cuda.prefill import Prefill
 from engine.cuda.programs import Kernels
 from engine.cuda.rope import rope_table
@@ -114,14 +115,8 @@ class CUDABackend(Backend):
                     self.cache = ExpertCache(self.arena, n_slots)
                     if self.mem:
                         self.mem.attach_cache(model, self.arena, self.cache, self.stream, opts, log)
-                self.step = DecodeStep(self.kernels, cfg, self.weights, self.kv, self.rope, self.cache, self.layout,
-                                       self.stream)
                 self.gpu_sampler = GpuSampler(self.kernels, cfg.n_vocab, max_context + 1, self.stream)
-                self._attach_prefetch()
-                self.prefill = self._make_prefill()
-                if self.mem:
-                    self.mem.attach_step(self.step, use_graphs=not opts.no_graph)
-                    self.mem.attach_prefill(self.prefill)
+                self._build_step()
                 self.stream.synchronize()
         except cp.cuda.memory.OutOfMemoryError as e:
             self.close()
@@ -180,7 +175,7 @@ class CUDABackend(Backend):
             avail = min(avail, left)
         n = max(0, int(avail // stride))
         total = cfg.n_layer * cfg.n_expert
-        if n < total and opts.prefetch != "off":        # the prefetch's VRAM staging slots come out of the budget
+        if prefetch_wanted(opts.prefetch, n, total):    # the prefetch's VRAM staging slots come out of the budget
             n = max(0, n - vram_staging_slots(cfg.n_expert_used, opts.prefetch_depth,
                                               fetching_misses(opts.fetch_misses)))
         if opts.expert_slots is not None:
@@ -192,9 +187,17 @@ class CUDABackend(Backend):
                  f"({n * stride / MiB:.0f} MiB; {free / MiB:.0f} MiB free, {opts.vram_reserve_mib} MiB reserved)")
         return n
 
-    def _attach_prefetch(self):
+    def _build_step(self):
+        """The decode step over the current cache, its prefetch and the prompt pass (at start and after a resize),
+        handed to the memory mode when there is one."""
+        self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache, self.layout,
+                               self.stream)
         attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth,
                         fetching_misses(self.opts.fetch_misses))
+        self.prefill = self._make_prefill()
+        if self.mem:
+            self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)
+            self.mem.attach_prefill(self.prefill)
 
     def _make_prefill(self):
         if self.opts.prefill == "streamed":
@@ -275,13 +278,7 @@ class CUDABackend(Backend):
             self.cache.heat[:], self.cache.prior[:] = heat, prior
             if self.mem:
                 self.mem.attach_new_cache(self.cache)
-            self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache,
-                                   self.layout, self.stream)
-            self._attach_prefetch()
-            self.prefill = self._make_prefill()
-            if self.mem:
-                self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)
-                self.mem.attach_prefill(self.prefill)
+            self._build_step()
         order = np.argsort(-heat, kind="stable")
         if self.cache.n_slots >= self.cache.n_total:
             order = np.arange(self.cache.n_total)
