@@ -15,6 +15,8 @@ share of them wasted (never routed), and the bytes that really crossed the link 
 at depth 1 (predict the next layer) and 2 (the one after it), with the prediction accuracy of each depth.
 --fetch-misses both measures each prefetching row with the late-miss copy on and off (the routed experts the prediction
 missed copied into VRAM before the layer's expert kernels, or read in place by them); "late MB/tok" is what it copied.
+--adapt-measured off|both measures each row with the adaptive tier frozen during the measured pass (its swaps cross the
+link too: the swaps column counts them).
 """
 from __future__ import annotations
 
@@ -98,6 +100,9 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--adapt-every", type=int, default=32)
+    ap.add_argument("--adapt-measured", choices=("on", "off", "both"), default="on",
+                    help="the adaptive tier during the measured pass (off: the cache stays as the learning pass left "
+                         "it; both: each row twice)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--prefetch", choices=("on", "off", "both"), default=None,
                     help="next-layer expert prefetch (default: the engine's default); both: each budget on and off")
@@ -146,16 +151,21 @@ def main(argv=None):
         be.resize_expert_cache(vram_budget_mib=None)
         run_pass(be, rng, a.prompt, a.new)
     # everything resident never prefetches: one row for it; prefetch off: one row whatever the depth and late copy
-    runs = [(b, mode, d, f) for b in a.budgets.split(",") for mode in (modes[:1] if b == "all" else modes)
+    adapts = ["on", "off"] if a.adapt_measured == "both" else [a.adapt_measured]
+    runs = [(b, mode, d, f, ad) for b in a.budgets.split(",") for mode in (modes[:1] if b == "all" else modes)
             for d in (depths[:1] if b == "all" or mode == "off" else depths)
-            for f in (fetches[:1] if b == "all" or mode == "off" else fetches)]
-    for b, mode, depth, fetch in runs:
+            for f in (fetches[:1] if b == "all" or mode == "off" else fetches)
+            for ad in (adapts[:1] if b == "all" else adapts)]
+    for b, mode, depth, fetch, adapt in runs:
         mib = None if b == "all" else int(float(b) * 1024)
         be.opts.prefetch, be.opts.prefetch_depth, be.opts.fetch_misses = mode, depth, fetch
         slots = be.resize_expert_cache(vram_budget_mib=mib)
         used_mib = cp.get_default_memory_pool().total_bytes() / 2**20
         learn = run_pass(be, rng, a.prompt, a.new)
+        swaps0 = be.cache.swaps
+        be.opts.adapt_every = a.adapt_every if adapt == "on" else 0
         m = run_pass(be, rng, a.prompt, a.new)
+        be.opts.adapt_every = a.adapt_every
         tps = m["steps"] / m["decode_s"]
         hit = m["hits"] / max(m["lookups"], 1)
         miss_bytes = (m["lookups"] - m["hits"]) * blob / m["steps"]
@@ -174,7 +184,8 @@ def main(argv=None):
                          pcie_mb_per_token=round(miss_bytes / 1e6, 2), pcie_gbps=round(miss_bytes * tps / 1e9, 1),
                          pcie_ceiling_tok_s=round(pcie_ceiling, 1), hbm_ceiling_tok_s=round(hbm_ceiling, 1),
                          of_pcie_ceiling=round(tps / pcie_ceiling, 3), of_hbm_ceiling=round(tps / hbm_ceiling, 3),
-                         prompt_tok_s=round(a.prompt / m["prompt_s"], 1), swaps=be.cache.swaps,
+                         prompt_tok_s=round(a.prompt / m["prompt_s"], 1), adapt=adapt,
+                         swaps=be.cache.swaps - swaps0,
                          prefetch="on" if ps else "off", prefetch_depth=be.step.prefetch.depth if ps else None,
                          fetch_misses=("on" if be.step.prefetch.fetch_misses else "off") if ps else None,
                          **pre, link_mb_per_token=round(link_bytes / 1e6, 2),
@@ -190,13 +201,14 @@ def main(argv=None):
         a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
     print(f"model {a.model.name}: prompt {a.prompt}, {a.new} new tokens, ceilings PCIe {PCIE_BPS / 1e9:.0f} GB/s, "
           f"HBM {HBM_BPS / 1e12:.1f} TB/s; {json.dumps(facts)}")
-    print("| budget GiB | prefetch | depth | late copy | slots | hit rate | tok/s | PCIe MB/tok | PCIe GB/s "
+    print("| budget GiB | prefetch | depth | late copy | adapt (swaps) | slots | hit rate | tok/s | PCIe MB/tok | PCIe GB/s "
           "| PCIe ceiling | of it | HBM ceiling | of it | prompt tok/s | acc d1 | acc d2 | prefetch MB/tok | wasted "
           "| late MB/tok | link MB/tok | link GB/s |")
-    print("| --- | --- | --- | --- |" + " ---: |" * 17)
+    print("| --- | --- | --- | --- | --- |" + " ---: |" * 17)
     opt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
         print(f"| {r['budget']} | {r['prefetch']} | {r['prefetch_depth'] or '-'} | {r['fetch_misses'] or '-'} | "
+              f"{r['adapt']} ({r['swaps']}) | "
               f"{r['slots']}/{r['experts_total']} | "
               f"{r['hit_rate']:.3f} | "
               f"{r['tok_s']:.1f} | {r['pcie_mb_per_token']:.1f} | {r['pcie_gbps']:.1f} | "
