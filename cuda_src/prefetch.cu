@@ -28,7 +28,9 @@
 
 #define PF_MAX_EXPERTS 512
 #define PF_MAX_K 16
+#ifndef PF_LOADS
 #define PF_LOADS 8        // 16-byte loads in flight per thread in prefetch_copy
+#endif
 // stats: look-ups with a prediction, of them predicted right, experts staged (copied over PCIe), staged and used;
 // prefetch.py keeps a second (predicted, right) pair at [4], [5] for the depth-2 predictions (note_routing is passed
 // stats + 4 for a layer predicted two layers ahead), and at [6] the experts the miss copy fetched late (its staged_ctr)
