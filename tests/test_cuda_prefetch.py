@@ -136,11 +136,12 @@ def test_predict_shared_memory_is_the_decode_staging():
     assert "multiple of 4" in pf.unsupported(_fake_step(0, 1, n_embd=1022).cfg, _fake_step(0, 1).layout)
 
 
-def test_copy_grid_keeps_about_a_mebibyte_in_flight():
-    """Far above the link's bandwidth-delay product (~100-250 KB), far below a layer's copy (several MB) so the
-    in-place reads of the main stream do not queue behind a whole layer; whole warps."""
+def test_copy_grids_keep_the_link_busy_and_the_miss_copy_ahead():
+    """The prefetch copy keeps at least the link's bandwidth-delay product (~100-250 KB) in flight, on few SMs; the
+    miss copy requests a whole expert at once, and far more than the prefetch copy beside it; whole warps."""
     in_flight = pf.COPY_BLOCKS * pf.COPY_THREADS * pf.COPY_LOADS * 16
-    assert 512 * 1024 <= in_flight <= 2 * 2**20
+    assert 200 * 1000 <= in_flight <= 2**20 and pf.COPY_BLOCKS <= 16
+    assert pf.MISS_BLOCKS * pf.COPY_THREADS * pf.COPY_LOADS * 16 >= max(4 * in_flight, 3 * 2**20)
     assert pf.COPY_THREADS % 32 == 0
     src = (pf.__file__.replace("engine/cuda/prefetch.py", "cuda_src/prefetch.cu"))
     text = open(src).read()

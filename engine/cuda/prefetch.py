@@ -54,6 +54,10 @@ miss copy: the H200 trace at 12 GiB, depth 1 (2026-11-30, bench.decode_trace) sh
 same (bench.decode at 12 GiB, depth 1: 181.3 tok/s against 181.4): the miss copy now shares the link with the next
 prefetch copy, and four times the loads in flight (MISS_BLOCKS) did not win it the link (the trace: a one-expert miss
 copy took 152 us beside a three-expert prefetch copy, against 58 us alone).
+What did help was the other side of it (later the same day): the prefetch copy's blocks, 32 of 256 threads then,
+took block slots from moe_down and moe_gate_up on the SMs they sat on and pushed part of those kernels into another
+wave; 8 blocks (256 KiB in flight, still the link's bandwidth-delay product) measured 196-199 tok/s against 187-188
+(COPY_BLOCKS has the table), and the miss copy's 128 blocks now hold 16x the prefetch copy's loads in flight.
 
 Tried on the H200 on 2026-11-30 and dropped (the link is what a 12 GiB step waits on: 181-199 MB a token at 46-50
 GB/s while copying; in a layer where it is the bottleneck only fewer bytes help):
@@ -90,19 +94,24 @@ from engine.cuda import kernels
 # predict stages n_embd floats with common.cuh stage_x: the decode kernels' shared-memory rule
 from engine.cuda.kernels import SMEM_DEFAULT, SMEM_MAX, staged_bytes
 
-# prefetch_copy's grid. In flight: 32 blocks x 256 threads x 8 loads x 16 B = 1 MiB, 4-10x the link's
-# bandwidth-delay product (51 GB/s x 2-5 us of PCIe read latency = 100-250 KB), so the link never waits on the SMs;
-# a warp's 8 loads are 4 KiB contiguous and served together, so warps re-issue one by one and the rounds do not
-# drain the link between them. More would not be faster, only worse for the main stream: the mispredicted experts
-# that layer l's expert kernels read in place (on the critical path) queue behind whatever the copy has requested,
-# here at most ~20 us of link time, not a whole layer's copy; and 32 blocks take one block slot on a quarter of the
-# SMs (256 threads, ~12K registers of an SM's 64K), beside the latency-bound main-stream blocks.
-COPY_BLOCKS = 32
+# prefetch_copy's grid on the side stream. In flight: 8 blocks x 256 threads x 8 loads x 16 B = 256 KiB, about the
+# link's bandwidth-delay product (51 GB/s x 2-5 us of PCIe read latency = 100-250 KB); a warp's 8 loads are 4 KiB
+# contiguous and served together, so warps re-issue one by one and the rounds do not drain the link between them.
+# What sets the count is what the copy blocks take from the main stream's kernels, which run beside them: a block
+# (256 threads x 48 registers = 12K of an SM's 64K) costs its SM one block slot of moe_down (4 an SM by registers,
+# 512 blocks in 528 slots: one wave only while at most 16 SMs lose a slot) and of moe_gate_up (1536 blocks in 2
+# waves of 792). H200, 12 GiB, depth 2, bench-style passes (3 measured passes each, ~2 tok/s of noise; 2026-11-30):
+#   blocks x threads (loads)   32x256  16x256  12x256  8x256   6x256   4x256   4x512   64x128  32x128  8x128 (16)
+#   tok/s                       187-188 193-194 197     196-199 194     175     197     180     193     187
+# 4x256 (128 KiB in flight) leaves the link short; 16 loads a thread (more registers a block) were slower at every
+# size tried. The late misses gain too: the miss copy's 4 MiB in flight now get ~15/16 of a shared link.
+COPY_BLOCKS = 8
 # The miss copy's grid (module docstring, "Late misses"): it shares the link with the side stream's next prefetch
-# copy, and PCIe serves reads roughly in proportion to those in flight, so 4x the blocks (4 MiB in flight, more than
-# an expert's 2.65 MB: its whole blob is requested at once) give the critical-path copy ~4/5 of the link. On the main
-# stream nothing else runs beside it, so the blocks take no SM time from other work.
-MISS_BLOCKS = 4 * COPY_BLOCKS
+# copy, and PCIe serves reads roughly in proportion to those in flight, so 128 blocks (4 MiB in flight, more than an
+# expert's 2.65 MB: its whole blob is requested at once) give the critical-path copy most of the link (64 blocks:
+# 191 tok/s against 194 beside a 16-block prefetch copy; 256: 193). On the main stream nothing else runs beside it,
+# so its blocks take no SM time from other work.
+MISS_BLOCKS = 128
 COPY_THREADS = 256
 COPY_LOADS = 8             # cuda_src/prefetch.cu PF_LOADS
 PREDICT_WARPS = 4          # router rows per predict block (one warp each), as the router's
