@@ -9,24 +9,11 @@
 #include "quant.cuh"
 #include "common.cuh"
 
-// Occupancy experiments (bench-only defines; without them the compiler picks the registers): the minimum number of
-// 128-thread blocks an SM must hold, for __launch_bounds__.
-#ifdef MOE_GU_MINB
-#define MOE_GU_BOUNDS __launch_bounds__(128, MOE_GU_MINB)
-#else
-#define MOE_GU_BOUNDS
-#endif
-#ifdef MOE_DOWN_MINB
-#define MOE_DOWN_BOUNDS __launch_bounds__(128, MOE_DOWN_MINB)
-#else
-#define MOE_DOWN_BOUNDS
-#endif
-
 // Grid (ceil(n_ff / warps per block), k, T); dynamic shared memory staged_bytes(ncols).
 // h[t, j, r] = silu(gate_e[r] . xn_t) * (up_e[r] . xn_t), e = ids[t, j], xn_t = rmsnorm(x_t) * norm_w (the FFN
 // norm, done here per block; x_t as is when norm_w is NULL).
 template <int QT>
-__global__ void MOE_GU_BOUNDS moe_gate_up(const unsigned long long* __restrict__ table, const int* __restrict__ ids,
+__global__ void moe_gate_up(const unsigned long long* __restrict__ table, const int* __restrict__ ids,
                             long long up_off, long long row_bytes, const float* __restrict__ x,
                             const float* __restrict__ norm_w, float eps, float* __restrict__ h, int n_ff, int ncols,
                             int k) {
@@ -58,7 +45,7 @@ __global__ void MOE_GU_BOUNDS moe_gate_up(const unsigned long long* __restrict__
 // k <= 32. Lane j < k fetches expert j's address and weight, so the k chains run side by side, once per warp.
 #define MOE_DOWN_BATCH 6    // (expert, unit) pairs per lane in flight: k = 8, n_ff = 768 is 6 a lane (registers: 4 blocks an SM)
 template <int QT>
-__global__ void MOE_DOWN_BOUNDS moe_down(const unsigned long long* __restrict__ table, const int* __restrict__ ids,
+__global__ void moe_down(const unsigned long long* __restrict__ table, const int* __restrict__ ids,
                          const float* __restrict__ weights, long long down_off, long long row_bytes,
                          const float* __restrict__ h, float* __restrict__ out, int n_embd, int n_ff, int k,
                          int stage) {

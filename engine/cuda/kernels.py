@@ -37,7 +37,7 @@ def staged_bytes(n: int) -> int:
 STD = "-std=c++17"
 _BUILD_RE = re.compile(r"^\s*//\s*@build\b(.*)$")
 _QT_TEMPLATE_RE = re.compile(r"template\s*<\s*int\s+QT\s*>\s*(?:__launch_bounds__\s*\([^)]*\)\s*)?"
-                             r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(?:\w+_BOUNDS\s+)?(\w+)\s*\(")
+                             r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)\s*\(")
 
 
 @dataclass(frozen=True)
