@@ -85,13 +85,13 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); 
 // A kernel whose blocks each write part of a vector can finish a reduction over all of it without another launch
 // (inside a graph a launch costs more than the work here): every block fences its writes and counts itself in; the
 // block that counts last sees everything and runs the epilogue, then resets the counter for the next launch.
-// All threads of every block must call it (no early returns before it). last_of: the same among `total` blocks of a
-// grid that has others doing something else (prefetch.cu's router_predict_fetch).
-__device__ __forceinline__ bool last_of(int* counter, int total) {
+// All threads of every block must call it (no early returns before it).
+__device__ __forceinline__ bool last_block(int* counter) {
     __shared__ int is_last;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
+        const int total = gridDim.x * gridDim.y * gridDim.z;
         is_last = atomicAdd(counter, 1) == total - 1;
         if (is_last) *counter = 0;
     }
@@ -99,7 +99,6 @@ __device__ __forceinline__ bool last_of(int* counter, int total) {
     if (is_last) __threadfence();
     return is_last;
 }
-__device__ __forceinline__ bool last_block(int* counter) { return last_of(counter, gridDim.x * gridDim.y * gridDim.z); }
 
 // ---- wide Q4_K reads --------------------------------------------------------------------------------------------
 // quant.cuh's dot_row reads 8 elements per lane per step; for Q4_K (the benchmark model's type) a lane here takes a

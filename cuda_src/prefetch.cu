@@ -149,36 +149,6 @@ __global__ void predict(const float* __restrict__ x, const float* __restrict__ n
 // router and the experts (~9-17 us a layer: a launch, a staging of x, a last-block sync of its own); here the two
 // routers' rows load side by side and share one last-block tail. Arguments: router_fused's, then predict's
 // (R2: layer l+1's router rows, logits2: its logits, pstats: the prefetch counters); counter: this kernel's own.
-// router_predict_block is one block's part (bi: its index among the 2 nb; routed: router_predict_fetch's flag, raised
-// once ids is written, else null).
-template <int QT>
-__device__ __forceinline__ void router_predict_block(int bi, int nb, const uint8_t* __restrict__ W, long long row_bytes,
-                                                     const float* __restrict__ x, const float* __restrict__ norm_w,
-                                                     float eps, int ncols, float* __restrict__ logits, int n_expert,
-                                                     int k, int renorm, float scale, int* __restrict__ ids,
-                                                     float* __restrict__ weights,
-                                                     const unsigned long long* __restrict__ table,
-                                                     unsigned long long slot_lo, unsigned long long slot_hi,
-                                                     int* __restrict__ counts, unsigned long long* __restrict__ stats,
-                                                     const uint8_t* __restrict__ R2, long long row_bytes2,
-                                                     float* __restrict__ logits2, int* __restrict__ pred_out,
-                                                     const int* __restrict__ pred_in, int check,
-                                                     int* __restrict__ actual, unsigned long long* __restrict__ pstats,
-                                                     int* __restrict__ counter, int* __restrict__ routed) {
-    const bool next = bi >= nb;
-    const int r = (bi - (next ? nb : 0)) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const float s = row_dot<QT>(next ? R2 : W, next ? row_bytes2 : row_bytes, r, n_expert, x, norm_w, eps, ncols);
-    if ((threadIdx.x & 31) == 0 && r < n_expert) (next ? logits2 : logits)[r] = s;
-    if (last_of(counter, 2 * nb)) {
-        route_block(logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
-        if (routed) __threadfence();               // each writer's ids out to the GPU before the flag
-        __syncthreads();                           // ids written (by threads 0..k-1) before the note reads them
-        if (routed && threadIdx.x == 0) atomicExch(routed, 1);
-        if (threadIdx.x < 32) note_routing(ids, pred_in, check, actual, k, pstats);
-        rank_topk(logits2, n_expert, k, pred_out);
-    }
-}
-
 template <int QT>
 __global__ void router_predict(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
                                const float* __restrict__ norm_w, float eps, int ncols, float* __restrict__ logits,
@@ -189,9 +159,17 @@ __global__ void router_predict(const uint8_t* __restrict__ W, long long row_byte
                                long long row_bytes2, float* __restrict__ logits2, int* __restrict__ pred_out,
                                const int* __restrict__ pred_in, int check, int* __restrict__ actual,
                                unsigned long long* __restrict__ pstats, int* __restrict__ counter) {
-    router_predict_block<QT>(blockIdx.x, gridDim.x / 2, W, row_bytes, x, norm_w, eps, ncols, logits, n_expert, k,
-                             renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats, R2, row_bytes2,
-                             logits2, pred_out, pred_in, check, actual, pstats, counter, nullptr);
+    const int nb = gridDim.x / 2;
+    const bool next = blockIdx.x >= nb;
+    const int r = (blockIdx.x - (next ? nb : 0)) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const float s = row_dot<QT>(next ? R2 : W, next ? row_bytes2 : row_bytes, r, n_expert, x, norm_w, eps, ncols);
+    if ((threadIdx.x & 31) == 0 && r < n_expert) (next ? logits2 : logits)[r] = s;
+    if (last_block(counter)) {
+        route_block(logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
+        __syncthreads();                           // ids written (by threads 0..k-1) before the note reads them
+        if (threadIdx.x < 32) note_routing(ids, pred_in, check, actual, k, pstats);
+        rank_topk(logits2, n_expert, k, pred_out);
+    }
 }
 
 // Side stream, launched right after the prediction (router_predict or predict), so the link starts on layer l+1's
@@ -214,43 +192,39 @@ __global__ void router_predict(const uint8_t* __restrict__ W, long long row_byte
 //    (null for the miss copy).
 // Any grid and any block size that is a multiple of 32 works (the tests use small ones); prefetch.py's choice is
 // explained at COPY_BLOCKS.
-// prefetch_copy's three parts, which router_predict_fetch shares. plan_copy (warp 0; all 32 lanes call it): of the k
-// experts `want` names, those whose entry is neither a cache slot nor in [stage_lo, stage_hi) nor 0, and not named
-// by `skip` (k ids; null: none), get slots 0, 1, ... in `want` order: src/who/n_sh in shared memory.
-__device__ __forceinline__ void plan_copy(const unsigned long long* __restrict__ row, const int* __restrict__ want,
-                                          int k, unsigned long long slot_lo, unsigned long long slot_hi,
-                                          unsigned long long stage_lo, unsigned long long stage_hi,
-                                          const int* __restrict__ skip, unsigned long long* src, int* who, int* n_sh) {
-    const int lane = threadIdx.x & 31;
-    int e = -1, sk = -1;
-    unsigned long long a = 0;
-    if (lane < k) {
-        e = __ldcg(want + lane);
-        a = __ldcg(row + e);
-        if (skip) sk = __ldcg(skip + lane);
+extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table, int layer, int n_expert, int k,
+                                         const int* __restrict__ pred, uint8_t* __restrict__ staging, long long stride,
+                                         unsigned int units, unsigned long long slot_lo, unsigned long long slot_hi,
+                                         unsigned long long stage_lo, unsigned long long stage_hi,
+                                         int* __restrict__ rec, unsigned long long* __restrict__ rec_addr,
+                                         const int* __restrict__ actual, unsigned long long* __restrict__ staged_ctr,
+                                         unsigned long long* __restrict__ used_ctr, int* __restrict__ counter) {
+    __shared__ unsigned long long src[PF_MAX_K];
+    __shared__ int who[PF_MAX_K];
+    __shared__ int n_sh;
+    unsigned long long* row = table + (long long)layer * n_expert;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (warp == 0) {
+        int e = 0;
+        unsigned long long a = 0;
+        if (lane < k) {
+            e = __ldcg(pred + lane);
+            a = __ldcg(row + e);
+        }
+        const bool need = lane < k && a && (a < slot_lo || a >= slot_hi) && (a < stage_lo || a >= stage_hi);
+        const unsigned int m = __ballot_sync(0xffffffffu, need);
+        if (need) {
+            const int c = __popc(m & ((1u << lane) - 1u));
+            src[c] = a;
+            who[c] = e;
+        }
+        if (lane == 0) n_sh = __popc(m);
     }
-    bool skipped = false;
-    if (skip) {
-#pragma unroll
-        for (int j = 0; j < PF_MAX_K; ++j)
-            if (j < k && __shfl_sync(0xffffffffu, sk, j) == e) skipped = true;
-    }
-    const bool need = lane < k && a && (a < slot_lo || a >= slot_hi) && (a < stage_lo || a >= stage_hi) && !skipped;
-    const unsigned int m = __ballot_sync(0xffffffffu, need);
-    if (need) {
-        const int c = __popc(m & ((1u << lane) - 1u));
-        src[c] = a;
-        who[c] = e;
-    }
-    if (lane == 0) *n_sh = __popc(m);
-}
-
-// The n blobs at src (units 16-byte units each) into staging slots 0..n-1 (stride apart), by warp gwarp of gwarps.
-__device__ __forceinline__ void copy_blobs(const unsigned long long* src, unsigned int n, unsigned int units,
-                                           uint8_t* __restrict__ staging, long long stride, unsigned int gwarp,
-                                           unsigned int gwarps) {
-    const unsigned int lane = threadIdx.x & 31;
+    if (blockIdx.x == 0 && warp == nwarps - 1) restore_bank(table, n_expert, k, rec, rec_addr, actual, used_ctr);
+    __syncthreads();
+    const unsigned int n = n_sh;
     const unsigned int total = n * units;
+    const unsigned int gwarp = blockIdx.x * nwarps + warp, gwarps = gridDim.x * nwarps;
     const unsigned int chunk = 32u * PF_LOADS;
     for (unsigned int base = gwarp * chunk + lane; base < total; base += gwarps * chunk) {
         uint4 v[PF_LOADS];
@@ -273,105 +247,17 @@ __device__ __forceinline__ void copy_blobs(const unsigned long long* src, unsign
             }
         }
     }
-}
-
-// The last copying block: the entries pointed at the staging slots, recorded (thread c: entry c), counted.
-__device__ __forceinline__ void publish_copy(unsigned long long* __restrict__ row, int layer, const int* who,
-                                             const unsigned long long* src, int n, uint8_t* __restrict__ staging,
-                                             long long stride, int* __restrict__ rec,
-                                             unsigned long long* __restrict__ rec_addr,
-                                             unsigned long long* __restrict__ staged_ctr) {
-    const int c = threadIdx.x;
-    if (c < n) {
-        rec[2 + c] = who[c];
-        rec_addr[c] = src[c];
-        row[who[c]] = (unsigned long long)(staging + (long long)c * stride);
-    }
-    if (c == 0) {
-        rec[0] = layer;
-        rec[1] = n;
-        if (n) atomicAdd(staged_ctr, (unsigned long long)n);
-    }
-    __threadfence();
-}
-
-extern "C" __global__ void prefetch_copy(unsigned long long* __restrict__ table, int layer, int n_expert, int k,
-                                         const int* __restrict__ pred, uint8_t* __restrict__ staging, long long stride,
-                                         unsigned int units, unsigned long long slot_lo, unsigned long long slot_hi,
-                                         unsigned long long stage_lo, unsigned long long stage_hi,
-                                         int* __restrict__ rec, unsigned long long* __restrict__ rec_addr,
-                                         const int* __restrict__ actual, unsigned long long* __restrict__ staged_ctr,
-                                         unsigned long long* __restrict__ used_ctr, int* __restrict__ counter) {
-    __shared__ unsigned long long src[PF_MAX_K];
-    __shared__ int who[PF_MAX_K];
-    __shared__ int n_sh;
-    unsigned long long* row = table + (long long)layer * n_expert;
-    const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    if (warp == 0) plan_copy(row, pred, k, slot_lo, slot_hi, stage_lo, stage_hi, nullptr, src, who, &n_sh);
-    if (blockIdx.x == 0 && warp == nwarps - 1) restore_bank(table, n_expert, k, rec, rec_addr, actual, used_ctr);
-    __syncthreads();
-    copy_blobs(src, n_sh, units, staging, stride, blockIdx.x * nwarps + warp, gridDim.x * nwarps);
-    if (last_block(counter)) publish_copy(row, layer, who, src, n_sh, staging, stride, rec, rec_addr, staged_ctr);
-}
-
-// Layer l's router_predict with layer l's late-miss copy folded in, so a layer with no late miss costs no launch of
-// its own and one with some starts copying as soon as the routing exists, without waiting for the join of the
-// prefetch copy that stages layer l's predicted experts: that copy stages every predicted expert outside VRAM, so the
-// late misses are the routed experts outside VRAM (cache slot, staging or miss range, or 0) that the prediction for
-// layer l (pred_in, when check) did not name, whatever the prefetch copy has written so far.
-// Blocks take roles in the order they start (a ticket, sync[0]): the first 2 nb run router_predict_block (the last
-// of them raises sync[1] once ids is written); the others, the copy blocks, wait for that flag, then copy as
-// prefetch_copy does into the miss bank (the first of them restores the bank's previous layer), and the last to
-// finish (sync[2]) points the entries there, records them and resets sync. A copy block only ever waits for router
-// blocks that took earlier tickets and so are running, and router blocks wait for nothing: no deadlock whatever
-// the grid size or how many blocks the GPU holds at once.
-template <int QT>
-__global__ void router_predict_fetch(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
-                                     const float* __restrict__ norm_w, float eps, int ncols,
-                                     float* __restrict__ logits, int n_expert, int k, int renorm, float scale,
-                                     int* __restrict__ ids, float* __restrict__ weights,
-                                     const unsigned long long* __restrict__ table_row, unsigned long long slot_lo,
-                                     unsigned long long slot_hi, int* __restrict__ counts,
-                                     unsigned long long* __restrict__ stats, const uint8_t* __restrict__ R2,
-                                     long long row_bytes2, float* __restrict__ logits2, int* __restrict__ pred_out,
-                                     const int* __restrict__ pred_in, int check, int* __restrict__ actual,
-                                     unsigned long long* __restrict__ pstats, int* __restrict__ counter, int nb,
-                                     unsigned long long* __restrict__ table, int layer, uint8_t* __restrict__ bank,
-                                     long long stride, unsigned int units, unsigned long long stage_lo,
-                                     unsigned long long stage_hi, int* __restrict__ rec,
-                                     unsigned long long* __restrict__ rec_addr,
-                                     unsigned long long* __restrict__ fetched_ctr, int* __restrict__ sync) {
-    __shared__ int role_sh;
-    if (threadIdx.x == 0) role_sh = atomicAdd(sync, 1);
-    __syncthreads();
-    const int role = role_sh;
-    if (role < 2 * nb) {
-        router_predict_block<QT>(role, nb, W, row_bytes, x, norm_w, eps, ncols, logits, n_expert, k, renorm, scale,
-                                 ids, weights, table_row, slot_lo, slot_hi, counts, stats, R2, row_bytes2, logits2,
-                                 pred_out, pred_in, check, actual, pstats, counter, sync + 1);
-        return;
-    }
-    __shared__ unsigned long long src[PF_MAX_K];
-    __shared__ int who[PF_MAX_K];
-    __shared__ int n_sh;
-    if (threadIdx.x == 0) {
-        while (atomicAdd(sync + 1, 0) == 0) __nanosleep(100);
-        __threadfence();
-    }
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    const int cb = role - 2 * nb, ncb = gridDim.x - 2 * nb;
-    unsigned long long* row = table + (long long)layer * n_expert;
-    if (warp == 0)
-        plan_copy(row, ids, k, slot_lo, slot_hi, stage_lo, stage_hi, check ? pred_in : nullptr, src, who, &n_sh);
-    if (cb == 0 && warp == nwarps - 1) restore_bank(table, n_expert, k, rec, rec_addr, nullptr, nullptr);
-    __syncthreads();
-    copy_blobs(src, n_sh, units, bank, stride, cb * nwarps + warp, ncb * nwarps);
-    if (last_of(sync + 2, ncb)) {
-        publish_copy(row, layer, who, src, n_sh, bank, stride, rec, rec_addr, fetched_ctr);
-        if (threadIdx.x == 0) {         // every block has its ticket and has seen the flag: ready for the next launch
-            sync[0] = 0;
-            sync[1] = 0;
+    if (last_block(counter)) {
+        const int c = threadIdx.x;
+        if (c < (int)n) {
+            rec[2 + c] = who[c];
+            rec_addr[c] = src[c];
+            row[who[c]] = (unsigned long long)(staging + (long long)c * stride);
+        }
+        if (c == 0) {
+            rec[0] = layer;
+            rec[1] = n;
+            if (n) atomicAdd(staged_ctr, (unsigned long long)n);
         }
         __threadfence();
     }

@@ -322,8 +322,7 @@ def test_depth2_launch_and_wait_order(n_layer, fused, fetch):
     (m % 3) starts only after the experts of the bank's previous layer; the finish restores after the last layer's
     experts and before the step's end; the next step's copies start after it; every layer's routing noted once.
     With late misses (fetch): each layer's miss copy once, after its own copy and its routing note, before its
-    experts, and every copy forked before the miss copy of the layer that forks it; where the router launch is
-    router_predict (fused) the miss copy is part of it (router_predict_fetch) and has no launch of its own."""
+    experts, and every copy forked before the miss copy of the layer that forks it."""
     p, log = _fake_prefetcher(n_layer, depth=2, fetch_misses=fetch)
     if fused:
         p.fused = lambda li: bool(p.targets(li))
@@ -344,8 +343,7 @@ def test_depth2_launch_and_wait_order(n_layer, fused, fetch):
         copies = sorted(k[1] for k in idx if k[0] == "copy" and k[-1] == s)
         assert copies == list(range(1, n_layer))                       # every layer but the first, once
         misses = sorted(k[1] for k in idx if k[0] == "miss" and k[-1] == s)
-        assert misses == ([li for li in range(n_layer) if not (fused and p.targets(li))] if fetch else [])
-        assert all(p.miss_in_router(li) == (fetch and fused and bool(p.targets(li))) for li in range(n_layer))
+        assert misses == (list(range(n_layer)) if fetch else [])
         for li in misses:
             mi = idx[("miss", li, s)]
             assert before(idx[("router", li, s)], mi) and before(mi, idx[("experts", li, s)])
@@ -365,7 +363,7 @@ def test_depth2_launch_and_wait_order(n_layer, fused, fetch):
                 pk = ("predict", src) if m == src + 1 else ("predict", src, m, m == p.targets(src)[0])
                 pred_op = idx[pk + (s,)]
             assert before(pred_op, c) and before(idx[("router", src, s)], c)
-            if fetch and not p.miss_in_router(src):     # forked before the miss copy (which shares the link)
+            if fetch:                        # forked before the miss copy (which shares the link with it)
                 assert not before(idx[("miss", src, s)], c)
             assert not before(idx[("experts", src, s)], c)              # forked before layer src's experts
             assert before(c, idx[("experts", m, s)])                   # joined before its own experts
@@ -433,7 +431,6 @@ def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_m
     p.f_copy, p.f_finish, p.f_restore = rec("copy"), rec("finish"), rec("restore")
     p.f_predict = {0: rec("predict")}
     p.f_router_predict = {0: rec("router_predict")}
-    p.f_router_fetch = {0: rec("router_fetch")}
     layers = [NS(router=NS(qt=0, ptr=100 + i, row_bytes=8), ffn_norm=_Buf(200 + i)) for i in range(n_layer)]
     cfg = NS(rms_eps=1e-6, n_embd=64, expert_weights_norm=True, expert_weights_scale=1.0)
     p.step = NS(k=None, w=NS(layers=layers), cfg=cfg, x=_Buf(11), ids=_Buf(12), rlogits=_Buf(13), wts=_Buf(14),
@@ -488,24 +485,11 @@ def test_launch_pointers(depth):
         if p.targets(li):
             calls.clear()
             assert p.enqueue_router(li)
-            (name, grid, a), = calls
+            (_, _, a), = calls
             m = p.targets(li)[0]
             assert a[18] == 100 + m and a[21] == p.pred.data.ptr + 4 * k * m
             assert a[22] == p.pred.data.ptr + 4 * k * li and a[23] == (1 if li > 0 else 0)
             assert a[25] == stats + (32 if depth == 2 and li >= 2 else 0)
-            # the late-miss copy folded in: layer li's routing into miss bank li % 2, as launch_miss would
-            nb = (p.n_expert + pf.PREDICT_WARPS - 1) // pf.PREDICT_WARPS
-            mb = li % 2
-            assert name == "router_fetch" and grid == (2 * nb + pf.FETCH_BLOCKS, 32 * pf.PREDICT_WARPS)
-            assert a[26] == p.counters.data.ptr and a[27] == nb and a[28] == p.table.data.ptr and a[29] == li
-            assert a[30] == p.staging.data.ptr + (depth + 1 + mb) * k * stride and (a[31], a[32]) == (stride, 60)
-            assert (a[33], a[34]) == (p.stage_lo, p.stage_hi)
-            assert a[35] == p.miss_rec.data.ptr + mb * 4 * (2 + k) and a[36] == p.miss_rec_addr.data.ptr + mb * 8 * k
-            assert a[37] == stats + 8 * pf.FETCHED and a[38] == p.counters.data.ptr + 4 * 3
-            q, qcalls = _pointer_prefetcher(depth, fetch_misses=False)
-            assert q.enqueue_router(li)
-            (name, grid, qa), = qcalls
-            assert name == "router_predict" and grid == (2 * nb, 32 * pf.PREDICT_WARPS) and len(qa) == 27
         else:
             assert not p.enqueue_router(li)
     calls.clear()
@@ -964,99 +948,6 @@ def test_miss_copy_copies_only_what_is_still_outside_vram(n_expert, k, nbytes, s
         np.testing.assert_array_equal(A.table.get(), table0)
         assert rec.get()[:, 1].tolist() == [0, 0]
         assert stats.get().tolist() == [0] * 6 + [sum(map(len, fetched))]
-    finally:
-        A.close()
-
-
-@gpu
-@pytest.mark.parametrize("n_expert,k,nbytes,stride,fetch_blocks", [
-    (128, 8, 40000, 40192, pf.FETCH_BLOCKS),     # the Qwen3-30B routing shape, the engine's grid
-    (16, 8, 4000, 4096, 3),                      # many rounds a warp, the restore by a copy block's last warp
-    (8, 2, 160, 256, 1),                         # one copy block does it all
-])
-def test_router_predict_fetch_routes_as_router_predict_and_copies_the_late_misses(n_expert, k, nbytes, stride,
-                                                                                   fetch_blocks):
-    """router_predict_fetch, layer by layer over six layers: the routing, hits, counts, prediction and note exactly as
-    router_predict's on the same input; then the late misses, the routed experts outside VRAM (not a cache slot, not
-    in the staging + miss range, not 0) that the layer's prediction did not name, copied byte for byte into the
-    layer's miss bank (li % 2) and their entries pointed there; predicted ones left alone whether the prefetch copy
-    has staged them yet or not; the bank's layer before restored; fetched counted; the ticket, flag and counters
-    back at 0 for the next launch (layer 0: no prediction, every routed expert outside VRAM is late)."""
-    cp = _cp()
-    from engine.cuda.quant_types import qtype, random_rows
-    rng = np.random.default_rng(n_expert * 7 + fetch_blocks)
-    n_layer, nbk, n_embd = 6, 3, 256
-    units = (nbytes + 15) // 16
-    qt = qtype("F32")
-    mod = _module([qt.id])
-    fetch, plain = mod.get_function(f"router_predict_fetch<{qt.id}>"), mod.get_function(f"router_predict<{qt.id}>")
-    A = _Arena(cp, rng, n_layer, n_expert, nbytes, stride, n_resident=n_layer * n_expert // 3)
-    I32, I64, F32, U32, U64 = np.int32, np.int64, np.float32, np.uint32, np.uint64
-    nb = (n_expert + pf.PREDICT_WARPS - 1) // pf.PREDICT_WARPS
-    try:
-        staging = cp.full((nbk + 2) * k * stride, 0xFF, dtype=cp.uint8)
-        lo, hi = staging.data.ptr, staging.data.ptr + staging.nbytes
-        miss_base = lambda b: lo + (nbk + b) * k * stride
-        rec, rec_addr = cp.zeros((2, 2 + k), dtype=cp.int32), cp.zeros((2, k), dtype=cp.uint64)
-        sync, fstats = cp.zeros(6, dtype=cp.int32), cp.zeros(pf.STATS, dtype=cp.uint64)
-        outs = [dict(logits=cp.full(n_expert, np.nan, cp.float32), logits2=cp.full(n_expert, np.nan, cp.float32),
-                     ids=cp.full(k, -1, cp.int32), wts=cp.full(k, np.nan, cp.float32),
-                     counts=cp.zeros(n_expert, cp.int32), stats=cp.zeros(2, cp.uint64), pred=cp.full(k, -7, cp.int32),
-                     actual=cp.full(k, -7, cp.int32), pstats=cp.zeros(4, cp.uint64), counter=cp.zeros(1, cp.int32))
-                for _ in range(2)]
-        table0 = A.table0.copy()
-        expect, fetched = table0.copy(), []
-        for m in range(n_layer):
-            b = m % 2
-            raws = [random_rows("F32", n_expert, n_embd, rng) for _ in range(2)]
-            d_raw = [cp.asarray(r) for r in raws]
-            d_x = cp.asarray(rng.standard_normal(n_embd).astype(np.float32))
-            d_w = cp.asarray(rng.uniform(0.5, 1.5, n_embd).astype(np.float32))
-            pred_in_h = rng.permutation(n_expert)[:k].astype(np.int32)
-            row = table0[m * n_expert:(m + 1) * n_expert]
-            # the prefetch copy has staged some predicted experts outside VRAM and not yet the others
-            out_pred = [e for e in pred_in_h if row[e] and not (A.slot_lo <= row[e] < A.slot_hi)]
-            for c, e in enumerate(out_pred[::2]):
-                row[e] = expect[m * n_expert + e] = lo + ((m % nbk) * k + c) * stride
-            A.table[m * n_expert:(m + 1) * n_expert] = cp.asarray(row)
-            pred_in, check = cp.asarray(pred_in_h), int(m > 0)
-
-            def args(o, table_row):
-                return (_u64(d_raw[0]), I64(raws[0].shape[1]), _u64(d_x), _u64(d_w), F32(1e-6), I32(n_embd),
-                        _u64(o["logits"]), I32(n_expert), I32(k), I32(1), F32(1.0), _u64(o["ids"]), _u64(o["wts"]),
-                        table_row, U64(A.slot_lo), U64(A.slot_hi), _u64(o["counts"]), _u64(o["stats"]),
-                        _u64(d_raw[1]), I64(raws[1].shape[1]), _u64(o["logits2"]), _u64(o["pred"]), _u64(pred_in),
-                        I32(check), _u64(o["actual"]), _u64(o["pstats"]), _u64(o["counter"]))
-            row_ptr = _u64(A.table, 8 * m * n_expert)
-            plain((2 * nb,), (32 * pf.PREDICT_WARPS,), args(outs[0], row_ptr))
-            cp.cuda.Device().synchronize()
-            fetch((2 * nb + fetch_blocks,), (32 * pf.PREDICT_WARPS,),
-                  args(outs[1], row_ptr) + (I32(nb), _u64(A.table), I32(m), U64(miss_base(b)), I64(stride),
-                                            U32(units), U64(lo), U64(hi), _u64(rec[b]), _u64(rec_addr[b]),
-                                            _u64(fstats, 8 * pf.FETCHED), _u64(sync, 4 * 3)))
-            cp.cuda.Device().synchronize()
-            for key in outs[0]:
-                np.testing.assert_array_equal(outs[1][key].get(), outs[0][key].get(), err_msg=key)
-            ids = outs[1]["ids"].get()
-            late = [int(e) for e in ids if row[e] and not (A.slot_lo <= row[e] < A.slot_hi)
-                    and not (lo <= row[e] < hi) and not (check and e in pred_in_h)]
-            fetched.append(late)
-            if m >= 2:                           # the bank's previous layer back to what it was
-                expect[(m - 2) * n_expert:(m - 1) * n_expert] = table0[(m - 2) * n_expert:(m - 1) * n_expert]
-            for c, e in enumerate(late):
-                expect[m * n_expert + e] = miss_base(b) + c * stride
-            np.testing.assert_array_equal(A.table.get(), expect)
-            bank = staging.get()[(nbk + b) * k * stride:(nbk + b + 1) * k * stride].reshape(k, stride)
-            for c, e in enumerate(late):
-                g = m * n_expert + e
-                np.testing.assert_array_equal(bank[c, :units * 16], A.host[g * stride:g * stride + units * 16])
-            r = rec.get()[b]
-            assert r[0] == m and r[1] == len(late) and r[2:2 + len(late)].tolist() == late
-            assert rec_addr.get()[b][:len(late)].tolist() == [int(row[e]) for e in late]
-            assert fstats.get().tolist() == [0] * 6 + [sum(map(len, fetched))]
-            assert sync.get().tolist() == [0] * 6 and int(outs[1]["counter"].get()[0]) == 0
-        assert sum(map(len, fetched)) > 0
-        assert (staging.get()[:nbk * k * stride] == 0xFF).all()       # the prefetch's banks untouched
     finally:
         A.close()
 

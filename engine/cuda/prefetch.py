@@ -70,18 +70,11 @@ GB/s while copying; in a layer where it is the bottleneck only fewer bytes help)
   179.3 tok/s against 183.5 (its 30 MB a token of wrong guesses delayed the next copies); on a stream of its own,
   waiting while another copy held the link: 38.7 tok/s (the waits stretched it past the step, whose end joins it).
   Depth 2 is the measured form of copying earlier (below).
-The miss copy runs at every layer, the first too (nothing predicts it), and at both depths. Where the router launch
-is router_predict (miss_in_router: every layer with a prediction to make, when both routers' rows share a type) the
-miss copy is part of that launch, router_predict_fetch: extra blocks wait in the kernel for the routing, then copy.
-The late misses are then the routed experts outside VRAM that the layer's prediction did not name (those the prefetch
-copy stages, whether or not it has written their entries yet), so the copy needs neither the join nor a launch: the
-H200 trace put ~3 us of launch on each of the ~34 layers a token with no late miss, and the join's wait in front of
-the ~16 late experts. The other layers (the last two at depth 2, mixed router types) keep the launch of their own
-after the join. Its counters: `fetched` (stats[6]) only, so the prediction counters stay the prefetch's own.
-Profile kind "miss_copy": a replay of those separate miss copies alone reads each layer's routing of the last real
-step (`actual`), but with no prefetch copy in that graph it also copies what they would have staged, so it
-over-counts; the folded ones count under "router" (they skip the predicted experts, so a replay copies the real late
-misses); bench.decode_trace has the real figures.
+The miss copy runs at every layer, the first too (nothing predicts it), and at both depths; a layer with no late miss
+costs its launch (~3 us, not yet measured). Its counters: `fetched` (stats[6]) only, so the prediction counters
+stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies alone reads each layer's routing of the
+last real step (`actual`), but with no prefetch copy in that graph it also copies what they would have staged, so it
+over-counts; bench.decode_trace (the miss copy is the prefetch_copy on the main stream) has the real figure.
 
 Cost (H200, Qwen3-30B-A3B shape at 12 GiB, the 01:20 run of the first version: 151.6 tok/s): predict was a launch
 of its own, 17 us a layer on the critical path (806 us a step). The per-kind profile's "prefetch" figure (6.77 ms
@@ -122,9 +115,6 @@ MISS_BLOCKS = 128
 COPY_THREADS = 256
 COPY_LOADS = 8             # cuda_src/prefetch.cu PF_LOADS
 PREDICT_WARPS = 4          # router rows per predict block (one warp each), as the router's
-# router_predict_fetch's copy blocks (PREDICT_WARPS warps each, as the router blocks of the same launch): the miss
-# copy's loads in flight
-FETCH_BLOCKS = MISS_BLOCKS * COPY_THREADS // (32 * PREDICT_WARPS)
 MAX_K = 16                 # cuda_src/prefetch.cu PF_MAX_K
 MAX_EXPERTS = 512          # cuda_src/prefetch.cu PF_MAX_EXPERTS
 DEFAULT_ON = True          # --prefetch's default when some experts have no VRAM slot (the lead sets it from the bench)
@@ -265,10 +255,9 @@ class Prefetcher:
         # fetched now: no kernel is compiled or loaded while a graph is being captured
         self.f_predict = {qt: mod.get_function(f"predict<{qt}>") for qt in qts}
         self.f_router_predict = {qt: mod.get_function(f"router_predict<{qt}>") for qt in qts}
-        self.f_router_fetch = {qt: mod.get_function(f"router_predict_fetch<{qt}>") for qt in qts}
         self.smem = staged_bytes(c.n_embd)
         if self.smem > SMEM_DEFAULT:
-            for f in (*self.f_predict.values(), *self.f_router_predict.values(), *self.f_router_fetch.values()):
+            for f in (*self.f_predict.values(), *self.f_router_predict.values()):
                 f.max_dynamic_shared_size_bytes = self.smem
         self.f_copy = mod.get_function("prefetch_copy")
         self.f_finish = mod.get_function("prefetch_finish")
@@ -292,8 +281,7 @@ class Prefetcher:
             self.miss_rec_addr = cp.zeros((MISS_BANKS, k), dtype=cp.uint64)
             self.logits = cp.zeros(self.n_expert, dtype=cp.float32)
             self.stats = cp.zeros(STATS, dtype=cp.uint64)
-            # predict's, copy's, miss copy's last-block counters; router_predict_fetch's ticket, flag, copy counter
-            self.counters = cp.zeros(6, dtype=cp.int32)
+            self.counters = cp.zeros(3, dtype=cp.int32)      # predict's, copy's, miss copy's last-block counters
         self.side = cp.cuda.Stream(non_blocking=True)
         self.done = [cp.cuda.Event(disable_timing=True) for _ in range(self.n_layer)]
         self.forked = cp.cuda.Event(disable_timing=True)
@@ -335,15 +323,10 @@ class Prefetcher:
         layers = self.step.w.layers
         return bool(t) and int(layers[li].router.qt) == int(layers[t[0]].router.qt)
 
-    def miss_in_router(self, li: int) -> bool:
-        """Whether layer li's late-miss copy runs inside its router launch (router_predict_fetch) instead of a launch
-        of its own after the join: wherever the router launch is router_predict and late misses are copied."""
-        return self.fetch_misses and self.fused(li)
-
     def enqueue_router(self, li: int) -> bool:
         """DecodeStep.enqueue's hook in place of its router launch: True when layer li's router ran here, with the
-        prediction of its first target layer in the same launch (router_predict), and layer li's late-miss copy
-        too when miss_in_router (router_predict_fetch); False: the step launches its own router."""
+        prediction of its first target layer in the same launch (router_predict); False: the step launches its own
+        router."""
         if not self.fused(li):
             return False
         if not self._on("router"):      # profiling another kind: neither launch
@@ -355,25 +338,16 @@ class Prefetcher:
         I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
         warps = PREDICT_WARPS
         nb = (self.n_expert + warps - 1) // warps
-        args = (U64(R.ptr), I64(R.row_bytes), self._ptr(st.x), self._ptr(ly.ffn_norm), F32(c.rms_eps), I32(c.n_embd),
-                self._ptr(st.rlogits), I32(self.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
-                F32(c.expert_weights_scale), self._ptr(st.ids), self._ptr(st.wts),
-                self._ptr(cache.table, 8 * li * self.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),
-                self._ptr(cache.counts, 4 * li * self.n_expert), self._ptr(cache.stats),
-                U64(R2.ptr), I64(R2.row_bytes), self._ptr(self.logits), self._ptr(self.pred, 4 * k * m),
-                self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
-                self._note_stats(li), self._ptr(self.counters))
-        if not self.miss_in_router(li):
-            self.f_router_predict[int(R.qt)]((2 * nb,), (32 * warps,), args, shared_mem=self.smem)
-            return True
-        b = li % MISS_BANKS
-        U32 = np.uint32
-        self.f_router_fetch[int(R.qt)](
-            (2 * nb + FETCH_BLOCKS,), (32 * warps,),
-            args + (I32(nb), self._ptr(self.table), I32(li), self._ptr(self.staging, (self.banks + b) * k * self.stride),
-                    I64(self.stride), U32(self.units), U64(self.stage_lo), U64(self.stage_hi),
-                    self._ptr(self.miss_rec[b]), self._ptr(self.miss_rec_addr[b]), self._ptr(self.stats, 8 * FETCHED),
-                    self._ptr(self.counters, 4 * 3)),
+        self.f_router_predict[int(R.qt)](
+            (2 * nb,), (32 * warps,),
+            (U64(R.ptr), I64(R.row_bytes), self._ptr(st.x), self._ptr(ly.ffn_norm), F32(c.rms_eps), I32(c.n_embd),
+             self._ptr(st.rlogits), I32(self.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
+             F32(c.expert_weights_scale), self._ptr(st.ids), self._ptr(st.wts),
+             self._ptr(cache.table, 8 * li * self.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),
+             self._ptr(cache.counts, 4 * li * self.n_expert), self._ptr(cache.stats),
+             U64(R2.ptr), I64(R2.row_bytes), self._ptr(self.logits), self._ptr(self.pred, 4 * k * m),
+             self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
+             self._note_stats(li), self._ptr(self.counters)),
             shared_mem=self.smem)
         return True
 
@@ -394,7 +368,7 @@ class Prefetcher:
         # (module docstring, "Late misses"); the miss copy after the join outweighs it on the link
         self._fork(targets)
         self._join(li)
-        if self.fetch_misses and not self.miss_in_router(li):
+        if self.fetch_misses:
             self.launch_miss(li)
 
     def _fork(self, targets: list[int]):
