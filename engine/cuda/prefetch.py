@@ -70,6 +70,18 @@ GB/s while copying; in a layer where it is the bottleneck only fewer bytes help)
   179.3 tok/s against 183.5 (its 30 MB a token of wrong guesses delayed the next copies); on a stream of its own,
   waiting while another copy held the link: 38.7 tok/s (the waits stretched it past the step, whose end joins it).
   Depth 2 is the measured form of copying earlier (below).
+- the miss copy folded into the router launch (router_predict_fetch, commit 7836ef9, reverted): extra blocks of the
+  router_predict launch waited in the kernel for the routing and copied the routed experts outside VRAM that the
+  layer's prediction had not named, so no layer paid a launch for it and none waited for the join before copying:
+  194.3 tok/s against 196.3 without it (12 GiB, depth 2, three passes each in one H200 call); a layer's late misses
+  are spread evenly over the layers (the trace: 4-72 us a layer, layer 0 like any other), and the join they skipped
+  was the link finishing the prefetch copy they would share it with;
+- __launch_bounds__ on moe_gate_up / moe_down for more blocks an SM beside the copy blocks: slower everywhere (all
+  resident 307-312 against 323.5, 12 GiB 190.5-195.9 against 196.3);
+- the adaptive tier tuned (bench-style passes at 12 GiB): 256 swaps a round instead of 64 raised the hit rate 0.851
+  -> 0.856 at the same speed; adapting every 16 or 8 tokens cost 7-21% in swap traffic; decay 0.5 or 0.85 changed
+  nothing; frozen during the measured pass (bench.decode --adapt-measured off) the hit rate fell to 0.828 and the
+  speed to 180.7 (the prompt's own routing is what the tier adapts to).
 The miss copy runs at every layer, the first too (nothing predicts it), and at both depths; a layer with no late miss
 costs its launch (~3 us, not yet measured). Its counters: `fetched` (stats[6]) only, so the prediction counters
 stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies alone reads each layer's routing of the
