@@ -112,7 +112,7 @@ from engine.cuda.kernels import SMEM_DEFAULT, SMEM_MAX, staged_bytes
 # What sets the count is what the copy blocks take from the main stream's kernels, which run beside them: a block
 # (256 threads x 48 registers = 12K of an SM's 64K) costs its SM one block slot of moe_down (4 an SM by registers,
 # 512 blocks in 528 slots: one wave only while at most 16 SMs lose a slot) and of moe_gate_up (1536 blocks in 2
-# waves of 792). H200, 12 GiB, depth 2, bench-style passes (3 measured passes each, ~2 tok/s of noise; 2026-11-30):
+# waves of 792). H200, 12 GiB, depth 2, 3 measured passes each, ~2 tok/s of noise (2026-11-30; bench.prefetch_grid):
 #   blocks x threads (loads)   32x256  16x256  12x256  8x256   6x256   4x256   4x512   64x128  32x128  8x128 (16)
 #   tok/s                       187-188 193-194 197     196-199 194     175     197     180     193     187
 # 4x256 (128 KiB in flight) leaves the link short; 16 loads a thread (more registers a block) were slower at every
