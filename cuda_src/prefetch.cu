@@ -118,7 +118,8 @@ __device__ __forceinline__ void rank_topk(const float* logits, int n, int k, int
 // Grid ceil(n_expert / warps per block), one warp per router row; dynamic shared memory staged_bytes(n_embd)
 // (decode.py; n_embd a multiple of 4, x and norm_w 16-byte aligned).
 // logits = R . (rmsnorm(x) * norm_w), the next layer's router on this layer's FFN input (x is the residual before this
-// layer's experts add to it; each block normalises it itself, as router_fused does). The last block writes the top-k
+// layer's experts add to it; each block normalises it itself, as router_fused does) scaled by the predicted layer's
+// FFN norm weights (norm_w: that layer's, as its router will see its own input). The last block writes the top-k
 // into pred_out and notes this layer's routing (ids) against the prediction made for it (pred_in) when `check`.
 // R == nullptr: the bookkeeping only (a layer with no next router).
 // The decode step uses it only where router_predict cannot serve (the two layers' router rows of different types);
@@ -148,7 +149,8 @@ __global__ void predict(const float* __restrict__ x, const float* __restrict__ n
 // for it, and ranks the prediction for layer l+1. A separate predict launch sat on the critical path between the
 // router and the experts (~9-17 us a layer: a launch, a staging of x, a last-block sync of its own); here the two
 // routers' rows load side by side and share one last-block tail. Arguments: router_fused's, then predict's
-// (R2: layer l+1's router rows, logits2: its logits, pstats: the prefetch counters); counter: this kernel's own.
+// (R2: layer l+1's router rows, norm_w2: layer l+1's FFN norm weights, which the blocks [nb, 2 nb) stage x with, as
+// predict does; logits2: its logits, pstats: the prefetch counters); counter: this kernel's own.
 template <int QT>
 __global__ void router_predict(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
                                const float* __restrict__ norm_w, float eps, int ncols, float* __restrict__ logits,
@@ -156,13 +158,15 @@ __global__ void router_predict(const uint8_t* __restrict__ W, long long row_byte
                                float* __restrict__ weights, const unsigned long long* __restrict__ table,
                                unsigned long long slot_lo, unsigned long long slot_hi, int* __restrict__ counts,
                                unsigned long long* __restrict__ stats, const uint8_t* __restrict__ R2,
-                               long long row_bytes2, float* __restrict__ logits2, int* __restrict__ pred_out,
+                               long long row_bytes2, const float* __restrict__ norm_w2,
+                               float* __restrict__ logits2, int* __restrict__ pred_out,
                                const int* __restrict__ pred_in, int check, int* __restrict__ actual,
                                unsigned long long* __restrict__ pstats, int* __restrict__ counter) {
     const int nb = gridDim.x / 2;
     const bool next = blockIdx.x >= nb;
     const int r = (blockIdx.x - (next ? nb : 0)) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const float s = row_dot<QT>(next ? R2 : W, next ? row_bytes2 : row_bytes, r, n_expert, x, norm_w, eps, ncols);
+    const float s = row_dot<QT>(next ? R2 : W, next ? row_bytes2 : row_bytes, r, n_expert, x, next ? norm_w2 : norm_w,
+                                eps, ncols);
     if ((threadIdx.x & 31) == 0 && r < n_expert) (next ? logits2 : logits)[r] = s;
     if (last_block(counter)) {
         route_block(logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);

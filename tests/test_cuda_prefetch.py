@@ -479,6 +479,7 @@ def test_launch_pointers(depth):
             p.launch_predict(li, m, note=m == p.targets(li)[0])
             (_, _, a), = calls
             assert a[4] == 100 + m and a[9] == p.pred.data.ptr + 4 * k * m          # layer m's router, into pred[m]
+            assert a[1] == 200 + m                         # on x normed with layer m's weights, as its router will
             assert a[11] == p.pred.data.ptr + 4 * k * li and a[13] == p.actual.data.ptr + 4 * k * li
             assert a[12] == (1 if li > 0 and m == p.targets(li)[0] else 0)
             assert a[14] == stats + (32 if depth == 2 and li >= 2 else 0)
@@ -487,9 +488,10 @@ def test_launch_pointers(depth):
             assert p.enqueue_router(li)
             (_, _, a), = calls
             m = p.targets(li)[0]
-            assert a[18] == 100 + m and a[21] == p.pred.data.ptr + 4 * k * m
-            assert a[22] == p.pred.data.ptr + 4 * k * li and a[23] == (1 if li > 0 else 0)
-            assert a[25] == stats + (32 if depth == 2 and li >= 2 else 0)
+            assert a[3] == 200 + li and a[20] == 200 + m     # each router on x normed with its own layer's weights
+            assert a[18] == 100 + m and a[22] == p.pred.data.ptr + 4 * k * m
+            assert a[23] == p.pred.data.ptr + 4 * k * li and a[24] == (1 if li > 0 else 0)
+            assert a[26] == stats + (32 if depth == 2 and li >= 2 else 0)
         else:
             assert not p.enqueue_router(li)
     calls.clear()
@@ -677,15 +679,16 @@ def test_predict_ranks_logits_far_below_the_max():
                                                       (4608, 128, 8, 0), (256, 8, 2, 1)])
 def test_router_predict_matches_router_and_predict(name, n_embd, n_expert, k, renorm):
     """Layer l's routing exactly as router_fused's (ids by the kernel's own logits, weights, counts, hits) and the
-    prediction exactly as predict's (top-k of layer l+1's router on the same normed x), the routing noted against
-    the prediction made for it; twice, so the last-block counter resets and the counts add up."""
+    prediction exactly as predict's (top-k of layer l+1's router on the same x, normed with layer l+1's weights), the
+    routing noted against the prediction made for it; twice, so the last-block counter resets and the counts add
+    up."""
     cp = _cp()
     from engine.cuda.quant_types import qtype, random_rows
     from engine.gguf_model import dequantize
     rng = np.random.default_rng(n_embd * 3 + n_expert)
     qt = qtype(name)
     x = rng.standard_normal(n_embd).astype(np.float32) * 2
-    w = rng.uniform(0.5, 1.5, n_embd).astype(np.float32)
+    ws = [rng.uniform(0.5, 1.5, n_embd).astype(np.float32) for _ in range(2)]     # layers l's and l+1's
     raws = [random_rows(name, n_expert, n_embd, rng) for _ in range(2)]
     Rs = [dequantize(r, qt.ggml).reshape(n_expert, n_embd).astype(np.float64) for r in raws]
     f = _module([qt.id]).get_function(f"router_predict<{qt.id}>")
@@ -693,7 +696,7 @@ def test_router_predict_matches_router_and_predict(name, n_embd, n_expert, k, re
     if smem > pf.SMEM_DEFAULT:
         f.max_dynamic_shared_size_bytes = smem
     d_raw = [cp.asarray(r) for r in raws]
-    d_x, d_w = cp.asarray(x), cp.asarray(w)
+    d_x, d_ws = cp.asarray(x), [cp.asarray(w) for w in ws]
     logits, logits2 = cp.full(n_expert, np.nan, cp.float32), cp.full(n_expert, np.nan, cp.float32)
     ids, wts = cp.full(k, -1, cp.int32), cp.full(k, np.nan, cp.float32)
     slot_lo, slot_hi = 1000, 2000
@@ -708,13 +711,14 @@ def test_router_predict_matches_router_and_predict(name, n_embd, n_expert, k, re
     nb = (n_expert + pf.PREDICT_WARPS - 1) // pf.PREDICT_WARPS
     for _ in range(2):
         f((2 * nb,), (32 * pf.PREDICT_WARPS,),
-          (_u64(d_raw[0]), I64(raws[0].shape[1]), _u64(d_x), _u64(d_w), F32(1e-6), I32(n_embd), _u64(logits),
+          (_u64(d_raw[0]), I64(raws[0].shape[1]), _u64(d_x), _u64(d_ws[0]), F32(1e-6), I32(n_embd), _u64(logits),
            I32(n_expert), I32(k), I32(renorm), F32(1.5), _u64(ids), _u64(wts), _u64(d_table), U64(slot_lo),
-           U64(slot_hi), _u64(counts), _u64(stats), _u64(d_raw[1]), I64(raws[1].shape[1]), _u64(logits2),
-           _u64(pred), _u64(pred_in), I32(1), _u64(actual), _u64(pstats), _u64(counter)), shared_mem=smem)
+           U64(slot_hi), _u64(counts), _u64(stats), _u64(d_raw[1]), I64(raws[1].shape[1]), _u64(d_ws[1]),
+           _u64(logits2), _u64(pred), _u64(pred_in), I32(1), _u64(actual), _u64(pstats), _u64(counter)),
+          shared_mem=smem)
     cp.cuda.Device().synchronize()
-    xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * w
-    for got, R in zip((logits.get(), logits2.get()), Rs):
+    for got, R, w in zip((logits.get(), logits2.get()), Rs, ws):
+        xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * w
         assert np.linalg.norm(got - R @ xn) / np.linalg.norm(np.abs(R) @ np.abs(xn)) < 1e-5
     lg = logits.get().astype(np.float64)
     ref_ids = _top_k(logits.get(), k)

@@ -2,8 +2,9 @@
 
 Without it a missed expert crosses PCIe only when layer l's expert kernels read it, after everything else of the
 layer: the link idles during attention and the router, the GPU idles while the link works. Here, right after layer
-l's router, layer l+1's router runs on layer l's FFN input (pre-gating: consecutive layers' FFN inputs are close, so
-the prediction is usually right on trained models), and a side stream copies the predicted experts that have no VRAM
+l's router, layer l+1's router runs on layer l's FFN input normed with layer l+1's FFN norm weights (pre-gating:
+consecutive layers' FFN inputs are close, so the prediction is usually right on trained models; the weights are the
+predicted layer's because its router sees its input through them, and trained models' norm weights differ per layer), and a side stream copies the predicted experts that have no VRAM
 slot into staging slots while layer l's experts and layer l+1's attention run; layer l+1's experts wait for it
 (an event: a graph edge) and read the staged copies through the rewritten table entries. A wrong guess costs only
 wasted link bytes: the expert actually routed is still read in place through its untouched entry.
@@ -357,7 +358,8 @@ class Prefetcher:
              F32(c.expert_weights_scale), self._ptr(st.ids), self._ptr(st.wts),
              self._ptr(cache.table, 8 * li * self.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),
              self._ptr(cache.counts, 4 * li * self.n_expert), self._ptr(cache.stats),
-             U64(R2.ptr), I64(R2.row_bytes), self._ptr(self.logits), self._ptr(self.pred, 4 * k * m),
+             U64(R2.ptr), I64(R2.row_bytes), self._ptr(nxt.ffn_norm), self._ptr(self.logits),
+             self._ptr(self.pred, 4 * k * m),
              self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
              self._note_stats(li), self._ptr(self.counters)),
             shared_mem=self.smem)
@@ -416,18 +418,19 @@ class Prefetcher:
             self._finish_pending = False
 
     def launch_predict(self, li: int, m: int, note: bool = True):
-        """predict: layer m's router on layer li's FFN input into pred[m]; with `note`, layer li's routing noted
-        against its own prediction (a second predict launch of the same layer notes nothing: check 0)."""
+        """predict: layer m's router on layer li's FFN input (with layer m's norm weights) into pred[m]; with
+        `note`, layer li's routing noted against its own prediction (a second predict launch of the same layer notes
+        nothing: check 0)."""
         if not self._on("predict"):
             return
         st, k, c = self.step, self.k, self.step.cfg
-        ly, nxt = st.w.layers[li], st.w.layers[m]
+        nxt = st.w.layers[m]
         R = nxt.router
         I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
         warps = PREDICT_WARPS
         self.f_predict[int(R.qt)](
             ((self.n_expert + warps - 1) // warps,), (32 * warps,),
-            (self._ptr(st.x), self._ptr(ly.ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(R.ptr), I64(R.row_bytes),
+            (self._ptr(st.x), self._ptr(nxt.ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(R.ptr), I64(R.row_bytes),
              I32(self.n_expert), I32(k), self._ptr(self.logits), self._ptr(self.pred, 4 * k * m),
              self._ptr(st.ids), self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 and note else 0),
              self._ptr(self.actual, 4 * k * li), self._note_stats(li), self._ptr(self.counters)),
