@@ -201,9 +201,9 @@ def main(argv=None):
         a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
     print(f"model {a.model.name}: prompt {a.prompt}, {a.new} new tokens, ceilings PCIe {PCIE_BPS / 1e9:.0f} GB/s, "
           f"HBM {HBM_BPS / 1e12:.1f} TB/s; {json.dumps(facts)}")
-    print("| budget GiB | prefetch | depth | late copy | adapt (swaps) | slots | hit rate | tok/s | PCIe MB/tok | PCIe GB/s "
-          "| PCIe ceiling | of it | HBM ceiling | of it | prompt tok/s | acc d1 | acc d2 | prefetch MB/tok | wasted "
-          "| late MB/tok | link MB/tok | link GB/s |")
+    print("| budget GiB | prefetch | depth | late copy | adapt (swaps) | slots | hit rate | tok/s | PCIe MB/tok "
+          "| PCIe GB/s | PCIe ceiling | of it | HBM ceiling | of it | prompt tok/s | acc d1 | acc d2 | prefetch MB/tok "
+          "| wasted | late MB/tok | link MB/tok | link GB/s |")
     print("| --- | --- | --- | --- | --- |" + " ---: |" * 17)
     opt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
