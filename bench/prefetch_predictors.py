@@ -1,0 +1,179 @@
+"""Expert-prediction variants for the decode prefetch, scored offline against the NumPy backend's own routing.
+
+    python -m bench.prefetch_predictors [--model M] [--prompt 128] [--new 192] [--cache 0.71,0.85]
+
+engine/cuda/prefetch.py predicts layer m's experts from layer m-2's FFN input (depth 2) and copies the predicted
+experts that have no VRAM slot; the routed experts it missed are copied late, on the critical path. Which predictor
+misses fewest is a question about the model's hidden states, not the GPU: here the NumPy backend decodes a random
+prompt, every MoE layer's normed FFN input is recorded, and each variant is scored against the routing those inputs
+give, with a static cache holding the hottest --cache share of the experts (as the adaptive tier would after a
+while). Per variant: the share of the k routed experts predicted (acc), the late misses a token (routed, not in the
+cache, not predicted; layer 0 has no prediction, so all of its misses are late), the copies a token (predicted, not
+in the cache) and the share of them never routed.
+
+The default model is bench.decode's Qwen3-30B-A3B shape cut to 12 layers (made here with tools/make_moe.py when it
+is not there: 4.6 GB), since the NumPy backend decodes the 48-layer one at ~15 s a token on two cores (this one ~4 s).
+Only routers on blk.N.ffn_gate_inp.weight with plain top-k (qwen3moe, mixtral) are scored.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = ROOT / "data" / "models" / "qwen3-30b-a3b-q4k-g3-12l.gguf"
+BONUS = (0.25, 0.5, 1.0)      # the previous token's experts' logits raised by these many standard deviations
+
+
+def make_model(path: Path) -> None:
+    from bench.decode import find_vocab
+    cmd = [sys.executable, "-m", "tools.make_moe", "--preset", "qwen3-30b-a3b", "--n-layer", "12", "--attn-gain", "3",
+           "--out", str(path), "--vocab", str(find_vocab())]
+    print("bench.prefetch_predictors: making the model:", " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def record(model, n_prompt: int, n_new: int, seed: int) -> list[np.ndarray]:
+    """Every MoE layer's normed FFN input, one row a token (prompt rows first), greedy decode of a random prompt."""
+    from engine.backend_cpu import CPUBackend
+    be = CPUBackend(model, n_prompt + n_new + 8, expert_cache_mb=3000)
+    rows: list[list[np.ndarray]] = [[] for _ in range(model.config.n_layer)]
+    ffn = be.net.ffn
+
+    def recording_ffn(il, x, decoding):
+        rows[il].append(np.array(x, dtype=np.float32))
+        return ffn(il, x, decoding)
+
+    be.net.ffn = recording_ffn
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    tok = int(np.argmax(be.forward(rng.integers(0, model.config.n_vocab, size=n_prompt).tolist())))
+    for i in range(n_new):
+        tok = int(np.argmax(be.forward([tok])))
+        if i % 32 == 31:
+            print(f"bench.prefetch_predictors: {i + 1}/{n_new} tokens, {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+    be.close()
+    return [np.concatenate(r) for r in rows]
+
+
+def topk(logits: np.ndarray, n: int) -> np.ndarray:
+    """The n largest per row, ties to the lower id (as the routers rank)."""
+    return np.argsort(-logits, axis=-1, kind="stable")[:, :n]
+
+
+def hottest(ids: list[np.ndarray], n_expert: int, share: float) -> np.ndarray:
+    """(layers, experts) bool: the hottest share of all experts by how often they were routed, over every layer."""
+    cnt = np.zeros((len(ids), n_expert))
+    for li, a in enumerate(ids):
+        np.add.at(cnt[li], a.reshape(-1), 1)
+    order = np.argsort(-cnt.reshape(-1), kind="stable")
+    res = np.zeros(cnt.size, dtype=bool)
+    res[order[:int(share * cnt.size)]] = True
+    return res.reshape(cnt.shape)
+
+
+def score(pred: list[np.ndarray | None], ids: list[np.ndarray], resident: np.ndarray) -> dict:
+    """pred[m]: (tokens, n) predicted experts of layer m (None: no prediction, layer 0); ids[m]: (tokens, k) routed."""
+    k = ids[0].shape[1]
+    n_tok = ids[0].shape[0]
+    right = late = copies = wasted = predicted = 0
+    for m, (p, a) in enumerate(zip(pred, ids)):
+        for t in range(n_tok):
+            routed = set(a[t].tolist())
+            guess = set() if p is None else set(p[t].tolist())
+            if p is not None:
+                right += len(guess & routed)
+                predicted += k
+            late += sum(1 for e in routed if not resident[m, e] and e not in guess)
+            c = [e for e in guess if not resident[m, e]]
+            copies += len(c)
+            wasted += sum(1 for e in c if e not in routed)
+    return dict(acc=right / max(predicted, 1), late=late / n_tok, copies=copies / n_tok,
+                wasted=wasted / max(copies, 1))
+
+
+def variants(H: list[np.ndarray], R: list[np.ndarray], W: list[np.ndarray], prev_ids: list[np.ndarray], k: int):
+    """(name, pred per layer) for the rows of H (H[l]: layer l's FFN inputs normed with its weights W[l]; R[m]: the
+    routers; prev_ids[m]: layer m's routing of the token before each row)."""
+    L = len(H)
+
+    def logits(m, depth, own_norm=True):
+        src = max(m - depth, 0)
+        x = H[src] / W[src] * W[m] if own_norm else H[src]
+        return x @ R[m].T
+
+    def per_layer(f):
+        return [None] + [f(m) for m in range(1, L)]
+
+    def prev(m):
+        return prev_ids[m]
+
+    out = [("depth 2, the predicting layer's norm weights", per_layer(lambda m: topk(logits(m, 2, False), k))),
+           ("depth 2, the predicted layer's norm weights", per_layer(lambda m: topk(logits(m, 2), k))),
+           ("depth 1, the predicted layer's norm weights", per_layer(lambda m: topk(logits(m, 1), k))),
+           ("the previous token's routing", per_layer(prev))]
+    for beta in BONUS:
+        def bonus(m, beta=beta):
+            lg = logits(m, 2)
+            b = np.zeros_like(lg)
+            np.put_along_axis(b, prev(m), 1.0, axis=1)
+            return topk(lg + beta * lg.std(axis=1, keepdims=True) * b, k)
+        out.append((f"depth 2 + {beta:g} sd for the previous token's", per_layer(bonus)))
+    out.append((f"depth 2, top-{k + 2}", per_layer(lambda m: topk(logits(m, 2), k + 2))))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=192)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cache", default="0.71,0.85", help="shares of the experts held in VRAM, comma-separated")
+    a = ap.parse_args(argv)
+    shares = [float(s) for s in a.cache.split(",")]
+    if a.new < 2 or a.prompt < 1 or not all(0.0 <= s <= 1.0 for s in shares):
+        raise SystemExit("bench.prefetch_predictors: --prompt >= 1, --new >= 2, --cache shares in [0, 1]")
+
+    from engine.gguf_model import dequantize, open_model
+    if not a.model.is_file():
+        make_model(a.model)
+    model = open_model(a.model)
+    cfg = model.config
+    names = [f"blk.{li}.ffn_gate_inp.weight" for li in range(cfg.n_layer)]
+    if not cfg.n_expert or any(n not in model.tensor_names() for n in names):
+        raise SystemExit(f"bench.prefetch_predictors: {a.model} has no router on every layer")
+
+    def weight(name):
+        t = model.tensor(name)
+        return np.asarray(dequantize(np.asarray(t.data), t.qtype), dtype=np.float64).reshape(t.shape)
+
+    R = [weight(n) for n in names]
+    W = [weight(f"blk.{li}.ffn_norm.weight") for li in range(cfg.n_layer)]
+    k = cfg.n_expert_used
+    # the decode rows and the prompt's last (the token before the first decoded one), and the routing they give
+    H = [h[a.prompt - 1:].astype(np.float64) for h in record(model, a.prompt, a.new, a.seed)]
+    all_ids = [topk(h @ r.T, k) for h, r in zip(H, R)]
+    H, ids, prev_ids = [h[1:] for h in H], [i[1:] for i in all_ids], [i[:-1] for i in all_ids]
+    print(f"model {a.model.name}: {cfg.n_layer} layers, {cfg.n_expert} experts, top-{k}; prompt {a.prompt}, "
+          f"{a.new} decoded tokens scored")
+    for share in shares:
+        res = hottest(ids, cfg.n_expert, share)
+        missed = sum(int((~res[m][a_]).sum()) for m, a_ in enumerate(ids)) / len(ids[0])
+        print(f"\ncache {share:g} of the experts: hit rate {1 - missed / (cfg.n_layer * k):.3f}, "
+              f"{missed:.2f} missed a token")
+        print("| predictor | acc | late a token | copies a token | wasted |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for name, pred in variants(H, R, W, prev_ids, k):
+            s = score(pred, ids, res)
+            print(f"| {name} | {s['acc']:.3f} | {s['late']:.2f} | {s['copies']:.2f} | {s['wasted']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""bench/prefetch_predictors.py's scoring (the NumPy decode it scores is minutes long: run by hand)."""
+import numpy as np
+
+from bench.prefetch_predictors import hottest, score, topk, variants
+
+
+def test_score_counts_right_late_copies_and_waste():
+    ids = [np.array([[0, 1], [2, 3]]), np.array([[4, 5], [6, 7]])]       # 2 layers, 2 tokens, top-2
+    resident = np.zeros((2, 8), dtype=bool)
+    resident[1, 4] = True                                               # layer 1's expert 4 in VRAM
+    pred = [None, np.array([[4, 0], [6, 7]])]                           # token 0: 4 right (resident), 0 wrong
+    s = score(pred, ids, resident)
+    assert s["acc"] == 3 / 4                                            # of layer 1's 4 routed, 3 predicted
+    # layer 0: all 4 routed experts late (no prediction); layer 1: token 0's 5 (outside VRAM, not predicted)
+    assert s["late"] == (4 + 1) / 2
+    assert s["copies"] == 3 / 2 and s["wasted"] == 1 / 3               # 0, 6, 7 copied; 0 never routed
+
+
+def test_hottest_takes_the_most_routed_over_all_layers():
+    ids = [np.array([[0, 1], [0, 2]]), np.array([[3, 0], [3, 1]])]
+    res = hottest(ids, 4, 2 / 8)
+    assert res.sum() == 2 and res[0, 0] and res[1, 3]
+
+
+def test_variants_predict_every_layer_but_the_first():
+    rng = np.random.default_rng(0)
+    L, T, E, n, k = 4, 5, 16, 8, 2
+    H = [rng.standard_normal((T, n)) for _ in range(L)]
+    R = [rng.standard_normal((E, n)) for _ in range(L)]
+    W = [np.ones(n) for _ in range(L)]
+    prev = [topk(h @ r.T, k) for h, r in zip(H, R)]
+    out = dict(variants(H, R, W, prev, k))
+    for name, pred in out.items():
+        assert pred[0] is None and all(p.shape[0] == T for p in pred[1:]), name
+    # with unit norm weights the two depth-2 variants agree; the previous token's routing is passed through
+    np.testing.assert_array_equal(out["depth 2, the predicting layer's norm weights"][2],
+                                  out["depth 2, the predicted layer's norm weights"][2])
+    np.testing.assert_array_equal(out["the previous token's routing"][3], prev[3])
+    assert out[f"depth 2, top-{k + 2}"][1].shape == (T, k + 2)
