@@ -11,11 +11,12 @@ prompts, the tier running). Prints tok/s and hit rate per pass, swaps a pass, an
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
 
-from bench.decode import learned_backend, passes_at, sweep_args
+from bench.decode import DEFAULT_MODEL, make_model, run_pass
 
 
 def parse_setting(text: str) -> tuple[float, int, int]:
@@ -33,20 +34,40 @@ def parse_setting(text: str) -> tuple[float, int, int]:
 
 def main(argv=None):
     from engine.cuda import expert_cache
-    ap = sweep_args(__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--budget", type=float, default=12.0, help="GiB")
+    ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--settings", default=f"{expert_cache.DECAY}:64:32,{expert_cache.DECAY}:256:32")
     a = ap.parse_args(argv)
     settings = [parse_setting(s) for s in a.settings.split(",")]
 
-    be, rng, heat = learned_backend(a.model)
+    from pathlib import Path
+
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.gguf_model import open_model
+
+    model_path = Path(a.model)
+    if not model_path.is_file():
+        make_model(model_path)
+    be = CUDABackend(open_model(model_path), 512 + 256 + 16, CudaOptions(adapt_every=32))
+    rng = np.random.default_rng(1)
+    be.resize_expert_cache(vram_budget_mib=None)
+    run_pass(be, rng, 512, 256)                   # the routing heat every setting starts from
+    heat = be.cache.heat.copy()
     rows = []
     for decay, swaps, every in settings:
         expert_cache.DECAY = decay                # read by ExpertCache.adapt at each round
         be.opts.adapt_every = every
-
-        def setup(be, swaps=swaps):
-            be.cache.max_swaps = swaps
-        res = [(m["tok_s"], m["hit_rate"], m["swaps"]) for m in passes_at(be, rng, heat, a.budget, a.passes, setup)]
+        be.cache.heat[:] = heat
+        be.resize_expert_cache(vram_budget_mib=int(a.budget * 1024))
+        be.cache.max_swaps = swaps
+        run_pass(be, rng, 512, 256)
+        res = []
+        for _ in range(a.passes):
+            s0 = be.cache.swaps
+            m = run_pass(be, rng, 512, 256)
+            res.append((m["steps"] / m["decode_s"], m["hits"] / max(m["lookups"], 1), be.cache.swaps - s0))
         rows.append((decay, swaps, every, res))
         print(f"bench.adapt_tier: {decay}:{swaps}:{every}: " + " ".join(f"{t:.1f}" for t, _, _ in res),
               file=sys.stderr, flush=True)

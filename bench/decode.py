@@ -93,48 +93,6 @@ def run_pass(be, rng, n_prompt: int, n_new: int, params=None):
                 prefetch=be.prefetch_stats())
 
 
-def sweep_args(description: str) -> argparse.ArgumentParser:
-    """The options every one-budget sweep (bench.prefetch_grid, bench.adapt_tier) takes: --model, --budget, --passes."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    ap.add_argument("--budget", type=float, default=12.0, help="GiB")
-    ap.add_argument("--passes", type=int, default=3)
-    return ap
-
-
-def learned_backend(model_path: Path, seed: int = 1):
-    """A CUDA backend on bench.decode's model (made when missing) after one pass with every expert resident:
-    (backend, rng, the routing heat that pass learned), the start every setting of a sweep is measured from."""
-    from engine.cuda.backend import CUDABackend, CudaOptions
-    from engine.gguf_model import open_model
-    if not model_path.is_file():
-        make_model(model_path)
-    be = CUDABackend(open_model(model_path), 512 + 256 + 16, CudaOptions(adapt_every=32))
-    rng = np.random.default_rng(seed)
-    be.resize_expert_cache(vram_budget_mib=None)
-    run_pass(be, rng, 512, 256)
-    return be, rng, be.cache.heat.copy()
-
-
-def passes_at(be, rng, heat, budget_gib: float, passes: int, setup=None) -> list[dict]:
-    """The cache rebuilt at the budget from `heat`, setup(be) when given, one learning pass, then `passes` measured
-    passes (512-token prompt, 256 new tokens): their run_pass results, each with tok_s, hit_rate and swaps (the
-    adaptive tier's during it)."""
-    be.cache.heat[:] = heat
-    be.resize_expert_cache(vram_budget_mib=int(budget_gib * 1024))
-    if setup is not None:
-        setup(be)
-    run_pass(be, rng, 512, 256)
-    out = []
-    for _ in range(passes):
-        s0 = be.cache.swaps
-        m = run_pass(be, rng, 512, 256)
-        m.update(tok_s=m["steps"] / m["decode_s"], hit_rate=m["hits"] / max(m["lookups"], 1),
-                 swaps=be.cache.swaps - s0)
-        out.append(m)
-    return out
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)

@@ -12,12 +12,13 @@ on the H200). Prints tok/s per pass and their mean, and the hit rate.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import sys
 
 import numpy as np
 
-from bench.decode import learned_backend, passes_at, sweep_args
+from bench.decode import DEFAULT_MODEL, make_model, run_pass
 
 
 def parse_grid(text: str, miss: int, loads: int) -> tuple[int, int, int, int]:
@@ -37,12 +38,19 @@ def parse_grid(text: str, miss: int, loads: int) -> tuple[int, int, int, int]:
 
 def main(argv=None):
     from engine.cuda import prefetch as pf
-    ap = sweep_args(__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--budget", type=float, default=12.0, help="GiB")
+    ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--grids", default=f"{pf.COPY_BLOCKS}x{pf.COPY_THREADS},32x256")
     a = ap.parse_args(argv)
     grids = [parse_grid(g, pf.MISS_BLOCKS, pf.COPY_LOADS) for g in a.grids.split(",")]
 
+    from pathlib import Path
+
     from engine.cuda import kernels
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.gguf_model import open_model
 
     loads_now = [pf.COPY_LOADS]
 
@@ -54,12 +62,22 @@ def main(argv=None):
         return kernels.load("prefetch", defines=defines, qtypes=qtypes)
 
     pf.load_module = load_module
-    be, rng, heat = learned_backend(a.model)
+    model_path = Path(a.model)
+    if not model_path.is_file():
+        make_model(model_path)
+    be = CUDABackend(open_model(model_path), 512 + 256 + 16, CudaOptions(adapt_every=32))
+    rng = np.random.default_rng(1)
+    be.resize_expert_cache(vram_budget_mib=None)
+    run_pass(be, rng, 512, 256)                   # the routing heat every grid starts from
+    heat = be.cache.heat.copy()
     rows = []
     for blocks, threads, miss, loads in grids:
         pf.COPY_BLOCKS, pf.COPY_THREADS, pf.MISS_BLOCKS, loads_now[0] = blocks, threads, miss, loads
-        ms = passes_at(be, rng, heat, a.budget, a.passes)
-        tps = [m["tok_s"] for m in ms]
+        be.cache.heat[:] = heat
+        be.resize_expert_cache(vram_budget_mib=int(a.budget * 1024))
+        run_pass(be, rng, 512, 256)
+        ms = [run_pass(be, rng, 512, 256) for _ in range(a.passes)]
+        tps = [m["steps"] / m["decode_s"] for m in ms]
         hit = sum(m["hits"] for m in ms) / max(sum(m["lookups"] for m in ms), 1)
         rows.append((blocks, threads, miss, loads, tps, hit))
         print(f"bench.prefetch_grid: {blocks}x{threads} miss {miss} loads {loads}: "
