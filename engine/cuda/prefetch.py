@@ -83,8 +83,9 @@ GB/s while copying; in a layer where it is the bottleneck only fewer bytes help)
   resident 307-312 against 323.5, 12 GiB 190.5-195.9 against 196.3);
 - the adaptive tier tuned (12 GiB; bench.prefetch_grid's passes with the tier's settings varied instead of the
   grid, a one-off script): 256 swaps a round instead of 64 raised the hit rate 0.851 -> 0.856 at the same speed;
-  adapting every 16 or 8 tokens cost 7-21% in swap traffic; decay 0.5 or 0.85 changed nothing; frozen during the measured pass (bench.decode --adapt-measured off) the hit rate fell to 0.828 and the
-  speed to 180.7 (the prompt's own routing is what the tier adapts to).
+  adapting every 16 or 8 tokens cost 7-21% in swap traffic; decay 0.5 or 0.85 changed nothing; frozen during the
+  measured pass (bench.decode --adapt-measured off) the hit rate fell to 0.828 and the speed to 180.7 (the prompt's
+  own routing is what the tier adapts to).
 The miss copy runs at every layer, the first too (nothing predicts it), and at both depths; a layer with no late miss
 costs its launch (~3 us, not yet measured). Its counters: `fetched` (stats[6]) only, so the prediction counters
 stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies alone reads each layer's routing of the
