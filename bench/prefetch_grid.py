@@ -13,7 +13,6 @@ on the H200). Prints tok/s per pass and their mean, and the hit rate.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 
 import numpy as np
@@ -48,18 +47,14 @@ def main(argv=None):
 
     from pathlib import Path
 
-    from engine.cuda import kernels
     from engine.cuda.backend import CUDABackend, CudaOptions
     from engine.gguf_model import open_model
 
     loads_now = [pf.COPY_LOADS]
+    engine_load = pf.load_module
 
-    def load_module(qtypes):       # prefetch.load_module with PF_LOADS as a define when a grid asks for other loads
-        digest = hashlib.sha256((kernels.CUDA_SRC / "router.cu").read_bytes()).hexdigest()[:16]
-        defines = {"STRATA_ROUTER_SRC": digest}
-        if loads_now[0] != pf.COPY_LOADS:
-            defines["PF_LOADS"] = loads_now[0]
-        return kernels.load("prefetch", defines=defines, qtypes=qtypes)
+    def load_module(qtypes):       # the engine's, with PF_LOADS as a define when a grid asks for other loads
+        return engine_load(qtypes, {"PF_LOADS": loads_now[0]} if loads_now[0] != pf.COPY_LOADS else None)
 
     pf.load_module = load_module
     model_path = Path(a.model)

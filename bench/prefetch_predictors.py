@@ -141,26 +141,26 @@ def main(argv=None):
     if a.new < 2 or a.prompt < 1 or not all(0.0 <= s <= 1.0 for s in shares):
         raise SystemExit("bench.prefetch_predictors: --prompt >= 1, --new >= 2, --cache shares in [0, 1]")
 
-    from engine.gguf_model import dequantize, open_model
+    from engine.arch.base import route
+    from engine.gguf_model import open_model
     if not a.model.is_file():
         make_model(a.model)
     model = open_model(a.model)
     cfg = model.config
     names = [f"blk.{li}.ffn_gate_inp.weight" for li in range(cfg.n_layer)]
-    if not cfg.n_expert or any(n not in model.tensor_names() for n in names):
+    if not cfg.n_expert or not all(model.has(n) for n in names):
         raise SystemExit(f"bench.prefetch_predictors: {a.model} has no router on every layer")
 
-    def weight(name):
-        t = model.tensor(name)
-        return np.asarray(dequantize(np.asarray(t.data), t.qtype), dtype=np.float64).reshape(t.shape)
-
-    R = [weight(n) for n in names]
-    W = [weight(f"blk.{li}.ffn_norm.weight") for li in range(cfg.n_layer)]
+    R32 = [model.dequant(n) for n in names]
+    R = [r.astype(np.float64) for r in R32]
+    W = [model.dequant(f"blk.{li}.ffn_norm.weight").astype(np.float64) for li in range(cfg.n_layer)]
     k = cfg.n_expert_used
-    # the decode rows and the prompt's last (the token before the first decoded one), and the routing they give
-    H = [h[a.prompt - 1:].astype(np.float64) for h in record(model, a.prompt, a.new, a.seed)]
-    all_ids = [topk(h @ r.T, k) for h, r in zip(H, R)]
-    H, ids, prev_ids = [h[1:] for h in H], [i[1:] for i in all_ids], [i[:-1] for i in all_ids]
+    # the decode rows and the prompt's last (the token before the first decoded one), and the routing they give: the
+    # backend's own (its float32 logits, engine.arch.base.route)
+    H32 = [h[a.prompt - 1:] for h in record(model, a.prompt, a.new, a.seed)]
+    all_ids = [route(h @ r.T, k, cfg.expert_weights_norm)[0] for h, r in zip(H32, R32)]
+    H = [h[1:].astype(np.float64) for h in H32]
+    ids, prev_ids = [i[1:] for i in all_ids], [i[:-1] for i in all_ids]
     print(f"model {a.model.name}: {cfg.n_layer} layers, {cfg.n_expert} experts, top-{k}; prompt {a.prompt}, "
           f"{a.new} decoded tokens scored")
     for share in shares:

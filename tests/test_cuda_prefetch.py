@@ -136,6 +136,20 @@ def test_predict_shared_memory_is_the_decode_staging():
     assert "multiple of 4" in pf.unsupported(_fake_step(0, 1, n_embd=1022).cfg, _fake_step(0, 1).layout)
 
 
+def test_load_module_keys_on_router_cu_and_takes_extra_defines(monkeypatch):
+    """The router.cu digest always (an edit to it recompiles prefetch.cu); extra defines (bench.prefetch_grid's
+    PF_LOADS) beside it."""
+    import hashlib
+    seen = []
+    monkeypatch.setattr(pf.kernels, "load",
+                        lambda name, defines=None, qtypes=None: seen.append((name, defines, qtypes)))
+    digest = hashlib.sha256((pf.kernels.CUDA_SRC / "router.cu").read_bytes()).hexdigest()[:16]
+    pf.load_module([0])
+    pf.load_module([12], {"PF_LOADS": 16})
+    assert seen == [("prefetch", {"STRATA_ROUTER_SRC": digest}, [0]),
+                    ("prefetch", {"STRATA_ROUTER_SRC": digest, "PF_LOADS": 16}, [12])]
+
+
 def test_copy_grids_keep_the_link_busy_and_the_miss_copy_ahead():
     """The prefetch copy keeps at least the link's bandwidth-delay product (~100-250 KB) in flight, on few SMs; the
     miss copy requests a whole expert at once, and far more than the prefetch copy beside it; whole warps."""

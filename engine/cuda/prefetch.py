@@ -144,14 +144,14 @@ FETCHED = 6                # stats index of the late-miss count (cuda_src/prefet
 STATS = 7                  # the device counters (PrefetchStats' fields)
 
 
-def load_module(qtypes):
-    """cuda_src/prefetch.cu for these router row types. It includes router.cu (route_block, for router_predict), and
-    CuPy's kernel cache keys on the file's own text and the options: a digest of router.cu as a define makes a router
-    edit recompile it."""
+def load_module(qtypes, defines=None):
+    """cuda_src/prefetch.cu for these router row types (with these extra defines: bench.prefetch_grid's PF_LOADS). It
+    includes router.cu (route_block, for router_predict), and CuPy's kernel cache keys on the file's own text and the
+    options: a digest of router.cu as a define makes a router edit recompile it."""
     import hashlib
 
     digest = hashlib.sha256((kernels.CUDA_SRC / "router.cu").read_bytes()).hexdigest()[:16]
-    return kernels.load("prefetch", defines={"STRATA_ROUTER_SRC": digest}, qtypes=qtypes)
+    return kernels.load("prefetch", defines={"STRATA_ROUTER_SRC": digest, **(defines or {})}, qtypes=qtypes)
 
 
 def wanted(flag: str | None, n_slots: int, n_total: int) -> bool:
