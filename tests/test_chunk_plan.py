@@ -45,6 +45,19 @@ def test_chunk_bytes_grow_with_the_chunk_and_count_every_buffer():
     assert per_token == want
 
 
+def test_the_fp32_scratch_holds_what_is_dequantized_to_fp32_not_the_output_head():
+    """The prompt's last-row logits come from the decode mat-vec, so the fp32 dequant scratch is sized by the routers
+    (and a shared expert) of an MoE model, by the FFN of a dense one (capped), never by n_vocab x n_embd."""
+    def scratch(cfg):
+        return next(b.nbytes for b in cp_.buffers(cfg, 1024) if b.name == "dequant_scratch")
+    assert scratch(QWEN) == 4 * QWEN.n_expert * QWEN.n_embd                  # 1 MiB, not 128
+    shexp = SimpleNamespace(**{**vars(QWEN), "n_ff_shexp": 5632})
+    assert scratch(shexp) == 4 * 5632 * QWEN.n_embd
+    dense = SimpleNamespace(**{**vars(QWEN), "n_expert": 0, "n_expert_used": 0, "n_ff": 14336, "n_embd": 4096})
+    assert scratch(dense) == 4 * cp_.DEQUANT_SCRATCH_ELEMS                  # 14336 x 4096 is past the cap
+    assert chunk_bytes(QWEN, 1024) < 200 * MiB
+
+
 def test_auto_takes_the_largest_chunk_that_fits():
     for free_mib in (400, 700, 1000, 2000, 6000):
         free = free_mib * MiB
@@ -100,12 +113,12 @@ def test_explicit_ring_is_the_rings_own_depth():
     lent = plan_chunk(QWEN, free, chunk=1024, ring=96, stride=STRIDE, n_stream=N_ALL, lendable=3000)
     assert lent.ring == 96 and lent.ring_bytes == 96 * STRIDE
     assert lent.lend == RING_MAX - 96 and not lent.lend_occupied
-    with pytest.raises(ChunkRefused, match="700 ring slots.*lower --ring"):
-        plan_chunk(QWEN, free, chunk=1024, ring=700, stride=STRIDE, n_stream=N_ALL)
-    with pytest.raises(ChunkRefused, match="700 ring slots.*lower --ring"):
-        plan_chunk(QWEN, 1536 * MiB, ring=700, stride=STRIDE, n_stream=N_ALL)
-    with pytest.raises(ChunkRefused, match="700 ring slots.*lower --ring"):
-        plan_chunk(QWEN, 1536 * MiB, ring=700, stride=STRIDE, n_stream=N_ALL, lendable=3000)
+    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --ring"):
+        plan_chunk(QWEN, free, chunk=1024, ring=760, stride=STRIDE, n_stream=N_ALL)
+    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --ring"):
+        plan_chunk(QWEN, 1536 * MiB, ring=760, stride=STRIDE, n_stream=N_ALL)
+    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --ring"):
+        plan_chunk(QWEN, 1536 * MiB, ring=760, stride=STRIDE, n_stream=N_ALL, lendable=3000)
     with pytest.raises(ValueError, match="at least 2"):
         plan_chunk(QWEN, free, ring=1, stride=STRIDE, n_stream=N_ALL)
     with pytest.raises(ValueError, match="at least 1"):

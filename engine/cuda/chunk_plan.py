@@ -17,7 +17,7 @@ RING_MIN = 2             # two slots: one being copied while the other is read
 RING_MAX = 384           # the original engine measured 384 slots best with pinned sources
 RING_AUTO_FLOOR = 16     # auto keeps at least this many ring slots before it grows the chunk past AUTO_MIN
 RING_LEND_FLOOR = 64     # a lent ring is at least this deep (see ring_target)
-DEQUANT_SCRATCH_ELEMS = 1 << 25   # dense weights are dequantized to fp32 scratch this many values at a time
+DEQUANT_SCRATCH_ELEMS = 1 << 25   # dense weights are dequantized to fp32 scratch at most this many values at a time
 WH_ELEMS = 1 << 24       # attention weights dequantized to fp16 for cuBLAS this many values at a time (32 MiB)
 CUBLAS_WORKSPACE = 32 * MiB
 MARGIN = 64 * MiB        # the CuPy pool's rounding and small arrays (schedule tables, events)
@@ -55,8 +55,13 @@ def buffers(cfg, T: int) -> list[Buffer]:
             out += [Buffer("sh_tmp", 3 * T * c.n_ff_shexp, 4, False), Buffer("sh_gate", T, 4, False)]
     else:
         out += [Buffer("ffn_tmp", 3 * T * c.n_ff, 4, False)]   # gate, up and their product
-    largest = max(c.n_vocab * E, qw * E, E * qw, kw * E, (c.n_ff or 0) * E, (c.n_ff_shexp or 0) * E)
-    out += [Buffer("dequant_scratch", min(largest, DEQUANT_SCRATCH_ELEMS), 4, False),
+    # What is dequantized to fp32 (prefill_streamed.py linear_into, Prefill.linear / ffn): the routers and the shared
+    # expert of an MoE model, the FFN of a dense one. Attention goes through the fp16 "wh"; the output head's logits
+    # of the last row come from the decode mat-vec on the quantized rows, so no fp32 copy of the head (n_vocab x
+    # n_embd: the cap, 128 MiB, for Qwen3) is held back from the expert cache; logits for every row (all_logits:
+    # teacher forcing, tests) dequantize it in blocks of the cap beyond this plan, as their (T, n_vocab) output is.
+    fp32 = max(c.n_expert * E, (c.n_ff_shexp or 0) * E) if c.n_expert else (c.n_ff or 0) * E
+    out += [Buffer("dequant_scratch", max(1, min(fp32, DEQUANT_SCRATCH_ELEMS)), 4, False),
             Buffer("logits", 2 * c.n_vocab, 4, False),         # the last row's logits and the final norm's output
             Buffer("cublas", CUBLAS_WORKSPACE, 1, False), Buffer("margin", MARGIN, 1, False)]
     return out

@@ -405,10 +405,13 @@ class StreamedPrefill:
         else:
             self.last = dict(ring=0, lent=0, bytes=0, runner=None, window=None)
         self.last.update(tokens=T, host_ms=(time.perf_counter() - t0) * 1000)
-        xs = x if all_logits else x[-1:]
-        xo = cp.empty_like(xs)
-        L.rmsnorm(cp.ascontiguousarray(xs), w.output_norm, xo, rows=xs.shape[0])
-        out = self.base.linear(w.output, xo)
+        if all_logits:
+            xo = cp.empty_like(x)
+            L.rmsnorm(x, w.output_norm, xo, rows=T)
+            out = self.base.linear(w.output, xo)
+        else:   # the last row: the decode step's mat-vec (norm fused) on the quantized head, no fp32 copy of it
+            out = cp.empty((1, c.n_vocab), dtype=cp.float32)
+            L.mv(w.output, x[-1:], out, tag="output", norm=w.output_norm)
         self._mark("other")
         if self._tm is not None:
             self.last["phases"], self._tm = self._tm, None     # bench: .totals() once the chunk has finished
