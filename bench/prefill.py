@@ -42,6 +42,7 @@ def warm(be, rng, n_prompt=1024, n_new=64):
     from engine.sampling import Sampler
     be.truncate(0)
     s = Sampler({})
+    n_prompt = min(n_prompt, be.max_context - n_new)     # --prompts 1024 gives a context of 1040
     tok = be.next_token(rng.integers(0, be.config.n_vocab, n_prompt).tolist(), s)
     for _ in range(n_new - 1):
         tok = be.next_token([tok], s)
