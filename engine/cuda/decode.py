@@ -1,7 +1,13 @@
 """One decode step (one token through every layer, greedy pick on the GPU) as a fixed sequence of kernel launches,
 captured once as a CUDA graph and replayed. Nothing that changes between steps is a kernel argument: the token and
 position are read from mapped pinned memory by the first kernel, the experts through the pointer table, so the same
-graph serves every step and every cache state."""
+graph serves every step and every cache state.
+
+The host launches a step only after it has read the last pick. Queuing the next step before that, its token read on
+the device from the pick (branch experiment/ahead, not landed), measured nothing on the H200
+(bench.decode --ahead both: all resident 322.7 against 322.3 tok/s, 12 GiB 197.0 against 198.5): back-to-back graph
+replays take as long per step as the bench loop does, so no host gap sits between steps. The ~300 us that
+bench.decode_trace shows for cudaGraphLaunch, with the GPU idle meanwhile, is the profiler's (CUPTI) own."""
 from __future__ import annotations
 
 import ctypes

@@ -86,6 +86,16 @@ GB/s while copying; in a layer where it is the bottleneck only fewer bytes help)
   adapting every 16 or 8 tokens cost 7-21% in swap traffic; decay 0.5 or 0.85 changed nothing; frozen during the
   measured pass (bench.decode --adapt-measured off) the hit rate fell to 0.828 and the speed to 180.7 (the prompt's
   own routing is what the tier adapts to).
+- the prediction beside the router instead of inside its launch (branch experiment/aside, not landed): after each
+  layer's attention a stream of its own ran predict for the layer's targets and their copies followed it, while the
+  main stream's router launch (router_predict without the second router's rows) took 8.7 us instead of 12.0 (the
+  trace); the main stream waited for the prediction before the experts. Two interleaved runs of three passes each in
+  one process, 12 GiB: 195.3 and 196.1 tok/s against 195.5 and 198.4 fused (the GPU tests passed on it). A step that
+  waits on the link gains nothing from a shorter router;
+- the prefetch copy taking only the first N of its k = 8 guesses (ranked by predicted logit), to spend fewer link
+  bytes on wrong ones: N = 7 cut the staged bytes 150 -> 124-129 MB a token and the wasted 39 -> 25, but 13 MB a token
+  more were copied late, on the critical path: 196.7 and 194.3 tok/s against 198.1 and 197.9 for all 8 (N = 6:
+  192.1, N = 5: 182.7; interleaved, three passes each, one process). A late expert costs more than a wasted one;
 The miss copy runs at every layer, the first too (nothing predicts it), and at both depths; a layer with no late miss
 costs its launch (~3 us, not yet measured). Its counters: `fetched` (stats[6]) only, so the prediction counters
 stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies alone reads each layer's routing of the
