@@ -96,6 +96,11 @@ GB/s while copying; in a layer where it is the bottleneck only fewer bytes help)
   bytes on wrong ones: N = 7 cut the staged bytes 150 -> 124-129 MB a token and the wasted 39 -> 25, but 13 MB a token
   more were copied late, on the critical path: 196.7 and 194.3 tok/s against 198.1 and 197.9 for all 8 (N = 6:
   192.1, N = 5: 182.7; interleaved, three passes each, one process). A late expert costs more than a wasted one;
+- late copies split (branch experiment/split): the miss copy took each late expert's gate/up prefix and the down
+  parts followed on a stream of their own beside moe_gate_up, joined before moe_down, so a third of the late bytes
+  crossed while the GPU computed. Four interleaved A/B pairs at 12 GiB (three passes each, one process per two
+  pairs): +2.0, +0.5 tok/s with a 32-block tail copy, +2.6, -1.6 with 64 blocks, around 197-200; no clear gain for a
+  second stream and kernel (its GPU tests passed);
 The miss copy runs at every layer, the first too (nothing predicts it), and at both depths; a layer with no late miss
 costs its launch (~3 us, not yet measured). Its counters: `fetched` (stats[6]) only, so the prediction counters
 stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies alone reads each layer's routing of the
