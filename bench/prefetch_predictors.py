@@ -38,18 +38,24 @@ def make_model(path: Path) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
-def record(model, n_prompt: int, n_new: int, seed: int) -> list[np.ndarray]:
-    """Every MoE layer's normed FFN input, one row a token (prompt rows first), greedy decode of a random prompt."""
+def record(model, n_prompt: int, n_new: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every MoE layer's normed FFN input and normed attention input (the residual after the layer before's experts),
+    one row a token (prompt rows first), greedy decode of a random prompt."""
     from engine.backend_cpu import CPUBackend
     be = CPUBackend(model, n_prompt + n_new + 8, expert_cache_mb=3000)
     rows: list[list[np.ndarray]] = [[] for _ in range(model.config.n_layer)]
-    ffn = be.net.ffn
+    att_rows: list[list[np.ndarray]] = [[] for _ in range(model.config.n_layer)]
+    ffn, attention = be.net.ffn, be.net.attention
 
     def recording_ffn(il, x, decoding):
         rows[il].append(np.array(x, dtype=np.float32))
         return ffn(il, x, decoding)
 
-    be.net.ffn = recording_ffn
+    def recording_attention(il, x, pos0, kv):
+        att_rows[il].append(np.array(x, dtype=np.float32))
+        return attention(il, x, pos0, kv)
+
+    be.net.ffn, be.net.attention = recording_ffn, recording_attention
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     tok = int(np.argmax(be.forward(rng.integers(0, model.config.n_vocab, size=n_prompt).tolist())))
@@ -59,7 +65,7 @@ def record(model, n_prompt: int, n_new: int, seed: int) -> list[np.ndarray]:
             print(f"bench.prefetch_predictors: {i + 1}/{n_new} tokens, {time.perf_counter() - t0:.0f} s",
                   file=sys.stderr, flush=True)
     be.close()
-    return [np.concatenate(r) for r in rows]
+    return [np.concatenate(r) for r in rows], [np.concatenate(r) for r in att_rows]
 
 
 def topk(logits: np.ndarray, n: int) -> np.ndarray:
@@ -98,9 +104,11 @@ def score(pred: list[np.ndarray | None], ids: list[np.ndarray], resident: np.nda
                 wasted=wasted / max(copies, 1))
 
 
-def variants(H: list[np.ndarray], R: list[np.ndarray], W: list[np.ndarray], prev_ids: list[np.ndarray], k: int):
+def variants(H: list[np.ndarray], R: list[np.ndarray], W: list[np.ndarray], prev_ids: list[np.ndarray], k: int,
+             A: list[np.ndarray] | None = None, Wa: list[np.ndarray] | None = None):
     """(name, pred per layer) for the rows of H (H[l]: layer l's FFN inputs normed with its weights W[l]; R[m]: the
-    routers; prev_ids[m]: layer m's routing of the token before each row)."""
+    routers; prev_ids[m]: layer m's routing of the token before each row; A[l], Wa[l]: layer l's attention inputs,
+    normed with its attention norm weights, when recorded)."""
     L = len(H)
 
     def logits(m, depth, own_norm=True):
@@ -126,6 +134,12 @@ def variants(H: list[np.ndarray], R: list[np.ndarray], W: list[np.ndarray], prev
             return topk(lg + beta * lg.std(axis=1, keepdims=True) * b, k)
         out.append((f"depth 2 + {beta:g} sd for the previous token's", per_layer(bonus)))
     out.append((f"depth 2, top-{k + 2}", per_layer(lambda m: topk(logits(m, 2), k + 2))))
+    out.append(("depth 3, the predicted layer's norm weights", per_layer(lambda m: topk(logits(m, 3), k))))
+    if A is not None:
+        # the residual once layer m-2's experts have added to it (layer m-1's attention input): later than depth 2
+        # (after layer m-2's experts, not its router), earlier than depth 1
+        out.append(("after layer m-2's experts (layer m-1's attention input)",
+                    per_layer(lambda m: topk((A[m - 1] / Wa[m - 1] * W[m]) @ R[m].T, k))))
     return out
 
 
@@ -157,7 +171,10 @@ def main(argv=None):
     k = cfg.n_expert_used
     # the decode rows and the prompt's last (the token before the first decoded one), and the routing they give: the
     # backend's own (its float32 logits, engine.arch.base.route)
-    H32 = [h[a.prompt - 1:] for h in record(model, a.prompt, a.new, a.seed)]
+    ffn_in, att_in = record(model, a.prompt, a.new, a.seed)
+    H32 = [h[a.prompt - 1:] for h in ffn_in]
+    A = [h[a.prompt:].astype(np.float64) for h in att_in]
+    Wa = [model.dequant(f"blk.{li}.attn_norm.weight").astype(np.float64) for li in range(cfg.n_layer)]
     all_ids = [route(h @ r.T, k, cfg.expert_weights_norm)[0] for h, r in zip(H32, R32)]
     H = [h[1:].astype(np.float64) for h in H32]
     ids, prev_ids = [i[1:] for i in all_ids], [i[:-1] for i in all_ids]
@@ -170,7 +187,7 @@ def main(argv=None):
               f"{missed:.2f} missed a token")
         print("| predictor | acc | late a token | copies a token | wasted |")
         print("| --- | ---: | ---: | ---: | ---: |")
-        for name, pred in variants(H, R, W, prev_ids, k):
+        for name, pred in variants(H, R, W, prev_ids, k, A, Wa):
             s = score(pred, ids, res)
             print(f"| {name} | {s['acc']:.3f} | {s['late']:.2f} | {s['copies']:.2f} | {s['wasted']:.2f} |")
 

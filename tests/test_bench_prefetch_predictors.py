@@ -37,3 +37,21 @@ def test_variants_predict_every_layer_but_the_first():
                                   out["depth 2, the predicted layer's norm weights"][2])
     np.testing.assert_array_equal(out["the previous token's routing"][3], prev[3])
     assert out[f"depth 2, top-{k + 2}"][1].shape == (T, k + 2)
+    np.testing.assert_array_equal(out["depth 3, the predicted layer's norm weights"][3], topk(H[0] @ R[3].T, k))
+    assert "after layer m-2's experts (layer m-1's attention input)" not in out
+
+
+def test_the_post_experts_variant_reads_the_attention_input_of_the_layer_between():
+    rng = np.random.default_rng(1)
+    L, T, E, n, k = 4, 5, 16, 8, 2
+    H = [rng.standard_normal((T, n)) for _ in range(L)]
+    A = [rng.standard_normal((T, n)) for _ in range(L)]
+    R = [rng.standard_normal((E, n)) for _ in range(L)]
+    W = [np.full(n, 2.0) for _ in range(L)]
+    Wa = [np.full(n, 4.0) for _ in range(L)]
+    prev = [topk(h @ r.T, k) for h, r in zip(H, R)]
+    out = dict(variants(H, R, W, prev, k, A, Wa))
+    pred = out["after layer m-2's experts (layer m-1's attention input)"]
+    assert pred[0] is None
+    for m in range(1, L):           # A[m-1] re-normed with layer m's FFN weights: scale 2/4, same ranking
+        np.testing.assert_array_equal(pred[m], topk(A[m - 1] @ R[m].T, k))
