@@ -7,7 +7,8 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-from engine.cuda.decode import F32, I32, I64, NULL, U64, MappedInts, ptr, staged_bytes  # noqa: E402
+from engine.cuda.decode import F32, I32, I64, NULL, U64, MappedInts, ptr  # noqa: E402
+from engine.cuda.kernels import staged_bytes  # noqa: E402
 from engine.cuda.quant_types import qtype, random_rows  # noqa: E402
 from engine.gguf_model import dequantize  # noqa: E402
 from gpu_compare import rel  # noqa: E402

@@ -126,7 +126,7 @@ def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
 def test_predict_shared_memory_is_the_decode_staging():
     """predict stages x with common.cuh stage_x, so its shared memory is decode.staged_bytes (Q4_K's padding)."""
     pytest.importorskip("cupy")
-    from engine.cuda.decode import SMEM_DEFAULT, SMEM_MAX, staged_bytes
+    from engine.cuda.kernels import SMEM_DEFAULT, SMEM_MAX, staged_bytes
     for n in (256, 768, 2048, 4608, 7168):
         assert pf.staged_bytes(n) == staged_bytes(n)
     assert (pf.SMEM_DEFAULT, pf.SMEM_MAX) == (SMEM_DEFAULT, SMEM_MAX)

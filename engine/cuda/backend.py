@@ -24,7 +24,8 @@ from engine.cuda.prefetch import DEFAULT_DEPTH as DEFAULT_PREFETCH_DEPTH
 from engine.cuda.prefetch import fetching as fetching_misses
 from engine.cuda.prefetch import vram_staging_slots
 from engine.cuda.prefetch import wanted as prefetch_wanted
-from engine.cuda.prefill import Prefill
+from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS
+from engine.cuda.prefill import SCORE_ELEMS, Prefill
 from engine.cuda.programs import Kernels
 from engine.cuda.rope import rope_table
 from engine.cuda.sampler import GpuSampler
@@ -215,7 +216,7 @@ class CUDABackend(Backend):
         T = self.prompt_chunk_size()
         act = 8 * T * max(c.n_embd, c.n_head * c.head_dim, c.n_ff, c.n_ff_exp * 2) * 4
         weights = 4 * 3 * max(c.n_ff_exp * c.n_embd, c.n_ff * c.n_embd, c.n_head * c.head_dim * c.n_embd)
-        return act + weights + (1 << 27) * 4 + (1 << 25) * 4
+        return act + weights + SCORE_ELEMS * 4 + DEQUANT_SCRATCH_ELEMS * 4
 
     def _initial_fill(self):
         cache, opts = self.cache, self.opts

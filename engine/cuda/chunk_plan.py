@@ -62,7 +62,7 @@ def buffers(cfg, T: int) -> list[Buffer]:
     # teacher forcing, tests) dequantize it in blocks of the cap beyond this plan, as their (T, n_vocab) output is.
     fp32 = max(c.n_expert * E, (c.n_ff_shexp or 0) * E) if c.n_expert else (c.n_ff or 0) * E
     out += [Buffer("dequant_scratch", max(1, min(fp32, DEQUANT_SCRATCH_ELEMS)), 4, False),
-            Buffer("logits", 2 * c.n_vocab, 4, False),         # the last row's logits and the final norm's output
+            Buffer("logits", c.n_vocab, 4, False),             # the last row's logits (the mat-vec norms x itself)
             Buffer("cublas", CUBLAS_WORKSPACE, 1, False), Buffer("margin", MARGIN, 1, False)]
     return out
 

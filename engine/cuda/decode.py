@@ -16,7 +16,7 @@ import cupy as cp
 import numpy as np
 
 from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE, device_address
-from engine.cuda.kernels import SMEM_DEFAULT, SMEM_MAX, staged_bytes  # noqa: F401 (tests import them from here)
+from engine.cuda.kernels import SMEM_DEFAULT, SMEM_MAX, staged_bytes
 from engine.cuda.kv import DecodeAttention
 
 U64, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
@@ -112,6 +112,10 @@ class Launcher:
           (U64(Wg.ptr), U64(Wu.ptr), I64(Wg.row_bytes), ptr(x), ptr(norm), F32(self.cfg.rms_eps), ptr(h),
            I32(Wg.rows), I32(Wg.cols)),
           shared_mem=self.smem(f, Wg.cols, True))
+
+    def output_logits(self, w, x, y):
+        """y = the output head on rmsnorm(x) * output_norm: a token's logits from its final residual x (one row)."""
+        self.mv(w.output, x, y, tag="output", norm=w.output_norm)
 
     def rmsnorm(self, x, w, out, rows=1):
         self.k("rmsnorm")((rows,), (256,), (ptr(x), ptr(w), ptr(out), I32(w.size), F32(self.cfg.rms_eps)))
@@ -241,7 +245,7 @@ class DecodeStep:
 
     def enqueue_output(self):
         """The output mat-vec (of the final-normed x, the norm fused) into self.logits."""
-        self.L.mv(self.w.output, self.x, self.logits, tag="output", norm=self.w.output_norm)
+        self.L.output_logits(self.w, self.x, self.logits)
 
     def enqueue_pick(self):
         """The next token from self.logits into self.out: the argmax, or while a GPU sampler is active (its own graph

@@ -7,9 +7,9 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS
 from engine.cuda.decode import I32, I64, U64, F32, NULL, ptr
 
-SCRATCH_ELEMS = 1 << 25        # dequantize big matrices (the output layer) 128 MiB of float32 at a time
 SCORE_ELEMS = 1 << 27          # attention scores per batch of KV heads (512 MiB)
 
 
@@ -33,7 +33,7 @@ class Prefill:
 
     def linear(self, W, X: cp.ndarray) -> cp.ndarray:
         """X @ W^T for a DevMatrix W, dequantized in row blocks."""
-        step_rows = max(1, SCRATCH_ELEMS // W.cols)
+        step_rows = max(1, DEQUANT_SCRATCH_ELEMS // W.cols)
         if W.rows <= step_rows:
             return X @ self.dequant(W.ptr, W.qt, W.row_bytes, W.rows, W.cols).T
         out = cp.empty((X.shape[0], W.rows), dtype=cp.float32)

@@ -33,8 +33,9 @@ import cupy as cp
 import numpy as np
 
 from engine.cuda import kernels
-from engine.cuda.chunk_plan import MiB, RING_MIN, buffers, chunk_bytes, plan_chunk
-from engine.cuda.decode import F32, I32, I64, NULL, SMEM_DEFAULT, U64, ptr
+from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS, MiB, RING_MIN, buffers, chunk_bytes, plan_chunk
+from engine.cuda.decode import F32, I32, I64, NULL, U64, ptr
+from engine.cuda.kernels import SMEM_DEFAULT
 from engine.cuda.prefill import Prefill
 from engine.cuda.ring import CupyDevice, RingRunner, schedule
 
@@ -271,7 +272,7 @@ class StreamedPrefill:
     def linear_into(self, W, X, out):
         """out = X @ W^T for a DevMatrix W (dequantized to fp32 scratch in row blocks)."""
         base = self.base
-        step_rows = max(1, (1 << 25) // W.cols)
+        step_rows = max(1, DEQUANT_SCRATCH_ELEMS // W.cols)
         for r0 in range(0, W.rows, step_rows):
             n = min(step_rows, W.rows - r0)
             Wd = base.dequant(W.ptr + r0 * W.row_bytes, W.qt, W.row_bytes, n, W.cols)
@@ -411,7 +412,7 @@ class StreamedPrefill:
             out = self.base.linear(w.output, xo)
         else:   # the last row: the decode step's mat-vec (norm fused) on the quantized head, no fp32 copy of it
             out = cp.empty((1, c.n_vocab), dtype=cp.float32)
-            L.mv(w.output, x[-1:], out, tag="output", norm=w.output_norm)
+            L.output_logits(w, x[-1:], out)
         self._mark("other")
         if self._tm is not None:
             self.last["phases"], self._tm = self._tm, None     # bench: .totals() once the chunk has finished
