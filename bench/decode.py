@@ -43,14 +43,15 @@ def find_vocab() -> Path:
     raise SystemExit("bench.decode: ggml-vocab-qwen2.gguf not found in ../shared/fixtures/vocab or .fixtures/vocab")
 
 
-def make_model(path: Path) -> float:
+def make_model(path: Path, n_layer: int | None = None) -> float:
+    """tools/make_moe's Qwen3-30B-A3B preset at path (n_layer: cut to that many layers); returns the seconds taken."""
     t0 = time.perf_counter()
     # --attn-gain 3: with flat random attention every token of a prompt reaches nearly the same hidden state, so
     # routing collapses onto a few experts (the H200 measured 0.997 hits at a 12 GiB budget). Sharper attention
     # gives the per-layer curve bench/routing.py calibrates against (half the experts cached: ~70% hits), so the
     # budgets below exercise the PCIe path as a real model would.
     cmd = [sys.executable, "-m", "tools.make_moe", "--preset", "qwen3-30b-a3b", "--attn-gain", "3", "--out", str(path),
-           "--vocab", str(find_vocab())]
+           "--vocab", str(find_vocab())] + (["--n-layer", str(n_layer)] if n_layer else [])
     print("bench.decode: making the model:", " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     return time.perf_counter() - t0

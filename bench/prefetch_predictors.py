@@ -18,7 +18,6 @@ Only routers on blk.N.ffn_gate_inp.weight with plain top-k (qwen3moe, mixtral) a
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,14 +27,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "data" / "models" / "qwen3-30b-a3b-q4k-g3-12l.gguf"
 BONUS = (0.25, 0.5, 1.0)      # the previous token's experts' logits raised by these many standard deviations
-
-
-def make_model(path: Path) -> None:
-    from bench.decode import find_vocab
-    cmd = [sys.executable, "-m", "tools.make_moe", "--preset", "qwen3-30b-a3b", "--n-layer", "12", "--attn-gain", "3",
-           "--out", str(path), "--vocab", str(find_vocab())]
-    print("bench.prefetch_predictors: making the model:", " ".join(cmd), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
 
 
 def record(model, n_prompt: int, n_new: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -158,7 +149,8 @@ def main(argv=None):
     from engine.arch.base import route
     from engine.gguf_model import open_model
     if not a.model.is_file():
-        make_model(a.model)
+        from bench.decode import make_model
+        make_model(a.model, n_layer=12)
     model = open_model(a.model)
     cfg = model.config
     names = [f"blk.{li}.ffn_gate_inp.weight" for li in range(cfg.n_layer)]
