@@ -70,7 +70,7 @@ struct SampleParams {                 // engine/cuda/sampler.py PARAMS_DTYPE mir
 struct SampleState {                  // engine/cuda/sampler.py STATE_DTYPE mirrors this layout (72 bytes)
     unsigned long long maxword;       // argmax word of the penalized logits (cleared each step)
     int nan;                          // NaN logits seen this step (cleared each step)
-    int pad0;
+    unsigned int cut;                 // sample_cut: the candidates are the keys >= cut (cleared each step)
     unsigned long long step;          // draws so far: the RNG counter
     int ring_head, ring_len;          // the penalty window's ring
     double u;                         // what the last draw used (tests read these)
@@ -79,7 +79,8 @@ struct SampleState {                  // engine/cuda/sampler.py STATE_DTYPE mirr
     unsigned int bkey;                // the kept set: key > bkey, or key == bkey among the first m such ids
     int m;
     int pick;
-    int pad1;
+    int nc;                           // candidates: sample_cut 0 (gather them) or -1 (the whole vocabulary);
+                                      // sample_select then how many it selected from, or -1
 };
 
 #define SEL_THREADS 1024
@@ -87,6 +88,15 @@ struct SampleState {                  // engine/cuda/sampler.py STATE_DTYPE mirr
 #define ALL_TIES 0x7fffffff
 #define FULL_MASK 0xffffffffu
 #define SAMPLE_GRID 264
+#define SAMPLE_THREADS 256            // sample_prep / sample_exp / sample_gather blocks
+// The count histogram sample_prep builds for sample_cut: a bin is the key's top 12 bits (sign, exponent, 3 mantissa
+// bits), so one bin holds values within 12.5% of each other and the sparse top of a logit distribution spreads over
+// many bins.
+#define HIST_SHIFT 20
+#define HIST_BINS 4096
+#define CUT_THREADS 1024
+// Candidates sample_select copies into shared memory (16 KB) and selects from instead of the vocabulary.
+#define CAND_CAP 4096
 
 // The sort key of a logit, with -0 folded into +0 (they compare equal, so they must tie, as on the host).
 __device__ __forceinline__ unsigned int skey(float v) { return sortable(v + 0.0f); }
@@ -108,6 +118,15 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
     return v;
+}
+
+// The total untempered mass from sample_exp's block sums, in one fixed order, so that sample_cut and sample_select
+// get the same bits: lane-strided, then the butterfly (every lane the same sum: a + b == b + a). A loop of one
+// thread over the 264 sums waited on L2 at every add: ~40 us.
+__device__ __forceinline__ double zpart_sum(const double* __restrict__ zpart, int nz) {
+    double z = 0.0;
+    for (int b = threadIdx.x & 31; b < nz; b += 32) z += zpart[b];
+    return warp_sum_d(z);
 }
 
 // Fixed-order block sums (every thread gets the result): the same bits on every run.
@@ -135,12 +154,23 @@ __device__ long long block_sum_ll(long long v, long long* buf) {
 }
 
 // 1. Penalties (engine/sampling.py apply_penalties, the same float32 operations, no FMA contraction) into work,
-//    the argmax word of the result and the NaN count into the state. Grid-stride, any grid.
-extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, const SampleParams* __restrict__ P,
-                                       const int* __restrict__ counts, float* __restrict__ work,
-                                       SampleState* __restrict__ S) {
+//    the argmax word of the result and the NaN count into the state, and (sampled picks that sample_cut serves)
+//    each non-NaN key's count in its histogram bin (hist, cleared each step): counted in shared memory, then one
+//    global atomic per bin the block saw. Grid-stride, any grid of SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_prep(const float* __restrict__ logits, int n, const SampleParams* __restrict__ P,
+            const int* __restrict__ counts, float* __restrict__ work, SampleState* __restrict__ S,
+            int* __restrict__ hist) {
+    __shared__ int sh_hist[HIST_BINS];
     const int pen = P->penalties;
+    // sample_cut's cases: a sampled pick with top_k, top_p or min_p (temperature alone keeps every key)
+    const bool want_hist = P->temp > 0.f && ((P->top_k > 0 && P->top_k < n) || P->top_p < 1.0 ||
+                                             P->log_min_p > -1e300);
     const float rep = P->pen_repeat, freq = P->pen_freq, pres = P->pen_present;
+    if (want_hist) {
+        for (int b = threadIdx.x; b < HIST_BINS; b += blockDim.x) sh_hist[b] = 0;
+        __syncthreads();
+    }
     unsigned long long best = 0ull;
     int nan = 0;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -154,8 +184,10 @@ extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, 
         }
         work[i] = v;
         if (v != v) { nan = 1; continue; }
-        const unsigned long long w = ((unsigned long long)skey(v) << 32) | (0xffffffffu - (unsigned int)i);
+        const unsigned int k = skey(v);
+        const unsigned long long w = ((unsigned long long)k << 32) | (0xffffffffu - (unsigned int)i);
         best = w > best ? w : best;
+        if (want_hist) atomicAdd(&sh_hist[k >> HIST_SHIFT], 1);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -167,29 +199,180 @@ extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, 
         atomicMax(&S->maxword, best);
         if (nan) atomicAdd(&S->nan, 1);
     }
+    if (want_hist) {
+        __syncthreads();
+        for (int b = threadIdx.x; b < HIST_BINS; b += blockDim.x) {
+            const int c = sh_hist[b];
+            if (c) atomicAdd(&hist[b], c);
+        }
+    }
+}
+
+// The min_p floor: keep v >= vmax + log(min_p), compared in float64 (0: off). Never above the top key: min_p > 1
+// would keep nothing, so it keeps the top.
+__device__ __forceinline__ unsigned int min_p_floor(const SampleParams& p, float vmax, unsigned int kmax) {
+    if (!(p.log_min_p > -1e300)) return 0u;
+    const unsigned int f = skey(__double2float_ru((double)vmax + p.log_min_p));
+    return f > kmax ? kmax : f;
 }
 
 // 2. Per token, relative to the maximum: pw = exp(v - vmax) (untempered, what top_p measures) and
 //    qw = exp(v/T - vmax/T) (the draw's weights), each exactly as engine/sampling.py computes them (the difference
-//    in float32, the exp in float64); zpart[block] = this block's sum of pw in a fixed order. Grid: SAMPLE_GRID x 256.
+//    in float32, the exp in float64); zpart[block] = this block's sum of pw in a fixed order. Block b covers the ids
+//    [b chunk, b chunk + chunk), chunk = ceil(n / grid), so that qpart[b], its sum of qw over the keys at or above the
+//    min_p floor, is the tempered mass of one run of ids: when no top_k or top_p cuts the kept set, sample_select
+//    finds the run the draw falls in from these sums and walks only that run, instead of a pass over the vocabulary
+//    (~70 us). Grid: SAMPLE_GRID x 256.
 extern "C" __global__ void sample_exp(const float* __restrict__ work, int n, const SampleParams* __restrict__ P,
                                       const SampleState* __restrict__ S, double* __restrict__ pw,
-                                      double* __restrict__ qw, double* __restrict__ zpart) {
+                                      double* __restrict__ qw, double* __restrict__ zpart,
+                                      double* __restrict__ qpart) {
     __shared__ double buf[32];
-    const float temp = P->temp;
+    const SampleParams p = *P;
+    const float temp = p.temp;
     if (temp <= 0.f || S->nan) return;          // greedy needs neither; NaN: the step fails
-    const float vmax = key_value((unsigned int)(S->maxword >> 32));
+    const unsigned int kmax = (unsigned int)(S->maxword >> 32);
+    const float vmax = key_value(kmax);
     const float tmax = __fdiv_rn(vmax, temp);
-    double z = 0.0;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const unsigned int floor = min_p_floor(p, vmax, kmax);
+    const int chunk = (n + gridDim.x - 1) / gridDim.x;
+    const int i0 = blockIdx.x * chunk, i1 = min(n, i0 + chunk);
+    double z = 0.0, q = 0.0;
+    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
         const float v = work[i];
-        const double p = exp((double)__fsub_rn(v, vmax));
-        pw[i] = p;
-        qw[i] = exp((double)__fsub_rn(__fdiv_rn(v, temp), tmax));
-        z += p;
+        const double pv = exp((double)__fsub_rn(v, vmax));
+        const double qv = exp((double)__fsub_rn(__fdiv_rn(v, temp), tmax));
+        pw[i] = pv;
+        qw[i] = qv;
+        z += pv;
+        if (skey(v) >= floor) q += qv;
     }
     z = block_sum_d(z, buf);
-    if (threadIdx.x == 0) zpart[blockIdx.x] = z;
+    q = block_sum_d(q, buf);
+    if (threadIdx.x == 0) {
+        zpart[blockIdx.x] = z;
+        qpart[blockIdx.x] = q;
+    }
+}
+
+// 3. One block: the candidates, a set of keys >= cut that surely holds the kept set, so that sample_select works on
+//    them instead of the vocabulary (one block over 150k ids costs ~30 us a pass; top_k and top_p cost a dozen
+//    passes). From the histogram alone, per bin b (lo_b and hi_b its lowest and highest values):
+//    - top_k on: the highest non-empty bin whose suffix count (bins >= b) reaches K: the top K keys are >= lo_b;
+//    - top_p alone: the highest non-empty bin from which the kept prefix surely reaches top_p x Z: either the
+//      suffix's mass bounded below (count x exp(lo_b - vmax), each key's pw at least that) reaches it, or Z less the
+//      mass below the bin bounded above (count x exp(hi_b - vmax), at most 1) does. The first is tight at the top
+//      of a distribution, the second when the bulk below holds little mass (a bin spans 12.5% of its values, so
+//      either bound alone is off by a factor of e^(v/8)). A 1e-9 margin covers the double sums' rounding (~1e-15);
+//    - neither: the min_p floor (0 without it: every key, so no candidates);
+//    and never below the min_p floor. nc = 0 when the bins at and above the cut hold at most CAND_CAP keys, else -1
+//    (sample_select then works on the whole vocabulary, as without candidates).
+extern "C" __global__ void __launch_bounds__(CUT_THREADS)
+sample_cut(const int* __restrict__ hist, const double* __restrict__ zpart, int nzpart, int n,
+           const SampleParams* __restrict__ P, SampleState* __restrict__ S) {
+    constexpr int PER = HIST_BINS / CUT_THREADS;      // thread t: bins [PER t, PER t + PER)
+    constexpr int WARPS = CUT_THREADS / 32;
+    __shared__ long long s_wc[WARPS];
+    __shared__ double s_wl[WARPS], s_wu[WARPS];
+    __shared__ double s_z;
+    __shared__ int s_best;
+    __shared__ long long s_bound;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const SampleParams p = *P;
+    const unsigned int kmax = (unsigned int)(S->maxword >> 32);
+    const bool k_on = p.top_k > 0 && p.top_k < n;
+    const bool p_on = p.top_p < 1.0;
+    if (p.temp <= 0.f || S->nan || kmax == skey(NEG_INF) || (!k_on && !p_on && !(p.log_min_p > -1e300))) {
+        if (tid == 0) S->nc = -1;                      // greedy, a failing pick, or every key kept
+        return;
+    }
+    const float vmax = key_value(kmax);
+    const unsigned int floor = min_p_floor(p, vmax, kmax);
+    const bool by_mass = !k_on && p_on;
+    if (warp == 0) {
+        const double z = zpart_sum(zpart, nzpart);
+        if (tid == 0) { s_z = z; s_best = -1; }
+    }
+    int c[PER];
+    double lb[PER], ub[PER];
+    long long tc = 0;
+    double tl = 0.0, tu = 0.0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int b = tid * PER + j;
+        c[j] = hist[b];
+        lb[j] = ub[j] = 0.0;
+        if (by_mass && c[j] > 0) {
+            const float lo = key_value((unsigned int)b << HIST_SHIFT);
+            const float hi = key_value((((unsigned int)b + 1u) << HIST_SHIFT) - 1u);
+            if (lo == lo) lb[j] = (double)c[j] * exp((double)__fsub_rn(lo, vmax));   // NaN patterns: bound 0
+            ub[j] = (double)c[j] * (hi == hi ? fmin(1.0, exp((double)__fsub_rn(hi, vmax))) : 1.0);
+        }
+        tc += c[j];
+        tl += lb[j];
+        tu += ub[j];
+    }
+    // counts and lower bounds summed from the top (suffixes), upper bounds from the bottom (prefixes): within the warp
+    // by shuffles, then over the warps
+    long long sc = tc;
+    double sl = tl, pu = tu;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const long long xc = __shfl_down_sync(FULL_MASK, sc, o);
+        const double xl = __shfl_down_sync(FULL_MASK, sl, o);
+        const double xu = __shfl_up_sync(FULL_MASK, pu, o);
+        if (lane + o < 32) { sc += xc; sl += xl; }
+        if (lane >= o) pu += xu;
+    }
+    if (lane == 0) { s_wc[warp] = sc; s_wl[warp] = sl; }
+    if (lane == 31) s_wu[warp] = pu;
+    __syncthreads();
+    for (int w = warp + 1; w < WARPS; ++w) { sc += s_wc[w]; sl += s_wl[w]; }
+    for (int w = 0; w < warp; ++w) pu += s_wu[w];
+    sc -= tc;                                          // bins above this thread's
+    sl -= tl;
+    pu -= tu;                                          // bins below this thread's
+    const long long K = k_on ? (long long)p.top_k : 0;
+    const double z = s_z;
+    const double target = p.top_p * z * (1.0 + 1e-9);
+    double below[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) { below[j] = pu; pu += ub[j]; }
+    long long suf_c[PER];
+#pragma unroll
+    for (int j = PER - 1; j >= 0; --j) {
+        sc += c[j];
+        sl += lb[j];
+        suf_c[j] = sc;
+        const bool reach = k_on ? sc >= K : (p_on && (sl >= target || z - below[j] >= target));
+        if (c[j] > 0 && reach) atomicMax(&s_best, tid * PER + j);
+    }
+    __syncthreads();
+    unsigned int cut = s_best >= 0 ? (unsigned int)s_best << HIST_SHIFT : 0u;
+    if (cut < floor) cut = floor;
+    const int cb = (int)(cut >> HIST_SHIFT);
+    if (cb / PER == tid) s_bound = suf_c[cb % PER];
+    __syncthreads();
+    if (tid == 0) {
+        S->cut = cut;
+        S->nc = s_bound <= CAND_CAP ? 0 : -1;
+    }
+}
+
+// 4. The candidates as a bitmap, bit i of word i/32: key(work[i]) >= cut (nothing when sample_cut found none). Any
+//    grid of whole warps; every word is written, so the bitmap needs no clearing.
+extern "C" __global__ void sample_gather(const float* __restrict__ work, int n, const SampleState* __restrict__ S,
+                                         unsigned int* __restrict__ bitmap) {
+    if (S->nc < 0) return;
+    const unsigned int cut = S->cut;
+    const int lane = threadIdx.x & 31;
+    const int nwords = (n + 31) >> 5;
+    const int wstride = (gridDim.x * blockDim.x) >> 5;
+    for (int w = (blockIdx.x * blockDim.x + (int)threadIdx.x) >> 5; w < nwords; w += wstride) {
+        const int i = (w << 5) + lane;
+        const unsigned int bits = __ballot_sync(FULL_MASK, i < n && skey(work[i]) >= cut);
+        if (lane == 0) bitmap[w] = bits;
+    }
 }
 
 struct SelShared {
@@ -199,12 +382,16 @@ struct SelShared {
     double ma;                        // their untempered mass (exact)
     int all;                          // no condition triggered: keep every key >= floor
     int go;                           // the bucket check's loop flag
+    int up, down;                     // the bucket check's nearest non-empty buckets above and below
 };
 
 // Radix select of the prefix: the first position (in the sorted order, keys >= floor only) where the count reaches
 // K or the mass reaches target. Leaves (bkey, m) in *out_bkey / *out_m (m = ALL_TIES: every tie at bkey) and the
-// count / exact mass above bkey in sh. Whole block; use_mass = 0 makes it count-only (exact without checks).
-__device__ void select_prefix(const float* __restrict__ work, const double* __restrict__ pw, int n, long long K,
+// count / exact mass above bkey in sh. Whole block; use_mass = 0 makes it count-only (exact without checks). Over
+// the ids ids[0..n) (the candidates, ascending), or 0..n when ids is null: the candidates hold every key >= the
+// boundary, and the counts and masses from the top down to it are the same over them as over the vocabulary.
+__device__ void select_prefix(const float* __restrict__ work, const double* __restrict__ pw, const int* ids, int n,
+                              long long K,
                               double target, unsigned int floor, int use_mass, float vmax, int* hc, float* hm,
                               SelShared& sh,
                               double* dbuf, long long* lbuf, unsigned int* out_bkey, int* out_m) {
@@ -219,7 +406,8 @@ __device__ void select_prefix(const float* __restrict__ work, const double* __re
         const unsigned int prefix = sh.prefix;
         for (int b = tid; b < nb; b += blockDim.x) { hc[b] = 0; hm[b] = 0.f; }
         __syncthreads();
-        for (int i = tid; i < n; i += blockDim.x) {
+        for (int j = tid; j < n; j += blockDim.x) {
+            const int i = ids ? ids[j] : j;
             const unsigned int k = skey(work[i]);
             if (k < floor || (ps < 32 && (k >> ps) != prefix)) continue;
             const int b = (int)((k >> shift) & (unsigned int)(nb - 1));
@@ -227,47 +415,66 @@ __device__ void select_prefix(const float* __restrict__ work, const double* __re
             if (use_mass) atomicAdd(&hm[b], (float)pw[i]);
         }
         __syncthreads();
-        if (warp == 0) {                              // scan buckets from the top, 32 at a time
-            long long ca = sh.ca;
-            double ma = sh.ma;
-            int found = -1;
-            long long ca_found = 0;
-            for (int base = nb - 32; base >= 0; base -= 32) {
-                const int b = base + 31 - lane;       // lane 0: the highest bucket of this chunk
-                const int c = hc[b];
-                long long cc = c;
-                double mm = use_mass ? (double)hm[b] : 0.0;
+        // The first bucket from the top where the count (or the mass) reaches: suffix sums over the buckets, block-
+        // wide (thread t holds buckets [per t, per t + per)), and the highest bucket that reaches. (Warp 0 walking
+        // down 32 buckets at a time took up to 64 rounds of shuffles a level: ~40 us of a top_k + top_p pick.)
+        const int per = (nb + (int)blockDim.x - 1) / (int)blockDim.x;
+        long long tcnt = 0;
+        double tmass = 0.0;
+        for (int j = 0; j < per; ++j) {
+            const int b = tid * per + j;
+            if (b < nb) {
+                tcnt += hc[b];
+                if (use_mass) tmass += (double)hm[b];
+            }
+        }
+        long long sc = tcnt;
+        double sm = tmass;
 #pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const long long tc = __shfl_up_sync(FULL_MASK, cc, o);
-                    const double tm = __shfl_up_sync(FULL_MASK, mm, o);
-                    if (lane >= o) { cc += tc; mm += tm; }
-                }
-                const bool hit = c > 0 && (ca + cc >= K || (use_mass && ma + mm >= target));
-                const unsigned int bal = __ballot_sync(FULL_MASK, hit);
-                if (bal) {
-                    const int l = __ffs(bal) - 1;
-                    found = base + 31 - l;
-                    ca_found = ca + __shfl_sync(FULL_MASK, cc - c, l);
-                    break;
-                }
-                ca += __shfl_sync(FULL_MASK, cc, 31);
-                ma += __shfl_sync(FULL_MASK, mm, 31);
-            }
-            if (lane == 0) {
-                sh.bstar = found;
-                if (!use_mass && found >= 0) sh.ca = ca_found;
-            }
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long xc = __shfl_down_sync(FULL_MASK, sc, o);
+            const double xm = __shfl_down_sync(FULL_MASK, sm, o);
+            if (lane + o < 32) { sc += xc; sm += xm; }
+        }
+        const long long nc_ = __shfl_down_sync(FULL_MASK, sc, 1);
+        const double nm_ = __shfl_down_sync(FULL_MASK, sm, 1);
+        long long ca = lane < 31 ? nc_ : 0;           // this warp's buckets above this thread's
+        double ma = lane < 31 ? nm_ : 0.0;
+        if (lane == 0) { lbuf[warp] = sc; dbuf[warp] = sm; }
+        if (tid == 0) sh.bstar = -1;
+        __syncthreads();
+        for (int w = warp + 1; w < (int)(blockDim.x >> 5); ++w) { ca += lbuf[w]; ma += dbuf[w]; }
+        ca += sh.ca;                                  // and the levels' before
+        ma += sh.ma;
+        const long long ca0 = ca;
+        for (int j = per - 1; j >= 0; --j) {
+            const int b = tid * per + j;
+            if (b >= nb) continue;
+            const int c = hc[b];
+            ca += c;
+            if (use_mass) ma += (double)hm[b];
+            if (c > 0 && (ca >= K || (use_mass && ma >= target))) atomicMax(&sh.bstar, b);
+        }
+        __syncthreads();
+        if (!use_mass && sh.bstar >= 0 && sh.bstar / per == tid) {     // the count above the bucket found
+            long long above = ca0;
+            for (int b = tid * per + per - 1; b > sh.bstar; --b)
+                if (b < nb) above += hc[b];
+            sh.ca = above;
         }
         __syncthreads();
         if (use_mass) {
             // Check the bucket with exact sums; move it while rounding put it on the wrong side.
-            if (tid == 0) {
-                sh.go = 1;
-                if (sh.bstar < 0) {                   // start from the lowest non-empty bucket
-                    int b = 0;
-                    while (b < nb && hc[b] == 0) ++b;
-                    sh.bstar = b < nb ? b : -1;
+            // (the bucket searches below run over the whole block: one thread's walk over 2048 shared counters
+            // costs ~30 us)
+            if (tid == 0) { sh.go = 1; sh.up = nb; }
+            __syncthreads();
+            if (sh.bstar < 0) {                       // start from the lowest non-empty bucket
+                for (int bb = tid; bb < nb; bb += blockDim.x)
+                    if (hc[bb] > 0) atomicMin(&sh.up, bb);
+                __syncthreads();
+                if (tid == 0) {
+                    sh.bstar = sh.up < nb ? sh.up : -1;
                     if (sh.bstar < 0) sh.go = 0;
                 }
             }
@@ -279,23 +486,27 @@ __device__ void select_prefix(const float* __restrict__ work, const double* __re
                 const unsigned int hi = lo | ((1u << shift) - 1u);
                 const unsigned int lo_f = lo > floor ? lo : floor;
                 double above = 0.0, in = 0.0;
-                for (int i = tid; i < n; i += blockDim.x) {
+                for (int j = tid; j < n; j += blockDim.x) {
+                    const int i = ids ? ids[j] : j;
                     const unsigned int k = skey(work[i]);
                     if (k > hi && k >= floor) above += pw[i];
                     else if (k >= lo_f && k <= hi) in += pw[i];
                 }
                 long long cabove = 0;
                 for (int bb = b + 1 + tid; bb < nb; bb += blockDim.x) cabove += hc[bb];
+                if (tid == 0) { sh.up = nb; sh.down = -1; }
                 above = block_sum_d(above, dbuf);
                 in = block_sum_d(in, dbuf);
                 cabove = block_sum_ll(cabove, lbuf) + sh.ca;
+                for (int bb = tid; bb < nb; bb += blockDim.x) {
+                    if (hc[bb] > 0 && bb > b) atomicMin(&sh.up, bb);
+                    if (hc[bb] > 0 && bb < b) atomicMax(&sh.down, bb);
+                }
                 __syncthreads();
                 if (tid == 0) {
                     const bool c_above = cabove >= K || above >= target;
                     const bool c_in = cabove + hc[b] >= K || above + in >= target;
-                    int up = b + 1, down = b - 1;
-                    while (up < nb && hc[up] == 0) ++up;
-                    while (down >= 0 && hc[down] == 0) --down;
+                    const int up = sh.up, down = sh.down;
                     // monotone conditions: moving up after c_above (or down after !c_in) never has to come back
                     if (c_above && up < nb && ++tried < nb) {
                         sh.bstar = up;
@@ -343,35 +554,39 @@ __device__ void select_prefix(const float* __restrict__ work, const double* __re
     __syncthreads();
 }
 
-// Whether id i (< s1) is in the kept set, for a warp walking [s0, s1) 32 ids at a time (all lanes call it): keys
-// above bkey, and of the ties at bkey the first m in id order (all when m == ALL_TIES); run counts the ties the walk
-// has passed (this warp's offset in s_toff first), advanced here for the whole warp.
-__device__ __forceinline__ bool kept_at(const float* work, int i, int s1, unsigned int bkey, int m, int lane,
-                                        int& run) {
-    const unsigned int k = i < s1 ? skey(work[i]) : 0u;
-    const bool tie = i < s1 && k == bkey;
+// Whether the id at position j (< s1) is in the kept set, for a warp walking positions [s0, s1) 32 at a time (all
+// lanes call it; positions are ids, or index the ascending candidates ids): keys above bkey, and of the ties at bkey
+// the first m in id order (all when m == ALL_TIES); run counts the ties the walk has passed (this warp's offset in
+// s_toff first), advanced here for the whole warp.
+__device__ __forceinline__ bool kept_at(const float* work, const int* ids, int j, int s1, unsigned int bkey, int m,
+                                        int lane, int& run) {
+    const unsigned int k = j < s1 ? skey(work[ids ? ids[j] : j]) : 0u;
+    const bool tie = j < s1 && k == bkey;
     const unsigned int tb = __ballot_sync(FULL_MASK, tie);
-    const bool in = i < s1 && (k > bkey || (tie && (m == ALL_TIES || run + __popc(tb & ((1u << lane) - 1u)) < m)));
+    const bool in = j < s1 && (k > bkey || (tie && (m == ALL_TIES || run + __popc(tb & ((1u << lane) - 1u)) < m)));
     run += __popc(tb);
     return in;
 }
 
-// 3. One block of SEL_THREADS: the kept set, the draw, the window update; out_host[0] = id, out_host[1] = NaN count
-//    (-1: every logit is -inf). One block because the select is a chain of small dependent decisions: passes over
-//    the ~1 MB of pw/work come from L2, and a grid-wide chain would cost a launch (2-3 us) per decision.
+// 5. One block of SEL_THREADS: the kept set, the draw, the window update; out_host[0] = id, out_host[1] = NaN count
+//    (-1: every logit is -inf). One block because the select is a chain of small dependent decisions; a grid-wide
+//    chain would cost a launch (2-3 us) per decision. It works on sample_cut's candidates when there are any (copied
+//    in id order from the bitmap into shared memory), else on the whole vocabulary: then every pass reads ~1 MB of
+//    pw/work from L2 with one SM's loads in flight, ~30 us each.
 extern "C" __global__ void __launch_bounds__(SEL_THREADS)
 sample_select(const float* __restrict__ work, const double* __restrict__ pw, const double* __restrict__ qw,
-              const double* __restrict__ zpart, int nzpart, int n, const SampleParams* __restrict__ P,
-              SampleState* __restrict__ S, int* __restrict__ counts, int* __restrict__ ring,
-              int* __restrict__ out_host) {
+              const double* __restrict__ zpart, const double* __restrict__ qpart, int nzpart, int n,
+              const SampleParams* __restrict__ P, SampleState* __restrict__ S, int* __restrict__ counts,
+              int* __restrict__ ring, const unsigned int* __restrict__ bitmap, int* __restrict__ out_host) {
     __shared__ int hc[2048];
     __shared__ float hm[2048];
+    __shared__ int s_cand[CAND_CAP];
     __shared__ double dbuf[32];
     __shared__ long long lbuf[32];
     __shared__ SelShared sh;
     __shared__ unsigned int s_bkey;
-    __shared__ int s_m, s_toff[SEL_WARPS], s_wstar, s_pick;
-    __shared__ double s_wm[SEL_WARPS], s_base, s_r, s_zk;
+    __shared__ int s_m, s_toff[SEL_WARPS], s_lo, s_hi, s_run, s_pick, s_nc;
+    __shared__ double s_wm[SEL_WARPS], s_base, s_u, s_total, s_zk;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const unsigned long long mw = S->maxword;
     const unsigned int kmax = (unsigned int)(mw >> 32);
@@ -383,28 +598,59 @@ sample_select(const float* __restrict__ work, const double* __restrict__ pw, con
     const SampleParams p = *P;
     const float vmax = key_value(kmax);
     int pick = (int)(0xffffffffu - (unsigned int)(mw & 0xffffffffull));   // the argmax, lowest id on ties
+    const int* ids = nullptr;                     // positions are ids (null) or index the candidates
+    int cnt = n;
     if (p.temp > 0.f) {
         const bool k_on = p.top_k > 0 && p.top_k < n;
         const bool p_on = p.top_p < 1.0;
         const long long K = k_on ? (long long)p.top_k : (long long)n + 1;
-        unsigned int floor = 0u;
-        if (p.log_min_p > -1e300) {               // min_p: keep v >= vmax + log(min_p), compared in float64
-            floor = skey(__double2float_ru((double)vmax + p.log_min_p));
-            if (floor > kmax) floor = kmax;           // min_p > 1 would keep nothing: keep the top
+        const unsigned int floor = min_p_floor(p, vmax, kmax);
+        if (warp == 0) {
+            const double z = zpart_sum(zpart, nzpart);
+            if (tid == 0) s_zk = z;
         }
-        if (tid == 0) {
-            double z = 0.0;
-            for (int b = 0; b < nzpart; ++b) z += zpart[b];
-            s_zk = z;
+        if (S->nc >= 0) {                         // the candidates, ascending: each thread a run of bitmap words
+            const int nwords = (n + 31) >> 5;
+            const int per = (nwords + SEL_THREADS - 1) / SEL_THREADS;
+            const int w0 = tid * per, w1 = min(nwords, w0 + per);
+            int c = 0;
+            for (int w = w0; w < w1; ++w) c += __popc(bitmap[w]);
+            int incl = c;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int t = __shfl_up_sync(FULL_MASK, incl, o);
+                if (lane >= o) incl += t;
+            }
+            if (lane == 31) s_toff[warp] = incl;
+            __syncthreads();
+            if (tid == 0) {
+                int acc = 0;
+                for (int w = 0; w < SEL_WARPS; ++w) { const int t = s_toff[w]; s_toff[w] = acc; acc += t; }
+                s_nc = acc;
+            }
+            __syncthreads();
+            int pos = s_toff[warp] + incl - c;
+            for (int w = w0; w < w1; ++w) {
+                unsigned int b = bitmap[w];
+                while (b) {
+                    if (pos < CAND_CAP) s_cand[pos] = (w << 5) + __ffs(b) - 1;
+                    b &= b - 1u;
+                    ++pos;
+                }
+            }
+            __syncthreads();
+            if (s_nc <= CAND_CAP) { ids = s_cand; cnt = s_nc; }   // sample_cut's bound: always
         }
         __syncthreads();
         if (k_on && p_on) {
             // top_p measures mass within the top_k survivors: find them first (count only), then their mass.
-            select_prefix(work, pw, n, K, 0.0, 0u, 0, vmax, hc, hm, sh, dbuf, lbuf, &s_bkey, &s_m);
+            select_prefix(work, pw, ids, cnt, K, 0.0, 0u, 0, vmax, hc, hm, sh, dbuf, lbuf, &s_bkey, &s_m);
             const unsigned int bk = s_bkey;
             double z = 0.0;
-            for (int i = tid; i < n; i += blockDim.x)
+            for (int j = tid; j < cnt; j += blockDim.x) {
+                const int i = ids ? ids[j] : j;
                 if (skey(work[i]) > bk) z += pw[i];
+            }
             z = block_sum_d(z, dbuf);
             if (tid == 0) {
                 const double pb = exp((double)__fsub_rn(key_value(bk), vmax));
@@ -414,7 +660,8 @@ sample_select(const float* __restrict__ work, const double* __restrict__ pw, con
         }
         if (k_on || p_on) {
             const double target = p_on ? p.top_p * s_zk : __longlong_as_double(0x7ff0000000000000ll);
-            select_prefix(work, pw, n, K, target, floor, p_on ? 1 : 0, vmax, hc, hm, sh, dbuf, lbuf, &s_bkey, &s_m);
+            select_prefix(work, pw, ids, cnt, K, target, floor, p_on ? 1 : 0, vmax, hc, hm, sh, dbuf, lbuf, &s_bkey,
+                          &s_m);
         } else if (tid == 0) {                        // min_p alone (or nothing): every key >= floor
             s_bkey = floor;
             s_m = ALL_TIES;
@@ -422,70 +669,121 @@ sample_select(const float* __restrict__ work, const double* __restrict__ pw, con
         __syncthreads();
         const unsigned int bkey = s_bkey;
         const int m = s_m;
-        // The draw: the kept ids in id order, each warp a contiguous segment.
-        const int seg = (n + SEL_WARPS - 1) / SEL_WARPS;
-        const int s0 = warp * seg, s1 = min(n, s0 + seg);
-        if (m != ALL_TIES) {                          // tie ranks in id order: each warp's offset
-            int tc = 0;
-            for (int i0 = s0; i0 < s1; i0 += 32) {
-                const int i = i0 + lane;
-                tc += __popc(__ballot_sync(FULL_MASK, i < s1 && skey(work[i]) == bkey));
+        // The draw: the kept ids in id order in segments, each segment's tempered mass, the segment u x total falls in,
+        // and a walk along it. The segments are sample_exp's runs of ids when every key >= the floor is kept from the
+        // whole vocabulary (their masses are its qpart, so no pass here), else one a warp.
+        if (!k_on && !p_on && ids == nullptr) {
+            if (warp == 0) {
+                const int per = (nzpart + 31) / 32;   // lane l: runs [per l, per l + per)
+                const int b0 = min(nzpart, lane * per), b1 = min(nzpart, b0 + per);
+                double ls = 0.0;
+                for (int b = b0; b < b1; ++b) ls += qpart[b];
+                double incl = ls;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const double t = __shfl_up_sync(FULL_MASK, incl, o);
+                    if (lane >= o) incl += t;
+                }
+                const double total = __shfl_sync(FULL_MASK, incl, 31);
+                const double u = rng_uniform(p.seed, S->step);
+                const double r = u * total;
+                double base = __shfl_up_sync(FULL_MASK, incl, 1);
+                if (lane == 0) base = 0.0;
+                int cross = -1, lastb = -1;
+                double cbase = 0.0, lbase = 0.0;
+                for (int b = b0; b < b1; ++b) {
+                    const double q = qpart[b];
+                    if (q > 0.0) {
+                        if (cross < 0 && base + q > r) { cross = b; cbase = base; }
+                        lastb = b;                    // rounding: the last run with mass
+                        lbase = base;
+                    }
+                    base += q;
+                }
+                const unsigned int hit = __ballot_sync(FULL_MASK, cross >= 0);
+                const unsigned int any = __ballot_sync(FULL_MASK, lastb >= 0);
+                const int wl = hit ? __ffs(hit) - 1 : (any ? 31 - __clz(any) : 0);
+                if (lane == wl) {
+                    const int b = hit ? cross : lastb;
+                    const int chunk = (n + nzpart - 1) / nzpart;
+                    s_lo = b < 0 ? -1 : b * chunk;
+                    s_hi = b < 0 ? -1 : min(n, b * chunk + chunk);
+                    s_run = 0;
+                    s_base = hit ? cbase : lbase;
+                    s_u = u;
+                    s_total = total;
+                }
             }
-            if (lane == 0) s_toff[warp] = tc;
+        } else {
+            const int seg = (cnt + SEL_WARPS - 1) / SEL_WARPS;
+            const int s0 = min(cnt, warp * seg), s1 = min(cnt, s0 + seg);
+            if (m != ALL_TIES) {                      // tie ranks in id order: each warp's offset
+                int tc = 0;
+                for (int j0 = s0; j0 < s1; j0 += 32) {
+                    const int j = j0 + lane;
+                    tc += __popc(__ballot_sync(FULL_MASK, j < s1 && skey(work[ids ? ids[j] : j]) == bkey));
+                }
+                if (lane == 0) s_toff[warp] = tc;
+                __syncthreads();
+                if (tid == 0) {
+                    int acc = 0;
+                    for (int w = 0; w < SEL_WARPS; ++w) { const int t = s_toff[w]; s_toff[w] = acc; acc += t; }
+                }
+                __syncthreads();
+            }
+            double acc = 0.0;
+            int run = m != ALL_TIES ? s_toff[warp] : 0;
+            for (int j0 = s0; j0 < s1; j0 += 32) {
+                const int j = j0 + lane;
+                if (kept_at(work, ids, j, s1, bkey, m, lane, run)) acc += qw[ids ? ids[j] : j];
+            }
+            acc = warp_sum_d(acc);
+            if (lane == 0) s_wm[warp] = acc;
             __syncthreads();
             if (tid == 0) {
-                int acc = 0;
-                for (int w = 0; w < SEL_WARPS; ++w) { const int t = s_toff[w]; s_toff[w] = acc; acc += t; }
-            }
-            __syncthreads();
-        }
-        double acc = 0.0;
-        int run = m != ALL_TIES ? s_toff[warp] : 0;
-        for (int i0 = s0; i0 < s1; i0 += 32) {
-            const int i = i0 + lane;
-            if (kept_at(work, i, s1, bkey, m, lane, run)) acc += qw[i];
-        }
-        acc = warp_sum_d(acc);
-        if (lane == 0) s_wm[warp] = acc;
-        __syncthreads();
-        if (tid == 0) {
-            double total = 0.0;
-            for (int w = 0; w < SEL_WARPS; ++w) total += s_wm[w];
-            const double u = rng_uniform(p.seed, S->step);
-            const double r = u * total;
-            double base = 0.0;
-            int ws = -1;
-            for (int w = 0; w < SEL_WARPS; ++w) {
-                if (s_wm[w] > 0.0) {
-                    if (base + s_wm[w] > r) { ws = w; break; }
-                    ws = w;                           // rounding: the last warp with mass
+                double total = 0.0;
+                for (int w = 0; w < SEL_WARPS; ++w) total += s_wm[w];
+                const double u = rng_uniform(p.seed, S->step);
+                const double r = u * total;
+                double base = 0.0;
+                int ws = -1;
+                for (int w = 0; w < SEL_WARPS; ++w) {
+                    if (s_wm[w] > 0.0) {
+                        if (base + s_wm[w] > r) { ws = w; break; }
+                        ws = w;                       // rounding: the last warp with mass
+                    }
+                    base += s_wm[w];
                 }
-                base += s_wm[w];
+                if (ws >= 0 && !(base + s_wm[ws] > r)) {  // no crossing: the base of the last warp with mass
+                    base = 0.0;
+                    for (int w = 0; w < ws; ++w) base += s_wm[w];
+                }
+                s_lo = ws < 0 ? -1 : min(cnt, ws * seg);
+                s_hi = ws < 0 ? -1 : min(cnt, ws * seg + seg);
+                s_run = ws >= 0 && m != ALL_TIES ? s_toff[ws] : 0;
+                s_base = base;
+                s_u = u;
+                s_total = total;
             }
-            if (ws >= 0 && !(base + s_wm[ws] > r)) {  // no crossing: recompute the base of the last warp with mass
-                base = 0.0;
-                for (int w = 0; w < ws; ++w) base += s_wm[w];
-            }
-            s_wstar = ws;
-            s_base = base;
-            s_r = r;
-            s_pick = -1;
-            S->u = u;
-            S->total = total;
+        }
+        __syncthreads();
+        if (tid == 0) {                               // what the draw used (tests read these)
+            S->u = s_u;
+            S->total = s_total;
             S->zk = s_zk;
             S->bkey = bkey;
             S->m = m;
+            s_pick = -1;
         }
-        __syncthreads();
-        if (warp == s_wstar) {                        // walk the chosen segment: the first id whose CDF passes r
+        if (warp == 0 && s_lo >= 0) {                 // walk the chosen segment: the first id whose CDF passes r
             double base = s_base;
-            const double r = s_r;
-            int last = -1, found = -1;
-            run = m != ALL_TIES ? s_toff[warp] : 0;
-            for (int i0 = s0; i0 < s1 && found < 0; i0 += 32) {
-                const int i = i0 + lane;
-                const bool in = kept_at(work, i, s1, bkey, m, lane, run);
-                double q = in ? qw[i] : 0.0;
+            const double r = s_u * s_total;
+            const int lo = s_lo, hi = s_hi;
+            int run = s_run, last = -1, found = -1;
+            for (int j0 = lo; j0 < hi && found < 0; j0 += 32) {
+                const int j = j0 + lane;
+                const bool in = kept_at(work, ids, j, hi, bkey, m, lane, run);
+                double q = in ? qw[ids ? ids[j] : j] : 0.0;
 #pragma unroll
                 for (int o = 1; o < 32; o <<= 1) {
                     const double t = __shfl_up_sync(FULL_MASK, q, o);
@@ -493,11 +791,12 @@ sample_select(const float* __restrict__ work, const double* __restrict__ pw, con
                 }
                 const unsigned int hit = __ballot_sync(FULL_MASK, in && base + q > r);
                 const unsigned int kept = __ballot_sync(FULL_MASK, in);
-                if (hit) found = i0 + __ffs(hit) - 1;
-                if (kept) last = i0 + 31 - __clz(kept);
+                if (hit) found = j0 + __ffs(hit) - 1;
+                if (kept) last = j0 + 31 - __clz(kept);
                 base += __shfl_sync(FULL_MASK, q, 31);
             }
-            if (lane == 0) s_pick = found >= 0 ? found : last;
+            const int at = found >= 0 ? found : last;
+            if (lane == 0) s_pick = at < 0 ? -1 : (ids ? ids[at] : at);
         }
         __syncthreads();
         if (s_pick >= 0) pick = s_pick;              // else: no mass anywhere, the argmax (as the host's last id)
@@ -506,6 +805,7 @@ sample_select(const float* __restrict__ work, const double* __restrict__ pw, con
         out_host[0] = pick;
         out_host[1] = 0;
         S->pick = pick;
+        S->nc = ids ? cnt : -1;
         if (p.temp > 0.f) S->step += 1ull;
         if (p.window > 0) {                           // the pick enters the penalty window; the oldest may leave
             int head = S->ring_head, len = S->ring_len;

@@ -10,8 +10,8 @@ from collections import deque
 import numpy as np
 import pytest
 
-from engine.cuda.sampler import (ALL_TIES, PARAMS_DTYPE, STATE_DTYPE, GpuSampler, pack_params, uniform,
-                                 window_length, window_tokens)
+from engine.cuda.sampler import (ALL_TIES, CAND_CAP, HIST_BINS, PARAMS_DTYPE, STATE_DTYPE, GpuSampler, pack_params,
+                                 uniform, window_length, window_tokens)
 from engine.sampling import Sampler, SamplingError
 
 gpu = pytest.mark.gpu
@@ -36,7 +36,8 @@ def test_struct_layouts_match_the_kernel():
     assert PARAMS_DTYPE.itemsize == 56 and STATE_DTYPE.itemsize == 72
     assert PARAMS_DTYPE.fields["top_k"][1] == 40 and PARAMS_DTYPE.fields["window"][1] == 48
     assert STATE_DTYPE.fields["step"][1] == 16 and STATE_DTYPE.fields["bkey"][1] == 56
-    assert STATE_DTYPE.fields["pick"][1] == 64
+    assert STATE_DTYPE.fields["pick"][1] == 64 and STATE_DTYPE.fields["cut"][1] == 12
+    assert STATE_DTYPE.fields["nc"][1] == 68
 
 
 def test_pack_params():
@@ -106,6 +107,65 @@ def sortable(x: np.ndarray) -> np.ndarray:
     return np.where(b & 0x80000000, ~b, b | 0x80000000).astype(np.uint32)
 
 
+def key_value(k) -> np.ndarray:
+    """The float32 value of sort keys (the kernels' key_value)."""
+    k = np.asarray(k, np.uint32)
+    return np.where(k & 0x80000000, k & 0x7FFFFFFF, ~k).astype(np.uint32).view(np.float32)
+
+
+def min_p_floor(sampler, vmax: np.float32, kmax: int) -> int:
+    """The key of vmax + log(min_p) rounded up to float32 (0: off), at most the top key."""
+    if sampler.min_p <= 0:
+        return 0
+    x = float(vmax) + float(np.log(sampler.min_p))
+    f = np.float32(x)
+    if float(f) < x:
+        f = np.nextafter(f, np.float32(np.inf))
+    return min(int(sortable(np.array([f]))[0]), kmax)
+
+
+def reference_cut(work, sampler, z) -> tuple[int, int]:
+    """sample_cut in NumPy: (the candidates' lowest key, 0 when they are at most CAND_CAP, else -1); z: the total
+    untempered mass (the state's zk when top_k is off)."""
+    n = len(work)
+    k_on, p_on = 0 < sampler.top_k < n, sampler.top_p < 1.0
+    if sampler.greedy or np.isnan(work).any() or np.isneginf(work).all() or not (k_on or p_on or sampler.min_p > 0):
+        return 0, -1
+    keys = sortable(work)
+    kmax = int(keys.max())
+    vmax = key_value(kmax)
+    hist = np.bincount(keys >> 20, minlength=HIST_BINS)
+    suf_c = np.cumsum(hist[::-1])[::-1]
+    if k_on:
+        reach = suf_c >= sampler.top_k
+    elif p_on:                                  # the suffix's mass bounded below, or Z less the mass below bounded above
+        b = np.arange(HIST_BINS, dtype=np.uint32)
+        lo, hi = key_value(b << 20), key_value(((b + 1) << 20) - 1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            lb = np.where(np.isnan(lo) | (hist == 0), 0.0, hist * np.exp((lo - vmax).astype(np.float64)))
+            ub = hist * np.where(np.isnan(hi), 1.0, np.minimum(1.0, np.exp((hi - vmax).astype(np.float64))))
+        below = np.concatenate([[0.0], np.cumsum(ub)[:-1]])
+        target = sampler.top_p * z * (1 + 1e-9)
+        reach = (np.cumsum(lb[::-1])[::-1] >= target) | (z - below >= target)
+    else:
+        reach = np.zeros(HIST_BINS, bool)
+    bins = np.nonzero(reach & (hist > 0))[0]
+    cut = max(int(bins.max()) << 20 if len(bins) else 0, min_p_floor(sampler, vmax, kmax))
+    return cut, (0 if suf_c[cut >> 20] <= CAND_CAP else -1)
+
+
+def check_candidates(r, sampler, work, st) -> int:
+    """The cut, the bitmap and the count of candidates the kernels used against reference_cut; returns nc."""
+    cut, mode = reference_cut(work, sampler, st["zk"])
+    assert (int(st["cut"]), int(mode < 0)) == (cut, int(st["nc"] < 0))
+    if mode == 0:
+        inside = sortable(work) >= cut
+        words = np.packbits(np.pad(inside, (0, -len(inside) % 32)), bitorder="little").view("<u4")
+        np.testing.assert_array_equal(r.gs.bitmap.get(), words)
+        assert st["nc"] == inside.sum() <= CAND_CAP
+    return int(st["nc"])
+
+
 def kept_from_state(work, st) -> np.ndarray:
     """The kept set the kernels chose: key > bkey, or key == bkey among the first m such ids."""
     k = sortable(work)
@@ -171,6 +231,7 @@ class Run:
                 gs.load(sampler)
             for a in (gs.work, gs.pw, gs.qw):
                 a.fill(np.nan)
+            gs.bitmap.fill(0xA5A5A5A5)
             self.out.view[:] = -7
             gs.enqueue(self.kern, cp.asarray(logits), self.out.dptr)
         self.stream.synchronize()
@@ -219,6 +280,11 @@ def test_pick_matches_the_host_sampler(kern, n, chain):
         gpu_probs = np.where(kept, r.gs.qw.get(), 0.0) / st["total"]
         np.testing.assert_allclose(gpu_probs, probs, rtol=1e-5, atol=1e-9)
         assert tok == st["pick"] == reference_draw(probs, st["u"])
+        nc = check_candidates(r, s, work, st)
+        if n == 151936 and chain in (1, 2, 3):    # top_k 40 + top_p, top_p alone, min_p alone: from candidates
+            assert 0 < nc <= CAND_CAP
+        if chain == 0:                            # temperature alone keeps every key: no candidates
+            assert nc == -1
         if s.penalties_active:              # the pick entered the window (and the oldest left a full one)
             win = list(deque(window_tokens(s, n, 4096).tolist() + [tok], maxlen=window_length(s, 4096)))
             np.testing.assert_array_equal(r.gs.counts.get(), np.bincount(win, minlength=n))
@@ -240,6 +306,55 @@ def test_ties_keep_the_lowest_ids(kern, n):
             kept = kept_from_state(r.gs.work.get(), st)
             np.testing.assert_array_equal(kept, order_filter(logits, top_k, top_p, 0.0))
             assert kept.sum() == np.isfinite(s.filter(logits)).sum()
+            check_candidates(r, s, logits, st)
+    finally:
+        r.close()
+
+
+@gpu
+@pytest.mark.parametrize("case", ["one bin", "top_k past the cap", "flat top_p", "top_p alone", "min_p and -inf",
+                                  "top_p 0"])
+def test_candidates_or_the_whole_vocabulary_pick_the_same(kern, case):
+    n = 151936
+    rng = np.random.default_rng(len(case))
+    logits = lm_logits(rng, n)
+    params, want = {"temperature": 0.9, "seed": 5}, None
+    if case == "one bin":                       # every key in one histogram bin: more than CAND_CAP candidates
+        logits = np.zeros(n, np.float32)
+        params.update(top_k=40)
+        want = "whole"
+    elif case == "top_k past the cap":
+        params.update(top_k=CAND_CAP + 500)
+        want = "whole"
+    elif case == "flat top_p":                  # most of the vocabulary kept: the radix select with mass over all
+        logits = rng.standard_normal(n).astype(np.float32)
+        params.update(top_p=0.9)
+        want = "whole"
+    elif case == "top_p alone":                 # the mass bound picks the bin
+        params.update(top_p=0.5)
+        want = "candidates"
+    elif case == "min_p and -inf":
+        logits[rng.random(n) < 0.5] = -np.inf
+        params.update(min_p=0.02, top_p=0.9)
+        want = "candidates"
+    else:                                       # top_p 0 keeps the top key only
+        params.update(top_p=0.0)
+        want = "candidates"
+    s = Sampler(params)
+    r = Run(kern, n)
+    try:
+        tok, err = r.pick(s, logits)
+        st = r.gs.read_state()
+        work = r.gs.work.get()
+        kept = kept_from_state(work, st)
+        np.testing.assert_array_equal(kept, order_filter(work, s.top_k, s.top_p, s.min_p))
+        # the host's top_k keeps arbitrary ids among ties, the kernels the lowest (test_ties_keep_the_lowest_ids)
+        probs = kept / kept.sum() if case == "one bin" else s.probabilities(logits)
+        assert err == 0 and tok == reference_draw(probs, st["u"])
+        nc = check_candidates(r, s, work, st)
+        assert (nc >= 0) == (want == "candidates")
+        if case == "top_p 0":
+            assert nc >= 1 and kept.sum() == 1 and tok == int(np.argmax(logits))
     finally:
         r.close()
 

@@ -8,6 +8,7 @@
 #     prefill-bench  bench/prefill.py at 1K and 4K prompts, all resident and 12 GiB
 #     prefill-long   bench/prefill.py at 8K and 32K
 #     gemm           bench/moe_gemm.py at 1K, 4K and 8K tokens
+#     sampler        bench/sampler.py: the GPU sampler's cost a pick per sampling chain (~30 s)
 # On the device machine run it on a snapshot of the committed tree, so helpers' uncommitted edits never travel:
 #   here:   echo /.snap/ >> .git/info/exclude; rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap
 #   there:  (carry .whl, .snap, .fixtures) cd .snap && ln -s ../.fixtures .fixtures && OUT=$OUT bash tools/gpu_suite.sh
@@ -58,6 +59,8 @@ for what in "$@"; do
             --out "$LOG/prefill-long.json" ;;
     gemm)
         run gemm 120 python3 -m bench.moe_gemm --tokens 1024,4096,8192 ;;
+    sampler)
+        run sampler 120 python3 -m bench.sampler ;;
     *) echo "unknown part: $what"; status=2 ;;
     esac
 done
@@ -65,5 +68,6 @@ echo "==== summary ===="
 for f in "$LOG"/t-*.log "$LOG"/worker-cuda.log; do [[ -f $f ]] && echo "$(basename "$f" .log): $(tail -n 1 "$f")"; done
 for f in "$LOG"/bench.log "$LOG"/prefill*.log; do [[ -f $f ]] && sed -n "/^model /,\$p" "$f"; done
 for f in "$LOG"/gemm*.log; do [[ -f $f ]] && grep -E "^bench.moe_gemm|^\| [0-9]" "$f"; done
+[[ -f $LOG/sampler.log ]] && cat "$LOG/sampler.log"
 mkdir -p "$OUT" && tar -czf "$OUT/gpu-logs.tgz" -C "$LOG" .
 exit $status

@@ -12,6 +12,21 @@ window (a ring of the last penalty_last_n ids plus a count per vocabulary id) in
 kernel updates when it picks. Nothing that changes between requests or steps is a kernel argument, so the launches
 are captured in the decode step's graph.
 
+The kept set is found without sorting (cuda_src/sample.cu has the radix select). One block does it, since it is a
+chain of small decisions, and one block over the whole vocabulary costs ~30 us a pass: a typical chat request
+(top_k 40, top_p 0.95, min_p 0.05) took a dozen passes, ~0.45 ms a token (277.6 tok/s sampled against 320.9 greedy
+on the H200, all resident). So the multi-block kernels first narrow it down: sample_prep counts the keys in a
+histogram of their top 12 bits, sample_cut (one block, over 4096 bins) picks the lowest bin that the kept set can
+reach (from top_k's count, or top_p's mass bounded below by each bin's lowest value, and min_p's floor), and
+sample_gather marks the keys at or above it in a bitmap; sample_select copies those candidates (at most CAND_CAP)
+into shared memory in id order and selects from them. When the bins at and above the cut hold more than CAND_CAP
+keys (a large top_k, top_p over a flat distribution), it selects from the whole vocabulary, as before (~0.56 ms a
+pick: bench.sampler's flat top_p row; issuing each thread's loads four at a time there changed nothing, so it is not
+L2 latency; a guess, not measured: the first radix level's shared float atomics, where a flat distribution puts 150k
+keys into ~20 buckets); either way the kept set and the draw are the same. When nothing but min_p cuts the kept set (temperature alone keeps every key), the
+draw needs no select: sample_exp sums the tempered weights of each block's run of ids, and sample_select walks only
+the run the draw falls in. bench/sampler.py has the figures.
+
 Greedy without penalties keeps the step's own argmax (the fast path, its own graph); everything else goes through
 these kernels in a second graph variant of the same step (capture()): a mode word read by the kernels would put
 three launches (~8 us) into every greedy step as well.
@@ -25,9 +40,12 @@ import numpy as np
 
 from engine.sampling import SamplingError
 
-SAMPLE_GRID = 264          # blocks of sample_prep / sample_exp (cuda_src/sample.cu SAMPLE_GRID)
+SAMPLE_GRID = 264          # blocks of sample_prep / sample_exp / sample_gather (cuda_src/sample.cu SAMPLE_GRID)
 SELECT_THREADS = 1024      # sample_select's one block (SEL_THREADS)
-KERNELS = ("sample_prep", "sample_exp", "sample_select")
+CUT_THREADS = 1024         # sample_cut's one block (CUT_THREADS)
+HIST_BINS = 4096           # sample_prep's key histogram (HIST_BINS)
+CAND_CAP = 4096            # the most candidates sample_select takes instead of the vocabulary (CAND_CAP)
+KERNELS = ("sample_prep", "sample_exp", "sample_cut", "sample_gather", "sample_select")
 MASK64 = (1 << 64) - 1
 
 PARAMS_DTYPE = np.dtype({
@@ -36,9 +54,9 @@ PARAMS_DTYPE = np.dtype({
     "formats": ["<f8", "<f8", "<u8", "<f4", "<f4", "<f4", "<f4", "<i4", "<i4", "<i4", "<i4"],
     "offsets": [0, 8, 16, 24, 28, 32, 36, 40, 44, 48, 52], "itemsize": 56})
 STATE_DTYPE = np.dtype({
-    "names": ["maxword", "nan", "step", "ring_head", "ring_len", "u", "total", "zk", "bkey", "m", "pick"],
-    "formats": ["<u8", "<i4", "<u8", "<i4", "<i4", "<f8", "<f8", "<f8", "<u4", "<i4", "<i4"],
-    "offsets": [0, 8, 16, 24, 28, 32, 40, 48, 56, 60, 64], "itemsize": 72})
+    "names": ["maxword", "nan", "cut", "step", "ring_head", "ring_len", "u", "total", "zk", "bkey", "m", "pick", "nc"],
+    "formats": ["<u8", "<i4", "<u4", "<u8", "<i4", "<i4", "<f8", "<f8", "<f8", "<u4", "<i4", "<i4", "<i4"],
+    "offsets": [0, 8, 12, 16, 24, 28, 32, 40, 48, 56, 60, 64, 68], "itemsize": 72})
 ALL_TIES = 0x7FFFFFFF
 
 
@@ -100,6 +118,9 @@ class GpuSampler:
             self.pw = cp.zeros(self.n, dtype=cp.float64)
             self.qw = cp.zeros(self.n, dtype=cp.float64)
             self.zpart = cp.zeros(SAMPLE_GRID, dtype=cp.float64)
+            self.qpart = cp.zeros(SAMPLE_GRID, dtype=cp.float64)
+            self.hist = cp.zeros(HIST_BINS, dtype=cp.int32)
+            self.bitmap = cp.zeros((self.n + 31) // 32, dtype=cp.uint32)
         for name in KERNELS:            # loaded now: nothing is loaded mid-request or mid-capture
             kernels(name)
         self.active = False             # DecodeStep.enqueue_pick launches these kernels while True
@@ -166,12 +187,16 @@ class GpuSampler:
         """The pick from `logits` (float32, n_vocab) into the mapped int32[2] at out_dptr, on the current stream."""
         n = np.int32(self.n)
         p, s = self.params, self.state
-        cp.cuda.runtime.memsetAsync(s.data.ptr, 0, 16, cp.cuda.get_current_stream().ptr)    # maxword, nan
-        kernels("sample_prep")((SAMPLE_GRID,), (256,), (logits, n, p, self.counts, self.work, s))
-        kernels("sample_exp")((SAMPLE_GRID,), (256,), (self.work, n, p, s, self.pw, self.qw, self.zpart))
+        stream = cp.cuda.get_current_stream().ptr
+        cp.cuda.runtime.memsetAsync(s.data.ptr, 0, 16, stream)                  # maxword, nan, cut
+        cp.cuda.runtime.memsetAsync(self.hist.data.ptr, 0, self.hist.nbytes, stream)
+        kernels("sample_prep")((SAMPLE_GRID,), (256,), (logits, n, p, self.counts, self.work, s, self.hist))
+        kernels("sample_exp")((SAMPLE_GRID,), (256,), (self.work, n, p, s, self.pw, self.qw, self.zpart, self.qpart))
+        kernels("sample_cut")((1,), (CUT_THREADS,), (self.hist, self.zpart, np.int32(SAMPLE_GRID), n, p, s))
+        kernels("sample_gather")((SAMPLE_GRID,), (256,), (self.work, n, s, self.bitmap))
         kernels("sample_select")((1,), (SELECT_THREADS,),
-                                 (self.work, self.pw, self.qw, self.zpart, np.int32(SAMPLE_GRID), n, p, s,
-                                  self.counts, self.ring, np.uint64(out_dptr)))
+                                 (self.work, self.pw, self.qw, self.zpart, self.qpart, np.int32(SAMPLE_GRID), n, p,
+                                  s, self.counts, self.ring, self.bitmap, np.uint64(out_dptr)))
 
     def capture(self, step) -> None:
         """The step's sampled variant: its graph captured with enqueue_pick() routed here; the greedy graph stays."""
@@ -205,3 +230,4 @@ class GpuSampler:
     def close(self) -> None:
         self.graph = self.graph_of = self.owner = None
         self.params = self.state = self.counts = self.ring = self.work = self.pw = self.qw = self.zpart = None
+        self.hist = self.bitmap = self.qpart = None
