@@ -124,12 +124,9 @@ def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
 
 
 def test_predict_shared_memory_is_the_decode_staging():
-    """predict stages x with common.cuh stage_x, so its shared memory is decode.staged_bytes (Q4_K's padding)."""
+    """predict stages x with common.cuh stage_x (kernels.staged_bytes: 68 bytes per 16 floats), so the widest model
+    it serves is the one whose staged x fills SMEM_MAX."""
     pytest.importorskip("cupy")
-    from engine.cuda.kernels import SMEM_DEFAULT, SMEM_MAX, staged_bytes
-    for n in (256, 768, 2048, 4608, 7168):
-        assert pf.staged_bytes(n) == staged_bytes(n)
-    assert (pf.SMEM_DEFAULT, pf.SMEM_MAX) == (SMEM_DEFAULT, SMEM_MAX)
     widest = pf.SMEM_MAX * 16 // 68
     assert pf.unsupported(_fake_step(0, 1, n_embd=widest - widest % 64).cfg, _fake_step(0, 1).layout) is None
     assert pf.unsupported(_fake_step(0, 1, n_embd=widest + 64).cfg, _fake_step(0, 1).layout)
