@@ -265,7 +265,10 @@ extern "C" __global__ void sample_exp(const float* __restrict__ work, int n, con
 //      of a distribution, the second when the bulk below holds little mass (a bin spans 12.5% of its values, so
 //      either bound alone is off by a factor of e^(v/8)). A 1e-9 margin covers the double sums' rounding (~1e-15);
 //    - neither: the min_p floor (0 without it: every key, so no candidates);
-//    and never below the min_p floor. nc = 0 when the bins at and above the cut hold at most CAND_CAP keys, else -1
+//    and never below the min_p floor, except with top_k and top_p together: top_p measures its mass within the
+//    top_k survivors, min_p's floor or not, so all of them must be candidates (a floor above the K-th key left
+//    fewer than K, and the mass of the missing ones unknown). nc = 0 when the bins at and above the cut hold at most
+//    CAND_CAP keys, else -1
 //    (sample_select then works on the whole vocabulary, as without candidates).
 extern "C" __global__ void __launch_bounds__(CUT_THREADS)
 sample_cut(const int* __restrict__ hist, const double* __restrict__ zpart, int nzpart, int n,
@@ -349,7 +352,7 @@ sample_cut(const int* __restrict__ hist, const double* __restrict__ zpart, int n
     }
     __syncthreads();
     unsigned int cut = s_best >= 0 ? (unsigned int)s_best << HIST_SHIFT : 0u;
-    if (cut < floor) cut = floor;
+    if (cut < floor && !(k_on && p_on)) cut = floor;
     const int cb = (int)(cut >> HIST_SHIFT);
     if (cb / PER == tid) s_bound = suf_c[cb % PER];
     __syncthreads();

@@ -150,7 +150,9 @@ def reference_cut(work, sampler, z) -> tuple[int, int]:
     else:
         reach = np.zeros(HIST_BINS, bool)
     bins = np.nonzero(reach & (hist > 0))[0]
-    cut = max(int(bins.max()) << 20 if len(bins) else 0, min_p_floor(sampler, vmax, kmax))
+    cut = int(bins.max()) << 20 if len(bins) else 0
+    if not (k_on and p_on):                     # top_p within top_k needs every top_k survivor, below min_p too
+        cut = max(cut, min_p_floor(sampler, vmax, kmax))
     return cut, (0 if suf_c[cut >> 20] <= CAND_CAP else -1)
 
 
@@ -313,7 +315,7 @@ def test_ties_keep_the_lowest_ids(kern, n):
 
 @gpu
 @pytest.mark.parametrize("case", ["one bin", "top_k past the cap", "flat top_p", "top_p alone", "min_p and -inf",
-                                  "top_p 0"])
+                                  "top_p 0", "min_p above the k-th"])
 def test_candidates_or_the_whole_vocabulary_pick_the_same(kern, case):
     n = 151936
     rng = np.random.default_rng(len(case))
@@ -337,8 +339,13 @@ def test_candidates_or_the_whole_vocabulary_pick_the_same(kern, case):
         logits[rng.random(n) < 0.5] = -np.inf
         params.update(min_p=0.02, top_p=0.9)
         want = "candidates"
-    else:                                       # top_p 0 keeps the top key only
+    elif case == "top_p 0":                     # top_p 0 keeps the top key only
         params.update(top_p=0.0)
+        want = "candidates"
+    else:   # ten keys within min_p's reach, top_k 40 reaching into the bulk, top_p (of the 40's mass) keeping fewer
+        logits = rng.standard_normal(n).astype(np.float32)
+        logits[rng.choice(n, 10, replace=False)] = 10 - 0.25 * np.arange(10)
+        params.update(top_k=40, top_p=0.5, min_p=0.05)
         want = "candidates"
     s = Sampler(params)
     r = Run(kern, n)
@@ -355,6 +362,8 @@ def test_candidates_or_the_whole_vocabulary_pick_the_same(kern, case):
         assert (nc >= 0) == (want == "candidates")
         if case == "top_p 0":
             assert nc >= 1 and kept.sum() == 1 and tok == int(np.argmax(logits))
+        if case == "min_p above the k-th":          # all 40 survivors were candidates; top_p, not min_p, bound
+            assert nc >= 40 and 1 <= kept.sum() < 10
     finally:
         r.close()
 
