@@ -121,8 +121,7 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 }
 
 // The total untempered mass from sample_exp's block sums, in one fixed order, so that sample_cut and sample_select
-// get the same bits: lane-strided, then the butterfly (every lane the same sum: a + b == b + a). A loop of one
-// thread over the 264 sums waited on L2 at every add: ~40 us.
+// get the same bits: lane-strided, then the butterfly (every lane the same sum: a + b == b + a).
 __device__ __forceinline__ double zpart_sum(const double* __restrict__ zpart, int nz) {
     double z = 0.0;
     for (int b = threadIdx.x & 31; b < nz; b += 32) z += zpart[b];
@@ -222,7 +221,7 @@ __device__ __forceinline__ unsigned int min_p_floor(const SampleParams& p, float
 //    [b chunk, b chunk + chunk), chunk = ceil(n / grid), so that qpart[b], its sum of qw over the keys at or above the
 //    min_p floor, is the tempered mass of one run of ids: when no top_k or top_p cuts the kept set, sample_select
 //    finds the run the draw falls in from these sums and walks only that run, instead of a pass over the vocabulary
-//    (~70 us). Grid: SAMPLE_GRID x 256.
+//    (bench.sampler, temperature alone: sample_select 76 -> 11 us). Grid: SAMPLE_GRID x 256.
 extern "C" __global__ void sample_exp(const float* __restrict__ work, int n, const SampleParams* __restrict__ P,
                                       const SampleState* __restrict__ S, double* __restrict__ pw,
                                       double* __restrict__ qw, double* __restrict__ zpart,
@@ -256,8 +255,8 @@ extern "C" __global__ void sample_exp(const float* __restrict__ work, int n, con
 }
 
 // 3. One block: the candidates, a set of keys >= cut that surely holds the kept set, so that sample_select works on
-//    them instead of the vocabulary (one block over 150k ids costs ~30 us a pass; top_k and top_p cost a dozen
-//    passes). From the histogram alone, per bin b (lo_b and hi_b its lowest and highest values):
+//    them instead of the vocabulary (where a pick with top_k or top_p took 0.5-0.64 ms in bench.sampler). From the
+//    histogram alone, per bin b (lo_b and hi_b its lowest and highest values):
 //    - top_k on: the highest non-empty bin whose suffix count (bins >= b) reaches K: the top K keys are >= lo_b;
 //    - top_p alone: the highest non-empty bin from which the kept prefix surely reaches top_p x Z: either the
 //      suffix's mass bounded below (count x exp(lo_b - vmax), each key's pw at least that) reaches it, or Z less the
@@ -419,8 +418,8 @@ __device__ void select_prefix(const float* __restrict__ work, const double* __re
         }
         __syncthreads();
         // The first bucket from the top where the count (or the mass) reaches: suffix sums over the buckets, block-
-        // wide (thread t holds buckets [per t, per t + per)), and the highest bucket that reaches. (Warp 0 walking
-        // down 32 buckets at a time took up to 64 rounds of shuffles a level: ~40 us of a top_k + top_p pick.)
+        // wide (thread t holds buckets [per t, per t + per)), and the highest bucket that reaches, instead of warp 0
+        // walking down 32 buckets at a time (up to 64 rounds of shuffles a level).
         const int per = (nb + (int)blockDim.x - 1) / (int)blockDim.x;
         long long tcnt = 0;
         double tmass = 0.0;
@@ -467,9 +466,8 @@ __device__ void select_prefix(const float* __restrict__ work, const double* __re
         }
         __syncthreads();
         if (use_mass) {
-            // Check the bucket with exact sums; move it while rounding put it on the wrong side.
-            // (the bucket searches below run over the whole block: one thread's walk over 2048 shared counters
-            // costs ~30 us)
+            // Check the bucket with exact sums; move it while rounding put it on the wrong side. (The searches for
+            // the nearest non-empty buckets run over the whole block, not one thread walking 2048 counters.)
             if (tid == 0) { sh.go = 1; sh.up = nb; }
             __syncthreads();
             if (sh.bstar < 0) {                       // start from the lowest non-empty bucket
@@ -574,8 +572,8 @@ __device__ __forceinline__ bool kept_at(const float* work, const int* ids, int j
 // 5. One block of SEL_THREADS: the kept set, the draw, the window update; out_host[0] = id, out_host[1] = NaN count
 //    (-1: every logit is -inf). One block because the select is a chain of small dependent decisions; a grid-wide
 //    chain would cost a launch (2-3 us) per decision. It works on sample_cut's candidates when there are any (copied
-//    in id order from the bitmap into shared memory), else on the whole vocabulary: then every pass reads ~1 MB of
-//    pw/work from L2 with one SM's loads in flight, ~30 us each.
+//    in id order from the bitmap into shared memory), else on the whole vocabulary (0.5-0.6 ms with top_k or top_p
+//    in bench.sampler).
 extern "C" __global__ void __launch_bounds__(SEL_THREADS)
 sample_select(const float* __restrict__ work, const double* __restrict__ pw, const double* __restrict__ qw,
               const double* __restrict__ zpart, const double* __restrict__ qpart, int nzpart, int n,
