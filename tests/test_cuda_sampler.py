@@ -168,6 +168,40 @@ def check_candidates(r, sampler, work, st) -> int:
     return int(st["nc"])
 
 
+def test_the_cut_holds_every_kept_key():
+    """sample_cut's guarantee, on its NumPy mirror (the GPU tests hold the kernel to the mirror bit for bit): the keys
+    at or above the cut include the whole kept set, for peaked, flat, tied and -inf-laden logits under every kind of
+    chain, min_p above the top_k-th key included. CPU only."""
+    rng = np.random.default_rng(7)
+    n = 20000
+    checked = 0
+    for trial in range(300):
+        kind = trial % 4
+        x = lm_logits(rng, n) if kind == 0 else rng.standard_normal(n).astype(np.float32) * rng.uniform(0.2, 4)
+        if kind == 2:
+            x = np.round(x * 2) / 2                              # ties everywhere
+        if kind == 3:
+            x[rng.random(n) < 0.3] = -np.inf
+            x[rng.choice(n, 5, replace=False)] = x.max() + rng.uniform(0, 3, 5).astype(np.float32)
+        params = {"temperature": 1.0, "seed": 1,
+                  "top_k": int(rng.choice([0, 1, 5, 40, 300, 5000])),
+                  "top_p": float(rng.choice([1.0, 1.0, 0.0, 0.3, 0.9, 0.99, 0.999999])),
+                  "min_p": float(rng.choice([0.0, 0.0, 0.01, 0.05, 0.5]))}
+        s = Sampler(params)
+        z = float(np.exp((x[np.isfinite(x)] - x.max()).astype(np.float64)).sum())
+        cut, mode = reference_cut(x, s, z)
+        if mode < 0:
+            continue
+        kept = order_filter(x, s.top_k, s.top_p, s.min_p)
+        inside = sortable(x) >= cut
+        assert not (kept & ~inside).any(), (trial, params, int(kept.sum()), int(inside.sum()))
+        assert inside.sum() <= CAND_CAP
+        if 0 < s.top_k < n and s.top_p < 1.0:                  # every top_k survivor, for top_p's mass
+            assert inside.sum() >= s.top_k
+        checked += 1
+    assert checked > 150, checked                               # most chains run from candidates
+
+
 def kept_from_state(work, st) -> np.ndarray:
     """The kept set the kernels chose: key > bkey, or key == bkey among the first m such ids."""
     k = sortable(work)
