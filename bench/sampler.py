@@ -28,6 +28,10 @@ CHAINS = [
 def logits_like(kind: str, n: int, rng) -> np.ndarray:
     if kind == "peaked":      # a few large values over a wide low floor (tests/test_cuda_sampler.py lm_logits)
         return (rng.standard_normal(n) * 2 + np.where(rng.random(n) < 0.01, 8, 0)).astype(np.float32)
+    if kind == "broad":       # 6,000 plausible ids: top_p 0.9 keeps ~4,100 of them (5,100 candidates)
+        x = (rng.standard_normal(n) * 2).astype(np.float32)
+        x[rng.choice(n, 6000, replace=False)] = (8 + rng.standard_normal(6000)).astype(np.float32)
+        return x
     return rng.standard_normal(n).astype(np.float32)        # flat: top_p keeps a large share
 
 
@@ -90,9 +94,9 @@ def main(argv=None):
     print("| logits | chain | us a pick | selected from | " + " | ".join(f"+{k}" for k in KERNELS) + " |")
     print("| --- | --- | ---: | --- |" + " ---: |" * len(KERNELS))
     rng = np.random.default_rng(0)
-    for kind in ("peaked", "flat"):
+    for kind in ("peaked", "broad", "flat"):
         x = logits_like(kind, n, rng)
-        for name, params in CHAINS:
+        for name, params in (CHAINS if kind != "broad" else [c for c in CHAINS if "top_p" in c[1]]):
             us, nc = time_chain(cp, kern, x, params, a.reps)
             where = "?" if nc is None else ("the vocabulary" if nc < 0 else f"{nc} candidates")
             prev, adds = 0.0, []

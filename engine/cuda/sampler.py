@@ -44,7 +44,8 @@ SAMPLE_GRID = 264          # blocks of sample_prep / sample_exp / sample_gather 
 SELECT_THREADS = 1024      # sample_select's one block (SEL_THREADS)
 CUT_THREADS = 1024         # sample_cut's one block (CUT_THREADS)
 HIST_BINS = 4096           # sample_prep's key histogram (HIST_BINS)
-CAND_CAP = 4096            # the most candidates sample_select takes instead of the vocabulary (CAND_CAP)
+CAND_CAP = 8192            # the most candidates sample_select takes instead of the vocabulary (CAND_CAP), held in
+CAND_SMEM = 4 * CAND_CAP   # its dynamic shared memory (opted in: with its static 17 KB, past the default 48 KB)
 KERNELS = ("sample_prep", "sample_exp", "sample_cut", "sample_gather", "sample_select")
 MASK64 = (1 << 64) - 1
 
@@ -123,6 +124,9 @@ class GpuSampler:
             self.bitmap = cp.zeros((self.n + 31) // 32, dtype=cp.uint32)
         for name in KERNELS:            # loaded now: nothing is loaded mid-request or mid-capture
             kernels(name)
+        sel = kernels("sample_select")
+        if getattr(sel, "max_dynamic_shared_size_bytes", 0) < CAND_SMEM:
+            sel.max_dynamic_shared_size_bytes = CAND_SMEM
         self.active = False             # DecodeStep.enqueue_pick launches these kernels while True
         self.graph = None               # the step's sampled variant (capture())
         self.graph_of = None            # ... and the step it was captured from
@@ -196,7 +200,7 @@ class GpuSampler:
         kernels("sample_gather")((SAMPLE_GRID,), (256,), (self.work, n, s, self.bitmap))
         kernels("sample_select")((1,), (SELECT_THREADS,),
                                  (self.work, self.pw, self.qw, self.zpart, self.qpart, np.int32(SAMPLE_GRID), n, p,
-                                  s, self.counts, self.ring, self.bitmap, np.uint64(out_dptr)))
+                                  s, self.counts, self.ring, self.bitmap, np.uint64(out_dptr)), shared_mem=CAND_SMEM)
 
     def capture(self, step) -> None:
         """The step's sampled variant: its graph captured with enqueue_pick() routed here; the greedy graph stays."""
