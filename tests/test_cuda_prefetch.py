@@ -29,6 +29,9 @@ def test_wanted_follows_flag_unless_all_resident():
     assert pf.wanted("on", 16, 32)
     assert not pf.wanted("off", 16, 32)
     assert pf.wanted(None, 0, 32) == pf.DEFAULT_ON
+    # the default prefetches only below AUTO_MAX_SHARE of the experts in VRAM; a flag decides whatever the share
+    assert pf.wanted(None, 94, 100) == pf.DEFAULT_ON and not pf.wanted(None, 95, 100)
+    assert pf.wanted("on", 99, 100) and not pf.wanted("off", 50, 100)
 
 
 def test_prefetch_flag():
@@ -1040,10 +1043,18 @@ def test_prefetch_switch(cpu_runs):
     model = cpu_runs["tiny-qwen3moe-q4k"][0]
     total = model.config.n_layer * model.config.n_expert
     for slots, flag, on in [(total, "on", False), (total // 2, "off", False), (total // 2, "on", True),
-                            (total // 2, None, pf.DEFAULT_ON)]:
-        be = cuda_backend(model, expert_slots=slots, prefetch=flag)
+                            (total // 2, None, pf.DEFAULT_ON), (total - 1, None, False), (total - 1, "on", True)]:
+        lines = []
+        if flag is None:
+            from engine.cuda.backend import CUDABackend, CudaOptions
+            from test_cuda_backend import CTX
+            be = CUDABackend(model, CTX, CudaOptions(expert_slots=slots, prefill="batched"), log=lines.append)
+        else:
+            be = cuda_backend(model, expert_slots=slots, prefetch=flag)
         try:
             assert (be.step.prefetch is not None) == on
+            if slots == total - 1 and flag is None:   # 31 of 32 in VRAM: the default leaves it off, and says why
+                assert any("expert prefetch off" in ln and "--prefetch on overrides" in ln for ln in lines), lines
             assert be.info()["prefetch"] == ("on" if on else "off")
             assert (be.prefetch_stats() is not None) == on
         finally:

@@ -81,8 +81,8 @@ def add_cuda_args(parser) -> None:
                    help="decode tokens between rounds of the adaptive expert tier (default 32; 0 = off)")
     g.add_argument("--prefetch", choices=("on", "off"), default=None,
                    help="decode: predict each next layer's experts from the current layer's FFN input and copy the "
-                        "ones not in VRAM ahead of use, overlapping PCIe with compute (default: on when some experts "
-                        "do not fit in VRAM; never when all do)")
+                        "ones not in VRAM ahead of use, overlapping PCIe with compute (default: on while fewer than 95%% "
+                        "of the experts fit in VRAM; above that the few others are faster read in place)")
     g.add_argument("--prefetch-depth", type=int, choices=(1, 2), default=None, metavar="1|2",
                    help="decode prefetch: predict the next layer's experts (1) or the one after it (2, default: each "
                         "copy has two layers of compute to hide in, the guess is less accurate; 3 staging banks)")

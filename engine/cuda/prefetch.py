@@ -149,6 +149,12 @@ PREDICT_WARPS = 4          # router rows per predict block (one warp each), as t
 MAX_K = 16                 # cuda_src/prefetch.cu PF_MAX_K
 MAX_EXPERTS = 512          # cuda_src/prefetch.cu PF_MAX_EXPERTS
 DEFAULT_ON = True          # --prefetch's default when some experts have no VRAM slot (the lead sets it from the bench)
+# ... but only while the cache holds less than this share of the experts: the prefetch's fixed cost a layer (the
+# two-router launch, the miss copy's launch, the graph edges to its stream) outweighs the stalls it saves when nearly
+# every expert is in VRAM, and the few others are faster read in place. H200, bench.decode --prefetch both
+# (2026-11-30), share of the experts with a slot, tok/s with the prefetch on / off:
+#   14 GiB 85%: 241.6 / 213.4    15 GiB 92%: 263.3 / 255.3    16 GiB 98%: 284.6 / 309.5
+AUTO_MAX_SHARE = 0.95
 DEPTHS = (1, 2)            # --prefetch-depth: predict the next layer, or the one after it (module docstring)
 # H200, 12 GiB, late copy on (bench.decode --prefetch-depth both, three runs on 2026-11-29/30): depth 2 186.0, 186.1
 # and 188.0 tok/s against depth 1's 181.4, 181.3 and 183.5; the sampled variant at depth 2 passed its GPU test
@@ -171,11 +177,11 @@ def load_module(qtypes, defines=None):
 
 def wanted(flag: str | None, n_slots: int, n_total: int) -> bool:
     """Whether the decode step prefetches: never when every expert has a VRAM slot (nothing to fetch), else as the
-    --prefetch flag says (None: DEFAULT_ON)."""
+    --prefetch flag says (None: DEFAULT_ON below AUTO_MAX_SHARE of the experts in VRAM)."""
     if n_slots >= n_total:
         return False
     if flag is None:
-        return DEFAULT_ON
+        return DEFAULT_ON and n_slots < AUTO_MAX_SHARE * n_total
     return flag == "on"
 
 
@@ -200,6 +206,10 @@ def attach(step, flag: str | None, log, depth: int = DEFAULT_DEPTH,
     the kernels cannot serve: refused when the user asked for --prefetch on, else said in the log and left off."""
     c = step.cache
     if c is None or not wanted(flag, c.n_slots, c.n_total):
+        if c is not None and flag is None and DEFAULT_ON and c.n_slots < c.n_total:
+            log(f"expert prefetch off: {c.n_slots} of {c.n_total} experts ({c.n_slots / c.n_total:.0%}) are in VRAM, "
+                f"and the others are faster read in place (the default prefetches below {AUTO_MAX_SHARE:.0%}; "
+                f"--prefetch on overrides)")
         return None
     why = unsupported(step.cfg, step.layout)
     if why:
