@@ -67,6 +67,16 @@ struct SampleParams {                 // engine/cuda/sampler.py PARAMS_DTYPE mir
     int pad;
 };
 
+// Which filters are on: the one statement of their "off" values above, for every kernel that branches on them
+// (sample_prep's histogram, sample_cut, sample_exp's and sample_select's min_p floor, sample_select's paths).
+__device__ __forceinline__ bool top_k_on(const SampleParams& p, int n) { return p.top_k > 0 && p.top_k < n; }
+__device__ __forceinline__ bool top_p_on(const SampleParams& p) { return p.top_p < 1.0; }
+__device__ __forceinline__ bool min_p_on(const SampleParams& p) { return p.log_min_p > -1e300; }
+// A filter cuts the kept set (temperature alone keeps every key): sample_cut's cases.
+__device__ __forceinline__ bool filters_on(const SampleParams& p, int n) {
+    return top_k_on(p, n) || top_p_on(p) || min_p_on(p);
+}
+
 struct SampleState {                  // engine/cuda/sampler.py STATE_DTYPE mirrors this layout (72 bytes)
     unsigned long long maxword;       // argmax word of the penalized logits (cleared each step)
     int nan;                          // NaN logits seen this step (cleared each step)
@@ -166,8 +176,7 @@ sample_prep(const float* __restrict__ logits, int n, const SampleParams* __restr
     __shared__ int sh_hist[HIST_BINS];
     const int pen = P->penalties;
     // sample_cut's cases: a sampled pick with top_k, top_p or min_p (temperature alone keeps every key)
-    const bool want_hist = P->temp > 0.f && ((P->top_k > 0 && P->top_k < n) || P->top_p < 1.0 ||
-                                             P->log_min_p > -1e300);
+    const bool want_hist = P->temp > 0.f && filters_on(*P, n);
     const float rep = P->pen_repeat, freq = P->pen_freq, pres = P->pen_present;
     if (want_hist) {
         for (int b = threadIdx.x; b < HIST_BINS; b += blockDim.x) sh_hist[b] = 0;
@@ -213,7 +222,7 @@ sample_prep(const float* __restrict__ logits, int n, const SampleParams* __restr
 // The min_p floor: keep v >= vmax + log(min_p), compared in float64 (0: off). Never above the top key: min_p > 1
 // would keep nothing, so it keeps the top.
 __device__ __forceinline__ unsigned int min_p_floor(const SampleParams& p, float vmax, unsigned int kmax) {
-    if (!(p.log_min_p > -1e300)) return 0u;
+    if (!min_p_on(p)) return 0u;
     const unsigned int f = skey(__double2float_ru((double)vmax + p.log_min_p));
     return f > kmax ? kmax : f;
 }
@@ -285,9 +294,8 @@ sample_cut(const int* __restrict__ hist, const double* __restrict__ zpart, int n
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const SampleParams p = *P;
     const unsigned int kmax = (unsigned int)(S->maxword >> 32);
-    const bool k_on = p.top_k > 0 && p.top_k < n;
-    const bool p_on = p.top_p < 1.0;
-    if (p.temp <= 0.f || S->nan || kmax == skey(NEG_INF) || (!k_on && !p_on && !(p.log_min_p > -1e300))) {
+    const bool k_on = top_k_on(p, n), p_on = top_p_on(p);
+    if (p.temp <= 0.f || S->nan || kmax == skey(NEG_INF) || !filters_on(p, n)) {
         if (tid == 0) S->nc = -1;                      // greedy, a failing pick, or every key kept
         return;
     }
@@ -605,8 +613,7 @@ sample_select(const float* __restrict__ work, const double* __restrict__ pw, con
     const int* ids = nullptr;                     // positions are ids (null) or index the candidates
     int cnt = n;
     if (p.temp > 0.f) {
-        const bool k_on = p.top_k > 0 && p.top_k < n;
-        const bool p_on = p.top_p < 1.0;
+        const bool k_on = top_k_on(p, n), p_on = top_p_on(p);
         const long long K = k_on ? (long long)p.top_k : (long long)n + 1;
         const unsigned int floor = min_p_floor(p, vmax, kmax);
         if (warp == 0) {

@@ -10,6 +10,10 @@ from collections import deque
 import numpy as np
 import pytest
 
+import re
+from pathlib import Path
+
+from engine.cuda import sampler as sampler_mod
 from engine.cuda.sampler import (ALL_TIES, CAND_CAP, HIST_BINS, PARAMS_DTYPE, STATE_DTYPE, GpuSampler, pack_params,
                                  uniform, window_length, window_tokens)
 from engine.sampling import Sampler, SamplingError
@@ -38,6 +42,16 @@ def test_struct_layouts_match_the_kernel():
     assert STATE_DTYPE.fields["step"][1] == 16 and STATE_DTYPE.fields["bkey"][1] == 56
     assert STATE_DTYPE.fields["pick"][1] == 64 and STATE_DTYPE.fields["cut"][1] == 12
     assert STATE_DTYPE.fields["nc"][1] == 68
+
+
+def test_launch_constants_match_the_kernel_defines():
+    # the launches' grids, blocks and buffer sizes are Python constants; the kernels size shared memory, loops and
+    # __launch_bounds__ from the .cu defines: a change on one side only must fail here, not as a wrong pick
+    src = (Path(__file__).resolve().parent.parent / "cuda_src" / "sample.cu").read_text()
+    defines = {m[1]: int(m[2], 0) for m in re.finditer(r"^#define (\w+) (0x[0-9a-fA-F]+|\d+)\b", src, re.M)}
+    pairs = {"SAMPLE_GRID": "SAMPLE_GRID", "SAMPLE_THREADS": "SAMPLE_THREADS", "SELECT_THREADS": "SEL_THREADS",
+             "CUT_THREADS": "CUT_THREADS", "HIST_BINS": "HIST_BINS", "CAND_CAP": "CAND_CAP", "ALL_TIES": "ALL_TIES"}
+    assert {py: getattr(sampler_mod, py) for py in pairs} == {py: defines[cu] for py, cu in pairs.items()}
 
 
 def test_pack_params():

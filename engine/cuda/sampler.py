@@ -41,6 +41,7 @@ import numpy as np
 from engine.sampling import SamplingError
 
 SAMPLE_GRID = 264          # blocks of sample_prep / sample_exp / sample_gather (cuda_src/sample.cu SAMPLE_GRID)
+SAMPLE_THREADS = 256       # their block size (SAMPLE_THREADS: their __launch_bounds__)
 SELECT_THREADS = 1024      # sample_select's one block (SEL_THREADS)
 CUT_THREADS = 1024         # sample_cut's one block (CUT_THREADS)
 HIST_BINS = 4096           # sample_prep's key histogram (HIST_BINS)
@@ -194,10 +195,11 @@ class GpuSampler:
         stream = cp.cuda.get_current_stream().ptr
         cp.cuda.runtime.memsetAsync(s.data.ptr, 0, 16, stream)                  # maxword, nan, cut
         cp.cuda.runtime.memsetAsync(self.hist.data.ptr, 0, self.hist.nbytes, stream)
-        kernels("sample_prep")((SAMPLE_GRID,), (256,), (logits, n, p, self.counts, self.work, s, self.hist))
-        kernels("sample_exp")((SAMPLE_GRID,), (256,), (self.work, n, p, s, self.pw, self.qw, self.zpart, self.qpart))
+        grid, block = (SAMPLE_GRID,), (SAMPLE_THREADS,)
+        kernels("sample_prep")(grid, block, (logits, n, p, self.counts, self.work, s, self.hist))
+        kernels("sample_exp")(grid, block, (self.work, n, p, s, self.pw, self.qw, self.zpart, self.qpart))
         kernels("sample_cut")((1,), (CUT_THREADS,), (self.hist, self.zpart, np.int32(SAMPLE_GRID), n, p, s))
-        kernels("sample_gather")((SAMPLE_GRID,), (256,), (self.work, n, s, self.bitmap))
+        kernels("sample_gather")(grid, block, (self.work, n, s, self.bitmap))
         kernels("sample_select")((1,), (SELECT_THREADS,),
                                  (self.work, self.pw, self.qw, self.zpart, self.qpart, np.int32(SAMPLE_GRID), n, p,
                                   s, self.counts, self.ring, self.bitmap, np.uint64(out_dptr)), shared_mem=CAND_SMEM)
