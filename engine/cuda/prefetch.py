@@ -274,6 +274,9 @@ class Prefetcher:
 
     depth = DEFAULT_DEPTH          # the instance's --prefetch-depth (set in __init__)
     fetch_misses = DEFAULT_FETCH_MISSES
+    # bench.prefetch_oracle only: where the graph's predictions go instead of pred (a graph captured so leaves pred to
+    # the bench, which writes each step's actual routing there: the step a better predictor would give)
+    pred_sink = None
 
     def __init__(self, step, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES):
         import cupy as cp
@@ -342,6 +345,10 @@ class Prefetcher:
     def _ptr(self, a, off_bytes: int = 0):
         return np.uint64(a.data.ptr + off_bytes)
 
+    def _pred_out(self, m: int):
+        """Where the prediction for layer m is written: pred[m], or the bench's sink (pred_sink)."""
+        return self._ptr(self.pred if self.pred_sink is None else self.pred_sink, 4 * self.k * m)
+
     # --- the launches ------------------------------------------------------------------------------------------
     def targets(self, li: int) -> list[int]:
         """The layers whose experts layer li predicts (and starts copying): depth 1, li+1; depth 2, li+2, and at
@@ -387,7 +394,7 @@ class Prefetcher:
              self._ptr(cache.table, 8 * li * self.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),
              self._ptr(cache.counts, 4 * li * self.n_expert), self._ptr(cache.stats),
              U64(R2.ptr), I64(R2.row_bytes), self._ptr(nxt.ffn_norm), self._ptr(self.logits),
-             self._ptr(self.pred, 4 * k * m),
+             self._pred_out(m),
              self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
              self._note_stats(li), self._ptr(self.counters)),
             shared_mem=self.smem)
@@ -459,7 +466,7 @@ class Prefetcher:
         self.f_predict[int(R.qt)](
             ((self.n_expert + warps - 1) // warps,), (32 * warps,),
             (self._ptr(st.x), self._ptr(nxt.ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(R.ptr), I64(R.row_bytes),
-             I32(self.n_expert), I32(k), self._ptr(self.logits), self._ptr(self.pred, 4 * k * m),
+             I32(self.n_expert), I32(k), self._ptr(self.logits), self._pred_out(m),
              self._ptr(st.ids), self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 and note else 0),
              self._ptr(self.actual, 4 * k * li), self._note_stats(li), self._ptr(self.counters)),
             shared_mem=self.smem)

@@ -1,0 +1,207 @@
+"""What a better expert prediction would give the decode prefetch: each step replayed with its copies fed the step's
+own routing, all of it or a share of what the prediction missed.
+
+    python -m bench.prefetch_oracle [--model M] [--budget 12] [--prompt 512] [--new 256] [--upgrade 0,0.5,1]
+
+Issue 4's third target, 70% of the PCIe-bound ceiling at 12 GiB, asks how much of the step the link's useful bytes
+fill. Two things stand between: the prediction (late bytes wait on the critical path, wrong guesses take link time)
+and the overlap (the link idles while the next prediction is not yet made). This bench takes the first away and
+measures what is left.
+
+Every decode step runs twice at the same position. First the real graph (as bench.decode: the router launches
+predict, the copies follow). Then, per --upgrade q, a graph captured with the predictions written to a sink
+(Prefetcher.pred_sink), so the copies read `pred` as the bench filled it between the runs: each layer's prediction
+from the real run with each wrong guess replaced, with probability q, by a routed expert the guess missed. q = 0 is
+the real prediction again (the method's control: its row must match the real one); q = 1 a perfect predictor (layer
+0 still copies late: nothing predicts it). Every replay computes the same token (checked) and writes the same KV.
+
+Per row: the step's GPU time (CUDA events around the graph launch: no host time, so the real row runs a little
+faster than bench.decode's wall clock), the prediction accuracy the step's own counters saw, MB a token staged, of
+them wasted, and copied late, and the ratio to the PCIe-bound ceiling at the real steps' hit rate (missed bytes /
+51 GB/s, as bench.decode). The adaptive tier counts every replay's routing (the same routing 1 + len(q) times, so
+its order is the real one's) and adapts every --adapt-every real steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.decode import DEFAULT_MODEL, PCIE_BPS, make_model, run_pass
+
+
+def upgrade(pred: np.ndarray, actual: np.ndarray, q: float, rng, first: int = 1) -> np.ndarray:
+    """pred (n_layer x k ids) with each guess not in the layer's actual routing replaced, with probability q, by a
+    routed expert the guess missed (in order); layers before `first` (no prediction) are left as they are."""
+    out = np.array(pred, dtype=np.int32, copy=True)
+    for m in range(first, out.shape[0]):
+        a = actual[m].tolist()
+        p = out[m]
+        wrong = [j for j in range(len(p)) if int(p[j]) not in a]
+        missed = [e for e in a if e not in p.tolist()]
+        for j, e in zip(wrong, missed):
+            if rng.random() < q:
+                p[j] = e
+    return out
+
+
+class _Tally:
+    """One row's sums: GPU milliseconds, steps, and the step counters' deltas."""
+
+    def __init__(self):
+        self.ms, self.steps, self.hits, self.lookups = 0.0, 0, 0, 0
+        self.pf = np.zeros(7, dtype=np.int64)
+        self.mismatches = 0
+
+
+def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 0, adapt_every: int = 32) -> dict:
+    """Decode n_new tokens greedily after the prompt, each step as the real graph and then once per q as the oracle
+    graph (module docstring); the rows by name ('real', 'q=...')."""
+    import cupy as cp
+    from engine.sampling import Sampler
+
+    step, pf = be.step, be.step.prefetch
+    if pf is None:
+        raise SystemExit("bench.prefetch_oracle: the decode step does not prefetch here (every expert has a VRAM "
+                         "slot, or --prefetch off): use a smaller --budget")
+    if be.mem:
+        raise SystemExit("bench.prefetch_oracle: the memory modes decode layer by layer, not in the one graph")
+    s = be.stream
+    # the oracle graph: its router launches write their predictions to the sink, so pred is ours
+    pf.pred_sink = cp.zeros_like(pf.pred)
+    try:
+        step.capture()
+        oracle = step.graph
+    finally:
+        pf.pred_sink = None
+    step.capture()
+    real = step.graph
+    k, n_layer = pf.k, pf.n_layer
+    rng = np.random.default_rng(seed)
+    rows = {"real": _Tally(), **{f"q={q:g}": _Tally() for q in qs}}
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+
+    def counters():
+        hits, lookups = be.cache.read_stats(s)
+        with s:
+            c = pf.stats.get(stream=s).astype(np.int64)
+        return hits, lookups, c
+
+    def replay(graph, tok: int, pos: int, row: _Tally) -> int:
+        h0, l0, c0 = counters()
+        step.params.view[0], step.params.view[1] = tok, pos
+        a.record(s)
+        graph.launch(s)
+        b.record(s)
+        b.synchronize()
+        out, nan = step.result()
+        if nan:
+            raise SystemExit("bench.prefetch_oracle: the model produced NaN logits")
+        h1, l1, c1 = counters()
+        row.ms += cp.cuda.get_elapsed_time(a, b)
+        row.steps += 1
+        row.hits += h1 - h0
+        row.lookups += l1 - l0
+        row.pf += c1 - c0
+        return out
+
+    be.truncate(0)
+    tok = be.next_token(prompt, Sampler({}))
+    since_adapt = 0
+    for _ in range(n_new - 1):
+        pos = be.n_cached
+        be.cache.poll(s)
+        nxt = replay(real, tok, pos, rows["real"])
+        with s:
+            actual = pf.actual.get(stream=s).reshape(n_layer, k)
+            pred = pf.pred.get(stream=s).reshape(n_layer, k)
+        for q in qs:
+            with s:
+                pf.pred.set(upgrade(pred, actual, q, rng).reshape(-1), stream=s)
+            row = rows[f"q={q:g}"]
+            if replay(oracle, tok, pos, row) != nxt:
+                row.mismatches += 1
+        be.n_cached += 1
+        since_adapt += 1
+        if adapt_every and since_adapt >= adapt_every:
+            since_adapt = 0
+            be.cache.adapt(s)
+        tok = nxt
+    step.graph = real
+    return rows
+
+
+def summarize(rows: dict, blob: int) -> list[dict]:
+    """The table's rows: tok/s from the GPU time, the accuracy the counters saw, MB a token, the ratio to the PCIe
+    ceiling at the real rows' hit rate."""
+    from engine.cuda.prefetch import PrefetchStats
+    base = rows["real"]
+    miss = (base.lookups - base.hits) * blob / max(base.steps, 1)
+    ceiling = PCIE_BPS / miss if miss else float("inf")
+    out = []
+    for name, r in rows.items():
+        ps = PrefetchStats.from_counters(r.pf)
+        tps = 1000.0 * r.steps / r.ms if r.ms else 0.0
+        acc_n, acc_d = ps.correct + ps.correct2, ps.predicted + ps.predicted2
+        link = (r.lookups - r.hits) * blob / max(r.steps, 1) + (ps.staged - ps.used) * blob / max(r.steps, 1)
+        out.append(dict(row=name, steps=r.steps, tok_s=round(tps, 1), step_ms=round(r.ms / max(r.steps, 1), 3),
+                        hit_rate=round(r.hits / max(r.lookups, 1), 4),
+                        pred_accuracy=round(acc_n / acc_d, 4) if acc_d else None,
+                        **{key: v for key, v in ps.summary(blob, r.steps).items()
+                           if key in ("prefetch_mb_per_token", "prefetch_wasted", "late_mb_per_token")},
+                        link_mb_per_token=round(link / 1e6, 2), of_pcie_ceiling=round(tps / ceiling, 3),
+                        pcie_ceiling_tok_s=round(ceiling, 1), mismatches=r.mismatches))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--budget", type=float, default=12.0, help="VRAM budget, GiB")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--adapt-every", type=int, default=32)
+    ap.add_argument("--upgrade", default="0,0.5,1", help="shares q of the wrong guesses made right, comma-separated")
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args(argv)
+    qs = [float(q) for q in a.upgrade.split(",") if q.strip()]
+    if a.new < 2 or a.prompt < 1 or not all(0.0 <= q <= 1.0 for q in qs) or a.budget <= 0:
+        raise SystemExit("bench.prefetch_oracle: --prompt >= 1, --new >= 2, --budget > 0, --upgrade shares in [0, 1]")
+
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.gguf_model import open_model
+    if not a.model.is_file():
+        make_model(a.model)
+    model = open_model(a.model)
+    be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True,
+                                                               prefetch="on"))
+    try:
+        rng = np.random.default_rng(a.seed)
+        t0 = time.perf_counter()
+        # as bench.decode: the routing heat learned with everything resident, then a learning pass at the budget
+        be.resize_expert_cache(vram_budget_mib=None)
+        run_pass(be, rng, a.prompt, a.new)
+        slots = be.resize_expert_cache(vram_budget_mib=int(a.budget * 1024))
+        run_pass(be, rng, a.prompt, a.new)
+        print(f"bench.prefetch_oracle: {slots} of {be.cache.n_total} experts in VRAM, learned in "
+              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        prompt = rng.integers(0, model.config.n_vocab, size=a.prompt).tolist()
+        rows = summarize(oracle_pass(be, prompt, a.new, qs, a.seed, a.adapt_every), be.layout.nbytes)
+    finally:
+        be.close()
+    for r in rows:
+        print(f"bench.prefetch_oracle: {json.dumps(r)}", file=sys.stderr, flush=True)
+    cols = ("row", "tok_s", "pred_accuracy", "prefetch_mb_per_token", "prefetch_wasted", "late_mb_per_token",
+            "link_mb_per_token", "of_pcie_ceiling", "mismatches")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + " --- |" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
