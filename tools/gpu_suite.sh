@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one device-machine call; logs under $OUT (or ./gpu-out), a summary table last.
 #   bash tools/gpu_suite.sh [tests|bench|prefill-bench|worker|all ...]   (several at once; default: tests bench)
-#     tests          every `gpu`-marked test file, each in a process of its own (a kernel fault poisons the CUDA
-#                    context for the rest of a process, so one bad kernel cannot hide the other files' results)
+#     tests          every `gpu`-marked test file (test_cuda_*, and the benches' test_bench_*), each in a process of
+#                    its own (a kernel fault poisons the CUDA context for the rest of a process, so one bad kernel
+#                    cannot hide the other files' results)
 #     worker         the CPU worker-protocol suite run against the CUDA backend (~3 min)
 #     bench          bench/decode.py (makes the Qwen3-30B-A3B-shaped model on the device, ~15 s)
 #     prefill-bench  bench/prefill.py at 1K and 4K prompts, all resident and 12 GiB
@@ -41,7 +42,7 @@ PT="python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short"
 for what in "$@"; do
     case $what in
     tests)
-        for f in tests/test_cuda_*.py; do
+        for f in tests/test_cuda_*.py tests/test_bench_*.py; do
             [[ $f == tests/test_cuda_compile.py ]] && continue
             # GPU_SUITE_SKIP="quant kernels": files already verified at this commit's kernels, to save device time
             [[ " ${GPU_SUITE_SKIP:-} " == *" $(basename "$f" .py | sed 's/^test_cuda_//') "* ]] && continue
