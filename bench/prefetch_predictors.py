@@ -1,6 +1,6 @@
 """Expert-prediction variants for the decode prefetch, scored offline against the NumPy backend's own routing.
 
-    python -m bench.prefetch_predictors [--model M] [--prompt 128] [--new 192] [--cache 0.71,0.85]
+    python -m bench.prefetch_predictors [--model M] [--prompt 128] [--new 192] [--cache 0.71,0.85] [--fit-lambda L,..]
 
 engine/cuda/prefetch.py predicts layer m's experts from layer m-2's FFN input (depth 2) and copies the predicted
 experts that have no VRAM slot; the routed experts it missed are copied late, on the critical path. Which predictor
@@ -14,6 +14,11 @@ in the cache) and the share of them never routed.
 The default model is bench.decode's Qwen3-30B-A3B shape cut to 12 layers (made here with tools/make_moe.py when it
 is not there: 4.6 GB), since the NumPy backend decodes the 48-layer one at ~15 s a token on two cores (this one ~4 s).
 Only routers on blk.N.ffn_gate_inp.weight with plain top-k (qwen3moe, mixtral) are scored.
+
+--fit-lambda adds learned predictors: per layer, a matrix of the router's shape fitted (ridge, toward the engine's
+predictor) to map the prompt's FFN inputs two layers back to the router logits they led to, scored on the decoded
+rows like the rest. It would cost the step nothing (the same kernel, other rows); on this synthetic model it gains
+nothing either (the note of the commit that added it has the figures).
 """
 from __future__ import annotations
 
@@ -95,6 +100,31 @@ def score(pred: list[np.ndarray | None], ids: list[np.ndarray], resident: np.nda
                 wasted=wasted / max(copies, 1))
 
 
+def ridge_predictor(X: np.ndarray, Y: np.ndarray, M0: np.ndarray, lam: float) -> np.ndarray:
+    """M (experts x n_embd) minimising |X M^T - Y|^2 + lam |M - M0|^2: the engine's predictor M0 (a router's rows
+    scaled by the predicted layer's norm weights) corrected by the rows X (normed FFN inputs, no norm weights) and
+    the router logits Y they should have predicted."""
+    A = X.T @ X + lam * np.eye(X.shape[1])
+    return M0 + np.linalg.solve(A, X.T @ (Y - X @ M0.T)).T
+
+
+def fitted(P: list[np.ndarray], H: list[np.ndarray], R: list[np.ndarray], W: list[np.ndarray], k: int,
+           lams: list[float]):
+    """(name, pred per layer): depth 2 (layer 0 for layer 1) through a ridge_predictor fitted on the prompt's rows P
+    (normed FFN inputs, as H) for each lambda: whether a learned linear predictor, the same size and kernel as the
+    router, would beat the predicted layer's own router."""
+    L = len(H)
+    out = []
+    for lam in lams:
+        pred = [None]
+        for m in range(1, L):
+            src = max(m - 2, 0)
+            M = ridge_predictor(P[src] / W[src], P[m] @ R[m].T, R[m] * W[m], lam)
+            pred.append(topk((H[src] / W[src]) @ M.T, k))
+        out.append((f"depth 2, ridge-fitted on the prompt's rows (lambda {lam:g})", pred))
+    return out
+
+
 def variants(H: list[np.ndarray], R: list[np.ndarray], W: list[np.ndarray], prev_ids: list[np.ndarray], k: int,
              A: list[np.ndarray] | None = None, Wa: list[np.ndarray] | None = None):
     """(name, pred per layer) for the rows of H (H[l]: layer l's FFN inputs normed with its weights W[l]; R[m]: the
@@ -141,8 +171,12 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=192)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cache", default="0.71,0.85", help="shares of the experts held in VRAM, comma-separated")
+    ap.add_argument("--fit-lambda", default="",
+                    help="also score ridge-fitted predictors (fitted on the prompt's rows: give --prompt well above "
+                         "n_embd) for these lambdas, comma-separated")
     a = ap.parse_args(argv)
     shares = [float(s) for s in a.cache.split(",")]
+    lams = [float(s) for s in a.fit_lambda.split(",") if s.strip()]
     if a.new < 2 or a.prompt < 1 or not all(0.0 <= s <= 1.0 for s in shares):
         raise SystemExit("bench.prefetch_predictors: --prompt >= 1, --new >= 2, --cache shares in [0, 1]")
 
@@ -169,9 +203,11 @@ def main(argv=None):
     Wa = [model.dequant(f"blk.{li}.attn_norm.weight").astype(np.float64) for li in range(cfg.n_layer)]
     all_ids = [route(h @ r.T, k, cfg.expert_weights_norm)[0] for h, r in zip(H32, R32)]
     H = [h[1:].astype(np.float64) for h in H32]
+    P = [h[:a.prompt - 1].astype(np.float64) for h in ffn_in]     # the prompt's rows but its last: the fits' data
     ids, prev_ids = [i[1:] for i in all_ids], [i[:-1] for i in all_ids]
     print(f"model {a.model.name}: {cfg.n_layer} layers, {cfg.n_expert} experts, top-{k}; prompt {a.prompt}, "
           f"{a.new} decoded tokens scored")
+    fits = fitted(P, H, R, W, k, lams) if lams else []
     for share in shares:
         res = hottest(ids, cfg.n_expert, share)
         missed = sum(int((~res[m][a_]).sum()) for m, a_ in enumerate(ids)) / len(ids[0])
@@ -179,7 +215,7 @@ def main(argv=None):
               f"{missed:.2f} missed a token")
         print("| predictor | acc | late a token | copies a token | wasted |")
         print("| --- | ---: | ---: | ---: | ---: |")
-        for name, pred in variants(H, R, W, prev_ids, k, A, Wa):
+        for name, pred in variants(H, R, W, prev_ids, k, A, Wa) + fits:
             s = score(pred, ids, res)
             print(f"| {name} | {s['acc']:.3f} | {s['late']:.2f} | {s['copies']:.2f} | {s['wasted']:.2f} |")
 

@@ -55,3 +55,34 @@ def test_the_post_experts_variant_reads_the_attention_input_of_the_layer_between
     assert pred[0] is None
     for m in range(1, L):           # A[m-1] re-normed with layer m's FFN weights: scale 2/4, same ranking
         np.testing.assert_array_equal(pred[m], topk(A[m - 1] @ R[m].T, k))
+
+
+def test_ridge_predictor_recovers_a_linear_map_and_keeps_the_prior():
+    from bench.prefetch_predictors import ridge_predictor
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((400, 24))
+    M1, M0 = rng.standard_normal((6, 24)), rng.standard_normal((6, 24))
+    np.testing.assert_allclose(ridge_predictor(X, X @ M1.T, M0, 1e-9), M1, atol=1e-6)
+    np.testing.assert_allclose(ridge_predictor(X, X @ M1.T, M0, 1e12), M0, atol=1e-6)
+    mid = ridge_predictor(X, X @ M1.T, M0, 400.0)                 # between the two, nearer the data's map
+    assert np.abs(mid - M1).max() < np.abs(M0 - M1).max()
+    assert np.abs(mid - M0).max() > 0.1
+
+
+def test_fitted_variants_predict_every_layer_but_the_first():
+    from bench.prefetch_predictors import fitted
+    rng = np.random.default_rng(4)
+    L, E, D, k = 4, 16, 12, 3
+    R = [rng.standard_normal((E, D)) for _ in range(L)]
+    W = [1 + 0.05 * rng.standard_normal(D) for _ in range(L)]
+    P = [rng.standard_normal((60, D)) * w for w in W]
+    H = [rng.standard_normal((9, D)) * w for w in W]
+    out = fitted(P, H, R, W, k, [1.0, 1e12])
+    assert [name.endswith(f"(lambda {lam:g})") for (name, _), lam in zip(out, [1.0, 1e12])] == [True, True]
+    for _, pred in out:
+        assert pred[0] is None and all(p.shape == (9, k) for p in pred[1:])
+    # an infinite lambda is the engine's depth-2 predictor (layer 0's input for layer 1)
+    for m in range(1, L):
+        src = max(m - 2, 0)
+        want = np.argsort(-((H[src] / W[src] * W[m]) @ R[m].T), axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(out[1][1][m], want)

@@ -107,6 +107,14 @@ stay the prefetch's own. Profile kind "miss_copy": a replay of the miss copies a
 last real step (`actual`), but with no prefetch copy in that graph it also copies what they would have staged, so it
 over-counts; bench.decode_trace (the miss copy is the prefetch_copy on the main stream) has the real figure.
 
+What a better prediction would buy (bench.prefetch_oracle, H200, 12 GiB, 2026-11-30: each step replayed with the
+copies fed its own routing, GPU time): the real prediction (right 0.79 of the time) 197.7 tok/s, 0.60 of the PCIe
+ceiling; half its wrong guesses made right (0.89) 219.0, 0.67; a perfect one 240.2, 0.73, the step then 4.16 ms
+against 3.0 ms of link time for its missed bytes (the copies still start two layers ahead). On bench.decode's model
+no predictor from the hidden state has come near 0.95: the predicted layer's router on an earlier layer's input is
+the best measured (bench.prefetch_predictors), and a linear map fitted to the prompt's rows gains nothing over it
+(--fit-lambda).
+
 Cost (H200, Qwen3-30B-A3B shape at 12 GiB, the 01:20 run of the first version: 151.6 tok/s): predict was a launch
 of its own, 17 us a layer on the critical path (806 us a step). The per-kind profile's "prefetch" figure (6.77 ms
 for 47 copies, read as 26 GB/s) replayed the copies without predict while the predictions sat in two banks, so
