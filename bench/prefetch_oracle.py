@@ -114,7 +114,7 @@ def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 
     since_adapt = 0
     for _ in range(n_new - 1):
         pos = be.n_cached
-        be.cache.poll(s)
+        be.prepare_decode()          # as a real step: the prompt's lent slots back (streamed pass), swaps landed
         nxt = replay(real, tok, pos, rows["real"])
         with s:
             actual = pf.actual.get(stream=s).reshape(n_layer, k)

@@ -360,10 +360,7 @@ class CUDABackend(Backend):
     def _decode(self, token: int, gs: GpuSampler | None = None):
         """One step; gs: pick with the GPU sampler instead of the argmax."""
         self._room(1)
-        if self.cache is not None:
-            if self.opts.prefill == "streamed":     # the prompt is over: the ring's lent cache slots come back
-                self.prefill.give_back(self.stream)
-            self.cache.poll(self.stream)
+        self.prepare_decode()
         use_graph = not self.opts.no_graph
         if self.mem:        # layer by layer while some expert is only in the file
             self.mem.paged.launch(token, self.n_cached, use_graph=use_graph)
@@ -380,6 +377,14 @@ class CUDABackend(Backend):
         res = self.step.result()
         self._tick()
         return res
+
+    def prepare_decode(self):
+        """What a decode step needs first (_decode, and bench.prefetch_oracle's replays): the ring's lent cache slots
+        back once the prompt is over, and the adaptive tier's landed swaps in the table."""
+        if self.cache is not None:
+            if self.opts.prefill == "streamed":
+                self.prefill.give_back(self.stream)
+            self.cache.poll(self.stream)
 
     def _tick(self):
         if self.cache is None:

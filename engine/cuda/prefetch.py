@@ -108,9 +108,10 @@ last real step (`actual`), but with no prefetch copy in that graph it also copie
 over-counts; bench.decode_trace (the miss copy is the prefetch_copy on the main stream) has the real figure.
 
 What a better prediction would buy (bench.prefetch_oracle, H200, 12 GiB, 2026-11-30: each step replayed with the
-copies fed its own routing, GPU time): the real prediction (right 0.79 of the time) 197.7 tok/s, 0.60 of the PCIe
-ceiling; half its wrong guesses made right (0.89) 219.0, 0.67; a perfect one 240.2, 0.73, the step then 4.16 ms
-against 3.0 ms of link time for its missed bytes (the copies still start two layers ahead). On bench.decode's model
+copies fed its own routing, GPU time): the real prediction (right 0.79 of the time) 199.5 tok/s, 0.60 of the PCIe
+ceiling; half its wrong guesses made right (0.89) 220.1, 0.66; three quarters (0.95) 229.7, 0.69; a perfect one
+240.9, 0.72, the step then 4.15 ms against 2.9 ms of link time for its missed bytes (the copies still start two
+layers ahead). Issue 4's 70% needs a prediction right ~0.96 of the time. On bench.decode's model
 no predictor from the hidden state has come near 0.95: the predicted layer's router on an earlier layer's input is
 the best measured (bench.prefetch_predictors), and a linear map fitted to the prompt's rows gains nothing over it
 (--fit-lambda).
