@@ -19,7 +19,7 @@ Per row: the step's GPU time (CUDA events around the graph launch: no host time,
 faster than bench.decode's wall clock), the prediction accuracy the step's own counters saw, MB a token staged, of
 them wasted, and copied late, and the ratio to the PCIe-bound ceiling at the real steps' hit rate (missed bytes /
 51 GB/s, as bench.decode). The adaptive tier counts every replay's routing (the same routing 1 + len(q) times, so
-its order is the real one's) and adapts every --adapt-every real steps.
+its order is the real one's) and adapts every --adapt-every real steps (the backend's own count).
 """
 from __future__ import annotations
 
@@ -27,11 +27,13 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 import numpy as np
 
 from bench.decode import DEFAULT_MODEL, PCIE_BPS, make_model, run_pass
+from engine.cuda.prefetch import STATS, PrefetchStats
 
 
 def upgrade(pred: np.ndarray, actual: np.ndarray, q: float, rng, first: int = 1) -> np.ndarray:
@@ -54,13 +56,14 @@ class _Tally:
 
     def __init__(self):
         self.ms, self.steps, self.hits, self.lookups = 0.0, 0, 0, 0
-        self.pf = np.zeros(7, dtype=np.int64)
+        self.pf = np.zeros(STATS, dtype=np.int64)      # PrefetchStats' fields
         self.mismatches = 0
 
 
-def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 0, adapt_every: int = 32) -> dict:
+def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 0) -> dict:
     """Decode n_new tokens greedily after the prompt, each step as the real graph and then once per q as the oracle
-    graph (module docstring); the rows by name ('real', 'q=...')."""
+    graph (module docstring); the rows by name ('real', 'q=...'). The adaptive tier runs as the backend's options say,
+    counted in real steps."""
     import cupy as cp
     from engine.sampling import Sampler
 
@@ -86,10 +89,8 @@ def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 
     a, b = cp.cuda.Event(), cp.cuda.Event()
 
     def counters():
-        hits, lookups = be.cache.read_stats(s)
-        with s:
-            c = pf.stats.get(stream=s).astype(np.int64)
-        return hits, lookups, c
+        st = be.get_stats()
+        return st.hits, st.lookups, np.array(astuple(pf.read_stats()), dtype=np.int64)
 
     def replay(graph, tok: int, pos: int, row: _Tally) -> int:
         h0, l0, c0 = counters()
@@ -111,7 +112,6 @@ def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 
 
     be.truncate(0)
     tok = be.next_token(prompt, Sampler({}))
-    since_adapt = 0
     for _ in range(n_new - 1):
         pos = be.n_cached
         be.prepare_decode()          # as a real step: the prompt's lent slots back (streamed pass), swaps landed
@@ -125,11 +125,7 @@ def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 
             row = rows[f"q={q:g}"]
             if replay(oracle, tok, pos, row) != nxt:
                 row.mismatches += 1
-        be.n_cached += 1
-        since_adapt += 1
-        if adapt_every and since_adapt >= adapt_every:
-            since_adapt = 0
-            be.cache.adapt(s)
+        be.finish_decode()
         tok = nxt
     step.graph = real
     return rows
@@ -138,7 +134,6 @@ def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 
 def summarize(rows: dict, blob: int) -> list[dict]:
     """The table's rows: tok/s from the GPU time, the accuracy the counters saw, MB a token, the ratio to the PCIe
     ceiling at the real rows' hit rate."""
-    from engine.cuda.prefetch import PrefetchStats
     base = rows["real"]
     miss = (base.lookups - base.hits) * blob / max(base.steps, 1)
     ceiling = PCIE_BPS / miss if miss else float("inf")
@@ -190,7 +185,7 @@ def main(argv=None):
         print(f"bench.prefetch_oracle: {slots} of {be.cache.n_total} experts in VRAM, learned in "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         prompt = rng.integers(0, model.config.n_vocab, size=a.prompt).tolist()
-        rows = summarize(oracle_pass(be, prompt, a.new, qs, a.seed, a.adapt_every), be.layout.nbytes)
+        rows = summarize(oracle_pass(be, prompt, a.new, qs, a.seed), be.layout.nbytes)
     finally:
         be.close()
     for r in rows:

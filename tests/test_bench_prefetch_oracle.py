@@ -51,7 +51,7 @@ def test_oracle_replays_compute_the_real_tokens(cpu_runs):
     cfg = model.config
     be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch="on")
     try:
-        rows = oracle_pass(be, prompt, 24, [0.0, 1.0], adapt_every=4)
+        rows = oracle_pass(be, prompt, 24, [0.0, 1.0])
         np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
         out = {r["row"]: r for r in summarize(rows, be.layout.nbytes)}
     finally:

@@ -373,9 +373,8 @@ class CUDABackend(Backend):
             gs.launch(self.step, token, self.n_cached, use_graph=use_graph)
         else:
             self.step.launch(token, self.n_cached, use_graph=use_graph)
-        self.n_cached += 1
         res = self.step.result()
-        self._tick()
+        self.finish_decode()
         return res
 
     def prepare_decode(self):
@@ -385,6 +384,12 @@ class CUDABackend(Backend):
             if self.opts.prefill == "streamed":
                 self.prefill.give_back(self.stream)
             self.cache.poll(self.stream)
+
+    def finish_decode(self):
+        """What follows a decode step (_decode, and bench.prefetch_oracle's real steps): its token counted in the KV
+        cache, then the adaptive tier's round and the profile's save when due."""
+        self.n_cached += 1
+        self._tick()
 
     def _tick(self):
         if self.cache is None:
