@@ -100,29 +100,27 @@ def score(pred: list[np.ndarray | None], ids: list[np.ndarray], resident: np.nda
                 wasted=wasted / max(copies, 1))
 
 
-def ridge_predictor(X: np.ndarray, Y: np.ndarray, M0: np.ndarray, lam: float) -> np.ndarray:
-    """M (experts x n_embd) minimising |X M^T - Y|^2 + lam |M - M0|^2: the engine's predictor M0 (a router's rows
-    scaled by the predicted layer's norm weights) corrected by the rows X (normed FFN inputs, no norm weights) and
-    the router logits Y they should have predicted."""
-    A = X.T @ X + lam * np.eye(X.shape[1])
-    return M0 + np.linalg.solve(A, X.T @ (Y - X @ M0.T)).T
+def ridge_predictors(X: np.ndarray, Y: np.ndarray, M0: np.ndarray, lams: list[float]) -> list[np.ndarray]:
+    """Per lambda, M (experts x n_embd) minimising |X M^T - Y|^2 + lam |M - M0|^2: the engine's predictor M0 (a
+    router's rows scaled by the predicted layer's norm weights) corrected by the rows X (normed FFN inputs, no norm
+    weights) and the router logits Y they should have predicted. The Gram matrix is formed once for all lambdas."""
+    G, B = X.T @ X, X.T @ (Y - X @ M0.T)
+    eye = np.eye(X.shape[1])
+    return [M0 + np.linalg.solve(G + lam * eye, B).T for lam in lams]
 
 
 def fitted(P: list[np.ndarray], H: list[np.ndarray], R: list[np.ndarray], W: list[np.ndarray], k: int,
            lams: list[float]):
-    """(name, pred per layer): depth 2 (layer 0 for layer 1) through a ridge_predictor fitted on the prompt's rows P
+    """(name, pred per layer): depth 2 (layer 0 for layer 1) through ridge_predictors fitted on the prompt's rows P
     (normed FFN inputs, as H) for each lambda: whether a learned linear predictor, the same size and kernel as the
     router, would beat the predicted layer's own router."""
-    L = len(H)
-    out = []
-    for lam in lams:
-        pred = [None]
-        for m in range(1, L):
-            src = max(m - 2, 0)
-            M = ridge_predictor(P[src] / W[src], P[m] @ R[m].T, R[m] * W[m], lam)
-            pred.append(topk((H[src] / W[src]) @ M.T, k))
-        out.append((f"depth 2, ridge-fitted on the prompt's rows (lambda {lam:g})", pred))
-    return out
+    preds: list[list] = [[None] for _ in lams]
+    for m in range(1, len(H)):
+        src = max(m - 2, 0)
+        x = H[src] / W[src]
+        for pred, M in zip(preds, ridge_predictors(P[src] / W[src], P[m] @ R[m].T, R[m] * W[m], lams)):
+            pred.append(topk(x @ M.T, k))
+    return [(f"depth 2, ridge-fitted on the prompt's rows (lambda {lam:g})", pred) for lam, pred in zip(lams, preds)]
 
 
 def variants(H: list[np.ndarray], R: list[np.ndarray], W: list[np.ndarray], prev_ids: list[np.ndarray], k: int,

@@ -58,13 +58,14 @@ def test_the_post_experts_variant_reads_the_attention_input_of_the_layer_between
 
 
 def test_ridge_predictor_recovers_a_linear_map_and_keeps_the_prior():
-    from bench.prefetch_predictors import ridge_predictor
+    from bench.prefetch_predictors import ridge_predictors
     rng = np.random.default_rng(3)
     X = rng.standard_normal((400, 24))
     M1, M0 = rng.standard_normal((6, 24)), rng.standard_normal((6, 24))
-    np.testing.assert_allclose(ridge_predictor(X, X @ M1.T, M0, 1e-9), M1, atol=1e-6)
-    np.testing.assert_allclose(ridge_predictor(X, X @ M1.T, M0, 1e12), M0, atol=1e-6)
-    mid = ridge_predictor(X, X @ M1.T, M0, 400.0)                 # between the two, nearer the data's map
+    exact, prior, mid = ridge_predictors(X, X @ M1.T, M0, [1e-9, 1e12, 400.0])
+    np.testing.assert_allclose(exact, M1, atol=1e-6)
+    np.testing.assert_allclose(prior, M0, atol=1e-6)
+    # lambda 400: between the two, nearer the data's map
     assert np.abs(mid - M1).max() < np.abs(M0 - M1).max()
     assert np.abs(mid - M0).max() > 0.1
 
