@@ -215,7 +215,8 @@ def attach(step, flag: str | None, log, depth: int = DEFAULT_DEPTH,
     the kernels cannot serve: refused when the user asked for --prefetch on, else said in the log and left off."""
     c = step.cache
     if c is None or not wanted(flag, c.n_slots, c.n_total):
-        if c is not None and flag is None and DEFAULT_ON and c.n_slots < c.n_total:
+        # the default's share rule declined what --prefetch on would do: say so
+        if c is not None and flag is None and DEFAULT_ON and wanted("on", c.n_slots, c.n_total):
             log(f"expert prefetch off: {c.n_slots} of {c.n_total} experts ({c.n_slots / c.n_total:.0%}) are in VRAM, "
                 f"and the others are faster read in place (the default prefetches below {AUTO_MAX_SHARE:.0%}; "
                 f"--prefetch on overrides)")
