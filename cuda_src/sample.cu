@@ -141,6 +141,17 @@ __device__ __forceinline__ double zpart_sum(const double* __restrict__ zpart, in
     return warp_sum_d(z);
 }
 
+// In place, by one thread: a[w] becomes the sum of a[0..w) (the warps' offsets from their counts); returns the total.
+__device__ __forceinline__ int exclusive_offsets(int* a, int n) {
+    int acc = 0;
+    for (int w = 0; w < n; ++w) {
+        const int t = a[w];
+        a[w] = acc;
+        acc += t;
+    }
+    return acc;
+}
+
 // Fixed-order block sums (every thread gets the result): the same bits on every run.
 __device__ double block_sum_d(double v, double* buf) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -634,11 +645,7 @@ sample_select(const float* __restrict__ work, const double* __restrict__ pw, con
             }
             if (lane == 31) s_toff[warp] = incl;
             __syncthreads();
-            if (tid == 0) {
-                int acc = 0;
-                for (int w = 0; w < SEL_WARPS; ++w) { const int t = s_toff[w]; s_toff[w] = acc; acc += t; }
-                s_nc = acc;
-            }
+            if (tid == 0) s_nc = exclusive_offsets(s_toff, SEL_WARPS);
             __syncthreads();
             int pos = s_toff[warp] + incl - c;
             for (int w = w0; w < w1; ++w) {
@@ -736,10 +743,7 @@ sample_select(const float* __restrict__ work, const double* __restrict__ pw, con
                 }
                 if (lane == 0) s_toff[warp] = tc;
                 __syncthreads();
-                if (tid == 0) {
-                    int acc = 0;
-                    for (int w = 0; w < SEL_WARPS; ++w) { const int t = s_toff[w]; s_toff[w] = acc; acc += t; }
-                }
+                if (tid == 0) exclusive_offsets(s_toff, SEL_WARPS);
                 __syncthreads();
             }
             double acc = 0.0;
