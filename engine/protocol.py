@@ -40,6 +40,9 @@ GEN_KEYS: dict[str, tuple[type, object]] = {
     "penalty_last_n": (int, 64),
 }
 
+# Room kept free beyond prompt + max_new: a GEN whose prompt + max_new + CONTEXT_MARGIN exceeds the context is an ERR,
+# never a silent truncation. The server checks the same rule before it sends.
+CONTEXT_MARGIN = 8
 FINISH_REASONS = ("stop", "length", "cancel")
 
 

@@ -9,11 +9,9 @@ import threading
 import time
 
 from engine import protocol
-from engine.protocol import Done, GenRequest
+from engine.protocol import CONTEXT_MARGIN, Done, GenRequest
 from engine.sampling import Sampler
 
-# Room kept free beyond prompt + max_new (DESIGN §3: prompt + max_new + 8 > context is an ERR).
-CONTEXT_MARGIN = 8
 
 
 class RequestError(ValueError):

@@ -14,11 +14,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.protocol import GenRequest
+from engine.protocol import CONTEXT_MARGIN, GenRequest
 from server.text import TextCodec, TextStream
 from server.worker import Worker, WorkerDied, WorkerError
 
-CONTEXT_MARGIN = 8          # DESIGN §3: prompt + max_new + 8 must fit the context
 HISTORY_LEN = 500
 RATE_WINDOW_S = 2.0
 # DONE's counters, summed over a request's passes into its Result and over requests into the totals.

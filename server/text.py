@@ -1,13 +1,13 @@
 """Text on the server's side of the boundary: messages to prompt ids, generated ids back to text.
 
-The worker only sees ids. Here: the GGUF's chat template (engine/chat.py), its vocabulary (engine/tokenizer.py), the
-split of thinking from the answer (engine/reasoning.py), and stop strings, which act on decoded text.
+The worker only sees ids. Here: the GGUF's chat template (server/chat.py), its vocabulary (engine/tokenizer.py), the
+split of thinking from the answer (server/reasoning.py), and stop strings, which act on decoded text.
 """
 from __future__ import annotations
 
 import logging
 
-from engine.reasoning import earliest_marker, partial_marker_len
+from server.reasoning import earliest_marker, partial_marker_len
 
 log = logging.getLogger("strata.text")
 
@@ -41,7 +41,7 @@ class TextCodec:
         return self.tok.token_text(token_id) if token_id is not None and token_id >= 0 else ""
 
     def chat_prompt(self, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> tuple[list[int], str]:
-        from engine.chat import ChatTemplateError, render_chat
+        from server.chat import ChatTemplateError, render_chat
         bos = self._special_text(self.tok.bos_id) if getattr(self.tok, "add_bos", False) else ""
         eos = self._special_text(self.tok.eos_id)
         try:
@@ -71,7 +71,7 @@ class TextCodec:
 
     def tool_parser(self, tools, tool_choice=None):
         """A parser for the model's tool calls when the request offers tools (and does not say "none"); else None."""
-        from engine.tool_calls import ToolCallParser, format_for_template
+        from server.tool_calls import ToolCallParser, format_for_template
         if not tools or tool_choice == "none":
             return None
         fmt = format_for_template(self.template)
@@ -81,7 +81,7 @@ class TextCodec:
         return ToolCallParser(fmt, tools)
 
     def splitter(self, prompt_text: str):
-        from engine.reasoning import ReasoningSplitter
+        from server.reasoning import ReasoningSplitter
         return ReasoningSplitter.for_prompt(self.template, prompt_text)
 
 
@@ -89,7 +89,7 @@ class StopFilter:
     """Holds back text that could be the start of a stop string; cuts the text where the first stop string starts.
 
     The stop that wins is the one the whole text would give, however it arrives in pieces: the earliest start, and
-    at an equal start the longest (engine.reasoning.earliest_marker). So a stop found in the buffer is acted on only
+    at an equal start the longest (server.reasoning.earliest_marker). So a stop found in the buffer is acted on only
     once no other stop can still complete at or before its start ("Hu" waits while "Human:" may follow).
     """
 
@@ -140,7 +140,7 @@ class TextStream:
 
     @property
     def thinking(self) -> bool:
-        from engine.reasoning import REASONING
+        from server.reasoning import REASONING
         return self.splitter is not None and self.splitter.state == REASONING
 
     def feed_token(self, token_id: int) -> tuple[str, str]:

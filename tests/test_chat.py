@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from engine.chat import ChatTemplateError, render_chat
+from server.chat import ChatTemplateError, render_chat
 
 CONVERSATION = [
     {"role": "system", "content": "You are a concise assistant."},

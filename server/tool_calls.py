@@ -5,7 +5,7 @@ template text contains:
 - tags (Qwen2.5/Qwen3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, and in the same tags
   the XML of Qwen3-Coder/Qwen3.5: `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`.
 - harmony (gpt-oss): a commentary-channel message `to=functions.NAME ... <|message|>{json}<|call|>`. This parser sees
-  the content after engine/reasoning.py dropped the harmony framing, and `<|call|>` is an end-of-generation token
+  the content after server/reasoning.py dropped the harmony framing, and `<|call|>` is an end-of-generation token
   (never text), so a call may also end with the answer.
 - llama3 (Llama 3.1): `{"name": ..., "parameters": {...}}` as the whole answer (after `<|python_tag|>`, a control
   token that decodes to nothing, but is recognised when it does show).
@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.reasoning import earliest_marker, partial_marker_len
+from server.reasoning import earliest_marker, partial_marker_len
 
 log = logging.getLogger("strata.tools")
 
