@@ -143,9 +143,16 @@ CALIBRATE_FROM_INFO = ("gpu", "vram_total_mib", "vram_free_mib", "pcie_gbps", "h
                        "experts_total", "arena_mib")
 
 
-def run_calibration(backend, ctx: int, out, info: dict) -> int:
-    """--calibrate (setup/calibrate.py's contract): time a prompt pass and a greedy decode, print CALIBRATE lines
-    with those rates and the backend's measured facts, then exit without serving."""
+# Tokens decoded over the --calibrate-chats prompts: the settled speed came after ~1,500 tokens through the server at a
+# 12 GiB budget (issue 22: 46..192 tok/s over the first seven 256-token answers); a few hundred here fill the profile
+# with the routing of real text, so a restart's first answer starts near it.
+CALIBRATE_CHAT_TOKENS = 512
+
+
+def run_calibration(backend, ctx: int, out, info: dict, chats_path: str | None = None) -> int:
+    """--calibrate (setup/calibrate.py's contract): time a prompt pass and a greedy decode, then decode the typical
+    chats of --calibrate-chats (the adaptive tier learns from them; backend.close() saves the profile), print
+    CALIBRATE lines with the rates and the backend's measured facts, and exit without serving."""
     import shlex
 
     import numpy as np
@@ -181,11 +188,51 @@ def run_calibration(backend, ctx: int, out, info: dict) -> int:
     facts = {k: info[k] for k in CALIBRATE_FROM_INFO if k in info}
     facts.update(prompt_tok_s=round(prompt_tok_s, 1), decode_tok_s=round(decode_tok_s, 1),
                  calib_prompt_tokens=d.prompt_read, calib_decode_tokens=d.generated)
+    if "expert_slots" in info and "experts_total" in info:
+        facts["why"] = (f"{info['expert_slots']} of {info['experts_total']} experts fit in VRAM at context {ctx}; "
+                        f"decode prefetch {info.get('prefetch', 'off')}; token embedding in {info.get('embed', '?')}")
+    if chats_path:
+        try:
+            facts.update(decode_chats(session, backend, chats_path, ctx))
+        except Exception as e:
+            print(f"strata_worker: calibration failed while decoding the chats of {chats_path}: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            backend.close()
+            return 1
     out.emit("CALIBRATE " + " ".join(f"{k}={shlex.quote(_calib_value(v))}" for k, v in facts.items()))
     log(f"calibration: prompt {prompt_tok_s:.1f} tok/s ({d.prompt_read} tokens), decode {decode_tok_s:.1f} tok/s "
         f"({d.generated} tokens)")
     backend.close()
     return 0
+
+
+def decode_chats(session, backend, path: str, ctx: int) -> dict:
+    """Decode CALIBRATE_CHAT_TOKENS tokens in all over the prompts in `path`; the warm decode rate and hit rate."""
+    import json
+
+    from engine.protocol import CONTEXT_MARGIN, GenRequest
+
+    prompts = json.loads(open(path, encoding="utf-8").read())
+    if not (isinstance(prompts, list) and prompts and all(isinstance(p, list) and p for p in prompts)):
+        raise ValueError("expected a JSON list of non-empty lists of token ids")
+    per = max(1, CALIBRATE_CHAT_TOKENS // len(prompts))
+    generated = decode_ms = hits = lookups = 0
+    for prompt in prompts:
+        ids = [int(t) for t in prompt][-(ctx - per - CONTEXT_MARGIN):]
+        done = session.run(GenRequest(per, ids), lambda line: None)
+        if done is None:
+            raise RuntimeError("a chat was refused")
+        generated += done.generated - 1
+        decode_ms += done.decode_ms
+        hits, lookups = hits + done.hits, lookups + done.lookups
+        session.tokens = []
+        backend.truncate(0)
+    out = {"chat_decode_tokens": generated}
+    if decode_ms > 0:
+        out["chat_decode_tok_s"] = round(generated / (decode_ms / 1000.0), 1)
+    if lookups:
+        out["chat_hit_pct"] = round(100.0 * hits / lookups, 1)
+    return out
 
 
 def _calib_value(v) -> str:
@@ -244,8 +291,13 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     backend_name, reason_short, reason_long = choose_backend(args.backend)
+
+    def phase(name, done=None, gib=None, gib_s=None):
+        out.emit(protocol.format_phase(name, done, gib, gib_s))
+
     try:
         model = open_model(args.model)
+        phase("loading")    # after the header checks: a file refused at once leaves stdout empty
         cfg = model.config
         n_ctx_train = int(getattr(cfg, "n_ctx_train", 0) or 0)
         ctx = args.ctx if args.ctx is not None else min(n_ctx_train or 4096, 4096)
@@ -256,7 +308,7 @@ def main(argv=None) -> int:
             backend = CPUBackend(model, ctx)
         else:
             cuda, _ = _cuda_module()
-            backend = cuda.create_backend(model, ctx, args)
+            backend = cuda.create_backend(model, ctx, args, phase=phase)
     except ModelError as e:
         print(f"strata_worker: {e}", file=sys.stderr, flush=True)
         return 2
@@ -293,7 +345,8 @@ def main(argv=None) -> int:
     if extra:
         out.emit("INFO " + " ".join(f"{k}={_info_value(v)}" for k, v in extra.items()))
     if getattr(args, "calibrate", False):
-        return run_calibration(backend, ctx, out, extra)
+        return run_calibration(backend, ctx, out, extra, getattr(args, "calibrate_chats", None))
+    phase("ready")
     out.emit(f"READY {ctx} stop")
 
     # A private reader on a duplicate of fd 0: a daemon thread blocked on sys.stdin's own buffer would make the

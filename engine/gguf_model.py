@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 import gguf.quants
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+from engine.supported import SUPPORTED_ARCHS  # noqa: F401  (re-exported: engine.arch and the tests import it here)
+
 QTYPE_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "MXFP4")
 # An older gguf package may lack the newest types (MXFP4 came with gpt-oss): those are then refused by name.

@@ -4,6 +4,11 @@ One message per line, ASCII, fields separated by single spaces. Token ids, never
 
 Worker -> server:
     INFO key=value ...            any number, before READY and after
+    INFO phase=<p> [phase_*=...]  the start, narrated (each line also restarts the server's silence allowance):
+                                  loading (the model file is being opened, weights placed), arena (experts being
+                                  pinned: phase_done = share done 0..1, phase_gib = GiB in all, phase_gib_s = GiB/s),
+                                  cache (the VRAM expert cache filling: phase_gib; phase_done 0 then 1), ready
+                                  (just before READY). describe_phase() is how the server and the Monitor say it.
     READY <max_context> stop      once, when loaded
     RESUME <n>                    per request: prompt tokens reused from the cached prefix
     PP <pos> <prompt> <ms> <tps>  after every prompt chunk
@@ -189,6 +194,37 @@ def format_info(**kv) -> str:
             raise ProtocolError(f"INFO values may not hold spaces: {k}={text!r}")
         items.append(f"{k}={text}")
     return "INFO " + " ".join(items)
+
+
+PHASES = ("loading", "arena", "cache", "ready")
+
+
+def format_phase(phase: str, done: float | None = None, gib: float | None = None, gib_s: float | None = None) -> str:
+    if phase not in PHASES:
+        raise ProtocolError(f"unknown start phase {phase!r}: expected one of {', '.join(PHASES)}")
+    kv = {"phase": phase}
+    for key, v, digits in (("phase_done", done, 3), ("phase_gib", gib, 2), ("phase_gib_s", gib_s, 1)):
+        if v is not None:
+            kv[key] = f"{v:.{digits}f}"
+    return format_info(**kv)
+
+
+def describe_phase(info: dict[str, str]) -> str | None:
+    """The start's phase in words from the INFO keys gathered so far ("pinning experts: 45% of 16.0 GiB at 12.3
+    GiB/s"), or None before the first phase line."""
+    phase = info.get("phase")
+    if phase not in PHASES:
+        return None
+    done, gib, rate = info.get("phase_done"), info.get("phase_gib"), info.get("phase_gib_s")
+    if phase == "arena":
+        text = "pinning experts in RAM"
+        if done is not None:
+            text += f": {float(done):.0%}" + (f" of {float(gib):.1f} GiB" if gib else "")
+        return text + (f" at {float(rate):.1f} GiB/s" if rate else "")
+    if phase == "cache":
+        what = f" ({float(gib):.1f} GiB)" if gib else ""
+        return f"VRAM expert cache filled{what}" if done == "1.000" else f"filling the VRAM expert cache{what}"
+    return {"loading": "loading the model", "ready": "ready"}[phase]
 
 
 def parse_info(line: str) -> dict[str, str]:

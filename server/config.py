@@ -36,7 +36,7 @@ class ServerConfig:
     expert_profile_save_every: float | None = None   # minutes; None = the worker's default
     gpu: int | None = None
     gpus: list | None = None
-    layer_split: list | None = None
+    layer_split: list | None = None              # DESIGN §6; refused while the worker has no --layer-split
     idle_unload_s: float = 0.0                   # 0 = never unload
     sampling: dict = field(default_factory=dict)  # defaults for GEN keys (engine.protocol.GEN_KEYS)
     reasoning_budget_tokens: int | None = None   # None or -1 = unlimited
@@ -45,10 +45,11 @@ class ServerConfig:
         cmd = [str(c) for c in self.worker] + ["--model", str(self.model)] + [str(a) for a in self.args]
         if self.expert_profile_save:
             cmd += ["--expert-profile-save", str(self.expert_profile_save)]
+            # What the last QUIT saved is what this start fills the VRAM cache from (a flag in args wins).
+            if Path(self.expert_profile_save).is_file() and "--expert-profile" not in self.args:
+                cmd += ["--expert-profile", str(self.expert_profile_save)]
         if self.expert_profile_save_every is not None:
             cmd += ["--expert-profile-save-every", f"{self.expert_profile_save_every:g}"]
-        if self.layer_split:
-            cmd += ["--layer-split", ",".join(str(x) for x in self.layer_split)]
         return cmd
 
     def worker_env(self) -> dict[str, str]:
@@ -114,6 +115,9 @@ def validate(raw: dict, base_dir: Path | None = None) -> ServerConfig:
     for key in ("engine_silence_s", "idle_unload_s", "expert_profile_save_every"):
         if raw.get(key) is not None and raw[key] < 0:
             raise _bad(key, raw[key], _TYPES[key][1])
+    if raw.get("layer_split"):
+        raise ConfigError("config key 'layer_split': the worker has no layer split yet (it runs on one GPU, the one "
+                          "'gpu' names); set it to null")
     if "port" in raw and not 0 <= raw["port"] <= 65535:
         raise _bad("port", raw["port"], _TYPES["port"][1])
     for k, v in raw.get("sampling", {}).items():
@@ -142,6 +146,8 @@ def validate(raw: dict, base_dir: Path | None = None) -> ServerConfig:
     if not Path(cfg.cwd).is_dir():
         raise ConfigError(f"config key 'cwd': {cfg.cwd} is not a directory")
     cfg.log = resolve(cfg.log) if cfg.log else str(base / f"strata-{cfg.model_name}.log")
+    if cfg.expert_profile_save:
+        cfg.expert_profile_save = resolve(cfg.expert_profile_save)
     cfg.engine_silence_s = float(cfg.engine_silence_s)
     cfg.idle_unload_s = float(cfg.idle_unload_s)
     if cfg.reasoning_budget_tokens is not None and cfg.reasoning_budget_tokens < 0:

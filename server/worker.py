@@ -11,6 +11,7 @@ import queue
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -169,7 +170,11 @@ class Worker:
             line = raw.rstrip("\r\n")
             k = protocol.kind(line)
             if k == "INFO":
-                self.info.update(protocol.parse_info(line))
+                info = protocol.parse_info(line)
+                self.info.update(info)
+                if "phase" in info:    # the narrated start, in the server's own log
+                    print(f"strata: worker {proc.pid}: {protocol.describe_phase(self.info)}", file=sys.stderr,
+                          flush=True)
             elif k == "CACHE":
                 self.cache_line = line
             elif not k and line.strip():

@@ -1,7 +1,8 @@
 """Calibration: run the worker's `--calibrate` once on the GPU and keep what it measured and chose.
 
 THE CONTRACT with strata_worker.py (`python strata_worker.py --model M.gguf --backend cuda --calibrate
-[--ctx N] [--vram-reserve-mib N] [--vram-budget-mib N] [--mmap-experts | --resident-budget-gib N]`):
+[--ctx N] [--vram-reserve-mib N] [--vram-budget-mib N] [--mmap-experts | --resident-budget-gib N]
+[--calibrate-chats F --expert-profile-save P [--expert-profile P]]`):
 
 - The worker measures, prints, and exits 0. It does not wait for GEN lines: stdin is closed at once.
 - Every result is on stdout in lines of the form
@@ -18,6 +19,8 @@ THE CONTRACT with strata_worker.py (`python strata_worker.py --model M.gguf --ba
     prompt_tok_s    tokens/s of a short prompt pass at the chosen settings
 - Keys it understands when present:
     vram_total_mib, expert_slots (experts the VRAM cache holds), experts_total, gpu (name, quoted),
+    chat_decode_tokens, chat_decode_tok_s, chat_hit_pct (the warm-up over --calibrate-chats: decode speed and the
+    share of expert reads served from VRAM as the cache learned),
     why="one sentence: what it chose and why" (printed to the person as is)
     arg.<flag>=<value>  a worker flag the calibration chose, to be put into the server config's `args` as
                         `--<flag> <value>`; `arg.<flag>=true` puts `--<flag>` alone; `arg.<flag>=false` nothing.
@@ -45,6 +48,18 @@ from pathlib import Path
 
 PREFIX = "CALIBRATE "
 REQUIRED = ("pcie_gbps", "vram_free_mib", "decode_tok_s", "prompt_tok_s")
+MIN_CTX = 4096             # the smallest context setup halves down to when the chosen one does not fit in VRAM
+CHAT_TOKENS = 512          # strata_worker.CALIBRATE_CHAT_TOKENS: what the worker decodes over the chats
+# Typical first questions: code, explanation, writing, arithmetic, a summary. Their routing is what the learned
+# profile holds, so the first answers after a start read their experts from VRAM.
+WARMUP_CHATS = (
+    "Write a Python function that returns the n-th Fibonacci number, with a short docstring and a test.",
+    "Explain in simple terms how a transformer language model predicts the next word.",
+    "Draft a polite email to my landlord asking when the broken heating will be repaired.",
+    "A train leaves at 9:40 and arrives at 13:05. How long is the journey? Show the steps.",
+    "Summarize the causes and the main consequences of the French Revolution in a few paragraphs.",
+    "What are good ways to speed up a slow SQL query that joins three large tables?",
+)
 
 
 class CalibrationError(RuntimeError):
@@ -127,6 +142,28 @@ def load(path: Path, model: Path, gpus: list[str]) -> dict | None:
     if d.get("model") != str(model) or d.get("gpus") != gpus:
         return None
     return d.get("result")
+
+
+def write_chats(model: Path, path: Path) -> Path | None:
+    """WARMUP_CHATS rendered with the model's own chat template and tokenized as the server does, written as the JSON
+    list of token-id lists that the worker's --calibrate-chats reads; None when the template cannot render them."""
+    try:
+        from server.text import TextCodec
+        codec = TextCodec.from_gguf(model)
+        prompts = [codec.chat_prompt([{"role": "user", "content": q}])[0] for q in WARMUP_CHATS]
+    except Exception:  # a vocabulary or template the server could not use either; the step says so
+        return None
+    path.write_text(json.dumps([[int(t) for t in p] for p in prompts]) + "\n")
+    return path
+
+
+def profile_args(profile: Path, chats: Path | None) -> list[str]:
+    """The calibration's own flags: decode the chats, save what the cache learned where the server's worker loads it
+    from (and start from an earlier one)."""
+    args = ["--expert-profile-save", str(profile), "--expert-profile-save-every", "0"]
+    if profile.is_file():
+        args += ["--expert-profile", str(profile)]
+    return args + (["--calibrate-chats", str(chats)] if chats is not None else [])
 
 
 def default_worker() -> list[str]:

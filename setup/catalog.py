@@ -5,7 +5,8 @@ The arithmetic, in one place so the wizard's advice can be checked against it:
 - KV = kv_bytes_per_token x context (f16 K and V of the full-attention layers).
 - VRAM, CUDA backend: dense bytes + KV + compute workspace + CUDA context + the reserve left free
   (--vram-reserve-mib). Experts need no VRAM (they are read over PCIe from pinned RAM); what VRAM is left caches
-  the hottest ones. Several cards split the layers, so their VRAM adds up.
+  the hottest ones. The worker runs on one GPU (it has no layer split yet), so VRAM is judged per card: the
+  largest one (best_gpu), never the sum.
 - RAM: the OS and other programs keep max(4 GiB, 15%) of it; the worker process needs about 1.5 GiB of its own.
   Memory modes, from what is left (the "RAM budget"): every expert pinned in RAM ("ram") when they fit; else the
   hottest N GiB pinned, the rest read from the GGUF ("budget", --resident-budget-gib N) when N is a useful share;
@@ -20,6 +21,8 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from engine.supported import SUPPORTED_ARCHS
 
 from .machine import GIB, MIB, Machine
 
@@ -55,8 +58,8 @@ class CatalogModel:
     name: str
     title: str
     source: str                        # "hf" or "pypi"
-    arch: str
-    quant: str
+    arch: str                          # the GGUF's general.architecture
+    recipe: str                        # llama-quantize's recipe (file type): Q4_K_M, Q8_0, ...
     files: list[CatalogFile]
     params_b: float
     active_b: float
@@ -85,6 +88,11 @@ class CatalogModel:
     @property
     def is_moe(self) -> bool:
         return self.expert_share > 0
+
+    @property
+    def supported(self) -> bool:
+        """Whether this engine runs the architecture (engine/supported.py: the list open_model checks)."""
+        return self.arch in SUPPORTED_ARCHS
 
     @property
     def first_file(self) -> CatalogFile:
@@ -152,7 +160,7 @@ def model_from_gguf(path: Path) -> CatalogModel:
     # The name becomes part of file names (strata-<name>.json): keep it to safe characters.
     name = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
     return CatalogModel(
-        name=name, title=f"{path.name} (your file)", source="local", arch=arch, quant="",
+        name=name, title=f"{path.name} (your file)", source="local", arch=arch, recipe="",
         files=[CatalogFile(str(p), p.stat().st_size, None) for p in parts], params_b=0.0, active_b=0.0,
         expert_share=expert / total if total else 0.0, kv_bytes_per_token=n_layer * n_kv * (k_len + v_len) * 2,
         ctx_train=ctx_train, default_ctx=min(ctx_train, 32768), size_exact=True, size_note="measured from the file")
@@ -208,6 +216,11 @@ class Needs:
         return WORKER_OVERHEAD
 
 
+def best_gpu(m: Machine):
+    """The card the worker runs on: the one with the most VRAM (the first of equals)."""
+    return max(m.gpus, key=lambda g: (g.vram_total_mib, -g.index))
+
+
 def ram_budget(m: Machine) -> int:
     return max(0, m.ram_total - max(4 * GIB, int(0.15 * m.ram_total)))
 
@@ -242,16 +255,21 @@ def assess(model: CatalogModel, m: Machine, backend: str | None = None, ctx: int
         n.problems.append(f"needs {download / 1e9:.1f} GB of disk, {m.disk_free / 1e9:.1f} GB free at {m.disk_path}")
     if ctx > model.ctx_train:
         n.warnings.append(f"context {ctx} is beyond what the model was trained for ({model.ctx_train})")
+    if not model.supported:
+        n.problems.append(f"not supported yet: this engine does not run the {model.arch} architecture "
+                          f"(it runs {', '.join(SUPPORTED_ARCHS)})")
     if backend == "cuda":
         if not m.has_gpu:
             n.problems.append("the CUDA backend needs an NVIDIA GPU and none was found")
             return n
-        n.vram_need = dense + kv + GPU_WORKSPACE + (CUDA_CONTEXT + vram_reserve_mib * MIB) * len(m.gpus)
-        n.vram_have = sum(g.vram_total_mib for g in m.gpus) * MIB
+        gpu = best_gpu(m)
+        n.vram_need = dense + kv + GPU_WORKSPACE + CUDA_CONTEXT + vram_reserve_mib * MIB
+        n.vram_have = gpu.vram_total_mib * MIB
         if n.vram_need > n.vram_have:
+            card = f"GPU {gpu.index}, the largest of {len(m.gpus)}," if len(m.gpus) > 1 else "the GPU"
             n.problems.append(f"needs {n.vram_need / GIB:.1f} GiB of VRAM for attention, embeddings and KV "
-                              f"at context {ctx}; the GPU{'s have' if len(m.gpus) > 1 else ' has'} "
-                              f"{n.vram_have / GIB:.1f} GiB (a smaller --ctx needs less)")
+                              f"at context {ctx}; {card} has {n.vram_have / GIB:.1f} GiB (a smaller --ctx needs less"
+                              f"{'; the worker uses one GPU, so cards do not add up' if len(m.gpus) > 1 else ''})")
         if model.is_moe:
             n.mode, n.resident_gib = memory_mode(expert, budget)
             if n.mode == "budget":
@@ -279,7 +297,7 @@ def assess(model: CatalogModel, m: Machine, backend: str | None = None, ctx: int
 
 def recommend(needs: list[Needs]) -> Needs:
     """The model to suggest: the most preferred one that fits with every expert in RAM; else the default model."""
-    good = [n for n in needs if n.fits and n.mode in ("ram", "cpu") and n.model.preference > 0]
+    good = [n for n in needs if n.fits and n.model.supported and n.mode in ("ram", "cpu") and n.model.preference > 0]
     if good:
         return max(good, key=lambda n: n.model.preference)
     default = [n for n in needs if n.model.source == "pypi"]

@@ -2,6 +2,9 @@
 
 Nothing beyond those keys goes in (the server refuses unknown keys); what setup must remember between runs (the
 memory mode, the VRAM reserve, the context) is read back from the worker `args` it wrote.
+The expert profile is one file, strata-<model>.profile.bin: `expert_profile_save` names it, and the server's worker
+command loads it (--expert-profile) whenever it exists, so what a QUIT saved is what the next start fills VRAM from.
+`layer_split` is not written: the worker has no layer split yet (one GPU, the one `gpu` names).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def config_path(config_dir: Path, model_name: str) -> Path:
     return Path(config_dir) / f"strata-{model_name}.json"
 
 
-def worker_args(c: Choices, profile: Path | None) -> list[str]:
+def worker_args(c: Choices) -> list[str]:
     args = ["--ctx", str(c.ctx), "--backend", c.backend]
     if c.backend == "cuda":
         if c.vram_reserve_mib is not None:
@@ -39,10 +42,12 @@ def worker_args(c: Choices, profile: Path | None) -> list[str]:
             args.append("--mmap-experts")
         elif c.mode == "budget":
             args += ["--resident-budget-gib", str(c.resident_gib)]
-        if profile is not None and profile.is_file():
-            args += ["--expert-profile", str(profile)]
         args += c.calibrated_args
     return args
+
+
+def profile_path(config_dir: Path, model_name: str) -> Path:
+    return Path(config_dir).resolve() / f"strata-{model_name}.profile.bin"
 
 
 def choices_from_args(args: list[str]) -> Choices:
@@ -71,16 +76,16 @@ def choices_from_args(args: list[str]) -> Choices:
 
 
 def build(model_name: str, model_path: Path, choices: Choices, config_dir: Path, *, host: str = "127.0.0.1",
-          port: int = 8080, api_key: str | None = None, gpus: list[int] | None = None, moe: bool = False,
+          port: int = 8080, api_key: str | None = None, gpu: int | None = None, moe: bool = False,
           previous: dict | None = None) -> dict:
     """The config dict. `previous` (an earlier config) keeps the person's own edits to keys setup does not decide."""
     config_dir = Path(config_dir).resolve()
-    profile = config_dir / f"strata-{model_name}.profile.bin" if moe and choices.backend == "cuda" else None
+    profile = profile_path(config_dir, model_name) if moe and choices.backend == "cuda" else None
     cfg = {
         "model_name": model_name,
         "model": os.path.abspath(model_path),   # not resolve(): a symlinked model stays where the person put it
         "worker": [sys.executable, str(ROOT / "strata_worker.py")],
-        "args": worker_args(choices, profile),
+        "args": worker_args(choices),
         "cwd": str(ROOT),
         "log": str(config_dir / f"strata-{model_name}.log"),
         "host": host,
@@ -90,15 +95,14 @@ def build(model_name: str, model_path: Path, choices: Choices, config_dir: Path,
         "engine_silence_s": 300,
         "expert_profile_save": str(profile) if profile else None,
         "expert_profile_save_every": 10,
-        "gpu": (gpus[0] if gpus else None) if choices.backend == "cuda" else None,
-        "gpus": gpus if choices.backend == "cuda" and gpus and len(gpus) > 1 else None,
-        "layer_split": None,
+        "gpu": gpu if choices.backend == "cuda" else None,
+        "gpus": None,
         "idle_unload_s": 0,
         "sampling": {},
         "reasoning_budget_tokens": None,
     }
     if previous:
-        for key in ("cors_origins", "engine_silence_s", "expert_profile_save_every", "layer_split", "idle_unload_s",
+        for key in ("cors_origins", "engine_silence_s", "expert_profile_save_every", "idle_unload_s",
                     "sampling", "reasoning_budget_tokens"):
             if key in previous:
                 cfg[key] = previous[key]

@@ -4,23 +4,27 @@ Rules (the original's): explain every wait; never ask what can be found out; rec
 person chose. A choice that will not fit is said plainly and asked with the default "no"; `--yes` takes every
 recommendation and installs a model that does not fit only when the person named it (--model / --gguf).
 Re-running skips what is done and keeps what was downloaded.
+
+A bare machine: everything up to and including the packages step runs on the standard library (this module, catalog,
+config, calibrate, packages, machine), so `python -m setup` works in a fresh virtual environment; the modules that
+need requirements.txt (download, start: requests; the engine: NumPy, gguf) are imported inside the steps after it.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import calibrate as cal
 from . import config as cfgmod
-from . import download as dl
 from . import packages as pkgs
-from . import start as srv
-from .catalog import (CatalogError, CatalogModel, Needs, assess, find_model, fmt_gb, fmt_gib, load_catalog,
+from .catalog import (CatalogError, CatalogModel, Needs, assess, best_gpu, find_model, fmt_gb, fmt_gib, load_catalog,
                       memory_mode, model_from_gguf, recommend)
 from .machine import GIB, Machine, describe, detect
+from engine.supported import SUPPORTED_ARCHS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,6 +160,7 @@ def step_packages(ui: UI, m: Machine) -> None:
         ui.fail(f"pip could not install {' '.join(missing)}. pip said:\n{tail}\n"
                 f"Fix that (network, compiler, disk) and run python -m setup again; nothing done so far is lost.")
         raise Stop(1)
+    importlib.invalidate_caches()      # what pip just put into site-packages is imported by the later steps
     still, _, _ = pkgs.plan(req, m.has_gpu)
     if still:
         ui.fail(f"pip finished but these are still missing: {' '.join(still)}")
@@ -179,6 +184,8 @@ def bytes_present(model: CatalogModel, models_dir: Path, gguf_dir: Path | None =
 
 
 def short_verdict(n: Needs) -> str:
+    if not n.model.supported:
+        return "no: not supported yet"
     if not n.fits:
         text = " ".join(n.problems)
         for word, verdict in (("NVIDIA GPU", "no: needs a GPU"), ("VRAM", "no: VRAM"), ("disk", "no: disk")):
@@ -284,6 +291,8 @@ def step_model(ui: UI, a, p: Paths, m: Machine, catalog: list[CatalogModel]) -> 
         if pick is None:
             ui.warn(f"{answer!r} is not in the list")
             continue
+        if not pick.model.supported:
+            return unsupported(ui, pick)
         if pick.fits:
             for w in pick.warnings:
                 ui.warn(w)
@@ -295,8 +304,24 @@ def step_model(ui: UI, a, p: Paths, m: Machine, catalog: list[CatalogModel]) -> 
     raise Stop(1)
 
 
+def unsupported(ui: UI, n: Needs) -> Needs:
+    """A model whose architecture this engine refuses: downloaded only on a clear yes, never by --yes."""
+    ui.warn(f"{n.model.name} is not supported yet: this engine does not run the {n.model.arch} architecture "
+            f"(it runs {', '.join(SUPPORTED_ARCHS)}); the service could not start with it")
+    if ui.yes:
+        ui.fail(f"--yes never downloads a model this engine cannot run; nothing was installed. python -m setup "
+                f"--check lists the models that run")
+        raise Stop(2)
+    if ui.confirm(f"Download {n.model.name} anyway? The service cannot run it yet."):
+        return n
+    ui.fail("stopped at your answer; nothing was installed. python -m setup --check shows what runs and fits")
+    raise Stop(1)
+
+
 def settle_named(ui: UI, n: Needs) -> Needs:
     """A model the person named: fine if it fits; if not, said plainly; --yes goes ahead (it was named)."""
+    if not n.model.supported:
+        return unsupported(ui, n)
     if n.fits:
         ui.ok(f"{n.model.name} fits this PC")
         for w in n.warnings:
@@ -382,6 +407,7 @@ def gguf_magic(path: Path) -> bool:
 
 
 def step_download(ui: UI, a, p: Paths, n: Needs) -> Path:
+    from . import download as dl       # requests: installed by the packages step
     model = n.model
     ui.step("get the model files")
     if model.source == "local":
@@ -448,6 +474,7 @@ def sha256_file(path: Path) -> str:
 
 
 def from_gguf_dir(ui: UI, folder: Path, model: CatalogModel) -> Path:
+    from . import download as dl
     folder = folder.resolve()
     names = [f.basename for f in model.files]
     missing = [nm for nm in names if not (folder / nm).is_file()]
@@ -494,6 +521,7 @@ def step_calibrate(ui: UI, a, p: Paths, name: str, model_path: Path, c: cfgmod.C
     gpus = [g.name for g in m.gpus]
     earlier = None if a.calibrate else cal.load(path, model_path, gpus)
     if earlier is not None:
+        c.ctx = min(c.ctx, int(earlier.get("ctx", c.ctx)))     # the context the calibration found to fit
         c.calibrated_args = cal.chosen_args(earlier)
         ui.ok(f"done before ({path.name}: PCIe {earlier['pcie_gbps']} GB/s, decode {earlier['decode_tok_s']} tok/s); "
               f"--calibrate redoes it")
@@ -503,26 +531,53 @@ def step_calibrate(ui: UI, a, p: Paths, name: str, model_path: Path, c: cfgmod.C
         ui.fail(f"cannot calibrate: {worker[-1]} is missing")
         ui.failed.append("calibration")
         return
-    ui.say("measuring the host-to-device link (four 256 MiB bursts), the free VRAM, and a short decode and prompt "
-           "run; this takes about a minute ...")
-    args = cfgmod.worker_args(cfgmod.Choices(backend="cuda", ctx=c.ctx, mode=c.mode, resident_gib=c.resident_gib,
-                                             vram_reserve_mib=c.vram_reserve_mib), None)
-    try:
-        result = cal.run(worker, model_path, args, ROOT)
-    except cal.CalibrationError as e:
-        ui.fail(f"calibration failed: {e}")
+    profile = cfgmod.profile_path(p.config_dir, name)
+    with tempfile.TemporaryDirectory() as tmp:
+        chats = cal.write_chats(model_path, Path(tmp) / "chats.json")
+        if chats is None:
+            ui.warn("the model's chat template could not render the warm-up chats; calibrating without them (the "
+                    "first answers after a start are then slower until the cache has learned)")
+        ui.say("measuring the host-to-device link (four 256 MiB bursts), the free VRAM, a short decode and prompt "
+               f"run, then decoding {cal.CHAT_TOKENS} tokens of typical chats so the VRAM cache learns which experts "
+               "they use; this takes a minute or two ...")
+        result = calibrate_runs(ui, worker, model_path, c, cal.profile_args(profile, chats))
+    if result is None:
         ui.warn("the config is written without calibration; the worker chooses its own settings when it starts. "
                 "Run python -m setup --calibrate to try again")
         ui.failed.append("calibration")
         return
+    result["ctx"] = c.ctx
     cal.save(path, model_path, gpus, result)
     c.calibrated_args = cal.chosen_args(result)
     ui.ok(f"PCIe {result['pcie_gbps']} GB/s, VRAM free {result['vram_free_mib']} MiB, decode "
-          f"{result['decode_tok_s']} tok/s, prompt {result['prompt_tok_s']} tok/s")
+          f"{result['decode_tok_s']} tok/s, prompt {result['prompt_tok_s']} tok/s at context {c.ctx}")
+    if "chat_decode_tok_s" in result:
+        ui.ok(f"typical chats: {result.get('chat_decode_tokens')} tokens at {result['chat_decode_tok_s']} tok/s"
+              + (f", {result['chat_hit_pct']}% of expert reads from VRAM" if "chat_hit_pct" in result else ""))
+    if profile.is_file():
+        ui.ok(f"learned expert profile saved to {profile.name}: the service's first start fills VRAM from it")
     if "why" in result:
         ui.ok(f"chose: {result['why']}")
     if c.calibrated_args:
         ui.ok(f"worker flags from calibration: {' '.join(c.calibrated_args)}")
+
+
+def calibrate_runs(ui: UI, worker: list[str], model_path: Path, c: cfgmod.Choices, extra: list[str]) -> dict | None:
+    """The worker's --calibrate at the chosen settings; a context that does not fit in VRAM is halved (down to
+    cal.MIN_CTX) and tried again: measured, not estimated, the context this card holds is a setting the calibration
+    chooses (c.ctx). None when it failed (said)."""
+    while True:
+        choices = cfgmod.Choices(backend="cuda", ctx=c.ctx, mode=c.mode, resident_gib=c.resident_gib,
+                                 vram_reserve_mib=c.vram_reserve_mib)
+        try:
+            return cal.run(worker, model_path, cfgmod.worker_args(choices) + extra, ROOT)
+        except cal.CalibrationError as e:
+            if "out of VRAM" in str(e) and c.ctx > cal.MIN_CTX:
+                ui.warn(f"context {c.ctx} does not fit in this GPU's VRAM; trying {c.ctx // 2}")
+                c.ctx //= 2
+                continue
+            ui.fail(f"calibration failed: {e}")
+            return None
 
 
 # --- step 7 -------------------------------------------------------------------------------------------------
@@ -534,10 +589,12 @@ def build_config(a, p: Paths, name: str, model_path: Path, c: cfgmod.Choices, m:
     return cfgmod.build(name, model_path, c, p.config_dir, host=a.host or prev.get("host", "127.0.0.1"),
                         port=a.port or prev.get("port", 8080),
                         api_key=a.api_key if a.api_key is not None else prev.get("api_key"),
-                        gpus=[g.index for g in m.gpus] if c.backend == "cuda" else None, moe=moe, previous=previous)
+                        gpu=best_gpu(m).index if c.backend == "cuda" and m.has_gpu else None, moe=moe,
+                        previous=previous)
 
 
 def step_config_and_start(ui: UI, a, p: Paths, n: Needs, model_path: Path, c: cfgmod.Choices, m: Machine) -> int:
+    from . import start as srv         # requests: installed by the packages step
     ui.step("write the config and start the service")
     name = n.model.name
     path = cfgmod.config_path(p.config_dir, name)
@@ -666,6 +723,7 @@ def step_calibrate_quiet(ui: UI, a, p: Paths, name: str, model_path: Path, c: cf
     path = p.config_dir / f"strata-{name}.calibration.json"
     earlier = cal.load(path, model_path, [g.name for g in m.gpus])
     if earlier is not None and not a.calibrate:
+        c.ctx = min(c.ctx, int(earlier.get("ctx", c.ctx)))
         c.calibrated_args = cal.chosen_args(earlier)
         return
     step_calibrate(ui, a, p, name, model_path, c, m)
@@ -700,6 +758,10 @@ def run(argv: list[str] | None = None, machine: Machine | None = None, ask=None,
         n = step_model(ui, a, p, m, catalog)
         c = step_memory(ui, a, p, n, m)
         model_path = step_download(ui, a, p, n)
+        if not n.model.supported:
+            ui.warn(f"{n.model.name} is downloaded to {model_path} but not configured: this engine does not run "
+                    f"{n.model.arch} yet")
+            return 1
         step_calibrate(ui, a, p, n.model.name, model_path, c, m)
         status = step_config_and_start(ui, a, p, n, model_path, c, m)
     except Stop as s:

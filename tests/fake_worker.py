@@ -6,6 +6,11 @@ test can tell whose tokens a client received. Finish `stop` after len(prompt) to
     python tests/fake_worker.py --model M.gguf [--ctx N] [--chunk N] [--pp-delay S] [--token-delay S]
         [--silent-after-tokens N] [--silent-in-prompt] [--ignore-stop] [--die-in-prompt] [--exit-before-ready]
         [--moe] [--load-delay S] [--ignore-quit] [--die-on-gen N] [--die-in-prompt-of-gen N] [--plan FILE]
+        [--expert-profile P] [--expert-profile-save P] [--expert-profile-save-every MIN]
+
+As the CUDA worker does, it narrates its start (INFO phase=loading/arena/cache/ready) and, with --moe, saves an expert
+profile at QUIT (--expert-profile-save: its experts ranked by the prompt ids it read, hottest first) and loads one
+at start (--expert-profile: INFO expert_profile=P profile_top=<layer*n_expert+expert of the hottest>).
 
 --plan FILE: a JSON list of flag strings, one per start (the last one repeats); the start count is kept in
 FILE.count, so a test can make the first start misbehave and the restarted worker behave.
@@ -72,6 +77,9 @@ def main() -> int:
     ap.add_argument("--die-on-gen", type=int, default=0, help="exit when the Nth GEN arrives, before answering it")
     ap.add_argument("--ignore-quit", action="store_true", help="ignore QUIT, stdin's end and SIGTERM")
     ap.add_argument("--plan")
+    ap.add_argument("--expert-profile")
+    ap.add_argument("--expert-profile-save")
+    ap.add_argument("--expert-profile-save-every", type=float)
     a = ap.parse_args()
     if a.plan:
         count_file = Path(a.plan + ".count")
@@ -88,15 +96,34 @@ def main() -> int:
             log(f"loading step {i}")
         log("error: cannot open the model: this fake worker was told to fail")
         return 2
+    out(protocol.format_phase("loading"))
     time.sleep(a.load_delay)
     out(protocol.format_info(engine="fake", pid=os.getpid(), backend="fake", prompt_chunk=a.chunk,
                              arch="fakemoe" if a.moe else "fake", n_expert=N_EXPERT if a.moe else 0))
+    if a.moe:
+        out(protocol.format_phase("arena", done=1.0, gib=0.5, gib_s=10.0))
+        if a.expert_profile:
+            from engine.profile import load_profile
+            prof = load_profile(a.expert_profile, N_LAYER, N_EXPERT)
+            out(protocol.format_info(expert_profile=a.expert_profile, profile_top=int(prof.flat_order()[0])))
+            out(protocol.format_phase("cache", done=1.0, gib=0.1))
+    out(protocol.format_phase("ready"))
     if a.moe:
         out(cache_line(0))
     out(f"READY {a.ctx} stop")
 
     gens: queue.Queue = queue.Queue()
     stop = threading.Event()
+    seen: list[int] = []       # prompt ids read, the "routing" a saved profile ranks
+
+    def save_profile():
+        if not (a.moe and a.expert_profile_save):
+            return
+        from engine.profile import from_flat, save_profile as save
+        n = N_LAYER * N_EXPERT
+        order = list(dict.fromkeys(t % n for t in seen)) + [g for g in range(n) if g not in {t % n for t in seen}]
+        save(a.expert_profile_save, from_flat(N_LAYER, N_EXPERT, order))
+        log(f"fake worker: expert profile saved to {a.expert_profile_save}")
 
     def read_stdin():
         for line in sys.stdin:
@@ -110,6 +137,7 @@ def main() -> int:
         log("fake worker: QUIT")
         if a.ignore_quit:
             hang()
+        save_profile()
         os._exit(0)
 
     threading.Thread(target=read_stdin, daemon=True).start()
@@ -131,6 +159,7 @@ def main() -> int:
             out(protocol.format_err(f"prompt {len(req.prompt)} + max_new {req.max_new} + 8 exceeds the context {a.ctx}"))
             continue
         log(f"fake worker: GEN max_new={req.max_new} params={json.dumps(req.params, sort_keys=True)} prompt={','.join(map(str, req.prompt))}")
+        seen.extend(req.prompt)
         reused = 0
         while reused < min(len(held), len(req.prompt) - 1) and held[reused] == req.prompt[reused]:
             reused += 1

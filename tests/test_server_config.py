@@ -51,9 +51,28 @@ def test_worker_flags_from_config(tmp_path, fixtures_dir):
     cfg = validate(base(fixtures_dir, args=["--ctx", "2048"], expert_profile_save="p.bin",
                         expert_profile_save_every=5, gpus=[0, 1]), tmp_path)
     cmd = cfg.worker_command()
-    assert cmd[cmd.index("--ctx") + 1] == "2048" and cmd[cmd.index("--expert-profile-save") + 1] == "p.bin"
+    # a relative profile path is the config folder's, like model and log (the worker runs in another cwd)
+    saved = str(tmp_path / "p.bin")
+    assert cmd[cmd.index("--ctx") + 1] == "2048" and cmd[cmd.index("--expert-profile-save") + 1] == saved
     assert cmd[cmd.index("--expert-profile-save-every") + 1] == "5"
+    assert "--expert-profile" not in cmd          # nothing saved yet: the first start learns from scratch
     assert cfg.worker_env() == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    (tmp_path / "p.bin").write_bytes(b"STRP")     # what a QUIT saved ...
+    cmd = cfg.worker_command()
+    assert cmd[cmd.index("--expert-profile") + 1] == saved     # ... is what the next start loads
+
+
+def test_a_profile_named_in_args_wins(tmp_path, fixtures_dir):
+    (tmp_path / "p.bin").write_bytes(b"STRP")
+    cfg = validate(base(fixtures_dir, args=["--expert-profile", "/elsewhere.bin"], expert_profile_save="p.bin"),
+                   tmp_path)
+    assert cfg.worker_command().count("--expert-profile") == 1
+
+
+def test_layer_split_is_refused_while_the_worker_has_none(tmp_path, fixtures_dir):
+    with pytest.raises(ConfigError, match="layer_split.*no layer split"):
+        validate(base(fixtures_dir, layer_split=[24, 24]), tmp_path)
+    assert "--layer-split" not in validate(base(fixtures_dir, layer_split=None), tmp_path).worker_command()
 
 
 def test_bad_file_messages(tmp_path):

