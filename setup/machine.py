@@ -1,4 +1,4 @@
-"""What this PC has: NVIDIA GPUs (nvidia-smi), driver and CUDA version, RAM (psutil), CPU, free disk.
+"""What this PC has: NVIDIA GPUs (nvidia-smi), driver and CUDA version, RAM (psutil, else the kernel's), CPU, disk.
 
 Everything the wizard decides from is in one `Machine` value, so tests inject golden machines (`Machine.from_dict`)
 and `python -m setup --check` prints exactly what the decisions used. STRATA_SETUP_MACHINE=<file.json> replaces the
@@ -13,8 +13,6 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import psutil
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -102,19 +100,40 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _memory_and_cores() -> tuple[int, int, int]:
+    """(RAM total, RAM available, physical cores). psutil when installed; on a bare machine (step 1 runs before the
+    packages step installs psutil) the kernel's own figures: sysconf and /proc/meminfo's MemAvailable."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        vm = psutil.virtual_memory()
+        return vm.total, vm.available, psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = total
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return total, available, os.cpu_count() or 1
+
+
 def detect(models_dir: Path) -> Machine:
     override = os.environ.get("STRATA_SETUP_MACHINE")
     if override:
         return Machine.from_dict(json.loads(Path(override).read_text()))
     gpus, driver, cuda, note = _nvidia_smi()
-    vm = psutil.virtual_memory()
+    ram_total, ram_available, cores = _memory_and_cores()
     # The models folder may not exist yet: measure the nearest folder that does.
     probe = Path(models_dir).resolve()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    return Machine(gpus=gpus, driver=driver, cuda=cuda, gpu_note=note, ram_total=vm.total,
-                   ram_available=vm.available, cpu=_cpu_name(), cpu_cores=psutil.cpu_count(logical=False) or
-                   os.cpu_count() or 1, disk_free=shutil.disk_usage(probe).free, disk_path=str(probe),
+    return Machine(gpus=gpus, driver=driver, cuda=cuda, gpu_note=note, ram_total=ram_total,
+                   ram_available=ram_available, cpu=_cpu_name(), cpu_cores=cores,
+                   disk_free=shutil.disk_usage(probe).free, disk_path=str(probe),
                    os=f"{platform.system()} {platform.release()}")
 
 

@@ -49,3 +49,18 @@ def test_machine_json_override(tmp_path, monkeypatch):
     monkeypatch.setenv("STRATA_SETUP_MACHINE", str(f))
     m = detect(tmp_path)
     assert m.has_gpu and m.gpus[0].vram_total_mib == 12288 and isinstance(m, Machine)
+
+
+def test_memory_without_psutil_comes_from_the_kernel(tmp_path, monkeypatch):
+    """Step 1 runs before the packages step installs psutil: the kernel's figures then, close to psutil's."""
+    import sys
+    import psutil
+    monkeypatch.delenv("STRATA_SETUP_MACHINE", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))              # no nvidia-smi either
+    with_psutil = detect(tmp_path)
+    total = psutil.virtual_memory().total
+    monkeypatch.setitem(sys.modules, "psutil", None)        # `import psutil` now raises ImportError
+    bare = detect(tmp_path)
+    assert bare.ram_total == total
+    assert 0 < bare.ram_available <= bare.ram_total and bare.cpu_cores >= 1
+    assert abs(bare.ram_available - with_psutil.ram_available) < 0.25 * bare.ram_total
