@@ -237,7 +237,9 @@ def step_model(ui: UI, a, p: Paths, m: Machine, catalog: list[CatalogModel]) -> 
     if backend == "cpu":
         ui.say("backend: cpu" + ("" if a.backend else " (no NVIDIA GPU found)"))
     else:
-        ui.say(f"backend: cuda on {len(m.gpus)} GPU{'s' if len(m.gpus) > 1 else ''}")
+        g = best_gpu(m)
+        ui.say(f"backend: cuda on GPU {g.index} ({g.name})"
+               + (f", the largest of {len(m.gpus)}: the worker runs on one GPU" if len(m.gpus) > 1 else ""))
     reserve = a.vram_reserve_mib if a.vram_reserve_mib is not None else 700
 
     def needs_of(model: CatalogModel) -> Needs:

@@ -158,3 +158,41 @@ def test_a_bad_chats_file_fails_the_calibration_plainly(tmp_path, fixtures_dir):
                         "--calibrate", "--calibrate-chats", str(bad)],
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 1 and "expected a JSON list of non-empty lists of token ids" in p.stderr
+
+
+@pytest.mark.gpu
+def test_cuda_restart_through_the_servers_worker_command_loads_what_quit_saved(tmp_path, fixtures_dir):
+    """The same path with the real CUDA worker: a start from the config's command, a request with a cache smaller
+    than the model's experts (so the adaptive tier learns), QUIT saves the profile, and the next start from the same
+    config fills VRAM from it; both starts are narrated."""
+    from engine.protocol import GenRequest
+    from server.config import validate
+    from server.worker import Worker
+    model = fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf"
+    cfg = validate({"model": str(model), "args": ["--backend", "cuda", "--expert-slots", "8", "--adapt-every", "4"],
+                    "expert_profile_save": "p.bin", "log": str(tmp_path / "w.log"), "engine_silence_s": 120},
+                   tmp_path)
+    profile = tmp_path / "p.bin"
+
+    def start():
+        w = Worker(cfg.worker_command(), cfg.cwd, cfg.log, cfg.worker_env(), silence_s=cfg.engine_silence_s)
+        w.start()
+        return w
+
+    w = start()
+    try:
+        assert w.info["phase"] == "ready" and "expert_profile" not in w.info
+        events = list(w.generate(GenRequest(24, [1021, 1022, 87, 301, 45, 600, 12, 999, 250, 77, 31, 402])))
+        assert events and not profile.exists()
+    finally:
+        w.close()
+    learned = load_profile(profile, 4, 8).flat_order()
+    w = start()
+    try:
+        assert w.info["expert_profile"] == str(profile)
+        assert w.info["phase"] == "ready"
+    finally:
+        w.close()
+    log = (tmp_path / "w.log").read_text()
+    assert f"expert cache filled from profile {profile}: 8 experts" in log
+    assert len(learned) > 0
