@@ -52,7 +52,7 @@ def test_setup_yes_in_a_fresh_venv_from_a_clean_clone(tmp_path):
     assert cfg["model"] == str(model) and cfg["worker"][0] == str(python)
     assert cfg["args"][cfg["args"].index("--backend") + 1] in ("cpu", "cuda")
     # what was installed is what the service needs: its config loads in that venv
-    check = subprocess.run([str(python), "-c", "from server.config import load_config; "
-                                               f"print(load_config({str(clone / 'strata-smollm2-135m.json')!r}).model)"],
-                           cwd=clone, env=env, capture_output=True, text=True, timeout=120)
+    cfg_path = clone / "strata-smollm2-135m.json"
+    load = f"from server.config import load_config; print(load_config({str(cfg_path)!r}).model)"
+    check = subprocess.run([str(python), "-c", load], cwd=clone, env=env, capture_output=True, text=True, timeout=120)
     assert check.returncode == 0 and check.stdout.strip() == str(model), check.stderr

@@ -105,7 +105,7 @@ def test_no_gpu_yes_takes_the_default_model_on_the_cpu(env):
     assert cfg["host"] == "127.0.0.1" and cfg["port"] == 8080 and cfg["gpu"] is None
     assert set(cfg) == {"model_name", "model", "worker", "args", "cwd", "log", "host", "port", "api_key",
                         "cors_origins", "engine_silence_s", "expert_profile_save", "expert_profile_save_every", "gpu",
-                        "gpus", "idle_unload_s", "sampling", "reasoning_budget_tokens"}     # no layer_split: no such flag
+                        "gpus", "idle_unload_s", "sampling", "reasoning_budget_tokens"}     # no layer_split
     assert "not started (--no-start)" in out
 
 
