@@ -239,6 +239,23 @@ def _calib_value(v) -> str:
     return f"{v:.1f}" if isinstance(v, float) else str(v)
 
 
+def drop_unusable_own_profile(args, cfg) -> None:
+    """The server passes the profile this worker saved last time (--expert-profile P with --expert-profile-save P).
+    When that file cannot serve this model (damaged, or made for another one under the same name), start with an
+    empty cache and learn a new one, rather than never starting again; a profile named on its own still stops the
+    start with its message."""
+    path = getattr(args, "expert_profile", None)
+    if not path or path != getattr(args, "expert_profile_save", None) or not getattr(cfg, "n_expert", 0):
+        return
+    from engine.profile import ProfileError, load_profile
+    try:
+        load_profile(path, cfg.n_layer, cfg.n_expert)
+    except ProfileError as e:
+        log(f"warning: not loading the saved expert profile ({e}); the cache starts empty and learns a new one, "
+            f"which replaces it at QUIT")
+        args.expert_profile = None
+
+
 def emit_cache_picture(backend, out) -> None:
     """The CACHE line after a DONE, for backends with an expert cache. It is a picture for the Monitor, so a
     failure to draw it is logged, never allowed to stop the worker serving."""
@@ -308,6 +325,7 @@ def main(argv=None) -> int:
             backend = CPUBackend(model, ctx)
         else:
             cuda, _ = _cuda_module()
+            drop_unusable_own_profile(args, cfg)
             backend = cuda.create_backend(model, ctx, args, phase=phase)
     except ModelError as e:
         print(f"strata_worker: {e}", file=sys.stderr, flush=True)

@@ -196,3 +196,24 @@ def test_cuda_restart_through_the_servers_worker_command_loads_what_quit_saved(t
     log = (tmp_path / "w.log").read_text()
     assert f"expert cache filled from profile {profile}: 8 experts" in log
     assert len(learned) > 0
+
+
+@pytest.mark.parametrize("content, kept", [("good", True), ("foreign", False), ("damaged", False)])
+def test_the_workers_own_saved_profile_never_stops_a_start(tmp_path, content, kept):
+    """--expert-profile P --expert-profile-save P (what the server passes after a QUIT saved P): a P that does not fit
+    the model is dropped with a warning and learned again; the same file named alone still fails the start (the
+    engine's own check)."""
+    import argparse
+    import strata_worker
+    from engine.profile import from_flat, save_profile
+    cfg = argparse.Namespace(n_layer=4, n_expert=8)
+    p = tmp_path / "p.bin"
+    save_profile(p, from_flat(*((4, 8) if content != "foreign" else (48, 128)), [1, 2, 3]))
+    if content == "damaged":
+        p.write_bytes(p.read_bytes()[:-3])
+    args = argparse.Namespace(expert_profile=str(p), expert_profile_save=str(p))
+    strata_worker.drop_unusable_own_profile(args, cfg)
+    assert (args.expert_profile == str(p)) == kept
+    named = argparse.Namespace(expert_profile=str(p), expert_profile_save=None)
+    strata_worker.drop_unusable_own_profile(named, cfg)
+    assert named.expert_profile == str(p)
