@@ -140,7 +140,7 @@ class Input:
 
 # Keys setup/calibrate.py takes from the backend's INFO facts when the backend measured them.
 CALIBRATE_FROM_INFO = ("gpu", "vram_total_mib", "vram_free_mib", "pcie_gbps", "hbm_gbps", "expert_slots",
-                       "experts_total", "arena_mib")
+                       "experts_total", "arena_mib", "prefetch")
 
 
 # Tokens decoded over the --calibrate-chats prompts: the settled speed came after ~1,500 tokens through the server at a

@@ -20,7 +20,8 @@ THE CONTRACT with strata_worker.py (`python strata_worker.py --model M.gguf --ba
 - Keys it understands when present:
     vram_total_mib, expert_slots (experts the VRAM cache holds), experts_total, gpu (name, quoted),
     chat_decode_tokens, chat_decode_tok_s, chat_hit_pct (the warm-up over --calibrate-chats: decode speed and the
-    share of expert reads served from VRAM as the cache learned),
+    share of expert reads served from VRAM as the cache learned), prefetch (on|off: what the decode step chose; when
+    some experts have no VRAM slot setup times the chats both ways and may pin arg.prefetch, prefetch_choice),
     why="one sentence: what it chose and why" (printed to the person as is)
     arg.<flag>=<value>  a worker flag the calibration chose, to be put into the server config's `args` as
                         `--<flag> <value>`; `arg.<flag>=true` puts `--<flag>` alone; `arg.<flag>=false` nothing.
@@ -164,6 +165,37 @@ def profile_args(profile: Path, chats: Path | None) -> list[str]:
     if profile.is_file():
         args += ["--expert-profile", str(profile)]
     return args + (["--calibrate-chats", str(chats)] if chats is not None else [])
+
+
+# The decode prefetch's default switches at 95% of the experts in VRAM, from one H200's figures (prefetch.py:
+# on 263 / off 255 tok/s at 92%, on 285 / off 310 at 98%); a PC's own link moves where it pays, so when some experts
+# have no slot setup times the chats both ways and keeps the other setting only when it is clearly faster.
+AB_MARGIN = 0.03
+
+
+def prefetch_matters(result: dict) -> bool:
+    """Whether the decode prefetch can change anything: some experts have no VRAM slot."""
+    slots, total = int(result.get("expert_slots", 0)), int(result.get("experts_total", 0))
+    return result.get("prefetch") in ("on", "off") and slots < total
+
+
+def prefetch_choice(default: str, rates: dict) -> tuple[str | None, str]:
+    """(the --prefetch value to pin, or None to keep the worker's default; a sentence saying why) from the chats'
+    decode tok/s with the prefetch on and off, both runs starting from the same learned profile."""
+    other = "off" if default == "on" else "on"
+    a, b = rates.get(default), rates.get(other)
+    if not a or not b:
+        return None, f"kept the decode prefetch's default ({default}): the comparison run gave no rate"
+    said = f"typical chats decoded at {a} tok/s with the prefetch {default} (the default), {b} with it {other}"
+    if b > a * (1 + AB_MARGIN):
+        return other, f"{said}: --prefetch {other}"
+    return None, f"{said}: the default stays"
+
+
+def ab_args(profile: Path, chats: Path, scratch: Path, prefetch: str) -> list[str]:
+    """One side of the prefetch comparison: from the learned profile, never writing over it."""
+    return ["--expert-profile", str(profile), "--expert-profile-save", str(scratch), "--expert-profile-save-every",
+            "0", "--calibrate-chats", str(chats), "--prefetch", prefetch]
 
 
 def default_worker() -> list[str]:

@@ -543,6 +543,8 @@ def step_calibrate(ui: UI, a, p: Paths, name: str, model_path: Path, c: cfgmod.C
                f"run, then decoding {cal.CHAT_TOKENS} tokens of typical chats so the VRAM cache learns which experts "
                "they use; this takes a minute or two ...")
         result = calibrate_runs(ui, worker, model_path, c, cal.profile_args(profile, chats))
+        if result is not None and chats is not None and profile.is_file() and cal.prefetch_matters(result):
+            compare_prefetch(ui, worker, model_path, c, result, profile, chats, Path(tmp))
     if result is None:
         ui.warn("the config is written without calibration; the worker chooses its own settings when it starts. "
                 "Run python -m setup --calibrate to try again")
@@ -562,6 +564,30 @@ def step_calibrate(ui: UI, a, p: Paths, name: str, model_path: Path, c: cfgmod.C
         ui.ok(f"chose: {result['why']}")
     if c.calibrated_args:
         ui.ok(f"worker flags from calibration: {' '.join(c.calibrated_args)}")
+
+
+def compare_prefetch(ui: UI, worker, model_path: Path, c: cfgmod.Choices, result: dict, profile: Path, chats: Path,
+                     tmp: Path) -> None:
+    """Some experts have no VRAM slot: decode the chats with the prefetch off and on, both from the profile just
+    learned, and pin the other setting (result["arg.prefetch"]) only when it is clearly faster (cal.prefetch_choice)."""
+    ui.say("timing the decode prefetch both ways on the same chats (two more short runs) ...")
+    default = result["prefetch"]
+    choices = cfgmod.Choices(backend="cuda", ctx=c.ctx, mode=c.mode, resident_gib=c.resident_gib,
+                             vram_reserve_mib=c.vram_reserve_mib)
+    rates = {}
+    for flag in ("off", "on"):
+        try:
+            args = cfgmod.worker_args(choices) + cal.ab_args(profile, chats, tmp / "ab.bin", flag)
+            r = cal.run(worker, model_path, args, ROOT)
+        except cal.CalibrationError as e:
+            ui.warn(f"the prefetch comparison stopped ({e}); the worker's default stays")
+            return
+        rates[flag] = r.get("chat_decode_tok_s")
+    pick, why = cal.prefetch_choice(default, rates)
+    result["prefetch_tok_s"] = rates
+    if pick is not None:
+        result["arg.prefetch"] = pick
+    result["why"] = f"{result['why']}; {why}" if result.get("why") else why
 
 
 def calibrate_runs(ui: UI, worker: list[str], model_path: Path, c: cfgmod.Choices, extra: list[str]) -> dict | None:

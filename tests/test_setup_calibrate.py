@@ -69,3 +69,14 @@ def test_saved_result_is_for_one_model_on_the_same_gpus(tmp_path):
     assert cal.load(p, tmp_path / "m.gguf", ["RTX 4070"]) is None
     assert cal.load(p, tmp_path / "other.gguf", ["H200"]) is None
     assert cal.load(tmp_path / "none.json", tmp_path / "m.gguf", ["H200"]) is None
+
+
+def test_prefetch_choice_keeps_the_default_unless_the_other_is_clearly_faster():
+    assert cal.prefetch_choice("on", {"on": 100.0, "off": 110.0})[0] == "off"
+    assert cal.prefetch_choice("on", {"on": 100.0, "off": 102.0})[0] is None        # within the margin: noise
+    assert cal.prefetch_choice("off", {"off": 300.0, "on": 250.0})[0] is None
+    pick, why = cal.prefetch_choice("off", {"off": 300.0, "on": None})
+    assert pick is None and "gave no rate" in why
+    assert cal.prefetch_matters({"prefetch": "on", "expert_slots": 10, "experts_total": 32})
+    assert not cal.prefetch_matters({"prefetch": "off", "expert_slots": 32, "experts_total": 32})
+    assert not cal.prefetch_matters({"expert_slots": 10, "experts_total": 32})     # a worker that does not say
