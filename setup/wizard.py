@@ -197,11 +197,11 @@ def short_verdict(n: Needs) -> str:
 
 
 def show_table(ui: UI, rows: list[Needs], rec: Needs | None) -> None:
-    ui.say(f"  {'#':>2}  {'model':32} {'download':>9} {'RAM':>9} {'VRAM':>9}  fits this PC")
+    ui.say(f"  {'#':>2}  {'model':36} {'download':>9} {'RAM':>9} {'VRAM':>9}  fits this PC")
     for i, n in enumerate(rows, 1):
         mark = "*" if rec is not None and n is rec else " "
         vram = fmt_gib(n.vram_need) if n.backend == "cuda" else "-"
-        ui.say(f"{mark} {i:>2}  {n.model.name:32} {fmt_gb(n.download) if n.download else 'here':>9} "
+        ui.say(f"{mark} {i:>2}  {n.model.name:36} {fmt_gb(n.download) if n.download else 'here':>9} "
                f"{fmt_gib(n.ram_need):>9} {vram:>9}  {short_verdict(n)}")
     if rec is not None:
         ui.say("  * recommended. Sizes marked approximate in data/catalog.json are the hub's rounded listings.")
