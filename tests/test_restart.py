@@ -24,8 +24,9 @@ def _free_port() -> int:
 
 
 def _serve(config, log):
-    return subprocess.Popen([sys.executable, "-m", "server", "--config", str(config), "--preload"], cwd=str(ROOT),
-                            stderr=open(log, "ab"), text=True)
+    with open(log, "ab") as err:       # the server's own log (its stderr), as setup/start.py keeps it
+        return subprocess.Popen([sys.executable, "-m", "server", "--config", str(config), "--preload"],
+                                cwd=str(ROOT), stderr=err)
 
 
 def _wait_loaded(port, proc):
