@@ -51,12 +51,14 @@ def running_pid(config_path: Path) -> int | None:
 
 
 def start(config_path: Path, cfg: dict, wait_s: float = 180) -> int:
-    """Start `python -m server --config ...` detached (it outlives the wizard); return its pid once it answers."""
+    """Start `python -m server --config ... --preload` detached (it outlives the wizard); return its pid once it
+    answers."""
     # The server's own lines go beside the worker's log (cfg["log"], which the server appends the worker's stderr to).
     log = Path(cfg["log"]).with_suffix(".server.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(config_path)], cwd=ROOT,
+        # --preload: the model loads now (its start narrated in the log and the Monitor), not at the first request.
+        proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(config_path), "--preload"], cwd=ROOT,
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     pid_path(config_path).write_text(f"{proc.pid}\n")

@@ -635,7 +635,7 @@ def step_config_and_start(ui: UI, a, p: Paths, n: Needs, model_path: Path, c: cf
         ui.ok(f"wrote {path}")
     if c.backend == "cpu":
         ui.warn("the service runs on the CPU backend" + ("" if m.has_gpu else " (no NVIDIA GPU on this PC)"))
-    start_cmd = f"{sys.executable} -m server --config {path}"
+    start_cmd = f"{sys.executable} -m server --config {path} --preload"
     if a.no_start:
         ui.ok(f"not started (--no-start). Start it with: {start_cmd}")
         return 0
