@@ -18,13 +18,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.supported import SUPPORTED_ARCHS
+
 from . import calibrate as cal
 from . import config as cfgmod
 from . import packages as pkgs
 from .catalog import (CatalogError, CatalogModel, Needs, assess, best_gpu, find_model, fmt_gb, fmt_gib, load_catalog,
                       memory_mode, model_from_gguf, recommend)
 from .machine import GIB, Machine, describe, detect
-from engine.supported import SUPPORTED_ARCHS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -523,8 +524,7 @@ def step_calibrate(ui: UI, a, p: Paths, name: str, model_path: Path, c: cfgmod.C
     gpus = [g.name for g in m.gpus]
     earlier = None if a.calibrate else cal.load(path, model_path, gpus)
     if earlier is not None:
-        c.ctx = min(c.ctx, int(earlier.get("ctx", c.ctx)))     # the context the calibration found to fit
-        c.calibrated_args = cal.chosen_args(earlier)
+        reuse_calibration(ui, c, earlier)
         ui.ok(f"done before ({path.name}: PCIe {earlier['pcie_gbps']} GB/s, decode {earlier['decode_tok_s']} tok/s); "
               f"--calibrate redoes it")
         return
@@ -564,6 +564,16 @@ def step_calibrate(ui: UI, a, p: Paths, name: str, model_path: Path, c: cfgmod.C
         ui.ok(f"chose: {result['why']}")
     if c.calibrated_args:
         ui.ok(f"worker flags from calibration: {' '.join(c.calibrated_args)}")
+
+
+def reuse_calibration(ui: UI, c: cfgmod.Choices, earlier: dict) -> None:
+    """An earlier calibration's choices: its flags, and no larger context than the one it found to fit in VRAM."""
+    fits = int(earlier.get("ctx", c.ctx))
+    if fits < c.ctx:
+        ui.warn(f"context {c.ctx} did not fit in this GPU's VRAM when calibrated; using {fits} "
+                f"(python -m setup --calibrate measures again)")
+        c.ctx = fits
+    c.calibrated_args = cal.chosen_args(earlier)
 
 
 def compare_prefetch(ui: UI, worker, model_path: Path, c: cfgmod.Choices, result: dict, profile: Path, chats: Path,
@@ -751,8 +761,7 @@ def step_calibrate_quiet(ui: UI, a, p: Paths, name: str, model_path: Path, c: cf
     path = p.config_dir / f"strata-{name}.calibration.json"
     earlier = cal.load(path, model_path, [g.name for g in m.gpus])
     if earlier is not None and not a.calibrate:
-        c.ctx = min(c.ctx, int(earlier.get("ctx", c.ctx)))
-        c.calibrated_args = cal.chosen_args(earlier)
+        reuse_calibration(ui, c, earlier)
         return
     step_calibrate(ui, a, p, name, model_path, c, m)
 

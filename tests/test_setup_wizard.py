@@ -359,6 +359,10 @@ def test_calibration_learns_the_profile_the_server_loads_and_finds_the_context_t
     rc, out2, _ = go(env, "--yes", "--no-start", machine_=machine((12,), 32))
     assert rc == 0 and "done before" in out2 and len(seen.read_text().splitlines()) == 3
     assert config_of(env, "tiny-moe")["args"][cfg["args"].index("--ctx") + 1] == "4096"
+    # asking for the context that did not fit again: said, and the measured one kept
+    rc, out3, _ = go(env, "--yes", "--no-start", "--model", "tiny-moe", "--ctx", "16384", machine_=machine((12,), 32))
+    assert rc == 0 and "context 16384 did not fit in this GPU's VRAM when calibrated; using 4096" in out3
+    assert len(seen.read_text().splitlines()) == 3
 
 
 def test_an_unsupported_architecture_is_never_taken_without_a_clear_word(env, hub):
