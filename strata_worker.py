@@ -311,10 +311,12 @@ def main(argv=None) -> int:
             try:
                 req = protocol.parse_gen(line)
             except protocol.ProtocolError as e:
-                out.emit(protocol.format_err(str(e)))
+                out.emit(protocol.format_err(str(e), protocol.gen_req_number(line)))
                 continue
+            # RESUME, DONE and ERR carry the request's number (engine/protocol.py), so the server can tell them apart.
+            emit = out.emit if req.req is None else (lambda ln, n=req.req: out.emit(protocol.with_req(ln, n)))
             try:
-                done = session.run(req, out.emit, ev)
+                done = session.run(req, emit, ev)
             except BackendBroken as e:
                 print(f"strata_worker: the engine broke and exits: {e}", file=sys.stderr, flush=True)
                 status = 1

@@ -41,6 +41,9 @@ class ClientGone(Exception):
 class StrataServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # listen()'s backlog: Python's default of 5 reset 17 of 128 connections in bursts of 32 (the accept loop is one
+    # thread); the kernel caps it at net.core.somaxconn.
+    request_queue_size = 1024
 
     def __init__(self, cfg, service: Service, codec):
         self.cfg, self.service, self.codec = cfg, service, codec
