@@ -13,6 +13,7 @@ import mimetypes
 import queue
 import select
 import socket
+import sys
 import time
 import uuid
 from contextlib import contextmanager
@@ -60,6 +61,13 @@ class StrataServer(ThreadingHTTPServer):
             names.add((urlsplit(origin).hostname or "").lower())
         self.host_names = names
 
+    def handle_error(self, request, client_address):
+        # A client that leaves mid-answer is ordinary: no traceback on stderr for it.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, socket.timeout)):
+            return
+        super().handle_error(request, client_address)
+
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -69,6 +77,25 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt, *args):  # quiet: the Monitor and /metrics are the record
         pass
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (a request line or headers too long, bad syntax) as JSON, like ours."""
+        self.close_connection = True
+        try:
+            text = {414: "the request line is too long (at most 65,536 bytes)",
+                    431: "the request headers are too long or too many (at most 100 headers of 65,536 bytes)",
+                    501: f"the method {self.command!r} is not supported: use GET or POST"}.get(code, message)
+            body = json.dumps({"error": {"message": text or f"HTTP {code}", "type": "invalid_request_error",
+                                         "param": None, "code": code}}).encode()
+            self.send_response(code, message)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+                self.wfile.write(body)
+        except OSError:
+            pass
 
     # --- plumbing -------------------------------------------------------------------------------------------------
     def _cors_headers(self) -> None:
@@ -129,6 +156,8 @@ class Handler(BaseHTTPRequestHandler):
             body = json.loads(raw or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "the JSON body is nested too deeply: flatten it") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         return body
@@ -201,6 +230,15 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         self._dispatch("POST")
 
+    def _method_not_allowed(self):
+        self._body_read = False
+        self.close_connection = True         # any body is left unread
+        self.send_json(405, {"error": {"message": f"the method {self.command} is not allowed here: the API takes GET "
+                                                  "and POST", "type": "invalid_request_error", "param": None,
+                                       "code": 405}}, headers={"Allow": "GET, POST, OPTIONS"})
+
+    do_PUT = do_DELETE = do_PATCH = do_TRACE = do_CONNECT = _method_not_allowed
+
     def _dispatch(self, method: str) -> None:
         self._body_read = False
         url = urlsplit(self.path)
@@ -220,6 +258,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_error_json(e)
         except ServiceError as e:
             self.send_error_json(ApiError(e.status, e.message, e.kind))
+        except RecursionError:
+            self.send_error_json(ApiError(400, "the JSON body is nested too deeply: flatten it"))
         except ClientGone:
             self.close_connection = True
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
