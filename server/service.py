@@ -23,6 +23,7 @@ log = logging.getLogger("strata.service")
 
 HISTORY_LEN = 500
 RATE_WINDOW_S = 2.0
+SERIES_S = 300              # the Monitor's tok/s chart: generated tokens per second over the last 5 minutes
 # DONE's counters, summed over a request's passes into its Result and over requests into the totals.
 PASS_SUMS = ("prompt_read", "prompt_ms", "decode_ms", "hits", "lookups", "ram_blobs", "file_blobs", "file_mb")
 TOTAL_SUMS = ("prompt_tokens", "cached_tokens", "generated") + PASS_SUMS
@@ -104,6 +105,7 @@ class Service:
         self.worker_starts = 0
         self.worker_failures = 0
         self._token_times: collections.deque[float] = collections.deque()
+        self._per_second: collections.deque[list[int]] = collections.deque(maxlen=SERIES_S)   # [second, tokens]
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_LEN)
         zero = Result("stop")       # the sums start as its 0 or 0.0
         self.totals = dict(requests=0, stop=0, length=0, cancel=0, error=0,
@@ -362,6 +364,11 @@ class Service:
         now = time.monotonic()
         with self._cv:
             self._token_times.append(now)
+            sec = int(now)
+            if self._per_second and self._per_second[-1][0] == sec:
+                self._per_second[-1][1] += 1
+            else:
+                self._per_second.append([sec, 1])
             while self._token_times and self._token_times[0] < now - RATE_WINDOW_S:
                 self._token_times.popleft()
 
@@ -385,6 +392,15 @@ class Service:
                 t[k] += entry[k]
 
     # --- /metrics ---------------------------------------------------------------------------------------------
+    def _series_locked(self, now: float) -> list[int]:
+        """Tokens generated in each of the last SERIES_S whole seconds, oldest first (the current one last)."""
+        out = [0] * SERIES_S
+        first = int(now) - SERIES_S + 1
+        for sec, n in self._per_second:
+            if sec >= first:
+                out[sec - first] = n
+        return out
+
     def snapshot(self) -> dict:
         w = self.worker
         with self._cv:
@@ -401,6 +417,7 @@ class Service:
                            waiting=self._waiting_locked()),
                 progress=self.progress,
                 tok_s=round(len(recent) / RATE_WINDOW_S, 1),
+                tok_s_series=self._series_locked(now),
                 totals=dict(self.totals),
                 history=list(self.history),
             )

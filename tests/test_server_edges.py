@@ -89,3 +89,11 @@ def test_a_non_loopback_host_needs_an_api_key(tmp_path, fixtures_dir):
         assert make_config(tmp_path, fixtures_dir / VOCAB, host=host, api_key="k").host == host
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
         assert make_config(tmp_path, fixtures_dir / VOCAB, host=host).host == host
+
+
+def test_metrics_carry_a_per_second_token_series(server):
+    _, base = server
+    r = requests.post(base + "/v1/completions", json={"prompt": "hello there", "max_tokens": 8}, timeout=30)
+    m = requests.get(base + "/metrics", timeout=10).json()
+    series = m["tok_s_series"]
+    assert len(series) == 300 and sum(series) == r.json()["usage"]["completion_tokens"] > 0
