@@ -384,7 +384,8 @@ class Handler(BaseHTTPRequestHandler):
         include_usage = bool(so.get("include_usage"))
         parser = self.server.codec.tool_parser(tools, tool_choice(body))
         with prompt_errors_are_400("messages"):
-            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, template_kwargs=kwargs)
+            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, template_kwargs=kwargs,
+                                                         tool_choice=body.get("tool_choice"))
         job = self._submit("/v1/chat/completions", prompt, max_new, common, stops, text)
         rid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
         if not common["stream"]:
@@ -492,7 +493,7 @@ class Handler(BaseHTTPRequestHandler):
                 common["budget"] = budget
         stops = stop_list(body, "stop_sequences")
         with prompt_errors_are_400("messages"):
-            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools)
+            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, tool_choice=anthropic_choice(body))
         job = self._submit("/v1/messages", prompt, max_new, common, stops, text)
         rid, model = "msg_" + uuid.uuid4().hex[:24], self.server.cfg.model_name
 
@@ -665,6 +666,17 @@ def tool_choice(body: dict) -> str | None:
         return "none" if v["type"] == "none" else "auto"
     raise ApiError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or an object with a 'type'",
                    param="tool_choice")
+
+
+def anthropic_choice(body: dict):
+    """Anthropic's tool_choice ({"type": "auto" | "any" | "tool" | "none", "name"}) in OpenAI's terms."""
+    v = body.get("tool_choice")
+    if not isinstance(v, dict):
+        return v
+    kind = v.get("type")
+    if kind == "tool":
+        return {"type": "function", "function": {"name": v.get("name")}}
+    return {"any": "required"}.get(kind, kind)
 
 
 def feed_calls(parser, content: str) -> tuple[str, list]:
