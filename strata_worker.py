@@ -278,7 +278,10 @@ def main(argv=None) -> int:
     chunk = backend.prompt_chunk_size()
     if args.prompt_chunk:
         chunk = min(chunk, args.prompt_chunk)
-    session = Session(backend, eog, prompt_chunk=chunk)
+    from engine.grammar import Grammars
+    from engine.tokenizer import Tokenizer
+    grammars = Grammars(lambda: Tokenizer.from_metadata(model.metadata), eog)   # llguidance's vocabulary, on first use
+    session = Session(backend, eog, prompt_chunk=chunk, grammars=grammars)
     log(f"backend {backend_name} ({reason_long})")
     log(f"loaded {args.model} ({cfg.arch}, {cfg.n_layer} layers, context {ctx}) in "
         f"{time.perf_counter() - t0:.1f} s; end-of-generation ids {sorted(eog)}")
