@@ -6,6 +6,7 @@ the configured origins, a body size limit, and every JSON field checked for its 
 """
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -19,18 +20,23 @@ import uuid
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from server import metrics
 from server.schema import (ApiError, chat_messages, field, max_new_tokens, sampling_params, stop_list,
                            text_content)
 from server.service import Job, Result, Service, ServiceError
+from server import logprobs
+from server.grammar import GrammarRequestError, response_format_grammar, tool_call_grammar
 from server.text import PromptError
+from engine.grammar import encode as encode_grammar
+from engine.protocol import MAX_TOP_LOGPROBS
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 MAX_BODY = 32 * 1024 * 1024
 POLL_S = 0.2
 KEEPALIVE_S = 10.0   # an SSE comment this often while nothing else is sent (a long prompt): proxies stay open
+MAX_N = 16           # choices per request (n): each is a full generation, one after another
 OPEN_PATHS = {"/health"}     # no API key needed (the web app's files are public too: they hold no data)
 
 
@@ -246,7 +252,10 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self.check_host_origin()
             self.check_key(path)
+            self._path = path
             route = ROUTES.get((method, path))
+            if route is None and method == "GET" and path.startswith("/v1/models/"):
+                route = Handler.get_model
             if route is None:
                 if method == "GET" and self.is_static(path):
                     return self.send_static(path)
@@ -287,11 +296,13 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(200, {"status": "ok", "phase": svc.phase, "model": self.server.cfg.model_name})
 
     def get_models(self, q):
+        self.send_json(200, {"object": "list", "data": [self._model_entry()]})
+
+    def _model_entry(self) -> dict:
         cfg = self.server.cfg
         w = self.server.service.worker
-        self.send_json(200, {"object": "list", "data": [{
-            "id": cfg.model_name, "object": "model", "created": int(self.server.started), "owned_by": "strata",
-            "meta": {"path": cfg.model, "n_ctx": w.max_context if w else None}}]})
+        return {"id": cfg.model_name, "object": "model", "created": int(self.server.started), "owned_by": "strata",
+                "meta": {"path": cfg.model, "n_ctx": w.max_context if w else None}}
 
     def get_metrics(self, q):
         snap = self.server.service.snapshot()
@@ -347,34 +358,58 @@ class Handler(BaseHTTPRequestHandler):
             if ev[0] in ("done", "error"):
                 return
 
-    def _common(self, body: dict) -> dict:
+    def _common(self, body: dict, api: str = "messages") -> dict:
+        """What every generation endpoint reads; api: chat | completions | messages (their logprobs differ)."""
         field(body, "model", "str")
-        n = field(body, "n", "int")
-        if n not in (None, 1):
-            raise ApiError(400, "'n' must be 1: this server makes one answer per request", param="n")
-        if field(body, "logprobs", "bool"):
-            raise ApiError(400, "'logprobs' is not supported by this server", param="logprobs")
-        rf = field(body, "response_format", "dict")
-        if rf is not None and rf.get("type") != "text":
-            raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported", param="response_format")
+        n = field(body, "n", "int", default=1, lo=1, hi=MAX_N)
+        stream = field(body, "stream", "bool", default=False)
+        if n > 1 and stream:
+            raise ApiError(400, "'n' > 1 is answered whole: send it with stream false (or n 1 to stream)", param="n")
+        logprobs = None
+        if api == "chat" and field(body, "logprobs", "bool", default=False):
+            logprobs = field(body, "top_logprobs", "int", default=0, lo=0, hi=MAX_TOP_LOGPROBS)
+        elif api == "chat" and field(body, "top_logprobs", "int") is not None:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        elif api == "completions":
+            logprobs = field(body, "logprobs", "int", lo=0, hi=5)
+        grammar = None
+        if api != "messages":
+            try:
+                grammar = response_format_grammar(field(body, "response_format", "dict"))
+            except GrammarRequestError as e:
+                raise ApiError(400, str(e), param="response_format") from None
         budget = field(body, "reasoning_budget_tokens", "int", lo=-1)
         if budget is None:
             budget = self.server.cfg.reasoning_budget_tokens
-        return dict(params=sampling_params(body, self.server.cfg.sampling),
-                    stream=field(body, "stream", "bool", default=False),
-                    budget=None if budget is None or budget < 0 else budget)
+        return dict(params=sampling_params(body, self.server.cfg.sampling), stream=stream, n=n, logprobs=logprobs,
+                    grammar=grammar, budget=None if budget is None or budget < 0 else budget)
 
     def _submit(self, endpoint: str, prompt: list[int], max_new, common: dict, stops: list[str],
-                prompt_text: str | None) -> Job:
+                prompt_text: str | None, choice: int = 0) -> Job:
         if not prompt:
             raise ApiError(400, "the prompt is empty: send some text")
+        params = dict(common["params"])
+        if choice and params.get("seed") is not None:
+            params["seed"] += choice        # n > 1 with a seed: reproducible, yet not n copies of one answer
+        grammar = common["grammar"]
         return self.server.service.submit(Job(
-            "gen", endpoint=endpoint, prompt=prompt, max_new=max_new, params=common["params"], stops=stops,
-            reasoning_budget=common["budget"], prompt_text=prompt_text))
+            "gen", endpoint=endpoint, prompt=prompt, max_new=max_new, params=params, stops=stops,
+            reasoning_budget=common["budget"], prompt_text=prompt_text, logprobs=common["logprobs"],
+            grammar=encode_grammar(grammar) if grammar else None))
+
+    def _choices(self, endpoint, prompt, max_new, common, stops, prompt_text):
+        """n answers, one after another: [(reasoning, content, Result, logprob events)]. Jobs are submitted one at
+        a time, so a client that leaves stops the rest."""
+        out = []
+        for i in range(common["n"]):
+            job = self._submit(endpoint, prompt, max_new, common, stops, prompt_text, choice=i)
+            lps: list = []
+            out.append(self.collect(job, lps) + (lps,))
+        return out
 
     def post_chat(self, q):
         body = self.read_json()
-        common = self._common(body)
+        common = self._common(body, "chat")
         msgs = chat_messages(body)
         stops = stop_list(body)
         max_new = max_new_tokens(body, "max_completion_tokens", "max_tokens")
@@ -382,29 +417,52 @@ class Handler(BaseHTTPRequestHandler):
         kwargs = field(body, "chat_template_kwargs", "dict", default={})
         so = field(body, "stream_options", "dict", default={})
         include_usage = bool(so.get("include_usage"))
+        choice = body.get("tool_choice")
         parser = self.server.codec.tool_parser(tools, tool_choice(body))
+        try:
+            forced = tool_call_grammar(tools, choice) if self.server.codec.tool_format.name == "tags" else None
+        except GrammarRequestError as e:
+            raise ApiError(400, str(e), param="tool_choice") from None
+        if forced is not None:
+            if common["grammar"] is not None:
+                raise ApiError(400, "'response_format' and a forced 'tool_choice' cannot both shape one answer",
+                               param="tool_choice")
+            common["grammar"] = forced
         with prompt_errors_are_400("messages"):
             prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, template_kwargs=kwargs,
-                                                         tool_choice=body.get("tool_choice"))
-        job = self._submit("/v1/chat/completions", prompt, max_new, common, stops, text)
+                                                         tool_choice=choice)
         rid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
+        tok = self.server.codec.tok
         if not common["stream"]:
-            reasoning, content, res = self.collect(job)
-            content, calls = split_calls(parser, content)
-            msg = {"role": "assistant", "content": content}
-            if reasoning:
-                msg["reasoning_content"] = reasoning
-            if calls:
-                msg["tool_calls"] = [openai_call(k) for k in calls]
-                msg["content"] = content or None
+            choices, total = [], None
+            for i, (reasoning, content, res, lps) in enumerate(
+                    self._choices("/v1/chat/completions", prompt, max_new, common, stops, text)):
+                if parser is not None:
+                    parser = self.server.codec.tool_parser(tools, tool_choice(body))    # a fresh one per choice
+                content, calls = split_calls(parser, content)
+                msg = {"role": "assistant", "content": content}
+                if reasoning:
+                    msg["reasoning_content"] = reasoning
+                if calls:
+                    msg["tool_calls"] = [openai_call(k) for k in calls]
+                    msg["content"] = content or None
+                choices.append({"index": i, "message": msg, "finish_reason": finish_reason(res, calls),
+                                "logprobs": {"content": logprobs.chat_content(tok, lps)}
+                                if common["logprobs"] is not None else None})
+                total = res if total is None else add_usage(total, res)
             return self.send_json(200, {
                 "id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(res, calls), "logprobs": None}],
-                "usage": usage(res), "timings": timings(res)})
+                "choices": choices, "usage": usage(total), "timings": timings(total)})
+        job = self._submit("/v1/chat/completions", prompt, max_new, common, stops, text)
+        lp_pending: list = []
 
         def chunk(delta, finish=None, **extra):
+            lp = None
+            if common["logprobs"] is not None:
+                lp = {"content": logprobs.chat_content(tok, lp_pending)}
+                lp_pending.clear()
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}], **extra}
 
         def on_delta(r, c):
             c, calls = feed_calls(parser, c)
@@ -429,11 +487,12 @@ class Handler(BaseHTTPRequestHandler):
                             "choices": [], "usage": usage(res)})
             return out
 
-        self.stream_sse(job, [chunk({"role": "assistant", "content": ""})], on_delta, on_done)
+        self.stream_sse(job, [chunk({"role": "assistant", "content": ""})], on_delta, on_done,
+                        logprob_sink=lp_pending)
 
     def post_completions(self, q):
         body = self.read_json()
-        common = self._common(body)
+        common = self._common(body, "completions")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -448,22 +507,35 @@ class Handler(BaseHTTPRequestHandler):
         max_new = max_new_tokens(body, "max_tokens")
         with prompt_errors_are_400("prompt"):
             ids = self.server.codec.completion_prompt(prompt)
-        job = self._submit("/v1/completions", ids, max_new, common, stops, None)
         rid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
+        tok = self.server.codec.tok
         if not common["stream"]:
-            reasoning, content, res = self.collect(job)
+            choices, total = [], None
+            for i, (reasoning, content, res, lps) in enumerate(
+                    self._choices("/v1/completions", ids, max_new, common, stops, None)):
+                choices.append({"index": i, "text": reasoning + content, "finish_reason": finish_reason(res),
+                                "logprobs": logprobs.completion_logprobs(tok, lps)
+                                if common["logprobs"] is not None else None})
+                total = res if total is None else add_usage(total, res)
             return self.send_json(200, {
                 "id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": reasoning + content, "finish_reason": finish_reason(res),
-                             "logprobs": None}],
-                "usage": usage(res), "timings": timings(res)})
+                "choices": choices, "usage": usage(total), "timings": timings(total)})
+        job = self._submit("/v1/completions", ids, max_new, common, stops, None)
+        lp_pending: list = []
+        sent = [0]
 
         def chunk(text, finish=None, **extra):
+            lp = None
+            if common["logprobs"] is not None:
+                lp = logprobs.completion_logprobs(tok, lp_pending, sent[0])
+                lp_pending.clear()
+            sent[0] += len(text)
             return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], **extra}
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}], **extra}
 
         self.stream_sse(job, [], lambda r, c: [chunk(r + c)],
-                        lambda res: [chunk("", finish_reason(res), usage=usage(res), timings=timings(res))])
+                        lambda res: [chunk("", finish_reason(res), usage=usage(res), timings=timings(res))],
+                        logprob_sink=lp_pending)
 
     def post_messages(self, q):
         body = self.read_json()
@@ -471,18 +543,8 @@ class Handler(BaseHTTPRequestHandler):
         max_new = field(body, "max_tokens", "int", lo=1)
         if max_new is None:
             raise ApiError(400, "'max_tokens' is required (a positive integer)", param="max_tokens")
-        msgs = []
-        system = body.get("system")
-        if system is not None:
-            msgs.append({"role": "system", "content": text_content(system, "system")})
-        raw = field(body, "messages", "list")
-        if not raw:
-            raise ApiError(400, "'messages' must be a non-empty array", param="messages")
-        for i, m in enumerate(raw):
-            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-                raise ApiError(400, f"messages[{i}] must be an object with role 'user' or 'assistant'", param="messages")
-            msgs += anthropic_message(m, f"messages[{i}]")
         tools = anthropic_tools(field(body, "tools", "list"))
+        msgs = self._anthropic_messages(body)
         parser = self.server.codec.tool_parser(tools, tool_choice(body))
         thinking = field(body, "thinking", "dict")
         if thinking and thinking.get("type") == "enabled":
@@ -576,10 +638,45 @@ class Handler(BaseHTTPRequestHandler):
             "stop_sequence": None, "usage": {"input_tokens": len(prompt), "output_tokens": 0}}})
         self.stream_sse(job, [start], on_delta, on_done, named=True)
 
-    def collect(self, job: Job) -> tuple[str, str, Result]:
+    def _anthropic_messages(self, body: dict) -> list[dict]:
+        msgs = []
+        system = body.get("system")
+        if system is not None:
+            msgs.append({"role": "system", "content": text_content(system, "system")})
+        raw = field(body, "messages", "list")
+        if not raw:
+            raise ApiError(400, "'messages' must be a non-empty array", param="messages")
+        for i, m in enumerate(raw):
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+                raise ApiError(400, f"messages[{i}] must be an object with role 'user' or 'assistant'", param="messages")
+            msgs += anthropic_message(m, f"messages[{i}]")
+        return msgs
+
+    def post_count_tokens(self, q):
+        """Anthropic's /v1/messages/count_tokens: the prompt's length as this model's template and vocabulary make
+        it (the tools included), without running the model."""
+        body = self.read_json()
+        field(body, "model", "str")
+        tools = anthropic_tools(field(body, "tools", "list"))
+        msgs = self._anthropic_messages(body)
+        with prompt_errors_are_400("messages"):
+            prompt, _ = self.server.codec.chat_prompt(msgs, tools=tools, tool_choice=anthropic_choice(body))
+        self.send_json(200, {"input_tokens": len(prompt)})
+
+    def get_model(self, q):
+        """GET /v1/models/{id}: this server's one model, or a 404 naming it."""
+        cfg = self.server.cfg
+        wanted = unquote(self._path[len("/v1/models/"):])
+        if wanted != cfg.model_name:
+            raise ApiError(404, f"no model {wanted!r}: this server serves {cfg.model_name!r}", code="model_not_found")
+        self.send_json(200, self._model_entry())
+
+    def collect(self, job: Job, logprob_sink: list | None = None) -> tuple[str, str, Result]:
         reasoning, content = [], []
         for ev in self.events(job):
-            if ev[0] == "delta":
+            if ev[0] == "logprobs" and logprob_sink is not None:
+                logprob_sink.append(ev)
+            elif ev[0] == "delta":
                 reasoning.append(ev[1])
                 content.append(ev[2])
             elif ev[0] == "error":
@@ -588,7 +685,8 @@ class Handler(BaseHTTPRequestHandler):
                 return "".join(reasoning), "".join(content), ev[1]
         raise ApiError(500, "the request ended without a result")
 
-    def stream_sse(self, job: Job, first: list, on_delta, on_done, named: bool = False) -> None:
+    def stream_sse(self, job: Job, first: list, on_delta, on_done, named: bool = False,
+                   logprob_sink: list | None = None) -> None:
         """Server-sent events. Headers wait until the worker has taken the request, so a request refused at once
         (a prompt that does not fit, a failed start) gets its HTTP status."""
         events = self.events(job, KEEPALIVE_S)
@@ -622,6 +720,9 @@ class Handler(BaseHTTPRequestHandler):
                 if ev[0] == "tick":
                     self.wfile.write(b": keep-alive\n\n")   # a comment: clients ignore it
                     self.wfile.flush()
+                elif ev[0] == "logprobs":
+                    if logprob_sink is not None:
+                        logprob_sink.append(ev)        # sent with the next chunk
                 elif ev[0] == "delta":
                     send(on_delta(ev[1], ev[2]))
                 elif ev[0] == "done":
@@ -753,6 +854,14 @@ def openai_call(call) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
+def add_usage(a: Result, b: Result) -> Result:
+    """The sums of two choices' counts (n > 1: the usage covers every answer; the prompt counts once)."""
+    out = dataclasses.replace(a)
+    for k in ("generated", "prompt_read", "prompt_ms", "decode_ms"):
+        setattr(out, k, getattr(a, k) + getattr(b, k))
+    return out
+
+
 def usage(res: Result) -> dict:
     return {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.generated,
             "total_tokens": res.prompt_tokens + res.generated,
@@ -775,4 +884,5 @@ ROUTES = {
     ("POST", "/v1/chat/completions"): Handler.post_chat,
     ("POST", "/v1/completions"): Handler.post_completions,
     ("POST", "/v1/messages"): Handler.post_messages,
+    ("POST", "/v1/messages/count_tokens"): Handler.post_count_tokens,
 }

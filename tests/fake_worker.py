@@ -149,7 +149,8 @@ def main() -> int:
             out(protocol.format_err(f"prompt {len(req.prompt)} + max_new {req.max_new} + 8 exceeds the context {a.ctx}",
                                     req.req))
             continue
-        log(f"fake worker: GEN max_new={req.max_new} params={json.dumps(req.params, sort_keys=True)} prompt={','.join(map(str, req.prompt))}")
+        log(f"fake worker: GEN max_new={req.max_new} params={json.dumps(req.params, sort_keys=True)} prompt={','.join(map(str, req.prompt))}"
+            + (f" grammar={req.grammar}" if req.grammar else ""))
         fault = a.fault if a.fault and a.fault_gen in (0, n_gen) else None
         if a.chaos and rng.random() < a.chaos:
             fault = rng.choice(sorted(FAULTS) + ["die", "hang"])
