@@ -397,6 +397,19 @@ class Handler(BaseHTTPRequestHandler):
             reasoning_budget=common["budget"], prompt_text=prompt_text, logprobs=common["logprobs"],
             grammar=encode_grammar(grammar) if grammar else None))
 
+    def _force_tool_call(self, common: dict, tools, choice) -> None:
+        """tool_choice "required" or a named function: a grammar holds the answer to one call (server/grammar.py),
+        for templates whose calls take the tags form (the generic prompt's too); others get the choice in words."""
+        try:
+            forced = tool_call_grammar(tools, choice) if self.server.codec.tool_format.name == "tags" else None
+        except GrammarRequestError as e:
+            raise ApiError(400, str(e), param="tool_choice") from None
+        if forced is not None:
+            if common["grammar"] is not None:
+                raise ApiError(400, "'response_format' and a forced 'tool_choice' cannot both shape one answer",
+                               param="tool_choice")
+            common["grammar"] = forced
+
     def _choices(self, endpoint, prompt, max_new, common, stops, prompt_text):
         """n answers, one after another: [(reasoning, content, Result, logprob events)]. Jobs are submitted one at
         a time, so a client that leaves stops the rest."""
@@ -419,15 +432,7 @@ class Handler(BaseHTTPRequestHandler):
         include_usage = bool(so.get("include_usage"))
         choice = body.get("tool_choice")
         parser = self.server.codec.tool_parser(tools, tool_choice(body))
-        try:
-            forced = tool_call_grammar(tools, choice) if self.server.codec.tool_format.name == "tags" else None
-        except GrammarRequestError as e:
-            raise ApiError(400, str(e), param="tool_choice") from None
-        if forced is not None:
-            if common["grammar"] is not None:
-                raise ApiError(400, "'response_format' and a forced 'tool_choice' cannot both shape one answer",
-                               param="tool_choice")
-            common["grammar"] = forced
+        self._force_tool_call(common, tools, choice)
         with prompt_errors_are_400("messages"):
             prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, template_kwargs=kwargs,
                                                          tool_choice=choice)
@@ -546,6 +551,7 @@ class Handler(BaseHTTPRequestHandler):
         tools = anthropic_tools(field(body, "tools", "list"))
         msgs = self._anthropic_messages(body)
         parser = self.server.codec.tool_parser(tools, tool_choice(body))
+        self._force_tool_call(common, tools, anthropic_choice(body))
         thinking = field(body, "thinking", "dict")
         if thinking and thinking.get("type") == "enabled":
             budget = thinking.get("budget_tokens")

@@ -103,3 +103,14 @@ def test_response_format_and_forced_tools_send_a_grammar(server):
     assert r.status_code == 200, r.text
     g = decode([kv for kv in open(httpd.cfg.log).read().split() if kv.startswith("grammar=")][-1][8:])
     assert "<tool_call>" in g and '"const": "get_weather"' in g
+
+
+def test_anthropic_tool_choice_tool_sends_a_grammar(server):
+    httpd, base = server
+    r = requests.post(base + "/v1/messages", timeout=30, json={
+        "model": "fake", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
+        "tool_choice": {"type": "tool", "name": "get_weather"}})
+    assert r.status_code == 200, r.text
+    g = decode([kv for kv in open(httpd.cfg.log).read().split() if kv.startswith("grammar=")][-1][8:])
+    assert '"const": "get_weather"' in g
