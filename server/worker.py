@@ -150,7 +150,8 @@ class Worker:
                                              stdout=subprocess.PIPE, stderr=logf, text=True, bufsize=1,
                                              encoding="utf-8", errors="replace")
             except OSError as e:
-                raise WorkerStartError(f"could not start the worker ({shlex.join(self.cmd)}): {e}") from None
+                raise WorkerStartError(f"could not start the worker ({e.strerror or type(e).__name__}); the "
+                                       f"server's log has the command", f"command: {shlex.join(self.cmd)}: {e}") from None
         threading.Thread(target=self._pump, args=(self.proc, self._q), daemon=True,
                          name=f"worker-pump-{self.proc.pid}").start()
         threading.Thread(target=self._write, args=(self.proc, self._wq), daemon=True,

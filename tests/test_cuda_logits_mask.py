@@ -118,3 +118,127 @@ def test_a_masked_pick_on_the_backend_stays_in_the_mask(fixtures_dir, temperatur
             s.accept(tok)
     finally:
         be.close()
+
+
+# --- masked_next's control flow on the CPU: CuPy and the kernels replaced by NumPy and their references ---------------
+class _Arr(np.ndarray):
+    def get(self, stream=None):
+        return np.asarray(self)
+
+
+class _Shim:
+    """The few CuPy names masked_next and the launch helpers use, over NumPy."""
+    float32, int32 = np.float32, np.int32
+
+    @staticmethod
+    def array(x, dtype=None, copy=True):
+        return np.array(x, dtype=dtype, copy=copy).view(_Arr)
+
+    @staticmethod
+    def asarray(x, dtype=None):
+        return np.asarray(x, dtype=dtype).view(_Arr)
+
+    @staticmethod
+    def full(n, v, dtype):
+        return np.full(n, v, dtype).view(_Arr)
+
+    isnan, isfinite, argmax = staticmethod(np.isnan), staticmethod(np.isfinite), staticmethod(np.argmax)
+
+    class cuda:
+        @staticmethod
+        def get_current_stream():
+            return _Stream()
+
+
+class _Stream:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+def _fake_kernel(name):
+    def apply_token_mask(grid, block, args):
+        logits, words, n, _ = args
+        logits[:] = mask_ref(np.asarray(logits), np.asarray(words).view(np.int32))
+
+    def top_logprobs(grid, block, args):
+        logits, n, token, k, ids, lps, tok = args
+        lp, top = logprobs_of(np.asarray(logits), int(token), int(k))
+        tok[0] = lp
+        for j, (i, v) in enumerate(top):
+            ids[j], lps[j] = i, v
+    return {"apply_token_mask": apply_token_mask, "top_logprobs": top_logprobs}[name]
+
+
+class _FakeGs:
+    """Stands in for GpuSampler: picks with the host chain from the logits it was given."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def load(self, sampler):
+        self.sampler = sampler
+
+    def enqueue(self, kernels, logits, dptr):
+        self.out[:] = [self.sampler._pick(np.asarray(logits)), 0]
+
+    def picked(self, sampler, tok, nan):
+        return int(tok)
+
+
+class _FakeBackend:
+    def __init__(self, n, seed, with_gs):
+        from types import SimpleNamespace
+        self.rng = np.random.default_rng(seed)
+        self.n = n
+        self.stream = _Stream()
+        self.kernels = None
+        out = [0, 0]
+        self.step = SimpleNamespace(logits=None, out=SimpleNamespace(dptr=0), result=lambda: tuple(out))
+        self.gpu_sampler = _FakeGs(out) if with_gs else None
+        self.fed = []
+
+    def _logits(self):
+        return (self.rng.standard_normal(self.n) * 3).astype(np.float32).view(_Arr)
+
+    def _prefill(self, tokens, all_logits):
+        self.fed.append(list(tokens))
+        return [self._logits()]
+
+    def _decode(self, token):
+        self.fed.append([token])
+        self.step.logits = self._logits()
+
+
+@pytest.mark.parametrize("params,with_gs", [({}, True), ({"temperature": 0.8, "seed": 1}, True),
+                                            ({"temperature": 0.8, "seed": 1}, False),
+                                            ({"penalty_repeat": 1.3}, True)])
+def test_masked_next_control_flow(monkeypatch, params, with_gs):
+    from engine.cuda import logits_mask as lm
+    monkeypatch.setattr(lm, "cp", _Shim)
+    monkeypatch.setattr(lm, "_kernel", _fake_kernel)
+    be = _FakeBackend(3000, 5, with_gs)
+    rng = np.random.default_rng(9)
+    s = Sampler(params)
+    s.top_logprobs = 3
+    tok = None
+    for step in range(6):
+        allowed, words = random_words(rng, be.n, 0.01)
+        s.mask = words
+        tok = lm.masked_next(be, [1, 2, 3] if tok is None else [tok], s)
+        assert allowed[tok]
+        lp, top = s.picked
+        assert lp <= 0 and len(top) == min(3, int(allowed.sum())) and all(allowed[i] for i, _ in top)
+        if not params:
+            assert top[0][0] == tok and top[0][1] == pytest.approx(lp)     # greedy: the top entry is the pick
+        s.accept(tok)
+    assert be.fed[0] == [1, 2, 3] and len(be.fed) == 6
+    s.mask = np.zeros(mask_words(be.n), np.int32)                           # nothing allowed: a clear error
+    from engine.sampling import SamplingError
+    with pytest.raises(SamplingError, match="allows no token"):
+        lm.masked_next(be, [tok], s)

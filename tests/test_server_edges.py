@@ -97,3 +97,12 @@ def test_metrics_carry_a_per_second_token_series(server):
     m = requests.get(base + "/metrics", timeout=10).json()
     series = m["tok_s_series"]
     assert len(series) == 300 and sum(series) == r.json()["usage"]["completion_tokens"] > 0
+
+
+def test_a_worker_that_cannot_start_is_a_503_without_paths(tmp_path, fixtures_dir, caplog):
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, worker=[str(tmp_path / "no" / "such-worker")])
+    with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
+        r = requests.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        msg = json_error(r.content)
+        assert r.status_code == 503 and "could not start the worker" in msg
+        assert str(tmp_path) not in msg and "such-worker" in caplog.text      # the command goes to the server log
