@@ -72,14 +72,14 @@ def likely_cause(returncode: int | None, log_tail: str) -> str:
         return ("it was killed with SIGKILL, by another process or by the kernel's out-of-memory killer (`dmesg` "
                 f"says which; if it was memory: {OOM_HINT})")
     if "watchdog" in low:
-        return "the worker's own watchdog ended it (see the log lines below)"
+        return "the worker's own watchdog ended it (the server's log has its last lines)"
     if returncode is not None and returncode < 0:
         try:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
         return f"it was ended by {name}"
-    return f"it exited with status {returncode}; the log lines below say why"
+    return f"it exited with status {returncode}; its last log lines (in the server's log) say why"
 
 
 class Worker:
