@@ -112,9 +112,12 @@ def test_a_masked_pick_on_the_backend_stays_in_the_mask(fixtures_dir, temperatur
             tok = be.next_token(feed, s)                    # ... and the same step through the masked pick
             assert allowed[tok], f"step {step}: token {tok} is outside the mask"
             if step and temperature == 0:
-                want_lp, want_top = logprobs_of(mask_ref(host, words), tok, 5)
-                assert tok == want_top[0][0] and s.picked[0] == pytest.approx(want_lp, abs=1e-3)
-                assert [i for i, _ in s.picked[1]] == [i for i, _ in want_top]
+                masked = mask_ref(host, words)
+                want_lp, want_top = logprobs_of(masked, tok, 5)
+                gaps = -np.diff(np.sort(masked[np.isfinite(masked)])[::-1][:6])
+                if (gaps > 1e-3).all():      # a near-tie may part on a last-bit difference of the logits
+                    assert tok == want_top[0][0] and [i for i, _ in s.picked[1]] == [i for i, _ in want_top]
+                assert s.picked[0] == pytest.approx(logprobs_of(masked, tok, 0)[0], abs=1e-3)
             s.accept(tok)
     finally:
         be.close()
