@@ -363,8 +363,8 @@ class Handler(BaseHTTPRequestHandler):
         field(body, "model", "str")
         n = field(body, "n", "int", default=1, lo=1, hi=MAX_N)
         stream = field(body, "stream", "bool", default=False)
-        if n > 1 and stream:
-            raise ApiError(400, "'n' > 1 is answered whole: send it with stream false (or n 1 to stream)", param="n")
+        if api == "messages" and n != 1:
+            raise ApiError(400, "'n' is not part of the Messages API: send one request per answer", param="n")
         logprobs = None
         if api == "chat" and field(body, "logprobs", "bool", default=False):
             logprobs = field(body, "top_logprobs", "int", default=0, lo=0, hi=MAX_TOP_LOGPROBS)
@@ -458,42 +458,52 @@ class Handler(BaseHTTPRequestHandler):
             return self.send_json(200, {
                 "id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": usage(total), "timings": timings(total)})
-        job = self._submit("/v1/chat/completions", prompt, max_new, common, stops, text)
-        lp_pending: list = []
+        results: list = []
 
-        def chunk(delta, finish=None, **extra):
-            lp = None
-            if common["logprobs"] is not None:
-                lp = {"content": logprobs.chat_content(tok, lp_pending)}
-                lp_pending.clear()
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}], **extra}
+        def streamed(i):
+            """Choice i's job and its chunk builders (n > 1: the choices stream one after another)."""
+            job = self._submit("/v1/chat/completions", prompt, max_new, common, stops, text, choice=i)
+            lp_pending: list = []
+            p = self.server.codec.tool_parser(tools, tool_choice(body)) if i else parser
 
-        def on_delta(r, c):
-            c, calls = feed_calls(parser, c)
-            d = {}
-            if r:
-                d["reasoning_content"] = r
-            if c:
-                d["content"] = c
-            out = [chunk(d)] if d or parser is None else []
-            return out + call_chunks(calls)
+            def chunk(delta, finish=None, **extra):
+                lp = None
+                if common["logprobs"] is not None:
+                    lp = {"content": logprobs.chat_content(tok, lp_pending)}
+                    lp_pending.clear()
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}], **extra}
 
-        def call_chunks(calls):
-            first = len(parser.calls) - len(calls) if calls else 0
-            return [chunk({"tool_calls": [dict(index=first + i, **openai_call(k))]}) for i, k in enumerate(calls)]
+            def on_delta(r, c):
+                c, calls = feed_calls(p, c)
+                d = {}
+                if r:
+                    d["reasoning_content"] = r
+                if c:
+                    d["content"] = c
+                out = [chunk(d)] if d or p is None else []
+                return out + call_chunks(calls)
 
-        def on_done(res):
-            c, calls = flush_calls(parser)
-            out = ([chunk({"content": c})] if c else []) + call_chunks(calls)
-            out.append(chunk({}, finish_reason(res, parser.calls if parser else ()), timings=timings(res)))
-            if include_usage:
-                out.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": usage(res)})
-            return out
+            def call_chunks(calls):
+                first = len(p.calls) - len(calls) if calls else 0
+                return [chunk({"tool_calls": [dict(index=first + j, **openai_call(k))]}) for j, k in enumerate(calls)]
 
-        self.stream_sse(job, [chunk({"role": "assistant", "content": ""})], on_delta, on_done,
-                        logprob_sink=lp_pending)
+            def on_done(res):
+                results.append(res)
+                c, calls = flush_calls(p)
+                out = ([chunk({"content": c})] if c else []) + call_chunks(calls)
+                out.append(chunk({}, finish_reason(res, p.calls if p else ()), timings=timings(res)))
+                if include_usage and len(results) == common["n"]:
+                    total = results[0]
+                    for more in results[1:]:
+                        total = add_usage(total, more)
+                    out.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                "choices": [], "usage": usage(total)})
+                return out
+
+            return SseChoice(job, [chunk({"role": "assistant", "content": ""})], on_delta, on_done, lp_pending)
+
+        self.stream_sse(streamed(0), more=[lambda i=i: streamed(i) for i in range(1, common["n"])])
 
     def post_completions(self, q):
         body = self.read_json()
@@ -525,22 +535,25 @@ class Handler(BaseHTTPRequestHandler):
             return self.send_json(200, {
                 "id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": usage(total), "timings": timings(total)})
-        job = self._submit("/v1/completions", ids, max_new, common, stops, None)
-        lp_pending: list = []
-        sent = [0]
+        def streamed(i):
+            job = self._submit("/v1/completions", ids, max_new, common, stops, None, choice=i)
+            lp_pending: list = []
+            sent = [0]
 
-        def chunk(text, finish=None, **extra):
-            lp = None
-            if common["logprobs"] is not None:
-                lp = logprobs.completion_logprobs(tok, lp_pending, sent[0])
-                lp_pending.clear()
-            sent[0] += len(text)
-            return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}], **extra}
+            def chunk(text, finish=None, **extra):
+                lp = None
+                if common["logprobs"] is not None:
+                    lp = logprobs.completion_logprobs(tok, lp_pending, sent[0])
+                    lp_pending.clear()
+                sent[0] += len(text)
+                return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": lp}], **extra}
 
-        self.stream_sse(job, [], lambda r, c: [chunk(r + c)],
-                        lambda res: [chunk("", finish_reason(res), usage=usage(res), timings=timings(res))],
-                        logprob_sink=lp_pending)
+            return SseChoice(job, [], lambda r, c: [chunk(r + c)],
+                             lambda res: [chunk("", finish_reason(res), usage=usage(res), timings=timings(res))],
+                             lp_pending)
+
+        self.stream_sse(streamed(0), more=[lambda i=i: streamed(i) for i in range(1, common["n"])])
 
     def post_messages(self, q):
         body = self.read_json()
@@ -642,7 +655,7 @@ class Handler(BaseHTTPRequestHandler):
         start = ("message_start", {"type": "message_start", "message": {
             "id": rid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
             "stop_sequence": None, "usage": {"input_tokens": len(prompt), "output_tokens": 0}}})
-        self.stream_sse(job, [start], on_delta, on_done, named=True)
+        self.stream_sse(SseChoice(job, [start], on_delta, on_done), named=True)
 
     def _anthropic_messages(self, body: dict) -> list[dict]:
         msgs = []
@@ -691,11 +704,12 @@ class Handler(BaseHTTPRequestHandler):
                 return "".join(reasoning), "".join(content), ev[1]
         raise ApiError(500, "the request ended without a result")
 
-    def stream_sse(self, job: Job, first: list, on_delta, on_done, named: bool = False,
-                   logprob_sink: list | None = None) -> None:
+    def stream_sse(self, c: "SseChoice", named: bool = False, more=()) -> None:
         """Server-sent events. Headers wait until the worker has taken the request, so a request refused at once
-        (a prompt that does not fit, a failed start) gets its HTTP status."""
-        events = self.events(job, KEEPALIVE_S)
+        (a prompt that does not fit, a failed start) gets its HTTP status. more: callables that submit and return
+        the next choices (n > 1), streamed after this one; [DONE] follows the last."""
+        more = list(more)
+        events = self.events(c.job, KEEPALIVE_S)
         ev = next(events)
         while ev[0] == "tick":
             ev = next(events)
@@ -720,32 +734,53 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(data.encode())
             self.wfile.flush()
 
+        def send_error(status, message):
+            err = {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
+                   "code": status}
+            send([("error", {"type": "error", "error": err})] if named else [{"error": err}])
+
         try:
-            send(first)
+            send(c.first)
             while True:
                 if ev[0] == "tick":
                     self.wfile.write(b": keep-alive\n\n")   # a comment: clients ignore it
                     self.wfile.flush()
                 elif ev[0] == "logprobs":
-                    if logprob_sink is not None:
-                        logprob_sink.append(ev)        # sent with the next chunk
+                    if c.logprob_sink is not None:
+                        c.logprob_sink.append(ev)      # sent with the next chunk
                 elif ev[0] == "delta":
-                    send(on_delta(ev[1], ev[2]))
+                    send(c.on_delta(ev[1], ev[2]))
                 elif ev[0] == "done":
-                    send(on_done(ev[1]))
+                    send(c.on_done(ev[1]))
+                    if more:
+                        try:
+                            c = more.pop(0)()
+                        except ServiceError as e:     # the server is shutting down
+                            return send_error(e.status, e.message)
+                        events = self.events(c.job, KEEPALIVE_S)
+                        send(c.first)
+                        ev = next(events)
+                        continue
                     if not named:
                         self.wfile.write(b"data: [DONE]\n\n")
                         self.wfile.flush()
                     return
                 elif ev[0] == "error":
-                    err = {"message": ev[2], "type": "server_error" if ev[1] >= 500 else "invalid_request_error",
-                           "code": ev[1]}
-                    send([("error", {"type": "error", "error": err})] if named else [{"error": err}])
-                    return
+                    return send_error(ev[1], ev[2])
                 ev = next(events)
         except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
-            job.cancel.set()
+            c.job.cancel.set()
             raise ClientGone() from None
+
+
+@dataclasses.dataclass
+class SseChoice:
+    """One streamed answer: its job, the events sent first, and the builders of its later events."""
+    job: Job
+    first: list
+    on_delta: object
+    on_done: object
+    logprob_sink: list | None = None
 
 
 @contextmanager

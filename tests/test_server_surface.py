@@ -66,6 +66,32 @@ def test_n_answers_one_after_another(server):
     assert len(r["choices"]) == 2
 
 
+def test_n_answers_streamed_one_after_another(server):
+    _, base = server
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 3, "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": True}
+    with requests.post(base + "/v1/chat/completions", json=body, stream=True, timeout=30) as r:
+        chunks = list(sse_events(r))
+    order = [c["choices"][0]["index"] for c in chunks if c["choices"]]
+    assert order == sorted(order) and set(order) == {0, 1, 2}
+    finishes = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == [0, 1, 2]
+    assert chunks[-1]["usage"]["completion_tokens"] == 9 and not chunks[-1]["choices"]
+    texts = {}
+    for c in chunks:
+        if c["choices"]:
+            texts[c["choices"][0]["index"]] = texts.get(c["choices"][0]["index"], "") + \
+                (c["choices"][0]["delta"].get("content") or "")
+    assert len(set(texts.values())) == 1                    # the echo worker answers each the same
+    with requests.post(base + "/v1/completions", stream=True, timeout=30,
+                       json={"prompt": "hey you", "max_tokens": 2, "n": 2, "stream": True}) as r:
+        idx = [c["choices"][0]["index"] for c in sse_events(r)]
+    assert idx[0] == 0 and idx[-1] == 1 and sorted(idx) == idx
+    r = requests.post(base + "/v1/messages", json={"model": "x", "max_tokens": 2, "n": 2,
+                                                   "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 400
+
+
 def test_one_model_by_id(server):
     httpd, base = server
     r = requests.get(base + "/v1/models/fake", timeout=10)
