@@ -10,6 +10,7 @@ import dataclasses
 import hmac
 import ipaddress
 import json
+import logging
 import mimetypes
 import queue
 import select
@@ -32,6 +33,7 @@ from server.text import PromptError
 from engine.grammar import encode as encode_grammar
 from engine.protocol import MAX_TOP_LOGPROBS
 
+log = logging.getLogger("strata.http")
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 MAX_BODY = 32 * 1024 * 1024
 POLL_S = 0.2
@@ -245,8 +247,13 @@ class Handler(BaseHTTPRequestHandler):
 
     do_PUT = do_DELETE = do_PATCH = do_TRACE = do_CONNECT = _method_not_allowed
 
+    def send_response(self, code, message=None):
+        self._responded = True
+        super().send_response(code, message)
+
     def _dispatch(self, method: str) -> None:
         self._body_read = False
+        self._responded = False
         url = urlsplit(self.path)
         path = url.path.rstrip("/") or "/"
         try:
@@ -273,6 +280,15 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             self.close_connection = True
+        except Exception as e:     # a bug: the traceback to the server's log, a JSON 500 to the client
+            log.exception("internal error answering %s %s", method, path)
+            self.close_connection = True
+            if not self._responded:
+                try:
+                    self.send_error_json(ApiError(500, f"internal error in the server ({type(e).__name__}); the "
+                                                       "server's log has the details", kind="server_error"))
+                except OSError:
+                    pass
 
     # --- the web app ----------------------------------------------------------------------------------------------
     @staticmethod

@@ -106,3 +106,11 @@ def test_a_worker_that_cannot_start_is_a_503_without_paths(tmp_path, fixtures_di
         msg = json_error(r.content)
         assert r.status_code == 503 and "could not start the worker" in msg
         assert str(tmp_path) not in msg and "such-worker" in caplog.text      # the command goes to the server log
+
+
+def test_a_bug_in_a_handler_is_a_json_500_and_a_logged_traceback(server, caplog):
+    httpd, base = server
+    httpd.service.snapshot = lambda: 1 / 0
+    r = requests.get(base + "/metrics", timeout=10)
+    assert r.status_code == 500 and "ZeroDivisionError" in json_error(r.content)
+    assert "Traceback" in caplog.text and "internal error answering GET /metrics" in caplog.text
