@@ -348,7 +348,10 @@ def main(argv=None) -> int:
     chunk = backend.prompt_chunk_size()
     if args.prompt_chunk:
         chunk = min(chunk, args.prompt_chunk)
-    session = Session(backend, eog, prompt_chunk=chunk)
+    from engine.grammar import Grammars
+    from engine.tokenizer import Tokenizer
+    grammars = Grammars(lambda: Tokenizer.from_metadata(model.metadata), eog)   # llguidance's vocabulary, on first use
+    session = Session(backend, eog, prompt_chunk=chunk, grammars=grammars)
     log(f"backend {backend_name} ({reason_long})")
     log(f"loaded {args.model} ({cfg.arch}, {cfg.n_layer} layers, context {ctx}) in "
         f"{time.perf_counter() - t0:.1f} s; end-of-generation ids {sorted(eog)}")
@@ -382,10 +385,12 @@ def main(argv=None) -> int:
             try:
                 req = protocol.parse_gen(line)
             except protocol.ProtocolError as e:
-                out.emit(protocol.format_err(str(e)))
+                out.emit(protocol.format_err(str(e), protocol.gen_req_number(line)))
                 continue
+            # RESUME, DONE and ERR carry the request's number (engine/protocol.py), so the server can tell them apart.
+            emit = out.emit if req.req is None else (lambda ln, n=req.req: out.emit(protocol.with_req(ln, n)))
             try:
-                done = session.run(req, out.emit, ev)
+                done = session.run(req, emit, ev)
             except BackendBroken as e:
                 print(f"strata_worker: the engine broke and exits: {e}", file=sys.stderr, flush=True)
                 status = 1

@@ -10,13 +10,16 @@ Worker -> server:
                                   cache (the VRAM expert cache filling: phase_gib; phase_done 0 then 1), ready
                                   (just before READY). describe_phase() is how the server and the Monitor say it.
     READY <max_context> stop      once, when loaded
-    RESUME <n>                    per request: prompt tokens reused from the cached prefix
+    RESUME <n>[ <req>]            per request: prompt tokens reused from the cached prefix
     PP <pos> <prompt> <ms> <tps>  after every prompt chunk
     REUSED <n>                    once the prompt is read
-    T <id>                        every generated token, as soon as it is final; the end-of-generation token
-                                  that ends a request with `stop` is not sent (and not counted in DONE)
-    DONE <14 fields>              or ERR <message>: exactly one per request. A STOP during the prompt pass gives
-                                  RESUME, PP..., DONE ... cancel (no REUSED: the prompt was not read to its end)
+    T <id>[ <lp> <id>:<lp>,...]   every generated token, as soon as it is final; the end-of-generation token
+                                  that ends a request with `stop` is not sent (and not counted in DONE). With
+                                  logprobs=K in the GEN: the token's log-probability and the K most likely
+                                  tokens' (id:logprob, most likely first; "-" for K=0), of the model's distribution
+                                  before sampling filters, after the grammar mask.
+    DONE <14 fields>[ <req>]      or ERR[ req=<req>] <message>: exactly one per request. A STOP during the prompt
+                                  pass gives RESUME, PP..., DONE ... cancel (no REUSED: the prompt was not read)
     CACHE <n_layer> <n_expert> <resident_hex> <heat_hex>
                                   expert-cache picture (backends with an expert cache), may appear anywhere
                                   like INFO; resident_hex is a bitmap, bit (layer*n_expert+expert), LSB first
@@ -26,6 +29,16 @@ Server -> worker:
     GEN <max_new>[ key=value ...] <id>,<id>,...
     STOP
     QUIT
+
+GEN's keys are the sampling keys (GEN_KEYS) and the request keys (REQUEST_KEYS):
+    req=<n>       the server's request number. The worker echoes it as the last field of RESUME and DONE and as
+                  ERR's first word, so the server checks that every line it reads between RESUME and DONE belongs
+                  to the request it sent: a line of another request is a protocol violation (the server then
+                  kills the worker), never an answer. Without req= nothing is echoed (tools/batch.py, tools/ask.py).
+    logprobs=<k>  T lines carry log-probabilities and the k (0..20) most likely tokens.
+    grammar=<b64> a constraint, base64url (no padding) of the JSON llguidance compiles (engine/grammar.py): before
+                  each pick the sampler masks every token the grammar does not allow; once the grammar is complete
+                  the request ends with `stop`.
 """
 from __future__ import annotations
 
@@ -45,6 +58,10 @@ GEN_KEYS: dict[str, tuple[type, object]] = {
     "penalty_last_n": (int, 64),
 }
 
+# Keys of GEN that are not sampling settings (see the module docstring).
+REQUEST_KEYS: dict[str, type] = {"req": int, "logprobs": int, "grammar": str}
+MAX_TOP_LOGPROBS = 20
+
 # Room kept free beyond prompt + max_new: a GEN whose prompt + max_new + CONTEXT_MARGIN exceeds the context is an ERR,
 # never a silent truncation. The server checks the same rule before it sends.
 CONTEXT_MARGIN = 8
@@ -60,6 +77,9 @@ class GenRequest:
     max_new: int
     prompt: list[int]
     params: dict = field(default_factory=dict)  # only keys from GEN_KEYS, only non-default values
+    req: int | None = None           # the server's request number, echoed in RESUME, DONE and ERR
+    logprobs: int | None = None      # top alternatives per T line (None: no log-probabilities)
+    grammar: str | None = None       # base64url of an llguidance grammar (engine/grammar.py)
 
     def param(self, key: str):
         return self.params.get(key, GEN_KEYS[key][1])
@@ -73,6 +93,10 @@ def format_gen(req: GenRequest) -> str:
         if key in req.params and req.params[key] is not None and req.params[key] != default:
             value = typ(req.params[key])
             parts.append(f"{key}={value!r}" if typ is float else f"{key}={value}")
+    for key in REQUEST_KEYS:
+        value = getattr(req, key)
+        if value is not None:
+            parts.append(f"{key}={value}")
     parts.append(",".join(str(int(t)) for t in req.prompt))
     return " ".join(parts)
 
@@ -101,14 +125,21 @@ def parse_gen(line: str) -> GenRequest:
     if max_new < 0:
         raise ProtocolError(f"GEN: max_new must be >= 0, got {max_new}")
     params: dict = {}
+    extra: dict = {}
     for kv in parts[2:-1]:
         key, sep, value = kv.partition("=")
         if not sep:
             raise ProtocolError(f"GEN: expected key=value, got {kv!r}")
+        if key in REQUEST_KEYS:
+            typ = REQUEST_KEYS[key]
+            extra[key] = value if typ is str else _parse_number(key, value, typ)
+            continue
         if key not in GEN_KEYS:
-            raise ProtocolError(f"GEN: unknown key {key!r} (known: {', '.join(GEN_KEYS)})")
+            raise ProtocolError(f"GEN: unknown key {key!r} (known: {', '.join([*GEN_KEYS, *REQUEST_KEYS])})")
         params[key] = _parse_number(key, value, GEN_KEYS[key][0])
     _check_params(params)
+    if not 0 <= extra.get("logprobs", 0) <= MAX_TOP_LOGPROBS:
+        raise ProtocolError(f"GEN: logprobs must be in 0..{MAX_TOP_LOGPROBS}")
     ids_text = parts[-1]
     try:
         prompt = [int(t) for t in ids_text.split(",")]
@@ -116,7 +147,15 @@ def parse_gen(line: str) -> GenRequest:
         raise ProtocolError(f"GEN: the prompt must be comma-separated token ids, got {ids_text[:60]!r}") from None
     if not prompt:
         raise ProtocolError("GEN needs at least one prompt token")
-    return GenRequest(max_new=max_new, prompt=prompt, params=params)
+    return GenRequest(max_new=max_new, prompt=prompt, params=params, **extra)
+
+
+def gen_req_number(line: str) -> int | None:
+    """The req=<n> of a GEN line that may not parse, so its ERR can still name the request."""
+    for kv in line.split()[2:-1]:
+        if kv.startswith("req=") and kv[4:].isdigit():
+            return int(kv[4:])
+    return None
 
 
 def _check_params(p: dict) -> None:
@@ -171,9 +210,19 @@ def format_done(d: Done) -> str:
 
 
 def parse_done(line: str) -> Done:
+    return parse_done_req(line)[0]
+
+
+def parse_done_req(line: str) -> tuple[Done, int | None]:
+    """DONE's fields and the req number it echoes (None when it has none)."""
     parts = line.split()
-    if parts[:1] != ["DONE"] or len(parts) != 15:
-        raise ProtocolError(f"DONE needs 14 fields, got {len(parts) - 1}: {line[:80]!r}")
+    if parts[:1] != ["DONE"] or len(parts) not in (15, 16):
+        raise ProtocolError(f"DONE needs 14 fields (and the req number), got {len(parts) - 1}: {line[:80]!r}")
+    req = None
+    if len(parts) == 16:
+        if not parts[15].isdigit():
+            raise ProtocolError(f"DONE: the req number {parts[15][:20]!r} is not a number")
+        req = int(parts[15])
     vals = []
     try:
         for f, text in zip(fields(Done), parts[1:]):
@@ -183,7 +232,9 @@ def parse_done(line: str) -> Done:
     d = Done(*vals)
     if d.finish not in FINISH_REASONS:
         raise ProtocolError(f"DONE: unknown finish {d.finish!r}")
-    return d
+    if min(d.generated, d.prompt, d.reused, d.prompt_read) < 0:
+        raise ProtocolError(f"DONE: a count is negative: {line[:80]!r}")
+    return d, req
 
 
 def format_info(**kv) -> str:
@@ -243,12 +294,71 @@ def parse_pp(line: str) -> tuple[int, int, float, float]:
     p = line.split()
     if len(p) != 5:
         raise ProtocolError(f"PP needs 4 fields: {line[:80]!r}")
-    return int(p[1]), int(p[2]), float(p[3]), float(p[4])
+    try:
+        return int(p[1]), int(p[2]), float(p[3]), float(p[4])
+    except ValueError:
+        raise ProtocolError(f"PP: a field is not a number: {line[:80]!r}") from None
 
 
-def format_err(message: str) -> str:
+def format_err(message: str, req: int | None = None) -> str:
     # One line: the server reads line by line, so a newline in a message would split it.
-    return "ERR " + " ".join(str(message).split())
+    return "ERR " + (f"req={req} " if req is not None else "") + " ".join(str(message).split())
+
+
+def parse_err(line: str) -> tuple[str, int | None]:
+    """(message, req number or None) of an ERR line."""
+    rest = line[3:].strip()
+    head, _, tail = rest.partition(" ")
+    if head.startswith("req=") and head[4:].isdigit():
+        return tail, int(head[4:])
+    return rest, None
+
+
+def parse_resume(line: str) -> tuple[int, int | None]:
+    """(tokens reused, req number or None) of a RESUME line."""
+    p = line.split()
+    if len(p) not in (2, 3) or not all(x.isdigit() for x in p[1:]):
+        raise ProtocolError(f"RESUME needs a count (and the req number): {line[:80]!r}")
+    return int(p[1]), (int(p[2]) if len(p) == 3 else None)
+
+
+def with_req(line: str, req: int | None) -> str:
+    """A request-scoped line as the worker sends it for GEN req=<req>: RESUME and DONE end with the number, ERR
+    starts with req=<n>; other lines unchanged."""
+    if req is None:
+        return line
+    head = line.split(" ", 1)[0]
+    if head in ("RESUME", "DONE"):
+        return f"{line} {req}"
+    if head == "ERR":
+        return f"ERR req={req} {line[4:]}"
+    return line
+
+
+def format_token(token: int, logprob: float | None = None, top: "list[tuple[int, float]] | None" = None) -> str:
+    if logprob is None:
+        return f"T {token}"
+    alts = ",".join(f"{i}:{lp:.4f}" for i, lp in (top or [])) or "-"
+    return f"T {token} {logprob:.4f} {alts}"
+
+
+def parse_token(line: str, n_vocab: int | None = None) -> tuple[int, float | None, list[tuple[int, float]]]:
+    """(id, logprob or None, [(id, logprob), ...]) of a T line; ids checked against n_vocab when given."""
+    p = line.split()
+    if len(p) not in (2, 4):
+        raise ProtocolError(f"T needs an id (and a logprob and the alternatives): {line[:80]!r}")
+    try:
+        tok = int(p[1])
+        lp = float(p[2]) if len(p) == 4 else None
+        top = [] if len(p) == 2 or p[3] == "-" else \
+            [(int(i), float(v)) for i, _, v in (a.partition(":") for a in p[3].split(","))]
+    except ValueError:
+        raise ProtocolError(f"T: not a token id / log-probability: {line[:80]!r}") from None
+    if n_vocab is not None and not all(0 <= t < n_vocab for t in [tok] + [i for i, _ in top]):
+        raise ProtocolError(f"T: token id outside the vocabulary (0..{n_vocab - 1}): {line[:80]!r}")
+    if lp is not None and not (math.isfinite(lp) or lp == -math.inf):
+        raise ProtocolError(f"T: the log-probability is not a number: {line[:80]!r}")
+    return tok, lp, top
 
 
 def format_cache(n_layer: int, n_expert: int, resident: "list[bool] | bytes", heat: bytes) -> str:
@@ -265,10 +375,16 @@ def parse_cache(line: str):
     p = line.split()
     if len(p) != 5:
         raise ProtocolError(f"CACHE needs 4 fields: {line[:80]!r}")
-    n_layer, n_expert = int(p[1]), int(p[2])
+    try:
+        n_layer, n_expert = int(p[1]), int(p[2])
+        bits, heat = bytes.fromhex(p[3]), np.frombuffer(bytes.fromhex(p[4]), np.uint8)
+    except ValueError:
+        raise ProtocolError(f"CACHE: the sizes must be numbers and the maps hex: {line[:80]!r}") from None
     n = n_layer * n_expert
-    resident = np.unpackbits(np.frombuffer(bytes.fromhex(p[3]), np.uint8), bitorder="little")[:n].astype(bool)
-    heat = np.frombuffer(bytes.fromhex(p[4]), np.uint8)
+    if n_layer < 0 or n_expert < 0 or len(bits) != (n + 7) // 8 or heat.size != n:
+        raise ProtocolError(f"CACHE: {n_layer} x {n_expert} experts need {(n + 7) // 8} bitmap bytes and {n} heat "
+                            f"bytes, got {len(bits)} and {heat.size}")
+    resident = np.unpackbits(np.frombuffer(bits, np.uint8), bitorder="little")[:n].astype(bool)
     return n_layer, n_expert, resident.reshape(n_layer, n_expert), heat.reshape(n_layer, n_expert)
 
 

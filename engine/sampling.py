@@ -3,6 +3,11 @@
 The chain is llama.cpp's default: penalties, then top_k, top_p, min_p (all on the untempered distribution), then
 temperature, then a draw. Temperature 0 is greedy: the argmax of the penalized logits. Each request owns its
 Sampler (and its numpy Generator), so a `seed` makes a sampled run reproducible whatever ran before it.
+
+Two per-pick extras the session sets (engine/grammar.py, GEN's grammar= and logprobs=): `mask`, the allowed tokens
+as bitmask words, applied to the logits before the chain (a disallowed token is -inf); and `top_logprobs`, which makes
+each pick record `picked` = (its log-probability, the top_logprobs most likely (id, log-probability)) of the
+masked, untempered, unpenalized distribution. A backend that picks on its own (the CUDA one) honours both the same.
 """
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ class Sampler:
         # -1 means the whole context; a deque with maxlen=None keeps everything.
         maxlen = None if self.penalty_last_n < 0 else self.penalty_last_n
         self.history: deque[int] = deque(maxlen=maxlen)
+        self.mask: np.ndarray | None = None            # bitmask words for the next pick (engine/grammar.py)
+        self.top_logprobs: int | None = None           # record log-probabilities with each pick
+        self.picked: tuple[float, list[tuple[int, float]]] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +134,17 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         logits = _checked(logits)
+        if self.mask is not None:
+            from engine.grammar import apply_mask
+            logits = apply_mask(logits, self.mask)
+            if not np.isfinite(logits).any():
+                raise SamplingError("the grammar allows no token here")
+        tok = self._pick(logits)
+        if self.top_logprobs is not None:
+            self.picked = logprobs_of(logits, tok, self.top_logprobs)
+        return tok
+
+    def _pick(self, logits: np.ndarray) -> int:
         if self.greedy:
             return int(np.argmax(self.apply_penalties(logits)))
         ids, vals = self.candidates(self.apply_penalties(logits))
@@ -133,6 +152,20 @@ class Sampler:
         cum = np.cumsum(probs)
         r = self.rng.random() * cum[-1]
         return int(ids[min(int(np.searchsorted(cum, r, side="right")), len(cum) - 1)])
+
+
+def logprobs_of(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """(log-probability of token, the k most likely (id, log-probability), most likely first, ties by lower id):
+    log-softmax of the logits as given. The NumPy reference of cuda_src/logits_mask.cu's top_logprobs."""
+    x = np.asarray(logits, np.float64)
+    m = float(np.max(x))
+    lse = m + float(np.log(np.sum(np.exp(x - m))))
+    top = []
+    if k > 0:
+        part = np.argpartition(-x, min(k, x.shape[0]) - 1)[:k] if k < x.shape[0] else np.arange(x.shape[0])
+        order = part[np.lexsort((part, -x[part]))]
+        top = [(int(i), float(x[i] - lse)) for i in order if np.isfinite(x[i])]
+    return float(x[token] - lse), top
 
 
 def _checked(logits) -> np.ndarray:

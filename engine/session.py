@@ -23,8 +23,9 @@ class BackendBroken(RuntimeError):
 
 
 class Session:
-    def __init__(self, backend, eog_ids, prompt_chunk: int | None = None):
+    def __init__(self, backend, eog_ids, prompt_chunk: int | None = None, grammars=None):
         self.backend = backend
+        self.grammars = grammars        # grammar= value -> engine.grammar.Constraint (None: no grammar support)
         # None: the backend's own size; the worker's --prompt-chunk can only lower it.
         self.prompt_chunk = prompt_chunk
         self.eog_ids = frozenset(int(t) for t in eog_ids)
@@ -53,6 +54,8 @@ class Session:
             Sampler(req.params)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        if req.grammar is not None and self.grammars is None:
+            raise RequestError("this worker has no grammar support (grammar= needs llguidance)")
 
     # --- one request -----------------------------------------------------------------------------------------
     def run(self, req: GenRequest, emit, stop_event: threading.Event | None = None) -> Done | None:
@@ -63,11 +66,12 @@ class Session:
         stop_event = stop_event or threading.Event()
         try:
             self.validate(req)
-        except RequestError as e:
+            constraint = self.grammars(req.grammar) if req.grammar is not None else None
+        except ValueError as e:     # RequestError, or engine.grammar.GrammarError: the request's fault
             emit(protocol.format_err(str(e)))
             return None
         try:
-            return self._run(req, emit, stop_event)
+            return self._run(req, emit, stop_event, constraint)
         except BackendBroken as e:
             emit(protocol.format_err(f"the engine failed and must restart: {e}"))
             raise
@@ -86,11 +90,12 @@ class Session:
         self.tokens = []
         self.backend.truncate(0)
 
-    def _run(self, req: GenRequest, emit, stop_event: threading.Event) -> Done:
+    def _run(self, req: GenRequest, emit, stop_event: threading.Event, constraint=None) -> Done:
         backend = self.backend
         prompt = req.prompt
         sampler = Sampler(req.params)
         sampler.accept_many(prompt)
+        sampler.top_logprobs = req.logprobs
         backend.reset_stats()
 
         # Prefix reuse: the last prompt token is always run again, because its logits pick the first new token.
@@ -117,7 +122,9 @@ class Session:
             last = pos + len(part) == len(prompt)
             if last and req.max_new > 0:
                 # The backend picks the first new token with the prompt's last logits (on the GPU for cuda).
+                sampler.mask = constraint.mask() if constraint is not None else None
                 first_token = int(backend.next_token(part, sampler))
+                picked = sampler.picked
             else:
                 backend.forward(part)
             self.tokens.extend(part)
@@ -140,14 +147,21 @@ class Session:
                     finish = "cancel"
                     break
                 # The token fed is the one just sampled and emitted: its K/V go in, the next id comes out.
+                sampler.mask = constraint.mask() if constraint is not None else None
                 tok = int(backend.next_token([generated[-1]], sampler))
+                picked = sampler.picked
                 self.tokens.append(generated[-1])
             if tok in self.eog_ids:
                 finish = "stop"
                 break
             sampler.accept(tok)
             generated.append(tok)
-            emit(f"T {tok}")
+            emit(protocol.format_token(tok, *picked) if req.logprobs is not None else f"T {tok}")
+            if constraint is not None:
+                constraint.accept(tok)
+                if constraint.done:       # the grammar is complete: only the end of generation may follow
+                    finish = "stop"
+                    break
         decode_ms = (time.perf_counter() - t1) * 1000.0
         return self._done(emit, req, generated, prompt_ms, decode_ms, finish, reused, read)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -14,6 +15,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True, help="strata-<model>.json (written by python -m setup)")
     ap.add_argument("--preload", action="store_true", help="start the worker now rather than at the first request")
     a = ap.parse_args(argv)
+    # The server's log (stderr): worker failures with the worker's last log lines, which clients never see.
+    logging.basicConfig(level=logging.WARNING, format="strata: %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(a.config)
     except ConfigError as e:

@@ -86,6 +86,17 @@ _TYPES = {
 assert set(_TYPES) == {f.name for f in fields(ServerConfig)}
 
 
+def is_loopback(host: str) -> bool:
+    """True for an address (or name) only this machine can reach."""
+    import ipaddress
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _bad(key: str, value, what: str) -> ConfigError:
     return ConfigError(f"config key {key!r}: expected {what}, got {json.dumps(value)[:80]}")
 
@@ -148,6 +159,10 @@ def validate(raw: dict, base_dir: Path | None = None) -> ServerConfig:
     cfg.log = resolve(cfg.log) if cfg.log else str(base / f"strata-{cfg.model_name}.log")
     if cfg.expert_profile_save:
         cfg.expert_profile_save = resolve(cfg.expert_profile_save)
+    if not cfg.api_key and not is_loopback(cfg.host):
+        raise ConfigError(f"config key 'host': {cfg.host!r} makes the service reachable from other machines, and "
+                          f"'api_key' is empty: set api_key (clients then send it as a Bearer token), or listen on "
+                          f"127.0.0.1")
     cfg.engine_silence_s = float(cfg.engine_silence_s)
     cfg.idle_unload_s = float(cfg.idle_unload_s)
     if cfg.reasoning_budget_tokens is not None and cfg.reasoning_budget_tokens < 0:

@@ -6,30 +6,39 @@ the configured origins, a body size limit, and every JSON field checked for its 
 """
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import ipaddress
 import json
+import logging
 import mimetypes
 import queue
 import select
 import socket
+import sys
 import time
 import uuid
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from server import metrics
 from server.schema import (ApiError, chat_messages, field, max_new_tokens, sampling_params, stop_list,
                            text_content)
 from server.service import Job, Result, Service, ServiceError
+from server import logprobs
+from server.grammar import GrammarRequestError, response_format_grammar, tool_call_grammar
 from server.text import PromptError
+from engine.grammar import encode as encode_grammar
+from engine.protocol import MAX_TOP_LOGPROBS
 
+log = logging.getLogger("strata.http")
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 MAX_BODY = 32 * 1024 * 1024
 POLL_S = 0.2
 KEEPALIVE_S = 10.0   # an SSE comment this often while nothing else is sent (a long prompt): proxies stay open
+MAX_N = 16           # choices per request (n): each is a full generation, one after another
 OPEN_PATHS = {"/health"}     # no API key needed (the web app's files are public too: they hold no data)
 
 
@@ -41,6 +50,9 @@ class ClientGone(Exception):
 class StrataServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # listen()'s backlog: Python's default of 5 reset 17 of 128 connections in bursts of 32 (the accept loop is one
+    # thread); the kernel caps it at net.core.somaxconn.
+    request_queue_size = 1024
 
     def __init__(self, cfg, service: Service, codec):
         self.cfg, self.service, self.codec = cfg, service, codec
@@ -57,6 +69,13 @@ class StrataServer(ThreadingHTTPServer):
             names.add((urlsplit(origin).hostname or "").lower())
         self.host_names = names
 
+    def handle_error(self, request, client_address):
+        # A client that leaves mid-answer is ordinary: no traceback on stderr for it.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, socket.timeout)):
+            return
+        super().handle_error(request, client_address)
+
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -66,6 +85,25 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt, *args):  # quiet: the Monitor and /metrics are the record
         pass
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (a request line or headers too long, bad syntax) as JSON, like ours."""
+        self.close_connection = True
+        try:
+            text = {414: "the request line is too long (at most 65,536 bytes)",
+                    431: "the request headers are too long or too many (at most 100 headers of 65,536 bytes)",
+                    501: f"the method {self.command!r} is not supported: use GET or POST"}.get(code, message)
+            body = json.dumps({"error": {"message": text or f"HTTP {code}", "type": "invalid_request_error",
+                                         "param": None, "code": code}}).encode()
+            self.send_response(code, message)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+                self.wfile.write(body)
+        except OSError:
+            pass
 
     # --- plumbing -------------------------------------------------------------------------------------------------
     def _cors_headers(self) -> None:
@@ -126,6 +164,8 @@ class Handler(BaseHTTPRequestHandler):
             body = json.loads(raw or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "the JSON body is nested too deeply: flatten it") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         return body
@@ -198,14 +238,31 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         self._dispatch("POST")
 
+    def _method_not_allowed(self):
+        self._body_read = False
+        self.close_connection = True         # any body is left unread
+        self.send_json(405, {"error": {"message": f"the method {self.command} is not allowed here: the API takes GET "
+                                                  "and POST", "type": "invalid_request_error", "param": None,
+                                       "code": 405}}, headers={"Allow": "GET, POST, OPTIONS"})
+
+    do_PUT = do_DELETE = do_PATCH = do_TRACE = do_CONNECT = _method_not_allowed
+
+    def send_response(self, code, message=None):
+        self._responded = True
+        super().send_response(code, message)
+
     def _dispatch(self, method: str) -> None:
         self._body_read = False
+        self._responded = False
         url = urlsplit(self.path)
         path = url.path.rstrip("/") or "/"
         try:
             self.check_host_origin()
             self.check_key(path)
+            self._path = path
             route = ROUTES.get((method, path))
+            if route is None and method == "GET" and path.startswith("/v1/models/"):
+                route = Handler.get_model
             if route is None:
                 if method == "GET" and self.is_static(path):
                     return self.send_static(path)
@@ -217,10 +274,21 @@ class Handler(BaseHTTPRequestHandler):
             self.send_error_json(e)
         except ServiceError as e:
             self.send_error_json(ApiError(e.status, e.message, e.kind))
+        except RecursionError:
+            self.send_error_json(ApiError(400, "the JSON body is nested too deeply: flatten it"))
         except ClientGone:
             self.close_connection = True
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             self.close_connection = True
+        except Exception as e:     # a bug: the traceback to the server's log, a JSON 500 to the client
+            log.exception("internal error answering %s %s", method, path)
+            self.close_connection = True
+            if not self._responded:
+                try:
+                    self.send_error_json(ApiError(500, f"internal error in the server ({type(e).__name__}); the "
+                                                       "server's log has the details", kind="server_error"))
+                except OSError:
+                    pass
 
     # --- the web app ----------------------------------------------------------------------------------------------
     @staticmethod
@@ -244,11 +312,13 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(200, {"status": "ok", "phase": svc.phase, "model": self.server.cfg.model_name})
 
     def get_models(self, q):
+        self.send_json(200, {"object": "list", "data": [self._model_entry()]})
+
+    def _model_entry(self) -> dict:
         cfg = self.server.cfg
         w = self.server.service.worker
-        self.send_json(200, {"object": "list", "data": [{
-            "id": cfg.model_name, "object": "model", "created": int(self.server.started), "owned_by": "strata",
-            "meta": {"path": cfg.model, "n_ctx": w.max_context if w else None}}]})
+        return {"id": cfg.model_name, "object": "model", "created": int(self.server.started), "owned_by": "strata",
+                "meta": {"path": cfg.model, "n_ctx": w.max_context if w else None}}
 
     def get_metrics(self, q):
         snap = self.server.service.snapshot()
@@ -304,34 +374,71 @@ class Handler(BaseHTTPRequestHandler):
             if ev[0] in ("done", "error"):
                 return
 
-    def _common(self, body: dict) -> dict:
+    def _common(self, body: dict, api: str = "messages") -> dict:
+        """What every generation endpoint reads; api: chat | completions | messages (their logprobs differ)."""
         field(body, "model", "str")
-        n = field(body, "n", "int")
-        if n not in (None, 1):
-            raise ApiError(400, "'n' must be 1: this server makes one answer per request", param="n")
-        if field(body, "logprobs", "bool"):
-            raise ApiError(400, "'logprobs' is not supported by this server", param="logprobs")
-        rf = field(body, "response_format", "dict")
-        if rf is not None and rf.get("type") != "text":
-            raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported", param="response_format")
+        n = field(body, "n", "int", default=1, lo=1, hi=MAX_N)
+        stream = field(body, "stream", "bool", default=False)
+        if api == "messages" and n != 1:
+            raise ApiError(400, "'n' is not part of the Messages API: send one request per answer", param="n")
+        logprobs = None
+        if api == "chat" and field(body, "logprobs", "bool", default=False):
+            logprobs = field(body, "top_logprobs", "int", default=0, lo=0, hi=MAX_TOP_LOGPROBS)
+        elif api == "chat" and field(body, "top_logprobs", "int") is not None:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        elif api == "completions":
+            logprobs = field(body, "logprobs", "int", lo=0, hi=5)
+        grammar = None
+        if api != "messages":
+            try:
+                grammar = response_format_grammar(field(body, "response_format", "dict"))
+            except GrammarRequestError as e:
+                raise ApiError(400, str(e), param="response_format") from None
         budget = field(body, "reasoning_budget_tokens", "int", lo=-1)
         if budget is None:
             budget = self.server.cfg.reasoning_budget_tokens
-        return dict(params=sampling_params(body, self.server.cfg.sampling),
-                    stream=field(body, "stream", "bool", default=False),
-                    budget=None if budget is None or budget < 0 else budget)
+        return dict(params=sampling_params(body, self.server.cfg.sampling), stream=stream, n=n, logprobs=logprobs,
+                    grammar=grammar, budget=None if budget is None or budget < 0 else budget)
 
     def _submit(self, endpoint: str, prompt: list[int], max_new, common: dict, stops: list[str],
-                prompt_text: str | None) -> Job:
+                prompt_text: str | None, choice: int = 0) -> Job:
         if not prompt:
             raise ApiError(400, "the prompt is empty: send some text")
+        params = dict(common["params"])
+        if choice and params.get("seed") is not None:
+            params["seed"] += choice        # n > 1 with a seed: reproducible, yet not n copies of one answer
+        grammar = common["grammar"]
         return self.server.service.submit(Job(
-            "gen", endpoint=endpoint, prompt=prompt, max_new=max_new, params=common["params"], stops=stops,
-            reasoning_budget=common["budget"], prompt_text=prompt_text))
+            "gen", endpoint=endpoint, prompt=prompt, max_new=max_new, params=params, stops=stops,
+            reasoning_budget=common["budget"], prompt_text=prompt_text, logprobs=common["logprobs"],
+            grammar=encode_grammar(grammar) if grammar else None))
+
+    def _force_tool_call(self, common: dict, tools, choice) -> None:
+        """tool_choice "required" or a named function: a grammar holds the answer to one call (server/grammar.py),
+        for templates whose calls take the tags form (the generic prompt's too); others get the choice in words."""
+        try:
+            forced = tool_call_grammar(tools, choice) if self.server.codec.tool_format.name == "tags" else None
+        except GrammarRequestError as e:
+            raise ApiError(400, str(e), param="tool_choice") from None
+        if forced is not None:
+            if common["grammar"] is not None:
+                raise ApiError(400, "'response_format' and a forced 'tool_choice' cannot both shape one answer",
+                               param="tool_choice")
+            common["grammar"] = forced
+
+    def _choices(self, endpoint, prompt, max_new, common, stops, prompt_text):
+        """n answers, one after another: [(reasoning, content, Result, logprob events)]. Jobs are submitted one at
+        a time, so a client that leaves stops the rest."""
+        out = []
+        for i in range(common["n"]):
+            job = self._submit(endpoint, prompt, max_new, common, stops, prompt_text, choice=i)
+            lps: list = []
+            out.append(self.collect(job, lps) + (lps,))
+        return out
 
     def post_chat(self, q):
         body = self.read_json()
-        common = self._common(body)
+        common = self._common(body, "chat")
         msgs = chat_messages(body)
         stops = stop_list(body)
         max_new = max_new_tokens(body, "max_completion_tokens", "max_tokens")
@@ -339,57 +446,84 @@ class Handler(BaseHTTPRequestHandler):
         kwargs = field(body, "chat_template_kwargs", "dict", default={})
         so = field(body, "stream_options", "dict", default={})
         include_usage = bool(so.get("include_usage"))
+        choice = body.get("tool_choice")
         parser = self.server.codec.tool_parser(tools, tool_choice(body))
+        self._force_tool_call(common, tools, choice)
         with prompt_errors_are_400("messages"):
-            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, template_kwargs=kwargs)
-        job = self._submit("/v1/chat/completions", prompt, max_new, common, stops, text)
+            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, template_kwargs=kwargs,
+                                                         tool_choice=choice)
         rid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
+        tok = self.server.codec.tok
         if not common["stream"]:
-            reasoning, content, res = self.collect(job)
-            content, calls = split_calls(parser, content)
-            msg = {"role": "assistant", "content": content}
-            if reasoning:
-                msg["reasoning_content"] = reasoning
-            if calls:
-                msg["tool_calls"] = [openai_call(k) for k in calls]
-                msg["content"] = content or None
+            choices, total = [], None
+            for i, (reasoning, content, res, lps) in enumerate(
+                    self._choices("/v1/chat/completions", prompt, max_new, common, stops, text)):
+                if parser is not None:
+                    parser = self.server.codec.tool_parser(tools, tool_choice(body))    # a fresh one per choice
+                content, calls = split_calls(parser, content)
+                msg = {"role": "assistant", "content": content}
+                if reasoning:
+                    msg["reasoning_content"] = reasoning
+                if calls:
+                    msg["tool_calls"] = [openai_call(k) for k in calls]
+                    msg["content"] = content or None
+                choices.append({"index": i, "message": msg, "finish_reason": finish_reason(res, calls),
+                                "logprobs": {"content": logprobs.chat_content(tok, lps)}
+                                if common["logprobs"] is not None else None})
+                total = res if total is None else add_usage(total, res)
             return self.send_json(200, {
                 "id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(res, calls), "logprobs": None}],
-                "usage": usage(res), "timings": timings(res)})
+                "choices": choices, "usage": usage(total), "timings": timings(total)})
+        results: list = []
 
-        def chunk(delta, finish=None, **extra):
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+        def streamed(i):
+            """Choice i's job and its chunk builders (n > 1: the choices stream one after another)."""
+            job = self._submit("/v1/chat/completions", prompt, max_new, common, stops, text, choice=i)
+            lp_pending: list = []
+            p = self.server.codec.tool_parser(tools, tool_choice(body)) if i else parser
 
-        def on_delta(r, c):
-            c, calls = feed_calls(parser, c)
-            d = {}
-            if r:
-                d["reasoning_content"] = r
-            if c:
-                d["content"] = c
-            out = [chunk(d)] if d or parser is None else []
-            return out + call_chunks(calls)
+            def chunk(delta, finish=None, **extra):
+                lp = None
+                if common["logprobs"] is not None:
+                    lp = {"content": logprobs.chat_content(tok, lp_pending)}
+                    lp_pending.clear()
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}], **extra}
 
-        def call_chunks(calls):
-            first = len(parser.calls) - len(calls) if calls else 0
-            return [chunk({"tool_calls": [dict(index=first + i, **openai_call(k))]}) for i, k in enumerate(calls)]
+            def on_delta(r, c):
+                c, calls = feed_calls(p, c)
+                d = {}
+                if r:
+                    d["reasoning_content"] = r
+                if c:
+                    d["content"] = c
+                out = [chunk(d)] if d or p is None else []
+                return out + call_chunks(calls)
 
-        def on_done(res):
-            c, calls = flush_calls(parser)
-            out = ([chunk({"content": c})] if c else []) + call_chunks(calls)
-            out.append(chunk({}, finish_reason(res, parser.calls if parser else ()), timings=timings(res)))
-            if include_usage:
-                out.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": usage(res)})
-            return out
+            def call_chunks(calls):
+                first = len(p.calls) - len(calls) if calls else 0
+                return [chunk({"tool_calls": [dict(index=first + j, **openai_call(k))]}) for j, k in enumerate(calls)]
 
-        self.stream_sse(job, [chunk({"role": "assistant", "content": ""})], on_delta, on_done)
+            def on_done(res):
+                results.append(res)
+                c, calls = flush_calls(p)
+                out = ([chunk({"content": c})] if c else []) + call_chunks(calls)
+                out.append(chunk({}, finish_reason(res, p.calls if p else ()), timings=timings(res)))
+                if include_usage and len(results) == common["n"]:
+                    total = results[0]
+                    for more in results[1:]:
+                        total = add_usage(total, more)
+                    out.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                "choices": [], "usage": usage(total)})
+                return out
+
+            return SseChoice(job, [chunk({"role": "assistant", "content": ""})], on_delta, on_done, lp_pending)
+
+        self.stream_sse(streamed(0), more=[lambda i=i: streamed(i) for i in range(1, common["n"])])
 
     def post_completions(self, q):
         body = self.read_json()
-        common = self._common(body)
+        common = self._common(body, "completions")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -404,22 +538,38 @@ class Handler(BaseHTTPRequestHandler):
         max_new = max_new_tokens(body, "max_tokens")
         with prompt_errors_are_400("prompt"):
             ids = self.server.codec.completion_prompt(prompt)
-        job = self._submit("/v1/completions", ids, max_new, common, stops, None)
         rid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), self.server.cfg.model_name
+        tok = self.server.codec.tok
         if not common["stream"]:
-            reasoning, content, res = self.collect(job)
+            choices, total = [], None
+            for i, (reasoning, content, res, lps) in enumerate(
+                    self._choices("/v1/completions", ids, max_new, common, stops, None)):
+                choices.append({"index": i, "text": reasoning + content, "finish_reason": finish_reason(res),
+                                "logprobs": logprobs.completion_logprobs(tok, lps)
+                                if common["logprobs"] is not None else None})
+                total = res if total is None else add_usage(total, res)
             return self.send_json(200, {
                 "id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": reasoning + content, "finish_reason": finish_reason(res),
-                             "logprobs": None}],
-                "usage": usage(res), "timings": timings(res)})
+                "choices": choices, "usage": usage(total), "timings": timings(total)})
+        def streamed(i):
+            job = self._submit("/v1/completions", ids, max_new, common, stops, None, choice=i)
+            lp_pending: list = []
+            sent = [0]
 
-        def chunk(text, finish=None, **extra):
-            return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], **extra}
+            def chunk(text, finish=None, **extra):
+                lp = None
+                if common["logprobs"] is not None:
+                    lp = logprobs.completion_logprobs(tok, lp_pending, sent[0])
+                    lp_pending.clear()
+                sent[0] += len(text)
+                return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": lp}], **extra}
 
-        self.stream_sse(job, [], lambda r, c: [chunk(r + c)],
-                        lambda res: [chunk("", finish_reason(res), usage=usage(res), timings=timings(res))])
+            return SseChoice(job, [], lambda r, c: [chunk(r + c)],
+                             lambda res: [chunk("", finish_reason(res), usage=usage(res), timings=timings(res))],
+                             lp_pending)
+
+        self.stream_sse(streamed(0), more=[lambda i=i: streamed(i) for i in range(1, common["n"])])
 
     def post_messages(self, q):
         body = self.read_json()
@@ -427,19 +577,10 @@ class Handler(BaseHTTPRequestHandler):
         max_new = field(body, "max_tokens", "int", lo=1)
         if max_new is None:
             raise ApiError(400, "'max_tokens' is required (a positive integer)", param="max_tokens")
-        msgs = []
-        system = body.get("system")
-        if system is not None:
-            msgs.append({"role": "system", "content": text_content(system, "system")})
-        raw = field(body, "messages", "list")
-        if not raw:
-            raise ApiError(400, "'messages' must be a non-empty array", param="messages")
-        for i, m in enumerate(raw):
-            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-                raise ApiError(400, f"messages[{i}] must be an object with role 'user' or 'assistant'", param="messages")
-            msgs += anthropic_message(m, f"messages[{i}]")
         tools = anthropic_tools(field(body, "tools", "list"))
+        msgs = self._anthropic_messages(body)
         parser = self.server.codec.tool_parser(tools, tool_choice(body))
+        self._force_tool_call(common, tools, anthropic_choice(body))
         thinking = field(body, "thinking", "dict")
         if thinking and thinking.get("type") == "enabled":
             budget = thinking.get("budget_tokens")
@@ -449,7 +590,7 @@ class Handler(BaseHTTPRequestHandler):
                 common["budget"] = budget
         stops = stop_list(body, "stop_sequences")
         with prompt_errors_are_400("messages"):
-            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools)
+            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, tool_choice=anthropic_choice(body))
         job = self._submit("/v1/messages", prompt, max_new, common, stops, text)
         rid, model = "msg_" + uuid.uuid4().hex[:24], self.server.cfg.model_name
 
@@ -530,12 +671,47 @@ class Handler(BaseHTTPRequestHandler):
         start = ("message_start", {"type": "message_start", "message": {
             "id": rid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
             "stop_sequence": None, "usage": {"input_tokens": len(prompt), "output_tokens": 0}}})
-        self.stream_sse(job, [start], on_delta, on_done, named=True)
+        self.stream_sse(SseChoice(job, [start], on_delta, on_done), named=True)
 
-    def collect(self, job: Job) -> tuple[str, str, Result]:
+    def _anthropic_messages(self, body: dict) -> list[dict]:
+        msgs = []
+        system = body.get("system")
+        if system is not None:
+            msgs.append({"role": "system", "content": text_content(system, "system")})
+        raw = field(body, "messages", "list")
+        if not raw:
+            raise ApiError(400, "'messages' must be a non-empty array", param="messages")
+        for i, m in enumerate(raw):
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+                raise ApiError(400, f"messages[{i}] must be an object with role 'user' or 'assistant'", param="messages")
+            msgs += anthropic_message(m, f"messages[{i}]")
+        return msgs
+
+    def post_count_tokens(self, q):
+        """Anthropic's /v1/messages/count_tokens: the prompt's length as this model's template and vocabulary make
+        it (the tools included), without running the model."""
+        body = self.read_json()
+        field(body, "model", "str")
+        tools = anthropic_tools(field(body, "tools", "list"))
+        msgs = self._anthropic_messages(body)
+        with prompt_errors_are_400("messages"):
+            prompt, _ = self.server.codec.chat_prompt(msgs, tools=tools, tool_choice=anthropic_choice(body))
+        self.send_json(200, {"input_tokens": len(prompt)})
+
+    def get_model(self, q):
+        """GET /v1/models/{id}: this server's one model, or a 404 naming it."""
+        cfg = self.server.cfg
+        wanted = unquote(self._path[len("/v1/models/"):])
+        if wanted != cfg.model_name:
+            raise ApiError(404, f"no model {wanted!r}: this server serves {cfg.model_name!r}", code="model_not_found")
+        self.send_json(200, self._model_entry())
+
+    def collect(self, job: Job, logprob_sink: list | None = None) -> tuple[str, str, Result]:
         reasoning, content = [], []
         for ev in self.events(job):
-            if ev[0] == "delta":
+            if ev[0] == "logprobs" and logprob_sink is not None:
+                logprob_sink.append(ev)
+            elif ev[0] == "delta":
                 reasoning.append(ev[1])
                 content.append(ev[2])
             elif ev[0] == "error":
@@ -544,10 +720,12 @@ class Handler(BaseHTTPRequestHandler):
                 return "".join(reasoning), "".join(content), ev[1]
         raise ApiError(500, "the request ended without a result")
 
-    def stream_sse(self, job: Job, first: list, on_delta, on_done, named: bool = False) -> None:
+    def stream_sse(self, c: "SseChoice", named: bool = False, more=()) -> None:
         """Server-sent events. Headers wait until the worker has taken the request, so a request refused at once
-        (a prompt that does not fit, a failed start) gets its HTTP status."""
-        events = self.events(job, KEEPALIVE_S)
+        (a prompt that does not fit, a failed start) gets its HTTP status. more: callables that submit and return
+        the next choices (n > 1), streamed after this one; [DONE] follows the last."""
+        more = list(more)
+        events = self.events(c.job, KEEPALIVE_S)
         ev = next(events)
         while ev[0] == "tick":
             ev = next(events)
@@ -572,29 +750,53 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(data.encode())
             self.wfile.flush()
 
+        def send_error(status, message):
+            err = {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
+                   "code": status}
+            send([("error", {"type": "error", "error": err})] if named else [{"error": err}])
+
         try:
-            send(first)
+            send(c.first)
             while True:
                 if ev[0] == "tick":
                     self.wfile.write(b": keep-alive\n\n")   # a comment: clients ignore it
                     self.wfile.flush()
+                elif ev[0] == "logprobs":
+                    if c.logprob_sink is not None:
+                        c.logprob_sink.append(ev)      # sent with the next chunk
                 elif ev[0] == "delta":
-                    send(on_delta(ev[1], ev[2]))
+                    send(c.on_delta(ev[1], ev[2]))
                 elif ev[0] == "done":
-                    send(on_done(ev[1]))
+                    send(c.on_done(ev[1]))
+                    if more:
+                        try:
+                            c = more.pop(0)()
+                        except ServiceError as e:     # the server is shutting down
+                            return send_error(e.status, e.message)
+                        events = self.events(c.job, KEEPALIVE_S)
+                        send(c.first)
+                        ev = next(events)
+                        continue
                     if not named:
                         self.wfile.write(b"data: [DONE]\n\n")
                         self.wfile.flush()
                     return
                 elif ev[0] == "error":
-                    err = {"message": ev[2], "type": "server_error" if ev[1] >= 500 else "invalid_request_error",
-                           "code": ev[1]}
-                    send([("error", {"type": "error", "error": err})] if named else [{"error": err}])
-                    return
+                    return send_error(ev[1], ev[2])
                 ev = next(events)
         except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
-            job.cancel.set()
+            c.job.cancel.set()
             raise ClientGone() from None
+
+
+@dataclasses.dataclass
+class SseChoice:
+    """One streamed answer: its job, the events sent first, and the builders of its later events."""
+    job: Job
+    first: list
+    on_delta: object
+    on_done: object
+    logprob_sink: list | None = None
 
 
 @contextmanager
@@ -622,6 +824,17 @@ def tool_choice(body: dict) -> str | None:
         return "none" if v["type"] == "none" else "auto"
     raise ApiError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or an object with a 'type'",
                    param="tool_choice")
+
+
+def anthropic_choice(body: dict):
+    """Anthropic's tool_choice ({"type": "auto" | "any" | "tool" | "none", "name"}) in OpenAI's terms."""
+    v = body.get("tool_choice")
+    if not isinstance(v, dict):
+        return v
+    kind = v.get("type")
+    if kind == "tool":
+        return {"type": "function", "function": {"name": v.get("name")}}
+    return {"any": "required"}.get(kind, kind)
 
 
 def feed_calls(parser, content: str) -> tuple[str, list]:
@@ -698,6 +911,14 @@ def openai_call(call) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
+def add_usage(a: Result, b: Result) -> Result:
+    """The sums of two choices' counts (n > 1: the usage covers every answer; the prompt counts once)."""
+    out = dataclasses.replace(a)
+    for k in ("generated", "prompt_read", "prompt_ms", "decode_ms"):
+        setattr(out, k, getattr(a, k) + getattr(b, k))
+    return out
+
+
 def usage(res: Result) -> dict:
     return {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.generated,
             "total_tokens": res.prompt_tokens + res.generated,
@@ -720,4 +941,5 @@ ROUTES = {
     ("POST", "/v1/chat/completions"): Handler.post_chat,
     ("POST", "/v1/completions"): Handler.post_completions,
     ("POST", "/v1/messages"): Handler.post_messages,
+    ("POST", "/v1/messages/count_tokens"): Handler.post_count_tokens,
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -16,10 +17,13 @@ from dataclasses import dataclass, field
 
 from engine.protocol import CONTEXT_MARGIN, GenRequest, describe_phase
 from server.text import TextCodec, TextStream
-from server.worker import Worker, WorkerDied, WorkerError
+from server.worker import Worker, WorkerDied, WorkerError, WorkerProtocolError
+
+log = logging.getLogger("strata.service")
 
 HISTORY_LEN = 500
 RATE_WINDOW_S = 2.0
+SERIES_S = 300              # the Monitor's tok/s chart: generated tokens per second over the last 5 minutes
 # DONE's counters, summed over a request's passes into its Result and over requests into the totals.
 PASS_SUMS = ("prompt_read", "prompt_ms", "decode_ms", "hits", "lookups", "ram_blobs", "file_blobs", "file_mb")
 TOTAL_SUMS = ("prompt_tokens", "cached_tokens", "generated") + PASS_SUMS
@@ -50,6 +54,17 @@ class Result:
 
 
 @dataclass
+class _Run:
+    """One request's state across its passes (a thinking budget replays the request from the cache)."""
+    max_new: int
+    text: TextStream
+    res: Result
+    budget: int | None
+    generated: list[int] = field(default_factory=list)
+    took: bool = False              # the worker answered RESUME (it has begun this request)
+
+
+@dataclass
 class Job:
     kind: str                                   # gen | load | unload
     endpoint: str = ""
@@ -59,6 +74,8 @@ class Job:
     stops: list[str] = field(default_factory=list)
     reasoning_budget: int | None = None
     prompt_text: str | None = None              # the rendered chat prompt (None: a plain completion)
+    logprobs: int | None = None                 # top alternatives per token (None: no log-probabilities)
+    grammar: str | None = None                  # a constraint for the worker (engine/grammar.py), or None
     id: str = ""
     created: float = field(default_factory=time.time)
     events: queue.Queue = field(default_factory=queue.Queue)
@@ -88,6 +105,7 @@ class Service:
         self.worker_starts = 0
         self.worker_failures = 0
         self._token_times: collections.deque[float] = collections.deque()
+        self._per_second: collections.deque[list[int]] = collections.deque(maxlen=SERIES_S)   # [second, tokens]
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_LEN)
         zero = Result("stop")       # the sums start as its 0 or 0.0
         self.totals = dict(requests=0, stop=0, length=0, cancel=0, error=0,
@@ -145,6 +163,11 @@ class Service:
                 else:
                     self._run(job)
             except Exception as e:  # a bug here must not kill the engine thread and hang every later request
+                log.exception("internal error while running %s", job.id if job else "the idle unload")
+                # The worker may be mid-request: end it, so no later request reads this one's lines.
+                if self.worker is not None and self.worker.alive:
+                    self.worker.kill(f"the server failed while it ran a request ({type(e).__name__})")
+                    self._set(phase="failed", last_error=f"internal error: {type(e).__name__}: {e}")
                 if job is not None:
                     job.emit("error", 500, f"internal error in the server: {type(e).__name__}: {e}")
             finally:
@@ -165,6 +188,7 @@ class Service:
                 self._ensure_worker()
                 job.emit("done", None)
             except WorkerError as e:
+                log.warning("%s%s", e, f"\nthe worker's last log lines:\n{e.detail}" if e.detail else "")
                 job.emit("error", 503, str(e))
         elif job.kind == "unload":
             self._unload("asked to by /unload")
@@ -206,8 +230,7 @@ class Service:
         try:
             w = self._ensure_worker()
         except WorkerError as e:
-            job.emit("error", 503, str(e))
-            self._record(job, None, str(e), started)
+            self._fail(job, None, e, started)
             return
         room = w.max_context - len(job.prompt) - CONTEXT_MARGIN
         if room < 1:
@@ -217,65 +240,28 @@ class Service:
             job.emit("error", 400, msg)
             self._record(job, None, msg, started)
             return
-        max_new = room if job.max_new is None else min(job.max_new, room)
-        text = TextStream(self.codec, job.stops, job.prompt_text)
-        res = Result("stop", prompt_tokens=len(job.prompt))
-        generated: list[int] = []
-        stopped_for = None          # client | stop | budget
-        budget = job.reasoning_budget
-        took, retried = False, False    # took: the worker answered RESUME (it has begun this request)
+        run = _Run(max_new=room if job.max_new is None else min(job.max_new, room),
+                   text=TextStream(self.codec, job.stops, job.prompt_text),
+                   res=Result("stop", prompt_tokens=len(job.prompt)),
+                   # a grammar constrains one pass from its start: no budget replay (it would restart the grammar)
+                   budget=None if job.grammar else job.reasoning_budget)
+        retried = False
         while True:
-            if budget is not None and text.thinking and text.think_tokens >= budget:
-                self._close_thought(job, text, generated)
-                budget = None       # one budget per request: a thought the model opens again is its own choice
-            left = max_new - len(generated)
+            if run.budget is not None and run.text.thinking and run.text.think_tokens >= run.budget:
+                self._close_thought(job, run.text, run.generated)
+                run.budget = None   # one budget per request: a thought the model opens again is its own choice
+            left = run.max_new - len(run.generated)
             if left <= 0:
-                res.finish = "length"
+                run.res.finish = "length"
                 break
-            stopped_for, done, err = None, None, None
-            self._set(phase="prompt", progress=None)
             try:
-                for ev in w.generate(GenRequest(left, job.prompt + generated, job.params)):
-                    if job.cancel.is_set() and stopped_for is None:
-                        stopped_for = "client"
-                        self._set(phase="stopping")
-                        w.stop()
-                    if ev.kind == "T":
-                        generated.append(ev.value)
-                        self._tick_token()
-                        if stopped_for in ("client", "stop"):
-                            continue
-                        r, c = text.feed_token(ev.value)
-                        if r or c:
-                            job.emit("delta", r, c)
-                        if text.stop_hit is not None and stopped_for is None:
-                            stopped_for = "stop"
-                            res.stop_string = text.stop_hit
-                            w.stop()
-                        elif budget is not None and text.thinking and text.think_tokens >= budget \
-                                and stopped_for is None:
-                            stopped_for = "budget"
-                            w.stop()
-                    elif ev.kind == "PP":
-                        pos, total, ms, tps = ev.value
-                        self._set(progress=dict(position=pos, prompt_tokens=total, ms=ms, tok_s=tps))
-                    elif ev.kind == "RESUME":
-                        if res.passes == 0:
-                            res.cached_tokens = ev.value
-                            took = True
-                            job.emit("started")     # the worker took the request: a stream can begin
-                    elif ev.kind == "REUSED":
-                        if stopped_for is None:
-                            self._set(phase="generating")
-                    elif ev.kind == "DONE":
-                        done = ev.value
-                    elif ev.kind == "ERR":
-                        err = ev.value
+                stopped_for, done, err = self._pass(w, job, run, left)
             except WorkerError as e:
                 self.worker_failures += 1
-                if isinstance(e, WorkerDied) and not took and not retried and not job.cancel.is_set():
-                    # It was gone before it began this request (it exited after its last ERR, or died while
-                    # idle): nothing of this request is lost, so start it again and replay the request once.
+                if isinstance(e, (WorkerDied, WorkerProtocolError)) and not run.took and not retried \
+                        and not job.cancel.is_set():
+                    # It was gone (or talking out of turn, and killed) before it began this request: nothing of
+                    # this request is lost, so start it again and replay the request once.
                     retried = True
                     self.worker.note("the worker was gone before it took the request; starting it again")
                     try:
@@ -283,37 +269,90 @@ class Service:
                         continue
                     except WorkerError as e2:
                         e = e2
-                self._set(phase="failed", last_error=str(e), progress=None)
-                job.emit("error", 503, str(e))
-                res.generated = len(generated)
-                self._record(job, res, str(e), started)
+                run.res.generated = len(run.generated)
+                self._fail(job, run.res, e, started)
                 return
-            res.passes += 1
+            run.res.passes += 1
             if err is not None:
                 msg = f"the engine refused the request: {err}"
-                job.emit("error", 400 if res.passes == 1 and not generated else 500, msg)
+                job.emit("error", 400 if run.res.passes == 1 and not run.generated else 500, msg)
                 self._set(phase="idle", progress=None)
-                self._record(job, res, msg, started)
+                self._record(job, run.res, msg, started)
                 return
             for k in PASS_SUMS:
-                setattr(res, k, getattr(res, k) + getattr(done, k))
+                setattr(run.res, k, getattr(run.res, k) + getattr(done, k))
             if stopped_for == "budget" and not job.cancel.is_set():
                 # Replay: the loop head closes the thought, the next GEN continues from the cache. Whatever the pass
                 # ended with: the worker may have reached an end-of-generation token (or max_new: the loop head
                 # then ends with length) before it read the STOP, and the budget had run out all the same.
                 continue
-            res.finish = {"client": "cancel", "stop": "stop"}.get(stopped_for, done.finish)
+            run.res.finish = {"client": "cancel", "stop": "stop"}.get(stopped_for, done.finish)
             break
+        text, res = run.text, run.res
         r, c = text.finish()
         if r or c:
             job.emit("delta", r, c)
         if text.stop_hit is not None and res.stop_string is None and res.finish != "cancel":
             # a stop that only the end of the text decided (a longer stop could still have followed)
             res.stop_string, res.finish = text.stop_hit, "stop"
-        res.generated = len(generated)
+        res.generated = len(run.generated)
         self._set(phase="idle", progress=None)
         job.emit("done", res)
         self._record(job, res, None, started)
+
+    def _pass(self, w: Worker, job: Job, run: "_Run", left: int):
+        """One GEN (the prompt so far plus what earlier passes generated) read to its DONE or ERR:
+        (why the server stopped it: None | client | stop | budget, its Done, the worker's ERR message)."""
+        stopped_for, done, err = None, None, None
+        text, res = run.text, run.res
+        self._set(phase="prompt", progress=None)
+        gen = GenRequest(left, job.prompt + run.generated, job.params, logprobs=job.logprobs, grammar=job.grammar)
+        for ev in w.generate(gen, n_vocab=self.codec.tok.n_vocab):
+            if job.cancel.is_set() and stopped_for is None:
+                stopped_for = "client"
+                self._set(phase="stopping")
+                w.stop()
+            if ev.kind == "T":
+                run.generated.append(ev.value)
+                self._tick_token()
+                if stopped_for in ("client", "stop"):
+                    continue
+                if ev.extra is not None:
+                    job.emit("logprobs", ev.value, *ev.extra)
+                r, c = text.feed_token(ev.value)
+                if r or c:
+                    job.emit("delta", r, c)
+                if text.stop_hit is not None and stopped_for is None:
+                    stopped_for = "stop"
+                    res.stop_string = text.stop_hit
+                    w.stop()
+                elif run.budget is not None and text.thinking and text.think_tokens >= run.budget \
+                        and stopped_for is None:
+                    stopped_for = "budget"
+                    w.stop()
+            elif ev.kind == "PP":
+                pos, total, ms, tps = ev.value
+                self._set(progress=dict(position=pos, prompt_tokens=total, ms=ms, tok_s=tps))
+            elif ev.kind == "RESUME":
+                if res.passes == 0:
+                    res.cached_tokens = ev.value
+                    run.took = True
+                    job.emit("started")     # the worker took the request: a stream can begin
+            elif ev.kind == "REUSED":
+                if stopped_for is None:
+                    self._set(phase="generating")
+            elif ev.kind == "DONE":
+                done = ev.value
+            elif ev.kind == "ERR":
+                err = ev.value
+        return stopped_for, done, err
+
+    def _fail(self, job: Job, res: Result | None, e: WorkerError, started: float) -> None:
+        """A worker failure: the client gets the cause (503); the worker's log lines go to the server's log."""
+        log.warning("%s%s", e, f"\nthe worker's last log lines:\n{e.detail}" if e.detail else "")
+        self._set(phase="failed", last_error=str(e), progress=None)
+        job.emit("error", 503, str(e))
+        self._record(job, res, str(e), started)
 
     def _close_thought(self, job: Job, text: TextStream, generated: list[int]) -> None:
         generated.extend(self.codec.encode_special(self.codec.closing_words))
@@ -325,6 +364,11 @@ class Service:
         now = time.monotonic()
         with self._cv:
             self._token_times.append(now)
+            sec = int(now)
+            if self._per_second and self._per_second[-1][0] == sec:
+                self._per_second[-1][1] += 1
+            else:
+                self._per_second.append([sec, 1])
             while self._token_times and self._token_times[0] < now - RATE_WINDOW_S:
                 self._token_times.popleft()
 
@@ -353,6 +397,14 @@ class Service:
         GiB/s"), which the Monitor shows as the phase; otherwise the service's own phase."""
         step = describe_phase(w.info) if self.phase == "loading" and w is not None else None
         return f"loading: {step}" if step else self.phase
+    def _series_locked(self, now: float) -> list[int]:
+        """Tokens generated in each of the last SERIES_S whole seconds, oldest first (the current one last)."""
+        out = [0] * SERIES_S
+        first = int(now) - SERIES_S + 1
+        for sec, n in self._per_second:
+            if sec >= first:
+                out[sec - first] = n
+        return out
 
     def snapshot(self) -> dict:
         w = self.worker
@@ -370,12 +422,17 @@ class Service:
                            waiting=self._waiting_locked()),
                 progress=self.progress,
                 tok_s=round(len(recent) / RATE_WINDOW_S, 1),
+                tok_s_series=self._series_locked(now),
                 totals=dict(self.totals),
                 history=list(self.history),
             )
         t = snap["totals"]
         snap["totals"]["hit_rate"] = round(t["hits"] / t["lookups"], 4) if t["lookups"] else None
-        snap["cache"] = cache_picture(w.cache_line if w else None)
+        try:
+            snap["cache"] = cache_picture(w.cache_line if w else None)
+        except Exception as e:      # the worker checks each CACHE line; this guards /metrics against a bug
+            log.warning("the expert-cache picture failed: %s", e)
+            snap["cache"] = None
         return snap
 
 

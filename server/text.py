@@ -40,8 +40,13 @@ class TextCodec:
     def _special_text(self, token_id) -> str:
         return self.tok.token_text(token_id) if token_id is not None and token_id >= 0 else ""
 
-    def chat_prompt(self, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> tuple[list[int], str]:
+    def chat_prompt(self, messages: list[dict], tools=None, template_kwargs: dict | None = None,
+                    tool_choice=None) -> tuple[list[int], str]:
         from server.chat import ChatTemplateError, render_chat
+        if tools and tool_choice != "none" and self.generic_tools:
+            # the template knows no tools: they go into the system message in words (server/generic_tools.py)
+            from server.generic_tools import messages_with_tools
+            messages, tools = messages_with_tools(messages, tools, tool_choice), None
         bos = self._special_text(self.tok.bos_id) if getattr(self.tok, "add_bos", False) else ""
         eos = self._special_text(self.tok.eos_id)
         try:
@@ -71,14 +76,22 @@ class TextCodec:
 
     def tool_parser(self, tools, tool_choice=None):
         """A parser for the model's tool calls when the request offers tools (and does not say "none"); else None."""
-        from server.tool_calls import ToolCallParser, format_for_template
+        from server.tool_calls import ToolCallParser
         if not tools or tool_choice == "none":
             return None
-        fmt = format_for_template(self.template)
-        if fmt is None:
-            log.warning("the chat template teaches no tool-call format this server knows; calls stay in the content")
-            return None
-        return ToolCallParser(fmt, tools)
+        return ToolCallParser(self.tool_format, tools)
+
+    @property
+    def generic_tools(self) -> bool:
+        """True when the template teaches no tool-call format this server knows (server/generic_tools.py)."""
+        from server.tool_calls import format_for_template
+        return format_for_template(self.template) is None
+
+    @property
+    def tool_format(self):
+        """The template's tool-call format, or the tags format that server/generic_tools.py teaches."""
+        from server.tool_calls import TAGS, format_for_template
+        return format_for_template(self.template) or TAGS
 
     def splitter(self, prompt_text: str):
         from server.reasoning import ReasoningSplitter

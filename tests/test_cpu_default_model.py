@@ -35,3 +35,18 @@ def test_the_fetched_file_is_the_reference_one(fixtures_dir):
     import json
     ref = json.loads((fixtures_dir / "reference" / "smollm2-135m-chat.json").read_text())
     assert ref["model_sha256"] == dm.SMOLLM2_SHA256 and ref["model_file"] == dm.SMOLLM2_FILE
+
+
+def test_same_size_other_bytes_is_refused_and_a_checked_file_gets_a_note(tmp_path, monkeypatch):
+    import hashlib
+    good = b"GGUF" + bytes(100)
+    monkeypatch.setattr(dm, "SMOLLM2_SIZE", len(good))
+    monkeypatch.setattr(dm, "SMOLLM2_SHA256", hashlib.sha256(good).hexdigest())
+    target = tmp_path / dm.SMOLLM2_FILE
+    target.write_bytes(b"GGUF" + b"x" * 100)           # the right size, not the pinned bytes
+    with pytest.raises(dm.DefaultModelError, match="SHA-256"):
+        dm.default_model_path(fetch=False, models_dir=tmp_path)
+    target.write_bytes(good)
+    assert dm.default_model_path(fetch=False, models_dir=tmp_path) == target
+    assert (tmp_path / (dm.SMOLLM2_FILE + ".sha256")).read_text().split()[0] == dm.SMOLLM2_SHA256
+

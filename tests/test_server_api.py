@@ -147,7 +147,17 @@ def test_a_prompt_the_codec_refuses_is_a_400(server):
     (dict(messages=[{"role": "user", "content": "x"}], stream="yes"), "stream"),
     (dict(messages=[{"role": "user", "content": "x"}], top_p=0), "top_p"),
     (dict(messages=[{"role": "user", "content": "x"}], stop=[1, 2]), "stop"),
-    (dict(messages=[{"role": "user", "content": "x"}], n=2), "n"),
+    (dict(messages=[{"role": "user", "content": "x"}], n=0), "n"),
+    (dict(messages=[{"role": "user", "content": "x"}], n=17), "n"),
+    (dict(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2), "top_logprobs"),
+    (dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "xml"}), "response_format"),
+    (dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema",
+                                                                        "json_schema": {"schema": {"type": "bogus"}}}),
+     "response_format"),
+    (dict(messages=[{"role": "user", "content": "x"}], tool_choice="required"), "tool_choice"),
+    (dict(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {"name": "f"}}],
+          tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
     (dict(messages=[{"role": "user", "content": "x"}], seed=1.5), "seed"),
 ])
 def test_field_type_checks(server, body, param):

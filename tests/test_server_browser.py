@@ -123,3 +123,33 @@ def test_reasoning_collapsed_and_dense_model_shows_no_experts(tmp_path, fixtures
             assert not driver.find_element(By.ID, "cache-canvas").is_displayed()
     finally:
         driver.quit()
+
+
+def test_phone_width_max_tokens_and_a_failing_monitor(tmp_path, fixtures_dir):
+    driver = browser_or_skip()
+    from selenium.webdriver.common.by import By
+    cfg = make_config(tmp_path, fixtures_dir / "vocab" / "tiny-bpe-1024.gguf")
+    try:
+        with running_server(cfg, tiny_codec(fixtures_dir)) as (httpd, base):
+            driver.set_window_size(375, 740)
+            driver.get(base + "/")
+            driver.execute_script("localStorage.clear()")
+            driver.get(base + "/")
+            wide = "return document.documentElement.scrollWidth <= window.innerWidth"
+            assert driver.execute_script(wide), "the chat is wider than a phone's screen"
+            driver.find_element(By.ID, "input").send_keys("hello")
+            driver.find_element(By.ID, "send").click()
+            wait_for(lambda: metrics(base)["history"], "the answered request")
+            gen = [ln for ln in open(cfg.log).read().splitlines() if "fake worker: GEN" in ln][-1]
+            assert "max_new=1024 " in gen                 # the app names its limit
+            driver.find_element(By.ID, "tab-monitor").click()
+            wait_for(lambda: driver.find_element(By.ID, "toks-note").text, "the tok/s chart's note")
+            assert driver.execute_script(wide), "the Monitor is wider than a phone's screen"
+
+            def broken():
+                raise RuntimeError("snapshot failed")
+            httpd.service.snapshot = broken
+            banner = wait_for(lambda: driver.find_element(By.ID, "monitor-error").text, "the failure banner")
+            assert "Metrics unavailable" in banner
+    finally:
+        driver.quit()

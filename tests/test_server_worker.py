@@ -120,27 +120,30 @@ def test_ignored_stop_is_killed_within_the_deadline(tmp_path, fixtures_dir):
         assert r.json()["choices"][0]["text"] == "abc" and r.json()["choices"][0]["finish_reason"] == "stop"
 
 
-def test_death_mid_prompt_reports_log_and_cause(tmp_path, fixtures_dir):
+def test_death_mid_prompt_reports_log_and_cause(tmp_path, fixtures_dir, caplog):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--die-in-prompt", ""))
     with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
         r = complete(base)
         assert r.status_code == 503
         msg = r.json()["error"]["message"]
         assert "exited mid-request" in msg and "out of memory" in msg and "next request restarts it" in msg
-        assert "CUDA error: out of memory" in msg       # the log tail
+        # the log tail (it names files) goes to the server's log, never to the client
+        assert "CUDA error: out of memory" not in msg and "CUDA error: out of memory" in caplog.text
+        assert str(tmp_path) not in msg
         r = complete(base)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello there"
 
 
-def test_exit_before_ready_reports_the_last_20_log_lines(tmp_path, fixtures_dir):
+def test_exit_before_ready_reports_the_last_20_log_lines(tmp_path, fixtures_dir, caplog):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--exit-before-ready"])
     with running_server(cfg, tiny_codec(fixtures_dir)) as (_, base):
         r = complete(base)
         assert r.status_code == 503
         msg = r.json()["error"]["message"]
-        assert "before it was ready" in msg and "status 2" in msg
-        assert "this fake worker was told to fail" in msg and "loading step 29" in msg
-        assert "loading step 10\n" not in msg + "\n" and "loading step 11" in msg   # exactly the last 20 lines
+        assert "before it was ready" in msg and "status 2" in msg and "loading step" not in msg
+        logged = caplog.text
+        assert "this fake worker was told to fail" in logged and "loading step 29" in logged
+        assert "loading step 10\n" not in logged and "loading step 11" in logged   # exactly the last 20 lines
         assert metrics(base)["worker"]["failures"] == 1
 
 
@@ -150,7 +153,7 @@ def test_worker_start_failure_shows_only_this_starts_log(tmp_path, fixtures_dir)
     w = Worker([sys.executable, str(FAKE_WORKER), "--model", "m", "--exit-before-ready"], None, log, silence_s=5)
     with pytest.raises(WorkerStartError) as e:
         w.start()
-    assert "yesterday" not in str(e.value) and "told to fail" in str(e.value)
+    assert "yesterday" not in e.value.detail and "told to fail" in e.value.detail
 
 
 def test_close_escalates_quit_term_kill(tmp_path):
@@ -276,10 +279,11 @@ def test_cancelled_prompt_counts_what_was_read(tmp_path, fixtures_dir):
 
 
 def test_likely_cause():
-    assert "out of memory" in likely_cause(-9, "loading\n")
-    assert "out of memory" in likely_cause(137, "")
+    # SIGKILL alone may come from anyone: the cause says so instead of blaming memory
+    assert "SIGKILL" in likely_cause(-9, "loading\n") and "likely out of memory" not in likely_cause(-9, "")
+    assert "another process" in likely_cause(137, "")
     assert "out of memory" in likely_cause(1, "RuntimeError: CUDA out of memory. Tried to allocate")
-    assert "out of memory" in likely_cause(-6, "step 3\nKilled")
+    assert "out-of-memory killer" in likely_cause(-6, "step 3\nKilled")
     assert "watchdog" in likely_cause(3, "watchdog: no progress for 600 s, exiting")
     assert "SIGSEGV" in likely_cause(-11, "")
     assert "status 1" in likely_cause(1, "Traceback ...")

@@ -289,3 +289,15 @@ def test_a_renamed_repository_is_followed_to_its_hash(hub, tmp_path):
     dest = tmp_path / "m.gguf"
     digest = dl.fetch(dl.hub_url("old-org/r", "main", "m.gguf", hub.url), dest, say=lambda s: None)
     assert digest == hashlib.sha256(data).hexdigest() and "unverified" not in dl.note_path(dest).read_text()
+
+
+def test_the_catalogs_pinned_hash_is_never_overridden_by_the_hubs(hub, tmp_path):
+    data = payload(5000)
+    hub.add("org/r", "m.gguf", data)          # the hub publishes this file's own hash
+    url = dl.hub_url("org/r", "main", "m.gguf", hub.url)
+    with pytest.raises(dl.DownloadError, match="changed upstream"):
+        dl.fetch(url, tmp_path / "a.gguf", sha256="ab" * 32, say=lambda s: None)
+    assert not (tmp_path / "a.gguf").exists() and not hub.gets()     # nothing fetched, nothing kept
+    assert dl.fetch(url, tmp_path / "b.gguf", sha256=hashlib.sha256(data).hexdigest(),
+                    say=lambda s: None) == hashlib.sha256(data).hexdigest()
+

@@ -58,6 +58,11 @@ def env(tmp_path, hub, monkeypatch, fixtures_dir):
     models.mkdir(parents=True)
     # the default model "already fetched": default_model_path() finds it and does not go to PyPI
     (models / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF" + bytes(996))
+    # ... and its size and SHA-256 are the pinned ones (the wizard checks both)
+    import hashlib
+    from engine import default_model as dm
+    monkeypatch.setattr(dm, "SMOLLM2_SIZE", 1000)
+    monkeypatch.setattr(dm, "SMOLLM2_SHA256", hashlib.sha256(b"GGUF" + bytes(996)).hexdigest())
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setattr(pkgs, "plan", lambda req, has_gpu: ([], ["numpy 2"], []))
 
@@ -414,3 +419,7 @@ def test_the_prefetch_is_timed_both_ways_and_pinned_only_when_clearly_faster(env
     assert f"120.0 tok/s with the prefetch on (the default), {off_rate} with it off" in out
     saved = json.loads((env / "data" / "strata-tiny-moe.calibration.json").read_text())["result"]
     assert saved["prefetch_tok_s"] == {"off": off_rate, "on": 120.0}
+def test_a_default_model_of_the_right_size_but_other_bytes_is_refused(env):
+    (env / "data" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF" + b"x" * 996)
+    rc, out, _ = go(env, "--yes", "--no-start", machine_=machine((), 16))
+    assert rc != 0 and "SHA-256" in out and "delete it" in out

@@ -28,6 +28,7 @@ from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS
 from engine.cuda.prefill import SCORE_ELEMS, Prefill
 from engine.cuda.programs import Kernels
 from engine.cuda.rope import rope_table
+from engine.cuda.logits_mask import masked_next
 from engine.cuda.sampler import GpuSampler
 from engine.cuda.weights import load_weights
 from engine.profile import from_flat, load_profile, save_profile
@@ -341,6 +342,9 @@ class CUDABackend(Backend):
         argmax (the fast path); everything else (penalties, temperature, top_k/top_p/min_p, seeds) is
         engine/cuda/sampler.py, whose random source is its own (seeded: reproducible on the same build) but whose
         chain and kept sets are engine/sampling.py's. None goes to the host."""
+        if getattr(sampler, "mask", None) is not None or getattr(sampler, "top_logprobs", None) is not None:
+            # a grammar or logprobs: off the graphs (engine/cuda/logits_mask.py)
+            return masked_next(self, tokens, sampler)
         tokens = [int(t) for t in tokens]
         greedy = sampler.greedy and not sampler.penalties_active
         gs = self.gpu_sampler

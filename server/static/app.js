@@ -3,7 +3,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const STORE = "strata.conversation", KEY_STORE = "strata.apiKey";
+const STORE = "strata.conversation", KEY_STORE = "strata.apiKey", MAX_STORE = "strata.maxTokens";
 let conversation = loadConversation();
 let controller = null;       // the running request's AbortController (Stop aborts it; the server then STOPs the worker)
 let monitorTimer = null;
@@ -64,6 +64,12 @@ function updateLast() {
   box.scrollTop = box.scrollHeight;
 }
 
+// Every request names its limit: without one the server lets an answer run to the end of the context.
+function maxTokens() {
+  const n = parseInt($("max-tokens").value, 10);
+  return Number.isFinite(n) && n > 0 ? n : 1024;
+}
+
 function setBusy(busy) {
   $("send").disabled = busy;
   $("stop").disabled = !busy;
@@ -82,7 +88,8 @@ async function send(text) {
   try {
     const resp = await fetch("v1/chat/completions", {
       method: "POST", headers: headers(), signal: controller.signal,
-      body: JSON.stringify({ messages: history, stream: true, stream_options: { include_usage: true } }),
+      body: JSON.stringify({ messages: history, stream: true, stream_options: { include_usage: true },
+                             max_tokens: maxTokens() }),
     });
     if (!resp.ok) {
       let msg = resp.status + " " + resp.statusText;
@@ -155,6 +162,8 @@ $("clear").addEventListener("click", () => {
   saveConversation();
   render();
 });
+$("max-tokens").value = localStorage.getItem(MAX_STORE) || "1024";
+$("max-tokens").addEventListener("change", () => localStorage.setItem(MAX_STORE, String(maxTokens())));
 $("api-key").value = localStorage.getItem(KEY_STORE) || "";
 $("api-key").addEventListener("change", () => localStorage.setItem(KEY_STORE, $("api-key").value.trim()));
 
@@ -176,15 +185,33 @@ function startMonitor() {
 function stopMonitor() { clearInterval(monitorTimer); monitorTimer = null; }
 
 async function poll() {
+  let m;
   try {
     const resp = await fetch("metrics", { headers: headers() });
-    const m = await resp.json();
-    if (!resp.ok) throw new Error(m.error ? m.error.message : resp.statusText);
-    showMetrics(m);
+    let body = null;
+    try { body = await resp.json(); } catch (e) { /* not JSON: said below */ }
+    if (!resp.ok || !body) {
+      const why = body && body.error ? body.error.message : resp.status + " " + resp.statusText;
+      throw new Error("the server answered /metrics with " + why);
+    }
+    m = body;
   } catch (e) {
-    $("phase").textContent = "unreachable";
-    $("last-error").textContent = String(e.message || e);
+    return monitorFailed(e.name === "TypeError" ? "the server cannot be reached (" + e.message + ")" : e.message);
   }
+  try {
+    showMetrics(m);
+    $("monitor-error").classList.add("hidden");
+  } catch (e) {
+    monitorFailed("the metrics could not be shown: " + e.message);
+  }
+}
+
+// A failed poll says so in words, over figures that are then marked stale (never a blank box).
+function monitorFailed(msg) {
+  const box = $("monitor-error");
+  box.textContent = "Metrics unavailable: " + msg + " — retrying every half second; the figures below are stale.";
+  box.classList.remove("hidden");
+  $("phase").textContent = "unknown";
 }
 
 function showMetrics(m) {
@@ -207,6 +234,7 @@ function showMetrics(m) {
   }
   $("last-error").textContent = m.worker.last_error || "none";
   drawCache(m.cache, info);
+  drawRate(m.tok_s_series || []);
   const rows = m.history.slice(-50).reverse().map((h) => {
     const tr = document.createElement("tr");
     const cells = [h.id, h.endpoint, h.finish, h.prompt_tokens, h.cached_tokens, h.prompt_read, h.generated,
@@ -258,6 +286,37 @@ function drawCache(cache, info) {
   ctx.putImageData(img, 0, 0);
   note.textContent = cache.n_layer + " layers × " + cache.n_expert + " experts, " + cache.resident_count +
                      " resident in VRAM";
+}
+
+function drawRate(series) {
+  const canvas = $("toks-chart");
+  const w = canvas.clientWidth || 800, h = canvas.clientHeight || 120;
+  if (canvas.width !== w) canvas.width = w;
+  if (canvas.height !== h) canvas.height = h;
+  const ctx = canvas.getContext("2d");
+  ctx.clearRect(0, 0, w, h);
+  const done = series.slice(0, -1);      // the current second is still counting: leave it out
+  const top = Math.max(1, ...done);
+  const pad = 14;
+  ctx.fillStyle = "#6b6b70";
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.fillText(top + " tok/s", 4, 11);
+  ctx.fillText("-5 min", 4, h - 3);
+  ctx.fillText("now", w - 24, h - 3);
+  ctx.strokeStyle = "#2f6fde";
+  ctx.lineWidth = 1.5;
+  ctx.beginPath();
+  done.forEach((v, i) => {
+    const x = (i / Math.max(1, done.length - 1)) * (w - 2) + 1;
+    const y = h - pad - (v / top) * (h - 2 * pad);
+    if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+  });
+  ctx.stroke();
+  const recent = done.slice(-60).filter((v) => v > 0);
+  $("toks-note").textContent = recent.length
+    ? "last minute: " + (recent.reduce((a, b) => a + b, 0) / 60).toFixed(1) + " tok/s on average, peak " +
+      Math.max(...recent) + " tok/s"
+    : "no tokens generated in the last minute";
 }
 
 render();
