@@ -1,15 +1,12 @@
 """gpt-oss on the CPU: its pieces against plain formulas, the forward against llama.cpp and exact arithmetic.
 
-The fixtures (tests/fixtures/gptoss/*.json) hold llama.cpp's outputs (tools/gptoss_ref.py) for two models that
-make_moe writes again here, byte for byte (the JSON's sha256 says which): `gpt-oss-tiny` at seed 1 in F16 (the
-architecture check, DESIGN §7: median |logit diff| <= 0.05 and the same greedy tokens) and in the published files'
-types (MXFP4 experts, Q8_0 elsewhere: equal to a float64 forward; llama.cpp only within its measured distance from
-that). Prompts of 40, 90 and 150 tokens, past the tiny model's window of 16. To remake a fixture:
-
-    python -m tools.make_moe --preset gpt-oss-tiny --seed 1 [--experts F16 --attn F16 --embd F16 --output F16] \\
-        --out /tmp/gpt-oss-tiny-f16.gguf
-    /tmp/llamavenv/bin/python -m tools.gptoss_ref /tmp/gpt-oss-tiny-f16.gguf tests/fixtures/gptoss/... \\
-        --prompts 0:40,1:90,2:150 --steps 24
+The fixtures (tests/fixtures/gptoss/*.json, made by python -m tools.gptoss_ref) hold llama.cpp's outputs and exact
+arithmetic's (tools/gptoss_exact.py, float64) for make_moe's gpt-oss-tiny preset at seed 1, which the tests make
+again byte for byte (the JSON's sha256 says which): in F16 (the architecture check, DESIGN §7: median |logit diff|
+<= 0.05 and the same greedy tokens), in the published files' types (MXFP4 experts, Q8_0 elsewhere) and in
+llama-quantize's Q4_K_M (that one only where llama.cpp runs: tools.llama_ref quantizes it again). Quantized files
+must equal exact arithmetic; llama.cpp sits its own measured distance from it. Prompts of 40, 90 and 150 tokens, past
+the tiny model's window of 16.
 """
 from __future__ import annotations
 
@@ -21,14 +18,13 @@ import numpy as np
 import pytest
 
 from engine.arch import gptoss
-from engine.arch.base import Weights, softmax
+from engine.arch.base import softmax
 from engine.backend_cpu import CPUBackend
 from engine.gguf_model import open_model
 from tools import make_moe
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gptoss"
 F16_TYPES = ["--experts", "F16", "--attn", "F16", "--embd", "F16", "--output", "F16"]
-MODELS = {"gpt-oss-tiny-f16": F16_TYPES, "gpt-oss-tiny-mxfp4": []}
 
 
 # --- the pieces, on fresh random data ---------------------------------------------------------------------------
@@ -91,18 +87,27 @@ def test_router_softmaxes_only_the_chosen_logits(T, E, k):
 
 # --- the model against llama.cpp and exact arithmetic -----------------------------------------------------------
 
+def fixture(kind):
+    return json.loads((FIXTURES / f"gpt-oss-tiny-{kind}.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    """{kind: (path, reference)} for the files that can be made here."""
+    from tools import gptoss_ref, llama_ref
     d = tmp_path_factory.mktemp("gptoss")
     out = {}
-    for name, types in MODELS.items():
-        path = d / f"{name}.gguf"
-        assert make_moe.main(["--preset", "gpt-oss-tiny", "--seed", "1", "--out", str(path), *types]) == 0
-        ref = json.loads((FIXTURES / f"{name}.json").read_text())
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        assert digest == ref["model_sha256"], (f"make_moe no longer writes the model of {name}.json; remake the "
-                                              f"fixture (this module's docstring says how)")
-        out[name] = (path, ref)
+    for kind, types in (("f16", F16_TYPES), ("mxfp4", [])):
+        path = d / f"gpt-oss-tiny-{kind}.gguf"
+        assert make_moe.main([*gptoss_ref.PRESET, "--norm", "F32", "--out", str(path), *types]) == 0
+        out[kind] = path
+    if llama_ref.available() is None:
+        out["q4_k_m"] = llama_ref.quantize(out["f16"], d / "gpt-oss-tiny-q4_k_m.gguf", "q4_k_m")
+    for kind, path in out.items():
+        ref = fixture(kind)
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == ref["model_sha256"], (
+            f"gpt-oss-tiny-{kind} is no longer the fixture's file; remake them (python -m tools.gptoss_ref)")
+        out[kind] = (path, ref)
     return out
 
 
@@ -113,21 +118,28 @@ def teacher_forced(be, case) -> np.ndarray:
     return be.forward(p + g[:-1], all_logits=True)[len(p) - 1:]
 
 
-def diffs_at_their_top10(case, rows) -> np.ndarray:
-    return np.array([np.abs(row[[i for i, _ in st["top"]]] - [v for _, v in st["top"]])
-                     for st, row in zip(case["steps"], rows, strict=True)])
+def distances(ref, be) -> tuple[np.ndarray, np.ndarray]:
+    """|ours - llama.cpp| at its top-10 ids and |ours - exact| there, one row per step of every case."""
+    ll, ex = [], []
+    for case in ref["cases"]:
+        for st, row in zip(case["steps"], teacher_forced(be, case), strict=True):
+            ids = [i for i, _ in st["top"]]
+            ll.append(np.abs(row[ids] - [v for _, v in st["top"]]))
+            ex.append(np.abs(row[ids] - st["exact_at_top"]))
+    return np.array(ll), np.array(ex)
 
 
 def test_f16_agrees_with_llama_cpp(models):
-    path, ref = models["gpt-oss-tiny-f16"]
+    path, ref = models["f16"]
     model = open_model(path)
     cfg = model.config
     assert (cfg.n_swa, cfg.swa_layers, cfg.rope_scaling) == (16, (True, False, True, False), "yarn")
+    assert all(len(c["prompt_ids"]) > cfg.n_swa for c in ref["cases"])
     be = CPUBackend(model, 512, chunk=64)     # chunks of 64: the 150-token prompt crosses chunks and the window
+    ll, ex = distances(ref, be)
+    assert np.median(ll) <= 0.05, f"median |logit diff| from llama.cpp {np.median(ll):.4f}"
+    assert ex.max() < 1e-3, f"|ours - exact| up to {ex.max():.2e}"
     for case in ref["cases"]:
-        assert len(case["prompt_ids"]) > cfg.n_swa
-        d = diffs_at_their_top10(case, teacher_forced(be, case))
-        assert np.median(d) <= 0.05, f"median |logit diff| {np.median(d):.4f}"
         # our own greedy continuation, one token at a time through the KV cache, is llama.cpp's
         be.truncate(0)
         logits, ours = be.forward(case["prompt_ids"]), []
@@ -137,48 +149,18 @@ def test_f16_agrees_with_llama_cpp(models):
         assert ours == case["greedy_ids"]
 
 
-class _Weights64(Weights):
-    """The same dequantized weights, held as float64."""
-
-    def get(self, name):
-        return super().get(name).astype(np.float64)
-
-    def rows(self, name, ids):
-        return super().rows(name, ids).astype(np.float64)
-
-    def expert(self, layer, e, decoding):
-        return tuple(m.astype(np.float64) for m in super().expert(layer, e, decoding))
-
-
-class _KV64:
-    def __init__(self, cfg, n):
-        self.k = [np.zeros((cfg.n_head_kv, n, cfg.head_dim)) for _ in range(cfg.n_layer)]
-        self.v = [np.zeros((cfg.n_head_kv, n, cfg.head_dim_v)) for _ in range(cfg.n_layer)]
-
-    def ensure(self, n):
-        assert n <= self.k[0].shape[1]
-
-
-def exact_logits(model, tokens) -> np.ndarray:
-    """A float64 forward over the gguf-dequantized weights: exact arithmetic for this file (DESIGN §7)."""
-    net = gptoss.GptOss(model, _Weights64(model, expert_cache_mb=1024), len(tokens))
-    return net.forward(np.asarray(tokens), 0, _KV64(model.config, len(tokens)), all_logits=True)
-
-
-def test_mxfp4_equals_exact_arithmetic_and_llama_cpp_stays_within_its_distance(models):
-    path, ref = models["gpt-oss-tiny-mxfp4"]
-    tol = ref["tolerance"]
-    model = open_model(path)
-    be = CPUBackend(model, 512, chunk=64)
-    theirs_from_exact = []
-    for case in ref["cases"]:
-        ours = teacher_forced(be, case)
-        p, g = case["prompt_ids"], case["greedy_ids"]
-        exact = exact_logits(model, p + g[:-1])[len(p) - 1:]
-        # float32 activations over the same weights: equal to exact up to float32 rounding
-        np.testing.assert_allclose(ours, exact, rtol=0, atol=1e-4 * np.abs(exact).max())
-        theirs_from_exact.append(diffs_at_their_top10(case, exact))
-    d = np.concatenate(theirs_from_exact)
-    # llama.cpp rounds activations to 8 bits before its Q8_0 and MXFP4 dot products: its distance from exact
-    assert np.median(d) <= tol["median_abs_logit_diff_at_most"], np.median(d)
-    assert np.mean(d.mean(axis=1) > 1.0) <= tol["share_of_steps_over_1_at_most"]
+@pytest.mark.parametrize("kind", ["mxfp4", "q4_k_m"])
+def test_quantized_equals_exact_arithmetic(models, kind):
+    if kind not in models:
+        from tools import llama_ref
+        pytest.skip(f"the {kind} file is made by llama.cpp: {llama_ref.available()}")
+    path, ref = models[kind]
+    assert set(ref["tensor_types"].values()) > {"F32"}
+    be = CPUBackend(open_model(path), 512, chunk=64)
+    ll, ex = distances(ref, be)
+    scale = max(abs(v) for c in ref["cases"] for st in c["steps"] for v in st["exact_at_top"])
+    assert ex.max() < 1e-4 * scale, f"|ours - exact| up to {ex.max():.2e}"
+    # so from llama.cpp we sit where exact arithmetic does (its 8-bit activations before quantized dot products)
+    theirs = ref["llama_vs_exact"]
+    assert np.median(ll) <= theirs["median_abs_diff"] + 0.01
+    assert np.mean(ll.mean(axis=1) > 1.0) <= theirs["share_of_steps_over_1"] + 0.01

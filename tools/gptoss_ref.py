@@ -1,102 +1,57 @@
-"""llama.cpp's outputs for a model, as the fixtures in ../shared/fixtures/reference/ hold them (their README).
+"""The gpt-oss fixtures (tests/fixtures/gptoss/): llama.cpp's outputs and exact arithmetic's, through tools.llama_ref.
 
-    /tmp/llamavenv/bin/python -m tools.gptoss_ref MODEL.gguf OUT.json --prompts 0:40,1:90 [--steps 24]
+    STRATA_LLAMA_PYTHON=/tmp/llamavenv/bin/python python -m tools.gptoss_ref --out tests/fixtures/gptoss
 
-Runs under a Python with llama-cpp-python (the low-level API only; no engine import, so no gguf package needed).
-Each prompt is `seed:length` random token ids below the first control token (deterministic), evaluated in one batch,
-then llama.cpp's greedy continuation one token at a time; at every step the top-10 [id, logit] and the top-1/top-2
-margin. A minimal stand-in for the team's generic reference tool, kept to what the gpt-oss fixtures need.
+Three files of make_moe's gpt-oss-tiny preset at seed 1: `f16` (every matrix F16: the architecture check),
+`mxfp4` (the published GGUFs' types: MXFP4 experts, Q8_0 elsewhere) and `q4_k_m` (llama-quantize's recipe on the
+F16 file, as the re-quantized downloads are made). Prompts of 40, 90 and 150 text tokens, past the window of 16;
+24 greedy steps each. Exact arithmetic is tools/gptoss_exact.py (tools/exact_forward.py has no gpt-oss).
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
-import hashlib
+import contextlib
+import io
 import json
 import sys
 from pathlib import Path
 
-import numpy as np
+from tools import llama_ref as lr
+from tools.gptoss_exact import exact_logits
+
+PRESET = ["--preset", "gpt-oss-tiny", "--seed", "1"]
+N_TEXT = 1021          # ids below this are tiny-bpe-1024's text tokens (the harmony controls follow)
+LENGTHS = (40, 90, 150)
+N_PREDICT = 24
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def run(model_path: Path, prompts: list[list[int]], steps: int, threads: int) -> list[dict]:
-    import llama_cpp as L
-    L.llama_backend_init()
-    mp = L.llama_model_default_params()
-    model = L.llama_model_load_from_file(str(model_path).encode(), mp)
-    if not model:
-        raise SystemExit(f"gptoss_ref: llama.cpp could not load {model_path}")
-    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-    cp = L.llama_context_default_params()
-    cp.n_ctx = max(len(p) for p in prompts) + steps + 16
-    cp.n_batch = cp.n_ubatch = 512
-    cp.n_threads = cp.n_threads_batch = threads
-    ctx = L.llama_init_from_model(model, cp)
-    batch = L.llama_batch_init(512, 0, 1)
-
-    def decode(tokens, pos0):
-        batch.n_tokens = len(tokens)
-        for i, t in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos0 + i, 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = i == len(tokens) - 1
-        if L.llama_decode(ctx, batch) != 0:
-            raise SystemExit("gptoss_ref: llama_decode failed")
-        ptr = L.llama_get_logits_ith(ctx, len(tokens) - 1)
-        return np.ctypeslib.as_array(ptr, shape=(n_vocab,)).astype(np.float64).copy()
-
-    cases = []
-    for prompt in prompts:
-        L.llama_memory_clear(L.llama_get_memory(ctx), True)
-        logits = decode(prompt, 0)
-        greedy, rows = [], []
-        for s in range(steps):
-            order = np.argsort(-logits, kind="stable")[:10]
-            rows.append({"top": [[int(i), round(float(logits[i]), 5)] for i in order],
-                         "margin": round(float(logits[order[0]] - logits[order[1]]), 5)})
-            greedy.append(int(order[0]))
-            if s + 1 < steps:
-                logits = decode([greedy[-1]], len(prompt) + s)
-        cases.append({"prompt_ids": prompt, "greedy_ids": greedy, "steps": rows})
-    L.llama_batch_free(batch)
-    L.llama_free(ctx)
-    L.llama_model_free(model)
-    return cases
-
-
-def prompt_ids(spec: str, n_text: int) -> list[int]:
-    seed, n = (int(x) for x in spec.split(":"))
-    return np.random.default_rng(seed).integers(0, n_text, n).tolist()
+def make_models(workdir: Path) -> dict[str, Path]:
+    """{"f16", "mxfp4", "q4_k_m": path}, made again only where missing (q4_k_m needs llama.cpp)."""
+    from tools import make_moe
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = {"f16": workdir / "gpt-oss-tiny-f16.gguf", "mxfp4": workdir / "gpt-oss-tiny-mxfp4.gguf",
+           "q4_k_m": workdir / "gpt-oss-tiny-q4_k_m.gguf"}
+    if not out["f16"].is_file():
+        lr.make_source(out["f16"], PRESET)
+    if not out["mxfp4"].is_file():
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            make_moe.main([*PRESET, "--threads", "1", "--out", str(out["mxfp4"])])
+    if not out["q4_k_m"].is_file():
+        lr.quantize(out["f16"], out["q4_k_m"], "q4_k_m")
+    return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.gptoss_ref")
-    ap.add_argument("model", type=Path)
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--prompts", default="0:40,1:90", help="seed:length,... (random ids of the text tokens)")
-    ap.add_argument("--n-text", type=int, default=1021, help="ids below this are text tokens (tiny-bpe-1024's)")
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tolerance", type=json.loads, default={}, help="a JSON object stored as the file's tolerance")
+    ap = argparse.ArgumentParser(prog="python -m tools.gptoss_ref", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="directory for the JSON files")
+    ap.add_argument("--workdir", type=Path, default=Path("data/cache/gptoss"), help="where the models are made")
     args = ap.parse_args(argv)
-    prompts = [prompt_ids(s, args.n_text) for s in args.prompts.split(",")]
-    cases = run(args.model, prompts, args.steps, args.threads)
-    import llama_cpp
-    out = {"model_file": args.model.name, "model_sha256": sha256(args.model),
-           "made_with": f"llama.cpp as vendored by llama-cpp-python {llama_cpp.__version__}, CPU build, "
-                        f"{args.threads} threads, n_batch 512, default context (F16 KV cache): prompt evaluated in "
-                        f"one batch, then one token at a time (greedy)",
-           "tolerance": args.tolerance, "cases": cases}
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"gptoss_ref: {len(cases)} cases, {args.steps} steps each -> {args.out}", file=sys.stderr)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ps = lr.prompts(N_TEXT, seed=0, lengths=LENGTHS)
+    for kind, path in make_models(args.workdir).items():
+        ref = lr.reference(path, ps, N_PREDICT, exact=exact_logits, fixture="gpt-oss-tiny", recipe=kind)
+        (args.out / f"gpt-oss-tiny-{kind}.json").write_text(json.dumps(ref, separators=(",", ":")) + "\n")
+        print(f"gpt-oss-tiny-{kind}: llama.cpp vs exact {ref['llama_vs_exact']}", file=sys.stderr)
     return 0
 
 
