@@ -109,3 +109,44 @@ def test_gpt_oss_presets_refuse_another_vocabulary_or_arch():
         with pytest.raises(SystemExit) as e:
             mm.main(argv)
         assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def _copy_without(src, dst, drop_key=None, drop_tensor=None):
+    """src written again to dst without one metadata key or one tensor."""
+    from engine.gguf_model import read_header
+    h = read_header(src)
+    w = gguf.GGUFWriter(dst, h.metadata["general.architecture"])
+    for key, value in h.metadata.items():
+        if key in (drop_key, "general.architecture") or key.startswith("GGUF."):
+            continue
+        types = h.types[key]
+        w.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)
+    raw = np.memmap(src, dtype=np.uint8, mode="r")
+    for t in h.tensors:
+        if t.name == drop_tensor:
+            continue
+        q = Q(t.type_id)
+        block, size = gguf.GGML_QUANT_SIZES[q]
+        n = t.dims[0] // block * size * int(np.prod(t.dims[1:], dtype=np.int64))
+        data = np.array(raw[h.data_offset + t.offset:h.data_offset + t.offset + n])
+        shape = (*reversed(t.dims[1:]), t.dims[0] // block * size)
+        w.add_tensor(t.name, data.reshape(shape), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("what,message", [
+    (dict(drop_key="gpt-oss.attention.sliding_window"), "lacks gpt-oss.attention.sliding_window"),
+    (dict(drop_tensor="blk.2.attn_sinks.weight"), "no tensor blk.2.attn_sinks.weight"),
+    (dict(drop_tensor="blk.1.ffn_down_exps.bias"), "no tensor blk.1.ffn_down_exps.bias"),
+    (dict(drop_tensor="blk.3.post_attention_norm.weight"), "no tensor blk.3.post_attention_norm.weight"),
+])
+def test_an_incomplete_gpt_oss_file_gives_one_clear_line(tiny, tmp_path, what, message):
+    from engine.gguf_model import ModelError, open_model
+    open_model(_copy_without(tiny, tmp_path / "same.gguf"))      # the copy itself is sound
+    with pytest.raises(ModelError) as e:
+        open_model(_copy_without(tiny, tmp_path / "bad.gguf", **what))
+    assert message in str(e.value) and "\n" not in str(e.value)
