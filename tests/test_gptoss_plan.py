@@ -150,3 +150,35 @@ def test_an_incomplete_gpt_oss_file_gives_one_clear_line(tiny, tmp_path, what, m
     with pytest.raises(ModelError) as e:
         open_model(_copy_without(tiny, tmp_path / "bad.gguf", **what))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+_LOAD = """
+import json, sys, llama_cpp as L
+L.llama_backend_init()
+p = L.llama_model_default_params()
+p.no_alloc, p.load_mode = True, 0      # shapes and keys only: no data read, no mapping
+m = L.llama_model_load_from_file(sys.argv[1].encode(), p)
+print(json.dumps({"params": L.llama_model_n_params(m), "bytes": L.llama_model_size(m)} if m else {}))
+"""
+
+
+@pytest.mark.parametrize("preset,params,gib", [("gpt-oss-20b", 20_914_757_184, 11.27),
+                                               ("gpt-oss-120b", 116_829_156_672, 59.02)])
+def test_llama_cpp_loads_the_real_shapes_as_the_published_files(tmp_path, preset, params, gib):
+    """llama.cpp's loader checks every tensor's shape and key it reads; the parameter count and size it reports are
+    the published files' (llama-bench on ggml-org's gpt-oss-120b: 59.02 GiB, 116.83 B)."""
+    import json
+    import subprocess
+    from tools import llama_ref
+    why = llama_ref.available()
+    if why:
+        pytest.skip(f"needs llama.cpp: {why}")
+    path = tmp_path / f"{preset}.gguf"
+    gptoss_plan.write_header_only(path, preset)      # sparse: a few MB on disk
+    r = subprocess.run([str(llama_ref.llama_python()), "-c", _LOAD, str(path)], capture_output=True, text=True,
+                       timeout=300)
+    lines = r.stdout.strip().splitlines()
+    got = json.loads(lines[-1]) if lines else {}
+    assert got, f"llama.cpp refused the {preset} shapes: {r.stderr[-1500:]}"
+    assert got["params"] == params
+    assert got["bytes"] / 2**30 == pytest.approx(gib, abs=0.01)

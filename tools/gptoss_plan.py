@@ -142,3 +142,30 @@ def harmony_vocab(shape, tiny_vocab: list) -> list:
             ("tokenizer.ggml.padding_token_id", ids["<|endoftext|>"], [VT.UINT32]),
             ("tokenizer.ggml.add_bos_token", False, [VT.BOOL]),
             ("tokenizer.chat_template", TEMPLATE.read_text(encoding="utf-8"), [VT.STRING])]
+
+
+def write_header_only(path, preset: str) -> int:
+    """A preset's GGUF header with its data left as a sparse hole (full-size shapes at no disk cost), for llama.cpp
+    to check shapes and keys against. Not a model to run. Returns the apparent file size."""
+    import numpy as np
+    from tools import make_moe as mm
+    p = mm.PRESETS[preset]
+    vocab = harmony_vocab(p.shape, mm.read_vocab(mm.VOCAB_DIR / BASE_VOCAB))
+    n_vocab = len(next(v for k, v, _ in vocab if k == "tokenizer.ggml.tokens"))
+    types = {g: (p.types or {}).get(g) or mm._qtype(mm.DEFAULT_TYPES[g]) for g in mm.DEFAULT_TYPES}
+    specs = plan(p.shape, types, n_vocab, mm.TensorSpec)
+    w = gguf.GGUFWriter(path, ARCH)
+    mm.add_metadata(w, p.shape, f"header-only {preset}", types["experts"], vocab, None)
+    for t in specs:
+        w.add_tensor_info(t.name, (*t.shape[:-1], mm.row_bytes(t.qtype, t.shape[-1])), np.dtype(np.uint8),
+                          t.nbytes, raw_dtype=t.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    f = w.fout[0] if isinstance(w.fout, list) else w.fout
+    f.flush()
+    align = gguf.GGUF_DEFAULT_ALIGNMENT
+    size = f.tell() + sum((t.nbytes + align - 1) // align * align for t in specs) + align
+    f.truncate(size)
+    w.close()
+    return size
