@@ -134,6 +134,7 @@ def test_f16_agrees_with_llama_cpp(models):
     model = open_model(path)
     cfg = model.config
     assert (cfg.n_swa, cfg.swa_layers, cfg.rope_scaling) == (16, (True, False, True, False), "yarn")
+    assert (cfg.rope_freq_scale, cfg.rope_n_ctx_orig, cfg.yarn_ext_factor, cfg.yarn_attn_factor) == (1 / 32, 4096, 1, 1)
     assert all(len(c["prompt_ids"]) > cfg.n_swa for c in ref["cases"])
     be = CPUBackend(model, 512, chunk=64)     # chunks of 64: the 150-token prompt crosses chunks and the window
     ll, ex = distances(ref, be)

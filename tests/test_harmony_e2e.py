@@ -3,9 +3,9 @@ the real worker (CPU backend) on a gpt-oss model, over two turns: reasoning, a t
 back in the prompt as the template writes it, reasoning again and a final answer, each in its field.
 
 The model is tests/harmony_model.py's: two gpt-oss layers whose greedy answers are the script below, looked up from
-the context (the last tokens and which tokens occur). It answers only what the template renders for these
-conversations, so a server that rendered the second turn otherwise (the call, the reasoning or the tool result
-left out, another reasoning effort) would get other words back, not the script.
+the context (the last tokens and which tokens occur). The script also answers the second turn rendered without the
+first's reasoning, and the first turn at each effort, with other words, so a server that dropped the reasoning or the
+effort gets those words back, not the expected ones.
 """
 from __future__ import annotations
 

@@ -38,6 +38,11 @@ def read_gptoss_config(cfg: ModelConfig, md: dict, model) -> None:
     else:                                    # every n-th layer dense, the others windowed (llama_hparams::set_swa_pattern)
         n = int(pattern)
         cfg.swa_layers = tuple(n == 0 or il % n < n - 1 for il in range(cfg.n_layer))
+    if cfg.rope_scaling == "yarn":
+        # llama.cpp reads no yarn_* key for gpt-oss: ext factor 1, betas 32 and 1, and the attention factor is
+        # rope.scaling.attn_factor alone (llama_context cancels get_mscale's factor, ggml's rope_yarn applies it)
+        cfg.yarn_ext_factor, cfg.yarn_beta_fast, cfg.yarn_beta_slow = 1.0, 32.0, 1.0
+        cfg.yarn_attn_factor = float(md.get("gpt-oss.rope.scaling.attn_factor", 1.0) or 1.0)
     base_swa = md.get("gpt-oss.rope.freq_base_swa")
     if base_swa is not None and float(base_swa) != cfg.rope_base:
         raise ModelError(f"{name}: gpt-oss.rope.freq_base_swa={base_swa} differs from rope.freq_base="
