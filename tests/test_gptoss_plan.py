@@ -152,8 +152,11 @@ def test_an_incomplete_gpt_oss_file_gives_one_clear_line(tiny, tmp_path, what, m
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+# Run in llama.cpp's interpreter; tools/llama_worker.py imports the bindings there (its venv holds the wheel alone).
 _LOAD = """
-import json, sys, llama_cpp as L
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from llama_worker import ll as L
 L.llama_backend_init()
 p = L.llama_model_default_params()
 p.no_alloc, p.load_mode = True, 0      # shapes and keys only: no data read, no mapping
@@ -175,8 +178,8 @@ def test_llama_cpp_loads_the_real_shapes_as_the_published_files(tmp_path, preset
         pytest.skip(f"needs llama.cpp: {why}")
     path = tmp_path / f"{preset}.gguf"
     gptoss_plan.write_header_only(path, preset)      # sparse: a few MB on disk
-    r = subprocess.run([str(llama_ref.llama_python()), "-c", _LOAD, str(path)], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([str(llama_ref.llama_python()), "-c", _LOAD, str(path), str(llama_ref.WORKER.parent)],
+                       capture_output=True, text=True, timeout=300)
     lines = r.stdout.strip().splitlines()
     got = json.loads(lines[-1]) if lines else {}
     assert got, f"llama.cpp refused the {preset} shapes: {r.stderr[-1500:]}"
