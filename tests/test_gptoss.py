@@ -165,3 +165,17 @@ def test_quantized_equals_exact_arithmetic(models, kind):
     theirs = ref["llama_vs_exact"]
     assert np.median(ll) <= theirs["median_abs_diff"] + 0.01
     assert np.mean(ll.mean(axis=1) > 1.0) <= theirs["share_of_steps_over_1"] + 0.01
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 17])
+def test_prompt_chunks_across_the_window_change_nothing(models, chunk):
+    """Chunks shorter than, equal to and just past the window of 16 (each chunk's keys start at its first query's
+    window) give the logits one pass gives, and so does decoding on from a reused prefix."""
+    path, ref = models["f16"]
+    model = open_model(path)
+    toks = ref["cases"][1]["prompt_ids"][:70]
+    whole = CPUBackend(model, 128, chunk=512).forward(toks, all_logits=True)
+    be = CPUBackend(model, 128, chunk=chunk)
+    np.testing.assert_allclose(be.forward(toks, all_logits=True), whole, rtol=0, atol=2e-4)
+    be.truncate(33)
+    np.testing.assert_allclose(be.forward(toks[33:], all_logits=True), whole[33:], rtol=0, atol=2e-4)
