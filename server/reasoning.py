@@ -35,6 +35,10 @@ _H_ANALYSIS, _H_FINAL = "<|channel|>analysis<|message|>", "<|channel|>final<|mes
 # A commentary message with no recipient is a preamble for the user (as llama.cpp's gpt-oss parser reads it): content.
 _H_ALL = {_H_ANALYSIS: REASONING, _H_FINAL: CONTENT, "<|channel|>commentary<|message|>": CONTENT, "<|end|>": CONTENT,
           "<|start|>assistant": None}
+# gpt-oss-20b at times writes a stray commentary header before the analysis or final one (llama.cpp's parser allows
+# it too): the pair counts as the second header alone.
+_H_ALL.update({stray + head: state for stray in ("<|channel|>commentary", "<|channel|>commentary to=assistant")
+               for head, state in ((_H_ANALYSIS, REASONING), (_H_FINAL, CONTENT))})
 HARMONY = Markers({START: _H_ALL, REASONING: _H_ALL, CONTENT: _H_ALL})
 
 

@@ -50,6 +50,10 @@ def test_channels_as_the_model_writes_them(template, pieces):
     # reasoning, then the final channel
     text = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
     assert split(template, text, pieces) == ("Easy.", "It is 4.", [])
+    # gpt-oss-20b's stray commentary header before the real one
+    text = ("<|channel|>commentary to=assistant<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant"
+            "<|channel|>commentary<|channel|>final<|message|>It is 4.")
+    assert split(template, text, pieces) == ("Easy.", "It is 4.", [])
 
 
 def test_a_called_turn_goes_back_with_its_reasoning_and_without_its_preamble(template):
