@@ -152,7 +152,8 @@ def write_header_only(path, preset: str) -> int:
     p = mm.PRESETS[preset]
     vocab = harmony_vocab(p.shape, mm.read_vocab(mm.VOCAB_DIR / BASE_VOCAB))
     n_vocab = len(next(v for k, v, _ in vocab if k == "tokenizer.ggml.tokens"))
-    types = {g: (p.types or {}).get(g) or mm._qtype(mm.DEFAULT_TYPES[g]) for g in mm.DEFAULT_TYPES}
+    args = mm.parse_args(["--preset", preset])
+    types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
     specs = plan(p.shape, types, n_vocab, mm.TensorSpec)
     w = gguf.GGUFWriter(path, ARCH)
     mm.add_metadata(w, p.shape, f"header-only {preset}", types["experts"], vocab, None)

@@ -444,8 +444,6 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
 # --- sizes, writing, CLI ----------------------------------------------------------------------------------------
 
 GROUPS = ("embd", "output", "attn", "norm", "bias", "router", "ffn", "experts", "shexp")
-DEFAULT_TYPES = {"experts": "Q4_K", "shexp": "Q4_K", "attn": "Q4_K", "ffn": "Q4_K", "embd": "Q4_K",
-                 "output": "Q4_K", "norm": "F32"}
 
 
 def size_table(specs: list[TensorSpec]) -> str:
@@ -561,6 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
                f"(48 layers, Q4_K: 0.94/0.96/0.98 at 41/50/67% with an adaptive cache); --attn-gain 3 brings it\n"
                f"to 0.62/0.70/0.83 (python -m bench.routing --model M --forward --route-preset qwen3-30b-a3b).\n"
                f"The routers (ffn_gate_inp*) and attention biases are always F32, as llama.cpp keeps them.\n"
+               f"gpt-oss presets default to the published files' types (MXFP4 experts, Q8_0 otherwise).\n"
                f"TYPE: {', '.join(t.name for t in SUPPORTED_TYPES)}")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--out", type=Path, help="output .gguf (written as OUT.part, renamed when complete)")
@@ -581,14 +580,14 @@ def build_parser() -> argparse.ArgumentParser:
                          f"from all routing alike (see below)")
     ap.add_argument("--threads", type=int, help="generator threads (default: CPU count, at most 16)")
     ap.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
-    for group, what in (("experts", "the routed experts, ffn_{gate,up,down}_exps"),
-                        ("shexp", "qwen2moe's shared expert, ffn_{gate,up,down}_shexp"),
-                        ("attn", "attn_q/k/v/output"),
-                        ("ffn", "a dense llama's ffn_gate/up/down"),
-                        ("embd", "token_embd"), ("output", "output (the head)"),
-                        ("norm", "the RMSNorm weights: F32, F16 or BF16; llama.cpp expects F32")):
-        ap.add_argument(f"--{group}", type=_qtype, metavar="TYPE",
-                        help=f"{what} (default {DEFAULT_TYPES[group]}; gpt-oss presets: the real files' types)")
+    for group, default, what in (("experts", "Q4_K", "the routed experts, ffn_{gate,up,down}_exps"),
+                                 ("shexp", "Q4_K", "qwen2moe's shared expert, ffn_{gate,up,down}_shexp"),
+                                 ("attn", "Q4_K", "attn_q/k/v/output"),
+                                 ("ffn", "Q4_K", "a dense llama's ffn_gate/up/down"),
+                                 ("embd", "Q4_K", "token_embd"), ("output", "Q4_K", "output (the head)"),
+                                 ("norm", "F32", "the RMSNorm weights: F32, F16 or BF16; llama.cpp expects F32")):
+        ap.add_argument(f"--{group}", type=_qtype, default=_qtype(default), metavar="TYPE",
+                        help=f"{what} (default {default})")
     return ap
 
 
@@ -635,8 +634,18 @@ def zipf_s(args: argparse.Namespace) -> float:
     return PRESETS[args.preset].zipf_s
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, a preset's own default types (gpt-oss: the published files') under the flags given."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if PRESETS[args.preset].types:
+        ap.set_defaults(**PRESETS[args.preset].types)
+        args = ap.parse_args(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.zipf_s is not None and args.zipf_s < 0:
         raise SystemExit(f"make_moe: --zipf-s must be 0 (flat) or more, not {args.zipf_s}")
     if not args.attn_gain > 0:
@@ -647,9 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         vocab = read_vocab(_resolve_vocab(shape.vocab))
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
-    preset_types = PRESETS[args.preset].types or {}
-    types = {g: getattr(args, g) or preset_types.get(g) or _qtype(DEFAULT_TYPES[g])
-             for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
+    types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
     if types["norm"] not in FLOAT_TYPES:
         raise SystemExit(f"make_moe: --norm must be F32, F16 or BF16 (norms are 1-D), not {types['norm'].name}")
     specs = gptoss_plan.plan(shape, types, n_vocab, TensorSpec) if shape.arch == "gpt-oss" else \
