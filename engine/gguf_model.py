@@ -69,6 +69,11 @@ class ModelConfig:
     tied_embeddings: bool = False
     shared_expert: bool = False
     shared_expert_gate: bool = False
+    n_swa: int = 0                      # sliding-window width (gpt-oss); 0: every layer attends to all
+    swa_layers: tuple[bool, ...] = ()   # per layer: does it use the window
+
+    def is_swa(self, layer: int) -> bool:
+        return bool(self.swa_layers) and self.swa_layers[layer]
 
     @property
     def norm_topk_prob(self) -> bool:   # the Hugging Face name for the same switch
@@ -445,6 +450,9 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
     cfg.shared_expert_gate = model.has("blk.0.ffn_gate_inp_shexp.weight")
     if cfg.shared_expert and not cfg.n_ff_shexp:
         cfg.n_ff_shexp = model.tensor("blk.0.ffn_up_shexp.weight").shape[0]
+    if arch == "gpt-oss":
+        from engine.arch.gptoss import read_gptoss_config
+        read_gptoss_config(cfg, md, model)
     if n_head_kv <= 0 or head_dim <= 0 or n_head % n_head_kv:
         raise ModelError(f"{model.path.name}: {n_head} heads do not share {n_head_kv} KV heads evenly; damaged?")
     if emb.shape[-1] != n_embd:
@@ -455,12 +463,16 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
     return cfg
 
 
+def _ffn_norm(cfg: ModelConfig) -> str:
+    return "post_attention_norm.weight" if cfg.arch == "gpt-oss" else "ffn_norm.weight"   # llama.cpp's names
+
+
 def required_tensors(cfg: ModelConfig, model: GGUFModel) -> list[str]:
     names = ["token_embd.weight", "output_norm.weight"]
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
         names += [b + n for n in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                                  "attn_output.weight", "ffn_norm.weight")]
+                                  "attn_output.weight", _ffn_norm(cfg))]
         if cfg.qk_norm:
             names += [b + "attn_q_norm.weight", b + "attn_k_norm.weight"]
         if cfg.attn_bias:
@@ -480,7 +492,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Numpy shapes of the main per-layer tensors (layer 0's names; every layer is the same)."""
     E, q, kv, v = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_head_kv * cfg.head_dim_v
     shapes = {"attn_q.weight": (q, E), "attn_k.weight": (kv, E), "attn_v.weight": (v, E),
-              "attn_output.weight": (E, cfg.n_head * cfg.head_dim_v), "attn_norm.weight": (E,), "ffn_norm.weight": (E,)}
+              "attn_output.weight": (E, cfg.n_head * cfg.head_dim_v), "attn_norm.weight": (E,), _ffn_norm(cfg): (E,)}
     if cfg.is_moe:
         X, F = cfg.n_expert, cfg.n_ff_exp
         shapes.update({"ffn_gate_inp.weight": (X, E), "ffn_gate_exps.weight": (X, F, E),

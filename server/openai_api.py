@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from server import metrics
 from server.schema import (ApiError, chat_messages, field, max_new_tokens, sampling_params, stop_list,
                            text_content)
+from server.effort import effort_kwargs
 from server.service import Job, Result, Service, ServiceError
 from server import logprobs
 from server.grammar import GrammarRequestError, response_format_grammar, tool_call_grammar
@@ -443,7 +444,7 @@ class Handler(BaseHTTPRequestHandler):
         stops = stop_list(body)
         max_new = max_new_tokens(body, "max_completion_tokens", "max_tokens")
         tools = field(body, "tools", "list")
-        kwargs = field(body, "chat_template_kwargs", "dict", default={})
+        kwargs = {**effort_kwargs(body), **field(body, "chat_template_kwargs", "dict", default={})}
         so = field(body, "stream_options", "dict", default={})
         include_usage = bool(so.get("include_usage"))
         choice = body.get("tool_choice")
@@ -590,7 +591,8 @@ class Handler(BaseHTTPRequestHandler):
                 common["budget"] = budget
         stops = stop_list(body, "stop_sequences")
         with prompt_errors_are_400("messages"):
-            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, tool_choice=anthropic_choice(body))
+            prompt, text = self.server.codec.chat_prompt(msgs, tools=tools, tool_choice=anthropic_choice(body),
+                                                         template_kwargs=effort_kwargs(body, anthropic=True))
         job = self._submit("/v1/messages", prompt, max_new, common, stops, text)
         rid, model = "msg_" + uuid.uuid4().hex[:24], self.server.cfg.model_name
 
@@ -871,15 +873,22 @@ def anthropic_tools(tools) -> list | None:
 
 
 def anthropic_message(m: dict, where: str) -> list[dict]:
-    """One Anthropic message as chat-template messages: tool_use blocks become the assistant's tool_calls,
-    tool_result blocks become role "tool" messages (before the user's own text)."""
+    """One Anthropic message as chat-template messages: tool_use blocks become the assistant's tool_calls, its
+    thinking blocks its reasoning_content (which gpt-oss's template writes back before a call), tool_result blocks
+    become role "tool" messages (before the user's own text)."""
     content = m.get("content")
     if not isinstance(content, list):
         return [{"role": m["role"], "content": text_content(content, where)}]
-    calls, results, rest = [], [], []
+    calls, results, rest, thinking = [], [], [], []
     for i, b in enumerate(content):
         kind = b.get("type") if isinstance(b, dict) else None
-        if kind == "tool_use" and m["role"] == "assistant":
+        if kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+            if kind == "thinking":     # redacted thinking is opaque to any other model: dropped
+                if not isinstance(b.get("thinking"), str):
+                    raise ApiError(400, f"{where}.content[{i}]: a thinking block needs a string 'thinking'",
+                                   param="messages")
+                thinking.append(b["thinking"])
+        elif kind == "tool_use" and m["role"] == "assistant":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                 raise ApiError(400, f"{where}.content[{i}]: a tool_use needs a string 'name' and an object 'input'",
                                param="messages")
@@ -893,7 +902,9 @@ def anthropic_message(m: dict, where: str) -> list[dict]:
     msg = {"role": m["role"], "content": text_content(rest, where)}
     if calls:
         msg["tool_calls"] = calls
-    return results + ([msg] if rest or calls or not results else [])
+    if thinking:
+        msg["reasoning_content"] = "\n".join(thinking)
+    return results + ([msg] if rest or calls or thinking or not results else [])
 
 
 def _call_id(tool_use_id) -> str:

@@ -6,8 +6,9 @@ Two marker families:
   `<think>` into the generation prompt (Qwen3.5, DeepSeek-R1 distills) make the model start inside reasoning:
   `ReasoningSplitter.for_prompt(template, prompt)` sees that in the rendered prompt.
 - gpt-oss (harmony) channels: `<|channel|>analysis<|message|>` ... `<|end|>` is reasoning,
-  `<|channel|>final<|message|>` starts the answer; the framing (`<|end|>`, `<|start|>assistant`) is dropped and any
-  other channel (commentary: tool calls) stays in the content, so nothing the model wrote is lost.
+  `<|channel|>final<|message|>` and a commentary preamble (`<|channel|>commentary<|message|>`) are the answer; the
+  framing (`<|end|>`, `<|start|>assistant`) is dropped and anything else (commentary `to=functions.NAME`: tool calls)
+  stays in the content, so nothing the model wrote is lost.
 
 Text arrives in arbitrary pieces (one token's worth, or less); a marker split across pieces is still recognised,
 because a tail that could begin a marker is held back until the next piece decides it. Reasoning is trimmed of
@@ -31,7 +32,13 @@ class Markers:
 
 THINK = Markers({START: {"<think>": REASONING}, REASONING: {"</think>": CONTENT}})
 _H_ANALYSIS, _H_FINAL = "<|channel|>analysis<|message|>", "<|channel|>final<|message|>"
-_H_ALL = {_H_ANALYSIS: REASONING, _H_FINAL: CONTENT, "<|end|>": CONTENT, "<|start|>assistant": None}
+# A commentary message with no recipient is a preamble for the user (as llama.cpp's gpt-oss parser reads it): content.
+_H_ALL = {_H_ANALYSIS: REASONING, _H_FINAL: CONTENT, "<|channel|>commentary<|message|>": CONTENT, "<|end|>": CONTENT,
+          "<|start|>assistant": None}
+# gpt-oss-20b at times writes a stray commentary header before the analysis or final one (llama.cpp's parser allows
+# it too): the pair counts as the second header alone.
+_H_ALL.update({stray + head: state for stray in ("<|channel|>commentary", "<|channel|>commentary to=assistant")
+               for head, state in ((_H_ANALYSIS, REASONING), (_H_FINAL, CONTENT))})
 HARMONY = Markers({START: _H_ALL, REASONING: _H_ALL, CONTENT: _H_ALL})
 
 

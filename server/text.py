@@ -49,6 +49,9 @@ class TextCodec:
             messages, tools = messages_with_tools(messages, tools, tool_choice), None
         bos = self._special_text(self.tok.bos_id) if getattr(self.tok, "add_bos", False) else ""
         eos = self._special_text(self.tok.eos_id)
+        if self.harmony:
+            from server.harmony import template_messages
+            messages = template_messages(messages)
         try:
             text = render_chat(self.template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos,
                                tools=tools, **(template_kwargs or {}))

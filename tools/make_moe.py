@@ -26,6 +26,7 @@ import gguf
 from gguf import GGMLQuantizationType as Q, GGUFValueType, MODEL_TENSOR as MT
 
 from engine.gguf_model import ModelError, read_header
+from tools import gptoss_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB_DIR = ROOT.parent / "shared" / "fixtures" / "vocab"
@@ -157,6 +158,7 @@ class Preset:
     shape: Shape
     note: str
     zipf_s: float             # router norm exponent that puts this shape's routing on bench.routing's TARGET
+    types: dict | None = None  # default quant type per size class where not make_moe's (the real files' types)
 
 
 PRESETS: dict[str, Preset] = {
@@ -177,8 +179,23 @@ PRESETS: dict[str, Preset] = {
                                    False, "ggml-vocab-qwen2.gguf"),
                              "Qwen3-Next-80B-A3B's expert shapes as arch qwen2moe: 48 layers, hidden 2048, 8/2 "
                              "heads of 256, 512 experts (10 used) of width 512 plus a shared expert of 512", 0.12),
+    # gpt-oss: tools/gptoss_plan.py holds the tensor plan, keys and vocabulary (Shape.vocab names the latter)
+    "gpt-oss-20b": Preset(Shape("gpt-oss", 24, 2880, 64, 8, 64, 2880, 32, 4, 2880, 0, 131072, 150000.0, 1e-5,
+                                False, "harmony-o200k"),
+                          "gpt-oss-20b's shapes and types: 24 layers, hidden 2880, 64/8 heads of 64, 32 experts "
+                          "(4 used) of width 2880 in MXFP4, the rest Q8_0, window 128 on alternate layers",
+                          0.4, gptoss_plan.REAL_TYPES),
+    "gpt-oss-120b": Preset(Shape("gpt-oss", 36, 2880, 64, 8, 64, 2880, 128, 4, 2880, 0, 131072, 150000.0, 1e-5,
+                                 False, "harmony-o200k"),
+                           "gpt-oss-120b's: as gpt-oss-20b with 36 layers and 128 experts", 0.17,
+                           gptoss_plan.REAL_TYPES),
+    "gpt-oss-tiny": Preset(Shape("gpt-oss", 4, 256, 8, 2, 64, 128, 16, 4, 128, 0, 131072, 150000.0, 1e-5, False,
+                                 "harmony-tiny"),
+                           "gpt-oss for tests: 4 layers, hidden 256, 8/2 heads of 64, 16 experts (4 used) of "
+                           "width 128, window 16, tiny-bpe-1024 with the harmony control tokens", 1.0,
+                           gptoss_plan.REAL_TYPES),
 }
-ARCHES = ("llama", "qwen3moe", "qwen2moe")
+ARCHES = ("llama", "qwen3moe", "qwen2moe", "gpt-oss")
 
 # Weight scales. Matrices: RMS 1/sqrt(n_in), so x@W keeps a unit-RMS input at unit RMS. The embedding and the
 # output head: RMS 2/sqrt(n_embd), so the logits after the final norm spread with a standard deviation of ~2,
@@ -310,7 +327,7 @@ def tensor_bytes(spec: TensorSpec, index: int, shape: Shape, seed: int, zipf_s: 
         x = 1.0 + NORM_JITTER * rng(0).standard_normal(n_in)
         return _float_bytes(gain * x.reshape(1, -1), spec.qtype)
     if spec.init == "bias":
-        return random_rows(rng(0), spec.qtype, 1, n_in, BIAS_RMS)
+        return random_rows(rng(0), spec.qtype, n_rows, n_in, BIAS_RMS)
     if spec.init == "router":
         w = rng(0).standard_normal((n_rows, n_in))
         w *= (_router_norms(shape, spec.layer, seed, zipf_s) / np.linalg.norm(w, axis=1))[:, None]
@@ -401,6 +418,8 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_rope_dimension_count(s.head_dim)
+    if s.arch == "gpt-oss":
+        gptoss_plan.add_metadata(w, shape)
     if s.n_expert:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
@@ -534,11 +553,13 @@ def build_parser() -> argparse.ArgumentParser:
                f"                       s=0: 0.25/0.41/0.50/0.67, flat)\n"
                f"  qwen3-next-80b s=0.12: 0.49/0.64/0.71/0.82; tiny s=1.3 (8 experts, 2 used): 0.42/0.57/0.70/0.79\n"
                f"  at 25/38/50/63% (whole experts)\n"
+               f"  gpt-oss-20b s=0.4: 0.46/0.62/0.70/0.82; gpt-oss-120b s=0.17: 0.49/0.63/0.70/0.82\n"
                f"These are the routers alone. A random-weight model's nearly flat attention gives every token of\n"
                f"a prompt much the same hidden state, so within a prompt routing concentrates far beyond this\n"
                f"(48 layers, Q4_K: 0.94/0.96/0.98 at 41/50/67% with an adaptive cache); --attn-gain 3 brings it\n"
                f"to 0.62/0.70/0.83 (python -m bench.routing --model M --forward --route-preset qwen3-30b-a3b).\n"
                f"The routers (ffn_gate_inp*) and attention biases are always F32, as llama.cpp keeps them.\n"
+               f"gpt-oss presets default to the published files' types (MXFP4 experts, Q8_0 otherwise).\n"
                f"TYPE: {', '.join(t.name for t in SUPPORTED_TYPES)}")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--out", type=Path, help="output .gguf (written as OUT.part, renamed when complete)")
@@ -585,7 +606,11 @@ def resolve_shape(args: argparse.Namespace) -> Shape:
     if args.tied is not None:
         s = replace(s, tied=args.tied)
     if args.vocab:
+        if s.arch == "gpt-oss":
+            raise SystemExit("make_moe: gpt-oss presets make their own harmony vocabulary; drop --vocab")
         s = replace(s, vocab=args.vocab)
+    if (s.arch == "gpt-oss") != (s.vocab in gptoss_plan.EXTRA):
+        raise SystemExit("make_moe: --arch gpt-oss goes with a gpt-oss preset only (and they with no other arch)")
     if s.arch != "llama" and s.n_expert == 0:
         raise SystemExit(f"make_moe: arch {s.arch} needs experts; pass --n-expert N (or --arch llama for dense)")
     if s.arch == "qwen2moe" and s.tied:
@@ -609,19 +634,33 @@ def zipf_s(args: argparse.Namespace) -> float:
     return PRESETS[args.preset].zipf_s
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, a preset's own default types (gpt-oss: the published files') under the flags given."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if PRESETS[args.preset].types:
+        ap.set_defaults(**PRESETS[args.preset].types)
+        args = ap.parse_args(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.zipf_s is not None and args.zipf_s < 0:
         raise SystemExit(f"make_moe: --zipf-s must be 0 (flat) or more, not {args.zipf_s}")
     if not args.attn_gain > 0:
         raise SystemExit(f"make_moe: --attn-gain must be more than 0, not {args.attn_gain}")
     shape = resolve_shape(args)
-    vocab = read_vocab(_resolve_vocab(shape.vocab))
+    if shape.arch == "gpt-oss":
+        vocab = gptoss_plan.harmony_vocab(shape, read_vocab(_resolve_vocab(gptoss_plan.BASE_VOCAB)))
+    else:
+        vocab = read_vocab(_resolve_vocab(shape.vocab))
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
     types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
     if types["norm"] not in FLOAT_TYPES:
         raise SystemExit(f"make_moe: --norm must be F32, F16 or BF16 (norms are 1-D), not {types['norm'].name}")
-    specs = plan(shape, types, n_vocab)
+    specs = gptoss_plan.plan(shape, types, n_vocab, TensorSpec) if shape.arch == "gpt-oss" else \
+        plan(shape, types, n_vocab)
     for t in specs:
         block = gguf.GGML_QUANT_SIZES[t.qtype][0]
         if t.shape[-1] % block:

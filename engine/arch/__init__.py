@@ -6,6 +6,7 @@ from engine.gguf_model import GGUFModel, ModelError, SUPPORTED_ARCHS
 
 def family(model: GGUFModel):
     from engine.arch.dense import Dense
+    from engine.arch.gptoss import GptOss
     from engine.arch.mixtral import Mixtral
     from engine.arch.qwen2moe import Qwen2MoE
     from engine.arch.qwen3moe import Qwen3MoE
@@ -19,6 +20,8 @@ def family(model: GGUFModel):
         return Qwen3MoE
     if arch == "qwen2moe":
         return Qwen2MoE
+    if arch == "gpt-oss":
+        return GptOss
     raise ModelError(f"architecture {arch!r} has no forward pass here; supported: {', '.join(SUPPORTED_ARCHS)}")
 
 
