@@ -76,7 +76,8 @@ def check_books(be):
     assert (c.slot_bytes[occ] == be.arena.expert_stride[c.owner[occ]]).all()
     assert c.pools.n_pools == len(set(be.layout.strides()))
     c.poll(be.stream, wait=True)
-    np.testing.assert_array_equal(c.table.get(), c.table_host)
+    be.stream.synchronize()
+    np.testing.assert_array_equal(c.table.get(stream=be.stream), c.table_host)
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -151,3 +152,29 @@ def test_resize_keeps_every_expert_in_its_pool(runs):
         assert rel_rows(lg, want).max() < 1e-2
     finally:
         be.close()
+
+
+def test_a_profile_fills_each_pool_with_its_hottest(runs, tmp_path):
+    """--expert-profile on a mixed file: every pool takes the profile's first experts of its own blob size, and the
+    learned order saved afterwards names every expert once."""
+    from engine.profile import from_flat, load_profile, save_profile
+    model, prompt, toks, _ = runs["qwen3moe"]
+    cfg = model.config
+    total = cfg.n_layer * cfg.n_expert
+    order = np.random.default_rng(7).permutation(total)
+    save_profile(tmp_path / "p.bin", from_flat(cfg.n_layer, cfg.n_expert, order))
+    be = backend(model, "pinned", "some", expert_profile=str(tmp_path / "p.bin"),
+                 expert_profile_save=str(tmp_path / "q.bin"))
+    try:
+        c = be.cache
+        for p, n in enumerate(c.pools.split(c.n_slots)):
+            mine = order[c.exp_pool[order] == p]
+            assert sorted(c.owner[c.slot_pool == p].tolist()) == sorted(mine[:n].tolist())
+        check_books(be)
+        be.forward(prompt)
+        for t in toks[:6]:
+            be.forward([t])
+    finally:
+        be.close()          # saves the learned profile (QUIT)
+    saved = load_profile(tmp_path / "q.bin", cfg.n_layer, cfg.n_expert).flat_order()
+    assert sorted(saved.tolist()) == list(range(total))
