@@ -297,7 +297,7 @@ def test_moe_proj_gate_and_up_of_two_types(K, qg, qu, n_embd, n_ff, k, T):
     """moe_proj's two launches (gate: h = g, then up: h = silu(h) * u) for a layer whose gate and up differ in quant
     type, each staging x for its own type, through the pointer table; h poisoned first."""
     rng = np.random.default_rng()
-    n_expert = 6
+    n_expert = 10
     refs, raws = [], []
     for e in range(n_expert):
         g, Wg = rand_matrix(qg, n_ff, n_embd, rng)
