@@ -138,7 +138,7 @@ def main(argv=None):
     facts["arena_gib"] = round(be.arena.nbytes / 2**30, 2)
     facts["arena_fill_gib_s"] = round(be.arena.nbytes / 2**30 / be.arena.fill_seconds, 1)
     facts["pcie_copy_gbps"] = round(be.pcie_gbps, 1)
-    blob = be.layout.nbytes
+    blob = int(np.mean([ly.nbytes for ly in be.layout.layers]))     # a recipe's layers differ: the mean blob
     touched = touched_bytes(model, model.config.n_expert_used, blob)
     facts["touched_mb_per_token"] = round(touched / 1e6, 1)
     print(f"bench.decode: {json.dumps(facts)}", file=sys.stderr, flush=True)

@@ -39,6 +39,26 @@ __global__ void moe_gate_up(const unsigned long long* __restrict__ table, const 
     if (lane == 0 && r < n_ff) h[((long long)t * k + j) * n_ff + r] = silu(g) * u;
 }
 
+// Grid, block and shared memory as moe_gate_up's, for a layer whose gate and up differ in quant type (community
+// quants mix them): two launches, gate (mul 0: h = gate_e[r] . xn) then up (mul 1: h = silu(h) * (up_e[r] . xn)),
+// each with its own type's staging; off is the projection's offset in the blob. Uniform layers keep moe_gate_up.
+template <int QT>
+__global__ void moe_proj(const unsigned long long* __restrict__ table, const int* __restrict__ ids, long long off,
+                         long long row_bytes, const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
+                         float* __restrict__ h, int n_ff, int ncols, int k, int mul) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int j = blockIdx.y, t = blockIdx.z;
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(table[ids[t * k + j]]) + off +
+                         (long long)min(r, n_ff - 1) * row_bytes;
+    const float* xs = stage_x<QT>(x + (long long)t * ncols, norm_w, eps, ncols);
+    const float d = warp_sum(dot_s<QT>(row, xs, ncols, lane));
+    if (lane == 0 && r < n_ff) {
+        float* o = h + ((long long)t * k + j) * n_ff + r;
+        *o = mul ? silu(*o) * d : d;
+    }
+}
+
 // Grid (ceil(n_embd / warps per block), T). out[t, r] += sum_j w[t, j] * (down_e[r] . h[t, j]).
 // One warp sums a row over all k experts, so the result does not depend on scheduling. With stage, h[t] (k * n_ff
 // floats) is read from shared memory (dynamic shared memory staged_bytes(k * n_ff)), else from global memory.

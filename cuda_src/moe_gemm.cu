@@ -155,10 +155,14 @@ __device__ __forceinline__ uint4 mg_x8(const unsigned short* __restrict__ m, int
 // Grid (ceil(n_ff / 64), any number of row-tile blocks per expert, n_sel), block 256. sel[z]: the expert of grid slice z,
 // ptrs[z]: its blob (gate | up | down; up at up_off). x: (T, K) fp16 activations. h: (n_pairs, n_ff) fp16, row o
 // for sorted pair o: h[o, n] = silu(gate_n . x) * (up_n . x).
-template <int QT>
-__global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
+// The body takes gate's and up's quant types (and up's row bytes) apart: moe_gemm_gate_up is it with one type, and
+// moe_gemm_gate_up_mixed<QG, QU> serves a layer whose gate and up differ (instantiated only for the pairs a model
+// holds: engine/cuda/kernels.py's `pairs`).
+template <int QG, int QU>
+__device__ __forceinline__ void moe_gemm_gate_up_body(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
                  const int* __restrict__ offsets, const int* __restrict__ rows, const unsigned short* __restrict__ x,
-                 unsigned short* __restrict__ h, long long up_off, long long row_bytes, int n_ff, int K) {
+                 unsigned short* __restrict__ h, long long up_off, long long row_bytes, long long up_row_bytes, int n_ff,
+                 int K) {
     // two buffers of each tile: a slice is written into one while the last slice's readers may still be in the
     // other, so one barrier a slice suffices (the first version wrote in place and needed two)
     __shared__ __align__(16) unsigned short xs2[2][MG_ROWS * MG_LDS];
@@ -197,8 +201,8 @@ __global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up(const int* __r
         uint4 xr[MG_MT], gr, ur;
 #pragma unroll
         for (int i = 0; i < MG_MT; ++i) xr[i] = mg_x8(x, tok[i], K, lc, nchunks);
-        gr = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, lc, nchunks);
-        ur = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, lc, nchunks);
+        gr = mg_weight8<QG>(gbase, row_bytes, n0 + lr, n_ff, lc, nchunks);
+        ur = mg_weight8<QU>(ubase, up_row_bytes, n0 + lr, n_ff, lc, nchunks);
 #pragma unroll
         for (int i = 0; i < MG_MT; ++i)
             *reinterpret_cast<uint4*>(xs2[cur] + (i * MG_BM + lr) * MG_LDS + lc * 8) = xr[i];
@@ -212,8 +216,8 @@ __global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up(const int* __r
                 const int c = ((k0 + MG_BK) >> 3) + lc;
 #pragma unroll
                 for (int i = 0; i < MG_MT; ++i) xr[i] = mg_x8(x, tok[i], K, c, nchunks);
-                gr = mg_weight8<QT>(gbase, row_bytes, n0 + lr, n_ff, c, nchunks);
-                ur = mg_weight8<QT>(ubase, row_bytes, n0 + lr, n_ff, c, nchunks);
+                gr = mg_weight8<QG>(gbase, row_bytes, n0 + lr, n_ff, c, nchunks);
+                ur = mg_weight8<QU>(ubase, up_row_bytes, n0 + lr, n_ff, c, nchunks);
             }
 #pragma unroll
             for (int kk = 0; kk < MG_BK; kk += 16) {
@@ -261,6 +265,21 @@ __global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up(const int* __r
                     }
                 }
     }
+}
+
+template <int QT>
+__global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
+                 const int* __restrict__ offsets, const int* __restrict__ rows, const unsigned short* __restrict__ x,
+                 unsigned short* __restrict__ h, long long up_off, long long row_bytes, int n_ff, int K) {
+    moe_gemm_gate_up_body<QT, QT>(sel, ptrs, offsets, rows, x, h, up_off, row_bytes, row_bytes, n_ff, K);
+}
+
+template <int QG, int QU>
+__global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up_mixed(const int* __restrict__ sel,
+                 const unsigned long long* __restrict__ ptrs, const int* __restrict__ offsets,
+                 const int* __restrict__ rows, const unsigned short* __restrict__ x, unsigned short* __restrict__ h,
+                 long long up_off, long long row_bytes, long long up_row_bytes, int n_ff, int K) {
+    moe_gemm_gate_up_body<QG, QU>(sel, ptrs, offsets, rows, x, h, up_off, row_bytes, up_row_bytes, n_ff, K);
 }
 
 // ---- down with the routing weight -------------------------------------------------------------------------------

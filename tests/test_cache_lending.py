@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("cupy")      # the module imports CuPy; nothing here touches a device
 
 from engine.cuda.expert_cache import FREE, LENT, ExpertCache, coldest_order, lend_choice, refill_order  # noqa: E402
+from engine.cuda.expert_layout import SlotPools  # noqa: E402
 
 N_EXPERT, N_LAYER = 8, 3
 N_TOTAL = N_EXPERT * N_LAYER
@@ -63,12 +64,16 @@ class FakeArena:
     blob_ptr = HOME
 
 
-def fake_cache(n_slots):
-    """An ExpertCache's host-side state without device memory: table uploads and copies are recorded."""
+def fake_cache(n_slots, expert_stride=None):
+    """An ExpertCache's host-side state without device memory: table uploads and copies are recorded.
+    expert_stride: blob bytes per expert (pools per size), else STRIDE for all."""
     c = ExpertCache.__new__(ExpertCache)
     c.arena, c.n_layer, c.n_expert, c.n_total, c.stride = FakeArena, N_LAYER, N_EXPERT, N_TOTAL, STRIDE
     c.n_slots, c.slot_lo = n_slots, SLOT_LO
-    c.slot_hi = SLOT_LO + n_slots * STRIDE
+    c.pools = SlotPools(np.full(N_TOTAL, STRIDE) if expert_stride is None else expert_stride)
+    c._make_slots(c.pools.split(n_slots))
+    c.slot_addr += np.uint64(SLOT_LO)
+    c.slot_hi = SLOT_LO + c.nbytes
     c.table_host = HOME.copy()
     c.slot_of = np.full(N_TOTAL, -1, dtype=np.int64)
     c.owner = np.full(n_slots, FREE, dtype=np.int64)
@@ -156,3 +161,54 @@ def test_fill_and_the_adaptive_tier_leave_lent_slots_alone(monkeypatch):
             pass
     assert c.fill([5, 6, 7], S()) == 2
     assert c.owner[1] == LENT and sorted(c.owner[[0, 2]].tolist()) == [5, 6]
+
+
+def test_pools_keep_every_expert_in_a_slot_of_its_own_size(monkeypatch):
+    """Layers with blobs of different sizes (layer 1's are larger, as Q4_K_M's Q6_K-down layers): fill, the adaptive
+    tier, lending and the refill each take a slot of the expert's own pool; only the largest pool is lent."""
+    import engine.cuda.expert_cache as ec
+    sizes = np.repeat([STRIDE, 2 * STRIDE, STRIDE], N_EXPERT)          # layer 1: the large pool
+    c = fake_cache(12, sizes)
+    assert list(c.pools.split(12)) == [8, 4] and c.lendable == 4
+    assert c.nbytes == 8 * STRIDE + 4 * 2 * STRIDE
+    big = c.slot_pool == 1
+    assert (c.slot_bytes[big] == 2 * STRIDE).all()
+    assert (np.diff(c.slot_addr.astype(np.int64)) == c.slot_bytes[:-1]).all()
+    monkeypatch.setattr(ec.cp.cuda.runtime, "memcpyAsync", lambda *a: None)
+
+    class S:
+        ptr = 0
+
+        def synchronize(self):
+            pass
+    order = np.arange(N_TOTAL)[::-1]          # layer 2, then 1, then 0
+    assert c.fill(order, S()) == 12
+    def pool_ok():
+        occ = np.flatnonzero(c.owner >= 0)
+        return (c.slot_bytes[occ] == sizes[c.owner[occ]]).all()
+    assert pool_ok() and sorted(c.owner[big].tolist()) == [12, 13, 14, 15]   # layer 1's first four in order
+    assert sorted(c.owner[~big].tolist()) == list(range(16, 24))            # layer 2 took the small pool
+    check_books(c)
+    # the tier: hot layer-0 and layer-1 experts come in, each evicting the coldest of its own pool
+    c.heat[:] = 1.0
+    c.heat[[3, 9]] = 50.0
+    c.take_counts, c.max_swaps = (lambda stream: np.zeros(N_TOTAL)), 64
+    c.heat /= ec.DECAY                         # adapt() decays first
+    assert c.adapt(stream=None) == 2
+    ids, slots = c.copies[-1]
+    assert sorted(ids) == [3, 9] and all(c.slot_bytes[s] == sizes[g] for g, s in zip(ids, slots))
+    c._pending[0].done = True
+    c.poll(stream=None)
+    assert pool_ok()
+    check_books(c)
+    # lending takes only large-pool slots; the refill puts large experts back into them
+    lent = c.lend(3, stream=None)
+    assert len(lent) == 3 and big[lent].all()
+    c.heat[[10, 11]] = 40.0
+    assert c.give_back(lent, stream=None) == 3
+    ids, slots = c.copies[-1]
+    assert all(c.slot_bytes[s] == sizes[g] for g, s in zip(ids, slots)) and {10, 11} <= set(ids)
+    c._pending[0].done = True
+    c.poll(stream=None)
+    assert pool_ok()
+    check_books(c)

@@ -291,6 +291,46 @@ def test_moe_through_table(K, qg, qd, n_embd, n_ff, k, T):
         cp.cuda.runtime.freeHost(hp)
 
 
+@pytest.mark.parametrize("qg,qu", [("Q4_K", "Q5_K"), ("Q6_K", "Q4_K"), ("F16", "Q6_K"), ("Q8_0", "Q4_K")])
+@pytest.mark.parametrize("n_embd,n_ff,k,T", [(256, 256, 2, 1), (512, 768, 8, 1), (256, 512, 4, 3)])
+def test_moe_proj_gate_and_up_of_two_types(K, qg, qu, n_embd, n_ff, k, T):
+    """moe_proj's two launches (gate: h = g, then up: h = silu(h) * u) for a layer whose gate and up differ in quant
+    type, each staging x for its own type, through the pointer table; h poisoned first."""
+    rng = np.random.default_rng()
+    n_expert = 10
+    refs, raws = [], []
+    for e in range(n_expert):
+        g, Wg = rand_matrix(qg, n_ff, n_embd, rng)
+        u, Wu = rand_matrix(qu, n_ff, n_embd, rng)
+        raws.append(np.concatenate([g.ravel(), u.ravel()]))
+        refs.append((Wg, Wu))
+    nb = raws[0].size
+    stride = (nb + 255) // 256 * 256
+    dev = cp.zeros(n_expert * stride, dtype=cp.uint8)
+    for e in range(n_expert):
+        dev[e * stride:e * stride + nb] = cp.asarray(raws[e])
+    table = cp.asarray(np.array([dev.data.ptr + e * stride for e in range(n_expert)], dtype=np.uint64))
+    ids = np.stack([rng.choice(n_expert, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+    x = rng.standard_normal((T, n_embd)).astype(np.float32)
+    nw = rng.standard_normal(n_embd).astype(np.float32)
+    rb_g, rb_u = qtype(qg).row_bytes(n_embd), qtype(qu).row_bytes(n_embd)
+    h = poisoned((T, k, n_ff))
+    d_ids, d_x, d_nw = cp.asarray(ids), cp.asarray(x), cp.asarray(nw)
+    for qt, off, rb, mul in ((qg, 0, rb_g, 0), (qu, n_ff * rb_g, rb_u, 1)):
+        K("moe_proj", qtype(qt).id)(((n_ff + 3) // 4, k, T), (128,),
+                                    (ptr(table), ptr(d_ids), I64(off), I64(rb), d_x, d_nw, F32(1e-6), ptr(h),
+                                     I32(n_ff), I32(n_embd), I32(k), I32(mul)),
+                                    shared_mem=staged_bytes(n_embd))
+    xn = rms_ref(x, nw)
+    ref_h = np.zeros((T, k, n_ff))
+    for t in range(T):
+        for j in range(k):
+            Wg, Wu = refs[ids[t, j]]
+            g, u = Wg.astype(np.float64) @ xn[t], Wu.astype(np.float64) @ xn[t]
+            ref_h[t, j] = g / (1 + np.exp(-g)) * u
+    assert rel(h.get(), ref_h) < 1e-4
+
+
 @pytest.mark.parametrize("n", [10, 1024, 151936])
 def test_argmax(K, n):
     rng = np.random.default_rng()

@@ -434,7 +434,8 @@ def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_m
     calls = []
     p = pf.Prefetcher.__new__(pf.Prefetcher)
     p.depth, p.banks, p.fetch_misses = depth, pf.banks(depth), fetch_misses
-    p.n_layer, p.n_expert, p.k, p.stride, p.units, p.slot_lo, p.slot_hi = n_layer, n_expert, k, stride, 60, 1, 2
+    p.n_layer, p.n_expert, p.k, p.stride, p.slot_lo, p.slot_hi = n_layer, n_expert, k, stride, 1, 2
+    p.units = [60 + 4 * i for i in range(n_layer)]         # a recipe's layers copy blobs of their own sizes
     p.smem = 0
     p.staging, p.pred, p.actual = _Buf(10**6), _Buf(2 * 10**6), _Buf(3 * 10**6)
     p.rec, p.rec_addr = _Buf(4 * 10**6, 4 * (2 + k)), _Buf(5 * 10**6, 8 * k)
@@ -465,7 +466,7 @@ def test_launch_pointers(depth):
         (_, _, a), = calls
         b = m % (depth + 1)
         assert a[1] == m and a[4] == p.pred.data.ptr + 4 * k * m
-        assert a[5] == p.staging.data.ptr + b * k * stride
+        assert a[5] == p.staging.data.ptr + b * k * stride and a[6] == stride and a[7] == p.units[m]
         assert a[10] == a[11] == 0                          # no second VRAM range: the layer's entries are its own
         assert a[12] == p.rec.data.ptr + b * 4 * (2 + k) and a[13] == p.rec_addr.data.ptr + b * 8 * k
         assert a[14] == p.actual.data.ptr
@@ -480,7 +481,7 @@ def test_launch_pointers(depth):
         mb = li % 2
         assert name == "copy" and grid == (pf.MISS_BLOCKS, pf.COPY_THREADS) and a[1] == li
         assert a[4] == (p.step.ids.data.ptr if depth == 1 and li == 5 else p.actual.data.ptr + 4 * k * li)
-        assert a[5] == p.staging.data.ptr + (depth + 1 + mb) * k * stride
+        assert a[5] == p.staging.data.ptr + (depth + 1 + mb) * k * stride and a[7] == p.units[li]
         assert (a[8], a[9], a[10], a[11]) == (1, 2, p.stage_lo, p.stage_hi)
         assert a[5] + k * stride <= p.stage_hi
         assert a[12] == p.miss_rec.data.ptr + mb * 4 * (2 + k) and a[13] == p.miss_rec_addr.data.ptr + mb * 8 * k

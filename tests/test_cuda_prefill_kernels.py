@@ -98,23 +98,24 @@ def scaled_rows(name, n_rows, ncols, rng, rms):
     return raw
 
 
-def expert_blobs(rng, name, E, n_embd, n_ff, gain=1.0):
+def expert_blobs(rng, name, E, n_embd, n_ff, gain=1.0, up=None, down=None):
     """E expert blobs (gate | up | down) in one device array, and their dequantized weights rounded to fp16. Weights
-    at a real model's scale (RMS gain / sqrt(n_in)), so gate, up and the SwiGLU output are O(gain^2)."""
-    q = qtype(name)
-    rb_gu, rb_d = q.row_bytes(n_embd), q.row_bytes(n_ff)
-    up_off, down_off = n_ff * rb_gu, 2 * n_ff * rb_gu
+    at a real model's scale (RMS gain / sqrt(n_in)), so gate, up and the SwiGLU output are O(gain^2). up, down: their
+    quant types when they differ from gate's (name); rb_gu is then gate's row bytes."""
+    qs = [qtype(t) for t in (name, up or name, down or name)]
+    rb_gu, rb_u, rb_d = qs[0].row_bytes(n_embd), qs[1].row_bytes(n_embd), qs[2].row_bytes(n_ff)
+    up_off, down_off = n_ff * rb_gu, n_ff * (rb_gu + rb_u)
     stride = -(-(down_off + n_embd * rb_d) // ALIGN) * ALIGN
     host = np.zeros(E * stride, np.uint8)
     Ws = []
     for e in range(E):
-        g = scaled_rows(name, n_ff, n_embd, rng, gain / np.sqrt(n_embd))
-        u = scaled_rows(name, n_ff, n_embd, rng, gain / np.sqrt(n_embd))
-        d = scaled_rows(name, n_embd, n_ff, rng, 1 / np.sqrt(n_ff))
+        g = scaled_rows(qs[0].name, n_ff, n_embd, rng, gain / np.sqrt(n_embd))
+        u = scaled_rows(qs[1].name, n_ff, n_embd, rng, gain / np.sqrt(n_embd))
+        d = scaled_rows(qs[2].name, n_embd, n_ff, rng, 1 / np.sqrt(n_ff))
         o = e * stride
         for raw, off in ((g, 0), (u, up_off), (d, down_off)):
             host[o + off:o + off + raw.size] = raw.reshape(-1)
-        Ws.append(tuple(f16(dequantize(raw, q.ggml).reshape(raw.shape[0], -1)) for raw in (g, u, d)))
+        Ws.append(tuple(f16(dequantize(raw, q.ggml).reshape(raw.shape[0], -1)) for raw, q in zip((g, u, d), qs)))
     return cp.asarray(host), stride, up_off, down_off, rb_gu, rb_d, Ws
 
 
@@ -162,6 +163,49 @@ def test_grouped_expert_gemms_one_row_tile_per_pass(name):
     """moe_gemm.cu built with MG_MT=1 (bench.prefill --moe-row-tiles 1): one 64-row tile per dequantized weight tile."""
     from engine.cuda.prefill_streamed import moe_module
     test_grouped_expert_gemms(moe_module([name], row_tiles=1), name, 300, 4, 8, 256, 768)
+
+
+MIXED = (("Q4_K", "Q5_K", "Q4_K"), ("Q6_K", "Q4_K", "Q6_K"), ("F16", "Q6_K", "F16"), ("Q8_0", "Q4_0", "Q4_K"))
+
+
+@pytest.fixture(scope="module")
+def moe_mod_mixed():
+    from engine.cuda.prefill_streamed import moe_module
+    return moe_module(QTS, pairs=[(g, u) for g, u, _ in MIXED])
+
+
+@pytest.mark.parametrize("gate,up,down", MIXED)
+@pytest.mark.parametrize("T,k,E,n_embd,n_ff", [(45, 2, 4, 512, 256), (300, 4, 8, 256, 768)])
+def test_grouped_gate_up_of_two_types(moe_mod_mixed, gate, up, down, T, k, E, n_embd, n_ff):
+    """moe_gemm_gate_up_mixed<QG, QU>: a layer whose gate and up differ in quant type (and in row bytes), poisoned h,
+    against NumPy; then down of a third type over it."""
+    mod = moe_mod_mixed
+    rng = np.random.default_rng()
+    blobs, stride, up_off, down_off, rb_g, rb_d, Ws = expert_blobs(rng, gate, E, n_embd, n_ff, up=up, down=down)
+    rb_u = qtype(up).row_bytes(n_embd)
+    ids, w = route(rng, T, k, E)
+    x = rng.standard_normal((T, n_embd)).astype(np.float32)
+    x0 = rng.standard_normal((T, n_embd)).astype(np.float32)
+    offsets, rows, row_w = sort(mod, ids, w, E)
+    xh = cp.asarray(f16(x).astype(np.float16)).view(cp.uint16).reshape(-1)
+    h = cp.full(T * k * n_ff, 0xFFFF, dtype=cp.uint16)
+    out = cp.asarray(x0)
+    sel = cp.arange(E, dtype=cp.int32)
+    ptrs = cp.asarray(np.array([int(blobs.data.ptr) + e * stride for e in range(E)], np.uint64))
+    mod.get_function(f"moe_gemm_gate_up_mixed<{qtype(gate).id}, {qtype(up).id}>")(
+        ((n_ff + 63) // 64, 2, E), (256,),
+        (sel, ptrs, offsets, rows, xh, h, I64(up_off), I64(rb_g), I64(rb_u), I32(n_ff), I32(n_embd)))
+    mod.get_function(f"moe_gemm_down<{qtype(down).id}>")(
+        ((n_embd + 63) // 64, 2, E), (256,),
+        (sel, ptrs, offsets, rows, row_w, h, out, I64(down_off), I64(rb_d), I32(n_embd), I32(n_ff)))
+    ref = x0.astype(np.float64).copy()
+    xr = f16(x).astype(np.float64)
+    for t in range(T):
+        for j in range(k):
+            G, U, D = Ws[ids[t, j]]
+            ref[t] += w[t, j] * (D @ f16(silu(G @ xr[t]) * (U @ xr[t])))
+    assert np.isfinite(h.view(cp.float16).get()).all()
+    assert rel(out.get() - x0, ref - x0) < 5e-3
 
 
 def test_swiglu_output_saturates_in_fp16(moe_mod):

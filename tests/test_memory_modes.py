@@ -9,6 +9,7 @@ import pytest
 from engine import protocol
 from engine.backend import Backend, ExpertStats
 from engine.cuda.decode_paged import PagedDecode
+from engine.cuda.expert_layout import ExpertLayout, blob_layout, layer_layout
 from engine.cuda.expert_source import (ExpertSource, StagingLRU, merged_order, pinned_mask, read_blob,
                                        router_norm_order, staging_slots)
 from engine.gguf_model import open_model
@@ -23,9 +24,12 @@ def model(fixtures_dir):
 
 
 def layout_of(model):
-    """The blob layout (arena.blob_layout's numbers) from the file itself."""
+    """The blob layout, checked against the file itself (gate | up | down, each expert's slab)."""
+    lay = blob_layout(model)
     g, u, d = (model.expert_bytes(0, k, 0).size for k in ("gate", "up", "down"))
-    return SimpleNamespace(up_off=g, down_off=g + u, nbytes=g + u + d, stride=(g + u + d + 255) // 256 * 256)
+    assert (lay.layer(0).up_off, lay.layer(0).down_off, lay.nbytes) == (g, g + u, g + u + d)
+    assert lay.uniform and lay.stride == (g + u + d + 255) // 256 * 256
+    return lay
 
 
 # --- placement ---------------------------------------------------------------------------------------------------
@@ -273,7 +277,7 @@ def test_read_blob_names_the_flags_when_the_map_fails():
     class Broken:
         def expert_bytes(self, *a):
             raise OSError("mmap not supported")
-    lay = SimpleNamespace(up_off=1, down_off=2)
+    lay = ExpertLayout((layer_layout("Q8_0", "Q8_0", "Q8_0", 32, 32),))
     import engine.cuda.expert_source as es
     with pytest.raises(es.ExpertFileError, match="--mmap-experts"):
         read_blob(Broken(), lay, 0, 0, np.zeros(8, np.uint8))

@@ -222,3 +222,26 @@ def test_copy_busy_within_the_streamed_layers_window():
         dev.at[a.id], dev.at[b.id] = [(0, 2), (2, 4), (5, 7), (8, 12)][k]
     busy, window = r.busy_within_ms(ref, lo, hi)
     assert (busy, window) == (0 + 1 + 2 + 2, 7)
+
+
+def test_each_layer_copies_its_own_blob_bytes():
+    """A file whose layers' blobs differ (a llama-quantize recipe): slots of the largest blob, each item copying its
+    layer's bytes, and the bytes counted so."""
+    class Sized(FakeDevice):
+        def copy(self, stream, dst, src, nbytes):
+            self.queues[stream].append(("copy", dst, src, nbytes))
+    dev = Sized()
+    sizes = [600, STRIDE, 800]
+    r = RingRunner(dev, [1, 2, 3, 4], STRIDE, layer_bytes=sizes)
+    s = schedule(np.zeros((3, 4), bool), 4)
+    r.begin_chunk(s, lambda l, e: 10**6 + l * 4 + e)
+    for b in s:
+        r.acquire(b)
+        r.release(b)
+    r.end_chunk()
+    copies = [o for o in dev.queues["copy"] if o[0] == "copy"]
+    assert [(o[2] - 10**6) // 4 for o in copies] == [0] * 4 + [1] * 4 + [2] * 4
+    assert all(o[3] == sizes[(o[2] - 10**6) // 4] for o in copies)
+    assert r.bytes_copied == 4 * sum(sizes)
+    with pytest.raises(ValueError, match="do not fit"):
+        RingRunner(dev, [1, 2], 700, layer_bytes=sizes)

@@ -3,61 +3,25 @@ in ~1 GiB chunks and filled from the memory-mapped GGUF. Pinned memory from cuda
 address space (UVA), so a kernel can read a blob in place over PCIe through its device address.
 
 In the memory modes (--mmap-experts, --resident-budget-gib N) only the experts in `pinned` get a blob here; the
-others have blob_ptr 0 and are read from the file through engine/cuda/expert_source.py's staging ring."""
+others have blob_ptr 0 and are read from the file through engine/cuda/expert_source.py's staging ring.
+
+Each layer has its own blob layout (ExpertLayout): gate, up and down may each have any quant type the kernels know,
+per layer, as llama-quantize's recipes write them. Blobs are packed at their layer's stride, so the arena holds no
+padding beyond the 256-byte alignment."""
 from __future__ import annotations
 
 import ctypes
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
 
-from engine.cuda.quant_types import qtype
+from engine.cuda.expert_layout import blob_layout
 
 CHUNK_BYTES = 1 << 30
-ALIGN = 256                     # blob stride alignment (kernels need 16; 256 keeps copies on cache lines)
 HOST_ALLOC_PORTABLE, HOST_ALLOC_MAPPED = 1, 2
-
-
-@dataclass(frozen=True)
-class BlobLayout:
-    """Where gate, up and down sit inside one expert blob (the same for every layer)."""
-    qt_gate_up: int
-    qt_down: int
-    n_ff: int
-    n_embd: int
-    rb_gate_up: int            # bytes per gate/up row (n_embd values)
-    rb_down: int               # bytes per down row (n_ff values)
-    up_off: int
-    down_off: int
-    nbytes: int
-    stride: int
-
-
-def blob_layout(model) -> BlobLayout:
-    cfg = model.config
-    found = set()
-    for i in range(cfg.n_layer):
-        g, u, d = (model.tensor(model.expert_name(i, k)) for k in ("gate", "up", "down"))
-        if g.qtype != u.qtype:
-            raise ValueError(f"layer {i}: ffn_gate_exps is {g.qtype.name} but ffn_up_exps is {u.qtype.name}; "
-                             f"the CUDA engine needs gate and up in one quant type")
-        found.add((g.qtype, d.qtype, g.shape, d.shape))
-    if len(found) != 1:
-        raise ValueError("the expert tensors differ in quant type or shape between layers; the CUDA engine "
-                         "needs one layout for every layer")
-    (qg, qd, gshape, dshape), = found
-    n_ff, n_embd = gshape[1], gshape[2]
-    rb_gu = qtype(qg).row_bytes(n_embd)
-    rb_d = qtype(qd).row_bytes(n_ff)
-    up_off = n_ff * rb_gu
-    down_off = 2 * up_off
-    nbytes = down_off + n_embd * rb_d
-    stride = (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return BlobLayout(int(qg), int(qd), n_ff, n_embd, rb_gu, rb_d, up_off, down_off, nbytes, stride)
 
 
 def device_address(host_ptr: int) -> int:
@@ -75,7 +39,8 @@ def _host_view(ptr: int, size: int) -> np.ndarray:
 
 
 class ExpertArena:
-    """blob_ptr[g] is the device address of expert g = layer * n_expert + e (mapped pinned memory)."""
+    """blob_ptr[g] is the device address of expert g = layer * n_expert + e (mapped pinned memory); its blob takes
+    expert_stride[g] bytes (its layer's stride)."""
 
     def __init__(self, model, log=lambda m: print(m, file=sys.stderr, flush=True), threads: int = 8,
                  pinned: np.ndarray | None = None, progress=None):
@@ -84,45 +49,48 @@ class ExpertArena:
         self.layout = lay = blob_layout(model)
         self.n_layer, self.n_expert = cfg.n_layer, cfg.n_expert
         self.n_total = cfg.n_layer * cfg.n_expert
+        self.expert_stride = lay.expert_strides(cfg.n_expert)
         self.pinned = np.ones(self.n_total, dtype=bool) if pinned is None else np.asarray(pinned, dtype=bool)
         ids = np.flatnonzero(self.pinned)         # the experts with a blob here, packed in id order
-        per_chunk = max(1, CHUNK_BYTES // lay.stride)
+        sizes = self.expert_stride[ids]
+        total = int(sizes.sum())
         self.chunks: list[int] = []           # host pointers from cudaHostAlloc
         self.views: list[np.ndarray] = []
         self.blob_ptr = np.zeros(self.n_total, dtype=np.uint64)
         self._host_ptr = np.zeros(self.n_total, dtype=np.uint64)
-        left = len(ids)
         g = 0
         try:
-            while left:
-                n = min(per_chunk, left)
-                size = n * lay.stride
+            while g < len(ids):
+                # as many whole blobs as fit in a chunk (at least one)
+                ends = np.cumsum(sizes[g:])
+                n = max(1, int(np.searchsorted(ends, CHUNK_BYTES, side="right")))
+                size = int(ends[n - 1])
                 try:
                     hp = cp.cuda.runtime.hostAlloc(size, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
                 except cp.cuda.runtime.CUDARuntimeError as e:
                     done = sum(v.nbytes for v in self.views) / 2**30
                     raise MemoryError(
                         f"pinning host memory for the expert arena failed after {done:.1f} GiB of "
-                        f"{len(ids) * lay.stride / 2**30:.1f} GiB ({e}); free RAM, or pin less: "
+                        f"{total / 2**30:.1f} GiB ({e}); free RAM, or pin less: "
                         f"--resident-budget-gib {max(0.0, done - 1):.0f} (the rest is read from the model file) "
                         f"or --mmap-experts") from None
                 self.chunks.append(hp)
                 self.views.append(_host_view(hp, size))
                 dp = device_address(hp)
-                for j in range(n):
-                    self.blob_ptr[ids[g + j]] = dp + j * lay.stride
-                    self._host_ptr[ids[g + j]] = hp + j * lay.stride
+                offs = np.concatenate([[0], ends[:n - 1]]).astype(np.uint64)
+                self.blob_ptr[ids[g:g + n]] = np.uint64(dp) + offs
+                self._host_ptr[ids[g:g + n]] = np.uint64(hp) + offs
                 g += n
-                left -= n
             self._fill(model, log, threads, progress)
         except BaseException:
             self.close()
             raise
-        self.nbytes = len(ids) * lay.stride
+        self.nbytes = total
 
     def _fill(self, model, log, threads, progress=None):
-        lay = self.layout
-        total = int(self.pinned.sum()) * lay.nbytes
+        E = self.n_expert
+        per_layer = [lay.nbytes for lay in self.layout.layers]
+        total = sum(per_layer[g // E] for g in np.flatnonzero(self.pinned))
         if not total:
             self.fill_seconds = 0.0
             return
@@ -130,11 +98,12 @@ class ExpertArena:
         done = [0, t0]
 
         def one_layer(i):
+            lay = self.layout.layer(i)
             tens = [model.tensor(model.expert_name(i, k)).data for k in ("gate", "up", "down")]
             offs = (0, lay.up_off, lay.down_off)
             n = 0
-            for e in range(self.n_expert):
-                hp = int(self._host_ptr[i * self.n_expert + e])
+            for e in range(E):
+                hp = int(self._host_ptr[i * E + e])
                 if not hp:
                     continue
                 dst = _host_view(hp, lay.nbytes)

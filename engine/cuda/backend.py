@@ -16,7 +16,7 @@ from engine.cuda.arena import ExpertArena, blob_layout
 from engine.cuda.args import DEFAULT_PREFILL
 from engine.cuda.decode import DecodeStep
 from engine.cuda.embed_place import embed_placement
-from engine.cuda.expert_cache import ExpertCache
+from engine.cuda.expert_cache import ExpertCache, SlotPools
 from engine.cuda.kv import KVCache
 from engine.cuda.memory_mode import MemoryMode
 from engine.cuda.prefetch import attach as attach_prefetch
@@ -109,7 +109,7 @@ class CUDABackend(Backend):
                 self.layout = blob_layout(model) if cfg.is_moe else None
                 qts = self.weights.qtype_ids()
                 if self.layout:
-                    qts |= {self.layout.qt_gate_up, self.layout.qt_down}
+                    qts |= self.layout.qtype_ids()
                 self.kernels = Kernels(qts)
                 log(f"weights {pool.used_bytes() / MiB:.0f} MiB in VRAM, kernels ready "
                     f"({time.perf_counter() - t0:.1f} s)")
@@ -168,7 +168,7 @@ class CUDABackend(Backend):
         """extra: VRAM a placement not yet made would add (negative: free); quiet: a what-if, with no log line and no
         refusal (a budget the weights overrun gives 0 slots)."""
         opts, cfg = self.opts, self.config
-        stride = self.layout.stride
+        pools = SlotPools(self.layout.expert_strides(cfg.n_expert))     # the cache's slots, pool by blob size
         free, _ = cp.cuda.runtime.memGetInfo()
         # what the decode step and a prompt chunk still need beyond what is allocated now
         later = STEP_HEADROOM + self._prefill_scratch_bytes() + extra
@@ -181,18 +181,21 @@ class CUDABackend(Backend):
                     f"--vram-budget-mib {opts.vram_budget_mib} is too small: the weights and the KV cache alone take "
                     f"{used / MiB:.0f} MiB and the prompt pass {later / MiB:.0f} MiB; raise it or lower --ctx")
             avail = min(avail, left)
-        n = max(0, int(avail // stride))
+        n = pools.slots_for_bytes(avail)
         total = cfg.n_layer * cfg.n_expert
         if prefetch_wanted(opts.prefetch, n, total):    # the prefetch's VRAM staging slots come out of the budget
-            n = max(0, n - vram_staging_slots(cfg.n_expert_used, opts.prefetch_depth,
-                                              fetching_misses(opts.fetch_misses)))
+            n = pools.slots_for_bytes(avail - self.layout.stride * vram_staging_slots(
+                cfg.n_expert_used, opts.prefetch_depth, fetching_misses(opts.fetch_misses)))
         if opts.expert_slots is not None:
             n = min(n, max(0, opts.expert_slots))
         n = min(n, cfg.n_layer * cfg.n_expert)
         if quiet:
             return n
-        self.log(f"expert cache: {n} of {cfg.n_layer * cfg.n_expert} experts fit in VRAM "
-                 f"({n * stride / MiB:.0f} MiB; {free / MiB:.0f} MiB free, {opts.vram_reserve_mib} MiB reserved)")
+        split = "" if pools.n_pools == 1 else " in pools of " + ", ".join(
+            f"{k} x {b / MiB:.2f} MiB" for k, b in zip(pools.split(n), pools.strides))
+        self.log(f"expert cache: {n} of {cfg.n_layer * cfg.n_expert} experts fit in VRAM{split} "
+                 f"({pools.bytes_of(n) / MiB:.0f} MiB; {free / MiB:.0f} MiB free, "
+                 f"{opts.vram_reserve_mib} MiB reserved)")
         return n
 
     def _build_step(self):
@@ -243,7 +246,8 @@ class CUDABackend(Backend):
             n = cache.fill(order, self.stream)
             self.phase("cache", done=1.0, gib=gib)
             dt = time.perf_counter() - t0
-            self.log(f"expert cache filled from {src}: {n} experts, {n * cache.stride / 2**30:.2f} GiB in {dt:.1f} s")
+            gib = float(cache.blob_bytes[cache.owner[cache.owner >= 0]].sum()) / 2**30
+            self.log(f"expert cache filled from {src}: {n} experts, {gib:.2f} GiB in {dt:.1f} s")
 
     def _calibrate(self) -> float:
         n = min(256 * MiB, self.arena.views[0].nbytes) if self.arena and self.arena.views else 0

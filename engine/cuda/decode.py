@@ -220,14 +220,23 @@ class DecodeStep:
             L.swiglu(ly.w_gate, ly.w_up, x, self.h, norm=nw)
             L.mv(ly.w_down, self.h, x, accumulate=True)
             return
-        lay, cache = self.layout, self.cache
+        lay, cache = self.layout.layer(li), self.cache     # this layer's quant types and offsets (a graph node each)
         k = c.n_expert_used
         tab = U64(cache.table.data.ptr + 8 * li * c.n_expert)
-        f = self.k("moe_gate_up", lay.qt_gate_up)
-        f(((lay.n_ff + MV_WARPS - 1) // MV_WARPS, k, 1), (32 * MV_WARPS,),
-          (tab, ptr(self.ids), I64(lay.up_off), I64(lay.rb_gate_up), ptr(x), ptr(nw), F32(c.rms_eps), ptr(self.h),
-           I32(lay.n_ff), I32(c.n_embd), I32(k)),
-          shared_mem=L.smem(f, c.n_embd, True))
+        grid = ((lay.n_ff + MV_WARPS - 1) // MV_WARPS, k, 1)
+        if lay.qt_up < 0:
+            f = self.k("moe_gate_up", lay.qt_gate_up)
+            f(grid, (32 * MV_WARPS,),
+              (tab, ptr(self.ids), I64(lay.up_off), I64(lay.rb_gate_up), ptr(x), ptr(nw), F32(c.rms_eps), ptr(self.h),
+               I32(lay.n_ff), I32(c.n_embd), I32(k)),
+              shared_mem=L.smem(f, c.n_embd, True))
+        else:           # gate and up in different types: one launch each (moe.cu moe_proj)
+            for qt, off, rb, mul in ((lay.qt_gate_up, 0, lay.rb_gate_up, 0), (lay.qt_up, lay.up_off, lay.rb_up, 1)):
+                f = self.k("moe_proj", qt, "moe_gate_up")
+                f(grid, (32 * MV_WARPS,),
+                  (tab, ptr(self.ids), I64(off), I64(rb), ptr(x), ptr(nw), F32(c.rms_eps), ptr(self.h),
+                   I32(lay.n_ff), I32(c.n_embd), I32(k), I32(mul)),
+                  shared_mem=L.smem(f, c.n_embd, True))
         shared = ly.sh_up is not None
         if shared:      # the shared expert reads x before moe_down adds to it
             if ly.sh_gate_inp is not None:

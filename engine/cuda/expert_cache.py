@@ -18,6 +18,14 @@ back to their home addresses on the main stream before the ring's copy stream ma
 on an event recorded after that). A lent slot's owner is LENT, so neither fill nor the adaptive tier touches it.
 `give_back` refills lent slots with the hottest experts that have none, through the adaptive tier's swap path
 (steps 2 and 3 above), after everything already enqueued on the main stream (the ring's last readers).
+
+Slot pools (SlotPools): a file whose layers differ in blob size (llama-quantize's Q4_K_M, a Q8_0 layer) has one pool
+of slots per blob stride, each slot the size of its pool's blobs, so no byte of VRAM is padding. An expert only ever
+takes a slot of its own pool; fill, the adaptive tier and give_back choose within pools. The pools split the cache
+in proportion to their experts (every layer gets about the same share of its experts in VRAM): each layer is looked
+up k times a token, and a hit saves its blob's bytes of PCIe for its blob's bytes of VRAM, so for layers with the
+same routing skew no other split saves more transfer per byte. Slots of the largest pool (stride = the largest blob)
+are the ones lent to the prompt pass's ring. A uniform file has one pool: the cache as before.
 """
 from __future__ import annotations
 
@@ -25,6 +33,8 @@ import time
 
 import cupy as cp
 import numpy as np
+
+from engine.cuda.expert_layout import SlotPools
 
 DECAY = 0.7
 FREE, LENT = -1, -2          # owner[s] of an empty slot, of a slot lent out (anything >= 0: the expert in it)
@@ -39,13 +49,17 @@ def coldest_order(owner, heat, prior) -> np.ndarray:
     return occ[np.lexsort((occ, -rank, heat[g]))]
 
 
-def lend_choice(owner, heat, prior, n: int, pending=(), occupied: bool = True, evictable=None) -> np.ndarray:
+def lend_choice(owner, heat, prior, n: int, pending=(), occupied: bool = True, evictable=None,
+                usable=None) -> np.ndarray:
     """Up to n slots to lend: free ones first, then (occupied=True) the coldest occupied ones whose expert is
-    evictable (a bool per expert; None: all); never a slot in `pending` (a swap is copying into it) or already lent."""
+    evictable (a bool per expert; None: all); never a slot in `pending` (a swap is copying into it) or already lent,
+    and only slots that are `usable` (a bool per slot; None: all)."""
     if n <= 0:
         return np.zeros(0, dtype=np.int64)
     busy = np.zeros(len(owner), dtype=bool)
     busy[np.asarray(list(pending), dtype=np.int64)] = True
+    if usable is not None:
+        busy |= ~np.asarray(usable, dtype=bool)
     free = np.flatnonzero((owner == FREE) & ~busy)
     out = [free]
     if occupied:
@@ -69,11 +83,14 @@ class ExpertCache:
     def __init__(self, arena, n_slots: int, max_swaps: int = 64):
         self.arena = arena
         self.n_layer, self.n_expert, self.n_total = arena.n_layer, arena.n_expert, arena.n_total
-        self.stride = arena.layout.stride
+        self.stride = arena.layout.stride           # the largest blob's (the lent slots')
+        self.pools = SlotPools(arena.expert_stride)
         self.n_slots = int(min(n_slots, self.n_total))
-        self.slots = cp.empty(max(self.n_slots, 1) * self.stride, dtype=cp.uint8)
+        self._make_slots(self.pools.split(self.n_slots))
+        self.slots = cp.empty(max(self.nbytes, 1), dtype=cp.uint8)
         self.slot_lo = int(self.slots.data.ptr)
-        self.slot_hi = self.slot_lo + self.n_slots * self.stride
+        self.slot_hi = self.slot_lo + self.nbytes
+        self.slot_addr += np.uint64(self.slot_lo)
         self.table_host = arena.blob_ptr.copy()
         self.table = cp.asarray(self.table_host)
         self.slot_of = np.full(self.n_total, -1, dtype=np.int64)
@@ -88,6 +105,23 @@ class ExpertCache:
         self.swaps = 0
         self.bytes_swapped = 0
         self.source = None            # ExpertSource in the memory modes (set_source)
+
+    def _make_slots(self, per_pool):
+        """Slot numbers pool by pool (ascending stride); slot_addr is relative to the slots' base until __init__
+        adds it."""
+        p = self.pools
+        self.slot_pool = np.repeat(np.arange(p.n_pools), per_pool).astype(np.int64)
+        self.slot_bytes = p.strides[self.slot_pool]
+        self.slot_addr = (np.cumsum(self.slot_bytes) - self.slot_bytes).astype(np.uint64)     # pool by pool
+        self.exp_pool = p.expert_pool
+        self.blob_bytes = p.strides[p.expert_pool]      # bytes copied per expert (its pool's stride)
+        self.lend_pool = p.n_pools - 1
+        self.nbytes = int(self.slot_bytes.sum())
+
+    @property
+    def lendable(self) -> int:
+        """Slots the prompt pass's ring may borrow: those of the largest pool, whose slots hold any blob."""
+        return int((self.slot_pool == self.lend_pool).sum())
 
     # --- the memory modes ------------------------------------------------------------------------------------
     def set_source(self, source):
@@ -157,7 +191,7 @@ class ExpertCache:
             self.table[lo:hi].set(self.table_host[lo:hi], stream=stream)
 
     def slot_ptr(self, s: int) -> int:
-        return self.slot_lo + int(s) * self.stride
+        return int(self.slot_addr[s])
 
     def resident(self) -> np.ndarray:
         return self.slot_of >= 0
@@ -165,22 +199,29 @@ class ExpertCache:
     # --- filling ---------------------------------------------------------------------------------------------
     def fill(self, order, stream) -> int:
         """Load experts in `order` (global ids, hottest first) into free slots now; returns how many."""
-        free = [s for s in range(self.n_slots) if self.owner[s] == FREE]
-        ids = [int(g) for g in order if self.slot_of[int(g)] < 0][:len(free)]
+        empty = self.owner == FREE
+        per_pool = [list(np.flatnonzero(empty & (self.slot_pool == p))[::-1]) for p in range(self.pools.n_pools)]
+        ids, free = [], []
+        for g in order:             # each expert into a free slot of its own pool (lowest first), while any is left
+            g = int(g)
+            f = per_pool[self.exp_pool[g]]
+            if f and self.slot_of[g] < 0:
+                ids.append(g)
+                free.append(int(f.pop()))
         if self.source is not None:       # file-only experts staged a batch at a time (read in parallel)
             per = max(1, min(64, self.source.lru.n_slots - 1))
             for i in range(0, len(ids), per):
                 part, slots = ids[i:i + per], free[i:i + per]
                 addrs, _ = self.source.stage(part)
-                for a, s in zip(addrs, slots):
-                    cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), a, self.stride, cp.cuda.runtime.memcpyDefault,
-                                                stream.ptr)
+                for g, a, s in zip(part, addrs, slots):
+                    cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), a, int(self.blob_bytes[g]),
+                                                cp.cuda.runtime.memcpyDefault, stream.ptr)
                 ev = cp.cuda.Event(disable_timing=True)
                 ev.record(stream)
                 self.source.release(part, ev)
         for g, s in zip(ids, free):
             if self.source is None:
-                cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), int(self.arena.blob_ptr[g]), self.stride,
+                cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), int(self.arena.blob_ptr[g]), int(self.blob_bytes[g]),
                                             cp.cuda.runtime.memcpyDefault, stream.ptr)
             self.slot_of[g] = s
             self.owner[s] = g
@@ -216,7 +257,7 @@ class ExpertCache:
         if not len(cand):
             return 0
         cand = cand[np.argsort(-self.heat[cand], kind="stable")][:self.max_swaps]
-        # victims: free slots first, then the coldest residents
+        # victims: free slots first, then the coldest residents, of the candidates' own pools
         free = np.flatnonzero(self.owner == FREE)
         occ = np.flatnonzero(self.owner >= 0)
         if self.source is not None and self.reachable():
@@ -224,16 +265,18 @@ class ExpertCache:
             # pinned copy would get entry 0 and send each step down the per-layer path until it is staged again
             occ = occ[~self.source.file_only[self.owner[occ]]]
         occ = occ[np.argsort(self.heat[self.owner[occ]], kind="stable")]
-        victims = np.concatenate([free, occ])
         ids, slots, evicted = [], [], []
-        for g, s in zip(cand, victims):
-            old = self.owner[s]
-            if old >= 0 and self.heat[g] <= self.heat[old] * 1.25 + 0.5:
-                break          # no clear gain: keep what is there (hysteresis against thrashing)
-            ids.append(int(g))
-            slots.append(int(s))
-            if old >= 0:
-                evicted.append(int(old))
+        for p in range(self.pools.n_pools):
+            pc = cand[self.exp_pool[cand] == p]
+            victims = np.concatenate([free[self.slot_pool[free] == p], occ[self.slot_pool[occ] == p]])
+            for g, s in zip(pc, victims):
+                old = self.owner[s]
+                if old >= 0 and self.heat[g] <= self.heat[old] * 1.25 + 0.5:
+                    break          # no clear gain: keep what is there (hysteresis against thrashing)
+                ids.append(int(g))
+                slots.append(int(s))
+                if old >= 0:
+                    evicted.append(int(old))
         if not ids:
             return 0
         for old in evicted:          # 1. victims back to the arena, in stream order
@@ -253,7 +296,7 @@ class ExpertCache:
         ev.record(stream)
         self.copy_stream.wait_event(ev)
         for g, s in zip(ids, slots):
-            cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), int(self.table_host[g]), self.stride,
+            cp.cuda.runtime.memcpyAsync(self.slot_ptr(s), int(self.table_host[g]), int(self.blob_bytes[g]),
                                         cp.cuda.runtime.memcpyDefault, self.copy_stream.ptr)
         done = cp.cuda.Event(disable_timing=True)
         done.record(self.copy_stream)
@@ -261,7 +304,7 @@ class ExpertCache:
             self.source.fence(ids, done)
         self._pending = (done, list(ids), list(slots))
         self.swaps += len(ids)
-        self.bytes_swapped += len(ids) * self.stride
+        self.bytes_swapped += int(self.blob_bytes[list(ids)].sum())
 
     # --- lending slots to the prompt pass's ring -------------------------------------------------------------
     def pending_slots(self) -> list[int]:
@@ -278,7 +321,8 @@ class ExpertCache:
         """Take up to n slots for the ring (lend_choice's order); the experts in them go back home on `stream`.
         Returns the slot numbers (slot_ptr gives their addresses)."""
         self.poll(stream)
-        slots = lend_choice(self.owner, self.heat, self.prior, n, self.pending_slots(), occupied, self._evictable())
+        slots = lend_choice(self.owner, self.heat, self.prior, n, self.pending_slots(), occupied, self._evictable(),
+                            usable=self.slot_pool == self.lend_pool)
         evicted = self.owner[slots][self.owner[slots] >= 0]
         for g in evicted:
             self.table_host[g] = self.home(int(g))
@@ -299,9 +343,15 @@ class ExpertCache:
         if self._pending is not None:        # one swap in flight at a time: the adaptive tier's, usually landed
             self.poll(stream, wait=True)
         self.owner[slots] = FREE
-        ids = refill_order(self.slot_of, self.heat, self.prior, self.table_host != 0)[:len(slots)]
-        if len(ids):
-            self._start_copies([int(g) for g in ids], slots[:len(ids)], stream)
+        ids, into = [], []
+        readable = self.table_host != 0
+        for p in sorted({int(self.slot_pool[s]) for s in slots}):     # each slot refilled from its own pool
+            mine = [s for s in slots if self.slot_pool[s] == p]
+            got = refill_order(self.slot_of, self.heat, self.prior, readable & (self.exp_pool == p))[:len(mine)]
+            ids += [int(g) for g in got]
+            into += mine[:len(got)]
+        if ids:
+            self._start_copies(ids, into, stream)
         return len(ids)
 
     def poll(self, stream, wait: bool = False) -> bool:

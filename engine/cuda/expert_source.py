@@ -79,19 +79,21 @@ def vram_aware_order(order, n_vram: int) -> np.ndarray:
     return np.concatenate([order[n:], order[:n][::-1]])
 
 
-def pinned_mask(n_total: int, stride: int, budget_bytes: float | None, order) -> np.ndarray:
+def pinned_mask(n_total: int, stride, budget_bytes: float | None, order) -> np.ndarray:
     """Which experts the arena pins: every one without a budget; else the first of `order` that fit in budget_bytes
-    (whole blobs of `stride` bytes). --mmap-experts is a budget of 0."""
+    (whole blobs of `stride` bytes: one int, or one per expert where the layers' blobs differ). --mmap-experts is a
+    budget of 0."""
     mask = np.zeros(n_total, dtype=bool)
     if budget_bytes is None:
         mask[:] = True
         return mask
     if budget_bytes < 0:
         raise ValueError(f"the resident budget must be >= 0 GiB, got {budget_bytes / GiB:g}")
-    n = min(n_total, int(budget_bytes // stride))
     order = np.asarray(order, dtype=np.int64)
     if len(np.unique(order)) != n_total or len(order) != n_total:
         raise ValueError("the placement order must name every expert exactly once")
+    sizes = np.broadcast_to(np.asarray(stride, dtype=np.int64), (n_total,))
+    n = int(np.searchsorted(np.cumsum(sizes[order]), budget_bytes, side="right"))
     mask[order[:n]] = True
     return mask
 
@@ -114,13 +116,15 @@ def staging_slots(n_layer: int, k: int, stride: int, n_file_only: int, ring_batc
 
 # --- reading one expert from the file --------------------------------------------------------------------------
 def expert_sources(model, layout, layer: int, e: int):
-    """(destination offset, source bytes) of expert e's gate, up and down slabs: memory-mapped views of the file."""
-    offs = (0, layout.up_off, layout.down_off)
+    """(destination offset, source bytes) of expert e's gate, up and down slabs: memory-mapped views of the file.
+    layout: arena.ExpertLayout (each layer's blob its own)."""
+    lay = layout.layer(layer)
+    offs = (0, lay.up_off, lay.down_off)
     return [(off, model.expert_bytes(layer, kind, e).reshape(-1)) for kind, off in zip(("gate", "up", "down"), offs)]
 
 
 def read_blob(model, layout, layer: int, e: int, dst: np.ndarray) -> int:
-    """Copy expert e of `layer` into dst (uint8, at least layout.nbytes) in the blob layout; returns bytes read."""
+    """Copy expert e of `layer` into dst (uint8, at least that layer's blob) in the blob layout; returns bytes read."""
     n = 0
     try:
         for off, src in expert_sources(model, layout, layer, e):
@@ -191,7 +195,8 @@ def _done(ev) -> bool:
 class ExpertSource:
     """Host addresses of every expert: the arena's for pinned ones, a staging slot's (or 0) for file-only ones.
 
-    model: the GGUFModel (its memory map is the file source); layout: arena.BlobLayout; arena_ptr: uint64 per global
+    model: the GGUFModel (its memory map is the file source); layout: arena.ExpertLayout (a slot holds its largest
+    blob); arena_ptr: uint64 per global
     expert, the arena's device address or 0 for file-only; n_slots: staging slots; alloc(nbytes) -> (host numpy uint8
     view, device address) of mapped pinned memory; free() undoes it (the caller keeps it)."""
 

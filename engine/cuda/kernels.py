@@ -10,6 +10,8 @@ Each .cu file declares the variants the engine builds in comment lines, so the l
 A kernel template over a quant type names its parameter QT (`template <int QT> __global__ void mv(...)`): every
 variant instantiates it for each quant type (NVRTC name expressions `mv<12>`; the nvcc test takes their addresses), so
 a template that does not compile for some type fails the test even before a model of that type is loaded.
+A kernel over two types names them QG and QU (`template <int QG, int QU>`: gate and up of a layer that differ):
+instantiated for the `pairs` a model holds, or, in the compile test, for a few representative pairs (CHECK_PAIRS).
 `compile_all()` builds every declared variant (or those for the model's quant types) before the worker prints READY,
 so no kernel compiles mid-request. `load(name, defines)` returns the cached module for any defines, declared or not.
 """
@@ -38,6 +40,8 @@ STD = "-std=c++17"
 _BUILD_RE = re.compile(r"^\s*//\s*@build\b(.*)$")
 _QT_TEMPLATE_RE = re.compile(r"template\s*<\s*int\s+QT\s*>\s*(?:__launch_bounds__\s*\([^)]*\)\s*)?"
                              r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)\s*\(")
+_QT2_TEMPLATE_RE = re.compile(r"template\s*<\s*int\s+QG\s*,\s*int\s+QU\s*>\s*(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+                              r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)\s*\(")
 
 
 @dataclass(frozen=True)
@@ -70,12 +74,27 @@ def _norm_defines(defines) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((str(k), str(v)) for k, v in items))
 
 
-def parse_builds(path: Path, qtypes=None) -> list[Build]:
-    """The variants a .cu file declares; per-qtype variants only for `qtypes` (names or ids) when given."""
+# The compile test's pairs: the one-type kernels already compile every type's code, so these check the mixing itself
+# (Q4_K's own tile path on either side, a float type, an i-quant, a legacy quant).
+CHECK_PAIRS = (("Q4_K", "Q5_K"), ("Q6_K", "Q4_K"), ("BF16", "Q6_K"), ("IQ4_XS", "Q8_0"))
+
+
+def type_pairs(qtypes=None, pairs=None) -> list[tuple[int, int]]:
+    """(gate, up) type-id pairs to instantiate: `pairs` when given; none for a model's `qtypes` without pairs;
+    CHECK_PAIRS for all types (the compile test)."""
+    if pairs is None and qtypes is not None:
+        return []
+    return sorted({(qtype(a).id, qtype(b).id) for a, b in (CHECK_PAIRS if pairs is None else pairs)})
+
+
+def parse_builds(path: Path, qtypes=None, pairs=None) -> list[Build]:
+    """The variants a .cu file declares; per-qtype variants only for `qtypes` (names or ids) when given; two-type
+    kernels for `pairs` (type_pairs)."""
     wanted = None if qtypes is None else {qtype(t).name for t in qtypes}
     text = path.read_text()
     ids = [q.id for q in QTYPES.values() if wanted is None or q.name in wanted]
     instances = tuple(f"{k}<{i}>" for k in _QT_TEMPLATE_RE.findall(text) for i in ids)
+    instances += tuple(f"{k}<{a}, {b}>" for k in _QT2_TEMPLATE_RE.findall(text) for a, b in type_pairs(qtypes, pairs))
     out: list[Build] = []
     declared = False
     for line in text.splitlines():
@@ -128,13 +147,14 @@ def options(build: Build) -> tuple[str, ...]:
 _modules: dict[Build, object] = {}
 
 
-def load(name: str, defines=None, qtypes=None):
+def load(name: str, defines=None, qtypes=None, pairs=None):
     """The compiled cupy.RawModule for cuda_src/<name>.cu with these defines (compiled once per process); its QT
-    templates are instantiated for `qtypes` (all types when None): get them with get_function("mv<12>")."""
+    templates are instantiated for `qtypes` (all types when None): get them with get_function("mv<12>"); its
+    two-type ones for `pairs` (get_function("k<12, 14>"))."""
     path = CUDA_SRC / f"{name}.cu"
     if not path.is_file():
         raise FileNotFoundError(f"no kernel source {path}; the cuda_src/ folder is incomplete")
-    instances = parse_builds(path, qtypes)[0].instances
+    instances = parse_builds(path, qtypes, pairs)[0].instances
     build = Build(name, _norm_defines(defines), instances)
     mod = _modules.get(build)
     if mod is not None:

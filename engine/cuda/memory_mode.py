@@ -44,9 +44,10 @@ class MemoryMode:
         cfg = model.config
         n_total = cfg.n_layer * cfg.n_expert
         budget = 0.0 if opts.mmap_experts else float(opts.resident_budget_gib) * GiB
-        if budget >= n_total * layout.stride:
+        sizes = layout.expert_strides(cfg.n_expert)        # a recipe's layers differ in blob size
+        if budget >= sizes.sum():
             log(f"memory mode: the budget of {opts.resident_budget_gib:g} GiB holds all "
-                f"{n_total * layout.stride / GiB:.2f} GiB of experts: every expert is pinned")
+                f"{sizes.sum() / GiB:.2f} GiB of experts: every expert is pinned")
             return None
         first, src = None, "router-row norms (no --expert-profile)"
         if opts.expert_profile:
@@ -59,9 +60,9 @@ class MemoryMode:
         if n_vram < n_total:
             n_vram = min(int(n_vram), len(first)) if first is not None else 0
         order = merged_order(n_total, first, router_norm_order(model)) if budget else np.arange(n_total)
-        mask = pinned_mask(n_total, layout.stride, budget, vram_aware_order(order, n_vram))
+        mask = pinned_mask(n_total, sizes, budget, vram_aware_order(order, n_vram))
         name = "mmap" if opts.mmap_experts else "budget"
-        what = (f"{int(mask.sum())} of {n_total} experts pinned ({mask.sum() * layout.stride / GiB:.2f} GiB, "
+        what = (f"{int(mask.sum())} of {n_total} experts pinned ({sizes[mask].sum() / GiB:.2f} GiB, "
                 f"the hottest by {src} after the {min(n_vram, n_total)} the VRAM cache holds)" if budget
                 else f"no expert pinned, all {n_total} read from the file")
         log(f"memory mode {name}: {what}; the rest are read from {model.path.name} through the OS file cache")

@@ -299,9 +299,11 @@ class Prefetcher:
         why = unsupported(c, lay)
         if why:
             raise ValueError(f"expert prefetch cannot serve this model: {why}")
-        self.stride = lay.stride
-        self.units = (lay.nbytes + 15) // 16          # 16-byte units copied per expert (within the 256-aligned stride)
-        self.blob_bytes = self.units * 16
+        self.stride = lay.stride                      # a staging slot holds the largest blob
+        # 16-byte units copied per expert of each layer (within the 256-aligned stride): the copy launches carry
+        # their layer's count, so a recipe's larger layers copy their own bytes
+        self.units = [(ly.nbytes + 15) // 16 for ly in lay.layers]
+        self.blob_bytes = sum(self.units) * 16 // len(self.units)      # the mean, for the bench's MB per token
         self.slot_lo, self.slot_hi = cache.slot_lo, cache.slot_hi
         self.table = cache.table
         qts = sorted({int(ly.router.qt) for ly in step.w.layers})
@@ -505,7 +507,7 @@ class Prefetcher:
         # rewritten by its one copy, and its miss copy runs after this one is joined)
         self.f_copy((COPY_BLOCKS,), (COPY_THREADS,),
                     (self._ptr(self.table), I32(m), I32(self.n_expert), I32(k), self._ptr(self.pred, 4 * k * m),
-                     self._ptr(self.staging, b * k * self.stride), I64(self.stride), U32(self.units),
+                     self._ptr(self.staging, b * k * self.stride), I64(self.stride), U32(self.units[m]),
                      U64(self.slot_lo), U64(self.slot_hi), U64(0), U64(0), self._ptr(self.rec[b]),
                      self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 2),
                      self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 4)))
@@ -528,7 +530,8 @@ class Prefetcher:
         I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
         self.f_copy((MISS_BLOCKS,), (COPY_THREADS,),
                     (self._ptr(self.table), I32(li), I32(self.n_expert), I32(k), self.routing(li),
-                     self._ptr(self.staging, (self.banks + b) * k * self.stride), I64(self.stride), U32(self.units),
+                     self._ptr(self.staging, (self.banks + b) * k * self.stride), I64(self.stride),
+                     U32(self.units[li]),
                      U64(self.slot_lo), U64(self.slot_hi), U64(self.stage_lo), U64(self.stage_hi),
                      self._ptr(self.miss_rec[b]), self._ptr(self.miss_rec_addr[b]), U64(0),
                      self._ptr(self.stats, 8 * FETCHED), U64(0), self._ptr(self.counters, 8)))

@@ -110,7 +110,7 @@ class Prefill:
         return self.linear(Wd, g / (1.0 + cp.exp(-g)) * u)
 
     def moe(self, li, ly, xn):
-        c, lay, cache = self.cfg, self.layout, self.cache
+        c, lay, cache = self.cfg, self.layout.layer(li), self.cache
         T, k = xn.shape[0], c.n_expert_used
         logits = self.linear(ly.router, xn)
         ids = cp.empty((T, k), dtype=cp.int32)
@@ -128,7 +128,7 @@ class Prefill:
             stream = cp.cuda.get_current_stream()
             addr = cache.read_begin(g, stream)      # staged from the file first in the memory modes
             Wg = self.dequant(addr, lay.qt_gate_up, lay.rb_gate_up, lay.n_ff, lay.n_embd)
-            Wu = self.dequant(addr + lay.up_off, lay.qt_gate_up, lay.rb_gate_up, lay.n_ff, lay.n_embd)
+            Wu = self.dequant(addr + lay.up_off, lay.up_type, lay.rb_up or lay.rb_gate_up, lay.n_ff, lay.n_embd)
             Wd = self.dequant(addr + lay.down_off, lay.qt_down, lay.rb_down, lay.n_embd, lay.n_ff)
             cache.read_end(g, stream)
             ti = cp.asarray(t_idx)

@@ -101,10 +101,12 @@ def expert_row_blocks(T: int, k: int, n_expert: int, row_tiles: int | None = Non
     return max(1, min(-(-T // rows), 2 * -(-int(avg) // rows)))
 
 
-def moe_module(qtypes, row_tiles: int | None = None):
-    """moe_gemm.cu for these quant types with MG_MT = row_tiles (the default build when it is the default)."""
+def moe_module(qtypes, row_tiles: int | None = None, pairs=None):
+    """moe_gemm.cu for these quant types with MG_MT = row_tiles (the default build when it is the default); pairs:
+    the (gate, up) types of layers whose gate and up differ (moe_gemm_gate_up_mixed)."""
     mt = row_tiles or MOE_ROW_TILES
-    return kernels.load("moe_gemm", None if mt == 2 else {"MG_MT": mt}, qtypes=sorted(qtypes))
+    return kernels.load("moe_gemm", None if mt == 2 else {"MG_MT": mt}, qtypes=sorted(qtypes),
+                        pairs=sorted(pairs) if pairs else None)
 
 
 def parse_chunk(v):
@@ -171,15 +173,16 @@ class StreamedPrefill:
         self.att_mod = attn_module(c.head_dim)
         self.attend = attn_kernel(self.att_mod, getattr(self.kv, "dtype", "f16") == "int8")
         lay = self.layout
-        qts = set(self.w.qtype_ids()) | ({lay.qt_gate_up, lay.qt_down} if lay else set())
-        self.moe_mod = moe_module(qts)          # also to_half and dequant_rows_f16
+        qts = set(self.w.qtype_ids()) | (lay.qtype_ids() if lay else set())
+        pairs = {(ly.qt_gate_up, ly.qt_up) for ly in lay.layers if ly.qt_up >= 0} if lay else set()
+        self.moe_mod = moe_module(qts, pairs=pairs)          # also to_half and dequant_rows_f16
         stride = lay.stride if lay else 0
         # at least the experts the cache has no slot for stream; the ring borrows cache slots on top of its own
         n_stream = self.cache.n_total - self.cache.n_slots if self.cache is not None else 0
         free = vram_left(opts)
         self.plan = plan_chunk(c, free, chunk=parse_chunk(opts.prefill_chunk), ring=opts.ring, stride=stride,
                                n_stream=n_stream, max_tokens=self.kv.max_ctx,
-                               lendable=self.cache.n_slots if self.cache is not None else 0)
+                               lendable=self.cache.lendable if self.cache is not None else 0)
         self.chunk = self.plan.chunk
         with step.stream:
             self.buf = {}
@@ -243,7 +246,8 @@ class StreamedPrefill:
         key = (stream, resident.tobytes(), tuple(slots), cache.table_host.tobytes())
         if self._groups_key == key:       # the same placement as the last chunk: the same tables and batches
             groups, per_layer, batches = self._groups_val
-            runner = RingRunner(self.dev, slots, self.layout.stride, timing=self.timing) if stream else None
+            runner = RingRunner(self.dev, slots, self.layout.stride, timing=self.timing,
+                                layer_bytes=self.layout.strides()) if stream else None
             return groups, per_layer, runner, batches
         table = cache.table_host.reshape(c.n_layer, c.n_expert)
         sel_all, ptr_all, spans = [], [], []
@@ -265,7 +269,8 @@ class StreamedPrefill:
         for b, view in zip(batches, views[c.n_layer:]):
             per_layer[b.layer].append((b, view))
         self._groups_key, self._groups_val = key, (views[:c.n_layer], per_layer, batches)
-        runner = RingRunner(self.dev, slots, self.layout.stride, timing=self.timing) if stream else None
+        runner = RingRunner(self.dev, slots, self.layout.stride, timing=self.timing,
+                            layer_bytes=self.layout.strides()) if stream else None
         return views[:c.n_layer], per_layer, runner, batches
 
     # --- the pass --------------------------------------------------------------------------------------------
@@ -419,7 +424,7 @@ class StreamedPrefill:
         return out
 
     def moe(self, li, ly, xn, x, T, group, runner, ring_views):
-        c, lay, cache, mod = self.cfg, self.layout, self.cache, self.moe_mod
+        c, lay, cache, mod = self.cfg, self.layout.layer(li), self.cache, self.moe_mod
         kk = c.n_expert_used
         logits = self.linear_into(ly.router, xn, self._view("router_logits", T, c.n_expert))
         ids, wts = self._view("ids", T, kk), self._view("wts", T, kk)
@@ -433,7 +438,12 @@ class StreamedPrefill:
         mod.get_function("moe_sort")((1,), (1024,), (ids, wts, I32(T * kk), I32(kk), I32(c.n_expert), offsets,
                                                      rows, row_w))
         self._mark("sort")
-        gu = mod.get_function(f"moe_gemm_gate_up<{lay.qt_gate_up}>")
+        if lay.qt_up < 0:
+            gu = mod.get_function(f"moe_gemm_gate_up<{lay.qt_gate_up}>")
+            gu_rows = (I64(lay.rb_gate_up),)
+        else:           # gate and up in different types (a community quant's layer)
+            gu = mod.get_function(f"moe_gemm_gate_up_mixed<{lay.qt_gate_up}, {lay.qt_up}>")
+            gu_rows = (I64(lay.rb_gate_up), I64(lay.rb_up))
         dn = mod.get_function(f"moe_gemm_down<{lay.qt_down}>")
         gy = expert_row_blocks(T, kk, c.n_expert)
 
@@ -441,8 +451,7 @@ class StreamedPrefill:
             if not n:
                 return
             gu(((lay.n_ff + GEMM_TILE - 1) // GEMM_TILE, gy, n), (256,),
-               (sel, ptrs, offsets, rows, xh, h, I64(lay.up_off), I64(lay.rb_gate_up), I32(lay.n_ff),
-                I32(c.n_embd)))
+               (sel, ptrs, offsets, rows, xh, h, I64(lay.up_off), *gu_rows, I32(lay.n_ff), I32(c.n_embd)))
             self._mark("gate_up")
             dn(((c.n_embd + GEMM_TILE - 1) // GEMM_TILE, gy, n), (256,),
                (sel, ptrs, offsets, rows, row_w, h, x, I64(lay.down_off), I64(lay.rb_down), I32(c.n_embd),

@@ -13,7 +13,8 @@ import cupy as cp
 
 SRC_DIR = Path(__file__).resolve().parents[2] / "cuda_src"
 FILES = ("dense.cu", "norm_rope.cu", "attention.cu", "router.cu", "moe.cu", "sample.cu")
-TEMPLATED = ("mv", "mv3", "swiglu_mv", "embed", "dequant_rows", "moe_gate_up", "moe_down", "router_fused")
+TEMPLATED = ("mv", "mv3", "swiglu_mv", "embed", "dequant_rows", "moe_gate_up", "moe_down", "router_fused",
+             "moe_proj")
 OPTIONS = ("-std=c++17",)
 PLAIN = ("rmsnorm", "qk_rope_store", "router_topk", "argmax_word", "argmax_finish")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)".*$', re.M)

@@ -127,14 +127,18 @@ class CupyDevice(Device):
 
 class RingRunner:
     """Drives one ring (slot addresses `slots`, `stride` bytes each) through chunks. Slot state lives across chunks:
-    the next chunk's first copies wait only for the slots still in use."""
+    the next chunk's first copies wait only for the slots still in use. layer_bytes: the bytes an item of each layer
+    copies (a file whose layers' blobs differ in size; each at most `stride`), else `stride`."""
 
-    def __init__(self, dev: Device, slots: list[int], stride: int, timing: bool = False):
+    def __init__(self, dev: Device, slots: list[int], stride: int, timing: bool = False, layer_bytes=None):
         if not slots:
             raise ValueError("the ring has no slots")
+        if layer_bytes is not None and max(layer_bytes, default=0) > stride:
+            raise ValueError(f"a layer's blobs ({max(layer_bytes)} bytes) do not fit the ring's {stride}-byte slots")
         self.dev = dev
         self.slots = list(slots)
         self.stride = stride
+        self.layer_bytes = None if layer_bytes is None else [int(b) for b in layer_bytes]
         self._seq = 0
         self._slot_free: list[tuple[int, object] | None] = [None] * len(slots)   # (seq, event) of the last release
         self._held: list[int | None] = [None] * len(slots)                        # batch holding the slot
@@ -179,15 +183,16 @@ class RingRunner:
             if self.timing:           # recorded after the wait: start to copied is copying only
                 start = self.dev.event(True)
                 self.dev.record(cs, start)
+            nbytes = self.stride if self.layer_bytes is None else self.layer_bytes[b.layer]
             for it in b.items:
-                self.dev.copy(cs, self.slots[it.slot], self._src_of(it.layer, it.expert), self.stride)
+                self.dev.copy(cs, self.slots[it.slot], self._src_of(it.layer, it.expert), nbytes)
                 self._held[it.slot] = b.index
             ev = self.dev.event(self.timing)
             self.dev.record(cs, ev)
             if self.timing:
                 self.spans.append((start, ev))
             self._copied[b.index] = ev
-            self.bytes_copied += len(b.items) * self.stride
+            self.bytes_copied += len(b.items) * nbytes
             self._next += 1
             n += 1
         return n
