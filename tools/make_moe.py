@@ -26,6 +26,7 @@ import gguf
 from gguf import GGMLQuantizationType as Q, GGUFValueType, MODEL_TENSOR as MT
 
 from engine.gguf_model import ModelError, read_header
+from tools.recipes import RECIPES, Hparams, apply_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB_DIR = ROOT.parent / "shared" / "fixtures" / "vocab"
@@ -178,7 +179,7 @@ PRESETS: dict[str, Preset] = {
                              "Qwen3-Next-80B-A3B's expert shapes as arch qwen2moe: 48 layers, hidden 2048, 8/2 "
                              "heads of 256, 512 experts (10 used) of width 512 plus a shared expert of 512", 0.12),
 }
-ARCHES = ("llama", "qwen3moe", "qwen2moe")
+ARCHES = ("llama", "qwen3moe", "qwen2moe", "qwen3", "qwen2")   # qwen3/qwen2: dense
 
 # Weight scales. Matrices: RMS 1/sqrt(n_in), so x@W keeps a unit-RMS input at unit RMS. The embedding and the
 # output head: RMS 2/sqrt(n_embd), so the logits after the final norm spread with a standard deviation of ~2,
@@ -247,13 +248,13 @@ def plan(shape: Shape, types: dict[str, Q], n_vocab: int) -> list[TensorSpec]:
 
         add(MT.ATTN_NORM, (s.n_embd,), "norm", "norm")
         add(MT.FFN_NORM, (s.n_embd,), "norm", "norm")
-        if s.arch == "qwen3moe":
+        if s.arch in ("qwen3moe", "qwen3"):
             add(MT.ATTN_Q_NORM, (s.head_dim,), "norm", "norm")
             add(MT.ATTN_K_NORM, (s.head_dim,), "norm", "norm")
         add(MT.ATTN_Q, (q_dim, s.n_embd), "attn", "matrix")
         add(MT.ATTN_K, (kv_dim, s.n_embd), "attn", "matrix")
         add(MT.ATTN_V, (kv_dim, s.n_embd), "attn", "matrix")
-        if s.arch == "qwen2moe":
+        if s.arch in ("qwen2moe", "qwen2"):
             add(MT.ATTN_Q, (q_dim,), "bias", "bias", bias=True)
             add(MT.ATTN_K, (kv_dim,), "bias", "bias", bias=True)
             add(MT.ATTN_V, (kv_dim,), "bias", "bias", bias=True)
@@ -289,7 +290,7 @@ def _router_norms(shape: Shape, layer: int, seed: int, zipf_s: float) -> np.ndar
 
 def _attn_gain(spec: TensorSpec, shape: Shape, attn_gain: float) -> float:
     """What --attn-gain multiplies this tensor by: qwen3moe's q/k norms, or the other archs' q/k projections."""
-    if shape.arch == "qwen3moe":
+    if shape.arch in ("qwen3moe", "qwen3"):
         kinds = (MT.ATTN_Q_NORM, MT.ATTN_K_NORM)
     else:
         kinds = (MT.ATTN_Q, MT.ATTN_K)
@@ -411,7 +412,8 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
     if s.arch == "llama":
         w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType[_FILE_TYPE[file_qtype]])
+    # file_qtype: a type (uniform files) or a llama_ftype name (a --recipe's, e.g. MOSTLY_Q4_K_M)
+    w.add_file_type(gguf.LlamaFileType[file_qtype if isinstance(file_qtype, str) else _FILE_TYPE[file_qtype]])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, value, types in vocab:
         if key == "tokenizer.chat_template" and chat_template is not None:
@@ -559,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
                          f"from all routing alike (see below)")
     ap.add_argument("--threads", type=int, help="generator threads (default: CPU count, at most 16)")
     ap.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
+    ap.add_argument("--recipe", choices=sorted(RECIPES),
+                    help="every tensor's type as llama-quantize's recipe would give it (tools/recipes.py: Q6_K "
+                         "ffn_down on Q4_K_M's more-bits layers, ...), instead of the per-class types below")
     for group, default, what in (("experts", "Q4_K", "the routed experts, ffn_{gate,up,down}_exps"),
                                  ("shexp", "Q4_K", "qwen2moe's shared expert, ffn_{gate,up,down}_shexp"),
                                  ("attn", "Q4_K", "attn_q/k/v/output"),
@@ -576,6 +581,8 @@ def resolve_shape(args: argparse.Namespace) -> Shape:
         s = replace(s, arch=args.arch)
         if args.arch == "llama" and args.n_expert is None:
             s = replace(s, n_expert=0, n_expert_used=0, rope_base=10000.0)   # llama means dense unless asked
+        if args.arch in ("qwen3", "qwen2"):
+            s = replace(s, n_expert=0, n_expert_used=0)
     if args.n_layer is not None:
         s = replace(s, n_layer=args.n_layer)
     if args.n_expert is not None:
@@ -586,7 +593,9 @@ def resolve_shape(args: argparse.Namespace) -> Shape:
         s = replace(s, tied=args.tied)
     if args.vocab:
         s = replace(s, vocab=args.vocab)
-    if s.arch != "llama" and s.n_expert == 0:
+    if s.arch in ("qwen3", "qwen2") and s.n_expert:
+        raise SystemExit(f"make_moe: arch {s.arch} is dense; use {s.arch}moe for experts")
+    if s.arch in ("qwen3moe", "qwen2moe") and s.n_expert == 0:
         raise SystemExit(f"make_moe: arch {s.arch} needs experts; pass --n-expert N (or --arch llama for dense)")
     if s.arch == "qwen2moe" and s.tied:
         raise SystemExit("make_moe: llama.cpp's qwen2moe needs output.weight; drop --tied for arch qwen2moe")
@@ -622,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     if types["norm"] not in FLOAT_TYPES:
         raise SystemExit(f"make_moe: --norm must be F32, F16 or BF16 (norms are 1-D), not {types['norm'].name}")
     specs = plan(shape, types, n_vocab)
+    if args.recipe:
+        specs = apply_recipe(specs, args.recipe, Hparams(shape.n_layer, shape.n_head, shape.n_head_kv,
+                                                         shape.n_expert))
     for t in specs:
         block = gguf.GGML_QUANT_SIZES[t.qtype][0]
         if t.shape[-1] % block:
@@ -644,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             raise SystemExit(f"make_moe: cannot read --chat-template {args.chat_template}: {e.strerror}")
     file_qtype = types["experts"] if shape.n_expert else types["ffn"]
+    if args.recipe:
+        file_qtype = RECIPES[args.recipe][0]
     name = f"strata-random-{args.preset}-{shape.arch}"
     write_model(args.out, shape, specs, vocab, name, file_qtype, args.seed, zipf_s(args), template, args.threads,
                 attn_gain=args.attn_gain)
