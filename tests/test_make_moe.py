@@ -352,3 +352,13 @@ def test_engine_gives_finite_logits_on_tiny_moe(tiny_models):
         assert 0.5 < float(logits.std(axis=1).mean()) < 20
         last = backend.forward([6])
         assert last.shape == (1024,) and np.isfinite(last).all()
+
+
+def test_routing_setting_is_an_attention_gain(tmp_path):
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    assert mm.main(["--preset", "tiny", "--n-layer", "1", "--routing", "trained", "--out", str(a)]) == 0
+    assert mm.main(["--preset", "tiny", "--n-layer", "1", "--attn-gain", str(mm.ROUTING_GAINS["trained"]),
+                    "--out", str(b)]) == 0
+    assert a.read_bytes() == b.read_bytes()
+    with pytest.raises(SystemExit, match="not both"):
+        mm.main(["--preset", "tiny", "--routing", "spread", "--attn-gain", "2", "--dry-run"])

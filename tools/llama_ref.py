@@ -9,11 +9,14 @@ llama.cpp runs in a venv of its own (data/cache/llama_cpp-0.3.36/venv) holding o
 ../shared/anchors/ (installed --no-deps, no network; llama.cpp is never built here); tools/llama_worker.py is
 what runs inside it. STRATA_LLAMA_PYTHON names another interpreter that has llama_cpp (e.g. /tmp/llamavenv).
 
-Python API, for any architecture make_moe writes (pass its arguments; FIXTURE_MODELS are ours):
+Python API, for any architecture make_moe writes (pass its arguments; add yours to FIXTURE_MODELS, or call
+write_fixtures(name, make_moe_args, out_dir, workdir) from your own script):
     src = make_source(path, ["--preset", "tiny", "--arch", "qwen3moe", "--n-layer", "8", ...])  # F16 model
     quantize(src, dst, "q4_k_m", imatrix=None)       # llama_model_quantize, the recipe by name
+    planned_types(src, "q4_k_m")                     # llama-quantize --dry-run: {tensor: type}, nothing written
+    header_only_source(path, make_moe_args)          # a sparse full-size source for planned_types
     ref = reference(dst, prompts(1024, seed=0))      # llama.cpp's greedy ids, top-10 and margins, + exact
-    stats = compare(ref, [our_logits_per_case...])   # our logits against llama.cpp's and exact arithmetic
+    stats = compare(ref, [teacher_forced(backend, case) for case in ref["cases"]])   # vs llama.cpp and exact
 The JSON a reference writes is that of ../shared/fixtures/reference/ (prompt_ids, greedy_ids, steps of top-10
 [id, logit] and margin, model_sha256) plus, per step, exact arithmetic (tools.exact_forward, float64 over the
 dequantized weights): `exact_top` (its own top-10) and `exact_at_top` (its logits at llama.cpp's ids). Where
@@ -58,6 +61,8 @@ FIXTURE_MODELS: dict[str, list[str]] = {
     "qwen2moe": _SMALL + _MOE + ["--arch", "qwen2moe"],
     "mixtral": _SMALL + _MOE + ["--arch", "llama"],
     "llama": _SMALL + ["--arch", "llama"],
+    "qwen3": _SMALL + ["--arch", "qwen3"],
+    "qwen2": _SMALL + ["--arch", "qwen2"],
 }
 F16_TYPES = ["--experts", "F16", "--shexp", "F16", "--attn", "F16", "--ffn", "F16", "--embd", "F16",
              "--output", "F16", "--norm", "F32"]
@@ -287,27 +292,36 @@ def teacher_forced(backend, case: dict) -> np.ndarray:
 
 # --- fixture sets -----------------------------------------------------------------------------------------------
 
-def build_model_set(name: str, make_moe_args: list[str], workdir: Path, recipes=DEFAULT_RECIPES) -> dict[str, Path]:
-    """The F16 source and each recipe's file in workdir: {"f16": path, recipe: path}. Rebuilt only if missing."""
+def build_model_set(name: str, make_moe_args: list[str], workdir: Path, recipes=DEFAULT_RECIPES,
+                    imatrix_dir: Path | None = None) -> dict[str, Path]:
+    """The F16 source and each recipe's file in workdir: {"f16": path, recipe: path}. Made only if missing;
+    the imatrix of IQ2_XXS/IQ3_XXS is read from (or computed into) imatrix_dir, default workdir."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     src = workdir / f"{name}-f16.gguf"
     if not src.is_file():
         make_source(src, make_moe_args)
     out = {"f16": src}
-    imatrix = None
     for recipe in recipes:
         if recipe == "f16":
             continue
         dst = workdir / f"{name}-{recipe}.gguf"
         if not dst.is_file():
-            if recipe in NEEDS_IMATRIX and imatrix is None:
-                from tools.imatrix import compute_imatrix, write_imatrix
-                imatrix = write_imatrix(workdir / f"{name}.imatrix.bin", compute_imatrix(src, prompts(
-                    _n_vocab(src), seed=1, lengths=(64, 64, 64, 64))))
-            quantize(src, dst, recipe, imatrix if recipe in NEEDS_IMATRIX else None)
+            im = imatrix_file(name, src, imatrix_dir or workdir) if recipe in NEEDS_IMATRIX else None
+            quantize(src, dst, recipe, im)
         out[recipe] = dst
     return out
+
+
+def imatrix_file(name: str, src: Path, directory: Path) -> Path:
+    """directory/NAME.imatrix, computed from SRC on random prompts if it is not there. The fixtures keep theirs
+    beside the references: float64 sums may differ in the last bit with another BLAS, and an IQ2 grid choice with
+    them, so a rebuild elsewhere reads the committed file rather than recomputing it."""
+    path = Path(directory) / f"{name}.imatrix"
+    if not path.is_file():
+        from tools.imatrix import compute_imatrix, write_imatrix
+        write_imatrix(path, compute_imatrix(src, prompts(_n_vocab(src), seed=1, lengths=(64, 64, 64, 64))))
+    return path
 
 
 def _n_vocab(path: Path) -> int:
@@ -317,7 +331,7 @@ def _n_vocab(path: Path) -> int:
 
 def write_fixtures(name: str, make_moe_args: list[str], out_dir: Path, workdir: Path,
                    recipes=DEFAULT_RECIPES, n_predict: int = 16) -> list[Path]:
-    files = build_model_set(name, make_moe_args, workdir, ("f16", *recipes))
+    files = build_model_set(name, make_moe_args, workdir, ("f16", *recipes), imatrix_dir=out_dir)
     ps = prompts(_n_vocab(files["f16"]), seed=0)
     written = []
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -206,6 +206,13 @@ ROUTER_NORM = 2.0
 # per-prompt hit-rate curve lands on bench/routing.py's TARGET (python -m bench.routing --model M --forward
 # --route-preset qwen3-30b-a3b). The default leaves the attention weights as they were.
 ATTN_GAIN = 1.0
+# Routing over time as a trained model's (bench.routing's TEMPORAL_TARGET, from Qwen3-30B-A3B decode traces: ~45%
+# of a token's experts repeat at the next token, ~80% within 8 tokens, an LRU of 40% of the experts hits 90-95%).
+# Measured on a 48-layer cut of the 30B shape with 16 experts, 8 used, routed through the preset's 128-expert
+# routers (docs/experiments.md): gain 1.0 gives 0.61/0.90/0.94, too sticky; 1.2 gives 0.49/0.85/0.91; 1.5
+# 0.30/0.74/0.82. --routing trained is 1.2; --routing spread is 3 (tokens route nearly independently: the pessimistic
+# end); decode figures at both bracket what a user sees.
+ROUTING_GAINS = {"trained": 1.2, "spread": 3.0}
 ZIPF_S = 0.2               # qwen3-30b-a3b's; the default for shapes made with --n-expert
 
 
@@ -559,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--attn-gain", type=float, default=ATTN_GAIN, metavar="G",
                     help=f"multiply attention q and k by G (default {ATTN_GAIN}); 3 keeps a random model's tokens "
                          f"from all routing alike (see below)")
+    ap.add_argument("--routing", choices=sorted(ROUTING_GAINS),
+                    help="set --attn-gain for routing over time like a trained model's (trained: 1.2) or nearly "
+                         "independent per token (spread: 3)")
     ap.add_argument("--threads", type=int, help="generator threads (default: CPU count, at most 16)")
     ap.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
     ap.add_argument("--recipe", choices=sorted(RECIPES),
@@ -622,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.zipf_s is not None and args.zipf_s < 0:
         raise SystemExit(f"make_moe: --zipf-s must be 0 (flat) or more, not {args.zipf_s}")
+    if args.routing:
+        if args.attn_gain != ATTN_GAIN:
+            raise SystemExit("make_moe: pass --routing or --attn-gain, not both")
+        args.attn_gain = ROUTING_GAINS[args.routing]
     if not args.attn_gain > 0:
         raise SystemExit(f"make_moe: --attn-gain must be more than 0, not {args.attn_gain}")
     shape = resolve_shape(args)
