@@ -80,3 +80,16 @@ def test_a_missing_wheel_says_where_to_put_it(tmp_path, monkeypatch):
     monkeypatch.delenv("STRATA_LLAMA_PYTHON", raising=False)
     with pytest.raises(lr.LlamaRefError, match="STRATA_LLAMA_PYTHON"):
         lr.llama_python(wheel=tmp_path / "none.whl", cache=tmp_path / "cache")
+
+
+def test_llama_cpp_round_trip(tiny, tmp_path):
+    why = lr.available()
+    if why:
+        pytest.skip(f"needs llama.cpp's CPU wheel: {why}")
+    ref = lr.reference(tiny, lr.prompts(1024, seed=0, lengths=(6,)), n_predict=3)
+    assert ref["llama_vs_exact"]["median_abs_diff"] < 0.05        # F16: llama.cpp is nearly exact
+    case = ref["cases"][0]
+    assert len(case["greedy_ids"]) == 3 and case["greedy_ids"][0] == case["steps"][0]["top"][0][0]
+    q = lr.quantize(tiny, tmp_path / "q.gguf", "q4_k_m")
+    assert lr.planned_types(tiny, "q4_k_m") == lr.tensor_types(q)   # the dry run says what the real run writes
+    assert lr.sha256(lr.quantize(tiny, tmp_path / "q2.gguf", "q4_k_m")) == lr.sha256(q)   # deterministic

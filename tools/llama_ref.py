@@ -211,13 +211,19 @@ def _r(x: float) -> float:
 def reference(model: Path, prompt_ids: list[list[int]], n_predict: int = 16, exact="auto", **extra) -> dict:
     """The fixture JSON for one model file: llama.cpp's outputs and, per step, exact arithmetic's.
 
-    exact: "auto" (tools.exact_forward), None (llama.cpp's outputs only), or a function (path, token ids) ->
-    logits (len, n_vocab) for an architecture exact_forward does not know.
+    exact: "auto" (tools.exact_forward where it knows the architecture, else none), None (llama.cpp's outputs
+    only), or a function (path, token ids) -> logits (len, n_vocab) for an architecture exact_forward lacks.
     """
     model = Path(model)
     cases = record(model, prompt_ids, n_predict)
     if exact == "auto":
-        from tools.exact_forward import exact_logits as exact
+        from engine.gguf_model import read_header
+        from tools.exact_forward import ARCHS, exact_logits
+        arch = read_header(model).metadata.get("general.architecture")
+        exact = exact_logits if arch in ARCHS else None
+        if exact is None:
+            print(f"llama_ref: no exact arithmetic for {arch} (tools.exact_forward knows {', '.join(ARCHS)}): "
+                  f"llama.cpp's outputs only", file=sys.stderr)
     for case in cases:
         for s in case["steps"]:
             s["top"] = [[i, _r(v)] for i, v in s["top"]]
