@@ -6,7 +6,7 @@
     python -m tools.llama_ref types MODEL.gguf                  # every tensor's quant type
 
 llama.cpp runs in a venv of its own (data/cache/llama_cpp-0.3.36/venv) holding only the CPU wheel from
-../shared/anchors/ (installed --no-deps, no network; llama.cpp is never built here); tools/llama_worker.py is
+../shared/anchors/ (unpacked, no pip, no network; llama.cpp is never built here); tools/llama_worker.py is
 what runs inside it. STRATA_LLAMA_PYTHON names another interpreter that has llama_cpp (e.g. /tmp/llamavenv).
 
 Python API, for any architecture make_moe writes (pass its arguments; add yours to FIXTURE_MODELS, or call
@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import venv
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,11 +87,15 @@ def llama_python(wheel: Path = WHEEL, cache: Path = CACHE) -> Path:
     if not wheel.is_file():
         raise LlamaRefError(f"llama.cpp's CPU wheel is not at {wheel}; put llama_cpp_python-0.3.36 there "
                             f"(../shared/anchors/) or set STRATA_LLAMA_PYTHON to a python that has llama_cpp")
-    venv.EnvBuilder(clear=True, with_pip=True).create(cache / "venv")
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        str(wheel)], capture_output=True, text=True)
-    if r.returncode:
-        raise LlamaRefError(f"installing {wheel.name} into {cache / 'venv'} failed: {r.stderr.strip()[-500:]}")
+    # A wheel is a zip of what goes into site-packages; unpacking it needs neither pip nor a network (this one has
+    # no scripts to install, and its dependencies are not needed: see tools/llama_worker.py).
+    try:
+        venv.EnvBuilder(clear=True, with_pip=False).create(cache / "venv")
+        site = cache / "venv" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(site)
+    except (OSError, subprocess.CalledProcessError, zipfile.BadZipFile) as e:
+        raise LlamaRefError(f"installing {wheel.name} into {cache / 'venv'} failed: {e}") from None
     stamp.write_text(wheel.name)
     return py
 
