@@ -1,7 +1,8 @@
 """The CPU backend on files made by llama.cpp itself, in the recipes users download (DESIGN §7).
 
 tests/fixtures/llama_ref/ holds, per architecture the engine runs and per recipe (F16, Q8_0, Q6_K, Q5_K_M, Q4_K_M,
-Q4_K_S, Q3_K_M, Q2_K, IQ4_XS, IQ3_XXS and IQ2_XXS with the committed imatrix), llama.cpp's greedy ids, top-10 and
+Q4_K_S, Q3_K_M, Q2_K, IQ4_XS, IQ3_XXS and IQ2_XXS with the committed imatrix, and "dynamic": Q4_K_M with per-tensor
+overrides as community quants have them), llama.cpp's greedy ids, top-10 and
 margins and exact arithmetic's logits (`python -m tools.llama_ref fixtures` made them). The GGUFs are not committed:
 they are rebuilt here, byte for byte (sha256 checked), with tools.make_moe and the anchor wheel's llama-quantize;
 without the wheel those tests skip. Checked:
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tools import llama_ref as lr
+from tools import recipes
 
 REF_DIR = Path(__file__).resolve().parent / "fixtures" / "llama_ref"
 REFS = {p.stem: json.loads(p.read_text()) for p in sorted(REF_DIR.glob("*.json"))}
@@ -80,7 +82,7 @@ def test_cpu_backend_on_llama_cpp_files(built, key):
         assert c.vs_llama_median <= allowed, f"CPU backend vs llama.cpp beyond llama.cpp's own distance: {c}"
 
 
-@pytest.mark.parametrize("key", sorted(k for k, r in REFS.items() if r["recipe"] != "f16"))
+@pytest.mark.parametrize("key", sorted(k for k, r in REFS.items() if r["recipe"] in recipes.RECIPES))
 def test_make_moe_recipe_writes_llama_quantize_types(tmp_path, key):
     from tools import make_moe
     ref = REFS[key]
@@ -92,6 +94,17 @@ def test_make_moe_recipe_writes_llama_quantize_types(tmp_path, key):
     assert list(ours) == [n for n in ours if n in theirs] and set(ours) == set(theirs)
     wrong = {n: (ours[n], theirs[n]) for n in ours if ours[n] != theirs[n]}
     assert not wrong, f"make_moe --recipe {ref['recipe']} differs from llama-quantize: {wrong}"
+
+
+def test_dynamic_files_mix_types_within_layers():
+    # what the GPU expert layouts must handle (issue 22): gate and up apart, whole layers at Q8_0 and BF16
+    for key, ref in REFS.items():
+        t = ref["tensor_types"]
+        if ref["recipe"] != "dynamic" or "blk.0.ffn_gate_exps.weight" not in t:   # dense: attn_output only
+            continue
+        assert t["blk.0.ffn_gate_exps.weight"] == "Q4_K" and t["blk.0.ffn_up_exps.weight"] == "Q5_K", key
+        assert t["blk.3.ffn_down_exps.weight"] == "Q8_0" and t["blk.5.ffn_gate_exps.weight"] == "BF16", key
+        assert t["blk.6.ffn_down_exps.weight"] == "IQ4_XS" and t["blk.7.ffn_down_exps.weight"] == "Q6_K", key
 
 
 def test_reference_files_are_complete():

@@ -37,6 +37,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +52,12 @@ RECIPES = {"f16": 1, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q4_k_m": 15, "q4_k_s"
            "iq4_xs": 30, "iq3_xxs": 23, "iq2_xxs": 19}
 # llama.cpp refuses these without an importance matrix (llama-quant.cpp: "very low-bit quantization")
 NEEDS_IMATRIX = ("iq2_xxs", "iq3_xxs")
-DEFAULT_RECIPES = ("q4_k_m", "q5_k_m", "q3_k_m", "q2_k", "q4_k_s", "iq4_xs", "q6_k", "q8_0", "iq2_xxs", "iq3_xxs")
+# The "dynamic" community quants: a base recipe with per-tensor overrides (llama-quantize --tensor-type), gate and
+# up in different types, some layers' experts kept at Q8_0 or BF16. Ours: Q4_K_M plus these, first match wins.
+DYNAMIC = ("q4_k_m", [(r"blk\.3\.ffn_(gate|up|down)_exps", "Q8_0"), (r"blk\.5\.ffn_(gate|up|down)_exps", "BF16"),
+                      (r"blk\.6\.ffn_down_exps", "IQ4_XS"), (r"ffn_up_exps", "Q5_K"), (r"attn_output", "Q5_K")])
+DEFAULT_RECIPES = ("q4_k_m", "q5_k_m", "q3_k_m", "q2_k", "q4_k_s", "iq4_xs", "q6_k", "q8_0", "iq2_xxs", "iq3_xxs",
+                   "dynamic")
 
 # The small models our fixtures are made from: 8 layers (so that llama.cpp's every-third-layer and first/last-
 # eighth rules each pick some layers), hidden 256, 4 experts of width 256 (2 used), the 1,024-token vocabulary.
@@ -131,8 +137,12 @@ def make_source(out: Path, make_moe_args: list[str]) -> Path:
     return out
 
 
-def quantize(src: Path, dst: Path, recipe: str, imatrix: Path | None = None, nthread: int = 2) -> Path:
-    """llama-quantize SRC DST RECIPE [--imatrix FILE] through llama_model_quantize. Deterministic."""
+def quantize(src: Path, dst: Path, recipe: str, imatrix: Path | None = None, nthread: int = 2,
+             overrides: list[tuple[str, str]] = ()) -> Path:
+    """llama-quantize SRC DST RECIPE [--imatrix FILE] [--tensor-type REGEX=TYPE ...] through
+    llama_model_quantize. Deterministic. recipe "dynamic" is DYNAMIC's base recipe with its overrides."""
+    if recipe == "dynamic":
+        recipe, overrides = DYNAMIC[0], [*overrides, *DYNAMIC[1]]
     if recipe not in RECIPES:
         raise LlamaRefError(f"unknown recipe {recipe!r}; one of {', '.join(RECIPES)}")
     if recipe in NEEDS_IMATRIX and imatrix is None:
@@ -140,7 +150,8 @@ def quantize(src: Path, dst: Path, recipe: str, imatrix: Path | None = None, nth
     dst = Path(dst)
     tmp = dst.with_name(dst.name + ".part")
     _call({"op": "quantize", "src": str(src), "dst": str(tmp), "ftype": RECIPES[recipe], "nthread": nthread,
-           "imatrix": str(imatrix) if imatrix else None})
+           "imatrix": str(imatrix) if imatrix else None,
+           "overrides": [(pattern, int(gguf.GGMLQuantizationType[t])) for pattern, t in overrides]})
     os.replace(tmp, dst)
     return dst
 
@@ -368,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("quantize", help="llama-quantize one file")
     q.add_argument("src", type=Path)
     q.add_argument("dst", type=Path)
-    q.add_argument("--recipe", required=True, choices=sorted(RECIPES))
+    q.add_argument("--recipe", required=True, choices=sorted([*RECIPES, "dynamic"]))
     q.add_argument("--imatrix", help="'auto' (computed from the source on random prompts) or a file "
                                      "tools.imatrix wrote")
     r = sub.add_parser("record", help="record llama.cpp's outputs for one file")
@@ -383,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "fixtures":
             recipes = tuple(x for x in args.recipes.split(",") if x)
-            bad = [x for x in recipes if x not in RECIPES]
+            bad = [x for x in recipes if x not in RECIPES and x != "dynamic"]
             if bad:
                 raise LlamaRefError(f"unknown recipe(s) {bad}; choose from {', '.join(RECIPES)}")
             for name in args.model or sorted(FIXTURE_MODELS):
