@@ -121,6 +121,7 @@ def print_tables(rows) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--make-recipe", help="when --model is missing, make it in this llama-quantize recipe (q4_k_m...)")
     ap.add_argument("--budgets", default="all,16,12", help="GiB, comma-separated; 'all' = no budget")
     ap.add_argument("--prompts", default="1024,4096,8192,32768", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--chunk", default="auto", help="--prefill-chunk: tokens or auto")
@@ -155,7 +156,7 @@ def main(argv=None):
     lengths = [int(x) for x in a.prompts.split(",")]
     facts = {}
     if not a.model.is_file():
-        facts["model_make_s"] = round(make_model(a.model), 1)
+        facts["model_make_s"] = round(make_model(a.model, recipe=a.make_recipe), 1)
     model = open_model(a.model)
     ctx = max(max(lengths) + 16, a.ctx or 0)
     t0 = time.perf_counter()

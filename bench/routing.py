@@ -79,6 +79,59 @@ def global_curve(learn: list[np.ndarray], measure: list[np.ndarray], n_expert: i
     return np.array([np.mean(r < round(f * n)) for f in fractions])
 
 
+# --- routing over time ------------------------------------------------------------------------------------------
+
+# How a trained MoE's routing moves from token to token, from published Qwen3-30B-A3B decode traces (128 experts,
+# top 8): ~45% of a token's experts were also the previous token's (chance: 8/128 = 6%), ~80% were used within the
+# previous 8 tokens, and an LRU cache holding 40% of each layer's experts hits 90-95%. TEMPORAL_TARGET holds the
+# middle of each; make_moe's --routing trained is calibrated to land near it (docs/experiments.md).
+TEMPORAL_TARGET = {"repeat_next": 0.45, "within_8": 0.80, "lru_40": 0.925}
+LRU_FRACTION = 0.40
+WINDOW = 8
+
+
+def lru_hits(ids: np.ndarray, capacity: int) -> float:
+    """Hit rate of an LRU cache of `capacity` experts serving one sequence's routings ids (T, k), cold start."""
+    cache: dict[int, None] = {}
+    hits = 0
+    for row in ids:
+        for e in row.tolist():
+            if e in cache:
+                hits += 1
+                del cache[e]
+            elif len(cache) >= capacity:
+                del cache[next(iter(cache))]
+            cache[e] = None
+    return hits / ids.size
+
+
+def temporal_stats(ids: np.ndarray, n_expert: int, window: int = WINDOW,
+                   lru_fraction: float = LRU_FRACTION) -> dict[str, float]:
+    """One sequence in one layer, ids (T, k): the share of each token's experts that the previous token used,
+    that any of the previous `window` tokens used, and an LRU cache's hit rate at lru_fraction of the experts."""
+    T, k = ids.shape
+    used = np.zeros((T, n_expert), bool)
+    used[np.arange(T)[:, None], ids] = True
+    prev = np.mean(used[1:][np.arange(T - 1)[:, None], ids[1:]] & used[:-1][np.arange(T - 1)[:, None], ids[1:]])
+    seen = np.zeros((T, n_expert), bool)   # seen[t]: used by any of tokens t-window .. t-1
+    for lag in range(1, window + 1):
+        seen[lag:] |= used[:-lag]
+    within = np.mean(seen[np.arange(window, T)[:, None], ids[window:]])
+    return {"repeat_next": float(prev), f"within_{window}": float(within),
+            f"lru_{round(lru_fraction * 100)}": lru_hits(ids, max(1, round(lru_fraction * n_expert)))}
+
+
+def temporal_table(routers, k: int, prompts: list[np.ndarray]) -> dict[str, float]:
+    """temporal_stats averaged over layers and prompts (each prompt one sequence, tokens in order)."""
+    n_expert = routers[0][0].shape[0]
+    acc: dict[str, list[float]] = {}
+    for (w, _), x in zip(routers, prompts):
+        for p in x:
+            for key, v in temporal_stats(topk_ids(p @ w.T, k), n_expert).items():
+                acc.setdefault(key, []).append(v)
+    return {key: float(np.mean(v)) for key, v in acc.items()}
+
+
 # --- where the routers come from ---------------------------------------------------------------------------------
 
 def preset_routers(shape, seed: int, **router_args) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -113,10 +166,25 @@ def random_inputs(rng: np.random.Generator, n: int, norm_w: np.ndarray, common: 
     return x * norm_w
 
 
-def forward_inputs(model, n_prompts: int, prompt_len: int, seed: int) -> list[np.ndarray]:
-    """Every layer's router inputs, (n_prompts, prompt_len, n_embd), for prompts of random tokens: the CPU engine."""
+def forward_inputs(model, n_prompts: int, prompt_len: int, seed: int, attn_gain: float = 1.0) -> list[np.ndarray]:
+    """Every layer's router inputs, (n_prompts, prompt_len, n_embd), for prompts of random tokens: the CPU engine.
+
+    attn_gain multiplies q and k as make_moe --attn-gain does (on top of the file's own), so that one file
+    serves to calibrate it."""
     from engine.backend_cpu import CPUBackend
     be = CPUBackend(model, prompt_len, chunk=prompt_len, warm=False)
+    if attn_gain != 1.0:
+        qk = ("attn_q_norm.weight", "attn_k_norm.weight") if model.has("blk.0.attn_q_norm.weight") else \
+            ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")
+        get, done = be.weights.get, set()
+
+        def scaled(name):
+            w = get(name)
+            if name.endswith(qk) and name not in done:   # scaled once; Weights keeps the scaled copy
+                w = be.weights._dense[name] = w * np.float32(attn_gain)
+                done.add(name)
+            return w
+        be.weights.get = scaled
     rec: dict[int, list[np.ndarray]] = {}
     inner = be.net.ffn
 
@@ -226,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--route-preset", choices=sorted(mm.PRESETS),
                     help="with --forward: route the model's hidden states through this preset's routers instead "
                          "of its own (a few-expert model of the same width stands in for a 16 GB one)")
+    ap.add_argument("--attn-gain", type=float, default=1.0, metavar="G",
+                    help="with --forward: multiply the model's q and k by G first, as make_moe --attn-gain does "
+                         "(calibrate the gain on one file)")
     ap.add_argument("--layers", action="store_true", help="print every layer, not just the summary")
     a = ap.parse_args(argv)
 
@@ -255,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         routers, k, name = _preset_routers(mm, a.preset or "qwen3-30b-a3b", a.n_layer, a.seed, a.zipf_s)
     if a.forward:
-        prompts = forward_inputs(model, a.prompts, a.prompt_len, a.seed + 1)
+        prompts = forward_inputs(model, a.prompts, a.prompt_len, a.seed + 1, a.attn_gain)
         if a.route_preset:      # the model's hidden states with the preset's ffn_norm weights, as make_moe writes
             prompts = [x / nf * nr for x, (_, nf), (_, nr) in zip(prompts, file_routers(model), routers)]
         inputs = "the CPU forward's router inputs"
@@ -277,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     within = prompt_curves(routers, k, prompts)
     print("ranking learnt on each prompt's first half, measured on its second (an adaptive cache):")
     print(table(within, None, a.layers, n_expert))
+    tt = temporal_table(routers, k, prompts)
+    print("over time (mean of layers and prompts; a trained Qwen3-30B-A3B's in brackets): " + ", ".join(
+        f"{key} {v:.3f} ({TEMPORAL_TARGET[key]:.3f})" for key, v in tt.items()))
     return 0
 
 

@@ -352,3 +352,25 @@ def test_engine_gives_finite_logits_on_tiny_moe(tiny_models):
         assert 0.5 < float(logits.std(axis=1).mean()) < 20
         last = backend.forward([6])
         assert last.shape == (1024,) and np.isfinite(last).all()
+
+
+def test_routing_setting_is_an_attention_gain(tmp_path):
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    assert mm.main(["--preset", "tiny", "--n-layer", "1", "--routing", "trained", "--out", str(a)]) == 0
+    assert mm.main(["--preset", "tiny", "--n-layer", "1", "--attn-gain", str(mm.ROUTING_GAINS["trained"]),
+                    "--out", str(b)]) == 0
+    assert a.read_bytes() == b.read_bytes()
+    with pytest.raises(SystemExit, match="not both"):
+        mm.main(["--preset", "tiny", "--routing", "spread", "--attn-gain", "2", "--dry-run"])
+
+
+def test_benches_make_the_recipe_and_routing_asked_for(monkeypatch, tmp_path):
+    from bench import decode
+    ran = []
+    monkeypatch.setattr(decode.subprocess, "run", lambda cmd, **kw: ran.append(cmd))
+    decode.make_model(tmp_path / "m.gguf", recipe="q4_k_m", routing="trained")
+    decode.make_model(tmp_path / "u.gguf")
+    (made, plain) = ran
+    assert made[made.index("--recipe") + 1] == "q4_k_m" and made[made.index("--routing") + 1] == "trained"
+    assert "--attn-gain" not in made and "--recipe" not in plain and plain[plain.index("--attn-gain") + 1] == "3"
+    mm.build_parser().parse_args(made[3:])   # make_moe accepts what the bench passes

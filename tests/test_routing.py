@@ -113,3 +113,28 @@ def test_attn_gain_keeps_a_prompts_tokens_from_sharing_one_hidden_state(tmp_path
     assert shares[1.0] > 0.3 and shares[3.0] < 0.15
     x = np.random.default_rng(0).standard_normal((2, 64, 32))
     assert rt.shared_energy(x) < 0.05 and rt.shared_energy(np.ones((2, 64, 32)) + 0.01 * x) > 0.99
+
+
+def test_temporal_stats_count_repeats_windows_and_lru_hits():
+    ids = np.array([[0, 1], [1, 2], [2, 3], [0, 1]])
+    # next token: 1 of 2, 1 of 2, 0 of 2; within 2 tokens (from t=2): 1 of 2, 1 of 2; LRU of 4: t1's 1, t2's 2,
+    # t3's 0 and 1 hit
+    assert rt.temporal_stats(ids, 8, window=2, lru_fraction=0.5) == {"repeat_next": 2 / 6, "within_2": 0.5,
+                                                                      "lru_50": 0.5}
+    assert rt.lru_hits(np.array([[0], [1], [2], [0]]), 2) == 0.0      # 0 was evicted by 2
+    assert rt.lru_hits(np.array([[0], [1], [0], [2], [0]]), 2) == 0.4  # 0 kept fresh, 1 evicted
+    rng = np.random.default_rng(0)
+    chance = rt.temporal_stats(np.array([rng.choice(128, 8, replace=False) for _ in range(3000)]), 128)
+    assert chance["repeat_next"] == pytest.approx(8 / 128, abs=0.01)   # the 6% the trained traces compare with
+    assert chance["lru_40"] == pytest.approx(0.4, abs=0.03)
+
+
+def test_forward_attn_gain_is_make_moes(tmp_path):
+    gm = pytest.importorskip("engine.gguf_model")
+    plain, gained = tmp_path / "g1.gguf", tmp_path / "g2.gguf"
+    for path, gain in ((plain, "1"), (gained, "2")):
+        assert mm.main(["--preset", "tiny", "--n-layer", "2", "--attn-gain", gain, "--out", str(path)]) == 0
+    a = rt.forward_inputs(gm.open_model(plain), 2, 16, 0, attn_gain=2.0)
+    b = rt.forward_inputs(gm.open_model(gained), 2, 16, 0)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)

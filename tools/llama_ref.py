@@ -6,14 +6,17 @@
     python -m tools.llama_ref types MODEL.gguf                  # every tensor's quant type
 
 llama.cpp runs in a venv of its own (data/cache/llama_cpp-0.3.36/venv) holding only the CPU wheel from
-../shared/anchors/ (installed --no-deps, no network; llama.cpp is never built here); tools/llama_worker.py is
+../shared/anchors/ (unpacked, no pip, no network; llama.cpp is never built here); tools/llama_worker.py is
 what runs inside it. STRATA_LLAMA_PYTHON names another interpreter that has llama_cpp (e.g. /tmp/llamavenv).
 
-Python API, for any architecture make_moe writes (pass its arguments; FIXTURE_MODELS are ours):
+Python API, for any architecture make_moe writes (pass its arguments; add yours to FIXTURE_MODELS, or call
+write_fixtures(name, make_moe_args, out_dir, workdir) from your own script):
     src = make_source(path, ["--preset", "tiny", "--arch", "qwen3moe", "--n-layer", "8", ...])  # F16 model
     quantize(src, dst, "q4_k_m", imatrix=None)       # llama_model_quantize, the recipe by name
+    planned_types(src, "q4_k_m")                     # llama-quantize --dry-run: {tensor: type}, nothing written
+    header_only_source(path, make_moe_args)          # a sparse full-size source for planned_types
     ref = reference(dst, prompts(1024, seed=0))      # llama.cpp's greedy ids, top-10 and margins, + exact
-    stats = compare(ref, [our_logits_per_case...])   # our logits against llama.cpp's and exact arithmetic
+    stats = compare(ref, [teacher_forced(backend, case) for case in ref["cases"]])   # vs llama.cpp and exact
 The JSON a reference writes is that of ../shared/fixtures/reference/ (prompt_ids, greedy_ids, steps of top-10
 [id, logit] and margin, model_sha256) plus, per step, exact arithmetic (tools.exact_forward, float64 over the
 dequantized weights): `exact_top` (its own top-10) and `exact_at_top` (its logits at llama.cpp's ids). Where
@@ -30,9 +33,11 @@ import os
 import subprocess
 import sys
 import venv
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +52,12 @@ RECIPES = {"f16": 1, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q4_k_m": 15, "q4_k_s"
            "iq4_xs": 30, "iq3_xxs": 23, "iq2_xxs": 19}
 # llama.cpp refuses these without an importance matrix (llama-quant.cpp: "very low-bit quantization")
 NEEDS_IMATRIX = ("iq2_xxs", "iq3_xxs")
-DEFAULT_RECIPES = ("q4_k_m", "q5_k_m", "q3_k_m", "q2_k", "q4_k_s", "iq4_xs", "q6_k", "q8_0", "iq2_xxs", "iq3_xxs")
+# The "dynamic" community quants: a base recipe with per-tensor overrides (llama-quantize --tensor-type), gate and
+# up in different types, some layers' experts kept at Q8_0 or BF16. Ours: Q4_K_M plus these, first match wins.
+DYNAMIC = ("q4_k_m", [(r"blk\.3\.ffn_(gate|up|down)_exps", "Q8_0"), (r"blk\.5\.ffn_(gate|up|down)_exps", "BF16"),
+                      (r"blk\.6\.ffn_down_exps", "IQ4_XS"), (r"ffn_up_exps", "Q5_K"), (r"attn_output", "Q5_K")])
+DEFAULT_RECIPES = ("q4_k_m", "q5_k_m", "q3_k_m", "q2_k", "q4_k_s", "iq4_xs", "q6_k", "q8_0", "iq2_xxs", "iq3_xxs",
+                   "dynamic")
 
 # The small models our fixtures are made from: 8 layers (so that llama.cpp's every-third-layer and first/last-
 # eighth rules each pick some layers), hidden 256, 4 experts of width 256 (2 used), the 1,024-token vocabulary.
@@ -58,6 +68,8 @@ FIXTURE_MODELS: dict[str, list[str]] = {
     "qwen2moe": _SMALL + _MOE + ["--arch", "qwen2moe"],
     "mixtral": _SMALL + _MOE + ["--arch", "llama"],
     "llama": _SMALL + ["--arch", "llama"],
+    "qwen3": _SMALL + ["--arch", "qwen3"],
+    "qwen2": _SMALL + ["--arch", "qwen2"],
 }
 F16_TYPES = ["--experts", "F16", "--shexp", "F16", "--attn", "F16", "--ffn", "F16", "--embd", "F16",
              "--output", "F16", "--norm", "F32"]
@@ -81,11 +93,15 @@ def llama_python(wheel: Path = WHEEL, cache: Path = CACHE) -> Path:
     if not wheel.is_file():
         raise LlamaRefError(f"llama.cpp's CPU wheel is not at {wheel}; put llama_cpp_python-0.3.36 there "
                             f"(../shared/anchors/) or set STRATA_LLAMA_PYTHON to a python that has llama_cpp")
-    venv.EnvBuilder(clear=True, with_pip=True).create(cache / "venv")
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        str(wheel)], capture_output=True, text=True)
-    if r.returncode:
-        raise LlamaRefError(f"installing {wheel.name} into {cache / 'venv'} failed: {r.stderr.strip()[-500:]}")
+    # A wheel is a zip of what goes into site-packages; unpacking it needs neither pip nor a network (this one has
+    # no scripts to install, and its dependencies are not needed: see tools/llama_worker.py).
+    try:
+        venv.EnvBuilder(clear=True, with_pip=False).create(cache / "venv")
+        site = cache / "venv" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(site)
+    except (OSError, subprocess.CalledProcessError, zipfile.BadZipFile) as e:
+        raise LlamaRefError(f"installing {wheel.name} into {cache / 'venv'} failed: {e}") from None
     stamp.write_text(wheel.name)
     return py
 
@@ -121,8 +137,12 @@ def make_source(out: Path, make_moe_args: list[str]) -> Path:
     return out
 
 
-def quantize(src: Path, dst: Path, recipe: str, imatrix: Path | None = None, nthread: int = 2) -> Path:
-    """llama-quantize SRC DST RECIPE [--imatrix FILE] through llama_model_quantize. Deterministic."""
+def quantize(src: Path, dst: Path, recipe: str, imatrix: Path | None = None, nthread: int = 2,
+             overrides: list[tuple[str, str]] = ()) -> Path:
+    """llama-quantize SRC DST RECIPE [--imatrix FILE] [--tensor-type REGEX=TYPE ...] through
+    llama_model_quantize. Deterministic. recipe "dynamic" is DYNAMIC's base recipe with its overrides."""
+    if recipe == "dynamic":
+        recipe, overrides = DYNAMIC[0], [*overrides, *DYNAMIC[1]]
     if recipe not in RECIPES:
         raise LlamaRefError(f"unknown recipe {recipe!r}; one of {', '.join(RECIPES)}")
     if recipe in NEEDS_IMATRIX and imatrix is None:
@@ -130,7 +150,8 @@ def quantize(src: Path, dst: Path, recipe: str, imatrix: Path | None = None, nth
     dst = Path(dst)
     tmp = dst.with_name(dst.name + ".part")
     _call({"op": "quantize", "src": str(src), "dst": str(tmp), "ftype": RECIPES[recipe], "nthread": nthread,
-           "imatrix": str(imatrix) if imatrix else None})
+           "imatrix": str(imatrix) if imatrix else None,
+           "overrides": [(pattern, int(gguf.GGMLQuantizationType[t])) for pattern, t in overrides]})
     os.replace(tmp, dst)
     return dst
 
@@ -206,13 +227,19 @@ def _r(x: float) -> float:
 def reference(model: Path, prompt_ids: list[list[int]], n_predict: int = 16, exact="auto", **extra) -> dict:
     """The fixture JSON for one model file: llama.cpp's outputs and, per step, exact arithmetic's.
 
-    exact: "auto" (tools.exact_forward), None (llama.cpp's outputs only), or a function (path, token ids) ->
-    logits (len, n_vocab) for an architecture exact_forward does not know.
+    exact: "auto" (tools.exact_forward where it knows the architecture, else none), None (llama.cpp's outputs
+    only), or a function (path, token ids) -> logits (len, n_vocab) for an architecture exact_forward lacks.
     """
     model = Path(model)
     cases = record(model, prompt_ids, n_predict)
     if exact == "auto":
-        from tools.exact_forward import exact_logits as exact
+        from engine.gguf_model import read_header
+        from tools.exact_forward import ARCHS, exact_logits
+        arch = read_header(model).metadata.get("general.architecture")
+        exact = exact_logits if arch in ARCHS else None
+        if exact is None:
+            print(f"llama_ref: no exact arithmetic for {arch} (tools.exact_forward knows {', '.join(ARCHS)}): "
+                  f"llama.cpp's outputs only", file=sys.stderr)
     for case in cases:
         for s in case["steps"]:
             s["top"] = [[i, _r(v)] for i, v in s["top"]]
@@ -287,27 +314,36 @@ def teacher_forced(backend, case: dict) -> np.ndarray:
 
 # --- fixture sets -----------------------------------------------------------------------------------------------
 
-def build_model_set(name: str, make_moe_args: list[str], workdir: Path, recipes=DEFAULT_RECIPES) -> dict[str, Path]:
-    """The F16 source and each recipe's file in workdir: {"f16": path, recipe: path}. Rebuilt only if missing."""
+def build_model_set(name: str, make_moe_args: list[str], workdir: Path, recipes=DEFAULT_RECIPES,
+                    imatrix_dir: Path | None = None) -> dict[str, Path]:
+    """The F16 source and each recipe's file in workdir: {"f16": path, recipe: path}. Made only if missing;
+    the imatrix of IQ2_XXS/IQ3_XXS is read from (or computed into) imatrix_dir, default workdir."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     src = workdir / f"{name}-f16.gguf"
     if not src.is_file():
         make_source(src, make_moe_args)
     out = {"f16": src}
-    imatrix = None
     for recipe in recipes:
         if recipe == "f16":
             continue
         dst = workdir / f"{name}-{recipe}.gguf"
         if not dst.is_file():
-            if recipe in NEEDS_IMATRIX and imatrix is None:
-                from tools.imatrix import compute_imatrix, write_imatrix
-                imatrix = write_imatrix(workdir / f"{name}.imatrix.bin", compute_imatrix(src, prompts(
-                    _n_vocab(src), seed=1, lengths=(64, 64, 64, 64))))
-            quantize(src, dst, recipe, imatrix if recipe in NEEDS_IMATRIX else None)
+            im = imatrix_file(name, src, imatrix_dir or workdir) if recipe in NEEDS_IMATRIX else None
+            quantize(src, dst, recipe, im)
         out[recipe] = dst
     return out
+
+
+def imatrix_file(name: str, src: Path, directory: Path) -> Path:
+    """directory/NAME.imatrix, computed from SRC on random prompts if it is not there. The fixtures keep theirs
+    beside the references: float64 sums may differ in the last bit with another BLAS, and an IQ2 grid choice with
+    them, so a rebuild elsewhere reads the committed file rather than recomputing it."""
+    path = Path(directory) / f"{name}.imatrix"
+    if not path.is_file():
+        from tools.imatrix import compute_imatrix, write_imatrix
+        write_imatrix(path, compute_imatrix(src, prompts(_n_vocab(src), seed=1, lengths=(64, 64, 64, 64))))
+    return path
 
 
 def _n_vocab(path: Path) -> int:
@@ -317,7 +353,7 @@ def _n_vocab(path: Path) -> int:
 
 def write_fixtures(name: str, make_moe_args: list[str], out_dir: Path, workdir: Path,
                    recipes=DEFAULT_RECIPES, n_predict: int = 16) -> list[Path]:
-    files = build_model_set(name, make_moe_args, workdir, ("f16", *recipes))
+    files = build_model_set(name, make_moe_args, workdir, ("f16", *recipes), imatrix_dir=out_dir)
     ps = prompts(_n_vocab(files["f16"]), seed=0)
     written = []
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -343,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("quantize", help="llama-quantize one file")
     q.add_argument("src", type=Path)
     q.add_argument("dst", type=Path)
-    q.add_argument("--recipe", required=True, choices=sorted(RECIPES))
+    q.add_argument("--recipe", required=True, choices=sorted([*RECIPES, "dynamic"]))
     q.add_argument("--imatrix", help="'auto' (computed from the source on random prompts) or a file "
                                      "tools.imatrix wrote")
     r = sub.add_parser("record", help="record llama.cpp's outputs for one file")
@@ -358,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "fixtures":
             recipes = tuple(x for x in args.recipes.split(",") if x)
-            bad = [x for x in recipes if x not in RECIPES]
+            bad = [x for x in recipes if x not in RECIPES and x != "dynamic"]
             if bad:
                 raise LlamaRefError(f"unknown recipe(s) {bad}; choose from {', '.join(RECIPES)}")
             for name in args.model or sorted(FIXTURE_MODELS):

@@ -2,7 +2,8 @@
 
     VENV/bin/python tools/llama_worker.py < request.json > answer.json
 
-A request is one JSON object: {"op": "quantize", "src", "dst", "ftype", "nthread", "imatrix": path-or-null} or
+A request is one JSON object: {"op": "quantize", "src", "dst", "ftype", "nthread", "imatrix": path-or-null,
+"overrides": [[regex, ggml type id], ...]} or
 {"op": "record", "model", "cases": [{"prompt_ids", "n_predict"}], "n_threads", "n_batch", "top"} or
 {"op": "types", "src", "ftype"} (llama-quantize's --dry-run: the type each tensor would get). The answer is
 one JSON object ({"error": msg} on failure). It imports llama_cpp's ctypes bindings without the package's
@@ -77,6 +78,13 @@ def quantize(req: dict) -> dict:
             arr[i].size = len(raw) // 4
         keep.append(arr)
         params.imatrix = ctypes.cast(arr, ctypes.POINTER(ll.llama_model_imatrix_data))
+    if req.get("overrides"):   # llama-quantize --tensor-type REGEX=TYPE: the first pattern found in a name wins
+        ov = (ll.llama_model_tensor_override * (len(req["overrides"]) + 1))()
+        for i, (pattern, type_id) in enumerate(req["overrides"]):
+            ov[i].pattern = pattern.encode()
+            ov[i].type = int(type_id)
+        keep.append(ov)
+        params.tt_overrides = ctypes.cast(ov, ctypes.POINTER(ll.llama_model_tensor_override))
     rc = ll.llama_model_quantize(req["src"].encode(), req["dst"].encode(), ctypes.byref(params))
     if rc != 0:
         return {"error": f"llama_model_quantize returned {rc} for ftype {req['ftype']} (a recipe that needs an "

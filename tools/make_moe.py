@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType as Q, GGUFValueType, MODEL_TENSOR as MT
 
 from engine.gguf_model import ModelError, read_header
 from tools import gptoss_plan
+from tools.recipes import RECIPES, Hparams, apply_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB_DIR = ROOT.parent / "shared" / "fixtures" / "vocab"
@@ -195,7 +196,7 @@ PRESETS: dict[str, Preset] = {
                            "width 128, window 16, tiny-bpe-1024 with the harmony control tokens", 1.0,
                            gptoss_plan.REAL_TYPES),
 }
-ARCHES = ("llama", "qwen3moe", "qwen2moe", "gpt-oss")
+ARCHES = ("llama", "qwen3moe", "qwen2moe", "qwen3", "qwen2", "gpt-oss")   # qwen3/qwen2: dense
 
 # Weight scales. Matrices: RMS 1/sqrt(n_in), so x@W keeps a unit-RMS input at unit RMS. The embedding and the
 # output head: RMS 2/sqrt(n_embd), so the logits after the final norm spread with a standard deviation of ~2,
@@ -222,6 +223,13 @@ ROUTER_NORM = 2.0
 # per-prompt hit-rate curve lands on bench/routing.py's TARGET (python -m bench.routing --model M --forward
 # --route-preset qwen3-30b-a3b). The default leaves the attention weights as they were.
 ATTN_GAIN = 1.0
+# Routing over time as a trained model's (bench.routing's TEMPORAL_TARGET, from Qwen3-30B-A3B decode traces: ~45%
+# of a token's experts repeat at the next token, ~80% within 8 tokens, an LRU of 40% of the experts hits 90-95%).
+# Measured on a 48-layer cut of the 30B shape with 16 experts, 8 used, routed through the preset's 128-expert
+# routers (docs/experiments.md): gain 1.0 gives 0.61/0.90/0.94, too sticky; 1.2 gives 0.49/0.85/0.91; 1.5
+# 0.30/0.74/0.82. --routing trained is 1.2; --routing spread is 3 (tokens route nearly independently: the pessimistic
+# end); decode figures at both bracket what a user sees.
+ROUTING_GAINS = {"trained": 1.2, "spread": 3.0}
 ZIPF_S = 0.2               # qwen3-30b-a3b's; the default for shapes made with --n-expert
 
 
@@ -264,13 +272,13 @@ def plan(shape: Shape, types: dict[str, Q], n_vocab: int) -> list[TensorSpec]:
 
         add(MT.ATTN_NORM, (s.n_embd,), "norm", "norm")
         add(MT.FFN_NORM, (s.n_embd,), "norm", "norm")
-        if s.arch == "qwen3moe":
+        if s.arch in ("qwen3moe", "qwen3"):
             add(MT.ATTN_Q_NORM, (s.head_dim,), "norm", "norm")
             add(MT.ATTN_K_NORM, (s.head_dim,), "norm", "norm")
         add(MT.ATTN_Q, (q_dim, s.n_embd), "attn", "matrix")
         add(MT.ATTN_K, (kv_dim, s.n_embd), "attn", "matrix")
         add(MT.ATTN_V, (kv_dim, s.n_embd), "attn", "matrix")
-        if s.arch == "qwen2moe":
+        if s.arch in ("qwen2moe", "qwen2"):
             add(MT.ATTN_Q, (q_dim,), "bias", "bias", bias=True)
             add(MT.ATTN_K, (kv_dim,), "bias", "bias", bias=True)
             add(MT.ATTN_V, (kv_dim,), "bias", "bias", bias=True)
@@ -306,7 +314,7 @@ def _router_norms(shape: Shape, layer: int, seed: int, zipf_s: float) -> np.ndar
 
 def _attn_gain(spec: TensorSpec, shape: Shape, attn_gain: float) -> float:
     """What --attn-gain multiplies this tensor by: qwen3moe's q/k norms, or the other archs' q/k projections."""
-    if shape.arch == "qwen3moe":
+    if shape.arch in ("qwen3moe", "qwen3"):
         kinds = (MT.ATTN_Q_NORM, MT.ATTN_K_NORM)
     else:
         kinds = (MT.ATTN_Q, MT.ATTN_K)
@@ -430,7 +438,8 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
     if s.arch == "llama":
         w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType[_FILE_TYPE[file_qtype]])
+    # file_qtype: a type (uniform files) or a llama_ftype name (a --recipe's, e.g. MOSTLY_Q4_K_M)
+    w.add_file_type(gguf.LlamaFileType[file_qtype if isinstance(file_qtype, str) else _FILE_TYPE[file_qtype]])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, value, types in vocab:
         if key == "tokenizer.chat_template" and chat_template is not None:
@@ -578,8 +587,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--attn-gain", type=float, default=ATTN_GAIN, metavar="G",
                     help=f"multiply attention q and k by G (default {ATTN_GAIN}); 3 keeps a random model's tokens "
                          f"from all routing alike (see below)")
+    ap.add_argument("--routing", choices=sorted(ROUTING_GAINS),
+                    help="set --attn-gain for routing over time like a trained model's (trained: 1.2) or nearly "
+                         "independent per token (spread: 3)")
     ap.add_argument("--threads", type=int, help="generator threads (default: CPU count, at most 16)")
     ap.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
+    ap.add_argument("--recipe", choices=sorted(RECIPES),
+                    help="every tensor's type as llama-quantize's recipe would give it (tools/recipes.py: Q6_K "
+                         "ffn_down on Q4_K_M's more-bits layers, ...), instead of the per-class types below")
     for group, default, what in (("experts", "Q4_K", "the routed experts, ffn_{gate,up,down}_exps"),
                                  ("shexp", "Q4_K", "qwen2moe's shared expert, ffn_{gate,up,down}_shexp"),
                                  ("attn", "Q4_K", "attn_q/k/v/output"),
@@ -597,6 +612,8 @@ def resolve_shape(args: argparse.Namespace) -> Shape:
         s = replace(s, arch=args.arch)
         if args.arch == "llama" and args.n_expert is None:
             s = replace(s, n_expert=0, n_expert_used=0, rope_base=10000.0)   # llama means dense unless asked
+        if args.arch in ("qwen3", "qwen2"):
+            s = replace(s, n_expert=0, n_expert_used=0)
     if args.n_layer is not None:
         s = replace(s, n_layer=args.n_layer)
     if args.n_expert is not None:
@@ -611,7 +628,9 @@ def resolve_shape(args: argparse.Namespace) -> Shape:
         s = replace(s, vocab=args.vocab)
     if (s.arch == "gpt-oss") != (s.vocab in gptoss_plan.EXTRA):
         raise SystemExit("make_moe: --arch gpt-oss goes with a gpt-oss preset only (and they with no other arch)")
-    if s.arch != "llama" and s.n_expert == 0:
+    if s.arch in ("qwen3", "qwen2") and s.n_expert:
+        raise SystemExit(f"make_moe: arch {s.arch} is dense; use {s.arch}moe for experts")
+    if s.arch in ("qwen3moe", "qwen2moe", "gpt-oss") and s.n_expert == 0:
         raise SystemExit(f"make_moe: arch {s.arch} needs experts; pass --n-expert N (or --arch llama for dense)")
     if s.arch == "qwen2moe" and s.tied:
         raise SystemExit("make_moe: llama.cpp's qwen2moe needs output.weight; drop --tied for arch qwen2moe")
@@ -648,6 +667,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.zipf_s is not None and args.zipf_s < 0:
         raise SystemExit(f"make_moe: --zipf-s must be 0 (flat) or more, not {args.zipf_s}")
+    if args.routing:
+        if args.attn_gain != ATTN_GAIN:
+            raise SystemExit("make_moe: pass --routing or --attn-gain, not both")
+        args.attn_gain = ROUTING_GAINS[args.routing]
     if not args.attn_gain > 0:
         raise SystemExit(f"make_moe: --attn-gain must be more than 0, not {args.attn_gain}")
     shape = resolve_shape(args)
@@ -661,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"make_moe: --norm must be F32, F16 or BF16 (norms are 1-D), not {types['norm'].name}")
     specs = gptoss_plan.plan(shape, types, n_vocab, TensorSpec) if shape.arch == "gpt-oss" else \
         plan(shape, types, n_vocab)
+    if args.recipe:
+        specs = apply_recipe(specs, args.recipe, Hparams(shape.n_layer, shape.n_head, shape.n_head_kv,
+                                                         shape.n_expert))
     for t in specs:
         block = gguf.GGML_QUANT_SIZES[t.qtype][0]
         if t.shape[-1] % block:
@@ -683,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             raise SystemExit(f"make_moe: cannot read --chat-template {args.chat_template}: {e.strerror}")
     file_qtype = types["experts"] if shape.n_expert else types["ffn"]
+    if args.recipe:
+        file_qtype = RECIPES[args.recipe][0]
     name = f"strata-random-{args.preset}-{shape.arch}"
     write_model(args.out, shape, specs, vocab, name, file_qtype, args.seed, zipf_s(args), template, args.threads,
                 attn_gain=args.attn_gain)

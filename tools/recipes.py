@@ -184,7 +184,14 @@ def _choose(name, shape, t, recipe, hp, tied, has_imatrix, count, n_attn_v) -> Q
     return t
 
 
+# llama-quantize refuses these without an importance matrix (IQ3_XXS / IQ2_* tensors require one), so every such
+# file a user has was made with one, which changes some choices (IQ3_XXS's attn_v and ffn_down)
+IMATRIX_RECIPES = ("iq2_xxs", "iq3_xxs")
+
+
 def apply_recipe(specs: list, recipe: str, hp: Hparams) -> list:
-    """make_moe's TensorSpecs with each tensor's type as llama-quantize RECIPE would write it."""
-    types = recipe_types({s.name: (s.shape, s.qtype) for s in specs}, recipe, hp)
+    """make_moe's TensorSpecs with each tensor's type as llama-quantize RECIPE writes it (with an imatrix where
+    the recipe needs one, as the files users download were made)."""
+    types = recipe_types({s.name: (s.shape, s.qtype) for s in specs}, recipe, hp,
+                         has_imatrix=recipe in IMATRIX_RECIPES)
     return [replace(s, qtype=types[s.name]) for s in specs]
