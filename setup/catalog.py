@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.supported import SUPPORTED_ARCHS
+from engine.supported import SUPPORTED_ARCHS, archs_for, runs_on
 
 from .machine import GIB, MIB, Machine
 
@@ -205,6 +205,11 @@ class Needs:
     warnings: list[str] = field(default_factory=list)   # it fits, but...
 
     @property
+    def supported(self) -> bool:
+        """Whether the backend this PC would use runs the model's architecture (engine/supported.py)."""
+        return runs_on(self.model.arch, self.backend)
+
+    @property
     def ram_need(self) -> int:
         """RAM the chosen mode takes (what the table shows)."""
         if self.mode == "cpu":
@@ -214,6 +219,14 @@ class Needs:
         if self.mode == "budget":
             return self.resident_gib * GIB + WORKER_OVERHEAD
         return WORKER_OVERHEAD
+
+
+def unsupported_reason(arch: str, backend: str) -> str:
+    if backend == "cuda" and arch in SUPPORTED_ARCHS:
+        return (f"not supported yet: this engine does not run the {arch} architecture on the GPU yet (only on the "
+                f"CPU backend, far too slowly for a model this size; the GPU runs {', '.join(archs_for('cuda'))})")
+    return (f"not supported yet: this engine does not run the {arch} architecture "
+            f"(it runs {', '.join(archs_for(backend))})")
 
 
 def best_gpu(m: Machine):
@@ -255,9 +268,8 @@ def assess(model: CatalogModel, m: Machine, backend: str | None = None, ctx: int
         n.problems.append(f"needs {download / 1e9:.1f} GB of disk, {m.disk_free / 1e9:.1f} GB free at {m.disk_path}")
     if ctx > model.ctx_train:
         n.warnings.append(f"context {ctx} is beyond what the model was trained for ({model.ctx_train})")
-    if not model.supported:
-        n.problems.append(f"not supported yet: this engine does not run the {model.arch} architecture "
-                          f"(it runs {', '.join(SUPPORTED_ARCHS)})")
+    if not n.supported:
+        n.problems.append(unsupported_reason(model.arch, backend))
     if backend == "cuda":
         if not m.has_gpu:
             n.problems.append("the CUDA backend needs an NVIDIA GPU and none was found")
@@ -297,7 +309,7 @@ def assess(model: CatalogModel, m: Machine, backend: str | None = None, ctx: int
 
 def recommend(needs: list[Needs]) -> Needs:
     """The model to suggest: the most preferred one that fits with every expert in RAM; else the default model."""
-    good = [n for n in needs if n.fits and n.model.supported and n.mode in ("ram", "cpu") and n.model.preference > 0]
+    good = [n for n in needs if n.fits and n.supported and n.mode in ("ram", "cpu") and n.model.preference > 0]
     if good:
         return max(good, key=lambda n: n.model.preference)
     default = [n for n in needs if n.model.source == "pypi"]

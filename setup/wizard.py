@@ -18,13 +18,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.supported import SUPPORTED_ARCHS
 
 from . import calibrate as cal
 from . import config as cfgmod
 from . import packages as pkgs
 from .catalog import (CatalogError, CatalogModel, Needs, assess, best_gpu, find_model, fmt_gb, fmt_gib, load_catalog,
-                      memory_mode, model_from_gguf, recommend)
+                      memory_mode, model_from_gguf, recommend, unsupported_reason)
 from .machine import GIB, Machine, describe, detect
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,7 +184,7 @@ def bytes_present(model: CatalogModel, models_dir: Path, gguf_dir: Path | None =
 
 
 def short_verdict(n: Needs) -> str:
-    if not n.model.supported:
+    if not n.supported:
         return "no: not supported yet"
     if not n.fits:
         text = " ".join(n.problems)
@@ -294,7 +293,7 @@ def step_model(ui: UI, a, p: Paths, m: Machine, catalog: list[CatalogModel]) -> 
         if pick is None:
             ui.warn(f"{answer!r} is not in the list")
             continue
-        if not pick.model.supported:
+        if not pick.supported:
             return unsupported(ui, pick)
         if pick.fits:
             for w in pick.warnings:
@@ -309,8 +308,7 @@ def step_model(ui: UI, a, p: Paths, m: Machine, catalog: list[CatalogModel]) -> 
 
 def unsupported(ui: UI, n: Needs) -> Needs:
     """A model whose architecture this engine refuses: downloaded only on a clear yes, never by --yes."""
-    ui.warn(f"{n.model.name} is not supported yet: this engine does not run the {n.model.arch} architecture "
-            f"(it runs {', '.join(SUPPORTED_ARCHS)}); the service could not start with it")
+    ui.warn(f"{n.model.name}: {unsupported_reason(n.model.arch, n.backend)}; the service could not start with it")
     if ui.yes:
         ui.fail(f"--yes never downloads a model this engine cannot run; nothing was installed. python -m setup "
                 f"--check lists the models that run")
@@ -323,7 +321,7 @@ def unsupported(ui: UI, n: Needs) -> Needs:
 
 def settle_named(ui: UI, n: Needs) -> Needs:
     """A model the person named: fine if it fits; if not, said plainly; --yes goes ahead (it was named)."""
-    if not n.model.supported:
+    if not n.supported:
         return unsupported(ui, n)
     if n.fits:
         ui.ok(f"{n.model.name} fits this PC")
@@ -800,7 +798,7 @@ def run(argv: list[str] | None = None, machine: Machine | None = None, ask=None,
         n = step_model(ui, a, p, m, catalog)
         c = step_memory(ui, a, p, n, m)
         model_path = step_download(ui, a, p, n)
-        if not n.model.supported:
+        if not n.supported:
             ui.warn(f"{n.model.name} is downloaded to {model_path} but not configured: this engine does not run "
                     f"{n.model.arch} yet")
             return 1
