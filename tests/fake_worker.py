@@ -6,9 +6,12 @@ test can tell whose tokens a client received. Finish `stop` after len(prompt) to
     python tests/fake_worker.py --model M.gguf [--ctx N] [--chunk N] [--pp-delay S] [--token-delay S]
         [--silent-after-tokens N] [--silent-in-prompt] [--ignore-stop] [--die-in-prompt] [--exit-before-ready]
         [--moe] [--load-delay S] [--ignore-quit] [--die-on-gen N] [--die-in-prompt-of-gen N] [--plan FILE]
+        [--replies FILE]
 
 --plan FILE: a JSON list of flag strings, one per start (the last one repeats); the start count is kept in
 FILE.count, so a test can make the first start misbehave and the restarted worker behave.
+--replies FILE: a JSON list of id lists, the answer to each GEN in turn (the last one repeats) instead of the
+prompt's ids, each ending with finish `stop` as at an end-of-generation token: a scripted model.
 """
 from __future__ import annotations
 
@@ -72,6 +75,7 @@ def main() -> int:
     ap.add_argument("--die-on-gen", type=int, default=0, help="exit when the Nth GEN arrives, before answering it")
     ap.add_argument("--ignore-quit", action="store_true", help="ignore QUIT, stdin's end and SIGTERM")
     ap.add_argument("--plan")
+    ap.add_argument("--replies")
     a = ap.parse_args()
     if a.plan:
         count_file = Path(a.plan + ".count")
@@ -130,6 +134,10 @@ def main() -> int:
         if len(req.prompt) + req.max_new + 8 > a.ctx:
             out(protocol.format_err(f"prompt {len(req.prompt)} + max_new {req.max_new} + 8 exceeds the context {a.ctx}"))
             continue
+        answer = req.prompt
+        if a.replies:
+            replies = json.loads(Path(a.replies).read_text())
+            answer = replies[min(n_gen, len(replies)) - 1]
         log(f"fake worker: GEN max_new={req.max_new} params={json.dumps(req.params, sort_keys=True)} prompt={','.join(map(str, req.prompt))}")
         reused = 0
         while reused < min(len(held), len(req.prompt) - 1) and held[reused] == req.prompt[reused]:
@@ -171,11 +179,11 @@ def main() -> int:
             if generated >= req.max_new:
                 finish = "length"
                 break
-            if generated >= (a.answer_len or len(req.prompt)):
+            if generated >= (a.answer_len or len(answer)):
                 finish = "stop"
                 break
             time.sleep(a.token_delay)
-            out(f"T {req.prompt[generated % len(req.prompt)]}")
+            out(f"T {answer[generated % len(answer)]}")
             generated += 1
         decode_ms = (time.monotonic() - t1) * 1000
         lookups = generated * 8 if a.moe else 0
