@@ -26,6 +26,8 @@ import gguf
 from gguf import GGMLQuantizationType as Q, GGUFValueType, MODEL_TENSOR as MT
 
 from engine.gguf_model import ModelError, read_header
+from tools import hybrid_plan
+from tools.hybrid_plan import Hybrid
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB_DIR = ROOT.parent / "shared" / "fixtures" / "vocab"
@@ -150,6 +152,7 @@ class Shape:
     rms_eps: float
     tied: bool                # no output.weight: token_embd is the output head
     vocab: str                # file name in the fixtures' vocab/ directory, or a path
+    hybrid: Hybrid | None = None   # qwen3next / qwen35moe: the GDN layers and MTP blocks (tools/hybrid_plan.py)
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,33 @@ PRESETS: dict[str, Preset] = {
                                    False, "ggml-vocab-qwen2.gguf"),
                              "Qwen3-Next-80B-A3B's expert shapes as arch qwen2moe: 48 layers, hidden 2048, 8/2 "
                              "heads of 256, 512 experts (10 used) of width 512 plus a shared expert of 512", 0.12),
+    # The Gated DeltaNet hybrids at their published configs' shapes (tools/hybrid_plan.py), with an MTP block and
+    # llama-quantize's Q4_K_M per-layer types; zipf-s not yet calibrated by bench.routing (0.12 as qwen3-next-80b's
+    # 512 experts, 0.15 for 256).
+    "qwen3next-80b-a3b": Preset(Shape("qwen3next", 48, 2048, 16, 2, 256, 5120, 512, 10, 512, 512, 262144, 1e7, 1e-6,
+                                      False, "ggml-vocab-qwen2.gguf",
+                                      Hybrid(4, 128, 16, 32, 64, n_nextn=1, recipe="q4_k_m")),
+                                "Qwen3-Next-80B-A3B (qwen3next): 48 layers (36 GDN of 16/32 heads of 128, 12 gated "
+                                "attention of 16/2 heads of 256), 512 experts (10 used) of 512 plus a shared one, "
+                                "1 MTP block, Q4_K_M", 0.12),
+    "qwen35moe-35b-a3b": Preset(Shape("qwen35moe", 40, 2048, 16, 2, 256, 0, 256, 8, 512, 512, 262144, 1e7, 1e-6,
+                                      False, "ggml-vocab-qwen2.gguf",
+                                      Hybrid(4, 128, 16, 32, 64, n_nextn=1, rope_sections=(11, 11, 10, 0),
+                                             recipe="q4_k_m", n_vocab=248320, pre="qwen35")),
+                                "Qwen3.5-35B-A3B (qwen35moe): 40 layers (30 GDN, 10 gated attention with IMRoPE), "
+                                "256 experts (8 used) of 512 plus a shared one, 1 MTP block, the Qwen2 vocabulary "
+                                "padded to 248320, Q4_K_M", 0.15),
+    # Tiny ones for tests: every width a multiple of 256 (K-quant rows), 4 experts (llama-quantize treats 8 apart);
+    # tiny-qwen35moe's sections leave one rotary pair in the fourth (still) section, as IMRoPE allows.
+    "tiny-qwen3next": Preset(Shape("qwen3next", 4, 256, 4, 2, 64, 512, 4, 2, 256, 256, 4096, 1e7, 1e-6, False,
+                                   "tiny-bpe-1024.gguf", Hybrid(4, 64, 2, 4, 16, n_nextn=1)),
+                             "a few MB for tests: qwen3next, 3 GDN layers (2/4 heads of 64) + 1 gated attention "
+                             "(4/2 heads of 64), 4 experts (2 used) of 256 + a shared one, 1 MTP block", 1.0),
+    "tiny-qwen35moe": Preset(Shape("qwen35moe", 4, 256, 4, 2, 64, 0, 4, 2, 256, 256, 4096, 1e7, 1e-6, False,
+                                   "tiny-bpe-1024.gguf",
+                                   Hybrid(4, 64, 2, 4, 16, n_nextn=1, rope_sections=(3, 2, 2, 1), pre="qwen35")),
+                             "a few MB for tests: qwen35moe, as tiny-qwen3next with IMRoPE sections 3/2/2/1 and "
+                             "the pre-tokenizer qwen35", 1.0),
 }
 ARCHES = ("llama", "qwen3moe", "qwen2moe")
 
@@ -234,6 +264,8 @@ def _bias(t: MT, bid: int) -> str:
 def plan(shape: Shape, types: dict[str, Q], n_vocab: int) -> list[TensorSpec]:
     """Every tensor of the model, in file order (that of llama.cpp's converters: embedding, output, then blocks)."""
     s = shape
+    if s.hybrid:
+        return hybrid_plan.plan(s, types, n_vocab, TensorSpec)
     q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
     specs = [TensorSpec(_name(MT.TOKEN_EMBD), (n_vocab, s.n_embd), types["embd"], "embd", "head"),
              TensorSpec(_name(MT.OUTPUT_NORM), (s.n_embd,), types["norm"], "norm", "norm")]
@@ -289,7 +321,7 @@ def _router_norms(shape: Shape, layer: int, seed: int, zipf_s: float) -> np.ndar
 
 def _attn_gain(spec: TensorSpec, shape: Shape, attn_gain: float) -> float:
     """What --attn-gain multiplies this tensor by: qwen3moe's q/k norms, or the other archs' q/k projections."""
-    if shape.arch == "qwen3moe":
+    if shape.arch in ("qwen3moe",) + hybrid_plan.HYBRID_ARCHS:
         kinds = (MT.ATTN_Q_NORM, MT.ATTN_K_NORM)
     else:
         kinds = (MT.ATTN_Q, MT.ATTN_K)
@@ -306,6 +338,9 @@ def tensor_bytes(spec: TensorSpec, index: int, shape: Shape, seed: int, zipf_s: 
     def rng(chunk: int) -> np.random.Generator:
         return np.random.Generator(np.random.SFC64([seed, index, chunk]))
 
+    values = hybrid_plan.init_values(spec.init, n_in, rng(0))
+    if values is not None:
+        return _float_bytes(values, spec.qtype)
     if spec.init == "norm":
         x = 1.0 + NORM_JITTER * rng(0).standard_normal(n_in)
         return _float_bytes(gain * x.reshape(1, -1), spec.qtype)
@@ -388,7 +423,7 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
                  vocab: list[tuple[str, object, list[GGUFValueType]]], chat_template: str | None) -> None:
     s = shape
     w.add_name(name)
-    w.add_block_count(s.n_layer)
+    w.add_block_count(s.n_layer + (s.hybrid.n_nextn if s.hybrid else 0))
     w.add_context_length(s.n_ctx_train)
     w.add_embedding_length(s.n_embd)
     # mixtral-style llama MoE: feed_forward_length is the expert width (llama.cpp sizes *_exps by n_ff)
@@ -400,14 +435,16 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
         w.add_value_length(s.head_dim)
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.rms_eps)
-    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_dimension_count(s.hybrid.n_rot if s.hybrid else s.head_dim)
     if s.n_expert:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
         if s.arch != "llama":
             w.add_expert_feed_forward_length(s.n_ff_exp)
-        if s.arch == "qwen2moe":
+        if s.arch == "qwen2moe" or s.hybrid:
             w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
+    if s.hybrid:
+        hybrid_plan.metadata(w, s)
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
     if s.arch == "llama":
         w.add_vocab_size(n_vocab)
@@ -424,7 +461,7 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
 
 # --- sizes, writing, CLI ----------------------------------------------------------------------------------------
 
-GROUPS = ("embd", "output", "attn", "norm", "bias", "router", "ffn", "experts", "shexp")
+GROUPS = ("embd", "output", "attn", "ssm", "norm", "bias", "router", "ffn", "experts", "shexp", "mtp")
 
 
 def size_table(specs: list[TensorSpec]) -> str:
@@ -617,6 +654,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"make_moe: --attn-gain must be more than 0, not {args.attn_gain}")
     shape = resolve_shape(args)
     vocab = read_vocab(_resolve_vocab(shape.vocab))
+    if shape.hybrid:
+        vocab = hybrid_plan.adjust_vocab(vocab, shape.hybrid)
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
     types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
     if types["norm"] not in FLOAT_TYPES:

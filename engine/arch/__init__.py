@@ -9,6 +9,7 @@ def family(model: GGUFModel):
     from engine.arch.mixtral import Mixtral
     from engine.arch.qwen2moe import Qwen2MoE
     from engine.arch.qwen3moe import Qwen3MoE
+    from engine.arch.qwen3next import Qwen3Next
 
     arch = model.config.arch
     if arch == "llama":
@@ -19,6 +20,8 @@ def family(model: GGUFModel):
         return Qwen3MoE
     if arch == "qwen2moe":
         return Qwen2MoE
+    if arch in ("qwen3next", "qwen35moe"):
+        return Qwen3Next
     raise ModelError(f"architecture {arch!r} has no forward pass here; supported: {', '.join(SUPPORTED_ARCHS)}")
 
 
