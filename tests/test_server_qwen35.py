@@ -95,3 +95,42 @@ def test_thinking_content_and_tool_calls_apart_then_the_next_turn(qwen35):
     third = codec.tok.decode(prompts_sent(log_path)[-1], special=True)
     assert "<think>" not in third[:third.rindex("<|im_start|>assistant\n")]
     assert third.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.fixture(scope="module")
+def real_qwen35(tmp_path_factory, fixtures_dir):
+    """The real worker (CPU) on a tiny random qwen35moe model carrying Qwen3.5's template."""
+    import sys
+    from fakes.server_kit import ROOT
+    from server.config import validate
+    from server.text import TextCodec
+    from tools import make_moe
+    tmp = tmp_path_factory.mktemp("qwen35-real")
+    model = tmp / "tiny-qwen35moe.gguf"
+    assert make_moe.main(["--preset", "tiny-qwen35moe", "--out", str(model), "--chat-template",
+                          str(fixtures_dir / "templates" / TEMPLATE)]) == 0
+    cfg = validate(dict(model=str(model), worker=[sys.executable, str(ROOT / "strata_worker.py")],
+                        args=["--backend", "cpu", "--ctx", "512"], port=0, log=str(tmp / "worker.log"),
+                        engine_silence_s=120), tmp)
+    with running_server(cfg, TextCodec.from_gguf(model)) as (httpd, base):
+        yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_real_hybrid_worker_resumes_the_next_turn_from_a_checkpoint(real_qwen35):
+    from engine.checkpoints import CHECKPOINT_TAIL
+    client = real_qwen35
+    r1 = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=6)
+    m1 = r1.choices[0].message
+    # a random model never closes the thought its generation prompt opened: everything is reasoning
+    assert r1.choices[0].finish_reason == "length" and r1.usage.completion_tokens == 6 and not m1.content
+    assert isinstance(m1.model_extra.get("reasoning_content", ""), str)
+    # The next turn drops that thought from the history, so it differs from the last prompt a few tokens before
+    # that prompt's end: the worker resumes from its checkpoint CHECKPOINT_TAIL tokens before it.
+    turn2 = QUESTION + [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And in Rome?"}]
+    r2 = client.chat.completions.create(model="any", messages=turn2, max_tokens=6)
+    assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens - CHECKPOINT_TAIL
+    # the same turn again: the same answer, from the checkpoint near the end of its prompt
+    r3 = client.chat.completions.create(model="any", messages=turn2, max_tokens=6)
+    assert r3.usage.prompt_tokens_details.cached_tokens == r2.usage.prompt_tokens - CHECKPOINT_TAIL
+    thought = r2.choices[0].message.model_extra.get("reasoning_content")
+    assert thought and r3.choices[0].message.model_extra.get("reasoning_content") == thought
