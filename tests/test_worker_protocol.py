@@ -99,6 +99,9 @@ class Worker:
 
 @pytest.fixture(scope="session")
 def hybrid_models(tmp_path_factory):
+    if BACKEND != "cpu":
+        pytest.skip(f"the {BACKEND} backend does not run qwen3next/qwen35moe yet (issue 19 part 2); drop this skip "
+                    f"when it does")
     from tools import make_moe
     d = tmp_path_factory.mktemp("hybrids")
     for preset in HYBRIDS:
