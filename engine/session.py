@@ -95,6 +95,10 @@ class Session:
 
         # Prefix reuse: the last prompt token is always run again, because its logits pick the first new token.
         reused = _common_prefix(self.tokens, prompt, limit=len(prompt) - 1)
+        if backend.recurrent and reused < len(self.tokens):
+            # A recurrent state (qwen3next, qwen35moe) cannot be rewound, and without checkpoints (issue 19's
+            # worker part) only a pure extension of what the backend holds can be reused: start cold.
+            reused = 0
         if backend.n_cached != len(self.tokens):
             # A bug, not a broken device: the generic handler forgets the cache and the next request starts cold.
             raise RuntimeError(f"the backend holds {backend.n_cached} tokens but the session expected "
