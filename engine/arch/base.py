@@ -136,8 +136,9 @@ class KVCache:
     kv_layers: the layers that attend (default all); the others (a hybrid's recurrent layers) keep empty arrays.
     """
 
-    def __init__(self, cfg: ModelConfig, max_context: int, kv_layers=None):
+    def __init__(self, cfg: ModelConfig, max_context: int, kv_layers=None, dtype=np.float32):
         self.cfg = cfg
+        self.dtype = dtype
         self.max_context = max_context
         self.capacity = 0
         self.kv_layers = frozenset(range(cfg.n_layer) if kv_layers is None else kv_layers)
@@ -153,7 +154,7 @@ class KVCache:
         cfg = self.cfg
         for lst, d in ((self.k, cfg.head_dim), (self.v, cfg.head_dim_v)):
             for i in range(cfg.n_layer):
-                new = np.zeros((cfg.n_head_kv, cap if i in self.kv_layers else 0, d), dtype=np.float32)
+                new = np.zeros((cfg.n_head_kv, cap if i in self.kv_layers else 0, d), dtype=self.dtype)
                 if self.capacity:
                     new[:, :self.capacity] = lst[i]
                 if len(lst) > i:

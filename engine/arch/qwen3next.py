@@ -127,10 +127,11 @@ def check_tensors(model) -> None:
 # --- the cache: K/V of the attention layers, conv and delta state of the GDN layers ------------------------------
 
 class HybridCache:
-    def __init__(self, cfg, max_context: int):
+    def __init__(self, cfg, max_context: int, dtype=np.float32):
         self.cfg = cfg
+        self.dtype = dtype
         self.gdn_layers = [i for i, r in enumerate(cfg.recurrent_layers) if r]
-        self.kv = KVCache(cfg, max_context, [i for i, r in enumerate(cfg.recurrent_layers) if not r])
+        self.kv = KVCache(cfg, max_context, [i for i, r in enumerate(cfg.recurrent_layers) if not r], dtype)
         self.conv_dim = 2 * cfg.ssm_k_heads * cfg.ssm_state + cfg.ssm_inner
         self.reset_state()
 
@@ -139,8 +140,8 @@ class HybridCache:
 
     def reset_state(self) -> None:
         cfg = self.cfg
-        self.conv = {i: np.zeros((cfg.ssm_conv - 1, self.conv_dim), np.float32) for i in self.gdn_layers}
-        self.delta = {i: np.zeros((cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_state), np.float32)
+        self.conv = {i: np.zeros((cfg.ssm_conv - 1, self.conv_dim), self.dtype) for i in self.gdn_layers}
+        self.delta = {i: np.zeros((cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_state), self.dtype)
                       for i in self.gdn_layers}
 
     def state_bytes(self) -> int:
@@ -205,6 +206,10 @@ class Qwen3Next(Transformer):
     def __init__(self, model, weights, max_context):
         super().__init__(model, weights, max_context)
         cfg = self.cfg
+        # The smallest gap between the k-th and (k+1)-th router logit seen so far. Where it is tiny, another
+        # engine's rounding (llama.cpp's fp16 or 8-bit activations) may pick the other expert, and a recurrent
+        # state carries that difference to every later token: reference tests pick prompts without such ties.
+        self.min_route_gap = math.inf
         if cfg.arch == "qwen35moe":
             # IMRoPE for text: sectors of the t/h/w sections turn with p; the fourth section's position is 0.
             s = cfg.rope_sections
@@ -213,12 +218,13 @@ class Qwen3Next(Transformer):
                       | ((sector % 3 == 2) & (sector < 3 * s[2])))
             self.cos[:, still], self.sin[:, still] = self.cos[0, still], self.sin[0, still]
 
-    def new_cache(self, max_context: int) -> HybridCache:
-        return HybridCache(self.cfg, max_context)
+    def new_cache(self, max_context: int, dtype=np.float32) -> HybridCache:
+        """dtype float64: a forward in float64 throughout (the exact-arithmetic check of the tests)."""
+        return HybridCache(self.cfg, max_context, dtype)
 
     def forward(self, tokens, pos0, cache: HybridCache, all_logits):
         cfg, w = self.cfg, self.w
-        x = w.rows("token_embd.weight", tokens)
+        x = w.rows("token_embd.weight", tokens).astype(cache.dtype)
         cache.ensure(pos0 + len(tokens))
         decoding = len(tokens) == 1
         for il in range(cfg.n_layer):
@@ -298,8 +304,12 @@ class Qwen3Next(Transformer):
     # --- routed experts plus the gated shared expert ---
     def ffn(self, il, x, decoding):
         cfg, w, b = self.cfg, self.w, f"blk.{il}."
-        ids, weights = route(x @ w.get(b + "ffn_gate_inp.weight").T, cfg.n_expert_used, True,
-                             cfg.expert_weights_scale)
+        logits = x @ w.get(b + "ffn_gate_inp.weight").T
+        if cfg.n_expert_used < cfg.n_expert:
+            top = -np.sort(-logits, axis=-1)
+            gap = float(np.min(top[:, cfg.n_expert_used - 1] - top[:, cfg.n_expert_used]))
+            self.min_route_gap = min(self.min_route_gap, gap)
+        ids, weights = route(logits, cfg.n_expert_used, True, cfg.expert_weights_scale)
         out = moe_ffn(w, il, x, ids, weights, decoding)
         shared = swiglu(x, w.get(b + "ffn_gate_shexp.weight"), w.get(b + "ffn_up_shexp.weight"),
                         w.get(b + "ffn_down_shexp.weight"))

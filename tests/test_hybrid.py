@@ -1,0 +1,240 @@
+"""qwen3next / qwen35moe on the CPU backend: llama.cpp's outputs (tests/fixtures/hybrid/), exact arithmetic, the
+recurrent state's snapshot / restore, and the generator's hybrid plan.
+
+F16 fixtures are the architecture check (DESIGN section 7): teacher-forced along llama.cpp's greedy continuation,
+the median |logit diff| over each step's top-10 within 0.05 and our argmax its token at every step. Quantized ones
+(llama-quantize's own files): the CPU backend equals the same forward in float64, and llama.cpp sits within its
+measured distance of that. Every prompt set has one of 300 tokens, longer than the CPU backend's prompt chunk.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from engine.backend_cpu import CPUBackend
+from engine.gguf_model import ModelError, open_model
+from tools import hybrid_plan, make_moe
+
+HERE = Path(__file__).resolve().parent / "fixtures" / "hybrid"
+ARCHS = ("qwen3next", "qwen35moe")
+QUANTIZED = ("qwen3next-q4_k_m", "qwen3next-q3_k_m", "qwen35moe-q4_k_m", "qwen35moe-iq4_xs")
+F16_FLAGS = ["--experts", "F16", "--shexp", "F16", "--attn", "F16", "--embd", "F16", "--output", "F16"]
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def f16_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hybrid")
+    out = {}
+    for arch in ARCHS:
+        path = d / f"tiny-{arch}-f16.gguf"
+        make_moe.main(["--preset", f"tiny-{arch}", *F16_FLAGS, "--out", str(path)])
+        out[arch] = path
+    return out
+
+
+def teacher_forced(be: CPUBackend, case) -> np.ndarray:
+    """Our logits at every step of llama.cpp's continuation: the prompt (in the backend's chunks), then one token."""
+    be.truncate(0)
+    rows = [be.forward(case["prompt_ids"])]
+    rows += [be.forward([t]) for t in case["greedy_ids"][:-1]]
+    return np.array(rows)
+
+
+def top10_diffs(case, rows) -> np.ndarray:
+    return np.array([np.abs(r[[i for i, _ in s["top"]]] - np.array([v for _, v in s["top"]]))
+                     for r, s in zip(rows, case["steps"], strict=True)])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f16_agrees_with_llama_cpp(f16_models, arch):
+    ref = json.loads((HERE / f"tiny-{arch}-f16.json").read_text())
+    path = f16_models[arch]
+    assert sha256(path) == ref["model_sha256"], (
+        f"make_moe no longer writes the file the references were made on ({ref['model_made_by']}); make them "
+        f"again with python -m tools.hybrid_refs (its docstring says how)")
+    be = CPUBackend(open_model(path), 1024)
+    assert any(len(c["prompt_ids"]) > be.prompt_chunk_size() for c in ref["cases"])
+    for case in ref["cases"]:
+        rows = teacher_forced(be, case)
+        med = float(np.median(top10_diffs(case, rows)))
+        assert med <= ref["tolerance"]["median_abs_logit_diff_at_most"], f"median |logit diff| {med:.4f}"
+        # teacher forcing along llama.cpp's greedy ids is our own greedy run exactly when every argmax is theirs
+        assert [int(np.argmax(r)) for r in rows] == case["greedy_ids"]
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantized_equals_exact_arithmetic_and_llama_cpp_is_near(name):
+    ref = json.loads((HERE / f"tiny-{name}.json").read_text())
+    tol = ref["tolerance"]
+    path = HERE / f"tiny-{name}.gguf"
+    assert sha256(path) == ref["model_sha256"]
+    be = CPUBackend(open_model(path), 1024)
+    agree = clear = 0
+    for case in ref["cases"]:
+        rows = teacher_forced(be, case)
+        # the same forward in float64 throughout, on its own cache
+        cache = be.net.new_cache(1024, np.float64)
+        exact = [be.net.forward(np.array(case["prompt_ids"]), 0, cache, False)]
+        for i, t in enumerate(case["greedy_ids"][:-1]):
+            exact.append(be.net.forward(np.array([t]), len(case["prompt_ids"]) + i, cache, False))
+        exact = np.array(exact)
+        assert exact.dtype == np.float64
+        assert np.abs(rows - exact).max() <= tol["exact_max_abs_diff_at_most"]
+        diffs = top10_diffs(case, exact)
+        assert np.median(diffs) <= tol["median_abs_logit_diff_at_most"]
+        assert np.mean(diffs.mean(axis=1) > 1.0) <= tol["share_of_steps_over_1_at_most"]
+        for r, s in zip(exact, case["steps"]):
+            if s["margin"] >= tol["top1_equal_where_margin_at_least"]:
+                clear += 1
+                agree += int(np.argmax(r)) == s["top"][0][0]
+    assert agree >= tol["share_of_such_steps_that_must_agree"] * clear, f"top-1 agrees on {agree}/{clear} clear steps"
+
+
+@pytest.fixture(scope="module")
+def q4():
+    return CPUBackend(open_model(HERE / "tiny-qwen35moe-q4_k_m.gguf"), 1024)
+
+
+@pytest.mark.parametrize("name", ["qwen3next-q4_k_m", "qwen35moe-q4_k_m"])
+def test_prompt_chunks_and_single_tokens_give_the_same_logits(name):
+    model = open_model(HERE / f"tiny-{name}.gguf")
+    prompt = list(np.random.default_rng(5).integers(0, 1000, 70))
+    outs = []
+    for chunk in (256, 16, 1):
+        be = CPUBackend(model, 256, chunk=chunk)
+        outs.append(be.forward(prompt, all_logits=True))
+    assert np.abs(outs[1] - outs[0]).max() < 1e-4
+    assert np.abs(outs[2] - outs[0]).max() < 1e-4
+
+
+def test_snapshot_restore_resumes_exactly(q4):
+    be = q4
+    assert be.recurrent and be.state_bytes() > 0
+    cfg = be.config
+    gdn = sum(cfg.recurrent_layers)
+    conv = 2 * cfg.ssm_k_heads * cfg.ssm_state + cfg.ssm_inner
+    assert be.state_bytes() == 4 * gdn * ((cfg.ssm_conv - 1) * conv + cfg.ssm_v_heads * cfg.ssm_state ** 2)
+    rng = np.random.default_rng(9)
+    a, b, c = (list(rng.integers(0, 1000, n)) for n in (40, 12, 9))
+    be.truncate(0)
+    be.forward(a)
+    snap = be.snapshot_state()
+    assert snap.n_tokens == 40 and snap.nbytes == be.state_bytes()
+    first = be.forward(b, all_logits=True)
+    be.forward(c)                               # move on, then come back
+    be.restore_state(snap)
+    assert be.n_cached == 40
+    again = be.forward(b, all_logits=True)
+    assert np.array_equal(first, again)
+    # and a cold run of the same tokens agrees: the snapshot is the state, not an approximation of it
+    be.truncate(0)
+    cold = be.forward(a + b, all_logits=True)[40:]
+    assert np.abs(cold - first).max() < 1e-4
+    # the snapshot survives a restore and a cold run for another restore (the cold run wrote positions 0..39 of
+    # the K/V again, in one batch of 52 rather than 40: equal up to float32 rounding)
+    be.restore_state(snap)
+    assert np.abs(be.forward(b, all_logits=True) - first).max() < 1e-4
+
+
+def test_recurrent_state_cannot_be_rewound_by_truncate(q4):
+    be = q4
+    be.truncate(0)
+    be.forward(list(range(10, 30)))
+    with pytest.raises(ValueError, match="cannot be rewound"):
+        be.truncate(5)
+    be.truncate(20)     # a no-op is fine
+    assert be.n_cached == 20
+    later = be.snapshot_state()
+    be.truncate(0)
+    with pytest.raises(ValueError, match="only 0 cached"):
+        be.restore_state(later)
+
+
+def test_truncate_zero_is_a_cold_start(q4):
+    be = q4
+    prompt = list(range(100, 140))
+    be.truncate(0)
+    cold = be.forward(prompt)
+    be.forward(list(range(7)))
+    be.truncate(0)
+    assert np.array_equal(be.forward(prompt), cold)
+
+
+def test_config_reads_the_hybrid_keys():
+    for name, arch in (("qwen3next-q4_k_m", "qwen3next"), ("qwen35moe-q4_k_m", "qwen35moe")):
+        cfg = open_model(HERE / f"tiny-{name}.gguf").config
+        assert cfg.arch == arch and cfg.is_hybrid
+        assert cfg.n_layer == 4 and cfg.n_layer_nextn == 1      # block_count 5: the MTP block is not run
+        assert cfg.recurrent_layers == (True, True, True, False)
+        assert (cfg.ssm_conv, cfg.ssm_state, cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_inner) == (4, 64, 2, 4, 256)
+        assert cfg.n_rot == 16 and cfg.expert_weights_norm
+        assert cfg.rope_sections == ((3, 2, 2, 1) if arch == "qwen35moe" else ())
+
+
+def test_a_file_without_its_ssm_keys_is_refused(tmp_path):
+    src = HERE / "tiny-qwen3next-q4_k_m.gguf"
+    data = bytearray(src.read_bytes())
+    key = b"qwen3next.ssm.state_size"
+    i = data.find(key)
+    assert i > 0
+    data[i:i + len(key)] = b"qwen3next.ssm.state_sizX"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="ssm.state_size"):
+        open_model(bad)
+
+
+# --- the generator ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,recipe_file", [("qwen3next", "tiny-qwen3next-q4_k_m.gguf"),
+                                              ("qwen35moe", "tiny-qwen35moe-q4_k_m.gguf")])
+def test_q4_k_m_plan_is_what_llama_quantize_wrote(name, recipe_file):
+    """The plan's names, shapes and Q4_K_M types equal those of llama-quantize's own Q4_K_M file of the tiny model."""
+    shape = make_moe.PRESETS[f"tiny-{name}"].shape
+    shape = replace(shape, hybrid=replace(shape.hybrid, recipe="q4_k_m"))
+    types = {g: Q.Q4_K for g in ("experts", "shexp", "attn", "ffn", "embd", "output")} | {"norm": Q.F32}
+    specs = {t.name: t for t in make_moe.plan(shape, types, 1024)}
+    model = open_model(HERE / recipe_file)
+    assert set(specs) == set(model.tensor_names())
+    for n, t in specs.items():
+        assert (t.shape, t.qtype) == (model.tensor(n).shape, model.tensor(n).qtype), n
+    assert {t.qtype for t in specs.values()} >= {Q.Q4_K, Q.Q6_K, Q.F32}
+
+
+def test_use_more_bits_is_llama_quants():
+    # llama-quant.cpp: i < n/8 || i >= 7n/8 || (i - n/8) % 3 == 2; on 49 blocks (48 + an MTP block)
+    picked = [i for i in range(49) if hybrid_plan.use_more_bits(i, 49)]
+    assert picked[:8] == [0, 1, 2, 3, 4, 5, 8, 11] and picked[-7:] == [42, 43, 44, 45, 46, 47, 48]
+
+
+@pytest.mark.parametrize("preset,published_gb", [("qwen3next-80b-a3b", 48.4), ("qwen35moe-35b-a3b", 21.2)])
+def test_dry_run_is_within_5_percent_of_the_published_q4_k_m(capsys, preset, published_gb):
+    # Published Q4_K_M GGUFs: Qwen3-Next-80B-A3B-Instruct 48.4 GB; Qwen3.5-35B-A3B 21.2 GB (the official one, as
+    # the PrunedHub-Qwen3.5-35B-A3B model card quotes it). Ours carry an MTP block (~2% of the file) as well.
+    assert make_moe.main(["--preset", preset, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    total_mb = float(re.search(r"^total\s+\d+\s+([\d.]+)", out, re.M).group(1))
+    assert abs(total_mb / 1000 - published_gb) <= 0.05 * published_gb, out
+    assert re.search(r"^mtp\s+20\s", out, re.M), out
+
+
+def test_tiny_hybrid_written_by_make_moe_opens_and_runs(f16_models):
+    for arch, path in f16_models.items():
+        be = CPUBackend(open_model(path), 64)
+        logits = be.forward([1, 2, 3, 4])
+        assert logits.shape == (1024,) and np.isfinite(logits).all()
+        md = open_model(path).metadata
+        assert md[f"{arch}.block_count"] == 5 and md[f"{arch}.nextn_predict_layers"] == 1
+        assert md["tokenizer.ggml.pre"] == ("qwen35" if arch == "qwen35moe" else "gpt-2")
+
