@@ -237,6 +237,39 @@ def test_hybrid_second_turn_resumes_from_a_checkpoint_like_a_cold_run(hybrid_mod
         cold.kill()
 
 
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_hybrid_greedy_tokens_after_a_checkpoint_resume_follow_llama_cpp(tmp_path, arch):
+    """The F16 references of tests/fixtures/hybrid (llama.cpp's greedy run, equal to ours at every step) through the
+    worker, after a request that diverges from the reference prompt: the worker resumes from a checkpoint inside
+    the prompt and still gives llama.cpp's ids."""
+    import json
+    from test_hybrid import F16_FLAGS, HERE, sha256
+    from tools import make_moe
+    if BACKEND != "cpu":
+        pytest.skip(f"the {BACKEND} backend does not run {arch} yet (issue 19 part 2)")
+    ref = json.loads((HERE / f"tiny-{arch}-f16.json").read_text())
+    path = tmp_path / f"tiny-{arch}-f16.gguf"
+    assert make_moe.main(["--preset", f"tiny-{arch}", *F16_FLAGS, "--out", str(path)]) == 0
+    assert sha256(path) == ref["model_sha256"]
+    case = max(ref["cases"], key=lambda c: len(c["prompt_ids"]))
+    prompt = case["prompt_ids"]
+    w = Worker(path, "--prompt-chunk", "7", "--checkpoint-every", "64")
+    try:
+        eog = {int(x) for x in w.info["eog"].split(",")}
+        other = prompt[:200] + [(prompt[200] + 1) % 1000] * 10       # checkpoints 64, 128, 192, 210 - 16, 210
+        w.request(gen(1, other))
+        lines = w.request(gen(len(case["greedy_ids"]), prompt))
+        assert lines[0] == "RESUME 194"
+        expect = []
+        for t in case["greedy_ids"]:
+            if t in eog:
+                break
+            expect.append(t)
+        assert len(expect) >= 4 and tokens(lines) == expect
+    finally:
+        w.kill()
+
+
 def test_stop_mid_prompt_cancels_and_the_worker_keeps_serving(model):
     w = Worker(model, "--prompt-chunk", "2")
     try:
