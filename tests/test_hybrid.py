@@ -69,6 +69,7 @@ def test_f16_agrees_with_llama_cpp(f16_models, arch):
         rows = teacher_forced(be, case)
         med = float(np.median(top10_diffs(case, rows)))
         assert med <= ref["tolerance"]["median_abs_logit_diff_at_most"], f"median |logit diff| {med:.4f}"
+        assert med <= ref["tolerance"]["median_abs_logit_diff_measured_bound"], f"median |logit diff| {med:.4f}"
         # teacher forcing along llama.cpp's greedy ids is our own greedy run exactly when every argmax is theirs
         assert [int(np.argmax(r)) for r in rows] == case["greedy_ids"]
 
@@ -179,7 +180,7 @@ def test_config_reads_the_hybrid_keys():
         assert cfg.recurrent_layers == (True, True, True, False)
         assert (cfg.ssm_conv, cfg.ssm_state, cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_inner) == (4, 64, 2, 4, 256)
         assert cfg.n_rot == 16 and cfg.expert_weights_norm
-        assert cfg.rope_sections == ((3, 2, 2, 1) if arch == "qwen35moe" else ())
+        assert cfg.rope_sections == ((1, 1, 1, 1) if arch == "qwen35moe" else ())
 
 
 def test_a_file_without_its_ssm_keys_is_refused(tmp_path):

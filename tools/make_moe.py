@@ -196,16 +196,17 @@ PRESETS: dict[str, Preset] = {
                                 "Qwen3.5-35B-A3B (qwen35moe): 40 layers (30 GDN, 10 gated attention with IMRoPE), "
                                 "256 experts (8 used) of 512 plus a shared one, 1 MTP block, the Qwen2 vocabulary "
                                 "padded to 248320, Q4_K_M", 0.15),
-    # Tiny ones for tests: every width a multiple of 256 (K-quant rows), 4 experts (llama-quantize treats 8 apart);
-    # tiny-qwen35moe's sections leave one rotary pair in the fourth (still) section, as IMRoPE allows.
-    "tiny-qwen3next": Preset(Shape("qwen3next", 4, 256, 4, 2, 64, 512, 4, 2, 256, 256, 4096, 1e7, 1e-6, False,
+    # Tiny ones for tests: every width a multiple of 256 (K-quant rows), 4 experts (llama-quantize treats 8 apart),
+    # RoPE base 1e4 so that most of the 8 rotary pairs turn visibly within a 300-token prompt (at 1e7 only 3 do);
+    # tiny-qwen35moe's IMRoPE sections 1/1/1/1 put pairs 3 and 7 in the fourth section, which text keeps still.
+    "tiny-qwen3next": Preset(Shape("qwen3next", 4, 256, 4, 2, 64, 512, 4, 2, 256, 256, 4096, 1e4, 1e-6, False,
                                    "tiny-bpe-1024.gguf", Hybrid(4, 64, 2, 4, 16, n_nextn=1)),
                              "a few MB for tests: qwen3next, 3 GDN layers (2/4 heads of 64) + 1 gated attention "
                              "(4/2 heads of 64), 4 experts (2 used) of 256 + a shared one, 1 MTP block", 1.0),
-    "tiny-qwen35moe": Preset(Shape("qwen35moe", 4, 256, 4, 2, 64, 0, 4, 2, 256, 256, 4096, 1e7, 1e-6, False,
+    "tiny-qwen35moe": Preset(Shape("qwen35moe", 4, 256, 4, 2, 64, 0, 4, 2, 256, 256, 4096, 1e4, 1e-6, False,
                                    "tiny-bpe-1024.gguf",
-                                   Hybrid(4, 64, 2, 4, 16, n_nextn=1, rope_sections=(3, 2, 2, 1), pre="qwen35")),
-                             "a few MB for tests: qwen35moe, as tiny-qwen3next with IMRoPE sections 3/2/2/1 and "
+                                   Hybrid(4, 64, 2, 4, 16, n_nextn=1, rope_sections=(1, 1, 1, 1), pre="qwen35")),
+                             "a few MB for tests: qwen35moe, as tiny-qwen3next with IMRoPE sections 1/1/1/1 and "
                              "the pre-tokenizer qwen35", 1.0),
 }
 ARCHES = ("llama", "qwen3moe", "qwen2moe")
@@ -561,8 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m tools.make_moe", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Make a random-weight GGUF with llama.cpp's tensor names and metadata keys.",
-        epilog=f"presets:\n{presets}\n\nqwen3-next-80b is written as arch qwen2moe (shared expert with a sigmoid "
-               f"gate): the real\nqwen3next layers (Gated DeltaNet) are not supported by the engine yet.\n"
+        epilog=f"presets:\n{presets}\n\nqwen3-next-80b is Qwen3-Next's expert side as arch qwen2moe (shared expert "
+               f"with a sigmoid gate),\nwhich the CUDA engine runs; qwen3next-80b-a3b is the real architecture "
+               f"(Gated DeltaNet), CPU only so far.\n"
                f"Router rows have Zipf-like norms {ROUTER_NORM}/(rank+1)^s, a random rank order per layer; s\n"
                f"(--zipf-s) sets how skewed expert usage is. Per preset, s and the hit rate of a frequency-ranked\n"
                f"cache holding 25/41/50/67% of each layer's experts (python -m bench.routing --preset P\n"

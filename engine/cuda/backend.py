@@ -82,6 +82,9 @@ class CUDABackend(Backend):
         if opts.mmap_experts and opts.resident_budget_gib is not None:
             raise ValueError("--mmap-experts pins no expert and --resident-budget-gib pins some: give one of them")
         cfg = self.config
+        if cfg.is_hybrid:
+            raise ValueError(f"the CUDA backend has no Gated DeltaNet layers yet, which {cfg.arch} needs; "
+                             f"use --backend cpu")
         if cfg.head_dim_v != cfg.head_dim or cfg.head_dim % 32 or cfg.head_dim > 256:
             raise ValueError(f"the CUDA backend needs head_dim == head_dim_v, a multiple of 32 and <= 256 "
                              f"(this model: {cfg.head_dim}/{cfg.head_dim_v}); use --backend cpu")
