@@ -101,6 +101,8 @@ class TensorInfo:
     data: np.ndarray         # uint8 memmap of the raw bytes, shape (*shape[:-1], bytes per row)
     path: Path               # the file that holds it (a split set has several)
     offset: int              # absolute byte offset of the data in that file
+    fused_from: str = ""     # set on a view into a fused tensor (attn_qkv, ffn_gate_up_exps): rows are not one
+                             # contiguous range at `offset`; read them through `data`
 
     @property
     def nbytes(self) -> int:
@@ -319,6 +321,7 @@ class GGUFModel:
                 self._tensors[t.name] = TensorInfo(t.name, qt, shape, data, p, start)
         if not self._tensors:
             raise ModelError(f"{path.name} holds no tensors (a vocabulary-only GGUF?); point --model at a model")
+        _as_llama_cpp_loads(self)
         n_split = int(self.metadata.get("split.count", 1) or 1)
         if n_split != len(self.paths):
             raise ModelError(f"{path.name} says the model is split into {n_split} files but its name does not "
@@ -364,6 +367,67 @@ class GGUFModel:
         # The memmaps close when the last view of them goes; dropping ours is all that is safe to do here.
         self._tensors.clear()
         self._maps.clear()
+
+
+# Tensors whose llama.cpp shape has fewer dimensions than Hugging Face's: llama.cpp drops trailing unit dimensions
+# (ggml_n_dims), so llama-quantize'd files store qwen2moe's shared-expert gate [1, n_embd] as 1-D [n_embd]. Both
+# load here as the row matrix the HF shape is.
+_ROW_MATRICES = ("ffn_gate_inp_shexp.weight",)
+# Where llama.cpp's attn_qkv is the attention's q, k and v stacked (its create_tensor_qkv); the hybrid
+# architectures' attn_qkv (linear-attention mixing) means something else.
+_QKV_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+
+
+def _view(t: TensorInfo, name: str, shape: tuple[int, ...], data: np.ndarray, first_byte: int) -> TensorInfo:
+    return TensorInfo(name, t.qtype, shape, data, t.path, t.offset + first_byte, fused_from=t.name)
+
+
+def _as_llama_cpp_loads(model: "GGUFModel") -> None:
+    """Present the tensors as llama.cpp's loader takes them: row matrices 2-D, and fused attn_qkv (q, k, v rows
+    stacked, create_tensor_qkv) and ffn_gate_up_exps (per expert the gate rows, then the up rows,
+    create_tensor_gate_up_exps) as their separate parts, views of the same bytes (quant blocks never cross a
+    row, so a row range of a quantized matrix is itself a valid matrix)."""
+    ts, md = model._tensors, model.metadata
+    for name, t in list(ts.items()):
+        if name.endswith(_ROW_MATRICES) and len(t.shape) == 1:
+            ts[name] = TensorInfo(name, t.qtype, (1, t.shape[0]), t.data.reshape(1, -1), t.path, t.offset)
+    arch = md.get("general.architecture")
+    fused_qkv = [n for n in ts if n.endswith(("attn_qkv.weight", "attn_qkv.bias"))] if arch in _QKV_ARCHS else []
+    for name in fused_qkv:
+        t = ts.pop(name)
+        n_embd, n_head = md.get(f"{arch}.embedding_length"), md.get(f"{arch}.attention.head_count")
+        if not isinstance(n_embd, int) or not isinstance(n_head, int) or n_head <= 0:
+            raise ModelError(f"{model.path.name} has fused {name} but no head counts to split it by; damaged?")
+        n_kv = md.get(f"{arch}.attention.head_count_kv", n_head)
+        dk = md.get(f"{arch}.attention.key_length", n_embd // n_head)
+        dv = md.get(f"{arch}.attention.value_length", dk)
+        widths = (n_head * dk, n_kv * dk, n_kv * dv)
+        rows = t.shape[0]
+        if rows != sum(widths):
+            raise ModelError(f"{model.path.name}: {name} has {rows} rows, not q+k+v = {'+'.join(map(str, widths))}"
+                             f"; the file is damaged or its head counts are wrong")
+        start = 0
+        stem, suffix = name.rsplit("qkv.", 1)     # "blk.3.attn_", "weight" or "bias"
+        for part, width in zip("qkv", widths):
+            if len(t.shape) == 1:   # a bias: float elements
+                size = GGML_QUANT_SIZES[t.qtype][1]
+                data = t.data[start * size:(start + width) * size]
+                ts[f"{stem}{part}.{suffix}"] = _view(t, f"{stem}{part}.{suffix}", (width,), data, start * size)
+            else:
+                data = t.data[start:start + width]
+                ts[f"{stem}{part}.{suffix}"] = _view(t, f"{stem}{part}.{suffix}", (width, t.shape[1]), data,
+                                                     start * t.data.shape[1])
+            start += width
+    for name in [n for n in ts if n.endswith("ffn_gate_up_exps.weight")]:
+        t = ts.pop(name)
+        if len(t.shape) != 3 or t.shape[1] % 2:
+            raise ModelError(f"{model.path.name}: {name} has shape {t.shape}, not (experts, 2 x width, n_embd); "
+                             f"the file is damaged")
+        half = t.shape[1] // 2
+        stem = name[:-len("gate_up_exps.weight")]
+        for part, lo in (("gate", 0), ("up", half)):
+            ts[f"{stem}{part}_exps.weight"] = _view(t, f"{stem}{part}_exps.weight", (t.shape[0], half, t.shape[2]),
+                                                    t.data[:, lo:lo + half], lo * t.data.shape[2])
 
 
 def dequantize(data: np.ndarray, qtype: QT) -> np.ndarray:

@@ -20,7 +20,8 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.backend_cpu import CPUBackend
 from engine.gguf_model import ModelError, open_model
-from tools import hybrid_plan, make_moe
+from tools import make_moe
+from tools.recipes import Hparams, apply_recipe
 
 HERE = Path(__file__).resolve().parent / "fixtures" / "hybrid"
 ARCHS = ("qwen3next", "qwen35moe")
@@ -198,32 +199,27 @@ def test_a_file_without_its_ssm_keys_is_refused(tmp_path):
 
 # --- the generator ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,recipe_file", [("qwen3next", "tiny-qwen3next-q4_k_m.gguf"),
-                                              ("qwen35moe", "tiny-qwen35moe-q4_k_m.gguf")])
-def test_q4_k_m_plan_is_what_llama_quantize_wrote(name, recipe_file):
-    """The plan's names, shapes and Q4_K_M types equal those of llama-quantize's own Q4_K_M file of the tiny model."""
+@pytest.mark.parametrize("name,recipe", [("qwen3next", "q4_k_m"), ("qwen3next", "q3_k_m"), ("qwen35moe", "q4_k_m"),
+                                         ("qwen35moe", "iq4_xs")])
+def test_recipe_plan_is_what_llama_quantize_wrote(name, recipe):
+    """make_moe --recipe's names, shapes and types equal those of llama-quantize's own file of the tiny model."""
     shape = make_moe.PRESETS[f"tiny-{name}"].shape
-    shape = replace(shape, hybrid=replace(shape.hybrid, recipe="q4_k_m"))
-    types = {g: Q.Q4_K for g in ("experts", "shexp", "attn", "ffn", "embd", "output")} | {"norm": Q.F32}
-    specs = {t.name: t for t in make_moe.plan(shape, types, 1024)}
-    model = open_model(HERE / recipe_file)
-    assert set(specs) == set(model.tensor_names())
-    for n, t in specs.items():
-        assert (t.shape, t.qtype) == (model.tensor(n).shape, model.tensor(n).qtype), n
-    assert {t.qtype for t in specs.values()} >= {Q.Q4_K, Q.Q6_K, Q.F32}
-
-
-def test_use_more_bits_is_llama_quants():
-    # llama-quant.cpp: i < n/8 || i >= 7n/8 || (i - n/8) % 3 == 2; on 49 blocks (48 + an MTP block)
-    picked = [i for i in range(49) if hybrid_plan.use_more_bits(i, 49)]
-    assert picked[:8] == [0, 1, 2, 3, 4, 5, 8, 11] and picked[-7:] == [42, 43, 44, 45, 46, 47, 48]
+    types = {g: Q.F16 for g in ("experts", "shexp", "attn", "ffn", "embd", "output")} | {"norm": Q.F32}
+    specs = apply_recipe(make_moe.plan(shape, types, 1024), recipe,
+                         Hparams(shape.n_layer + shape.hybrid.n_nextn, shape.n_head, shape.n_head_kv, shape.n_expert))
+    model = open_model(HERE / f"tiny-{name}-{recipe}.gguf")
+    assert {t.name for t in specs} == set(model.tensor_names())
+    for t in specs:
+        got = model.tensor(t.name)
+        shape_got = got.shape[1:] if t.name.endswith("ffn_gate_inp_shexp.weight") else got.shape   # read as (1, n)
+        assert (t.shape, t.qtype) == (shape_got, got.qtype), t.name
 
 
 @pytest.mark.parametrize("preset,published_gb", [("qwen3next-80b-a3b", 48.4), ("qwen35moe-35b-a3b", 21.2)])
 def test_dry_run_is_within_5_percent_of_the_published_q4_k_m(capsys, preset, published_gb):
     # Published Q4_K_M GGUFs: Qwen3-Next-80B-A3B-Instruct 48.4 GB; Qwen3.5-35B-A3B 21.2 GB (the official one, as
     # the PrunedHub-Qwen3.5-35B-A3B model card quotes it). Ours carry an MTP block (~2% of the file) as well.
-    assert make_moe.main(["--preset", preset, "--dry-run"]) == 0
+    assert make_moe.main(["--preset", preset, "--recipe", "q4_k_m", "--dry-run"]) == 0
     out = capsys.readouterr().out
     total_mb = float(re.search(r"^total\s+\d+\s+([\d.]+)", out, re.M).group(1))
     assert abs(total_mb / 1000 - published_gb) <= 0.05 * published_gb, out

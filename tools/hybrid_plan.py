@@ -7,14 +7,14 @@ gate per head; q/k norms); every layer has post_attention_norm, routed experts, 
 sigmoid gate. n_nextn MTP blocks follow the trunk (block_count counts them): a gated-attention block with the same
 FFN plus nextn.eh_proj / enorm / hnorm / shared_head_norm, as the converter writes them for Qwen's MTP heads.
 
-Q4_K_M ("q4_k_m"): llama-quantize's per-tensor choice for that recipe (src/llama-quant.cpp), applied to the
-tensors whose group type is Q4_K: output Q6_K; attn_v and the GDN attn_qkv (both "attention-v-like", one per
-block) Q6_K on use_more_bits blocks; ffn_down_exps and ffn_down_shexp Q6_K on use_more_bits layers; norms, routers,
+make_moe --recipe (tools/recipes.py) gives llama-quantize's per-tensor types: for Q4_K_M, output Q6_K; attn_v and
+the GDN attn_qkv (both "attention-v-like", one per block) Q6_K on more-bits blocks; ffn_down_exps and
+ffn_down_shexp Q6_K on more-bits layers, counted over block_count (MTP blocks included); norms, routers,
 ssm_conv1d, ssm_a, ssm_dt and the shared-expert gate stay F32 (1-D, or never quantized).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q, GGUFValueType
@@ -32,18 +32,12 @@ class Hybrid:
     n_nextn: int = 0            # MTP blocks after the trunk
     full_attn_interval: int = 4
     rope_sections: tuple = ()   # qwen35moe's IMRoPE sections
-    recipe: str | None = None   # "q4_k_m": llama-quantize's per-layer types (see the module docstring)
     n_vocab: int = 0            # pad the vocabulary to this size (0: as it is), as the converter pads HF's
     pre: str | None = None      # tokenizer.ggml.pre to write instead of the vocabulary's
 
 
 def is_recurrent(h: Hybrid, n_layer: int, il: int) -> bool:
     return il < n_layer and (il + 1) % h.full_attn_interval != 0
-
-
-def use_more_bits(i: int, n: int) -> bool:
-    """llama-quant.cpp's choice of the blocks that get more bits in the _M recipes."""
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
 def plan(shape, types: dict, n_vocab: int, spec_cls) -> list:
@@ -99,29 +93,7 @@ def plan(shape, types: dict, n_vocab: int, spec_cls) -> list:
             add("nextn.enorm.weight", (E,), "norm", "norm")
             add("nextn.hnorm.weight", (E,), "norm", "norm")
             add("nextn.shared_head_norm.weight", (E,), "norm", "norm")
-    if h.recipe == "q4_k_m":
-        specs = q4_k_m(specs, n_all)
-    elif h.recipe is not None:
-        raise ValueError(f"unknown recipe {h.recipe!r}")
     return specs
-
-
-def q4_k_m(specs: list, n_all: int) -> list:
-    n_wv = sum(1 for t in specs if t.name.endswith(("attn_v.weight", "attn_qkv.weight")))
-    i_wv, out = 0, []
-    for t in specs:
-        q = t.qtype
-        if q == Q.Q4_K:
-            if t.name == "output.weight":
-                q = Q.Q6_K
-            elif t.name.endswith(("attn_v.weight", "attn_qkv.weight")):
-                q = Q.Q6_K if use_more_bits(i_wv, n_wv) else q
-            elif t.name.endswith(("ffn_down_exps.weight", "ffn_down_shexp.weight")):
-                q = Q.Q6_K if use_more_bits(t.layer, n_all) else q
-        if t.name.endswith(("attn_v.weight", "attn_qkv.weight")):
-            i_wv += 1
-        out.append(replace(t, qtype=q))
-    return out
 
 
 def init_values(init: str, n: int, rng: np.random.Generator) -> np.ndarray | None:

@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType as Q, GGUFValueType, MODEL_TENSOR as MT
 from engine.gguf_model import ModelError, read_header
 from tools import hybrid_plan
 from tools.hybrid_plan import Hybrid
+from tools.recipes import RECIPES, Hparams, apply_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB_DIR = ROOT.parent / "shared" / "fixtures" / "vocab"
@@ -180,22 +181,22 @@ PRESETS: dict[str, Preset] = {
                                    False, "ggml-vocab-qwen2.gguf"),
                              "Qwen3-Next-80B-A3B's expert shapes as arch qwen2moe: 48 layers, hidden 2048, 8/2 "
                              "heads of 256, 512 experts (10 used) of width 512 plus a shared expert of 512", 0.12),
-    # The Gated DeltaNet hybrids at their published configs' shapes (tools/hybrid_plan.py), with an MTP block and
-    # llama-quantize's Q4_K_M per-layer types; zipf-s not yet calibrated by bench.routing (0.12 as qwen3-next-80b's
-    # 512 experts, 0.15 for 256).
+    # The Gated DeltaNet hybrids at their published configs' shapes (tools/hybrid_plan.py), with an MTP block
+    # (--recipe q4_k_m gives the published files' per-layer types); zipf-s not yet calibrated by bench.routing (0.12
+    # as qwen3-next-80b's 512 experts, 0.15 for 256).
     "qwen3next-80b-a3b": Preset(Shape("qwen3next", 48, 2048, 16, 2, 256, 5120, 512, 10, 512, 512, 262144, 1e7, 1e-6,
                                       False, "ggml-vocab-qwen2.gguf",
-                                      Hybrid(4, 128, 16, 32, 64, n_nextn=1, recipe="q4_k_m")),
+                                      Hybrid(4, 128, 16, 32, 64, n_nextn=1)),
                                 "Qwen3-Next-80B-A3B (qwen3next): 48 layers (36 GDN of 16/32 heads of 128, 12 gated "
                                 "attention of 16/2 heads of 256), 512 experts (10 used) of 512 plus a shared one, "
-                                "1 MTP block, Q4_K_M", 0.12),
+                                "1 MTP block", 0.12),
     "qwen35moe-35b-a3b": Preset(Shape("qwen35moe", 40, 2048, 16, 2, 256, 0, 256, 8, 512, 512, 262144, 1e7, 1e-6,
                                       False, "ggml-vocab-qwen2.gguf",
                                       Hybrid(4, 128, 16, 32, 64, n_nextn=1, rope_sections=(11, 11, 10, 0),
-                                             recipe="q4_k_m", n_vocab=248320, pre="qwen35")),
+                                             n_vocab=248320, pre="qwen35")),
                                 "Qwen3.5-35B-A3B (qwen35moe): 40 layers (30 GDN, 10 gated attention with IMRoPE), "
                                 "256 experts (8 used) of 512 plus a shared one, 1 MTP block, the Qwen2 vocabulary "
-                                "padded to 248320, Q4_K_M", 0.15),
+                                "padded to 248320", 0.15),
     # Tiny ones for tests: every width a multiple of 256 (K-quant rows), 4 experts (llama-quantize treats 8 apart),
     # RoPE base 1e4 so that most of the 8 rotary pairs turn visibly within a 300-token prompt (at 1e7 only 3 do);
     # tiny-qwen35moe's IMRoPE sections 1/1/1/1 put pairs 3 and 7 in the fourth section, which text keeps still.
@@ -209,7 +210,7 @@ PRESETS: dict[str, Preset] = {
                              "a few MB for tests: qwen35moe, as tiny-qwen3next with IMRoPE sections 1/1/1/1 and "
                              "the pre-tokenizer qwen35", 1.0),
 }
-ARCHES = ("llama", "qwen3moe", "qwen2moe")
+ARCHES = ("llama", "qwen3moe", "qwen2moe", "qwen3", "qwen2")   # qwen3/qwen2: dense
 
 # Weight scales. Matrices: RMS 1/sqrt(n_in), so x@W keeps a unit-RMS input at unit RMS. The embedding and the
 # output head: RMS 2/sqrt(n_embd), so the logits after the final norm spread with a standard deviation of ~2,
@@ -280,13 +281,13 @@ def plan(shape: Shape, types: dict[str, Q], n_vocab: int) -> list[TensorSpec]:
 
         add(MT.ATTN_NORM, (s.n_embd,), "norm", "norm")
         add(MT.FFN_NORM, (s.n_embd,), "norm", "norm")
-        if s.arch == "qwen3moe":
+        if s.arch in ("qwen3moe", "qwen3"):
             add(MT.ATTN_Q_NORM, (s.head_dim,), "norm", "norm")
             add(MT.ATTN_K_NORM, (s.head_dim,), "norm", "norm")
         add(MT.ATTN_Q, (q_dim, s.n_embd), "attn", "matrix")
         add(MT.ATTN_K, (kv_dim, s.n_embd), "attn", "matrix")
         add(MT.ATTN_V, (kv_dim, s.n_embd), "attn", "matrix")
-        if s.arch == "qwen2moe":
+        if s.arch in ("qwen2moe", "qwen2"):
             add(MT.ATTN_Q, (q_dim,), "bias", "bias", bias=True)
             add(MT.ATTN_K, (kv_dim,), "bias", "bias", bias=True)
             add(MT.ATTN_V, (kv_dim,), "bias", "bias", bias=True)
@@ -322,7 +323,7 @@ def _router_norms(shape: Shape, layer: int, seed: int, zipf_s: float) -> np.ndar
 
 def _attn_gain(spec: TensorSpec, shape: Shape, attn_gain: float) -> float:
     """What --attn-gain multiplies this tensor by: qwen3moe's q/k norms, or the other archs' q/k projections."""
-    if shape.arch in ("qwen3moe",) + hybrid_plan.HYBRID_ARCHS:
+    if shape.arch in ("qwen3moe", "qwen3") + hybrid_plan.HYBRID_ARCHS:
         kinds = (MT.ATTN_Q_NORM, MT.ATTN_K_NORM)
     else:
         kinds = (MT.ATTN_Q, MT.ATTN_K)
@@ -449,7 +450,8 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
     if s.arch == "llama":
         w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType[_FILE_TYPE[file_qtype]])
+    # file_qtype: a type (uniform files) or a llama_ftype name (a --recipe's, e.g. MOSTLY_Q4_K_M)
+    w.add_file_type(gguf.LlamaFileType[file_qtype if isinstance(file_qtype, str) else _FILE_TYPE[file_qtype]])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, value, types in vocab:
         if key == "tokenizer.chat_template" and chat_template is not None:
@@ -598,6 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
                          f"from all routing alike (see below)")
     ap.add_argument("--threads", type=int, help="generator threads (default: CPU count, at most 16)")
     ap.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
+    ap.add_argument("--recipe", choices=sorted(RECIPES),
+                    help="every tensor's type as llama-quantize's recipe would give it (tools/recipes.py: Q6_K "
+                         "ffn_down on Q4_K_M's more-bits layers, ...), instead of the per-class types below")
     for group, default, what in (("experts", "Q4_K", "the routed experts, ffn_{gate,up,down}_exps"),
                                  ("shexp", "Q4_K", "qwen2moe's shared expert, ffn_{gate,up,down}_shexp"),
                                  ("attn", "Q4_K", "attn_q/k/v/output"),
@@ -615,6 +620,8 @@ def resolve_shape(args: argparse.Namespace) -> Shape:
         s = replace(s, arch=args.arch)
         if args.arch == "llama" and args.n_expert is None:
             s = replace(s, n_expert=0, n_expert_used=0, rope_base=10000.0)   # llama means dense unless asked
+        if args.arch in ("qwen3", "qwen2"):
+            s = replace(s, n_expert=0, n_expert_used=0)
     if args.n_layer is not None:
         s = replace(s, n_layer=args.n_layer)
     if args.n_expert is not None:
@@ -625,7 +632,9 @@ def resolve_shape(args: argparse.Namespace) -> Shape:
         s = replace(s, tied=args.tied)
     if args.vocab:
         s = replace(s, vocab=args.vocab)
-    if s.arch != "llama" and s.n_expert == 0:
+    if s.arch in ("qwen3", "qwen2") and s.n_expert:
+        raise SystemExit(f"make_moe: arch {s.arch} is dense; use {s.arch}moe for experts")
+    if s.arch in ("qwen3moe", "qwen2moe") and s.n_expert == 0:
         raise SystemExit(f"make_moe: arch {s.arch} needs experts; pass --n-expert N (or --arch llama for dense)")
     if s.arch == "qwen2moe" and s.tied:
         raise SystemExit("make_moe: llama.cpp's qwen2moe needs output.weight; drop --tied for arch qwen2moe")
@@ -663,6 +672,10 @@ def main(argv: list[str] | None = None) -> int:
     if types["norm"] not in FLOAT_TYPES:
         raise SystemExit(f"make_moe: --norm must be F32, F16 or BF16 (norms are 1-D), not {types['norm'].name}")
     specs = plan(shape, types, n_vocab)
+    if args.recipe:
+        # llama.cpp counts a hybrid's MTP blocks among the layers (n_layer_all) when it picks ffn_down's types
+        n_all = shape.n_layer + (shape.hybrid.n_nextn if shape.hybrid else 0)
+        specs = apply_recipe(specs, args.recipe, Hparams(n_all, shape.n_head, shape.n_head_kv, shape.n_expert))
     for t in specs:
         block = gguf.GGML_QUANT_SIZES[t.qtype][0]
         if t.shape[-1] % block:
@@ -685,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             raise SystemExit(f"make_moe: cannot read --chat-template {args.chat_template}: {e.strerror}")
     file_qtype = types["experts"] if shape.n_expert else types["ffn"]
+    if args.recipe:
+        file_qtype = RECIPES[args.recipe][0]
     name = f"strata-random-{args.preset}-{shape.arch}"
     write_model(args.out, shape, specs, vocab, name, file_qtype, args.seed, zipf_s(args), template, args.threads,
                 attn_gain=args.attn_gain)
