@@ -8,7 +8,9 @@ measured distance of that. Every prompt set has one of 300 tokens, longer than t
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import re
 from dataclasses import replace
@@ -21,25 +23,45 @@ from gguf import GGMLQuantizationType as Q
 from engine.backend_cpu import CPUBackend
 from engine.gguf_model import ModelError, open_model
 from tools import make_moe
+from tools.hybrid_refs import exact_logits
 from tools.recipes import Hparams, apply_recipe
 
 HERE = Path(__file__).resolve().parent / "fixtures" / "hybrid"
 ARCHS = ("qwen3next", "qwen35moe")
 QUANTIZED = ("qwen3next-q4_k_m", "qwen3next-q3_k_m", "qwen35moe-q4_k_m", "qwen35moe-iq4_xs")
-F16_FLAGS = ["--experts", "F16", "--shexp", "F16", "--attn", "F16", "--embd", "F16", "--output", "F16"]
+
+# F16: DESIGN section 7's architecture check (median 0.05, greedy equal), and a bound from what was measured on
+# these prompts (medians 0.0020-0.0023, max 0.014) that catches what 0.05 lets through: turning IMRoPE's still
+# pairs as plain neox moves tiny-qwen35moe's median to 0.012.
+F16_MEDIAN, F16_MEDIAN_MEASURED = 0.05, 0.006
+# Exact arithmetic: the CPU backend (float32) against the fixture's float64 logits (exact_top, exact_at_top: the
+# same forward in float64 when the fixture was made); measured max 2.8e-5.
+EXACT_MAX = 1e-3
+# Quantized, llama.cpp against exact: it rounds activations to 8 bits before quantized dot products and a recurrent
+# state carries each difference on; measured on these files (llama_vs_exact in each JSON) medians 0.12-0.18, up to
+# 4% of steps off by more than 1 on average, top-1 agreeing on 21/23-22/23 of each file's steps with margin >= 0.5.
+Q_MEDIAN, Q_OVER1, Q_CLEAR, Q_AGREE = 0.4, 0.15, 0.5, 0.8
 
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def load(name: str) -> dict:
+    return json.loads((HERE / f"tiny-{name}.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def f16_models(tmp_path_factory):
+    """The F16 models the F16 references were made on, written again by make_moe with the fixtures' arguments."""
     d = tmp_path_factory.mktemp("hybrid")
     out = {}
     for arch in ARCHS:
+        ref = load(f"{arch}-f16")
+        assert ref["source"][0] == "python -m tools.make_moe"
         path = d / f"tiny-{arch}-f16.gguf"
-        make_moe.main(["--preset", f"tiny-{arch}", *F16_FLAGS, "--out", str(path)])
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            make_moe.main([*ref["source"][1:], "--out", str(path)])
         out[arch] = path
     return out
 
@@ -52,55 +74,68 @@ def teacher_forced(be: CPUBackend, case) -> np.ndarray:
     return np.array(rows)
 
 
-def top10_diffs(case, rows) -> np.ndarray:
-    return np.array([np.abs(r[[i for i, _ in s["top"]]] - np.array([v for _, v in s["top"]]))
+def diffs(case, rows, key="top") -> np.ndarray:
+    """|ours - theirs| at each step's top-10 ids: llama.cpp's ("top"), or exact arithmetic's own ("exact_top")."""
+    return np.array([np.abs(r[[i for i, _ in s[key]]] - np.array([v for _, v in s[key]]))
                      for r, s in zip(rows, case["steps"], strict=True)])
+
+
+def exact_diffs(case, rows) -> np.ndarray:
+    at_llama = np.array([np.abs(r[[i for i, _ in s["top"]]] - np.array(s["exact_at_top"]))
+                         for r, s in zip(rows, case["steps"], strict=True)])
+    return np.concatenate([diffs(case, rows, "exact_top"), at_llama], axis=1)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_f16_agrees_with_llama_cpp(f16_models, arch):
-    ref = json.loads((HERE / f"tiny-{arch}-f16.json").read_text())
+    ref = load(f"{arch}-f16")
     path = f16_models[arch]
     assert sha256(path) == ref["model_sha256"], (
-        f"make_moe no longer writes the file the references were made on ({ref['model_made_by']}); make them "
-        f"again with python -m tools.hybrid_refs (its docstring says how)")
+        f"make_moe no longer writes the file the references were made on ({' '.join(ref['source'])}); make them "
+        f"again: STRATA_LLAMA_PYTHON=... python -m tools.hybrid_refs")
     be = CPUBackend(open_model(path), 1024)
     assert any(len(c["prompt_ids"]) > be.prompt_chunk_size() for c in ref["cases"])
     for case in ref["cases"]:
         rows = teacher_forced(be, case)
-        med = float(np.median(top10_diffs(case, rows)))
-        assert med <= ref["tolerance"]["median_abs_logit_diff_at_most"], f"median |logit diff| {med:.4f}"
-        assert med <= ref["tolerance"]["median_abs_logit_diff_measured_bound"], f"median |logit diff| {med:.4f}"
+        med = float(np.median(diffs(case, rows)))
+        assert med <= F16_MEDIAN and med <= F16_MEDIAN_MEASURED, f"median |logit diff| {med:.4f}"
         # teacher forcing along llama.cpp's greedy ids is our own greedy run exactly when every argmax is theirs
         assert [int(np.argmax(r)) for r in rows] == case["greedy_ids"]
+        assert exact_diffs(case, rows).max() <= EXACT_MAX
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_quantized_equals_exact_arithmetic_and_llama_cpp_is_near(name):
-    ref = json.loads((HERE / f"tiny-{name}.json").read_text())
-    tol = ref["tolerance"]
+    ref = load(name)
     path = HERE / f"tiny-{name}.gguf"
     assert sha256(path) == ref["model_sha256"]
     be = CPUBackend(open_model(path), 1024)
+    assert any(len(c["prompt_ids"]) > be.prompt_chunk_size() for c in ref["cases"])
     agree = clear = 0
     for case in ref["cases"]:
         rows = teacher_forced(be, case)
-        # the same forward in float64 throughout, on its own cache
-        cache = be.net.new_cache(1024, np.float64)
-        exact = [be.net.forward(np.array(case["prompt_ids"]), 0, cache, False)]
-        for i, t in enumerate(case["greedy_ids"][:-1]):
-            exact.append(be.net.forward(np.array([t]), len(case["prompt_ids"]) + i, cache, False))
-        exact = np.array(exact)
-        assert exact.dtype == np.float64
-        assert np.abs(rows - exact).max() <= tol["exact_max_abs_diff_at_most"]
-        diffs = top10_diffs(case, exact)
-        assert np.median(diffs) <= tol["median_abs_logit_diff_at_most"]
-        assert np.mean(diffs.mean(axis=1) > 1.0) <= tol["share_of_steps_over_1_at_most"]
-        for r, s in zip(exact, case["steps"]):
-            if s["margin"] >= tol["top1_equal_where_margin_at_least"]:
+        assert exact_diffs(case, rows).max() <= EXACT_MAX
+        # llama.cpp within its own measured distance of exact arithmetic (ours, at exact's precision)
+        d = diffs(case, rows)
+        assert np.median(d) <= Q_MEDIAN
+        assert np.mean(d.mean(axis=1) > 1.0) <= Q_OVER1
+        for r, s in zip(rows, case["steps"]):
+            if s["margin"] >= Q_CLEAR:
                 clear += 1
                 agree += int(np.argmax(r)) == s["top"][0][0]
-    assert agree >= tol["share_of_such_steps_that_must_agree"] * clear, f"top-1 agrees on {agree}/{clear} clear steps"
+    assert agree >= Q_AGREE * clear, f"top-1 agrees on {agree}/{clear} clear steps"
+
+
+def test_the_float64_forward_is_what_the_fixtures_call_exact():
+    """The exact numbers in the fixtures are this engine's forward in float64 (tools.hybrid_refs.exact_logits)."""
+    ref = load("qwen35moe-q4_k_m")
+    case = ref["cases"][1]
+    ids = case["prompt_ids"] + case["greedy_ids"][:-1]
+    logits = exact_logits(HERE / "tiny-qwen35moe-q4_k_m.gguf", ids)[len(case["prompt_ids"]) - 1:]
+    assert logits.dtype == np.float64
+    got = np.array([[row[i] for i, _ in s["exact_top"]] for row, s in zip(logits, case["steps"])])
+    want = np.array([[v for _, v in s["exact_top"]] for s in case["steps"]])
+    assert np.abs(got - want).max() < 1e-4      # the JSON keeps 5 decimals
 
 
 @pytest.fixture(scope="module")
