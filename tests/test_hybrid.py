@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from engine.arch.qwen3next import delta_rule, delta_rule_chunk
 from engine.backend_cpu import CPUBackend
 from engine.gguf_model import ModelError, open_model
 from tools import make_moe
@@ -136,6 +137,22 @@ def test_the_float64_forward_is_what_the_fixtures_call_exact():
     got = np.array([[row[i] for i, _ in s["exact_top"]] for row, s in zip(logits, case["steps"])])
     want = np.array([[v for _, v in s["exact_top"]] for s in case["steps"]])
     assert np.abs(got - want).max() < 1e-4      # the JSON keeps 5 decimals
+
+
+@pytest.mark.parametrize("T,H,D", [(1, 2, 4), (7, 3, 8), (64, 4, 16), (50, 2, 32)])
+def test_chunked_delta_rule_equals_token_by_token(T, H, D):
+    rng = np.random.default_rng([T, H, D])
+    q, v = (rng.standard_normal((T, H, D)).astype(np.float32) for _ in range(2))
+    k = rng.standard_normal((T, H, D))
+    k = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32)     # l2-normed, as the GDN's keys
+    g = -rng.uniform(0.01, 3.0, (T, H)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (T, H)).astype(np.float32)
+    S = rng.standard_normal((H, D, D)).astype(np.float32)
+    o1, S1 = delta_rule(q, k, v, g, beta, S)
+    o2, S2 = delta_rule_chunk(q, k, v, g, beta, S)
+    assert o2.dtype == np.float32 and S2.dtype == np.float32
+    assert np.abs(o1 - o2).max() < 1e-4 * max(1.0, np.abs(o1).max())
+    assert np.abs(S1 - S2).max() < 1e-4 * max(1.0, np.abs(S1).max())
 
 
 @pytest.fixture(scope="module")
