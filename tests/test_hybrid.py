@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from engine.arch.qwen3next import delta_rule, delta_rule_chunk
 from engine.backend_cpu import CPUBackend
 from engine.gguf_model import ModelError, open_model
-from tools import make_moe
+from tools import hybrid_plan, llama_ref, make_moe
 from tools.hybrid_refs import exact_logits
 from tools.recipes import Hparams, apply_recipe
 
@@ -136,6 +137,22 @@ def test_the_float64_forward_is_what_the_fixtures_call_exact():
     got = np.array([[row[i] for i, _ in s["exact_top"]] for row, s in zip(logits, case["steps"])])
     want = np.array([[v for _, v in s["exact_top"]] for s in case["steps"]])
     assert np.abs(got - want).max() < 1e-4      # the JSON keeps 5 decimals
+
+
+@pytest.mark.parametrize("T,H,D", [(1, 2, 4), (7, 3, 8), (64, 4, 16), (50, 2, 32)])
+def test_chunked_delta_rule_equals_token_by_token(T, H, D):
+    rng = np.random.default_rng([T, H, D])
+    q, v = (rng.standard_normal((T, H, D)).astype(np.float32) for _ in range(2))
+    k = rng.standard_normal((T, H, D))
+    k = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32)     # l2-normed, as the GDN's keys
+    g = -rng.uniform(0.01, 3.0, (T, H)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (T, H)).astype(np.float32)
+    S = rng.standard_normal((H, D, D)).astype(np.float32)
+    o1, S1 = delta_rule(q, k, v, g, beta, S)
+    o2, S2 = delta_rule_chunk(q, k, v, g, beta, S)
+    assert o2.dtype == np.float32 and S2.dtype == np.float32
+    assert np.abs(o1 - o2).max() < 1e-4 * max(1.0, np.abs(o1).max())
+    assert np.abs(S1 - S2).max() < 1e-4 * max(1.0, np.abs(S1).max())
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +276,24 @@ def test_dry_run_is_within_5_percent_of_the_published_q4_k_m(capsys, preset, pub
     total_mb = float(re.search(r"^total\s+\d+\s+([\d.]+)", out, re.M).group(1))
     assert abs(total_mb / 1000 - published_gb) <= 0.05 * published_gb, out
     assert re.search(r"^mtp\s+20\s", out, re.M), out
+
+
+@pytest.mark.parametrize("preset", ["qwen3next-80b-a3b", "qwen35moe-35b-a3b"])
+def test_full_size_recipe_equals_llama_quantize_and_its_loader_takes_the_keys(tmp_path, preset):
+    """At the real shapes: llama-quantize's --dry-run (which loads the hyperparameters through llama.cpp's
+    qwen3next / qwen35moe loader, so every required key must be there) gives each tensor make_moe's Q4_K_M type."""
+    why = llama_ref.available()
+    if why:
+        pytest.skip(f"needs llama.cpp's CPU wheel: {why}")
+    src = llama_ref.header_only_source(tmp_path / "hdr.gguf", ["--preset", preset])
+    theirs = llama_ref.planned_types(src, "q4_k_m")
+    shape = make_moe.PRESETS[preset].shape
+    vocab = hybrid_plan.adjust_vocab(make_moe.read_vocab(make_moe._resolve_vocab(shape.vocab)), shape.hybrid)
+    n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
+    types = {g: Q.F16 for g in ("experts", "shexp", "attn", "ffn", "embd", "output")} | {"norm": Q.F32}
+    hp = Hparams(shape.n_layer + shape.hybrid.n_nextn, shape.n_head, shape.n_head_kv, shape.n_expert)
+    ours = {t.name: t.qtype.name for t in apply_recipe(make_moe.plan(shape, types, n_vocab), "q4_k_m", hp)}
+    assert ours == theirs
 
 
 def test_tiny_hybrid_written_by_make_moe_opens_and_runs(f16_models):

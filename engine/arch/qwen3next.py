@@ -31,6 +31,8 @@ import numpy as np
 from engine.arch.base import KVCache, Transformer, apply_rope, moe_ffn, rms_norm, route, silu, softmax, swiglu
 from engine.gguf_model import ModelError
 
+CHUNK = 64      # tokens per chunk of the prompt-side delta rule
+
 # --- configuration and tensors ---------------------------------------------------------------------------------
 
 
@@ -200,6 +202,29 @@ def delta_rule(q, k, v, g, beta, S):
     return o, S
 
 
+def delta_rule_chunk(q, k, v, g, beta, S):
+    """The same recurrence over a whole chunk at once (tests show it equal to delta_rule), with matrix products.
+
+    Unrolled, the state after token t is S_t = G_t S + sum_{s<=t} (G_t/G_s) u_s k_s^T, G_t = exp(g_1 + ... + g_t),
+    where u_s = beta_s (v_s - S~ k_s) is what token s writes, S~ the decayed state it reads. Those u solve one
+    unit lower-triangular system, (I + A) u = beta (v - G S k) with A[t,s] = beta_t (G_t/G_s) k_t.k_s for s < t,
+    and then o_t = G_t S q_t + sum_{s<=t} (G_t/G_s) (q_t.k_s) u_s. Every G_t/G_s used has s <= t, so it is <= 1.
+    """
+    qh, kh, vh = (a.transpose(1, 0, 2) for a in (q, k, v))          # (H, T, D)
+    cg = np.cumsum(g.T, axis=1)                                      # (H, T): log G_t
+    T = qh.shape[1]
+    lower = np.tril(np.ones((T, T), dtype=bool))
+    decay = np.exp(np.where(lower, cg[:, :, None] - cg[:, None, :], -np.inf))    # (H, T, T): G_t/G_s, s <= t
+    b = beta.T[:, :, None]
+    A = b * decay * (kh @ kh.transpose(0, 2, 1)) * ~np.eye(T, dtype=bool)
+    rhs = b * (vh - np.exp(cg)[:, :, None] * (kh @ S.transpose(0, 2, 1)))
+    u = np.linalg.solve(np.eye(T) + A, rhs)
+    o = np.exp(cg)[:, :, None] * (qh @ S.transpose(0, 2, 1)) + (decay * (qh @ kh.transpose(0, 2, 1))) @ u
+    tail = np.exp(cg[:, -1:] - cg)[:, :, None]                       # G_T/G_s
+    S = np.exp(cg[:, -1])[:, None, None] * S + (tail * u).transpose(0, 2, 1) @ kh
+    return o.transpose(1, 0, 2).astype(v.dtype), S.astype(v.dtype)
+
+
 class Qwen3Next(Transformer):
     recurrent = True
 
@@ -271,7 +296,15 @@ class Qwen3Next(Transformer):
         else:                         # value head h reads key head h // r
             q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)
         q = q * np.float32(1.0 / math.sqrt(D))
-        o, cache.delta[il] = delta_rule(q, k, v, g, beta, cache.delta[il])
+        if T == 1:
+            o, cache.delta[il] = delta_rule(q, k, v, g, beta, cache.delta[il])
+        else:   # prompts: chunks of CHUNK tokens (llama.cpp's own size), each a few matrix products
+            outs = []
+            for s in range(0, T, CHUNK):
+                part, cache.delta[il] = delta_rule_chunk(q[s:s + CHUNK], k[s:s + CHUNK], v[s:s + CHUNK],
+                                                         g[s:s + CHUNK], beta[s:s + CHUNK], cache.delta[il])
+                outs.append(part)
+            o = np.concatenate(outs)
         o = rms_norm(o, w.get(b + "ssm_norm.weight"), cfg.rms_eps) * silu(z)
         return o.reshape(T, Hv * D) @ w.get(b + "ssm_out.weight").T
 
