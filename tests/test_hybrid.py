@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.arch.qwen3next import delta_rule, delta_rule_chunk
 from engine.backend_cpu import CPUBackend
-from engine.gguf_model import ModelError, open_model
+from engine.gguf_model import ModelError, open_model, read_header
 from tools import hybrid_plan, llama_ref, make_moe
 from tools.hybrid_refs import exact_logits
 from tools.recipes import Hparams, apply_recipe
@@ -223,6 +223,17 @@ def test_truncate_zero_is_a_cold_start(q4):
     be.forward(list(range(7)))
     be.truncate(0)
     assert np.array_equal(be.forward(prompt), cold)
+
+
+def test_fused_gate_up_experts_give_the_same_logits(tmp_path):
+    """A hybrid file whose experts' gate and up are one ffn_gate_up_exps tensor (llama.cpp loads both forms)."""
+    from tools.fuse_tensors import fuse
+    src = HERE / "tiny-qwen3next-q4_k_m.gguf"
+    fused = fuse(src, tmp_path / "fused.gguf", qkv=False, gate_up=True)
+    assert "blk.0.ffn_gate_up_exps.weight" in {t.name for t in read_header(fused).tensors}
+    prompt = list(range(3, 40))
+    plain = CPUBackend(open_model(src), 64).forward(prompt)
+    assert np.array_equal(CPUBackend(open_model(fused), 64).forward(prompt), plain)
 
 
 def test_config_reads_the_hybrid_keys():

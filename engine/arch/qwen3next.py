@@ -111,10 +111,11 @@ def check_tensors(model) -> None:
         if cfg.recurrent_layers[il] and model.has(f"blk.{il}.ssm_in.weight"):
             raise ModelError(f"{name} stores its GDN projections in the legacy ssm_in tensor; convert the model "
                              f"again with a current llama.cpp (which writes attn_qkv and attn_gate)")
-        fused_attn = not cfg.recurrent_layers[il] and model.has(f"blk.{il}.attn_qkv.weight")
-        if fused_attn or model.has(f"blk.{il}.ffn_gate_up_exps.weight"):
-            raise ModelError(f"{name} fuses tensors this engine reads apart (ffn_gate_up_exps or an attention "
-                             f"attn_qkv); convert it without fusing")
+        # (a fused ffn_gate_up_exps is split on loading, engine/gguf_model.py; a gated attention layer's fused
+        # attn_qkv is not, since a GDN layer's attn_qkv means something else)
+        if not cfg.recurrent_layers[il] and model.has(f"blk.{il}.attn_qkv.weight"):
+            raise ModelError(f"{name} fuses attention layer {il}'s q, k and v into attn_qkv, which this engine reads "
+                             f"apart only for plain attention; convert it without fusing")
         for suffix, want in expected_tensors(cfg, il).items():
             t = model.tensor(f"blk.{il}.{suffix}")
             shape = t.shape[1:] if suffix == "ffn_gate_inp_shexp.weight" and t.shape[:1] == (1,) else t.shape
