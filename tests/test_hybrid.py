@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.arch.qwen3next import delta_rule, delta_rule_chunk
 from engine.backend_cpu import CPUBackend
-from engine.gguf_model import ModelError, open_model
+from engine.gguf_model import ModelError, open_model, read_header
 from tools import hybrid_plan, llama_ref, make_moe
 from tools.hybrid_refs import exact_logits
 from tools.recipes import Hparams, apply_recipe
@@ -223,6 +223,71 @@ def test_truncate_zero_is_a_cold_start(q4):
     be.forward(list(range(7)))
     be.truncate(0)
     assert np.array_equal(be.forward(prompt), cold)
+
+
+def test_fused_gate_up_experts_give_the_same_logits(tmp_path):
+    """A hybrid file whose experts' gate and up are one ffn_gate_up_exps tensor (llama.cpp loads both forms)."""
+    from tools.fuse_tensors import fuse
+    src = HERE / "tiny-qwen3next-q4_k_m.gguf"
+    fused = fuse(src, tmp_path / "fused.gguf", qkv=False, gate_up=True)
+    assert "blk.0.ffn_gate_up_exps.weight" in {t.name for t in read_header(fused).tensors}
+    prompt = list(range(3, 40))
+    plain = CPUBackend(open_model(src), 64).forward(prompt)
+    assert np.array_equal(CPUBackend(open_model(fused), 64).forward(prompt), plain)
+
+
+def to_legacy_ssm_in(src: Path, dst: Path) -> Path:
+    """Rewrite a qwen3next GGUF as llama.cpp's first converter wrote it: each GDN layer's attn_qkv and attn_gate
+    rows as one ssm_in, grouped per key head [q, k, v of its value heads, z of them] (rows copied, not requantized)."""
+    import gguf
+    from gguf import GGUFValueType
+    h = read_header(src)
+    model = open_model(src)
+    cfg = model.config
+    D, Hk, r = cfg.ssm_state, cfg.ssm_k_heads, cfg.ssm_v_heads // cfg.ssm_k_heads
+    w = gguf.GGUFWriter(dst, "qwen3next")
+    for key, value in h.metadata.items():
+        if key not in ("general.architecture", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"):
+            t = h.types[key]
+            w.add_key_value(key, value, t[0], sub_type=t[1] if t[0] == GGUFValueType.ARRAY else None)
+    for raw in h.tensors:
+        name = raw.name
+        if name.endswith("attn_gate.weight"):
+            continue
+        t = model.tensor(name)
+        data = np.asarray(t.data).reshape(*raw.dims[::-1][:-1], -1) if len(raw.dims) > 1 else np.asarray(t.data)
+        if name.endswith("attn_qkv.weight"):
+            gate = model.tensor(name.replace("attn_qkv", "attn_gate"))
+            assert gate.qtype == t.qtype
+            qkv, z = np.asarray(t.data), np.asarray(gate.data)
+            q, k, v = qkv[:Hk * D], qkv[Hk * D:2 * Hk * D], qkv[2 * Hk * D:]
+            data = np.concatenate([np.concatenate([q[i * D:(i + 1) * D], k[i * D:(i + 1) * D],
+                                                   v[i * r * D:(i + 1) * r * D], z[i * r * D:(i + 1) * r * D]])
+                                   for i in range(Hk)])
+            name = name.replace("attn_qkv", "ssm_in")
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_legacy_ssm_in_files_give_the_same_logits_here_and_in_llama_cpp(f16_models, tmp_path):
+    """Qwen3-Next GGUFs from llama.cpp's first converter keep q, k, v and z in one ssm_in tensor."""
+    legacy = to_legacy_ssm_in(f16_models["qwen3next"], tmp_path / "legacy.gguf")
+    assert "blk.0.ssm_in.weight" in open_model(legacy).tensor_names()
+    ref = load("qwen3next-f16")
+    case = ref["cases"][1]
+    ours = teacher_forced(CPUBackend(open_model(legacy), 256), case)
+    plain = teacher_forced(CPUBackend(open_model(f16_models["qwen3next"]), 256), case)
+    assert np.abs(ours - plain).max() < 1e-4
+    if llama_ref.available() is None:          # and llama.cpp reads the legacy file as we do
+        theirs = llama_ref.record(legacy, [case["prompt_ids"]], n_predict=len(case["greedy_ids"]))[0]
+        assert theirs["greedy_ids"] == case["greedy_ids"]
+        d = np.array([np.abs(r[[i for i, _ in s["top"]]] - np.array([v for _, v in s["top"]]))
+                      for r, s in zip(ours, theirs["steps"])])
+        assert np.median(d) <= F16_MEDIAN_MEASURED
 
 
 def test_config_reads_the_hybrid_keys():

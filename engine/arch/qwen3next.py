@@ -108,14 +108,18 @@ def check_tensors(model) -> None:
     for n in ("token_embd.weight", "output_norm.weight"):
         model.tensor(n)
     for il in range(cfg.n_layer):
+        # (a fused ffn_gate_up_exps is split on loading, engine/gguf_model.py; a gated attention layer's fused
+        # attn_qkv is not, since a GDN layer's attn_qkv means something else)
+        if not cfg.recurrent_layers[il] and model.has(f"blk.{il}.attn_qkv.weight"):
+            raise ModelError(f"{name} fuses attention layer {il}'s q, k and v into attn_qkv, which this engine reads "
+                             f"apart only for plain attention; convert it without fusing")
+        want_all = expected_tensors(cfg, il)
         if cfg.recurrent_layers[il] and model.has(f"blk.{il}.ssm_in.weight"):
-            raise ModelError(f"{name} stores its GDN projections in the legacy ssm_in tensor; convert the model "
-                             f"again with a current llama.cpp (which writes attn_qkv and attn_gate)")
-        fused_attn = not cfg.recurrent_layers[il] and model.has(f"blk.{il}.attn_qkv.weight")
-        if fused_attn or model.has(f"blk.{il}.ffn_gate_up_exps.weight"):
-            raise ModelError(f"{name} fuses tensors this engine reads apart (ffn_gate_up_exps or an attention "
-                             f"attn_qkv); convert it without fusing")
-        for suffix, want in expected_tensors(cfg, il).items():
+            if cfg.arch != "qwen3next":
+                raise ModelError(f"{name}: {cfg.arch} has no legacy ssm_in tensor, but blk.{il} holds one; damaged?")
+            q, g = want_all.pop("attn_qkv.weight"), want_all.pop("attn_gate.weight")
+            want_all["ssm_in.weight"] = (q[0] + g[0], cfg.n_embd)
+        for suffix, want in want_all.items():
             t = model.tensor(f"blk.{il}.{suffix}")
             shape = t.shape[1:] if suffix == "ffn_gate_inp_shexp.weight" and t.shape[:1] == (1,) else t.shape
             if shape != want:
@@ -268,6 +272,21 @@ class Qwen3Next(Transformer):
         return logits if all_logits else logits[0]
 
     # --- Gated DeltaNet ---
+    def qkv_z(self, il, x):
+        """(qkv (T, conv channels: q of every key head, then k, then v), z (T, n_v, D)).
+
+        Files from llama.cpp's first Qwen3-Next converter fuse all four in ssm_in, grouped per key head:
+        [q, k, v of its r value heads, z of them] for each of the n_k heads. llama.cpp 0c1e570 still reads them.
+        """
+        cfg, w, b = self.cfg, self.w, f"blk.{il}."
+        T, Hk, Hv, D = len(x), cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
+        if self.model.has(b + "ssm_in.weight"):
+            r = Hv // Hk
+            m = (x @ w.get(b + "ssm_in.weight").T).reshape(T, Hk, 2 * D + 2 * r * D)
+            q, k, v, z = np.split(m, [D, 2 * D, 2 * D + r * D], axis=-1)
+            return np.concatenate([a.reshape(T, -1) for a in (q, k, v)], axis=1), z.reshape(T, Hv, D)
+        return x @ w.get(b + "attn_qkv.weight").T, (x @ w.get(b + "attn_gate.weight").T).reshape(T, Hv, D)
+
     def beta_alpha(self, il, x):
         """(b, a), each (T, n_v): the pre-sigmoid beta and the pre-softplus alpha of every value head."""
         cfg, b = self.cfg, f"blk.{il}."
@@ -280,8 +299,7 @@ class Qwen3Next(Transformer):
     def gdn(self, il, x, cache: HybridCache):
         cfg, w, b = self.cfg, self.w, f"blk.{il}."
         T, Hk, Hv, D = len(x), cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
-        qkv = x @ w.get(b + "attn_qkv.weight").T
-        z = (x @ w.get(b + "attn_gate.weight").T).reshape(T, Hv, D)
+        qkv, z = self.qkv_z(il, x)
         pre_b, pre_a = self.beta_alpha(il, x)
         beta = sigmoid(pre_b)
         g = softplus(pre_a + w.get(b + "ssm_dt.bias")) * w.get(b + "ssm_a")   # ssm_a = -exp(A_log): g < 0
