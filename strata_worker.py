@@ -1,6 +1,7 @@
 """The engine as a subprocess speaking the line protocol of DESIGN §3 (engine/protocol.py has the formats).
 
-    python strata_worker.py --model M.gguf [--ctx N] [--backend cpu|cuda|auto] [--prompt-chunk N] [cuda flags]
+    python strata_worker.py --model M.gguf [--ctx N] [--backend cpu|cuda|auto] [--prompt-chunk N]
+        [--checkpoint-every N] [--checkpoint-mib M] [cuda flags]
 
 stdout carries protocol lines only; everything a person reads goes to stderr. Exit status: 0 after QUIT or the end
 of stdin, 2 for a bad model or a bad flag (one line on stderr), 1 when the engine breaks (the reason on stderr).
@@ -53,6 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu: NumPy reference; cuda: the CuPy engine; auto: cuda when a GPU is usable")
     p.add_argument("--prompt-chunk", type=int, default=None, metavar="N",
                    help="read prompts in chunks of at most N tokens (default: the backend's own size)")
+    # A Qwen3-Next-80B checkpoint in float32 is ~75 MiB (36 GDN layers, each 32 value heads of 128x128 and a conv
+    # window of 3 x 8192): the default budget keeps about 13.
+    p.add_argument("--checkpoint-every", type=int, default=1024, metavar="N",
+                   help="models with recurrent layers (qwen3next, qwen35moe): snapshot their state every N prompt "
+                        "tokens for prefix reuse, besides near each prompt's end and at each request's end "
+                        "(0: only those two; default 1024)")
+    p.add_argument("--checkpoint-mib", type=float, default=1024.0, metavar="M",
+                   help="host memory for those snapshots; the least useful go first (0: none, so a conversation "
+                        "resumes only where the previous request ended; default 1024)")
     cuda, _ = _cuda_module()
     if cuda is not None:
         cuda.add_cuda_args(p.add_argument_group("CUDA backend"))
@@ -295,6 +305,10 @@ def main(argv=None) -> int:
     if args.prompt_chunk is not None and args.prompt_chunk < 1:
         print(f"strata_worker: --prompt-chunk must be at least 1, got {args.prompt_chunk}", file=sys.stderr)
         return 2
+    if args.checkpoint_every < 0 or not args.checkpoint_mib >= 0:
+        print(f"strata_worker: --checkpoint-every and --checkpoint-mib must be 0 or more, got "
+              f"{args.checkpoint_every} and {args.checkpoint_mib}", file=sys.stderr)
+        return 2
     if args.backend != "cpu":
         from engine.cuda.args import check_cuda_args
         bad = check_cuda_args(args)
@@ -351,7 +365,11 @@ def main(argv=None) -> int:
     from engine.grammar import Grammars
     from engine.tokenizer import Tokenizer
     grammars = Grammars(lambda: Tokenizer.from_metadata(model.metadata), eog)   # llguidance's vocabulary, on first use
-    session = Session(backend, eog, prompt_chunk=chunk, grammars=grammars)
+    session = Session(backend, eog, prompt_chunk=chunk, grammars=grammars, checkpoint_every=args.checkpoint_every,
+                      checkpoint_mib=args.checkpoint_mib)
+    if session.checkpoints is not None:
+        log(f"recurrent state: {backend.state_bytes() / 2**20:.1f} MiB a checkpoint, every "
+            f"{args.checkpoint_every or '-'} prompt tokens, within {args.checkpoint_mib:g} MiB")
     log(f"backend {backend_name} ({reason_long})")
     log(f"loaded {args.model} ({cfg.arch}, {cfg.n_layer} layers, context {ctx}) in "
         f"{time.perf_counter() - t0:.1f} s; end-of-generation ids {sorted(eog)}")

@@ -2,12 +2,34 @@
 
 A backend holds one model and one sequence's KV cache. The session owns prefix reuse and the decode loop; the
 backend only runs tokens forward from its current position and picks the next token.
+
+Recurrent state (the hybrids qwen3next / qwen35moe: Gated DeltaNet layers beside attention layers). Such a backend
+has `recurrent = True` and keeps, beside the KV cache of its attention layers, each GDN layer's conv state (the
+last d_conv-1 inputs of its causal conv1d) and delta state (one S_v x S_v matrix per value head). That state sums
+up every position so far and cannot be rewound, so:
+- truncate(n) works only for n == n_cached (a no-op) or n == 0 (a cold start: the state is zeroed); any other n
+  raises ValueError: the session must restore_state() a snapshot instead.
+- snapshot_state() -> RecurrentSnapshot: a copy of the recurrent state at n_cached (snap.n_tokens == n_cached,
+  snap.nbytes its size; state_bytes() tells the size before taking one). The snapshot holds no K/V.
+- restore_state(snap): the recurrent state becomes the snapshot's and the KV cache is cut to snap.n_tokens
+  (n_cached = snap.n_tokens <= the current n_cached). Valid only while KV positions 0..snap.n_tokens-1 still hold
+  what they held when the snapshot was taken: a session that rewinds to p drops its snapshots past p.
+A backend without recurrent state has `recurrent = False` and may still be driven through the same calls
+(snapshot_state() then holds only n_tokens), so a session can treat every model alike.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+
+@dataclass
+class RecurrentSnapshot:
+    """The recurrent state after the first n_tokens positions; `data` is the backend's own (opaque to the session)."""
+    n_tokens: int
+    nbytes: int
+    data: object = None
 
 
 @dataclass
@@ -22,6 +44,7 @@ class ExpertStats:
 
 class Backend:
     name = "base"
+    recurrent = False               # True: the model has per-layer recurrent state (see the module docstring)
 
     def __init__(self, model, max_context: int):
         self.model = model              # engine.gguf_model.GGUFModel
@@ -42,6 +65,21 @@ class Backend:
         if n > self.n_cached:
             raise ValueError(f"cannot truncate to {n}: only {self.n_cached} cached")
         self.n_cached = n
+
+    # --- recurrent state (a backend with recurrent = True overrides all three) -------------------------------
+    def state_bytes(self) -> int:
+        """Bytes one snapshot_state() takes (0 without recurrent state): what a checkpoint budget counts."""
+        return 0
+
+    def snapshot_state(self) -> RecurrentSnapshot:
+        """A copy of the recurrent state at n_cached."""
+        return RecurrentSnapshot(self.n_cached, 0)
+
+    def restore_state(self, snap: RecurrentSnapshot) -> None:
+        """Go back to the snapshot: recurrent state copied in, K/V of positions >= snap.n_tokens dropped."""
+        if snap.n_tokens > self.n_cached:
+            raise ValueError(f"cannot restore a snapshot at {snap.n_tokens}: only {self.n_cached} cached")
+        self.n_cached = snap.n_tokens
 
     # --- may override ----------------------------------------------------------------------------------------
     def prompt_chunk_size(self) -> int:

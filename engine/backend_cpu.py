@@ -10,8 +10,8 @@ import re
 import numpy as np
 
 from engine.arch import build
-from engine.arch.base import KVCache, Weights
-from engine.backend import Backend, ExpertStats
+from engine.arch.base import Weights
+from engine.backend import Backend, ExpertStats, RecurrentSnapshot
 
 
 class BlasThreads:
@@ -56,7 +56,9 @@ class CPUBackend(Backend):
             raise ValueError(f"context must be at least 1 token, not {max_context}")
         self.weights = Weights(model, expert_cache_mb)
         self.net = build(model, self.weights, max_context)
-        self.kv = KVCache(self.config, max_context)
+        # The hybrids' cache (engine/arch/qwen3next.py) also holds each GDN layer's conv and delta state.
+        self.kv = self.net.new_cache(max_context)
+        self.recurrent = self.net.recurrent
         self.chunk = chunk
         self.blas = BlasThreads()
         if warm:
@@ -83,6 +85,27 @@ class CPUBackend(Backend):
             if all_logits or last:
                 outs.append(logits)
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
+
+    def truncate(self, n: int) -> None:
+        if self.recurrent and n not in (0, self.n_cached):
+            raise ValueError(f"cannot truncate to {n} of {self.n_cached}: a recurrent state cannot be rewound; "
+                             f"restore_state() a snapshot taken at or before {n}, or truncate(0)")
+        super().truncate(n)
+        if self.recurrent and n == 0:
+            self.kv.reset_state()
+
+    def state_bytes(self) -> int:
+        return self.kv.state_bytes() if self.recurrent else 0
+
+    def snapshot_state(self) -> RecurrentSnapshot:
+        if not self.recurrent:
+            return super().snapshot_state()
+        return RecurrentSnapshot(self.n_cached, self.kv.state_bytes(), self.kv.copy_state())
+
+    def restore_state(self, snap: RecurrentSnapshot) -> None:
+        super().restore_state(snap)
+        if self.recurrent:
+            self.kv.load_state(snap.data)
 
     def prompt_chunk_size(self) -> int:
         return self.chunk

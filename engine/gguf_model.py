@@ -21,6 +21,8 @@ import gguf.quants
 
 from engine.supported import SUPPORTED_ARCHS  # noqa: F401  (re-exported: engine.arch and the tests import it here)
 
+# Gated DeltaNet + gated attention hybrids (engine/arch/qwen3next.py); their tensors are checked there.
+HYBRID_ARCHS = ("qwen3next", "qwen35moe")
 QTYPE_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "MXFP4")
 # An older gguf package may lack the newest types (MXFP4 came with gpt-oss): those are then refused by name.
@@ -74,10 +76,23 @@ class ModelConfig:
 
     def is_swa(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]
+    # The hybrids (qwen3next, qwen35moe). n_layer counts the trunk only; block_count = n_layer + n_layer_nextn.
+    n_layer_nextn: int = 0       # MTP (next-token) blocks after the trunk, loaded but not run by the main pass
+    recurrent_layers: tuple = () # per trunk layer: True = Gated DeltaNet, False = gated full attention
+    ssm_conv: int = 0            # causal conv1d kernel width (d_conv)
+    ssm_inner: int = 0           # value width of a GDN layer: ssm_v_heads * head_v_dim
+    ssm_state: int = 0           # head_k_dim = head_v_dim
+    ssm_v_heads: int = 0         # ssm.time_step_rank
+    ssm_k_heads: int = 0         # ssm.group_count
+    rope_sections: tuple = ()    # IMRoPE sections (qwen35moe)
 
     @property
     def norm_topk_prob(self) -> bool:   # the Hugging Face name for the same switch
         return self.expert_weights_norm
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.recurrent_layers)
 
     @property
     def is_moe(self) -> bool:
@@ -507,8 +522,11 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
     # What llama.cpp does per architecture (the arguments of its build_moe_ffn calls), whatever the file says:
     # qwen3moe and llama-MoE renormalize the top-k softmax weights; qwen2moe keeps them raw and adds a
     # sigmoid-gated shared expert.
-    cfg.expert_weights_norm = arch in ("qwen3moe", "llama")
-    cfg.qk_norm = model.has("blk.0.attn_q_norm.weight")
+    cfg.expert_weights_norm = arch in ("qwen3moe", "llama", "qwen3next", "qwen35moe")
+    if arch in HYBRID_ARCHS:
+        from engine.arch.qwen3next import read_hybrid_config
+        read_hybrid_config(cfg, get, model)
+    cfg.qk_norm = model.has(f"blk.{cfg.recurrent_layers.index(False) if cfg.is_hybrid else 0}.attn_q_norm.weight")
     cfg.attn_bias = model.has("blk.0.attn_q.bias")
     cfg.shared_expert = model.has("blk.0.ffn_up_shexp.weight")
     cfg.shared_expert_gate = model.has("blk.0.ffn_gate_inp_shexp.weight")
@@ -569,6 +587,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _check_required(model: GGUFModel) -> None:
     cfg = model.config
+    if cfg.is_hybrid:
+        from engine.arch.qwen3next import check_tensors
+        check_tensors(model)
+        return
     for name in required_tensors(cfg, model):
         model.tensor(name)
     shapes = expected_shapes(cfg)

@@ -25,6 +25,8 @@ Worker -> server:
                                   like INFO; resident_hex is a bitmap, bit (layer*n_expert+expert), LSB first
                                   within each byte; heat_hex one byte per (layer, expert), 0..255, use shaded.
 
+A worker on a model with recurrent layers resumes from checkpoints: see the note above `Done`.
+
 Server -> worker:
     GEN <max_new>[ key=value ...] <id>,<id>,...
     STOP
@@ -177,6 +179,13 @@ def _check_params(p: dict) -> None:
         bad("penalty_last_n must be >= -1 (-1 = the whole context)")
 
 
+# Models with recurrent layers (qwen3next, qwen35moe; engine/checkpoints.py): their state cannot be cut back to a
+# shorter prefix, so the worker resumes from its latest checkpoint at or before the common prefix. RESUME <n> and
+# DONE's `reused` say where that checkpoint is (n <= the common prefix; 0 when none fits), and `prompt_read` counts
+# everything read again after it. Just before each DONE such a worker sends
+#     INFO checkpoints=<count> checkpoint_mib=<MiB held>
+# The drafts fields stay speculative-decoding counters (0 until a draft/MTP path exists): the original Strata put
+# checkpoint counts there; this protocol keeps them on that INFO line instead.
 @dataclass
 class Done:
     generated: int

@@ -1,7 +1,9 @@
 """One request at a time over one backend: prefix reuse, the prompt pass in chunks, the decode loop, cancel, DONE.
 
 The session remembers which tokens the backend's KV cache holds, so the next request (which carries the whole
-conversation again) only reads what is new. It emits protocol lines through `emit` and never writes anywhere else.
+conversation again) only reads what is new. A backend with recurrent state (the hybrids) cannot be rewound: there the
+session resumes from checkpoints (engine/checkpoints.py). It emits protocol lines through `emit` and never writes
+anywhere else.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import threading
 import time
 
 from engine import protocol
+from engine.checkpoints import CHECKPOINT_TAIL, CheckpointStore
 from engine.protocol import CONTEXT_MARGIN, Done, GenRequest
 from engine.sampling import Sampler
 
@@ -23,7 +26,8 @@ class BackendBroken(RuntimeError):
 
 
 class Session:
-    def __init__(self, backend, eog_ids, prompt_chunk: int | None = None, grammars=None):
+    def __init__(self, backend, eog_ids, prompt_chunk: int | None = None, grammars=None,
+                 checkpoint_every: int = 1024, checkpoint_mib: float = 1024.0):
         self.backend = backend
         self.grammars = grammars        # grammar= value -> engine.grammar.Constraint (None: no grammar support)
         # None: the backend's own size; the worker's --prompt-chunk can only lower it.
@@ -33,6 +37,11 @@ class Session:
         self.max_context = int(backend.max_context)
         # The tokens whose K/V the backend holds, position by position: always len == backend.n_cached.
         self.tokens: list[int] = []
+        # Recurrent backends only: snapshots of prefixes of self.tokens, taken every checkpoint_every prompt tokens
+        # (0: only near each prompt's end and at each request's end), within checkpoint_mib.
+        self.checkpoints = (CheckpointStore(int(checkpoint_mib * 2**20))
+                            if getattr(backend, "recurrent", False) else None)
+        self.checkpoint_every = max(0, int(checkpoint_every))
 
     # --- validation ------------------------------------------------------------------------------------------
     def validate(self, req: GenRequest) -> None:
@@ -88,7 +97,45 @@ class Session:
     def _forget(self) -> None:
         # After a failure mid-forward we cannot know how much of the cache is valid: start from nothing.
         self.tokens = []
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
         self.backend.truncate(0)
+
+    def _rewind(self, common: int) -> int:
+        """Cut the backend back to at most `common` tokens of self.tokens; returns how many it keeps."""
+        keep = common
+        store = self.checkpoints
+        if store is not None and common < len(self.tokens):
+            # The live state is past `common` and cannot go back: the latest checkpoint at or before it, or nothing.
+            snap = store.latest_at_or_before(common)
+            keep = snap.n_tokens if snap is not None else 0
+            if snap is not None:
+                self.backend.restore_state(snap)
+            else:
+                self.backend.truncate(0)
+        else:
+            self.backend.truncate(keep)
+        del self.tokens[keep:]
+        if store is not None:
+            store.drop_after(keep)
+        return keep
+
+    def _checkpoint(self) -> None:
+        store = self.checkpoints
+        if store is None or not self.tokens or not store.fits(self.backend.state_bytes()):
+            return
+        if len(self.tokens) not in store.positions():
+            store.add(self.backend.snapshot_state())
+
+    def _marks(self, start: int, end: int) -> set[int]:
+        """Positions strictly between start and end where the prompt pass takes a checkpoint."""
+        if self.checkpoints is None:
+            return set()
+        marks = {end - CHECKPOINT_TAIL}
+        if self.checkpoint_every:
+            marks.update(range((start // self.checkpoint_every + 1) * self.checkpoint_every, end,
+                               self.checkpoint_every))
+        return {m for m in marks if start < m < end}
 
     def _run(self, req: GenRequest, emit, stop_event: threading.Event, constraint=None) -> Done:
         backend = self.backend
@@ -99,14 +146,14 @@ class Session:
         backend.reset_stats()
 
         # Prefix reuse: the last prompt token is always run again, because its logits pick the first new token.
-        reused = _common_prefix(self.tokens, prompt, limit=len(prompt) - 1)
+        common = _common_prefix(self.tokens, prompt, limit=len(prompt) - 1)
         if backend.n_cached != len(self.tokens):
             # A bug, not a broken device: the generic handler forgets the cache and the next request starts cold.
             raise RuntimeError(f"the backend holds {backend.n_cached} tokens but the session expected "
                                f"{len(self.tokens)}")
-        backend.truncate(reused)
-        del self.tokens[reused:]
+        reused = self._rewind(common)
         emit(f"RESUME {reused}")
+        marks = self._marks(reused, len(prompt))
 
         chunk = max(1, int(self.prompt_chunk or backend.prompt_chunk_size()))
         t0 = time.perf_counter()
@@ -118,18 +165,23 @@ class Session:
             if stop_event.is_set():
                 cancelled = True
                 break
-            part = prompt[pos: pos + chunk]
-            last = pos + len(part) == len(prompt)
-            if last and req.max_new > 0:
-                # The backend picks the first new token with the prompt's last logits (on the GPU for cuda).
-                sampler.mask = constraint.mask() if constraint is not None else None
-                first_token = int(backend.next_token(part, sampler))
-                picked = sampler.picked
-            else:
-                backend.forward(part)
-            self.tokens.extend(part)
-            pos += len(part)
-            read += len(part)
+            end = min(pos + chunk, len(prompt))
+            while pos < end:
+                # A checkpoint position inside the chunk splits it (one PP still follows the whole chunk).
+                cut = min([m for m in marks if pos < m < end], default=end)
+                part = prompt[pos:cut]
+                if cut == len(prompt) and req.max_new > 0:
+                    # The backend picks the first new token with the prompt's last logits (on the GPU for cuda).
+                    sampler.mask = constraint.mask() if constraint is not None else None
+                    first_token = int(backend.next_token(part, sampler))
+                    picked = sampler.picked
+                else:
+                    backend.forward(part)
+                self.tokens.extend(part)
+                pos = cut
+                read += len(part)
+                if pos in marks:
+                    self._checkpoint()
             ms = (time.perf_counter() - t0) * 1000.0
             emit(protocol.format_pp(pos, len(prompt), ms, read / max(ms / 1000.0, 1e-9)))
         prompt_ms = (time.perf_counter() - t0) * 1000.0
@@ -166,6 +218,11 @@ class Session:
         return self._done(emit, req, generated, prompt_ms, decode_ms, finish, reused, read)
 
     def _done(self, emit, req, generated, prompt_ms, decode_ms, finish, reused, read) -> Done:
+        if self.checkpoints is not None:
+            # The next turn usually extends this one: a checkpoint where the request ended (cancelled ones too).
+            self._checkpoint()
+            emit(protocol.format_info(checkpoints=len(self.checkpoints),
+                                      checkpoint_mib=self.checkpoints.nbytes / 2**20))
         st = self.backend.get_stats()
         done = Done(generated=len(generated), prompt=len(req.prompt), prompt_ms=prompt_ms, decode_ms=decode_ms,
                     finish=finish, reused=reused, hits=st.hits, lookups=st.lookups, ram_blobs=st.ram_blobs,

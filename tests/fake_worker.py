@@ -7,7 +7,7 @@ test can tell whose tokens a client received. Finish `stop` after len(prompt) to
         [--silent-after-tokens N] [--silent-in-prompt] [--ignore-stop] [--die-in-prompt] [--exit-before-ready]
         [--moe] [--load-delay S] [--ignore-quit] [--die-on-gen N] [--die-in-prompt-of-gen N] [--plan FILE]
         [--expert-profile P] [--expert-profile-save P] [--expert-profile-save-every MIN]
-        [--fault KIND [--fault-gen N]] [--logprobs-mode ok|missing]
+        [--fault KIND [--fault-gen N]] [--logprobs-mode ok|missing] [--replies FILE]
 
 As the CUDA worker does, it narrates its start (INFO phase=loading/arena/cache/ready) and, with --moe, saves an expert
 profile at QUIT (--expert-profile-save: its experts ranked by the prompt ids it read, hottest first) and loads one
@@ -18,6 +18,8 @@ as if nothing happened, as a buggy worker would.
 
 --plan FILE: a JSON list of flag strings, one per start (the last one repeats); the start count is kept in
 FILE.count, so a test can make the first start misbehave and the restarted worker behave.
+--replies FILE: a JSON list of id lists, the answer to each GEN in turn (the last one repeats) instead of the
+prompt's ids, each ending with finish `stop` as at an end-of-generation token: a scripted model.
 """
 from __future__ import annotations
 
@@ -96,6 +98,7 @@ def main() -> int:
     ap.add_argument("--chaos", type=float, default=0.0,
                     help="each GEN meets a random fault (or an exit, or a hang) with this probability")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--replies")
     a = ap.parse_args()
     if a.plan:
         count_file = Path(a.plan + ".count")
@@ -178,6 +181,10 @@ def main() -> int:
                                     req.req))
             continue
         seen.extend(req.prompt)
+        answer = req.prompt
+        if a.replies:
+            replies = json.loads(Path(a.replies).read_text())
+            answer = replies[min(n_gen, len(replies)) - 1]
         log(f"fake worker: GEN max_new={req.max_new} params={json.dumps(req.params, sort_keys=True)} prompt={','.join(map(str, req.prompt))}"
             + (f" grammar={req.grammar}" if req.grammar else ""))
         fault = a.fault if a.fault and a.fault_gen in (0, n_gen) else None
@@ -235,7 +242,7 @@ def main() -> int:
             if generated >= req.max_new:
                 finish = "length"
                 break
-            if generated >= (a.answer_len or len(req.prompt)):
+            if generated >= (a.answer_len or len(answer)):
                 finish = "stop"
                 break
             time.sleep(a.token_delay)
@@ -253,7 +260,7 @@ def main() -> int:
                     out("CACHE 4 16 zz 00")
                 elif fault == "bad-info":
                     out("INFO prompt_chunk=abc n_vocab= =x")
-            out(tline(req.prompt[generated % len(req.prompt)]))
+            out(tline(answer[generated % len(answer)]))
             generated += 1
         decode_ms = (time.monotonic() - t1) * 1000
         lookups = generated * 8 if a.moe else 0

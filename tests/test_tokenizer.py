@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 
@@ -227,3 +228,23 @@ def test_spm_cut_points_change_nothing(fixtures_dir, name):
     text = mixed_text(20_000, seed=3) + "  a\u00a0  b\n\n\n  \t x  "
     whole = list(tok._spm_piece((" " + text).replace(" ", _SPM_SPACE)))
     assert tok.encode(text, add_special=False) == whole
+
+
+def test_qwen35_pre_tokenizer_equals_llama_cpp(fixtures_dir):
+    """Qwen3.5's pattern (combining marks stay in the word) over Qwen2's merges, against llama.cpp's ids
+    (tests/data/qwen35-pretokenizer.json, made by tools/tokenizer_reference.py)."""
+    import hashlib
+    ref = json.loads((Path(__file__).parent / "data" / "qwen35-pretokenizer.json").read_text(encoding="utf-8"))
+    path = fixtures_dir / "vocab" / ref["vocab"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == ref["vocab_sha256"]
+    md = dict(read_gguf_metadata(path))
+    md["tokenizer.ggml.pre"] = ref["pre"]
+    tok = Tokenizer.from_metadata(md)
+    assert tok.pre == "qwen35" and len(ref["cases"]) > 60
+    for case in ref["cases"]:
+        assert tok.encode(case["text"], add_special=False) == case["ids"], case["text"]
+        assert tok.encode(case["text"], add_special=False, parse_special=True) == case["ids_parse_special"]
+    # not vacuous: Qwen2's pattern cuts some of these texts elsewhere
+    md["tokenizer.ggml.pre"] = "qwen2"
+    qwen2 = Tokenizer.from_metadata(md)
+    assert sum(qwen2.encode(c["text"], add_special=False) != c["ids"] for c in ref["cases"]) >= 3

@@ -27,6 +27,8 @@ from gguf import GGMLQuantizationType as Q, GGUFValueType, MODEL_TENSOR as MT
 
 from engine.gguf_model import ModelError, read_header
 from tools import gptoss_plan
+from tools import hybrid_plan
+from tools.hybrid_plan import Hybrid
 from tools.recipes import RECIPES, Hparams, apply_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,6 +154,7 @@ class Shape:
     rms_eps: float
     tied: bool                # no output.weight: token_embd is the output head
     vocab: str                # file name in the fixtures' vocab/ directory, or a path
+    hybrid: Hybrid | None = None   # qwen3next / qwen35moe: the GDN layers and MTP blocks (tools/hybrid_plan.py)
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,34 @@ PRESETS: dict[str, Preset] = {
                            "gpt-oss for tests: 4 layers, hidden 256, 8/2 heads of 64, 16 experts (4 used) of "
                            "width 128, window 16, tiny-bpe-1024 with the harmony control tokens", 1.0,
                            gptoss_plan.REAL_TYPES),
+    # The Gated DeltaNet hybrids at their published configs' shapes (tools/hybrid_plan.py), with an MTP block
+    # (--recipe q4_k_m gives the published files' per-layer types); zipf-s not yet calibrated by bench.routing (0.12
+    # as qwen3-next-80b's 512 experts, 0.15 for 256).
+    "qwen3next-80b-a3b": Preset(Shape("qwen3next", 48, 2048, 16, 2, 256, 5120, 512, 10, 512, 512, 262144, 1e7, 1e-6,
+                                      False, "ggml-vocab-qwen2.gguf",
+                                      Hybrid(4, 128, 16, 32, 64, n_nextn=1)),
+                                "Qwen3-Next-80B-A3B (qwen3next): 48 layers (36 GDN of 16/32 heads of 128, 12 gated "
+                                "attention of 16/2 heads of 256), 512 experts (10 used) of 512 plus a shared one, "
+                                "1 MTP block", 0.12),
+    "qwen35moe-35b-a3b": Preset(Shape("qwen35moe", 40, 2048, 16, 2, 256, 0, 256, 8, 512, 512, 262144, 1e7, 1e-6,
+                                      False, "ggml-vocab-qwen2.gguf",
+                                      Hybrid(4, 128, 16, 32, 64, n_nextn=1, rope_sections=(11, 11, 10, 0),
+                                             n_vocab=248320, pre="qwen35")),
+                                "Qwen3.5-35B-A3B (qwen35moe): 40 layers (30 GDN, 10 gated attention with IMRoPE), "
+                                "256 experts (8 used) of 512 plus a shared one, 1 MTP block, the Qwen2 vocabulary "
+                                "padded to 248320", 0.15),
+    # Tiny ones for tests: every width a multiple of 256 (K-quant rows), 4 experts (llama-quantize treats 8 apart),
+    # RoPE base 1e4 so that most of the 8 rotary pairs turn visibly within a 300-token prompt (at 1e7 only 3 do);
+    # tiny-qwen35moe's IMRoPE sections 1/1/1/1 put pairs 3 and 7 in the fourth section, which text keeps still.
+    "tiny-qwen3next": Preset(Shape("qwen3next", 4, 256, 4, 2, 64, 512, 4, 2, 256, 256, 4096, 1e4, 1e-6, False,
+                                   "tiny-bpe-1024.gguf", Hybrid(4, 64, 2, 4, 16, n_nextn=1)),
+                             "a few MB for tests: qwen3next, 3 GDN layers (2/4 heads of 64) + 1 gated attention "
+                             "(4/2 heads of 64), 4 experts (2 used) of 256 + a shared one, 1 MTP block", 1.0),
+    "tiny-qwen35moe": Preset(Shape("qwen35moe", 4, 256, 4, 2, 64, 0, 4, 2, 256, 256, 4096, 1e4, 1e-6, False,
+                                   "tiny-bpe-1024.gguf",
+                                   Hybrid(4, 64, 2, 4, 16, n_nextn=1, rope_sections=(1, 1, 1, 1), pre="qwen35")),
+                             "a few MB for tests: qwen35moe, as tiny-qwen3next with IMRoPE sections 1/1/1/1 and "
+                             "the pre-tokenizer qwen35", 1.0),
 }
 ARCHES = ("llama", "qwen3moe", "qwen2moe", "qwen3", "qwen2", "gpt-oss")   # qwen3/qwen2: dense
 
@@ -259,6 +290,8 @@ def _bias(t: MT, bid: int) -> str:
 def plan(shape: Shape, types: dict[str, Q], n_vocab: int) -> list[TensorSpec]:
     """Every tensor of the model, in file order (that of llama.cpp's converters: embedding, output, then blocks)."""
     s = shape
+    if s.hybrid:
+        return hybrid_plan.plan(s, types, n_vocab, TensorSpec)
     q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
     specs = [TensorSpec(_name(MT.TOKEN_EMBD), (n_vocab, s.n_embd), types["embd"], "embd", "head"),
              TensorSpec(_name(MT.OUTPUT_NORM), (s.n_embd,), types["norm"], "norm", "norm")]
@@ -314,7 +347,7 @@ def _router_norms(shape: Shape, layer: int, seed: int, zipf_s: float) -> np.ndar
 
 def _attn_gain(spec: TensorSpec, shape: Shape, attn_gain: float) -> float:
     """What --attn-gain multiplies this tensor by: qwen3moe's q/k norms, or the other archs' q/k projections."""
-    if shape.arch in ("qwen3moe", "qwen3"):
+    if shape.arch in ("qwen3moe", "qwen3") + hybrid_plan.HYBRID_ARCHS:
         kinds = (MT.ATTN_Q_NORM, MT.ATTN_K_NORM)
     else:
         kinds = (MT.ATTN_Q, MT.ATTN_K)
@@ -331,6 +364,9 @@ def tensor_bytes(spec: TensorSpec, index: int, shape: Shape, seed: int, zipf_s: 
     def rng(chunk: int) -> np.random.Generator:
         return np.random.Generator(np.random.SFC64([seed, index, chunk]))
 
+    values = hybrid_plan.init_values(spec.init, n_in, rng(0))
+    if values is not None:
+        return _float_bytes(values, spec.qtype)
     if spec.init == "norm":
         x = 1.0 + NORM_JITTER * rng(0).standard_normal(n_in)
         return _float_bytes(gain * x.reshape(1, -1), spec.qtype)
@@ -413,7 +449,7 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
                  vocab: list[tuple[str, object, list[GGUFValueType]]], chat_template: str | None) -> None:
     s = shape
     w.add_name(name)
-    w.add_block_count(s.n_layer)
+    w.add_block_count(s.n_layer + (s.hybrid.n_nextn if s.hybrid else 0))
     w.add_context_length(s.n_ctx_train)
     w.add_embedding_length(s.n_embd)
     # mixtral-style llama MoE: feed_forward_length is the expert width (llama.cpp sizes *_exps by n_ff)
@@ -425,7 +461,7 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
         w.add_value_length(s.head_dim)
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.rms_eps)
-    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_dimension_count(s.hybrid.n_rot if s.hybrid else s.head_dim)
     if s.arch == "gpt-oss":
         gptoss_plan.add_metadata(w, shape)
     if s.n_expert:
@@ -433,8 +469,10 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
         w.add_expert_used_count(s.n_expert_used)
         if s.arch != "llama":
             w.add_expert_feed_forward_length(s.n_ff_exp)
-        if s.arch == "qwen2moe":
+        if s.arch == "qwen2moe" or s.hybrid:
             w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
+    if s.hybrid:
+        hybrid_plan.metadata(w, s)
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
     if s.arch == "llama":
         w.add_vocab_size(n_vocab)
@@ -452,7 +490,7 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
 
 # --- sizes, writing, CLI ----------------------------------------------------------------------------------------
 
-GROUPS = ("embd", "output", "attn", "norm", "bias", "router", "ffn", "experts", "shexp")
+GROUPS = ("embd", "output", "attn", "ssm", "norm", "bias", "router", "ffn", "experts", "shexp", "mtp")
 
 
 def size_table(specs: list[TensorSpec]) -> str:
@@ -552,8 +590,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m tools.make_moe", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Make a random-weight GGUF with llama.cpp's tensor names and metadata keys.",
-        epilog=f"presets:\n{presets}\n\nqwen3-next-80b is written as arch qwen2moe (shared expert with a sigmoid "
-               f"gate): the real\nqwen3next layers (Gated DeltaNet) are not supported by the engine yet.\n"
+        epilog=f"presets:\n{presets}\n\nqwen3-next-80b is Qwen3-Next's expert side as arch qwen2moe (shared expert "
+               f"with a sigmoid gate),\nwhich the CUDA engine runs; qwen3next-80b-a3b is the real architecture "
+               f"(Gated DeltaNet), CPU only so far.\n"
                f"Router rows have Zipf-like norms {ROUTER_NORM}/(rank+1)^s, a random rank order per layer; s\n"
                f"(--zipf-s) sets how skewed expert usage is. Per preset, s and the hit rate of a frequency-ranked\n"
                f"cache holding 25/41/50/67% of each layer's experts (python -m bench.routing --preset P\n"
@@ -678,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab = gptoss_plan.harmony_vocab(shape, read_vocab(_resolve_vocab(gptoss_plan.BASE_VOCAB)))
     else:
         vocab = read_vocab(_resolve_vocab(shape.vocab))
+    if shape.hybrid:
+        vocab = hybrid_plan.adjust_vocab(vocab, shape.hybrid)
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
     types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
     if types["norm"] not in FLOAT_TYPES:
@@ -685,8 +726,9 @@ def main(argv: list[str] | None = None) -> int:
     specs = gptoss_plan.plan(shape, types, n_vocab, TensorSpec) if shape.arch == "gpt-oss" else \
         plan(shape, types, n_vocab)
     if args.recipe:
-        specs = apply_recipe(specs, args.recipe, Hparams(shape.n_layer, shape.n_head, shape.n_head_kv,
-                                                         shape.n_expert))
+        # llama.cpp counts a hybrid's MTP blocks among the layers (n_layer_all) when it picks ffn_down's types
+        n_all = shape.n_layer + (shape.hybrid.n_nextn if shape.hybrid else 0)
+        specs = apply_recipe(specs, args.recipe, Hparams(n_all, shape.n_head, shape.n_head_kv, shape.n_expert))
     for t in specs:
         block = gguf.GGML_QUANT_SIZES[t.qtype][0]
         if t.shape[-1] % block:

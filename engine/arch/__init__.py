@@ -10,6 +10,7 @@ def family(model: GGUFModel):
     from engine.arch.mixtral import Mixtral
     from engine.arch.qwen2moe import Qwen2MoE
     from engine.arch.qwen3moe import Qwen3MoE
+    from engine.arch.qwen3next import Qwen3Next
 
     arch = model.config.arch
     if arch == "llama":
@@ -22,6 +23,8 @@ def family(model: GGUFModel):
         return Qwen2MoE
     if arch == "gpt-oss":
         return GptOss
+    if arch in ("qwen3next", "qwen35moe"):
+        return Qwen3Next
     raise ModelError(f"architecture {arch!r} has no forward pass here; supported: {', '.join(SUPPORTED_ARCHS)}")
 
 

@@ -131,12 +131,17 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox
 
 
 class KVCache:
-    """float32 K and V per layer, (n_head_kv, capacity, head_dim), grown by doubling up to max_context."""
+    """float32 K and V per layer, (n_head_kv, capacity, head_dim), grown by doubling up to max_context.
 
-    def __init__(self, cfg: ModelConfig, max_context: int):
+    kv_layers: the layers that attend (default all); the others (a hybrid's recurrent layers) keep empty arrays.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_context: int, kv_layers=None, dtype=np.float32):
         self.cfg = cfg
+        self.dtype = dtype
         self.max_context = max_context
         self.capacity = 0
+        self.kv_layers = frozenset(range(cfg.n_layer) if kv_layers is None else kv_layers)
         self.k: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
 
@@ -149,7 +154,7 @@ class KVCache:
         cfg = self.cfg
         for lst, d in ((self.k, cfg.head_dim), (self.v, cfg.head_dim_v)):
             for i in range(cfg.n_layer):
-                new = np.zeros((cfg.n_head_kv, cap, d), dtype=np.float32)
+                new = np.zeros((cfg.n_head_kv, cap if i in self.kv_layers else 0, d), dtype=self.dtype)
                 if self.capacity:
                     new[:, :self.capacity] = lst[i]
                 if len(lst) > i:
@@ -162,6 +167,8 @@ class KVCache:
 class Transformer:
     """A pre-norm decoder: attention then a feed-forward block per layer. Families override ffn()."""
 
+    recurrent = False    # True: the cache also holds a recurrent state (engine/backend.py says what follows)
+
     def __init__(self, model: GGUFModel, weights: Weights, max_context: int):
         self.model = model
         self.cfg = model.config
@@ -170,6 +177,9 @@ class Transformer:
         cfg = self.cfg
         self.attn_scale = cfg.attn_scale or 1.0 / math.sqrt(cfg.head_dim)
         self.output_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+
+    def new_cache(self, max_context: int) -> KVCache:
+        return KVCache(self.cfg, max_context)
 
     def warm(self) -> None:
         """Dequantize every dense weight now, so that the first request does not pay for it."""

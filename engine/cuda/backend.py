@@ -87,6 +87,9 @@ class CUDABackend(Backend):
         cfg = self.config
         if cfg.arch == "gpt-oss":   # sinks, windows, biases and SWIGLU_OAI: engine/arch/gptoss.py only, so far
             raise ValueError("the CUDA backend does not run gpt-oss yet; use --backend cpu")
+        if cfg.is_hybrid:
+            raise ValueError(f"the CUDA backend has no Gated DeltaNet layers yet, which {cfg.arch} needs; "
+                             f"use --backend cpu")
         if cfg.head_dim_v != cfg.head_dim or cfg.head_dim % 32 or cfg.head_dim > 256:
             raise ValueError(f"the CUDA backend needs head_dim == head_dim_v, a multiple of 32 and <= 256 "
                              f"(this model: {cfg.head_dim}/{cfg.head_dim_v}); use --backend cpu")
