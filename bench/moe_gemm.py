@@ -54,7 +54,7 @@ def main(argv=None):
 
     import cupy as cp
 
-    from engine.cuda.decode import I32, I64
+    from engine.cuda.launch import I32, I64
     from engine.cuda.prefill_streamed import expert_row_blocks, moe_module
     from engine.cuda.quant_types import qtype
 

@@ -82,7 +82,7 @@ def main(argv=None):
     import cupy as cp
 
     from engine.cuda import kernels
-    from engine.cuda.decode import F32, I32
+    from engine.cuda.launch import F32, I32
     from engine.cuda.prefill_streamed import attn_module
 
     H, KV, hd = a.n_head, a.n_head_kv, a.head_dim

@@ -72,7 +72,7 @@ def test_kv_flag():
 # ---- on the GPU --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def K():
-    from engine.cuda.programs import Kernels
+    from engine.cuda.kernels import Kernels
     from engine.cuda.quant_types import qtype
     return Kernels({qtype("F16").id})
 

@@ -155,7 +155,7 @@ QTS = ("Q4_K", "Q8_0", "Q6_K", "F16")
 
 @pytest.fixture(scope="module")
 def K():
-    from engine.cuda.programs import Kernels
+    from engine.cuda.kernels import Kernels
     from engine.cuda.quant_types import qtype
     return Kernels({qtype(n).id for n in QTS})
 
@@ -165,7 +165,7 @@ def K():
 @pytest.mark.parametrize("rows,cols,T", [(50, 512, 7), (3000, 2048, 300)])
 def test_embed_kernel_reads_host_rows_in_place(K, name, rows, cols, T):
     import cupy as cp
-    from engine.cuda.decode import I32, I64, NULL, U64, MappedInts, ptr
+    from engine.cuda.launch import I32, I64, NULL, U64, MappedInts, ptr
     from engine.cuda.weights import host_matrix, upload_matrix
     rng = np.random.default_rng()
     t, W = tensor(name, rows, cols, rng)

@@ -127,7 +127,7 @@ def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
 
 
 def test_predict_shared_memory_is_the_decode_staging():
-    """predict stages x with common.cuh stage_x (kernels.staged_bytes: 68 bytes per 16 floats), so the widest model
+    """predict stages x with common.cuh stage_x (launch.staged_bytes: 68 bytes per 16 floats), so the widest model
     it serves is the one whose staged x fills SMEM_MAX."""
     pytest.importorskip("cupy")
     widest = pf.SMEM_MAX * 16 // 68
@@ -136,18 +136,31 @@ def test_predict_shared_memory_is_the_decode_staging():
     assert "multiple of 4" in pf.unsupported(_fake_step(0, 1, n_embd=1022).cfg, _fake_step(0, 1).layout)
 
 
-def test_load_module_keys_on_router_cu_and_takes_extra_defines(monkeypatch):
-    """The router.cu digest always (an edit to it recompiles prefetch.cu); extra defines (bench.prefetch_grid's
-    PF_LOADS) beside it."""
-    import hashlib
+def test_load_module_takes_extra_defines(monkeypatch):
+    """prefetch.cu through the one loader, extra defines (bench.prefetch_grid's PF_LOADS) passed on."""
     seen = []
     monkeypatch.setattr(pf.kernels, "load",
                         lambda name, defines=None, qtypes=None: seen.append((name, defines, qtypes)))
-    digest = hashlib.sha256((pf.kernels.CUDA_SRC / "router.cu").read_bytes()).hexdigest()[:16]
     pf.load_module([0])
     pf.load_module([12], {"PF_LOADS": 16})
-    assert seen == [("prefetch", {"STRATA_ROUTER_SRC": digest}, [0]),
-                    ("prefetch", {"STRATA_ROUTER_SRC": digest, "PF_LOADS": 16}, [12])]
+    assert seen == [("prefetch", None, [0]), ("prefetch", {"PF_LOADS": 16}, [12])]
+
+
+def test_every_source_edit_changes_the_build_options(tmp_path, monkeypatch):
+    """The one recompile rule: each build's options carry a digest of every cuda_src file (router.cu, included by
+    prefetch.cu, as much as a header)."""
+    import shutil
+    for f in pf.kernels.CUDA_SRC.glob("*.cu*"):
+        shutil.copy(f, tmp_path / f.name)
+    monkeypatch.setattr(pf.kernels, "CUDA_SRC", tmp_path)
+    b = pf.kernels.Build("prefetch")
+    pf.kernels.sources_digest.cache_clear()
+    before = pf.kernels.options(b)
+    (tmp_path / "router.cu").write_text((tmp_path / "router.cu").read_text() + "\n// edited\n")
+    pf.kernels.sources_digest.cache_clear()
+    after = pf.kernels.options(b)
+    pf.kernels.sources_digest.cache_clear()
+    assert before != after
 
 
 def test_copy_grids_keep_the_link_busy_and_the_miss_copy_ahead():

@@ -8,7 +8,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 from engine.cuda import kernels  # noqa: E402
-from engine.cuda.decode import F32, I32, I64, NULL  # noqa: E402
+from engine.cuda.launch import F32, I32, I64, NULL  # noqa: E402
 from engine.cuda.quant_types import NAMES, qtype, random_rows  # noqa: E402
 from engine.gguf_model import dequantize  # noqa: E402
 from gpu_compare import rel  # noqa: E402

@@ -258,8 +258,8 @@ def lm_logits(rng, n):
 @pytest.fixture(scope="module")
 def kern():
     cp = pytest.importorskip("cupy")
-    from engine.cuda.programs import OPTIONS, source_text
-    mod = cp.RawModule(code=source_text(("sample.cu",)), options=OPTIONS)
+    from engine.cuda import kernels
+    mod = kernels.load("sample")
     return lambda name, qt=None, tag=None: mod.get_function(name)
 
 
@@ -268,7 +268,7 @@ class Run:
 
     def __init__(self, kern, n, ring_cap=4096):
         import cupy as cp
-        from engine.cuda.decode import MappedInts
+        from engine.cuda.launch import MappedInts
         self.cp, self.kern = cp, kern
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.gs = GpuSampler(kern, n, ring_cap, self.stream)

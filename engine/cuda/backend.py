@@ -26,7 +26,7 @@ from engine.cuda.prefetch import vram_staging_slots
 from engine.cuda.prefetch import wanted as prefetch_wanted
 from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS
 from engine.cuda.prefill import SCORE_ELEMS, Prefill
-from engine.cuda.programs import Kernels
+from engine.cuda.kernels import Kernels
 from engine.cuda.rope import rope_table
 from engine.cuda.sampler import GpuSampler
 from engine.cuda.weights import load_weights

@@ -71,7 +71,7 @@ class KVCache:
         """The step between the Q/K/V projections and attention, for T tokens at positions pos0 + t (+ state[1] when
         state, a device int32 array, is given): optional q/k RMSNorm and RoPE (rotated q written back into q), K and
         V into layer li in this cache's layout. q: (T, n_head * head_dim), kk, v: (T, n_head_kv * head_dim) fp32;
-        rope: (max_ctx, n_rot / 2) float2 (cos, sin). k: the engine's kernel table (programs.Kernels)."""
+        rope: (max_ctx, n_rot / 2) float2 (cos, sin). k: the engine's kernel table (kernels.Kernels)."""
         c = cfg
         grid, blk = (c.n_head + 2 * c.n_head_kv, T), (c.head_dim,)
         head = (_ptr(q), _ptr(kk), _ptr(v), _ptr(q_norm), _ptr(k_norm), _ptr(rope), _ptr(state), I32(pos0))

@@ -185,7 +185,7 @@ def routed_group(cache, li: int, ids, stream):
     """The streamed pass's in-place expert group of layer li in the memory modes (chunks that do not use the ring):
     only the routed experts, the file-only ones staged and pinned, so no kernel is handed a 0 address. Waits for the
     router. Returns (sel, ptrs, n) and a function to call once the group's kernels are enqueued."""
-    from engine.cuda.decode import U64
+    from engine.cuda.launch import U64
     E = cache.n_expert
     es = np.unique(np.asarray(ids.get(stream=stream)).ravel()).astype(np.int64)
     gs = li * E + es

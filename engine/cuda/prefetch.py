@@ -132,7 +132,7 @@ import numpy as np
 
 from engine.cuda import kernels
 # predict stages n_embd floats with common.cuh stage_x: the decode kernels' shared-memory rule
-from engine.cuda.kernels import SMEM_DEFAULT, SMEM_MAX, staged_bytes
+from engine.cuda.launch import SMEM_DEFAULT, SMEM_MAX, staged_bytes
 
 # prefetch_copy's grid on the side stream. In flight: 8 blocks x 256 threads x 8 loads x 16 B = 256 KiB, about the
 # link's bandwidth-delay product (51 GB/s x 2-5 us of PCIe read latency = 100-250 KB); a warp's 8 loads are 4 KiB
@@ -175,13 +175,8 @@ STATS = 7                  # the device counters (PrefetchStats' fields)
 
 
 def load_module(qtypes, defines=None):
-    """cuda_src/prefetch.cu for these router row types (with these extra defines: bench.prefetch_grid's PF_LOADS). It
-    includes router.cu (route_block, for router_predict), and CuPy's kernel cache keys on the file's own text and the
-    options: a digest of router.cu as a define makes a router edit recompile it."""
-    import hashlib
-
-    digest = hashlib.sha256((kernels.CUDA_SRC / "router.cu").read_bytes()).hexdigest()[:16]
-    return kernels.load("prefetch", defines={"STRATA_ROUTER_SRC": digest, **(defines or {})}, qtypes=qtypes)
+    """cuda_src/prefetch.cu for these router row types (with these extra defines: bench.prefetch_grid's PF_LOADS)."""
+    return kernels.load("prefetch", defines=defines, qtypes=qtypes)
 
 
 def wanted(flag: str | None, n_slots: int, n_total: int) -> bool:

@@ -8,7 +8,7 @@ import cupy as cp
 import numpy as np
 
 from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS
-from engine.cuda.decode import I32, I64, U64, F32, NULL, ptr
+from engine.cuda.launch import I32, I64, U64, F32, NULL, ptr
 
 SCORE_ELEMS = 1 << 27          # attention scores per batch of KV heads (512 MiB)
 

@@ -34,8 +34,8 @@ import numpy as np
 
 from engine.cuda import kernels
 from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS, MiB, RING_MIN, buffers, chunk_bytes, plan_chunk
-from engine.cuda.decode import F32, I32, I64, NULL, U64, ptr
-from engine.cuda.kernels import SMEM_DEFAULT
+from engine.cuda.launch import F32, I32, I64, NULL, U64, ptr
+from engine.cuda.launch import SMEM_DEFAULT
 from engine.cuda.prefill import Prefill
 from engine.cuda.ring import CupyDevice, RingRunner, schedule
 
