@@ -55,7 +55,7 @@ def main(argv=None):
     import cupy as cp
 
     from engine.cuda.launch import I32, I64
-    from engine.cuda.prefill_streamed import expert_row_blocks, moe_module
+    from engine.cuda.prefill import expert_row_blocks, moe_module
     from engine.cuda.quant_types import qtype
 
     q = qtype(a.qtype)

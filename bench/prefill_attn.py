@@ -65,7 +65,7 @@ def parse(argv=None):
 def launcher(mod, int8: bool):
     """The kernel launched as the engine launches it when the module has the engine's shape query; an older copy
     (--module, before flash_attn_shape) gets its fixed 64-row, 4-warp launch with static shared memory."""
-    from engine.cuda.prefill_streamed import AttnKernel, attn_kernel
+    from engine.cuda.prefill import AttnKernel, attn_kernel
     try:
         mod.get_function("flash_attn_shape")
     except Exception as e:    # the driver's error class moved between CuPy versions (cupy.cuda.driver is gone in 14)
@@ -83,7 +83,7 @@ def main(argv=None):
 
     from engine.cuda import kernels
     from engine.cuda.launch import F32, I32
-    from engine.cuda.prefill_streamed import attn_module
+    from engine.cuda.prefill import attn_module
 
     H, KV, hd = a.n_head, a.n_head_kv, a.head_dim
     t0 = time.perf_counter()

@@ -1061,7 +1061,7 @@ def test_prefetch_switch(cpu_runs):
         if flag is None:
             from engine.cuda.backend import CUDABackend, CudaOptions
             from test_cuda_backend import CTX
-            be = CUDABackend(model, CTX, CudaOptions(expert_slots=slots, prefill="batched"), log=lines.append)
+            be = CUDABackend(model, CTX, CudaOptions(expert_slots=slots), log=lines.append)
         else:
             be = cuda_backend(model, expert_slots=slots, prefetch=flag)
         try:
@@ -1183,7 +1183,7 @@ def test_fetch_misses_in_the_memory_modes(cpu_runs, mode, depth, tmp_path):
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert
-    opts = dict(expert_slots=total // 2, prefill="batched", prefetch="on", prefetch_depth=depth, fetch_misses="on")
+    opts = dict(expert_slots=total // 2, prefetch="on", prefetch_depth=depth, fetch_misses="on")
     if mode == "mmap":
         opts.update(mmap_experts=True, adapt_every=4)
     else:

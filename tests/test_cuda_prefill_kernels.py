@@ -36,7 +36,7 @@ def moe_mod_all():
 
 
 def att_mod(hd):
-    from engine.cuda.prefill_streamed import attn_module
+    from engine.cuda.prefill import attn_module
     return attn_module(hd)
 
 
@@ -136,7 +136,7 @@ def test_grouped_expert_gemms(moe_mod, name, T, k, E, n_embd, n_ff):
     base = int(blobs.data.ptr)
     # two launches over disjoint expert sets, as the resident group and a ring batch run: one with a single block
     # per expert along the rows (it loops over every row tile), one with the pass's own count
-    from engine.cuda.prefill_streamed import expert_row_blocks
+    from engine.cuda.prefill import expert_row_blocks
     for part, grid_y in ((list(range(0, E, 2)), 1), (list(range(1, E, 2)), expert_row_blocks(T, k, E))):
         sel = cp.asarray(np.array(part, np.int32))
         ptrs = cp.asarray(np.array([base + e * stride for e in part], np.uint64))
@@ -160,7 +160,7 @@ def test_grouped_expert_gemms(moe_mod, name, T, k, E, n_embd, n_ff):
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
 def test_grouped_expert_gemms_one_row_tile_per_pass(name):
     """moe_gemm.cu built with MG_MT=1 (bench.prefill --moe-row-tiles 1): one 64-row tile per dequantized weight tile."""
-    from engine.cuda.prefill_streamed import moe_module
+    from engine.cuda.prefill import moe_module
     test_grouped_expert_gemms(moe_module([name], row_tiles=1), name, 300, 4, 8, 256, 768)
 
 
@@ -224,7 +224,7 @@ SHAPES_4K = [(4096, 0, 8, 1, 128), (512, 3584, 32, 4, 128)]
 
 def attend(mod, int8, T, n_head, n_kv, args):
     """Launch as the engine does (its AttnKernel: the build's own rows per block, threads, shared memory)."""
-    from engine.cuda.prefill_streamed import attn_kernel
+    from engine.cuda.prefill import attn_kernel
     attn_kernel(mod, int8)(T, n_head, n_kv, args)
 
 

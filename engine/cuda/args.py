@@ -38,19 +38,8 @@ def _gib(v: str) -> float:
     return x
 
 
-# The prompt pass a worker runs without --prefill (CudaOptions.prefill's default; the worker checks flag combinations
-# against it without importing CuPy). Streamed: on the H200 it read 1K/4K prompts of the Qwen3-30B-A3B-shaped model
-# at 13,278/16,141 tok/s all resident, where the batched pass managed 128-186 tok/s at 512 tokens (bench.decode's
-# prompt column), and it holds back less VRAM (prefill_streamed.py's docstring has the comparison).
-DEFAULT_PREFILL = "streamed"
-
-
 def check_cuda_args(args) -> str | None:
     """A one-line message for a flag combination the CUDA backend cannot run, else None."""
-    prefill = getattr(args, "prefill", None) or DEFAULT_PREFILL
-    if getattr(args, "kv", None) == "int8" and prefill != "streamed":
-        return ("--kv int8 needs the streamed prompt pass (the batched one reads an fp16 cache): add --prefill streamed "
-                "or use --kv f16")
     if getattr(args, "fetch_misses", None) == "on" and getattr(args, "prefetch", None) == "off":
         return "--fetch-misses on is part of the decode prefetch: drop --prefetch off (or --fetch-misses on)"
     return None
@@ -101,15 +90,12 @@ def add_cuda_args(parser) -> None:
     g.add_argument("--kv", choices=("f16", "int8"), default=None,
                    help="KV cache format: f16 (default) or int8 (one scale per 32 values; 56%% of the VRAM, so about "
                         "1.8x the context fits)")
-    g.add_argument("--prefill", choices=("batched", "streamed"), default=None,
-                   help="prompt pass: streamed (default: grouped expert GEMMs on tensor cores, from --stream-min "
-                        "tokens every non-resident expert through a VRAM ring) or batched (the first version)")
     g.add_argument("--prefill-chunk", type=_chunk, default=None, metavar="N|auto",
-                   help="streamed prompt pass: tokens per chunk (default auto: the largest that fits, 1024 and up)")
+                   help="prompt pass: tokens per chunk (default auto: the largest that fits, 1024 and up)")
     g.add_argument("--ring", type=_at_least(2), default=None, metavar="N",
-                   help="streamed prompt pass: N expert ring slots of its own (default: whatever VRAM the chunk "
+                   help="prompt pass: N expert ring slots of its own (default: whatever VRAM the chunk "
                         "leaves, plus up to two layers' worth of streamed experts (64..384) borrowed from the coldest "
                         "expert-cache slots for the prompt and refilled at the first decode step)")
     g.add_argument("--stream-min", type=_at_least(1), default=None, metavar="N",
-                   help="streamed prompt pass: chunks of at least N tokens stream experts through the ring; shorter "
+                   help="prompt pass: chunks of at least N tokens stream experts through the ring; shorter "
                         "ones read them in place (default 1024)")

@@ -1,6 +1,6 @@
 """The CUDA backend (engine/backend.py's contract): weights and KV cache in VRAM, experts in a pinned host arena with
-the hottest cached in VRAM, decode steps replayed from one CUDA graph with greedy picks on the GPU, the prompt pass
-as batched GEMMs."""
+the hottest cached in VRAM, decode steps replayed from one CUDA graph with the pick on the GPU, the prompt pass as
+tensor-core GEMMs in chunks (engine/cuda/prefill.py)."""
 from __future__ import annotations
 
 import gc
@@ -13,7 +13,6 @@ import numpy as np
 
 from engine.backend import Backend, ExpertStats
 from engine.cuda.arena import ExpertArena, blob_layout
-from engine.cuda.args import DEFAULT_PREFILL
 from engine.cuda.decode import DecodeStep
 from engine.cuda.embed_place import embed_placement
 from engine.cuda.expert_cache import ExpertCache
@@ -24,8 +23,7 @@ from engine.cuda.prefetch import DEFAULT_DEPTH as DEFAULT_PREFETCH_DEPTH
 from engine.cuda.prefetch import fetching as fetching_misses
 from engine.cuda.prefetch import vram_staging_slots
 from engine.cuda.prefetch import wanted as prefetch_wanted
-from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS
-from engine.cuda.prefill import SCORE_ELEMS, Prefill
+from engine.cuda.prefill import Prefill, reserve_bytes
 from engine.cuda.kernels import Kernels
 from engine.cuda.rope import rope_table
 from engine.cuda.sampler import GpuSampler
@@ -59,8 +57,6 @@ class CudaOptions:
     kv: str = "f16"                     # "int8": engine/cuda/kv.py's int8 layout (one scale per 32 values)
     no_graph: bool = False
     calibrate: bool = False
-    prompt_chunk: int = 512
-    prefill: str = DEFAULT_PREFILL      # "batched" (engine/cuda/prefill.py) or "streamed" (prefill_streamed.py)
     prefill_chunk: str | int = "auto"
     ring: int | None = None
     stream_min: int = 1024
@@ -124,7 +120,7 @@ class CUDABackend(Backend):
             free, _ = cp.cuda.runtime.memGetInfo()
             raise MemoryError(f"out of VRAM while loading the model ({e}); {free0 / MiB:.0f} MiB were free at "
                               f"start: lower --ctx ({max_context}) or use a GPU with more memory") from None
-        except MemoryError:         # a refusal with the numbers (VRAM budget, prompt chunk): free what was taken
+        except (MemoryError, ValueError):   # a refusal with the numbers (VRAM budget, prompt chunk, staging ring)
             self.close()
             raise
         if self.cache is not None:
@@ -195,28 +191,15 @@ class CUDABackend(Backend):
                                self.stream)
         attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth,
                         fetching_misses(self.opts.fetch_misses))
-        self.prefill = self._make_prefill()
+        self.prefill = Prefill(self.step, self.opts, self.log)
         if self.mem:
             self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)
             self.mem.attach_prefill(self.prefill)
 
-    def _make_prefill(self):
-        if self.opts.prefill == "streamed":
-            from engine.cuda.prefill_streamed import StreamedPrefill
-            return StreamedPrefill(self.step, self.opts, self.log)
-        return Prefill(self.step)
-
     def _prefill_scratch_bytes(self) -> int:
-        if self.opts.prefill == "streamed":
-            from engine.cuda.prefill_streamed import reserve_bytes
-            lay = self.layout
-            return reserve_bytes(self.config, lay.stride if lay else 0, self.config.n_layer * self.config.n_expert,
-                                 self.opts, self.max_context)
-        c = self.config
-        T = self.prompt_chunk_size()
-        act = 8 * T * max(c.n_embd, c.n_head * c.head_dim, c.n_ff, c.n_ff_exp * 2) * 4
-        weights = 4 * 3 * max(c.n_ff_exp * c.n_embd, c.n_ff * c.n_embd, c.n_head * c.head_dim * c.n_embd)
-        return act + weights + SCORE_ELEMS * 4 + DEQUANT_SCRATCH_ELEMS * 4
+        lay = self.layout
+        return reserve_bytes(self.config, lay.stride if lay else 0, self.config.n_layer * self.config.n_expert,
+                             self.opts, self.max_context)
 
     def _initial_fill(self):
         cache, opts = self.cache, self.opts
@@ -292,9 +275,7 @@ class CUDABackend(Backend):
 
     # --- the contract ----------------------------------------------------------------------------------------
     def prompt_chunk_size(self) -> int:
-        if self.opts.prefill == "streamed" and getattr(self, "prefill", None) is not None:
-            return int(self.prefill.chunk)
-        return int(self.opts.prompt_chunk)
+        return int(self.prefill.chunk)
 
     def _room(self, n: int):
         if self.n_cached + n > self.max_context:
@@ -381,8 +362,7 @@ class CUDABackend(Backend):
         """What a decode step needs first (_decode, and bench.prefetch_oracle's replays): the ring's lent cache slots
         back once the prompt is over, and the adaptive tier's landed swaps in the table."""
         if self.cache is not None:
-            if self.opts.prefill == "streamed":
-                self.prefill.give_back(self.stream)
+            self.prefill.give_back(self.stream)
             self.cache.poll(self.stream)
 
     def finish_decode(self):
@@ -448,8 +428,8 @@ class CUDABackend(Backend):
             out.update(self.mem.info() if self.mem else {"memory": "pinned"})
         if self.pcie_gbps is not None:
             out["pcie_gbps"] = round(self.pcie_gbps, 1)
-        if self.opts.prefill == "streamed" and self.prefill is not None:
-            out.update(prefill="streamed", prefill_chunk=self.prefill.chunk, ring=self.prefill.plan.ring,
+        if self.prefill is not None:
+            out.update(prefill_chunk=self.prefill.chunk, ring=self.prefill.plan.ring,
                        ring_lend=self.prefill.plan.lend)
         return out
 

@@ -1,7 +1,7 @@
 """How big a prompt chunk the streamed prompt pass takes, decided before anything is allocated.
 
 `buffers(cfg, T, ...)` lists every device buffer a chunk of T tokens needs (name, element count, bytes per element);
-engine/cuda/prefill_streamed.py allocates exactly this list, so summing it here *is* replaying the allocation: a
+engine/cuda/prefill.py allocates exactly this list, so summing it here *is* replaying the allocation: a
 chunk either fits or is refused with the numbers, never an out-of-memory halfway through a prompt. Pure Python (no
 CuPy), so the sizing is unit-tested on the CPU with real model shapes.
 """
@@ -55,7 +55,7 @@ def buffers(cfg, T: int) -> list[Buffer]:
             out += [Buffer("sh_tmp", 3 * T * c.n_ff_shexp, 4, False), Buffer("sh_gate", T, 4, False)]
     else:
         out += [Buffer("ffn_tmp", 3 * T * c.n_ff, 4, False)]   # gate, up and their product
-    # What is dequantized to fp32 (prefill_streamed.py linear_into, Prefill.linear / ffn): the routers and the shared
+    # What is dequantized to fp32 (prefill.py linear_into, linear, ffn): the routers and the shared
     # expert of an MoE model, the FFN of a dense one. Attention goes through the fp16 "wh"; the output head's logits
     # of the last row come from the decode mat-vec on the quantized rows, so no fp32 copy of the head (n_vocab x
     # n_embd: the cap, 128 MiB, for Qwen3) is held back from the expert cache; logits for every row (all_logits:

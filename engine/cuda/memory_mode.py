@@ -71,11 +71,10 @@ class MemoryMode:
     def attach_cache(self, model, arena, cache, stream, opts, log):
         cfg = model.config
         # a ring batch is at most half the ring, and the ring holds at most every expert
-        streamed = opts.prefill == "streamed"
-        ring_batch = min(RING_BATCH_MAX, cfg.n_layer * cfg.n_expert // 2) if streamed else 0
+        ring_batch = min(RING_BATCH_MAX, cfg.n_layer * cfg.n_expert // 2)
         # a chunk too short for the ring pins every file-only expert its tokens route to in a layer at once
         # (routed_group): up to a layer's file-only experts
-        group = int((~self.pinned).reshape(cfg.n_layer, cfg.n_expert).sum(axis=1).max()) if streamed else 0
+        group = int((~self.pinned).reshape(cfg.n_layer, cfg.n_expert).sum(axis=1).max())
         n = staging_slots(cfg.n_layer, cfg.n_expert_used, arena.layout.stride, int((~self.pinned).sum()),
                           ring_batch, getattr(opts, "staging_slots", None), group=group)
         try:

@@ -1,4 +1,4 @@
-"""The streamed prompt pass (--prefill streamed) end to end against the NumPy backend: logits within 1e-2 relative and
+"""The prompt pass end to end against the NumPy backend: logits within 1e-2 relative and
 the same greedy continuation for prompts that cross several chunks, with the ring at its smallest and largest depth
 and the expert cache full, half, empty (and empty with its free slots lent to the ring); STOP mid-prompt through the
 worker; a chunk that does not fit refused with the numbers; the ring made of lent expert-cache slots (the coldest
@@ -29,7 +29,7 @@ MODELS = ("tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed", "tiny-llama-legacy")
 
 def streamed(model, **opts):
     from engine.cuda.backend import CUDABackend, CudaOptions
-    kw = dict(prefill="streamed", prefill_chunk=CHUNK, stream_min=1, adapt_every=0)
+    kw = dict(prefill_chunk=CHUNK, stream_min=1, adapt_every=0)
     kw.update(opts)
     return CUDABackend(model, CTX, CudaOptions(**kw))
 
@@ -137,14 +137,14 @@ def test_short_chunks_read_experts_in_place(cpu_runs, name):
 
 def test_a_chunk_that_does_not_fit_is_refused_with_the_numbers(cpu_runs):
     from engine.cuda.chunk_plan import ChunkRefused
-    from engine.cuda.prefill_streamed import StreamedPrefill
+    from engine.cuda.prefill import Prefill
     model = cpu_runs["tiny-qwen3moe-q4k"][0]
     be = streamed(model)
     try:
         used = cp.get_default_memory_pool().used_bytes() / 2**20
         tight = dataclasses.replace(be.opts, prefill_chunk=CTX, vram_budget_mib=int(used) + 1)
         with pytest.raises(ChunkRefused) as e:
-            StreamedPrefill(be.step, tight)
+            Prefill(be.step, tight)
         msg = str(e.value)
         assert f"a prompt chunk of {CTX} tokens" in msg and "MiB of VRAM but" in msg and "--prefill-chunk" in msg
     finally:
@@ -155,7 +155,7 @@ def test_stop_mid_prompt_cancels(fixtures_dir):
     w = Worker(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf", "--backend", "cuda", "--prefill", "streamed",
                "--prefill-chunk", "16", "--stream-min", "1", "--ring", "2", "--expert-slots", "0")
     try:
-        assert w.info.get("prefill") == "streamed" and int(w.info["prefill_chunk"]) == 16
+        assert int(w.info["prefill_chunk"]) == 16
         long_prompt = [(i * 37 + 11) % 1000 for i in range(1000)]
         w.send(gen(4, long_prompt))
         assert w.read() == "RESUME 0"
@@ -174,7 +174,7 @@ def test_stop_mid_prompt_cancels(fixtures_dir):
 
 def test_phase_profile_covers_the_chunk(cpu_runs):
     """bench.prefill's per-phase table: every phase of a streamed chunk is timed and the phases add up to the chunk."""
-    from engine.cuda.prefill_streamed import PHASES
+    from engine.cuda.prefill import PHASES
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
     be = streamed(model, expert_slots=model.config.n_layer * model.config.n_expert // 2, ring=2)
     try:
