@@ -120,7 +120,6 @@ def main(argv=None):
 
     import cupy as cp
     from engine.cuda.backend import CUDABackend, CudaOptions
-    from engine.cuda.prefetch import DEFAULT_DEPTH
     from engine.gguf_model import open_model
 
     facts = {}
@@ -128,9 +127,13 @@ def main(argv=None):
         facts["model_make_s"] = round(make_model(a.model), 1)
     model = open_model(a.model)
     t0 = time.perf_counter()
-    modes = ["on", "off"] if a.prefetch == "both" else [a.prefetch]
-    depths = [1, 2] if a.prefetch_depth == "both" else [int(a.prefetch_depth or DEFAULT_DEPTH)]
-    fetches = ["on", "off"] if a.fetch_misses == "both" else [a.fetch_misses]
+    # each flag's values as CudaOptions takes them (None: the option's default)
+    on_off = {"on": True, "off": False, None: None}
+    default = CudaOptions()
+    modes = [True, False] if a.prefetch == "both" else [on_off[a.prefetch]]
+    depths = [1, 2] if a.prefetch_depth == "both" else [int(a.prefetch_depth or default.prefetch_depth)]
+    fetches = [True, False] if a.fetch_misses == "both" else [on_off[a.fetch_misses]]
+    fetches = [default.fetch_misses if f is None else f for f in fetches]
     be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True,
                                                                prefetch=modes[0], prefetch_depth=depths[0],
                                                                fetch_misses=fetches[0]))
@@ -154,8 +157,8 @@ def main(argv=None):
     # everything resident never prefetches: one row for it; prefetch off: one row whatever the depth and late copy
     adapts = ["on", "off"] if a.adapt_measured == "both" else [a.adapt_measured]
     runs = [(b, mode, d, f, ad) for b in a.budgets.split(",") for mode in (modes[:1] if b == "all" else modes)
-            for d in (depths[:1] if b == "all" or mode == "off" else depths)
-            for f in (fetches[:1] if b == "all" or mode == "off" else fetches)
+            for d in (depths[:1] if b == "all" or mode is False else depths)
+            for f in (fetches[:1] if b == "all" or mode is False else fetches)
             for ad in (adapts[:1] if b == "all" else adapts)]
     for b, mode, depth, fetch, adapt in runs:
         mib = None if b == "all" else int(float(b) * 1024)

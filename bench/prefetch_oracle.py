@@ -173,7 +173,7 @@ def main(argv=None):
         make_model(a.model)
     model = open_model(a.model)
     be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True,
-                                                               prefetch="on"))
+                                                               prefetch=True))
     try:
         rng = np.random.default_rng(a.seed)
         t0 = time.perf_counter()

@@ -140,7 +140,6 @@ def main(argv=None):
 
     from engine.cuda.backend import CUDABackend, CudaOptions
     from engine.cuda import chunk_plan, prefill
-    from engine.cuda.prefill import parse_chunk
     from engine.gguf_model import open_model
 
     if a.moe_row_tiles:
@@ -154,7 +153,7 @@ def main(argv=None):
     model = open_model(a.model)
     ctx = max(max(lengths) + 16, a.ctx or 0)
     t0 = time.perf_counter()
-    opts = CudaOptions(prefill_chunk=parse_chunk(a.chunk), ring=a.ring, stream_min=a.stream_min,
+    opts = CudaOptions(prefill_chunk=None if a.chunk == "auto" else int(a.chunk), ring=a.ring, stream_min=a.stream_min,
                        calibrate=True)
     be = CUDABackend(model, ctx, opts)
     facts.update(load_s=round(time.perf_counter() - t0, 1), ctx=ctx, kv_gib=round(be.kv.k.nbytes * 2 / 2**30, 2),

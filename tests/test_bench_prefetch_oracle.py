@@ -49,7 +49,7 @@ def test_upgrade_keeps_the_right_guesses_and_reaches_the_share():
 def test_oracle_replays_compute_the_real_tokens(cpu_runs):
     model, prompt, _, _ = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
-    be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch="on")
+    be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch=True)
     try:
         rows = oracle_pass(be, prompt, 24, [0.0, 1.0])
         np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)

@@ -113,11 +113,11 @@ def test_explicit_ring_is_the_rings_own_depth():
     lent = plan_chunk(QWEN, free, chunk=1024, ring=96, stride=STRIDE, n_stream=N_ALL, lendable=3000)
     assert lent.ring == 96 and lent.ring_bytes == 96 * STRIDE
     assert lent.lend == RING_MAX - 96 and not lent.lend_occupied
-    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --ring"):
+    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --tune ring"):
         plan_chunk(QWEN, free, chunk=1024, ring=760, stride=STRIDE, n_stream=N_ALL)
-    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --ring"):
+    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --tune ring"):
         plan_chunk(QWEN, 1536 * MiB, ring=760, stride=STRIDE, n_stream=N_ALL)
-    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --ring"):
+    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --tune ring"):
         plan_chunk(QWEN, 1536 * MiB, ring=760, stride=STRIDE, n_stream=N_ALL, lendable=3000)
     with pytest.raises(ValueError, match="at least 2"):
         plan_chunk(QWEN, free, ring=1, stride=STRIDE, n_stream=N_ALL)
@@ -192,16 +192,14 @@ def test_fixture_configs(fixtures_dir, name):
 
 
 def test_prompt_pass_flags_parse_and_refuse_bad_values():
-    import argparse
-    from engine.cuda.args import add_cuda_args
-    p = argparse.ArgumentParser()
-    add_cuda_args(p)
-    a = p.parse_args(["--prefill-chunk", "auto", "--ring", "2", "--stream-min", "64"])
-    assert (a.prefill_chunk, a.ring, a.stream_min) == ("auto", 2, 64)
-    assert p.parse_args(["--prefill-chunk", "2048"]).prefill_chunk == 2048
-    for bad in (["--prefill-chunk", "0"], ["--prefill-chunk", "big"], ["--ring", "1"], ["--prefill", "batched"]):
+    from cuda_flags import options, parse
+    o = options("--prefill-chunk", "auto", "--tune", "ring=2", "--tune", "stream_min=64")
+    assert (o.prefill_chunk, o.ring, o.stream_min) == (None, 2, 64)
+    assert options("--prefill-chunk", "2048").prefill_chunk == 2048
+    for bad in (["--prefill-chunk", "0"], ["--prefill-chunk", "big"], ["--tune", "ring=1"], ["--tune", "stream_min=0"],
+                ["--tune", "nothing=1"], ["--tune", "ring"], ["--prefill", "batched"]):
         with pytest.raises(SystemExit):
-            p.parse_args(bad)
+            parse(*bad)
 
 
 def test_the_backend_reserves_the_target_chunk_and_only_an_explicit_ring():

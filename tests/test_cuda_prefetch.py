@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from engine.cuda import prefetch as pf
-from cuda_flags import check_choice, cuda_parser
+from cuda_flags import check_tune, options, parse
+from engine.cuda.args import CudaOptions
 from gpu_compare import assert_same_greedy, greedy, rel_rows
 from test_cuda_backend import MOE, N_GREEDY, cpu_runs, cuda_backend  # noqa: F401 (cpu_runs: a fixture)
 
@@ -23,43 +24,35 @@ gpu = pytest.mark.gpu
 
 
 # --- CPU: host-side logic ------------------------------------------------------------------------------------------
-def test_wanted_follows_flag_unless_all_resident():
-    assert not pf.wanted("on", 32, 32)          # nothing to fetch: capture nothing extra
+def test_wanted_follows_the_option_unless_all_resident():
+    assert not pf.wanted(True, 32, 32)          # nothing to fetch: capture nothing extra
     assert not pf.wanted(None, 40, 32)
-    assert pf.wanted("on", 16, 32)
-    assert not pf.wanted("off", 16, 32)
-    assert pf.wanted(None, 0, 32) == pf.DEFAULT_ON
-    # the default prefetches only below AUTO_MAX_SHARE of the experts in VRAM; a flag decides whatever the share
-    assert pf.wanted(None, 94, 100) == pf.DEFAULT_ON and not pf.wanted(None, 95, 100)
-    assert pf.wanted("on", 99, 100) and not pf.wanted("off", 50, 100)
+    assert pf.wanted(True, 16, 32)
+    assert not pf.wanted(False, 16, 32)
+    assert pf.wanted(None, 0, 32)
+    # automatic: only below AUTO_MAX_SHARE of the experts in VRAM; an explicit choice decides whatever the share
+    assert pf.wanted(None, 94, 100) and not pf.wanted(None, 95, 100)
+    assert pf.wanted(True, 99, 100) and not pf.wanted(False, 50, 100)
 
 
-def test_prefetch_flag():
-    check_choice("--prefetch", "prefetch", "off", "maybe")
+def test_prefetch_tune_keys():
+    check_tune("prefetch", "off", False, "maybe")
+    assert options("--tune", "prefetch=on").prefetch is True and options("--tune", "prefetch=auto").prefetch is None
+    assert CudaOptions().prefetch is None
+    check_tune("prefetch_depth", "1", 1, "3")
+    assert CudaOptions().prefetch_depth == 2
+    check_tune("fetch_misses", "off", False, "maybe")
+    assert CudaOptions().fetch_misses is True
 
 
-def test_options_take_the_flag():
-    pytest.importorskip("cupy")
-    from engine.cuda.backend import CudaOptions
-    p = cuda_parser()
-    assert CudaOptions.from_args(p.parse_args(["--prefetch", "on"])).prefetch == "on"
-    assert CudaOptions.from_args(p.parse_args([])).prefetch is None
-    assert CudaOptions.from_args(p.parse_args([])).prefetch_depth == pf.DEFAULT_DEPTH
-    assert CudaOptions.from_args(p.parse_args(["--prefetch-depth", "2"])).prefetch_depth == 2
-    assert CudaOptions.from_args(p.parse_args([])).fetch_misses is None
-    assert CudaOptions.from_args(p.parse_args(["--fetch-misses", "off"])).fetch_misses == "off"
-
-
-def test_fetch_misses_flag():
+def test_fetch_misses_needs_the_prefetch():
     from engine.cuda.args import check_cuda_args
-    check_choice("--fetch-misses", "fetch_misses", "off", "maybe")
-    p = cuda_parser()
-    assert pf.fetching(None) == pf.DEFAULT_FETCH_MISSES and pf.fetching("on") and not pf.fetching("off")
     # the late-miss copy is part of the prefetch: asking for it with the prefetch off is refused, with the fix
-    bad = check_cuda_args(p.parse_args(["--prefetch", "off", "--fetch-misses", "on"]))
-    assert bad and "--prefetch off" in bad
-    for ok in ([], ["--prefetch", "off"], ["--prefetch", "off", "--fetch-misses", "off"], ["--fetch-misses", "on"]):
-        assert check_cuda_args(p.parse_args(ok)) is None
+    bad = check_cuda_args(parse("--tune", "prefetch=off", "--tune", "fetch_misses=on"))
+    assert bad and "drop --tune prefetch=off" in bad
+    for ok in ([], ["--tune", "prefetch=off"], ["--tune", "prefetch=off", "--tune", "fetch_misses=off"],
+               ["--tune", "fetch_misses=on"]):
+        assert check_cuda_args(parse(*ok)) is None
 
 
 def test_summary():
@@ -81,14 +74,11 @@ def test_summary():
     assert s.summary(2_000_000, 100)["late_mb_per_token"] == 3.0 and s.summary(2_000_000, 100)["pred_accuracy"] == 0.9
 
 
-def test_prefetch_depth_flag_and_vram_staging_slots():
-    check_choice("--prefetch-depth", "prefetch_depth", "2", "3")
-    assert pf.DEFAULT_DEPTH == 2
+def test_vram_staging_slots():
     assert pf.vram_staging_slots(8, 1, False) == 16 and pf.vram_staging_slots(8, 2, False) == 24
     # the two late-miss banks on top
     assert pf.vram_staging_slots(8, 1, True) == 32 and pf.vram_staging_slots(8, 2, True) == 40
-    assert pf.vram_staging_slots(8) == pf.vram_staging_slots(8, pf.DEFAULT_DEPTH, pf.DEFAULT_FETCH_MISSES)
-    with pytest.raises(ValueError, match="--prefetch-depth 3"):
+    with pytest.raises(ValueError, match="prefetch depth 3"):
         pf.banks(3)
 
 
@@ -99,27 +89,26 @@ def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_20
 
 
 def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
-    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth=1, fetch=True: f"PF{depth}{'f' if fetch else ''}")
-    monkeypatch.setattr(pf, "DEFAULT_ON", True)
+    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth, fetch: f"PF{depth}{'f' if fetch else ''}")
     logs = []
     st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append, depth=1, fetch_misses=False) == "PF1" and st.prefetch == "PF1"
+    assert pf.attach(st, True, logs.append, depth=1, fetch_misses=False) == "PF1" and st.prefetch == "PF1"
     assert "next-layer prediction, 2 x 8 staging slots, late misses read in place (40 MiB" in logs[-1]
     st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append, depth=2, fetch_misses=False) == "PF2" and st.prefetch == "PF2"
+    assert pf.attach(st, True, logs.append, depth=2, fetch_misses=False) == "PF2" and st.prefetch == "PF2"
     assert "prediction 2 layers ahead, 3 x 8 staging slots, late misses read in place (61 MiB" in logs[-1]
     st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append, depth=1, fetch_misses=True) == "PF1f"
+    assert pf.attach(st, True, logs.append, depth=1, fetch_misses=True) == "PF1f"
     assert "next-layer prediction, 2 x 8 staging slots + 2 x 8 for late misses (81 MiB" in logs[-1]
     st = _fake_step(32, 32)
-    assert pf.attach(st, "on", logs.append) is None and st.prefetch is None
-    assert pf.attach(_fake_step(16, 32), "off", logs.append) is None
+    assert pf.attach(st, True, logs.append, 2, True) is None and st.prefetch is None
+    assert pf.attach(_fake_step(16, 32), False, logs.append, 2, True) is None
     big = dict(n_expert=1024)
-    with pytest.raises(ValueError, match="--prefetch on cannot serve this model: .*1024.*--prefetch off"):
-        pf.attach(_fake_step(16, 32, **big), "on", logs.append)
+    with pytest.raises(ValueError, match="--tune prefetch=on cannot serve this model: .*1024.*--tune prefetch=off"):
+        pf.attach(_fake_step(16, 32, **big), True, logs.append, 2, True)
     n = len(logs)
     st = _fake_step(16, 32, **big)
-    assert pf.attach(st, None, logs.append) is None and st.prefetch is None
+    assert pf.attach(st, None, logs.append, 2, True) is None and st.prefetch is None
     assert len(logs) == n + 1 and logs[-1].startswith("expert prefetch off: ")
     assert pf.unsupported(_fake_step(0, 1, k=17).cfg, _fake_step(0, 1).layout)
     assert pf.unsupported(_fake_step(0, 1, n_embd=65536).cfg, _fake_step(0, 1).layout)
@@ -993,7 +982,7 @@ def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth):
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert
     slots = {"none": 0, "half": total // 2}[share]
-    be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch="on", no_graph=not graph,
+    be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch=True, no_graph=not graph,
                       prefetch_depth=depth)
     try:
         assert be.step.prefetch is not None and be.info()["prefetch"] == "on"
@@ -1028,8 +1017,8 @@ def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth):
 def test_table_after_a_step_equals_before(cpu_runs, depth, fetch):
     model, prompt, toks, _ = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
-    be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch="on",
-                      prefetch_depth=depth, fetch_misses=fetch)
+    be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch=True,
+                      prefetch_depth=depth, fetch_misses=fetch == "on")
     try:
         greedy(be, prompt, 24)               # the adaptive tier fills half the slots: hits and misses mixed
         be.cache.poll(be.stream, wait=True)
@@ -1055,8 +1044,8 @@ def test_table_after_a_step_equals_before(cpu_runs, depth, fetch):
 def test_prefetch_switch(cpu_runs):
     model = cpu_runs["tiny-qwen3moe-q4k"][0]
     total = model.config.n_layer * model.config.n_expert
-    for slots, flag, on in [(total, "on", False), (total // 2, "off", False), (total // 2, "on", True),
-                            (total // 2, None, pf.DEFAULT_ON), (total - 1, None, False), (total - 1, "on", True)]:
+    for slots, flag, on in [(total, True, False), (total // 2, False, False), (total // 2, True, True),
+                            (total // 2, None, True), (total - 1, None, False), (total - 1, True, True)]:
         lines = []
         if flag is None:
             from engine.cuda.backend import CUDABackend, CudaOptions
@@ -1067,7 +1056,7 @@ def test_prefetch_switch(cpu_runs):
         try:
             assert (be.step.prefetch is not None) == on
             if slots == total - 1 and flag is None:   # 31 of 32 in VRAM: the default leaves it off, and says why
-                assert any("expert prefetch off" in ln and "--prefetch on overrides" in ln for ln in lines), lines
+                assert any("expert prefetch off" in ln and "--tune prefetch=on overrides" in ln for ln in lines), lines
             assert be.info()["prefetch"] == ("on" if on else "off")
             assert (be.prefetch_stats() is not None) == on
         finally:
@@ -1091,7 +1080,7 @@ def test_sampled_variant_at_depth_2_restores_the_table_and_matches_depth_1(fixtu
     params = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 77, "penalty_present": 0.5}
     runs = {}
     for depth in (1, 2):
-        be = CUDABackend(model, 256, CudaOptions(expert_slots=total // 2, prefetch="on", adapt_every=0,
+        be = CUDABackend(model, 256, CudaOptions(expert_slots=total // 2, prefetch=True, adapt_every=0,
                                                  prefetch_depth=depth))
         try:
             assert be.step.prefetch is not None and be.step.prefetch.depth == depth
@@ -1136,8 +1125,8 @@ def test_fetch_misses_changes_no_token_or_logit(cpu_runs, name, depth):
     assert_same_greedy(ref_toks, toks, cpu_logits)
     for fetch in ("on", "off"):
         for slots in (0, total // 2):
-            be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch="on", prefetch_depth=depth,
-                              fetch_misses=fetch)
+            be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch=True, prefetch_depth=depth,
+                              fetch_misses=fetch == "on")
             try:
                 p = be.step.prefetch
                 assert p is not None and p.fetch_misses == (fetch == "on") and p.depth == depth
@@ -1183,7 +1172,7 @@ def test_fetch_misses_in_the_memory_modes(cpu_runs, mode, depth, tmp_path):
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert
-    opts = dict(expert_slots=total // 2, prefetch="on", prefetch_depth=depth, fetch_misses="on")
+    opts = dict(expert_slots=total // 2, prefetch=True, prefetch_depth=depth, fetch_misses=True)
     if mode == "mmap":
         opts.update(mmap_experts=True, adapt_every=4)
     else:

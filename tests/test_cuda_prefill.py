@@ -153,7 +153,7 @@ def test_a_chunk_that_does_not_fit_is_refused_with_the_numbers(cpu_runs):
 
 def test_stop_mid_prompt_cancels(fixtures_dir):
     w = Worker(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf", "--backend", "cuda", "--prefill", "streamed",
-               "--prefill-chunk", "16", "--stream-min", "1", "--ring", "2", "--expert-slots", "0")
+               "--prefill-chunk", "16", "--tune", "stream_min=1", "--tune", "ring=2", "--expert-slots", "0")
     try:
         assert int(w.info["prefill_chunk"]) == 16
         long_prompt = [(i * 37 + 11) % 1000 for i in range(1000)]

@@ -563,7 +563,7 @@ def test_sampled_variant_with_prefetch_restores_the_table_and_reproduces(fixture
     prompt = list(json.loads((fixtures_dir / "reference" / f"{name}.json").read_text())["cases"][0]["prompt_ids"])
     total = model.config.n_layer * model.config.n_expert
     params = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 77, "penalty_present": 0.5}
-    be = CUDABackend(model, 256, CudaOptions(expert_slots=total // 2, prefetch="on", adapt_every=0))
+    be = CUDABackend(model, 256, CudaOptions(expert_slots=total // 2, prefetch=True, adapt_every=0))
     try:
         assert be.step.prefetch is not None
         a = _sampled(be, prompt, params)

@@ -6,21 +6,19 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from dataclasses import dataclass, fields
 
 import cupy as cp
 import numpy as np
 
 from engine.backend import Backend, ExpertStats
 from engine.cuda.arena import ExpertArena, blob_layout
+from engine.cuda.args import CudaOptions
 from engine.cuda.decode import DecodeStep
 from engine.cuda.embed_place import embed_placement
 from engine.cuda.expert_cache import ExpertCache
 from engine.cuda.kv import KVCache
 from engine.cuda.memory_mode import MemoryMode
 from engine.cuda.prefetch import attach as attach_prefetch
-from engine.cuda.prefetch import DEFAULT_DEPTH as DEFAULT_PREFETCH_DEPTH
-from engine.cuda.prefetch import fetching as fetching_misses
 from engine.cuda.prefetch import vram_staging_slots
 from engine.cuda.prefetch import wanted as prefetch_wanted
 from engine.cuda.prefill import Prefill, reserve_bytes
@@ -37,35 +35,6 @@ STEP_HEADROOM = 64 * MiB        # the prompt pass's scratch beyond what is alloc
 
 def _log(msg: str) -> None:
     print(f"strata cuda: {msg}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class CudaOptions:
-    vram_reserve_mib: int = 700
-    vram_budget_mib: int | None = None
-    expert_slots: int | None = None
-    mmap_experts: bool = False
-    resident_budget_gib: float | None = None
-    staging_slots: int | None = None    # memory modes: staging LRU slots (tests; default sized from the model)
-    expert_profile: str | None = None
-    expert_profile_save: str | None = None
-    expert_profile_save_every: float = 10.0
-    adapt_every: int = 32
-    prefetch: str | None = None         # "on" / "off"; None: engine/cuda/prefetch.py's default when experts miss
-    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH    # 1: predict the next layer; 2: the one after it (prefetch.py)
-    fetch_misses: str | None = None     # "on" / "off": the prefetch copies each layer's late misses (None: default)
-    kv: str = "f16"                     # "int8": engine/cuda/kv.py's int8 layout (one scale per 32 values)
-    no_graph: bool = False
-    calibrate: bool = False
-    prefill_chunk: str | int = "auto"
-    ring: int | None = None
-    stream_min: int = 1024
-    embed_host: str = "auto"            # token embedding in pinned host memory: engine/cuda/embed_place.py
-
-    @classmethod
-    def from_args(cls, args) -> "CudaOptions":
-        kw = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
-        return cls(**kw)
 
 
 class CUDABackend(Backend):
@@ -173,8 +142,7 @@ class CUDABackend(Backend):
         n = max(0, int(avail // stride))
         total = cfg.n_layer * cfg.n_expert
         if prefetch_wanted(opts.prefetch, n, total):    # the prefetch's VRAM staging slots come out of the budget
-            n = max(0, n - vram_staging_slots(cfg.n_expert_used, opts.prefetch_depth,
-                                              fetching_misses(opts.fetch_misses)))
+            n = max(0, n - vram_staging_slots(cfg.n_expert_used, opts.prefetch_depth, opts.fetch_misses))
         if opts.expert_slots is not None:
             n = min(n, max(0, opts.expert_slots))
         n = min(n, cfg.n_layer * cfg.n_expert)
@@ -189,8 +157,7 @@ class CUDABackend(Backend):
         handed to the memory mode when there is one."""
         self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache, self.layout,
                                self.stream)
-        attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth,
-                        fetching_misses(self.opts.fetch_misses))
+        attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth, self.opts.fetch_misses)
         self.prefill = Prefill(self.step, self.opts, self.log)
         if self.mem:
             self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)

@@ -100,7 +100,7 @@ class Plan:
     chunk_bytes: int
     ring_bytes: int
     lend: int = 0             # expert-cache slots the ring borrows per streamed prompt, on top of its own
-    lend_occupied: bool = False   # may it evict the coldest experts for them (auto), or only take free slots (--ring)
+    lend_occupied: bool = False   # may it evict the coldest experts for them (auto), or only take free slots (ring=N)
 
     @property
     def total(self) -> int:
@@ -126,20 +126,20 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
                max_tokens: int | None = None, lendable: int = 0) -> Plan:
     """The chunk and ring for `free` bytes of VRAM.
 
-    chunk: an int or "auto"; ring: an int (--ring: the ring's own slots, exactly) or None (auto); stride: bytes per
+    chunk: an int or "auto"; ring: an int (ring=N: the ring's own slots, exactly) or None (auto); stride: bytes per
     expert blob (0: no experts); n_stream: how many experts stream (the non-resident ones; 0 when everything is
     resident); max_tokens: the context (no chunk is longer); lendable: expert-cache slots the ring may borrow (the
     cache's slot count).
 
     Auto: the ring's own slots are whatever VRAM the chunk leaves (the backend reserves none for it, so the expert
     cache gets those bytes for decode), and per streamed prompt the ring borrows cache slots up to ring_target(),
-    evicting the coldest experts for them. --ring N: N own slots, plus only free (empty) cache slots lent on top.
+    evicting the coldest experts for them. ring=N: N own slots, plus only free (empty) cache slots lent on top.
     Raises ChunkRefused with the numbers when nothing fits.
     """
     cap = AUTO_MAX if max_tokens is None else max(1, min(AUTO_MAX, int(max_tokens)))
     streams = bool(stride and n_stream)
     if ring is not None and int(ring) < RING_MIN:
-        raise ValueError(f"--ring {ring} is too small; use at least {RING_MIN}")
+        raise ValueError(f"--tune ring={ring} is too small; use at least {RING_MIN}")
     lendable = max(0, int(lendable)) if streams else 0
     if ring is not None:
         own_floor = int(ring) if streams else 0
@@ -154,7 +154,7 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
         need = chunk_bytes(cfg, T) + ring_bytes(own_floor, stride)
         if need > free:
             raise _refuse(f"a prompt chunk of {T} tokens (with {own_floor} ring slots)", need, free,
-                          ("lower --ring, " if ring is not None else "") + "lower --prefill-chunk (or use auto), "
+                          ("lower --tune ring, " if ring is not None else "") + "lower --prefill-chunk (or use auto), "
                           "lower --ctx or --expert-slots, or raise --vram-budget-mib")
     else:
         # Largest multiple of STEP up to the cap that leaves room for the ring's own floor (the auto floor's
@@ -167,7 +167,7 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
         if T is None:
             T = _auto_sizes(cap)[-1]
             raise _refuse(f"the smallest prompt chunk ({T} tokens, {floor} ring slots)", chunk_bytes(cfg, T)
-                          + floor_bytes, free, ("lower --ring, " if ring is not None else "")
+                          + floor_bytes, free, ("lower --tune ring, " if ring is not None else "")
                           + "lower --ctx or --expert-slots, or raise --vram-budget-mib")
     cb = chunk_bytes(cfg, T)
     left = free - cb
@@ -176,8 +176,8 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
     if ring is not None:
         own = int(ring)
         if own * stride > left:
-            raise _refuse(f"--ring {ring} beside a chunk of {T} tokens", cb + own * stride, free,
-                          "lower --ring, or --prefill-chunk")
+            raise _refuse(f"--tune ring={ring} beside a chunk of {T} tokens", cb + own * stride, free,
+                          "lower --tune ring, or --prefill-chunk")
         return Plan(T, own, cb, ring_bytes(own, stride), max(0, min(lendable, RING_MAX - own)), False)
     # VRAM the chunk leaves would sit idle: the ring's own slots take it first (up to RING_MAX), so fewer experts
     # are evicted for lent slots

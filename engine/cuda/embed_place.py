@@ -7,22 +7,17 @@ This module only decides (no CuPy, tested on the CPU); engine/cuda/weights.py mo
 engine/cuda/backend.py measures the slot counts."""
 from __future__ import annotations
 
-MODES = ("auto", "on", "off")
-
-
-def embed_placement(mode: str, tied: bool, slots_vram: int, slots_host: int, total: int) -> tuple[str, str]:
+def embed_placement(choice: bool | None, tied: bool, slots_vram: int, slots_host: int, total: int) -> tuple[str, str]:
     """("vram" | "host", why). slots_vram / slots_host: the expert slots the VRAM cache gets with the embedding in
     VRAM / on the host, after every cap (--vram-budget-mib, --expert-slots, the prefetch's staging); total: experts
-    in the model. "auto" moves it only when that buys the cache slots it could not otherwise have; "on" (A/B runs,
-    tests) whenever it is not tied; "off" never."""
-    if mode not in MODES:
-        raise ValueError(f"embedding placement {mode!r}: expected one of {', '.join(MODES)}")
+    in the model. choice (CudaOptions.embed_host): None moves it only when that buys the cache slots it could not
+    otherwise have; True (A/B runs, tests) whenever it is not tied; False never."""
     if tied:        # the output head reads the whole matrix every token: over PCIe that would be the step
         return "vram", "tied to the output head, which reads all of it every token"
-    if mode == "off":
-        return "vram", "--embed-host off"
-    if mode == "on":
-        return "host", "--embed-host on"
+    if choice is False:
+        return "vram", "--tune embed_host=off"
+    if choice is True:
+        return "host", "--tune embed_host=on"
     if slots_vram >= total:
         return "vram", f"every expert fits in VRAM ({total})"
     if slots_host <= slots_vram:

@@ -157,18 +157,14 @@ COPY_LOADS = 8             # cuda_src/prefetch.cu PF_LOADS
 PREDICT_WARPS = 4          # router rows per predict block (one warp each), as the router's
 MAX_K = 16                 # cuda_src/prefetch.cu PF_MAX_K
 MAX_EXPERTS = 512          # cuda_src/prefetch.cu PF_MAX_EXPERTS
-DEFAULT_ON = True          # --prefetch's default when some experts have no VRAM slot (the lead sets it from the bench)
-# ... but only while the cache holds less than this share of the experts: the prefetch's fixed cost a layer (the
+# The automatic rule (CudaOptions.prefetch None) prefetches only while the cache holds less than this share of the
+# experts: the prefetch's fixed cost a layer (the
 # two-router launch, the miss copy's launch, the graph edges to its stream) outweighs the stalls it saves when nearly
 # every expert is in VRAM, and the few others are faster read in place. H200, bench.decode --prefetch both
 # (2026-11-30), share of the experts with a slot, tok/s with the prefetch on / off:
 #   14 GiB 85%: 241.6 / 213.4    15 GiB 92%: 263.3 / 255.3    16 GiB 98%: 284.6 / 309.5
 AUTO_MAX_SHARE = 0.95
-DEPTHS = (1, 2)            # --prefetch-depth: predict the next layer, or the one after it (module docstring)
-# H200, 12 GiB, late copy on (bench.decode --prefetch-depth both, three runs on 2026-11-29/30): depth 2 186.0, 186.1
-# and 188.0 tok/s against depth 1's 181.4, 181.3 and 183.5; the sampled variant at depth 2 passed its GPU test
-DEFAULT_DEPTH = 2
-DEFAULT_FETCH_MISSES = True    # --fetch-misses' default (the lead sets it from the bench, --fetch-misses both)
+DEPTHS = (1, 2)            # prefetch_depth: predict the next layer, or the one after it (module docstring)
 MISS_BANKS = 2             # late-miss banks of k slots: layer parity (a bank is reused two layers on)
 FETCHED = 6                # stats index of the late-miss count (cuda_src/prefetch.cu's stats comment)
 STATS = 7                  # the device counters (PrefetchStats' fields)
@@ -179,14 +175,14 @@ def load_module(qtypes, defines=None):
     return kernels.load("prefetch", defines=defines, qtypes=qtypes)
 
 
-def wanted(flag: str | None, n_slots: int, n_total: int) -> bool:
-    """Whether the decode step prefetches: never when every expert has a VRAM slot (nothing to fetch), else as the
-    --prefetch flag says (None: DEFAULT_ON below AUTO_MAX_SHARE of the experts in VRAM)."""
+def wanted(choice: bool | None, n_slots: int, n_total: int) -> bool:
+    """Whether the decode step prefetches: never when every expert has a VRAM slot (nothing to fetch), else as
+    CudaOptions.prefetch says (None: below AUTO_MAX_SHARE of the experts in VRAM)."""
     if n_slots >= n_total:
         return False
-    if flag is None:
-        return DEFAULT_ON and n_slots < AUTO_MAX_SHARE * n_total
-    return flag == "on"
+    if choice is None:
+        return n_slots < AUTO_MAX_SHARE * n_total
+    return choice
 
 
 def unsupported(cfg, layout) -> str | None:
@@ -204,22 +200,21 @@ def unsupported(cfg, layout) -> str | None:
     return None
 
 
-def attach(step, flag: str | None, log, depth: int = DEFAULT_DEPTH,
-           fetch_misses: bool = DEFAULT_FETCH_MISSES) -> "Prefetcher | None":
+def attach(step, choice: bool | None, log, depth: int, fetch_misses: bool) -> "Prefetcher | None":
     """Give the decode step a Prefetcher when wanted() says so (with the late-miss copy when fetch_misses). A model
-    the kernels cannot serve: refused when the user asked for --prefetch on, else said in the log and left off."""
+    the kernels cannot serve: refused when the prefetch was asked for (choice True), else said in the log."""
     c = step.cache
-    if c is None or not wanted(flag, c.n_slots, c.n_total):
-        # the default's share rule declined what --prefetch on would do: say so
-        if c is not None and flag is None and DEFAULT_ON and wanted("on", c.n_slots, c.n_total):
+    if c is None or not wanted(choice, c.n_slots, c.n_total):
+        # the automatic share rule declined what prefetch=on would do: say so
+        if c is not None and choice is None and wanted(True, c.n_slots, c.n_total):
             log(f"expert prefetch off: {c.n_slots} of {c.n_total} experts ({c.n_slots / c.n_total:.0%}) are in VRAM, "
-                f"and the others are faster read in place (the default prefetches below {AUTO_MAX_SHARE:.0%}; "
-                f"--prefetch on overrides)")
+                f"and the others are faster read in place (auto prefetches below {AUTO_MAX_SHARE:.0%}; "
+                f"--tune prefetch=on overrides)")
         return None
     why = unsupported(step.cfg, step.layout)
     if why:
-        if flag == "on":
-            raise ValueError(f"--prefetch on cannot serve this model: {why}; run with --prefetch off")
+        if choice:
+            raise ValueError(f"--tune prefetch=on cannot serve this model: {why}; run with --tune prefetch=off")
         log(f"expert prefetch off: {why}")
         return None
     step.prefetch = Prefetcher(step, depth, fetch_misses)
@@ -231,20 +226,15 @@ def attach(step, flag: str | None, log, depth: int = DEFAULT_DEPTH,
     return step.prefetch
 
 
-def fetching(flag: str | None) -> bool:
-    """Whether the prefetch also copies its layer's late misses (--fetch-misses on|off; None: the default)."""
-    return DEFAULT_FETCH_MISSES if flag is None else flag == "on"
-
-
 def banks(depth: int) -> int:
     """Staging banks: a layer's bank is reused by the copy launched after the router of the layer `depth` before
     the next user's layer, so depth + 1 banks keep it until its experts ran (module docstring)."""
     if depth not in DEPTHS:
-        raise ValueError(f"--prefetch-depth {depth}: expected one of {', '.join(map(str, DEPTHS))}")
+        raise ValueError(f"prefetch depth {depth}: expected one of {', '.join(map(str, DEPTHS))}")
     return depth + 1
 
 
-def vram_staging_slots(k: int, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES) -> int:
+def vram_staging_slots(k: int, depth: int, fetch_misses: bool) -> int:
     """VRAM staging slots the prefetch takes (depth + 1 banks of k, and the late-miss banks), in expert strides: the
     cache gives up as many."""
     return (banks(depth) + (MISS_BANKS if fetch_misses else 0)) * k
@@ -256,7 +246,7 @@ class PrefetchStats:
     correct: int = 0           # of them, experts the prediction named
     staged: int = 0            # experts copied over PCIe ahead of use (their bytes crossed the link)
     used: int = 0              # staged experts the router then chose
-    predicted2: int = 0        # look-ups whose prediction was made two layers ahead (--prefetch-depth 2)
+    predicted2: int = 0        # look-ups whose prediction was made two layers ahead (prefetch_depth 2)
     correct2: int = 0          # of them, experts the prediction named
     fetched: int = 0           # experts copied late (routed, neither cached nor staged: the miss copy)
 
@@ -277,13 +267,11 @@ class PrefetchStats:
 class Prefetcher:
     """Buffers, staging slots, kernels and events of the prefetch for one DecodeStep (MoE models only)."""
 
-    depth = DEFAULT_DEPTH          # the instance's --prefetch-depth (set in __init__)
-    fetch_misses = DEFAULT_FETCH_MISSES
     # bench.prefetch_oracle only: where the graph's predictions go instead of pred (a graph captured so leaves pred to
     # the bench, which writes each step's actual routing there: the step a better predictor would give)
     pred_sink = None
 
-    def __init__(self, step, depth: int = DEFAULT_DEPTH, fetch_misses: bool = DEFAULT_FETCH_MISSES):
+    def __init__(self, step, depth: int, fetch_misses: bool):
         import cupy as cp
 
         self.step = step
