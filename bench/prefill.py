@@ -54,8 +54,7 @@ def read_prompt(be, prompt, profile=True):
     time per phase when profiling: events between phases only, so the chunk's own figures barely move)."""
     be.truncate(0)
     pf = be.prefill
-    pf.timing = True
-    pf.profile = profile
+    be.tracer.copy_timing, be.tracer.phase_timing = True, profile       # the measured prompts only
     chunks = []
     t0 = time.perf_counter()
     step = be.prompt_chunk_size()
@@ -75,7 +74,7 @@ def read_prompt(be, prompt, profile=True):
                            busy_s=busy, busy_streamed_s=busy_w / 1000, streamed_s=win / 1000,
                            host_ms=last.get("host_ms", 0.0), phases=timer.totals() if timer is not None else None))
     total = time.perf_counter() - t0
-    pf.timing = pf.profile = False
+    be.tracer.copy_timing = be.tracer.phase_timing = False
     return total, chunks
 
 
@@ -140,6 +139,7 @@ def main(argv=None):
 
     from engine.cuda.backend import CUDABackend, CudaOptions
     from engine.cuda import chunk_plan, prefill
+    from engine.cuda.trace import Tracer
     from engine.gguf_model import open_model
 
     if a.moe_row_tiles:
@@ -155,7 +155,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     opts = CudaOptions(prefill_chunk=None if a.chunk == "auto" else int(a.chunk), ring=a.ring, stream_min=a.stream_min,
                        calibrate=True)
-    be = CUDABackend(model, ctx, opts)
+    be = CUDABackend(model, ctx, opts, tracer=Tracer())
     facts.update(load_s=round(time.perf_counter() - t0, 1), ctx=ctx, kv_gib=round(be.kv.k.nbytes * 2 / 2**30, 2),
                  arena_gib=round(be.arena.nbytes / 2**30, 2), pcie_copy_gbps=round(be.pcie_gbps, 1),
                  expert_mb=round(be.layout.stride / 1e6, 2), moe_row_tiles=prefill.MOE_ROW_TILES,

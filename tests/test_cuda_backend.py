@@ -14,7 +14,7 @@ from engine.gguf_model import open_model  # noqa: E402
 from engine.profile import load_profile  # noqa: E402
 import gpu_compare  # noqa: E402
 from gpu_compare import assert_same_greedy, cpu_greedy, greedy, rel_rows  # noqa: E402
-from route_ties import Reference, gpu_routes  # noqa: E402
+from route_ties import Reference, RouteRecorder, gpu_routes  # noqa: E402
 
 CTX = 256
 N_GREEDY = 64
@@ -26,7 +26,7 @@ MOE = ("tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed")
 
 def cuda_backend(model, **opts):
     from engine.cuda.backend import CUDABackend, CudaOptions
-    return CUDABackend(model, CTX, CudaOptions(**opts))
+    return CUDABackend(model, CTX, CudaOptions(**opts), tracer=RouteRecorder())
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +41,11 @@ def test_teacher_forced_logits_match_cpu(cpu_runs, name):
     try:
         seq = prompt + toks[:-1]
         # the prompt pass's fp16 GEMMs may part a routing near-tie: the reference follows its routes there
-        be.prefill.routes = []
+        be.tracer.routes = []
         lg = be.forward(seq, all_logits=True)[len(prompt) - 1:]
         assert np.isfinite(lg).all()
-        ref = Reference(model, CTX, gpu_routes(be.prefill.routes))
-        be.prefill.routes = None
+        ref = Reference(model, CTX, gpu_routes(be.tracer.routes))
+        be.tracer.routes = None
         want = ref.forward(seq, all_logits=True)[len(prompt) - 1:]
         ref.close()
         assert ref.clear_parts() == [], ref.parted

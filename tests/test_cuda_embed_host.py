@@ -229,7 +229,7 @@ def spy_embed(be):
             return launch
         return k
 
-    be.prefill.k = wrap(be.prefill.k)
+    be.prefill.kernels = wrap(be.prefill.kernels)
     return rows
 
 

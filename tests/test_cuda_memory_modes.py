@@ -15,7 +15,7 @@ from engine import protocol  # noqa: E402
 from engine.session import Session  # noqa: E402
 import gpu_compare  # noqa: E402
 from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
-from route_ties import Reference, gpu_routes  # noqa: E402
+from route_ties import Reference, RouteRecorder, gpu_routes  # noqa: E402
 
 CTX = 256
 N_GREEDY = 64
@@ -48,7 +48,7 @@ def backend(model, mode, share, prefill="in_place", **extra):
     else:
         opts["resident_budget_gib"] = half_budget_gib(model)
     opts.update(extra)
-    return CUDABackend(model, CTX, CudaOptions(**opts))
+    return CUDABackend(model, CTX, CudaOptions(**opts), tracer=RouteRecorder())
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -68,11 +68,11 @@ def test_memory_mode_matches_cpu(cpu_runs, name, mode, share, prefill):
         assert info["staging_mib"] > 0
         # teacher-forced through the prompt pass, then the same positions through the decode step
         seq = prompt + toks[:-1]
-        be.prefill.routes = []          # the reference follows the pass's routes at near-ties (tests/route_ties.py)
+        be.tracer.routes = []          # the reference follows the pass's routes at near-ties (tests/route_ties.py)
         lg = be.forward(seq, all_logits=True)[len(prompt) - 1:]
         assert np.isfinite(lg).all()
-        ref = Reference(model, CTX, gpu_routes(be.prefill.routes))
-        be.prefill.routes = None
+        ref = Reference(model, CTX, gpu_routes(be.tracer.routes))
+        be.tracer.routes = None
         want = ref.forward(seq, all_logits=True)[len(prompt) - 1:]
         ref.close()
         assert ref.clear_parts() == [], ref.parted

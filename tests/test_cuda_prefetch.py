@@ -84,8 +84,10 @@ def test_vram_staging_slots():
 
 def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_208):
     from types import SimpleNamespace as NS
-    return NS(cache=NS(n_slots=n_slots, n_total=n_total), prefetch=None,
-              cfg=NS(n_expert=n_expert, n_expert_used=k, n_embd=n_embd), layout=NS(nbytes=nbytes, stride=2_654_208))
+    st = NS(cache=NS(n_slots=n_slots, n_total=n_total), prefetch=None,
+            cfg=NS(n_expert=n_expert, n_expert_used=k, n_embd=n_embd), layout=NS(nbytes=nbytes, stride=2_654_208))
+    st.set_prefetch = lambda p: setattr(st, "prefetch", p)
+    return st
 
 
 def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
@@ -279,7 +281,7 @@ def test_fused_router_launch_predicts_instead_of_a_predict_launch():
     from types import SimpleNamespace as NS
     q = pf.Prefetcher.__new__(pf.Prefetcher)
     q.n_layer, q.depth = 4, 1
-    q.step = NS(w=NS(layers=[NS(router=NS(qt=t)) for t in (0, 0, 8, 8)]))
+    q.step = NS(weights=NS(layers=[NS(router=NS(qt=t)) for t in (0, 0, 8, 8)]))
     assert [q.fused(li) for li in range(4)] == [True, False, True, False]
 
 
@@ -447,10 +449,14 @@ def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_m
     p.f_copy, p.f_finish, p.f_restore = rec("copy"), rec("finish"), rec("restore")
     p.f_predict = {0: rec("predict")}
     p.f_router_predict = {0: rec("router_predict")}
-    layers = [NS(router=NS(qt=0, ptr=100 + i, row_bytes=8), ffn_norm=_Buf(200 + i)) for i in range(n_layer)]
-    cfg = NS(rms_eps=1e-6, n_embd=64, expert_weights_norm=True, expert_weights_scale=1.0)
-    p.step = NS(k=None, w=NS(layers=layers), cfg=cfg, x=_Buf(11), ids=_Buf(12), rlogits=_Buf(13), wts=_Buf(14),
+    from engine.cuda.decode import DecodeStep
+    layers = [NS(router=NS(qt=0, ptr=100 + i, row_bytes=8, cols=64), ffn_norm=_Buf(200 + i)) for i in range(n_layer)]
+    cfg = NS(rms_eps=1e-6, n_embd=64, expert_weights_norm=True, expert_weights_scale=1.0, n_expert=n_expert,
+             n_expert_used=k)
+    p.step = NS(tracer=None, keeps=lambda kind: True, weights=NS(layers=layers), cfg=cfg, x=_Buf(11), ids=_Buf(12),
+                rlogits=_Buf(13), wts=_Buf(14),
                 cache=NS(table=p.table, slot_lo=1, slot_hi=2, counts=_Buf(15), stats=_Buf(16)))
+    p.step.router_args = lambda li: DecodeStep.router_args(p.step, li)
     return p, calls
 
 
@@ -539,9 +545,9 @@ def test_decode_step_takes_the_router_launch_from_the_prefetch():
     from engine.cuda.decode import DecodeStep
     ops = []
     st = DecodeStep.__new__(DecodeStep)
-    st.w = NS(layers=[None] * 3)
+    st.weights = NS(layers=[None] * 3)
     for name in ("embed", "output", "pick"):
-        setattr(st, f"enqueue_{name}", lambda name=name: ops.append(name))
+        setattr(st, f"enqueue_{name}", lambda *a, name=name: ops.append(name))
     st.enqueue_attention_block = lambda li: ops.append(("attn", li))
     st.enqueue_router = lambda li: ops.append(("step router", li))
     st.enqueue_experts = lambda li: ops.append(("experts", li))
@@ -1085,7 +1091,7 @@ def test_sampled_variant_at_depth_2_restores_the_table_and_matches_depth_1(fixtu
         try:
             assert be.step.prefetch is not None and be.step.prefetch.depth == depth
             runs[depth] = _sampled(be, prompt, params)
-            assert be.gpu_sampler.graph_of is be.step
+            assert set(be.step.graphs) == {"greedy", "sampled"}
             be.stream.synchronize()
             np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
             assert (be.step.prefetch.rec.get()[:, 1] == 0).all()

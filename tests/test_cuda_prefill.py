@@ -16,7 +16,8 @@ from engine import protocol  # noqa: E402
 from engine.backend_cpu import CPUBackend  # noqa: E402
 from engine.gguf_model import open_model  # noqa: E402
 from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
-from route_ties import ROUTE_TIE, ROUTE_TIE_KV8, Reference, gpu_routes, greedy_reference  # noqa: E402
+from route_ties import (ROUTE_TIE, ROUTE_TIE_KV8, Reference, RouteRecorder, gpu_routes,  # noqa: E402
+                        greedy_reference)
 from test_worker_protocol import Worker, gen, shape  # noqa: E402
 
 CTX = 512
@@ -31,7 +32,7 @@ def streamed(model, **opts):
     from engine.cuda.backend import CUDABackend, CudaOptions
     kw = dict(prefill_chunk=CHUNK, stream_min=1, adapt_every=0)
     kw.update(opts)
-    return CUDABackend(model, CTX, CudaOptions(**kw))
+    return CUDABackend(model, CTX, CudaOptions(**kw), tracer=RouteRecorder())
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +58,10 @@ def routed_logits(be, model, tokens, tie=ROUTE_TIE):
     """The pass's logits for tokens (all rows) and the NumPy backend's, the latter taking the pass's routes wherever
     its own router is a near-tie (tests/route_ties.py: a near-tie parting moves a row by 10-60%); fails on a route
     the pass took against a clear gap."""
-    be.prefill.routes = []
+    be.tracer.routes = []
     lg = be.forward(tokens, all_logits=True)
-    ref = Reference(model, CTX, gpu_routes(be.prefill.routes), tie)
-    be.prefill.routes = None
+    ref = Reference(model, CTX, gpu_routes(be.tracer.routes), tie)
+    be.tracer.routes = None
     try:
         want = ref.forward(tokens, all_logits=True)
     finally:
@@ -72,10 +73,10 @@ def routed_logits(be, model, tokens, tie=ROUTE_TIE):
 def routed_greedy(be, model, prompt, n):
     """Greedy tokens from the pass (prompt) and the decode step, and the reference's (the prompt's routes as the pass
     took them at near-ties) with its step logits."""
-    be.prefill.routes = []
+    be.tracer.routes = []
     got = greedy(be, prompt, n)
-    ref = Reference(model, CTX, gpu_routes(be.prefill.routes))
-    be.prefill.routes = None
+    ref = Reference(model, CTX, gpu_routes(be.tracer.routes))
+    be.tracer.routes = None
     try:
         want, step_logits = greedy_reference(ref, prompt, n)
     finally:
@@ -178,7 +179,7 @@ def test_phase_profile_covers_the_chunk(cpu_runs):
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
     be = streamed(model, expert_slots=model.config.n_layer * model.config.n_expert // 2, ring=2)
     try:
-        be.prefill.profile = True
+        be.tracer.phase_timing = True
         lg, want = routed_logits(be, model, prompt[:CHUNK])
         assert rel_rows(lg, want).max() < 1e-2        # profiling changes nothing
         ms = be.prefill.last["phases"].totals()

@@ -25,6 +25,7 @@ from engine.cuda.prefill import Prefill, reserve_bytes
 from engine.cuda.kernels import Kernels
 from engine.cuda.rope import rope_table
 from engine.cuda.sampler import GpuSampler
+from engine.cuda.trace import Tracer
 from engine.cuda.weights import load_weights
 from engine.profile import from_flat, load_profile, save_profile
 from engine.sampling import SamplingError
@@ -40,10 +41,11 @@ def _log(msg: str) -> None:
 class CUDABackend(Backend):
     name = "cuda"
 
-    def __init__(self, model, max_context: int, opts: CudaOptions | None = None, log=_log):
+    def __init__(self, model, max_context: int, opts: CudaOptions | None = None, log=_log, tracer: Tracer | None = None):
         super().__init__(model, max_context)
         self.opts = opts = opts or CudaOptions()
         self.log = log
+        self.tracer = tracer or Tracer()    # benches' and tests' observer (engine/cuda/trace.py)
         if opts.mmap_experts and opts.resident_budget_gib is not None:
             raise ValueError("--mmap-experts pins no expert and --resident-budget-gib pins some: give one of them")
         cfg = self.config
@@ -95,8 +97,7 @@ class CUDABackend(Backend):
         if self.cache is not None:
             self._initial_fill()
         if not opts.no_graph:
-            self.step.capture()
-            self.gpu_sampler.capture(self.step)     # the sampled variant, before READY
+            self.step.capture()                     # the greedy and the sampled variant, before READY
             if self.mem:
                 self.mem.paged.capture()
         self.vram_free_mib = cp.cuda.runtime.memGetInfo()[0] / MiB
@@ -156,9 +157,9 @@ class CUDABackend(Backend):
         """The decode step over the current cache, its prefetch and the prompt pass (at start and after a resize),
         handed to the memory mode when there is one."""
         self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache, self.layout,
-                               self.stream)
+                               self.stream, self.gpu_sampler)
         attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth, self.opts.fetch_misses)
-        self.prefill = Prefill(self.step, self.opts, self.log)
+        self.prefill = Prefill(self.step, self.opts, self.log, self.tracer)
         if self.mem:
             self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)
             self.mem.attach_prefill(self.prefill)
@@ -215,11 +216,8 @@ class CUDABackend(Backend):
         self.step = self.prefill = self.cache = None
         if self.mem:        # its per-layer graphs and references hold the old step and cache alive too
             self.mem.detach()
-        # Nothing may keep the old step alive, or its cache's slots stay allocated and the new budget is measured
-        # with both caches in VRAM (the H200 run refused 12 GiB: "the weights and the KV cache alone take 16499
-        # MiB"): the sampler's graph variant names its step, and the step and its prefetcher refer to each other.
-        if self.gpu_sampler is not None:
-            self.gpu_sampler.graph = self.gpu_sampler.graph_of = None
+        # Nothing may keep the old step alive, or its cache's slots stay allocated and the new budget is measured with
+        # both caches in VRAM: the step and its prefetcher refer to each other.
         gc.collect()
         pool = cp.get_default_memory_pool()
         pool.free_all_blocks()
@@ -269,7 +267,7 @@ class CUDABackend(Backend):
     def forward(self, tokens, all_logits: bool = False) -> np.ndarray:
         tokens = [int(t) for t in tokens]
         if len(tokens) == 1 and not all_logits:
-            self._decode(tokens[0])
+            self.decode(tokens[0])
             with self.stream:
                 return self.step.logits.get(stream=self.stream)
         lg = self._prefill(tokens, all_logits)
@@ -278,65 +276,59 @@ class CUDABackend(Backend):
         return h if all_logits else h[-1]
 
     def next_token(self, tokens, sampler) -> int:
-        """Every Sampler picks on the GPU; only the id comes back. Plain greedy (no penalties) is the step's own
-        argmax (the fast path); everything else (penalties, temperature, top_k/top_p/min_p, seeds) is
-        engine/cuda/sampler.py, whose random source is its own (seeded: reproducible on the same build) but whose
-        chain and kept sets are engine/sampling.py's. None goes to the host."""
+        """Every Sampler picks on the GPU; only the id comes back. Plain greedy (no penalties) is the step's argmax;
+        everything else (penalties, temperature, top_k/top_p/min_p, seeds) is engine/cuda/sampler.py, whose random
+        source is its own (seeded: reproducible on the same build) but whose chain and kept sets are
+        engine/sampling.py's."""
         tokens = [int(t) for t in tokens]
-        greedy = sampler.greedy and not sampler.penalties_active
-        gs = self.gpu_sampler
         if len(tokens) > 1:
-            lg = self._prefill(tokens, False)[-1]
+            return self._pick_after_prompt(tokens, sampler)
+        return self._checked(sampler, *self.decode(tokens[0], sampler))
+
+    def decode(self, token: int, sampler=None) -> tuple[int, int]:
+        """One decode step: `token` at the next position through every layer, then the pick on the GPU (the argmax
+        when sampler is None or plain greedy, else the sampler's chain). Returns (id, NaN count) as the step wrote
+        them; next_token turns a NaN into an error."""
+        self._room(1)
+        pick = "greedy" if self._greedy(sampler) else "sampled"
+        if pick == "sampled" and not self.gpu_sampler.in_sync(sampler, [token]):
             with self.stream:
-                if greedy:
-                    if bool(cp.isnan(lg).any()):
-                        raise SamplingError("the model produced NaN logits")
-                    return int(cp.argmax(lg))
-                gs.load(sampler)
-                gs.enqueue(self.kernels, cp.ascontiguousarray(lg, dtype=cp.float32), self.step.out.dptr)
-            return gs.picked(sampler, *self.step.result())
-        if greedy:
-            tok, nan = self._decode(tokens[0])
+                self.gpu_sampler.load(sampler)
+        if self.cache is not None:
+            self.prefill.give_back(self.stream)     # the ring's lent cache slots back once the prompt is over
+            self.cache.poll(self.stream)            # the adaptive tier's landed swaps into the table
+        pos = self.n_cached
+        self.tracer.before_step(self)
+        self.step.launch(token, pos, pick, use_graph=not self.opts.no_graph)
+        self.tracer.launched(self)
+        tok, nan = self.step.result()
+        self.tracer.after_step(self, token, pos)
+        self.n_cached += 1
+        self._tick()
+        return tok, nan
+
+    @staticmethod
+    def _greedy(sampler) -> bool:
+        return sampler is None or (sampler.greedy and not sampler.penalties_active)
+
+    def _checked(self, sampler, tok: int, nan: int) -> int:
+        if self._greedy(sampler):
             if nan:
                 raise SamplingError("the model produced NaN logits")
             return tok
-        if not gs.in_sync(sampler, tokens):
-            with self.stream:
-                gs.load(sampler)
-        return gs.picked(sampler, *self._decode(tokens[0], gs))
+        return self.gpu_sampler.picked(sampler, tok, nan)
 
-    def _decode(self, token: int, gs: GpuSampler | None = None):
-        """One step; gs: pick with the GPU sampler instead of the argmax."""
-        self._room(1)
-        self.prepare_decode()
-        use_graph = not self.opts.no_graph
-        if self.mem:        # layer by layer while some expert is only in the file
-            self.mem.paged.launch(token, self.n_cached, use_graph=use_graph)
-            if gs is not None:      # the paged graphs pick greedily: the sampled pick follows, stream-ordered
-                with self.stream:
-                    gs.enqueue(self.kernels, self.step.logits, self.step.out.dptr)
-        elif gs is not None:
-            if use_graph and gs.graph_of is not self.step:     # a new step (resize_expert_cache)
-                gs.capture(self.step)
-            gs.launch(self.step, token, self.n_cached, use_graph=use_graph)
-        else:
-            self.step.launch(token, self.n_cached, use_graph=use_graph)
-        res = self.step.result()
-        self.finish_decode()
-        return res
-
-    def prepare_decode(self):
-        """What a decode step needs first (_decode, and bench.prefetch_oracle's replays): the ring's lent cache slots
-        back once the prompt is over, and the adaptive tier's landed swaps in the table."""
-        if self.cache is not None:
-            self.prefill.give_back(self.stream)
-            self.cache.poll(self.stream)
-
-    def finish_decode(self):
-        """What follows a decode step (_decode, and bench.prefetch_oracle's real steps): its token counted in the KV
-        cache, then the adaptive tier's round and the profile's save when due."""
-        self.n_cached += 1
-        self._tick()
+    def _pick_after_prompt(self, tokens, sampler) -> int:
+        """The prompt pass, then the pick from its last logits row."""
+        lg = self._prefill(tokens, False)[-1]
+        with self.stream:
+            if self._greedy(sampler):
+                if bool(cp.isnan(lg).any()):
+                    raise SamplingError("the model produced NaN logits")
+                return int(cp.argmax(lg))
+            self.gpu_sampler.load(sampler)
+            self.gpu_sampler.enqueue(self.kernels, cp.ascontiguousarray(lg, dtype=cp.float32), self.step.out.dptr)
+        return self.gpu_sampler.picked(sampler, *self.step.result())
 
     def _tick(self):
         if self.cache is None:

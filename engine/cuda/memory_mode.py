@@ -95,6 +95,7 @@ class MemoryMode:
 
     def attach_step(self, step, use_graphs: bool):
         self.paged = PagedDecode(step, self.cache, self.source, lambda: _event(step.stream), use_graphs)
+        step.set_paged(self.paged)
         self.paged.decode_file_blobs = self._file_blobs     # after a resize the count goes on (reset_stats' base)
 
     def detach(self):

@@ -132,7 +132,7 @@ import numpy as np
 
 from engine.cuda import kernels
 # predict stages n_embd floats with common.cuh stage_x: the decode kernels' shared-memory rule
-from engine.cuda.launch import SMEM_DEFAULT, SMEM_MAX, staged_bytes
+from engine.cuda.launch import SMEM_DEFAULT, SMEM_MAX, skipped, staged_bytes
 
 # prefetch_copy's grid on the side stream. In flight: 8 blocks x 256 threads x 8 loads x 16 B = 256 KiB, about the
 # link's bandwidth-delay product (51 GB/s x 2-5 us of PCIe read latency = 100-250 KB); a warp's 8 loads are 4 KiB
@@ -217,7 +217,7 @@ def attach(step, choice: bool | None, log, depth: int, fetch_misses: bool) -> "P
             raise ValueError(f"--tune prefetch=on cannot serve this model: {why}; run with --tune prefetch=off")
         log(f"expert prefetch off: {why}")
         return None
-    step.prefetch = Prefetcher(step, depth, fetch_misses)
+    step.set_prefetch(Prefetcher(step, depth, fetch_misses))
     k, nb = step.cfg.n_expert_used, banks(depth)
     what = "next-layer prediction" if depth == 1 else f"prediction {depth} layers ahead"
     late = f" + {MISS_BANKS} x {k} for late misses" if fetch_misses else ", late misses read in place"
@@ -267,10 +267,6 @@ class PrefetchStats:
 class Prefetcher:
     """Buffers, staging slots, kernels and events of the prefetch for one DecodeStep (MoE models only)."""
 
-    # bench.prefetch_oracle only: where the graph's predictions go instead of pred (a graph captured so leaves pred to
-    # the bench, which writes each step's actual routing there: the step a better predictor would give)
-    pred_sink = None
-
     def __init__(self, step, depth: int, fetch_misses: bool):
         import cupy as cp
 
@@ -287,7 +283,7 @@ class Prefetcher:
         self.blob_bytes = self.units * 16
         self.slot_lo, self.slot_hi = cache.slot_lo, cache.slot_hi
         self.table = cache.table
-        qts = sorted({int(ly.router.qt) for ly in step.w.layers})
+        qts = sorted({int(layer.router.qt) for layer in step.weights.layers})
         mod = load_module(qts)
         # fetched now: no kernel is compiled or loaded while a graph is being captured
         self.f_predict = {qt: mod.get_function(f"predict<{qt}>") for qt in qts}
@@ -326,21 +322,17 @@ class Prefetcher:
         self._pending: set[int] = set()
         self._finish_pending = False
 
-    # --- profiling: DecodeStep.profile() swaps step.k for a filter that keeps one kind of kernel ------------------
-    def _on(self, tag: str) -> bool:
-        k = self.step.k
-        seen = getattr(k, "seen", None)
-        if seen is not None:
-            seen.add(tag)
-        only = getattr(k, "tag", None)
-        return only is None or only == tag
+    def _fn(self, kind: str, f):
+        """Kernel f, or a no-op when the step's tracer filters this kind of launch (decode.py KindFilter)."""
+        return f if self.step.keeps(kind) else skipped
 
     def _ptr(self, a, off_bytes: int = 0):
         return np.uint64(a.data.ptr + off_bytes)
 
     def _pred_out(self, m: int):
-        """Where the prediction for layer m is written: pred[m], or the bench's sink (pred_sink)."""
-        return self._ptr(self.pred if self.pred_sink is None else self.pred_sink, 4 * self.k * m)
+        """Where the prediction for layer m is written: pred[m], or the tracer's pred_sink (bench.prefetch_oracle)."""
+        sink = getattr(self.step.tracer, "pred_sink", None)
+        return self._ptr(self.pred if sink is None else sink, 4 * self.k * m)
 
     # --- the launches ------------------------------------------------------------------------------------------
     def targets(self, li: int) -> list[int]:
@@ -361,7 +353,7 @@ class Prefetcher:
         """Whether layer li's router launch also predicts its first target layer (router_predict): both routers'
         rows of one type. A layer with no target has nothing to predict; mixed types take router_fused + predict."""
         t = self.targets(li)
-        layers = self.step.w.layers
+        layers = self.step.weights.layers
         return bool(t) and int(layers[li].router.qt) == int(layers[t[0]].router.qt)
 
     def enqueue_router(self, li: int) -> bool:
@@ -370,27 +362,19 @@ class Prefetcher:
         router."""
         if not self.fused(li):
             return False
-        if not self._on("router"):      # profiling another kind: neither launch
-            return True
-        st, c, k = self.step, self.step.cfg, self.k
+        st, k = self.step, self.k
         m = self.targets(li)[0]
-        ly, nxt, cache = st.w.layers[li], st.w.layers[m], st.cache
-        R, R2 = ly.router, nxt.router
-        I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
+        R, nxt = st.weights.layers[li].router, st.weights.layers[m]
+        I32, I64, U64 = np.int32, np.int64, np.uint64
         warps = PREDICT_WARPS
         nb = (self.n_expert + warps - 1) // warps
-        self.f_router_predict[int(R.qt)](
-            (2 * nb,), (32 * warps,),
-            (U64(R.ptr), I64(R.row_bytes), self._ptr(st.x), self._ptr(ly.ffn_norm), F32(c.rms_eps), I32(c.n_embd),
-             self._ptr(st.rlogits), I32(self.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
-             F32(c.expert_weights_scale), self._ptr(st.ids), self._ptr(st.wts),
-             self._ptr(cache.table, 8 * li * self.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),
-             self._ptr(cache.counts, 4 * li * self.n_expert), self._ptr(cache.stats),
-             U64(R2.ptr), I64(R2.row_bytes), self._ptr(nxt.ffn_norm), self._ptr(self.logits),
-             self._pred_out(m),
-             self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
-             self._note_stats(li), self._ptr(self.counters)),
-            shared_mem=self.smem)
+        # layer li's router (router_fused's arguments), then layer m's prediction and layer li's noting
+        predict = (U64(nxt.router.ptr), I64(nxt.router.row_bytes), self._ptr(nxt.ffn_norm), self._ptr(self.logits),
+                   self._pred_out(m))
+        note = (self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
+                self._note_stats(li), self._ptr(self.counters))
+        self._fn("router", self.f_router_predict[int(R.qt)])(
+            (2 * nb,), (32 * warps,), (*st.router_args(li), *predict, *note), shared_mem=self.smem)
         return True
 
     def enqueue(self, li: int):
@@ -449,14 +433,12 @@ class Prefetcher:
         """predict: layer m's router on layer li's FFN input (with layer m's norm weights) into pred[m]; with
         `note`, layer li's routing noted against its own prediction (a second predict launch of the same layer notes
         nothing: check 0)."""
-        if not self._on("predict"):
-            return
         st, k, c = self.step, self.k, self.step.cfg
-        nxt = st.w.layers[m]
+        nxt = st.weights.layers[m]
         R = nxt.router
         I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
         warps = PREDICT_WARPS
-        self.f_predict[int(R.qt)](
+        self._fn("predict", self.f_predict[int(R.qt)])(
             ((self.n_expert + warps - 1) // warps,), (32 * warps,),
             (self._ptr(st.x), self._ptr(nxt.ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(R.ptr), I64(R.row_bytes),
              I32(self.n_expert), I32(k), self._ptr(self.logits), self._pred_out(m),
@@ -467,26 +449,22 @@ class Prefetcher:
     def launch_note(self, li: int):
         """predict in bookkeeping mode (no router: one block, no staging): layer li's routing kept in actual and
         noted against its prediction, for the layers that predict nothing at depth 2."""
-        if not self._on("predict"):
-            return
         st, k, c = self.step, self.k, self.step.cfg
-        qt = int(st.w.layers[li].router.qt)
+        qt = int(st.weights.layers[li].router.qt)
         I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
-        self.f_predict[qt](
+        self._fn("predict", self.f_predict[qt])(
             (1,), (32 * PREDICT_WARPS,),
-            (self._ptr(st.x), self._ptr(st.w.layers[li].ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(0), I64(0),
+            (self._ptr(st.x), self._ptr(st.weights.layers[li].ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(0), I64(0),
              I32(self.n_expert), I32(k), self._ptr(self.logits), U64(0),
              self._ptr(st.ids), self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0),
              self._ptr(self.actual, 4 * k * li), self._note_stats(li), self._ptr(self.counters)))
 
     def launch_copy(self, m: int):
-        if not self._on("prefetch"):
-            return
         b, k = m % self.banks, self.k
         I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
         # no second VRAM range: layer m's entries are the table's own until this copy (each layer's entries are
         # rewritten by its one copy, and its miss copy runs after this one is joined)
-        self.f_copy((COPY_BLOCKS,), (COPY_THREADS,),
+        self._fn("prefetch", self.f_copy)((COPY_BLOCKS,), (COPY_THREADS,),
                     (self._ptr(self.table), I32(m), I32(self.n_expert), I32(k), self._ptr(self.pred, 4 * k * m),
                      self._ptr(self.staging, b * k * self.stride), I64(self.stride), U32(self.units),
                      U64(self.slot_lo), U64(self.slot_hi), U64(0), U64(0), self._ptr(self.rec[b]),
@@ -505,11 +483,9 @@ class Prefetcher:
         """prefetch_copy on the main stream for layer li's routing: the routed experts in neither a cache slot nor a
         staging/miss slot (nor 0) copied into miss bank li % 2 (restoring the bank's previous layer first), their
         entries pointed there; counted as fetched only."""
-        if not self._on("miss_copy"):
-            return
         b, k = li % MISS_BANKS, self.k
         I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
-        self.f_copy((MISS_BLOCKS,), (COPY_THREADS,),
+        self._fn("miss_copy", self.f_copy)((MISS_BLOCKS,), (COPY_THREADS,),
                     (self._ptr(self.table), I32(li), I32(self.n_expert), I32(k), self.routing(li),
                      self._ptr(self.staging, (self.banks + b) * k * self.stride), I64(self.stride), U32(self.units),
                      U64(self.slot_lo), U64(self.slot_hi), U64(self.stage_lo), U64(self.stage_hi),
@@ -522,19 +498,17 @@ class Prefetcher:
         banks (one warp each, counting nothing)."""
         st, k, last = self.step, self.k, self.n_layer - 1
         I32, U64 = np.int32, np.uint64
-        if self.fetch_misses and self._on("miss_copy"):
-            self.f_restore((1,), (32 * MISS_BANKS,),
+        if self.fetch_misses:
+            self._fn("miss_copy", self.f_restore)((1,), (32 * MISS_BANKS,),
                            (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(self.miss_rec),
                             self._ptr(self.miss_rec_addr), U64(0), U64(0)))
-        if not self._on("prefetch"):
-            return
-        self.f_finish((1,), (32,),
+        self._fn("prefetch", self.f_finish)((1,), (32,),
                       (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(st.ids),
                        self._ptr(self.pred, 4 * k * last), I32(1 if last > 0 and self.depth == 1 else 0), I32(last),
                        self._ptr(self.actual), self._ptr(self.rec[0]), self._ptr(self.rec_addr[0]),
                        self._ptr(self.rec[1]), self._ptr(self.rec_addr[1]), self._ptr(self.stats)))
         for b in range(2, self.banks):
-            self.f_restore((1,), (32,),
+            self._fn("prefetch", self.f_restore)((1,), (32,),
                            (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(self.rec[b]),
                             self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 3)))
 

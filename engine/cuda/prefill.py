@@ -27,8 +27,9 @@ import numpy as np
 
 from engine.cuda import kernels
 from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS, MiB, RING_MIN, buffers, chunk_bytes, plan_chunk
-from engine.cuda.launch import F32, I32, I64, NULL, SMEM_DEFAULT, U64, ptr
+from engine.cuda.launch import F32, I32, I64, NULL, SMEM_DEFAULT, U64, Launcher, ptr
 from engine.cuda.ring import CupyDevice, RingRunner, schedule
+from engine.cuda.trace import Tracer
 
 AUTO_TARGET = 4096          # the chunk auto reserves room for before the expert cache takes the rest
 GEMM_TILE = 64              # rows and columns per expert GEMM block (moe_gemm.cu MG_BM, MG_BN)
@@ -152,17 +153,19 @@ class PhaseTimer:
 
 
 class Prefill:
-    def __init__(self, step, opts, log=lambda m: None):
+    def __init__(self, step, opts, log=lambda m: None, tracer=None):
         self.step, self.opts, self.log = step, opts, log
-        self.k, self.cfg, self.w, self.kv, self.cache, self.layout, self.L = (
-            step.k, step.cfg, step.w, step.kv, step.cache, step.layout, step.L)
+        self.tracer = tracer or Tracer()
+        self.kernels, self.cfg, self.weights, self.kv, self.cache, self.layout = (
+            step.kernels, step.cfg, step.weights, step.kv, step.cache, step.layout)
+        self.launcher = Launcher(self.kernels, self.cfg)
         c = self.cfg
         self.att_mod = attn_module(c.head_dim)
         self.attend = attn_kernel(self.att_mod, getattr(self.kv, "dtype", "f16") == "int8")
-        lay = self.layout
-        qts = set(self.w.qtype_ids()) | ({lay.qt_gate_up, lay.qt_down} if lay else set())
+        blob = self.layout
+        qts = set(self.weights.qtype_ids()) | ({blob.qt_gate_up, blob.qt_down} if blob else set())
         self.moe_mod = moe_module(qts)          # also to_half and dequant_rows_f16
-        stride = lay.stride if lay else 0
+        stride = blob.stride if blob else 0
         # at least the experts the cache has no slot for stream; the ring borrows cache slots on top of its own
         n_stream = self.cache.n_total - self.cache.n_slots if self.cache is not None else 0
         free = vram_left(opts)
@@ -177,14 +180,9 @@ class Prefill:
                     dt = cp.int32 if b.name in _INT else cp.float16 if b.name in _HALF else cp.float32
                     self.buf[b.name] = cp.empty(b.elems, dtype=dt)
             self.ring_mem = cp.empty(self.plan.ring * stride, dtype=cp.uint8)
-        self.dev = CupyDevice(step.stream) if lay else None
-        self.timing = False          # bench/prefill.py: copy-engine busy time per chunk
-        self.profile = False         # bench/prefill.py: GPU time per phase (PhaseTimer) in last["phases"]
+        self.dev = CupyDevice(step.stream) if blob else None
         self._tm = None
-        self.last = {}               # facts about the last chunk (bench)
-        # tests: a list to receive (pos0, layer, ids (T, k) device copy) per chunk and MoE layer, the routes taken, so
-        # the NumPy reference can follow them where its own router is a near-tie (tests/route_ties.py)
-        self.routes = None
+        self.last = {}               # facts about the last chunk (benches, tests)
         self._groups_key = self._groups_val = None
         self.lent: list[int] = []    # expert-cache slots the ring holds now (given back by give_back)
         p = self.plan
@@ -232,7 +230,7 @@ class Prefill:
         key = (stream, resident.tobytes(), tuple(slots), cache.table_host.tobytes())
         if self._groups_key == key:       # the same placement as the last chunk: the same tables and batches
             groups, per_layer, batches = self._groups_val
-            runner = RingRunner(self.dev, slots, self.layout.stride, timing=self.timing) if stream else None
+            runner = RingRunner(self.dev, slots, self.layout.stride, timing=self.tracer.copy_timing) if stream else None
             return groups, per_layer, runner, batches
         table = cache.table_host.reshape(c.n_layer, c.n_expert)
         sel_all, ptr_all, spans = [], [], []
@@ -254,14 +252,14 @@ class Prefill:
         for b, view in zip(batches, views[c.n_layer:]):
             per_layer[b.layer].append((b, view))
         self._groups_key, self._groups_val = key, (views[:c.n_layer], per_layer, batches)
-        runner = RingRunner(self.dev, slots, self.layout.stride, timing=self.timing) if stream else None
+        runner = RingRunner(self.dev, slots, self.layout.stride, timing=self.tracer.copy_timing) if stream else None
         return views[:c.n_layer], per_layer, runner, batches
 
     # --- fp32 projections (routers, the shared expert, an all-logits head) -----------------------------------------
     def dequant(self, addr: int, qt: int, row_bytes: int, rows: int, cols: int) -> cp.ndarray:
         out = cp.empty((rows, cols), dtype=cp.float32)
         blocks = min(4096, (rows * cols // 8 + 255) // 256)
-        self.k("dequant_rows", qt)((max(blocks, 1),), (256,),
+        self.kernels("dequant_rows", qt)((max(blocks, 1),), (256,),
                                    (U64(addr), I64(row_bytes), ptr(out), I32(rows), I32(cols)))
         return out
 
@@ -342,7 +340,7 @@ class Prefill:
         return self.buf[name][:T * width].reshape(T, width)
 
     def forward(self, tokens, pos0: int, all_logits: bool) -> cp.ndarray:
-        c, w, L = self.cfg, self.w, self.L
+        c, w, mv = self.cfg, self.weights, self.launcher
         T = len(tokens)
         if T > self.chunk:
             raise ValueError(f"a chunk of {T} tokens is longer than the streamed pass's {self.chunk}")
@@ -351,10 +349,10 @@ class Prefill:
         x, xn = self._view("x", T, c.n_embd), self._view("xn", T, c.n_embd)
         q, k, v = self._view("q", T, qw), self._view("k", T, kw), self._view("v", T, kw)
         att = self._view("att", T, qw)
-        self._tm = PhaseTimer(self.step.stream) if self.profile else None
+        self._tm = PhaseTimer(self.step.stream) if self.tracer.phase_timing else None
         tok = cp.asarray(np.asarray(tokens, dtype=np.int32))
         te = w.tok_embd
-        self.k("embed", te.qt)((T,), (256,), (U64(te.ptr), I64(te.row_bytes), ptr(tok), NULL, NULL, ptr(x),
+        self.kernels("embed", te.qt)((T,), (256,), (U64(te.ptr), I64(te.row_bytes), ptr(tok), NULL, NULL, ptr(x),
                                             I32(c.n_embd)))
         groups = runner = ring_views = window = None
         if c.is_moe:
@@ -362,7 +360,7 @@ class Prefill:
             if runner is not None:
                 # the ring's slots may still be read by earlier work (and lent ones by the decode steps before the
                 # table writes that evicted their experts); with timing, every copy-span time counts from here
-                ev = cp.cuda.Event(disable_timing=not self.timing)
+                ev = cp.cuda.Event(disable_timing=not self.tracer.copy_timing)
                 ev.record(self.step.stream)
                 self.dev.copy_stream.wait_event(ev)
                 window = [ev, None, None]
@@ -374,22 +372,22 @@ class Prefill:
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
         int8 = getattr(self.kv, "dtype", "f16") == "int8"
         # bench: the link's busy share counts from the first layer that streams experts to the end of the last one
-        streamed = [li for li in range(c.n_layer) if ring_views[li]] if window and self.timing else []
-        for li, ly in enumerate(w.layers):
+        streamed = [li for li in range(c.n_layer) if ring_views[li]] if window and self.tracer.copy_timing else []
+        for li, layer in enumerate(w.layers):
             if streamed and li == streamed[0]:
                 window[1] = self._timing_event()
-            L.rmsnorm(x, ly.attn_norm, xn, rows=T)
+            mv.rmsnorm(x, layer.attn_norm, xn, rows=T)
             xh = self.to_half(xn, T, c.n_embd)
-            self.linear_f16(ly.wq, xh, q)
-            self.linear_f16(ly.wk, xh, k)
-            self.linear_f16(ly.wv, xh, v)
-            if ly.bq is not None:
-                q += ly.bq
-                k += ly.bk
-                v += ly.bv
+            self.linear_f16(layer.wq, xh, q)
+            self.linear_f16(layer.wk, xh, k)
+            self.linear_f16(layer.wv, xh, v)
+            if layer.bq is not None:
+                q += layer.bq
+                k += layer.bk
+                v += layer.bv
             self._mark("dense")
             # q/k norms, RoPE, and K/V into the cache in whatever layout kv.py allocated (--kv f16|int8)
-            self.kv.store(self.k, c, li, q, k, v, ly.q_norm, ly.k_norm, self.step.rope, None, pos0, T)
+            self.kv.store(self.kernels, c, li, q, k, v, layer.q_norm, layer.k_norm, self.step.rope, None, pos0, T)
             if int8:
                 kq, ks, vq, vs = self.kv.layer_i8(li)
                 kv_args = (U64(kq), U64(vq), U64(ks), U64(vs))
@@ -398,18 +396,17 @@ class Prefill:
             self.attend(T, c.n_head, c.n_head_kv, (q, *kv_args, att, I32(T), I32(pos0), I32(c.n_head),
                                                    I32(c.n_head_kv), I32(c.head_dim), I32(self.kv.max_ctx), scale))
             self._mark("attention")
-            self.linear_f16(ly.wo, self.to_half(att, T, qw), x, accumulate=True)      # x += att @ wo^T
+            self.linear_f16(layer.wo, self.to_half(att, T, qw), x, accumulate=True)      # x += att @ wo^T
             self._mark("dense")
-            L.rmsnorm(x, ly.ffn_norm, xn, rows=T)
+            mv.rmsnorm(x, layer.ffn_norm, xn, rows=T)
             self._mark("other")
             if c.is_moe:
-                self.moe(li, ly, xn, x, T, groups[li], runner, ring_views)
-                if self.routes is not None:
-                    self.routes.append((pos0, li, self._view("ids", T, c.n_expert_used).copy()))
+                self.moe(li, layer, xn, x, T, groups[li], runner, ring_views)
+                self.tracer.prefill_routes(pos0, li, self._view("ids", T, c.n_expert_used))
                 if streamed and li == streamed[-1]:
                     window[2] = self._timing_event()
             else:
-                x += self.ffn(ly.w_gate, ly.w_up, ly.w_down, xn)
+                x += self.ffn(layer.w_gate, layer.w_up, layer.w_down, xn)
                 self._mark("dense")
         if runner is not None:
             runner.end_chunk()
@@ -420,45 +417,45 @@ class Prefill:
         self.last.update(tokens=T, host_ms=(time.perf_counter() - t0) * 1000)
         if all_logits:
             xo = cp.empty_like(x)
-            L.rmsnorm(x, w.output_norm, xo, rows=T)
+            mv.rmsnorm(x, w.output_norm, xo, rows=T)
             out = self.linear(w.output, xo)
         else:   # the last row: the decode step's mat-vec (norm fused) on the quantized head, no fp32 copy of it
             out = cp.empty((1, c.n_vocab), dtype=cp.float32)
-            L.output_logits(w, x[-1:], out)
+            mv.output_logits(w, x[-1:], out)
         self._mark("other")
         if self._tm is not None:
             self.last["phases"], self._tm = self._tm, None     # bench: .totals() once the chunk has finished
         return out
 
-    def moe(self, li, ly, xn, x, T, group, runner, ring_views):
-        c, lay, cache, mod = self.cfg, self.layout, self.cache, self.moe_mod
-        kk = c.n_expert_used
-        logits = self.linear_into(ly.router, xn, self._view("router_logits", T, c.n_expert))
-        ids, wts = self._view("ids", T, kk), self._view("wts", T, kk)
-        self.k("router_topk")((T,), (32,),
-                              (ptr(logits), I32(c.n_expert), I32(kk), I32(1 if c.expert_weights_norm else 0),
+    def moe(self, li, layer, xn, x, T, group, runner, ring_views):
+        c, blob, cache, mod = self.cfg, self.layout, self.cache, self.moe_mod
+        top_k = c.n_expert_used
+        logits = self.linear_into(layer.router, xn, self._view("router_logits", T, c.n_expert))
+        ids, wts = self._view("ids", T, top_k), self._view("wts", T, top_k)
+        self.kernels("router_topk")((T,), (32,),
+                              (ptr(logits), I32(c.n_expert), I32(top_k), I32(1 if c.expert_weights_norm else 0),
                                F32(c.expert_weights_scale), ptr(ids), ptr(wts), NULL, U64(0), U64(0),
                                U64(cache.counts.data.ptr + 4 * li * c.n_expert), NULL))
         self._mark("router")
         xh = self.to_half(xn, T, c.n_embd)
         offsets, rows, row_w, h = self.buf["offsets"], self.buf["rows"], self.buf["row_w"], self.buf["h"]
-        mod.get_function("moe_sort")((1,), (1024,), (ids, wts, I32(T * kk), I32(kk), I32(c.n_expert), offsets,
+        mod.get_function("moe_sort")((1,), (1024,), (ids, wts, I32(T * top_k), I32(top_k), I32(c.n_expert), offsets,
                                                      rows, row_w))
         self._mark("sort")
-        gu = mod.get_function(f"moe_gemm_gate_up<{lay.qt_gate_up}>")
-        dn = mod.get_function(f"moe_gemm_down<{lay.qt_down}>")
-        gy = expert_row_blocks(T, kk, c.n_expert)
+        gu = mod.get_function(f"moe_gemm_gate_up<{blob.qt_gate_up}>")
+        dn = mod.get_function(f"moe_gemm_down<{blob.qt_down}>")
+        row_blocks = expert_row_blocks(T, top_k, c.n_expert)
 
         def run(sel, ptrs, n):
             if not n:
                 return
-            gu(((lay.n_ff + GEMM_TILE - 1) // GEMM_TILE, gy, n), (256,),
-               (sel, ptrs, offsets, rows, xh, h, I64(lay.up_off), I64(lay.rb_gate_up), I32(lay.n_ff),
+            gu(((blob.n_ff + GEMM_TILE - 1) // GEMM_TILE, row_blocks, n), (256,),
+               (sel, ptrs, offsets, rows, xh, h, I64(blob.up_off), I64(blob.rb_gate_up), I32(blob.n_ff),
                 I32(c.n_embd)))
             self._mark("gate_up")
-            dn(((c.n_embd + GEMM_TILE - 1) // GEMM_TILE, gy, n), (256,),
-               (sel, ptrs, offsets, rows, row_w, h, x, I64(lay.down_off), I64(lay.rb_down), I32(c.n_embd),
-                I32(lay.n_ff)))
+            dn(((c.n_embd + GEMM_TILE - 1) // GEMM_TILE, row_blocks, n), (256,),
+               (sel, ptrs, offsets, rows, row_w, h, x, I64(blob.down_off), I64(blob.rb_down), I32(c.n_embd),
+                I32(blob.n_ff)))
             self._mark("down")
 
         if runner is None and cache.source is not None:   # memory modes: the routed experts, file-only ones staged
@@ -474,10 +471,10 @@ class Prefill:
                 self._mark("ring_wait")
                 run(*view)
                 runner.release(b)
-        if ly.sh_up is not None:
-            sh = self.ffn(ly.sh_gate, ly.sh_up, ly.sh_down, xn)
-            if ly.sh_gate_inp is not None:
-                sg = self.linear(ly.sh_gate_inp, xn)
+        if layer.sh_up is not None:
+            sh = self.ffn(layer.sh_gate, layer.sh_up, layer.sh_down, xn)
+            if layer.sh_gate_inp is not None:
+                sg = self.linear(layer.sh_gate_inp, xn)
                 sh *= 1.0 / (1.0 + cp.exp(-sg))
             x += sh
             self._mark("dense")

@@ -28,8 +28,8 @@ every key), the draw needs no select: sample_exp sums the tempered weights of ea
 sample_select walks only the run the draw falls in. bench/sampler.py has the figures.
 
 Greedy without penalties keeps the step's own argmax (the fast path, its own graph); everything else goes through
-these kernels in a second graph variant of the same step (capture()): a mode word read by the kernels would put
-three launches (~8 us) into every greedy step as well.
+these kernels in the step's "sampled" graph (engine/cuda/decode.py): a mode word read by the kernels would put three
+launches (~8 us) into every greedy step as well.
 """
 from __future__ import annotations
 
@@ -128,9 +128,6 @@ class GpuSampler:
         sel = kernels("sample_select")
         if getattr(sel, "max_dynamic_shared_size_bytes", 0) < CAND_SMEM:
             sel.max_dynamic_shared_size_bytes = CAND_SMEM
-        self.active = False             # DecodeStep.enqueue_pick launches these kernels while True
-        self.graph = None               # the step's sampled variant (capture())
-        self.graph_of = None            # ... and the step it was captured from
         self.owner = None               # the host Sampler the device state belongs to
         self.draws = 0                  # the device's RNG counter, mirrored
         self.last_pick = None
@@ -204,36 +201,11 @@ class GpuSampler:
                                  (self.work, self.pw, self.qw, self.zpart, self.qpart, np.int32(SAMPLE_GRID), n, p,
                                   s, self.counts, self.ring, self.bitmap, np.uint64(out_dptr)), shared_mem=CAND_SMEM)
 
-    def capture(self, step) -> None:
-        """The step's sampled variant: its graph captured with enqueue_pick() routed here; the greedy graph stays."""
-        greedy = step.graph
-        step.sampler = self
-        self.active = True
-        try:
-            step.capture()
-            self.graph = step.graph
-            self.graph_of = step
-        finally:
-            step.graph = greedy
-            self.active = False
-
-    def launch(self, step, token: int, pos: int, use_graph: bool = True) -> None:
-        """One decode step with the sampled pick (the graph variant, or eager launches without graphs)."""
-        greedy = step.graph
-        step.sampler = self
-        self.active = True
-        try:
-            step.graph = self.graph if use_graph and self.graph_of is step else None
-            step.launch(token, pos, use_graph=use_graph and step.graph is not None)
-        finally:
-            step.graph = greedy
-            self.active = False
-
     def read_state(self) -> np.ndarray:
         """The device state record (tests: the kept set's boundary, u, total, the pick)."""
         return self.state.get(stream=self.stream).view(STATE_DTYPE)[0]
 
     def close(self) -> None:
-        self.graph = self.graph_of = self.owner = None
+        self.owner = None
         self.params = self.state = self.counts = self.ring = self.work = self.pw = self.qw = self.zpart = None
         self.hist = self.bitmap = self.qpart = None
