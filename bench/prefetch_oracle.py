@@ -10,8 +10,8 @@ measures what is left.
 
 Every decode step runs twice at the same position. First the real graph (as bench.decode: the router launches
 predict, the copies follow). Then, per --upgrade q, a graph recorded with the predictions written to a sink
-(the tracer's pred_sink, engine/cuda/trace.py), so the copies read `pred` as the bench filled it between the runs: each layer's prediction
-from the real run with each wrong guess replaced, with probability q, by a routed expert the guess missed. q = 0 is
+(the tracer's pred_sink, engine/cuda/trace.py), so the copies read `pred` as the bench filled it between the runs:
+each layer's prediction from the real run with each wrong guess replaced, with probability q, by a routed expert the guess missed. q = 0 is
 the real prediction again (the method's control: its row must match the real one); q = 1 a perfect predictor (layer
 0 still copies late: nothing predicts it). Every replay computes the same token (checked) and writes the same KV.
 
@@ -117,8 +117,8 @@ class OracleReplays(Tracer):
         if nan:
             raise SystemExit("bench.prefetch_oracle: the model produced NaN logits")
         with s:
-            actual = pf.actual.get(stream=s).reshape(pf.n_layer, pf.k)
-            pred = pf.pred.get(stream=s).reshape(pf.n_layer, pf.k)
+            actual = pf.actual.get(stream=s).reshape(pf.n_layer, pf.top_k)
+            pred = pf.pred.get(stream=s).reshape(pf.n_layer, pf.top_k)
         for q in self.qs:
             with s:
                 pf.pred.set(upgrade(pred, actual, q, self.rng).reshape(-1), stream=s)

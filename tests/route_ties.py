@@ -4,8 +4,8 @@ Where a token's k-th and (k+1)-th router logits are closer than fp16 activations
 token to the other expert. Its logits then differ by 10-60% (the tiny fixtures' experts are random and unrelated), and
 later tokens by up to ~1% through its K/V: on tiny-qwen2moe-mixed, token 192's layer-0 gap of 1.3e-4 did exactly this
 on the H200 (0.225 on that row). That is a near-tie parting, not an engine error; a route taken against a clear gap
-is one. So the CUDA side records the routes it took (RouteRecorder, the backend's tracer), and `reference` runs the NumPy backend
-taking those routes where, and only where, its own gap is under ROUTE_TIE, and reports every place the two parted.
+is one. So the CUDA side records the routes it took (RouteRecorder, the backend's tracer), and `reference` runs the
+NumPy backend taking those routes where, and only where, its own gap is under ROUTE_TIE, and reports every place the two parted.
 """
 from __future__ import annotations
 

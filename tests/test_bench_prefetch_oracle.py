@@ -51,8 +51,8 @@ def test_oracle_replays_compute_the_real_tokens(cpu_runs):
     cfg = model.config
     from bench.prefetch_oracle import OracleReplays
     from engine.cuda.backend import CUDABackend, CudaOptions
-    be = CUDABackend(model, CTX, CudaOptions(expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch=True),
-                     tracer=OracleReplays())
+    opts = CudaOptions(expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch=True)
+    be = CUDABackend(model, CTX, opts, tracer=OracleReplays())
     try:
         rows = oracle_pass(be, prompt, 24, [0.0, 1.0])
         np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)

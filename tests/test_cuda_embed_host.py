@@ -1,5 +1,5 @@
-"""The token embedding in mapped pinned host memory (--tune embed_host, engine/cuda/embed_place.py): the placement rule and
-the backend's slot accounting on the CPU (against fakes); on the GPU, the embed kernel reading rows in place from the
+"""The token embedding in mapped pinned host memory (--tune embed_host, engine/cuda/embed_place.py): the placement rule
+and the backend's slot accounting on the CPU (against fakes); on the GPU, the embed kernel reading rows in place from the
 host, the same numbers with the embedding on the host as in VRAM (decode bit for bit, the prompt pass's embedded
 rows bit for bit), the cache getting the freed bytes as slots, and the tied case staying in VRAM."""
 from types import SimpleNamespace

@@ -1,7 +1,8 @@
 """The CUDA backend's memory modes against the NumPy reference: --mmap-experts (no expert pinned) and
 --resident-budget-gib (about half the experts pinned), with the VRAM cache holding all, half and none of the experts,
-through the prompt pass with the experts streamed through its ring and read in place: teacher-forced logits within 1e-2 relative, greedy tokens equal over
-64 steps, DONE's file blobs when experts come from the file; and the worker taking the flags end to end."""
+through the prompt pass with the experts streamed through its ring and read in place: teacher-forced logits within
+1e-2 relative, greedy tokens equal over 64 steps, DONE's file blobs when experts come from the file; and the worker
+taking the flags end to end."""
 import re
 
 import numpy as np

@@ -438,7 +438,7 @@ def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_m
     calls = []
     p = pf.Prefetcher.__new__(pf.Prefetcher)
     p.depth, p.banks, p.fetch_misses = depth, pf.banks(depth), fetch_misses
-    p.n_layer, p.n_expert, p.k, p.stride, p.units, p.slot_lo, p.slot_hi = n_layer, n_expert, k, stride, 60, 1, 2
+    p.n_layer, p.n_expert, p.top_k, p.stride, p.units, p.slot_lo, p.slot_hi = n_layer, n_expert, k, stride, 60, 1, 2
     p.smem = 0
     p.staging, p.pred, p.actual = _Buf(10**6), _Buf(2 * 10**6), _Buf(3 * 10**6)
     p.rec, p.rec_addr = _Buf(4 * 10**6, 4 * (2 + k)), _Buf(5 * 10**6, 8 * k)

@@ -41,7 +41,8 @@ def _log(msg: str) -> None:
 class CUDABackend(Backend):
     name = "cuda"
 
-    def __init__(self, model, max_context: int, opts: CudaOptions | None = None, log=_log, tracer: Tracer | None = None):
+    def __init__(self, model, max_context: int, opts: CudaOptions | None = None, log=_log,
+                 tracer: Tracer | None = None):
         super().__init__(model, max_context)
         self.opts = opts = opts or CudaOptions()
         self.log = log
@@ -165,8 +166,8 @@ class CUDABackend(Backend):
             self.mem.attach_prefill(self.prefill)
 
     def _prefill_scratch_bytes(self) -> int:
-        lay = self.layout
-        return reserve_bytes(self.config, lay.stride if lay else 0, self.config.n_layer * self.config.n_expert,
+        stride = self.layout.stride if self.layout else 0
+        return reserve_bytes(self.config, stride, self.config.n_layer * self.config.n_expert,
                              self.opts, self.max_context)
 
     def _initial_fill(self):
@@ -371,8 +372,8 @@ class CUDABackend(Backend):
     def prefetch_stats(self):
         """engine/cuda/prefetch.py's PrefetchStats since the last reset_stats(), or None when the step does not
         prefetch."""
-        pf = self.step.prefetch if self.step is not None else None
-        return pf.read_stats() if pf is not None else None
+        prefetch = self.step.prefetch if self.step is not None else None
+        return prefetch.read_stats() if prefetch is not None else None
 
     def info(self) -> dict:
         dev = cp.cuda.Device()

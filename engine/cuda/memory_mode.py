@@ -109,9 +109,9 @@ class MemoryMode:
         self.cache = None
 
     def attach_prefill(self, prefill):
-        """The streamed pass's ring copies file-only experts from staging slots (StagedCopies)."""
-        if getattr(prefill, "dev", None) is not None:
-            prefill.dev = StagedCopies(prefill.dev, self.cache)
+        """The prompt pass's ring copies file-only experts from staging slots (StagedCopies)."""
+        if prefill.dev is not None:
+            prefill.set_device(StagedCopies(prefill.dev, self.cache))
 
     # --- stats -----------------------------------------------------------------------------------------------
     def reset_stats(self):
@@ -188,13 +188,13 @@ def routed_group(cache, li: int, ids, stream):
     from engine.cuda.launch import U64
     E = cache.n_expert
     es = np.unique(np.asarray(ids.get(stream=stream)).ravel()).astype(np.int64)
-    gs = li * E + es
-    need = gs[(cache.slot_of[gs] < 0) & cache.source.file_only[gs]]
+    flat = li * E + es
+    need = flat[(cache.slot_of[flat] < 0) & cache.source.file_only[flat]]
     if len(need):
         cache.stage(need, stream)
     with stream:
         sel = cp.asarray(es.astype(np.int32))
-        ptrs = cp.asarray(cache.table_host[gs])
+        ptrs = cp.asarray(cache.table_host[flat])
     cache.routed_group = (sel, ptrs)          # alive until the next layer's group replaces them
 
     def done():

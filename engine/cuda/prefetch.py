@@ -218,11 +218,11 @@ def attach(step, choice: bool | None, log, depth: int, fetch_misses: bool) -> "P
         log(f"expert prefetch off: {why}")
         return None
     step.set_prefetch(Prefetcher(step, depth, fetch_misses))
-    k, nb = step.cfg.n_expert_used, banks(depth)
+    top_k, nb = step.cfg.n_expert_used, banks(depth)
     what = "next-layer prediction" if depth == 1 else f"prediction {depth} layers ahead"
-    late = f" + {MISS_BANKS} x {k} for late misses" if fetch_misses else ", late misses read in place"
-    log(f"expert prefetch on: {what}, {nb} x {k} staging slots{late} "
-        f"({vram_staging_slots(k, depth, fetch_misses) * step.layout.stride / 2**20:.0f} MiB of VRAM)")
+    late = f" + {MISS_BANKS} x {top_k} for late misses" if fetch_misses else ", late misses read in place"
+    log(f"expert prefetch on: {what}, {nb} x {top_k} staging slots{late} "
+        f"({vram_staging_slots(top_k, depth, fetch_misses) * step.layout.stride / 2**20:.0f} MiB of VRAM)")
     return step.prefetch
 
 
@@ -234,10 +234,10 @@ def banks(depth: int) -> int:
     return depth + 1
 
 
-def vram_staging_slots(k: int, depth: int, fetch_misses: bool) -> int:
-    """VRAM staging slots the prefetch takes (depth + 1 banks of k, and the late-miss banks), in expert strides: the
-    cache gives up as many."""
-    return (banks(depth) + (MISS_BANKS if fetch_misses else 0)) * k
+def vram_staging_slots(top_k: int, depth: int, fetch_misses: bool) -> int:
+    """VRAM staging slots the prefetch takes (depth + 1 banks of top_k, and the late-miss banks), in expert strides:
+    the cache gives up as many."""
+    return (banks(depth) + (MISS_BANKS if fetch_misses else 0)) * top_k
 
 
 @dataclass
@@ -274,7 +274,7 @@ class Prefetcher:
         self.depth, self.banks = depth, banks(depth)
         self.fetch_misses = fetch_misses
         c, cache, lay = step.cfg, step.cache, step.layout
-        self.n_layer, self.n_expert, self.k = c.n_layer, c.n_expert, c.n_expert_used
+        self.n_layer, self.n_expert, self.top_k = c.n_layer, c.n_expert, c.n_expert_used
         why = unsupported(c, lay)
         if why:
             raise ValueError(f"expert prefetch cannot serve this model: {why}")
@@ -295,23 +295,23 @@ class Prefetcher:
         self.f_copy = mod.get_function("prefetch_copy")
         self.f_finish = mod.get_function("prefetch_finish")
         self.f_restore = mod.get_function("prefetch_restore")
-        k, nb = self.k, self.banks
+        top_k, nb = self.top_k, self.banks
         mb = MISS_BANKS if fetch_misses else 0
         with step.stream:
             # the staging banks, then the miss banks, as one range: an entry pointing inside it is in VRAM already
             # (the miss copy's second range)
-            self.staging = cp.empty((nb + mb) * k * self.stride, dtype=cp.uint8)
+            self.staging = cp.empty((nb + mb) * top_k * self.stride, dtype=cp.uint8)
             self.stage_lo = self.staging.data.ptr
             self.stage_hi = self.stage_lo + self.staging.nbytes
             # the prediction for each layer, kept for the whole step (not in two banks): a replay of the copies
             # alone (DecodeStep.profile's "prefetch" kind) then copies what the last real step predicted for each
             # layer, the real bytes, instead of the last two layers' predictions applied to every layer
-            self.pred = cp.zeros(self.n_layer * k, dtype=cp.int32)
-            self.actual = cp.zeros(self.n_layer * k, dtype=cp.int32)
-            self.rec = cp.zeros((nb, 2 + k), dtype=cp.int32)         # bank: layer, n, expert ids
-            self.rec_addr = cp.zeros((nb, k), dtype=cp.uint64)       # bank: the entries' original addresses
-            self.miss_rec = cp.zeros((MISS_BANKS, 2 + k), dtype=cp.int32)     # the miss banks' records, as rec
-            self.miss_rec_addr = cp.zeros((MISS_BANKS, k), dtype=cp.uint64)
+            self.pred = cp.zeros(self.n_layer * top_k, dtype=cp.int32)
+            self.actual = cp.zeros(self.n_layer * top_k, dtype=cp.int32)
+            self.rec = cp.zeros((nb, 2 + top_k), dtype=cp.int32)         # bank: layer, n, expert ids
+            self.rec_addr = cp.zeros((nb, top_k), dtype=cp.uint64)       # bank: the entries' original addresses
+            self.miss_rec = cp.zeros((MISS_BANKS, 2 + top_k), dtype=cp.int32)     # the miss banks' records, as rec
+            self.miss_rec_addr = cp.zeros((MISS_BANKS, top_k), dtype=cp.uint64)
             self.logits = cp.zeros(self.n_expert, dtype=cp.float32)
             self.stats = cp.zeros(STATS, dtype=cp.uint64)
             self.counters = cp.zeros(3, dtype=cp.int32)      # predict's, copy's, miss copy's last-block counters
@@ -332,7 +332,7 @@ class Prefetcher:
     def _pred_out(self, m: int):
         """Where the prediction for layer m is written: pred[m], or the tracer's pred_sink (bench.prefetch_oracle)."""
         sink = getattr(self.step.tracer, "pred_sink", None)
-        return self._ptr(self.pred if sink is None else sink, 4 * self.k * m)
+        return self._ptr(self.pred if sink is None else sink, 4 * self.top_k * m)
 
     # --- the launches ------------------------------------------------------------------------------------------
     def targets(self, li: int) -> list[int]:
@@ -362,7 +362,7 @@ class Prefetcher:
         router."""
         if not self.fused(li):
             return False
-        st, k = self.step, self.k
+        st, top_k = self.step, self.top_k
         m = self.targets(li)[0]
         R, nxt = st.weights.layers[li].router, st.weights.layers[m]
         I32, I64, U64 = np.int32, np.int64, np.uint64
@@ -371,7 +371,7 @@ class Prefetcher:
         # layer li's router (router_fused's arguments), then layer m's prediction and layer li's noting
         predict = (U64(nxt.router.ptr), I64(nxt.router.row_bytes), self._ptr(nxt.ffn_norm), self._ptr(self.logits),
                    self._pred_out(m))
-        note = (self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * k * li),
+        note = (self._ptr(self.pred, 4 * top_k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * top_k * li),
                 self._note_stats(li), self._ptr(self.counters))
         self._fn("router", self.f_router_predict[int(R.qt)])(
             (2 * nb,), (32 * warps,), (*st.router_args(li), *predict, *note), shared_mem=self.smem)
@@ -433,7 +433,7 @@ class Prefetcher:
         """predict: layer m's router on layer li's FFN input (with layer m's norm weights) into pred[m]; with
         `note`, layer li's routing noted against its own prediction (a second predict launch of the same layer notes
         nothing: check 0)."""
-        st, k, c = self.step, self.k, self.step.cfg
+        st, top_k, c = self.step, self.top_k, self.step.cfg
         nxt = st.weights.layers[m]
         R = nxt.router
         I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
@@ -441,35 +441,44 @@ class Prefetcher:
         self._fn("predict", self.f_predict[int(R.qt)])(
             ((self.n_expert + warps - 1) // warps,), (32 * warps,),
             (self._ptr(st.x), self._ptr(nxt.ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(R.ptr), I64(R.row_bytes),
-             I32(self.n_expert), I32(k), self._ptr(self.logits), self._pred_out(m),
-             self._ptr(st.ids), self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 and note else 0),
-             self._ptr(self.actual, 4 * k * li), self._note_stats(li), self._ptr(self.counters)),
+             I32(self.n_expert), I32(top_k), self._ptr(self.logits), self._pred_out(m),
+             self._ptr(st.ids), self._ptr(self.pred, 4 * top_k * li), I32(1 if li > 0 and note else 0),
+             self._ptr(self.actual, 4 * top_k * li), self._note_stats(li), self._ptr(self.counters)),
             shared_mem=self.smem)
 
     def launch_note(self, li: int):
         """predict in bookkeeping mode (no router: one block, no staging): layer li's routing kept in actual and
         noted against its prediction, for the layers that predict nothing at depth 2."""
-        st, k, c = self.step, self.k, self.step.cfg
+        st, top_k, c = self.step, self.top_k, self.step.cfg
         qt = int(st.weights.layers[li].router.qt)
         I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
         self._fn("predict", self.f_predict[qt])(
             (1,), (32 * PREDICT_WARPS,),
             (self._ptr(st.x), self._ptr(st.weights.layers[li].ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(0), I64(0),
-             I32(self.n_expert), I32(k), self._ptr(self.logits), U64(0),
-             self._ptr(st.ids), self._ptr(self.pred, 4 * k * li), I32(1 if li > 0 else 0),
-             self._ptr(self.actual, 4 * k * li), self._note_stats(li), self._ptr(self.counters)))
+             I32(self.n_expert), I32(top_k), self._ptr(self.logits), U64(0),
+             self._ptr(st.ids), self._ptr(self.pred, 4 * top_k * li), I32(1 if li > 0 else 0),
+             self._ptr(self.actual, 4 * top_k * li), self._note_stats(li), self._ptr(self.counters)))
+
+    def _copy(self, kind: str, blocks: int, li: int, routing, bank: int, rec, rec_addr, in_vram_too, counts,
+              counter: int):
+        """prefetch_copy (cuda_src/prefetch.cu) in named groups: layer li's entries, the ids to copy (routing), the
+        staging bank they go to, the VRAM ranges whose entries need no copy, the bank's records, the counters."""
+        I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
+        what = (self._ptr(self.table), I32(li), I32(self.n_expert), I32(self.top_k), routing)
+        into = (self._ptr(self.staging, bank * self.top_k * self.stride), I64(self.stride), U32(self.units))
+        in_vram = (U64(self.slot_lo), U64(self.slot_hi), *in_vram_too)
+        self._fn(kind, self.f_copy)((blocks,), (COPY_THREADS,),
+                                    (*what, *into, *in_vram, self._ptr(rec), self._ptr(rec_addr), *counts,
+                                     self._ptr(self.counters, counter)))
 
     def launch_copy(self, m: int):
-        b, k = m % self.banks, self.k
-        I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
-        # no second VRAM range: layer m's entries are the table's own until this copy (each layer's entries are
-        # rewritten by its one copy, and its miss copy runs after this one is joined)
-        self._fn("prefetch", self.f_copy)((COPY_BLOCKS,), (COPY_THREADS,),
-                    (self._ptr(self.table), I32(m), I32(self.n_expert), I32(k), self._ptr(self.pred, 4 * k * m),
-                     self._ptr(self.staging, b * k * self.stride), I64(self.stride), U32(self.units),
-                     U64(self.slot_lo), U64(self.slot_hi), U64(0), U64(0), self._ptr(self.rec[b]),
-                     self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 2),
-                     self._ptr(self.stats, 8 * 3), self._ptr(self.counters, 4)))
+        """Layer m's predicted experts that are outside VRAM into staging bank m % banks, on the side stream. No
+        second VRAM range: layer m's entries are the table's own until this copy (each layer's entries are rewritten
+        by its one copy, and its miss copy runs after this one is joined)."""
+        b, U64 = m % self.banks, np.uint64
+        self._copy("prefetch", COPY_BLOCKS, m, self._ptr(self.pred, 4 * self.top_k * m), b, self.rec[b],
+                   self.rec_addr[b], (U64(0), U64(0)),
+                   (self._ptr(self.actual), self._ptr(self.stats, 8 * 2), self._ptr(self.stats, 8 * 3)), 4)
 
     def routing(self, li: int):
         """Where layer li's routing is when its miss copy runs: actual[li], noted by the layer's router_predict,
@@ -477,39 +486,35 @@ class Prefetcher:
         misses), except the last layer at depth 1, noted only by prefetch_finish: ids, which then hold it."""
         if self.depth == 1 and li == self.n_layer - 1:
             return self._ptr(self.step.ids)
-        return self._ptr(self.actual, 4 * self.k * li)
+        return self._ptr(self.actual, 4 * self.top_k * li)
 
     def launch_miss(self, li: int):
         """prefetch_copy on the main stream for layer li's routing: the routed experts in neither a cache slot nor a
         staging/miss slot (nor 0) copied into miss bank li % 2 (restoring the bank's previous layer first), their
         entries pointed there; counted as fetched only."""
-        b, k = li % MISS_BANKS, self.k
-        I32, I64, U32, U64 = np.int32, np.int64, np.uint32, np.uint64
-        self._fn("miss_copy", self.f_copy)((MISS_BLOCKS,), (COPY_THREADS,),
-                    (self._ptr(self.table), I32(li), I32(self.n_expert), I32(k), self.routing(li),
-                     self._ptr(self.staging, (self.banks + b) * k * self.stride), I64(self.stride), U32(self.units),
-                     U64(self.slot_lo), U64(self.slot_hi), U64(self.stage_lo), U64(self.stage_hi),
-                     self._ptr(self.miss_rec[b]), self._ptr(self.miss_rec_addr[b]), U64(0),
-                     self._ptr(self.stats, 8 * FETCHED), U64(0), self._ptr(self.counters, 8)))
+        b, U64 = li % MISS_BANKS, np.uint64
+        self._copy("miss_copy", MISS_BLOCKS, li, self.routing(li), self.banks + b, self.miss_rec[b],
+                   self.miss_rec_addr[b], (U64(self.stage_lo), U64(self.stage_hi)),
+                   (U64(0), self._ptr(self.stats, 8 * FETCHED), U64(0)), 8)
 
     def launch_finish(self):
         """The last layer's routing noted (depth 1; at depth 2 launch_note did it, against the depth-2 pair) and
         every bank restored: prefetch_finish takes banks 0 and 1, prefetch_restore any further one, and the miss
         banks (one warp each, counting nothing)."""
-        st, k, last = self.step, self.k, self.n_layer - 1
+        st, top_k, last = self.step, self.top_k, self.n_layer - 1
         I32, U64 = np.int32, np.uint64
         if self.fetch_misses:
             self._fn("miss_copy", self.f_restore)((1,), (32 * MISS_BANKS,),
-                           (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(self.miss_rec),
+                           (self._ptr(self.table), I32(self.n_expert), I32(top_k), self._ptr(self.miss_rec),
                             self._ptr(self.miss_rec_addr), U64(0), U64(0)))
         self._fn("prefetch", self.f_finish)((1,), (32,),
-                      (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(st.ids),
-                       self._ptr(self.pred, 4 * k * last), I32(1 if last > 0 and self.depth == 1 else 0), I32(last),
+                      (self._ptr(self.table), I32(self.n_expert), I32(top_k), self._ptr(st.ids),
+                       self._ptr(self.pred, 4 * top_k * last), I32(1 if last > 0 and self.depth == 1 else 0), I32(last),
                        self._ptr(self.actual), self._ptr(self.rec[0]), self._ptr(self.rec_addr[0]),
                        self._ptr(self.rec[1]), self._ptr(self.rec_addr[1]), self._ptr(self.stats)))
         for b in range(2, self.banks):
             self._fn("prefetch", self.f_restore)((1,), (32,),
-                           (self._ptr(self.table), I32(self.n_expert), I32(k), self._ptr(self.rec[b]),
+                           (self._ptr(self.table), I32(self.n_expert), I32(top_k), self._ptr(self.rec[b]),
                             self._ptr(self.rec_addr[b]), self._ptr(self.actual), self._ptr(self.stats, 8 * 3)))
 
     # --- counters ----------------------------------------------------------------------------------------------

@@ -191,6 +191,10 @@ class Prefill:
         log(f"streamed prompt pass: chunks of {self.chunk} tokens ({p.chunk_bytes / MiB:.0f} MiB), "
             f"ring of {p.ring} own slots ({p.ring_bytes / MiB:.0f} MiB) + {lend}; {free / MiB:.0f} MiB were left")
 
+    def set_device(self, dev) -> None:
+        """The ring's copy device (ring.py CupyDevice; the memory modes' StagedCopies stages file-only experts)."""
+        self.dev = dev
+
     # --- lent expert-cache slots ------------------------------------------------------------------------------
     def borrow(self) -> list[int]:
         """Top the ring's lent cache slots up to the plan's count (the first streamed chunk of a prompt borrows them,
