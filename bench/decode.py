@@ -8,7 +8,7 @@ Makes the Qwen3-30B-A3B-shaped Q4_K model with tools/make_moe.py when it is not 
 the pinned arena is filled once, and the VRAM expert cache is rebuilt for each budget (--vram-budget-mib semantics:
 everything the worker takes, weights and KV included). Per budget: a learning pass (prompt + decode, the adaptive
 tier running), then the measured pass on a fresh random prompt. Ceilings: PCIe-bound = expert bytes missed per token
-over 51 GB/s (DESIGN §5's in-place read rate); HBM-bound = bytes touched per token over 4.4 TB/s.
+over 51 GB/s (the in-place read rate, docs/design.md "Measured facts"); HBM-bound = bytes touched per token over 4.4 TB/s.
 With the next-layer prefetch (engine/cuda/prefetch.py): its prediction accuracy, the MB per token it copied and the
 share of them wasted (never routed), and the bytes that really crossed the link (misses read in place + copies).
 --prefetch both measures each budget twice, on and off; --prefetch-depth both measures each budget's prefetch-on row

@@ -25,8 +25,8 @@ MATVEC_ROWS = {1: (1, 2, 4), 2: (1, 2), 3: (1, 2), 4: (1, 2), 5: (1, 2), 6: (1, 
 MATVEC_WARPS = 4  # warps per block in matvec.cu
 
 
-# Types whose mat-vec ran faster with two rows per warp on 8192 x 8192 (bench/matvec.py on the H200, 2026-11-29);
-# the K-quants and the 2-bit i-quants, with more registers per row, ran fastest with one.
+# Types whose mat-vec ran faster with two rows per warp on 8192 x 8192 (docs/experiments.md, "Rows per warp"); the
+# K-quants and the 2-bit i-quants, with more registers per row, ran fastest with one.
 _TWO_ROW_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q6_K", "IQ4_NL", "IQ3_S", "MXFP4"}
 
 
@@ -52,7 +52,7 @@ def matvec_plan(nrows: int, nv: int = 1, rows_per_warp: int | None = None, qtype
     per_block = MATVEC_WARPS * r
     return f"matvec_r{r}_nv{nv}", ((nrows + per_block - 1) // per_block,), (32 * MATVEC_WARPS,), r
 
-HBM_CEILING = 4.4e12  # bytes/s (DESIGN §5: 4,454 GB/s measured HBM read)
+HBM_CEILING = 4.4e12  # bytes/s (docs/design.md "Measured facts": 4,454 GB/s HBM read)
 
 # (type, rows, cols, vectors, what)
 SHAPES = [

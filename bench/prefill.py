@@ -9,7 +9,7 @@ One backend process (the pinned arena is filled once); per budget the VRAM exper
 1K prompt and 64 decoded tokens (the adaptive tier fills it from the routing), then each prompt length is read chunk
 by chunk as the worker's session reads it. Per row: tok/s, chunk, ring depth used (its own slots + expert-cache
 slots lent to it), expert bytes streamed per chunk, the link rate while copying and averaged over the prompt (against
-55 GB/s, DESIGN §5's pinned copy), the share of the prompt's time the copy engine was busy (from events around each
+55 GB/s, the pinned copy in docs/design.md "Measured facts"), the share of the prompt's time the copy engine was busy (from events around each
 ring batch's copies), and that share within the streamed layers only (from the first streamed layer's start to the
 last one's end, per chunk: the issue's "link busy >= 80% in streamed layers"). A second table splits the
 GPU time by phase (dense projections, attention, router, expert sort, gate/up, down, ring waits, other) from CUDA

@@ -9,7 +9,7 @@ values (the kernels' speed does not depend on them). bench.prefill times the sam
 attention phase); this isolates it, for `ncu --kernel-name regex:flash_attn --launch-count 2 python -m
 bench.prefill_attn --reps 1`, and for an A/B: copy the old prefill_attn.cu to cuda_src/NAME.cu (untracked) and run
 with --module NAME. FLOPs count only the visible (causal) key-query pairs: 4 per pair per head-dim element (Q K^T and
-P V); cuBLAS's fp16 GEMM (749 TFLOP/s, DESIGN §5) is the ceiling.
+P V); cuBLAS's fp16 GEMM (749 TFLOP/s, docs/design.md "Measured facts") is the ceiling.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 MiB = 1 << 20
 AUTO_MAX = 8192          # auto never goes past this: the expert bytes per token are already 1/8 of a 1K chunk's
-AUTO_MIN = 1024          # DESIGN §5: 1,024 tokens and up when it fits
+AUTO_MIN = 1024          # docs/design.md "The prompt pass": 1,024 tokens and up when it fits
 STEP = 256               # auto chunk sizes are multiples of this (below AUTO_MIN: of 16)
 RING_MIN = 2             # two slots: one being copied while the other is read
 RING_MAX = 384           # the original engine measured 384 slots best with pinned sources
@@ -82,8 +82,7 @@ def ring_target(n_stream: int, n_layer: int) -> int:
     Why two layers: the copy stream only refills a slot once the compute stream has released it, and during a
     layer's attention and dense projections the compute stream releases nothing. With one layer's worth the copy
     engine has at most the next layer's experts to copy while the current layer computes, then idles through the
-    next attention half (H200, 12 GiB, 4K prompt: a 17-slot ring, 0.9 ms of copies per 1.35 ms attention half, kept
-    the link 47% busy). Two layers' worth let the copies run a whole layer ahead, so the attention halves are covered
+    next attention half (docs/experiments.md, "The lent ring's depth"). Two layers' worth let the copies run a whole layer ahead, so the attention halves are covered
     by the next layer's copies, and ring batches (half the ring, at most ring.BATCH_MAX) stay full size. The floor
     covers an attention half (~27 experts at 52 GB/s on Qwen3-30B-A3B) with room for a batch being read; the cap is
     the original engine's measured best."""

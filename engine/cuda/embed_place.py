@@ -1,7 +1,6 @@
 """Where the token embedding lives: VRAM, or mapped pinned host memory that the embed kernel reads in place over PCIe
-(one row per decoded token, T rows per prompt chunk). On the Qwen3-30B-A3B-shaped model the table is 175 MB of the
-965 MB of non-expert weights: 66 expert-cache slots, worth about +0.6 hit-rate points at a 12 GiB budget, where
-decode is bound by the PCIe bytes of missed experts, while a decode step reads 1.1 KB of it.
+(one row per decoded token, T rows per prompt chunk). Where decode is bound by the PCIe bytes of missed experts, the
+table's VRAM is worth more as expert-cache slots than as a copy a decode step reads one row of (docs/experiments.md).
 
 This module only decides (no CuPy, tested on the CPU); engine/cuda/weights.py moves the bytes and
 engine/cuda/backend.py measures the slot counts."""

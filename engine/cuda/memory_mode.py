@@ -1,5 +1,5 @@
 """The CUDA backend's memory modes, wired together: --mmap-experts (no expert pinned up front) and
---resident-budget-gib N (the hottest N GiB pinned, DESIGN §6's profile order, else router-row norms).
+--resident-budget-gib N (the hottest N GiB pinned, the profile order, docs/design.md "Files", else router-row norms).
 
 `MemoryMode.plan()` decides which experts the arena pins; `attach_*()` give the expert cache its source (the file
 through a pinned staging LRU, engine/cuda/expert_source.py), the decode step its per-layer form

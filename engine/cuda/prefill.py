@@ -47,7 +47,7 @@ _HALF = {"xh", "h", "wh"}
 
 def attn_module(head_dim: int):
     """prefill_attn.cu built for this head dim (compile-time in its tensor-core tiles; 128 is the default build that
-    compile_all makes before READY, others compile when the pass is set up)."""
+    the backend loads before READY like any other build)."""
     return kernels.load("prefill_attn", None if head_dim == 128 else {"FA_HD": head_dim})
 
 
@@ -114,7 +114,7 @@ def vram_left(opts) -> int:
 
 def reserve_bytes(cfg, stride: int, n_total: int, opts, max_ctx: int) -> int:
     """What the backend holds back for the streamed pass before sizing the expert cache: the target chunk, and the
-    ring only when --ring N asks for its own slots (the auto ring borrows cache slots per prompt; when the cache
+    ring only when `ring=N` asks for its own slots (the auto ring borrows cache slots per prompt; when the cache
     holds every expert nothing streams)."""
     chunk = parse_chunk(opts.prefill_chunk)
     T = min(AUTO_TARGET if chunk == "auto" else chunk, max_ctx)

@@ -13,17 +13,13 @@ kernel updates when it picks. Nothing that changes between requests or steps is 
 are captured in the decode step's graph.
 
 The kept set is found without sorting (cuda_src/sample.cu has the radix select). One block does it, since it is a
-chain of small decisions, and over the whole vocabulary that took 0.5-0.64 ms a pick with top_k or top_p
-(bench.sampler; 278.3 tok/s sampled against 322.1 greedy on the H200, all resident). So the multi-block kernels
-first narrow it down: sample_prep counts the keys in a histogram of their top 12 bits, sample_cut (one block, over
+chain of small decisions, but over the whole vocabulary that is slow (docs/experiments.md). So the multi-block
+kernels first narrow it down: sample_prep counts the keys in a histogram of their top 12 bits, sample_cut (one block, over
 4096 bins) picks the lowest bin that the kept set can reach (from top_k's count, or top_p's mass bounded from both
 sides by each bin's value range, and min_p's floor), and sample_gather marks the keys at or above it in a bitmap;
 sample_select copies those candidates (at most CAND_CAP) into shared memory in id order and selects from them. When
 the bins at and above the cut hold more than CAND_CAP keys (a large top_k, top_p over a flat distribution), it
-selects from the whole vocabulary, as before (~0.56 ms a pick: bench.sampler's flat top_p row; issuing each thread's
-loads four at a time there changed nothing (582 against 580 us), so L2 latency is not the limit; a guess, not
-measured: the first radix level's shared float atomics, where a flat distribution puts 150k keys into ~20 buckets);
-either way the kept set and the draw are the same. When nothing but min_p cuts the kept set (temperature alone keeps
+selects from the whole vocabulary; either way the kept set and the draw are the same. When nothing but min_p cuts the kept set (temperature alone keeps
 every key), the draw needs no select: sample_exp sums the tempered weights of each block's run of ids, and
 sample_select walks only the run the draw falls in. bench/sampler.py has the figures.
 
