@@ -188,8 +188,7 @@ def main(argv=None):
             for ad in (adapts[:1] if b == "all" else adapts)]
     for b, mode, depth, fetch, adapt in runs:
         mib = None if b == "all" else int(float(b) * 1024)
-        be.opts.prefetch, be.opts.prefetch_depth, be.opts.fetch_misses = mode, depth, fetch
-        slots = be.resize_expert_cache(vram_budget_mib=mib)
+        slots = be.resize_expert_cache(vram_budget_mib=mib, prefetch=mode, prefetch_depth=depth, fetch_misses=fetch)
         used_mib = cp.get_default_memory_pool().total_bytes() / 2**20
         learn = run_pass(be, rng, a.prompt, a.new)
         swaps0 = be.cache.swaps

@@ -19,7 +19,7 @@ Per row: the step's GPU time (CUDA events around the graph launch: no host time,
 faster than bench.decode's wall clock), the prediction accuracy the step's own counters saw, MB a token staged, of
 them wasted, and copied late, and the ratio to the PCIe-bound ceiling at the real steps' hit rate (missed bytes /
 51 GB/s, as bench.decode). The adaptive tier counts every replay's routing (the same routing 1 + len(q) times, so
-its order is the real one's) and adapts every --adapt-every real steps (the backend's own count).
+its order is the real one's) and adapts every adapt_every real steps (the backend's own count).
 """
 from __future__ import annotations
 

@@ -235,7 +235,7 @@ def spy_embed(be):
 
 @gpu
 def test_host_embedding_gives_the_same_numbers(model):
-    """--embed-host on against off with half the experts cached: the prompt pass embeds the same rows bit for bit
+    """embed_host on against off with half the experts cached: the prompt pass embeds the same rows bit for bit
     (streamed: chunks of 64 from stream_min 16, so experts stream through the ring), teacher-forced decode gives the
     same logits bit for bit and the NumPy backend's within 1e-2, greedy picks the same tokens."""
     from engine.backend_cpu import CPUBackend

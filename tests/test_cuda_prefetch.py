@@ -3,8 +3,8 @@
 GPU: the predictor against NumPy (normalised x @ R.T for F32/F16/Q8_0/Q4_K rows, top-k on its logits, ties to the
 lowest id, logits far below the max ranked as logits), the copy kernel's compaction, exact bytes and table
 rewrites/restores on random tables at several grid shapes, and the CUDA backend with prefetch on against the NumPy
-backend (greedy tokens, logits, the table after each step as before it), each at --prefetch-depth 1 and 2 (three
-staging banks); the late-miss copy (--fetch-misses: the same copy kernel with the routing as its prediction and the
+backend (greedy tokens, logits, the table after each step as before it), each at prefetch depth 1 and 2 (three
+staging banks); the late-miss copy (fetch_misses: the same copy kernel with the routing as its prediction and the
 staging + miss banks as a second VRAM range) on random tables, and end to end on and off against all-resident and the
 CPU, in the memory modes too. CPU: the switches, the bench's summary, the fork/join order (at depth 2 over whole
 48-layer steps on the stream-order graph: joins, bank reuse, the step boundary, the miss copy after the join and
@@ -252,7 +252,7 @@ def test_fork_join_order():
 
 
 def test_fork_join_order_with_late_misses():
-    """--fetch-misses: each layer's miss copy runs on the main stream after its prefetch copy is joined (its staged
+    """fetch_misses: each layer's miss copy runs on the main stream after its prefetch copy is joined (its staged
     entries in the table) and before its experts, the first layer too; the next copy is forked before the join, as
     without late misses, so it queues on the side stream behind this layer's and the link has no gap."""
     p, log = _fake_prefetcher(3, fetch_misses=True)
@@ -1113,7 +1113,7 @@ def _teacher_forced(be, prompt, toks):
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("name", MOE)
 def test_fetch_misses_changes_no_token_or_logit(cpu_runs, name, depth):
-    """--fetch-misses on and off, with none and half of the experts in VRAM, against the CPU and against every expert
+    """fetch_misses on and off, with none and half of the experts in VRAM, against the CPU and against every expert
     resident: the same greedy tokens and the same decode logits (the late copies are the arena's bytes, read by the
     same kernels from VRAM instead of over PCIe), the table clean and every bank empty after the steps. With it on,
     every miss is either a staged expert the router chose or a late copy (used + fetched == lookups - hits, and

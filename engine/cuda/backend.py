@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
+from dataclasses import replace
 
 import cupy as cp
 import numpy as np
@@ -202,10 +203,11 @@ class CUDABackend(Backend):
         self.stream.synchronize()
         return 4 * n / (time.perf_counter() - t0) / 1e9
 
-    def resize_expert_cache(self, vram_budget_mib=None, expert_slots=None) -> int:
+    def resize_expert_cache(self, vram_budget_mib=None, expert_slots=None, **options) -> int:
         """Rebuild the VRAM expert cache for another budget, keeping the arena, weights and KV cache (benchmarks
-        emulate several card sizes in one process). The learned heat carries over; returns the slot count. The token
-        embedding is placed again for the new budget (_expert_slots)."""
+        emulate several card sizes in one process), with these CudaOptions fields changed too (the prefetch's, for
+        A/B rows). The learned heat carries over; returns the slot count. The token embedding is placed again for the
+        new budget (_expert_slots)."""
         if self.cache is None:
             return 0
         self.stream.synchronize()
@@ -222,7 +224,7 @@ class CUDABackend(Backend):
         gc.collect()
         pool = cp.get_default_memory_pool()
         pool.free_all_blocks()
-        self.opts.vram_budget_mib, self.opts.expert_slots = vram_budget_mib, expert_slots
+        self.opts = replace(self.opts, vram_budget_mib=vram_budget_mib, expert_slots=expert_slots, **options)
         with self.stream:
             self.cache = ExpertCache(self.arena, self._expert_slots(pool))
             self.cache.heat[:], self.cache.prior[:] = heat, prior

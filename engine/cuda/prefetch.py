@@ -251,19 +251,17 @@ class Prefetcher:
         router."""
         if not self.fused(li):
             return False
-        st, top_k = self.step, self.top_k
+        st = self.step
         m = self.targets(li)[0]
         R, nxt = st.weights.layers[li].router, st.weights.layers[m]
-        I32, I64, U64 = np.int32, np.int64, np.uint64
+        I64, U64 = np.int64, np.uint64
         warps = PREDICT_WARPS
         nb = (self.n_expert + warps - 1) // warps
         # layer li's router (router_fused's arguments), then layer m's prediction and layer li's noting
         predict = (U64(nxt.router.ptr), I64(nxt.router.row_bytes), self._ptr(nxt.ffn_norm), self._ptr(self.logits),
                    self._pred_out(m))
-        note = (self._ptr(self.pred, 4 * top_k * li), I32(1 if li > 0 else 0), self._ptr(self.actual, 4 * top_k * li),
-                self._note_stats(li), self._ptr(self.counters))
         self._fn("router", self.f_router_predict[int(R.qt)])(
-            (2 * nb,), (32 * warps,), (*st.router_args(li), *predict, *note), shared_mem=self.smem)
+            (2 * nb,), (32 * warps,), (*st.router_args(li), *predict, *self._note(li, li > 0)), shared_mem=self.smem)
         return True
 
     def enqueue(self, li: int):
@@ -318,35 +316,39 @@ class Prefetcher:
             self.step.stream.wait_event(self.finished)
             self._finish_pending = False
 
+    def _note(self, li: int, check: bool):
+        """The arguments that note layer li's routing (step.ids) against its prediction: pred[li], whether to check
+        it, actual[li], the counter pair of the depth that predicted it, the last-block counter."""
+        I32 = np.int32
+        return (self._ptr(self.pred, 4 * self.top_k * li), I32(1 if check else 0),
+                self._ptr(self.actual, 4 * self.top_k * li), self._note_stats(li), self._ptr(self.counters))
+
+    def _predict(self, grid: int, li: int, norm_layer: int, router, pred_out, check: bool):
+        """predict in named groups: layer li's FFN input normed with norm_layer's weights, the router rows ranked
+        (none: bookkeeping only) into pred_out, then layer li's note."""
+        st, c = self.step, self.step.cfg
+        I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
+        normed_x = (self._ptr(st.x), self._ptr(st.weights.layers[norm_layer].ffn_norm), F32(c.rms_eps),
+                    I32(c.n_embd))
+        rows = (U64(router.ptr), I64(router.row_bytes)) if router is not None else (U64(0), I64(0))
+        ranked = (I32(self.n_expert), I32(self.top_k), self._ptr(self.logits), pred_out)
+        qt = int(st.weights.layers[li if router is None else norm_layer].router.qt)
+        self._fn("predict", self.f_predict[qt])(
+            (grid,), (32 * PREDICT_WARPS,),
+            (*normed_x, *rows, *ranked, self._ptr(st.ids), *self._note(li, check)),
+            shared_mem=self.smem if router is not None else 0)
+
     def launch_predict(self, li: int, m: int, note: bool = True):
         """predict: layer m's router on layer li's FFN input (with layer m's norm weights) into pred[m]; with
         `note`, layer li's routing noted against its own prediction (a second predict launch of the same layer notes
         nothing: check 0)."""
-        st, top_k, c = self.step, self.top_k, self.step.cfg
-        nxt = st.weights.layers[m]
-        R = nxt.router
-        I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
-        warps = PREDICT_WARPS
-        self._fn("predict", self.f_predict[int(R.qt)])(
-            ((self.n_expert + warps - 1) // warps,), (32 * warps,),
-            (self._ptr(st.x), self._ptr(nxt.ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(R.ptr), I64(R.row_bytes),
-             I32(self.n_expert), I32(top_k), self._ptr(self.logits), self._pred_out(m),
-             self._ptr(st.ids), self._ptr(self.pred, 4 * top_k * li), I32(1 if li > 0 and note else 0),
-             self._ptr(self.actual, 4 * top_k * li), self._note_stats(li), self._ptr(self.counters)),
-            shared_mem=self.smem)
+        grid = (self.n_expert + PREDICT_WARPS - 1) // PREDICT_WARPS
+        self._predict(grid, li, m, self.step.weights.layers[m].router, self._pred_out(m), li > 0 and note)
 
     def launch_note(self, li: int):
         """predict in bookkeeping mode (no router: one block, no staging): layer li's routing kept in actual and
         noted against its prediction, for the layers that predict nothing at depth 2."""
-        st, top_k, c = self.step, self.top_k, self.step.cfg
-        qt = int(st.weights.layers[li].router.qt)
-        I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
-        self._fn("predict", self.f_predict[qt])(
-            (1,), (32 * PREDICT_WARPS,),
-            (self._ptr(st.x), self._ptr(st.weights.layers[li].ffn_norm), F32(c.rms_eps), I32(c.n_embd), U64(0), I64(0),
-             I32(self.n_expert), I32(top_k), self._ptr(self.logits), U64(0),
-             self._ptr(st.ids), self._ptr(self.pred, 4 * top_k * li), I32(1 if li > 0 else 0),
-             self._ptr(self.actual, 4 * top_k * li), self._note_stats(li), self._ptr(self.counters)))
+        self._predict(1, li, li, None, np.uint64(0), li > 0)
 
     def _copy(self, kind: str, blocks: int, li: int, routing, bank: int, rec, rec_addr, in_vram_too, counts,
               counter: int):
