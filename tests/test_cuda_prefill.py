@@ -153,7 +153,7 @@ def test_a_chunk_that_does_not_fit_is_refused_with_the_numbers(cpu_runs):
 
 
 def test_stop_mid_prompt_cancels(fixtures_dir):
-    w = Worker(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf", "--backend", "cuda", "--prefill", "streamed",
+    w = Worker(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf", "--backend", "cuda",
                "--prefill-chunk", "16", "--tune", "stream_min=1", "--tune", "ring=2", "--expert-slots", "0")
     try:
         assert int(w.info["prefill_chunk"]) == 16
@@ -279,7 +279,7 @@ def test_lending_in_the_memory_modes(cpu_runs, mode):
     from test_cuda_memory_modes import backend as mm_backend
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
-    be = mm_backend(model, mode, "half", "streamed", adapt_every=0, prefill_chunk=CHUNK)
+    be = mm_backend(model, mode, "half", "ring", adapt_every=0, prefill_chunk=CHUNK)
     try:
         cache = be.cache
         cache.fill(np.arange(cfg.n_layer * cfg.n_expert), be.stream)
