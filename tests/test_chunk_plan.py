@@ -90,6 +90,16 @@ def test_everything_resident_needs_no_ring():
     assert p.ring == 0 and p.ring_bytes == 0
 
 
+def test_one_streamed_expert_still_gets_the_smallest_ring():
+    """All but one expert cached (31 of 32 on the tiny models): the ring still takes RING_MIN slots, its own where
+    VRAM is left, else borrowed; the H200 suite refused this with plenty of VRAM before the floor was applied."""
+    p = plan_chunk(QWEN, 2 << 30, stride=STRIDE, n_stream=1, lendable=N_ALL - 1)
+    assert p.ring + p.lend >= RING_MIN and p.ring == RING_MIN and p.lend == 0
+    tight = chunk_bytes(QWEN, p.chunk) + STRIDE        # room for one own slot beside the chunk
+    p = plan_chunk(QWEN, tight, chunk=p.chunk, stride=STRIDE, n_stream=1, lendable=N_ALL - 1)
+    assert (p.ring, p.lend) == (1, RING_MIN - 1)
+
+
 def test_a_chunk_too_big_is_refused_with_the_numbers():
     free = 600 * MiB
     with pytest.raises(ChunkRefused) as e:

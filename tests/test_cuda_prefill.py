@@ -279,7 +279,7 @@ def test_lending_in_the_memory_modes(cpu_runs, mode):
     from test_cuda_memory_modes import backend as mm_backend
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
-    be = mm_backend(model, mode, "half", "streamed", adapt_every=0, prefill_chunk=CHUNK)
+    be = mm_backend(model, mode, "half", "ring", adapt_every=0, prefill_chunk=CHUNK)
     try:
         cache = be.cache
         cache.fill(np.arange(cfg.n_layer * cfg.n_expert), be.stream)

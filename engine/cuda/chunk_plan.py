@@ -180,8 +180,9 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
         return Plan(T, own, cb, ring_bytes(own, stride), max(0, min(lendable, RING_MAX - own)), False)
     # VRAM the chunk leaves would sit idle: the ring's own slots take it first (up to RING_MAX), so fewer experts
     # are evicted for lent slots
-    own = max(0, min(RING_MAX, n_stream, left // stride))
-    lend = max(0, min(lendable, ring_target(n_stream, cfg.n_layer) - own))
+    # (at least RING_MIN slots in all, even when fewer experts stream)
+    own = max(0, min(RING_MAX, max(n_stream, RING_MIN), left // stride))
+    lend = max(0, min(lendable, max(ring_target(n_stream, cfg.n_layer), RING_MIN) - own))
     if own + lend < RING_MIN:
         raise _refuse(f"a chunk of {T} tokens and {RING_MIN} ring slots", cb + (RING_MIN - lend) * stride, free,
                       "lower --prefill-chunk, --ctx or --expert-slots")
