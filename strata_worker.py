@@ -1,4 +1,4 @@
-"""The engine as a subprocess speaking the line protocol of DESIGN §3 (engine/protocol.py has the formats).
+"""The engine as a subprocess speaking the line protocol of docs/design.md (engine/protocol.py has the formats).
 
     python strata_worker.py --model M.gguf [--ctx N] [--backend cpu|cuda|auto] [--prompt-chunk N]
         [--checkpoint-every N] [--checkpoint-mib M] [cuda flags]

@@ -8,7 +8,7 @@ Makes the Qwen3-30B-A3B-shaped Q4_K model with tools/make_moe.py when it is not 
 the pinned arena is filled once, and the VRAM expert cache is rebuilt for each budget (--vram-budget-mib semantics:
 everything the worker takes, weights and KV included). Per budget: a learning pass (prompt + decode, the adaptive
 tier running), then the measured pass on a fresh random prompt. Ceilings: PCIe-bound = expert bytes missed per token
-over 51 GB/s (DESIGN §5's in-place read rate); HBM-bound = bytes touched per token over 4.4 TB/s.
+over 51 GB/s (the in-place read rate, docs/design.md "Measured facts"); HBM-bound = bytes touched per token over 4.4 TB/s.
 With the next-layer prefetch (engine/cuda/prefetch.py): its prediction accuracy, the MB per token it copied and the
 share of them wasted (never routed), and the bytes that really crossed the link (misses read in place + copies).
 --prefetch both measures each budget twice, on and off; --prefetch-depth both measures each budget's prefetch-on row
@@ -75,6 +75,32 @@ def touched_bytes(model, k_used: int, expert_bytes: int) -> int:
     return total + model.config.n_layer * k_used * expert_bytes
 
 
+def kernel_profile(step, reps: int = 20) -> dict[str, float]:
+    """Microseconds per step of each kind of kernel: a graph of only that kind's launches (trace.KindFilter), replayed.
+    The full step comes as 'step'; the kinds' sum exceeds it by the launch gaps the full graph overlaps."""
+    from engine.cuda.trace import KindFilter
+    probe = KindFilter()
+    with step.stream:
+        step.enqueue(tracer=probe)      # eager: records the kinds, and leaves state as a real step would
+    out = {"step": _time_graph(step, step.record(), reps)}
+    for kind in sorted(probe.seen):
+        out[kind] = _time_graph(step, step.record(tracer=KindFilter(kind)), reps)
+    return out
+
+
+def _time_graph(step, graph, reps: int) -> float:
+    import cupy as cp
+    s = step.stream
+    graph.launch(s)
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    a.record(s)
+    for _ in range(reps):
+        graph.launch(s)
+    b.record(s)
+    b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b) * 1000.0 / reps
+
+
 # The sampled row's settings: a typical chat request (the GPU sampler's top_k/top_p passes are its costliest path).
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 7}
 
@@ -126,7 +152,6 @@ def main(argv=None):
 
     import cupy as cp
     from engine.cuda.backend import CUDABackend, CudaOptions
-    from engine.cuda.prefetch import DEFAULT_DEPTH
     from engine.gguf_model import open_model
 
     facts = {}
@@ -134,9 +159,13 @@ def main(argv=None):
         facts["model_make_s"] = round(make_model(a.model, recipe=a.make_recipe, routing=a.make_routing), 1)
     model = open_model(a.model)
     t0 = time.perf_counter()
-    modes = ["on", "off"] if a.prefetch == "both" else [a.prefetch]
-    depths = [1, 2] if a.prefetch_depth == "both" else [int(a.prefetch_depth or DEFAULT_DEPTH)]
-    fetches = ["on", "off"] if a.fetch_misses == "both" else [a.fetch_misses]
+    # each flag's values as CudaOptions takes them (None: the option's default)
+    on_off = {"on": True, "off": False, None: None}
+    default = CudaOptions()
+    modes = [True, False] if a.prefetch == "both" else [on_off[a.prefetch]]
+    depths = [1, 2] if a.prefetch_depth == "both" else [int(a.prefetch_depth or default.prefetch_depth)]
+    fetches = [True, False] if a.fetch_misses == "both" else [on_off[a.fetch_misses]]
+    fetches = [default.fetch_misses if f is None else f for f in fetches]
     be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True,
                                                                prefetch=modes[0], prefetch_depth=depths[0],
                                                                fetch_misses=fetches[0]))
@@ -160,13 +189,12 @@ def main(argv=None):
     # everything resident never prefetches: one row for it; prefetch off: one row whatever the depth and late copy
     adapts = ["on", "off"] if a.adapt_measured == "both" else [a.adapt_measured]
     runs = [(b, mode, d, f, ad) for b in a.budgets.split(",") for mode in (modes[:1] if b == "all" else modes)
-            for d in (depths[:1] if b == "all" or mode == "off" else depths)
-            for f in (fetches[:1] if b == "all" or mode == "off" else fetches)
+            for d in (depths[:1] if b == "all" or mode is False else depths)
+            for f in (fetches[:1] if b == "all" or mode is False else fetches)
             for ad in (adapts[:1] if b == "all" else adapts)]
     for b, mode, depth, fetch, adapt in runs:
         mib = None if b == "all" else int(float(b) * 1024)
-        be.opts.prefetch, be.opts.prefetch_depth, be.opts.fetch_misses = mode, depth, fetch
-        slots = be.resize_expert_cache(vram_budget_mib=mib)
+        slots = be.resize_expert_cache(vram_budget_mib=mib, prefetch=mode, prefetch_depth=depth, fetch_misses=fetch)
         used_mib = cp.get_default_memory_pool().total_bytes() / 2**20
         learn = run_pass(be, rng, a.prompt, a.new)
         swaps0 = be.cache.swaps
@@ -201,7 +229,7 @@ def main(argv=None):
             smp = run_pass(be, rng, a.prompt, a.new, SAMPLED)
             rows[-1]["sampled_tok_s"] = round(smp["steps"] / smp["decode_s"], 1)
         if a.profile:
-            rows[-1]["profile_us"] = {k: round(v, 1) for k, v in be.step.profile().items()}
+            rows[-1]["profile_us"] = {k: round(v, 1) for k, v in kernel_profile(be.step).items()}
         print(f"bench.decode: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     be.close()
     if a.out:

@@ -89,16 +89,20 @@ def main(argv=None):
     from torch.profiler import ProfilerActivity, profile
 
     from engine.cuda.backend import CUDABackend, CudaOptions
-    from engine.cuda.prefetch import DEFAULT_DEPTH
     from engine.gguf_model import open_model
     from engine.sampling import Sampler
 
     if not a.model.is_file():
         make_model(a.model)
     model = open_model(a.model)
-    be = CUDABackend(model, a.prompt + 512, CudaOptions(adapt_every=32, prefetch=a.prefetch,
-                                                        prefetch_depth=a.prefetch_depth or DEFAULT_DEPTH,
-                                                        fetch_misses=a.fetch_misses))
+    opts = CudaOptions(adapt_every=32)
+    if a.prefetch:
+        opts.prefetch = a.prefetch == "on"
+    if a.prefetch_depth:
+        opts.prefetch_depth = a.prefetch_depth
+    if a.fetch_misses:
+        opts.fetch_misses = a.fetch_misses == "on"
+    be = CUDABackend(model, a.prompt + 512, opts)
     rng = np.random.default_rng(1)
     be.resize_expert_cache(vram_budget_mib=None)
     run_pass(be, rng, a.prompt, 256)                      # learn the routing heat with every expert resident

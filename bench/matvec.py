@@ -18,10 +18,41 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.cuda.kernels import MATVEC_ROWS, matvec_plan, quant_function  # noqa: E402
+from engine.cuda.kernels import quant_function  # noqa: E402
 from engine.cuda.quant_types import NAMES, qtype, random_rows  # noqa: E402
 
-HBM_CEILING = 4.4e12  # bytes/s (DESIGN §5: 4,454 GB/s measured HBM read)
+MATVEC_ROWS = {1: (1, 2, 4), 2: (1, 2), 3: (1, 2), 4: (1, 2), 5: (1, 2), 6: (1, 2), 7: (1, 2), 8: (1, 2)}
+MATVEC_WARPS = 4  # warps per block in matvec.cu
+
+
+# Types whose mat-vec ran faster with two rows per warp on 8192 x 8192 (docs/experiments.md, "Rows per warp"); the
+# K-quants and the 2-bit i-quants, with more registers per row, ran fastest with one.
+_TWO_ROW_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q6_K", "IQ4_NL", "IQ3_S", "MXFP4"}
+
+
+def matvec_plan(nrows: int, nv: int = 1, rows_per_warp: int | None = None, qtype_=None,
+                ncols: int | None = None) -> tuple[str, tuple[int], tuple[int], int]:
+    """(kernel name, grid, block, rows per warp) for matvec.cu. Without rows_per_warp, the choice follows the H200
+    measurements: several vectors or short rows (<= 1024 columns, many rows) gain from sharing each x chunk across
+    rows; single vectors over long rows gain only for the simple types; small matrices need one row per warp so that
+    enough warps run."""
+    if nv not in MATVEC_ROWS:
+        raise ValueError(f"matvec takes 1 to 8 vectors at once, got {nv}")
+    if rows_per_warp is None:
+        name = qtype(qtype_).name if qtype_ is not None else None
+        if nv > 1:
+            rows_per_warp = 2 if nrows >= 8192 else 1
+        elif ncols is not None and ncols <= 1024 and nrows >= 32768:
+            rows_per_warp = 4
+        elif name in _TWO_ROW_TYPES and nrows >= 8192:
+            rows_per_warp = 2
+        else:
+            rows_per_warp = 1
+    r = max(x for x in MATVEC_ROWS[nv] if x <= rows_per_warp)
+    per_block = MATVEC_WARPS * r
+    return f"matvec_r{r}_nv{nv}", ((nrows + per_block - 1) // per_block,), (32 * MATVEC_WARPS,), r
+
+HBM_CEILING = 4.4e12  # bytes/s (docs/design.md "Measured facts": 4,454 GB/s HBM read)
 
 # (type, rows, cols, vectors, what)
 SHAPES = [

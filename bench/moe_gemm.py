@@ -7,7 +7,8 @@ One layer's worth: T tokens routed top-k over E experts (uniformly at random: ev
 a prompt chunk does), every expert's blob resident in VRAM. bench.prefill times the same kernels inside the whole
 pass (its phase table); this isolates them so a kernel change is measured in seconds, and so `ncu` can be pointed at
 one launch of each (`ncu --kernel-name regex:moe_gemm --launch-count 2 python -m bench.moe_gemm --reps 1`).
-Ceilings: DESIGN §5's cuBLAS fp16 GEMM (749 TFLOP/s, 8192^3) and the expert bytes over HBM's 4.4 TB/s.
+Ceilings: cuBLAS's fp16 GEMM (749 TFLOP/s at 8192^3, docs/design.md "Measured facts") and the expert bytes over
+HBM's 4.4 TB/s.
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def main(argv=None):
 
     import cupy as cp
 
-    from engine.cuda.decode import I32, I64
-    from engine.cuda.prefill_streamed import expert_row_blocks, moe_module
+    from engine.cuda.launch import I32, I64
+    from engine.cuda.prefill import expert_row_blocks, moe_module
     from engine.cuda.quant_types import qtype
 
     q = qtype(a.qtype)

@@ -9,9 +9,9 @@ and the overlap (the link idles while the next prediction is not yet made). This
 measures what is left.
 
 Every decode step runs twice at the same position. First the real graph (as bench.decode: the router launches
-predict, the copies follow). Then, per --upgrade q, a graph captured with the predictions written to a sink
-(Prefetcher.pred_sink), so the copies read `pred` as the bench filled it between the runs: each layer's prediction
-from the real run with each wrong guess replaced, with probability q, by a routed expert the guess missed. q = 0 is
+predict, the copies follow). Then, per --upgrade q, a graph recorded with the predictions written to a sink
+(the tracer's pred_sink, engine/cuda/trace.py), so the copies read `pred` as the bench filled it between the runs:
+each layer's prediction from the real run with each wrong guess replaced, with probability q, by a routed expert the guess missed. q = 0 is
 the real prediction again (the method's control: its row must match the real one); q = 1 a perfect predictor (layer
 0 still copies late: nothing predicts it). Every replay computes the same token (checked) and writes the same KV.
 
@@ -19,7 +19,7 @@ Per row: the step's GPU time (CUDA events around the graph launch: no host time,
 faster than bench.decode's wall clock), the prediction accuracy the step's own counters saw, MB a token staged, of
 them wasted, and copied late, and the ratio to the PCIe-bound ceiling at the real steps' hit rate (missed bytes /
 51 GB/s, as bench.decode). The adaptive tier counts every replay's routing (the same routing 1 + len(q) times, so
-its order is the real one's) and adapts every --adapt-every real steps (the backend's own count).
+its order is the real one's) and adapts every adapt_every real steps (the backend's own count).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import numpy as np
 
 from bench.decode import DEFAULT_MODEL, PCIE_BPS, make_model, run_pass
 from engine.cuda.prefetch import STATS, PrefetchStats
+from engine.cuda.trace import Tracer
 
 
 def upgrade(pred: np.ndarray, actual: np.ndarray, q: float, rng, first: int = 1) -> np.ndarray:
@@ -60,74 +61,105 @@ class _Tally:
         self.mismatches = 0
 
 
-def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 0) -> dict:
-    """Decode n_new tokens greedily after the prompt, each step as the real graph and then once per q as the oracle
-    graph (module docstring); the rows by name ('real', 'q=...'). The adaptive tier runs as the backend's options say,
-    counted in real steps."""
-    import cupy as cp
-    from engine.sampling import Sampler
+class OracleReplays(Tracer):
+    """The backend's tracer for this bench: while armed, each real decode step is timed (events around its launch)
+    and then, before the position advances, replayed once per q with the oracle graph (module docstring)."""
 
-    step, pf = be.step, be.step.prefetch
-    if pf is None:
-        raise SystemExit("bench.prefetch_oracle: the decode step does not prefetch here (every expert has a VRAM "
-                         "slot, or --prefetch off): use a smaller --budget")
-    if be.mem:
-        raise SystemExit("bench.prefetch_oracle: the memory modes decode layer by layer, not in the one graph")
-    s = be.stream
-    # the oracle graph: its router launches write their predictions to the sink, so pred is ours
-    pf.pred_sink = cp.zeros_like(pf.pred)
-    try:
-        step.capture()
-        oracle = step.graph
-    finally:
-        pf.pred_sink = None
-    step.capture()
-    real = step.graph
-    k, n_layer = pf.k, pf.n_layer
-    rng = np.random.default_rng(seed)
-    rows = {"real": _Tally(), **{f"q={q:g}": _Tally() for q in qs}}
-    a, b = cp.cuda.Event(), cp.cuda.Event()
+    def __init__(self):
+        self.armed = False
 
-    def counters():
+    def arm(self, be, qs: list[float], rng):
+        import cupy as cp
+        step, pf = be.step, be.step.prefetch
+        sink = Tracer()
+        sink.pred_sink = cp.zeros_like(pf.pred)     # the oracle graph's router launches predict into the sink,
+        self.oracle = step.record("greedy", sink)   # so pred is ours to fill between the runs
+        self.qs, self.rng = qs, rng
+        self.rows = {"real": _Tally(), **{f"q={q:g}": _Tally() for q in qs}}
+        self.a, self.b = cp.cuda.Event(), cp.cuda.Event()
+        self.armed = True
+
+    def disarm(self):
+        self.armed = False
+        self.oracle = None
+
+    @staticmethod
+    def counters(be):
         st = be.get_stats()
-        return st.hits, st.lookups, np.array(astuple(pf.read_stats()), dtype=np.int64)
+        return st.hits, st.lookups, np.array(astuple(be.step.prefetch.read_stats()), dtype=np.int64)
 
-    def replay(graph, tok: int, pos: int, row: _Tally) -> int:
-        h0, l0, c0 = counters()
-        step.params.view[0], step.params.view[1] = tok, pos
-        a.record(s)
-        graph.launch(s)
-        b.record(s)
-        b.synchronize()
-        out, nan = step.result()
-        if nan:
-            raise SystemExit("bench.prefetch_oracle: the model produced NaN logits")
-        h1, l1, c1 = counters()
-        row.ms += cp.cuda.get_elapsed_time(a, b)
+    def _tally(self, be, row: _Tally, before) -> None:
+        import cupy as cp
+        self.b.synchronize()
+        h0, l0, c0 = before
+        h1, l1, c1 = self.counters(be)
+        row.ms += cp.cuda.get_elapsed_time(self.a, self.b)
         row.steps += 1
         row.hits += h1 - h0
         row.lookups += l1 - l0
         row.pf += c1 - c0
-        return out
 
-    be.truncate(0)
-    tok = be.next_token(prompt, Sampler({}))
-    for _ in range(n_new - 1):
-        pos = be.n_cached
-        be.prepare_decode()          # as a real step: the prompt's lent slots back (streamed pass), swaps landed
-        nxt = replay(real, tok, pos, rows["real"])
+    def before_step(self, be):
+        if self.armed:
+            self.before = self.counters(be)
+            self.a.record(be.stream)
+
+    def launched(self, be):
+        if self.armed:
+            self.b.record(be.stream)
+
+    def after_step(self, be, token: int, pos: int):
+        if not self.armed:
+            return
+        self._tally(be, self.rows["real"], self.before)
+        step, pf, s = be.step, be.step.prefetch, be.stream
+        nxt, nan = step.result()
+        if nan:
+            raise SystemExit("bench.prefetch_oracle: the model produced NaN logits")
         with s:
-            actual = pf.actual.get(stream=s).reshape(n_layer, k)
-            pred = pf.pred.get(stream=s).reshape(n_layer, k)
-        for q in qs:
+            actual = pf.actual.get(stream=s).reshape(pf.n_layer, pf.top_k)
+            pred = pf.pred.get(stream=s).reshape(pf.n_layer, pf.top_k)
+        for q in self.qs:
             with s:
-                pf.pred.set(upgrade(pred, actual, q, rng).reshape(-1), stream=s)
-            row = rows[f"q={q:g}"]
-            if replay(oracle, tok, pos, row) != nxt:
+                pf.pred.set(upgrade(pred, actual, q, self.rng).reshape(-1), stream=s)
+            row = self.rows[f"q={q:g}"]
+            before = self.counters(be)
+            step.params.view[0], step.params.view[1] = token, pos
+            self.a.record(s)
+            self.oracle.launch(s)
+            self.b.record(s)
+            self._tally(be, row, before)
+            out, nan = step.result()
+            if nan:
+                raise SystemExit("bench.prefetch_oracle: the model produced NaN logits")
+            if out != nxt:
                 row.mismatches += 1
-        be.finish_decode()
-        tok = nxt
-    step.graph = real
+
+
+def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 0) -> dict:
+    """Decode n_new tokens greedily after the prompt, each step as the real graph and then once per q as the oracle
+    graph (module docstring); the rows by name ('real', 'q=...'). The backend must have been built with an
+    OracleReplays tracer. The adaptive tier runs as the backend's options say, counted in real steps."""
+    from engine.sampling import Sampler
+
+    tracer = be.tracer
+    if not isinstance(tracer, OracleReplays):
+        raise SystemExit("bench.prefetch_oracle: build the backend with tracer=OracleReplays()")
+    if be.step.prefetch is None:
+        raise SystemExit("bench.prefetch_oracle: the decode step does not prefetch here (every expert has a VRAM "
+                         "slot, or --tune prefetch=off): use a smaller --budget")
+    if be.mem:
+        raise SystemExit("bench.prefetch_oracle: the memory modes decode layer by layer, not in the one graph")
+    be.truncate(0)
+    s = Sampler({})
+    tok = be.next_token(prompt, s)
+    tracer.arm(be, qs, np.random.default_rng(seed))
+    try:
+        for _ in range(n_new - 1):
+            tok = be.next_token([tok], s)
+    finally:
+        rows = tracer.rows
+        tracer.disarm()
     return rows
 
 
@@ -173,7 +205,7 @@ def main(argv=None):
         make_model(a.model)
     model = open_model(a.model)
     be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True,
-                                                               prefetch="on"))
+                                                               prefetch=True), tracer=OracleReplays())
     try:
         rng = np.random.default_rng(a.seed)
         t0 = time.perf_counter()

@@ -1,15 +1,15 @@
-"""Prompt speed of the streamed prompt pass (--prefill streamed) at several VRAM budgets and prompt lengths.
+"""Prompt speed of the prompt pass at several VRAM budgets and prompt lengths.
 
     python -m bench.prefill [--model data/models/qwen3-30b-a3b-q4k-g3.gguf] [--budgets all,16,12]
                             [--prompts 1024,4096,8192,32768] [--chunk auto] [--ring N] [--out prefill.json]
-                            [--prefill streamed|batched] [--no-profile] [--lend-floor N]
+                            [--no-profile] [--lend-floor N]
 
 One backend process (the pinned arena is filled once); per budget the VRAM expert cache is rebuilt
 (--vram-budget-mib semantics: weights, KV cache, expert cache and the prompt pass's buffers all count), warmed by a
 1K prompt and 64 decoded tokens (the adaptive tier fills it from the routing), then each prompt length is read chunk
 by chunk as the worker's session reads it. Per row: tok/s, chunk, ring depth used (its own slots + expert-cache
 slots lent to it), expert bytes streamed per chunk, the link rate while copying and averaged over the prompt (against
-55 GB/s, DESIGN §5's pinned copy), the share of the prompt's time the copy engine was busy (from events around each
+55 GB/s, the pinned copy in docs/design.md "Measured facts"), the share of the prompt's time the copy engine was busy (from events around each
 ring batch's copies), and that share within the streamed layers only (from the first streamed layer's start to the
 last one's end, per chunk: the issue's "link busy >= 80% in streamed layers"). A second table splits the
 GPU time by phase (dense projections, attention, router, expert sort, gate/up, down, ring waits, other) from CUDA
@@ -54,10 +54,7 @@ def read_prompt(be, prompt, profile=True):
     time per phase when profiling: events between phases only, so the chunk's own figures barely move)."""
     be.truncate(0)
     pf = be.prefill
-    streamed = hasattr(pf, "last")           # --prefill batched has no ring and no per-chunk facts
-    if streamed:
-        pf.timing = True
-        pf.profile = profile
+    be.tracer.copy_timing, be.tracer.phase_timing = True, profile       # the measured prompts only
     chunks = []
     t0 = time.perf_counter()
     step = be.prompt_chunk_size()
@@ -66,7 +63,7 @@ def read_prompt(be, prompt, profile=True):
         c0 = time.perf_counter()
         be.forward(part)                      # returns the last logits on the host: the chunk has finished
         dt = time.perf_counter() - c0
-        last = dict(pf.last) if streamed else dict(ring=0, bytes=0)
+        last = dict(pf.last)
         runner = last.pop("runner", None)
         timer = last.pop("phases", None)
         window = last.pop("window", None)
@@ -77,8 +74,7 @@ def read_prompt(be, prompt, profile=True):
                            busy_s=busy, busy_streamed_s=busy_w / 1000, streamed_s=win / 1000,
                            host_ms=last.get("host_ms", 0.0), phases=timer.totals() if timer is not None else None))
     total = time.perf_counter() - t0
-    if streamed:
-        pf.timing = pf.profile = False
+    be.tracer.copy_timing = be.tracer.phase_timing = False
     return total, chunks
 
 
@@ -137,20 +133,18 @@ def main(argv=None):
     ap.add_argument("--lend-floor", type=int, default=None,
                     help="the lent ring's least depth (chunk_plan.RING_LEND_FLOOR, default 64): the auto ring borrows "
                          "max(2 layers of streamed experts, this) cache slots, at most 384; 384 tries the deepest")
-    ap.add_argument("--prefill", choices=("streamed", "batched"), default="streamed",
-                    help="the prompt pass to measure (batched: the backend's default today, for the comparison)")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the per-phase GPU times (CUDA events between the phases of each chunk)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
 
     from engine.cuda.backend import CUDABackend, CudaOptions
-    from engine.cuda import chunk_plan, prefill_streamed
-    from engine.cuda.prefill_streamed import parse_chunk
+    from engine.cuda import chunk_plan, prefill
+    from engine.cuda.trace import Tracer
     from engine.gguf_model import open_model
 
     if a.moe_row_tiles:
-        prefill_streamed.MOE_ROW_TILES = a.moe_row_tiles
+        prefill.MOE_ROW_TILES = a.moe_row_tiles
     if a.lend_floor:
         chunk_plan.RING_LEND_FLOOR = a.lend_floor
     lengths = [int(x) for x in a.prompts.split(",")]
@@ -160,12 +154,12 @@ def main(argv=None):
     model = open_model(a.model)
     ctx = max(max(lengths) + 16, a.ctx or 0)
     t0 = time.perf_counter()
-    opts = CudaOptions(prefill=a.prefill, prefill_chunk=parse_chunk(a.chunk), ring=a.ring, stream_min=a.stream_min,
+    opts = CudaOptions(prefill_chunk=None if a.chunk == "auto" else int(a.chunk), ring=a.ring, stream_min=a.stream_min,
                        calibrate=True)
-    be = CUDABackend(model, ctx, opts)
+    be = CUDABackend(model, ctx, opts, tracer=Tracer())
     facts.update(load_s=round(time.perf_counter() - t0, 1), ctx=ctx, kv_gib=round(be.kv.k.nbytes * 2 / 2**30, 2),
                  arena_gib=round(be.arena.nbytes / 2**30, 2), pcie_copy_gbps=round(be.pcie_gbps, 1),
-                 expert_mb=round(be.layout.stride / 1e6, 2), moe_row_tiles=prefill_streamed.MOE_ROW_TILES,
+                 expert_mb=round(be.layout.stride / 1e6, 2), moe_row_tiles=prefill.MOE_ROW_TILES,
                  ring_lend_floor=chunk_plan.RING_LEND_FLOOR)
     log(json.dumps(facts))
     rows = []
@@ -208,7 +202,7 @@ def main(argv=None):
     be.close()
     if a.out:
         a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
-    print(f"model {a.model.name}: {a.prefill} prompt pass; link reference {LINK_BPS / 1e9:.0f} GB/s; "
+    print(f"model {a.model.name}: prompt pass; link reference {LINK_BPS / 1e9:.0f} GB/s; "
           f"{json.dumps(facts)}")
     print_tables(rows)
 

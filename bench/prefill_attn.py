@@ -9,7 +9,7 @@ values (the kernels' speed does not depend on them). bench.prefill times the sam
 attention phase); this isolates it, for `ncu --kernel-name regex:flash_attn --launch-count 2 python -m
 bench.prefill_attn --reps 1`, and for an A/B: copy the old prefill_attn.cu to cuda_src/NAME.cu (untracked) and run
 with --module NAME. FLOPs count only the visible (causal) key-query pairs: 4 per pair per head-dim element (Q K^T and
-P V); cuBLAS's fp16 GEMM (749 TFLOP/s, DESIGN §5) is the ceiling.
+P V); cuBLAS's fp16 GEMM (749 TFLOP/s, docs/design.md "Measured facts") is the ceiling.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def parse(argv=None):
 def launcher(mod, int8: bool):
     """The kernel launched as the engine launches it when the module has the engine's shape query; an older copy
     (--module, before flash_attn_shape) gets its fixed 64-row, 4-warp launch with static shared memory."""
-    from engine.cuda.prefill_streamed import AttnKernel, attn_kernel
+    from engine.cuda.prefill import AttnKernel, attn_kernel
     try:
         mod.get_function("flash_attn_shape")
     except Exception as e:    # the driver's error class moved between CuPy versions (cupy.cuda.driver is gone in 14)
@@ -82,8 +82,8 @@ def main(argv=None):
     import cupy as cp
 
     from engine.cuda import kernels
-    from engine.cuda.decode import F32, I32
-    from engine.cuda.prefill_streamed import attn_module
+    from engine.cuda.launch import F32, I32
+    from engine.cuda.prefill import attn_module
 
     H, KV, hd = a.n_head, a.n_head_kv, a.head_dim
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ layer's ffn_norm weight, optionally with a direction shared by each prompt's tok
 NumPy engine on prompts of random tokens and takes the real router inputs (minutes for 48 layers at hidden 2048, so
 a model with few experts, whose hidden states are routed through a preset's 128-expert routers: --route-preset).
 Half the prompts rank each layer's experts by how often they are routed to, the other half is measured against
-caches that hold the top 25/41/50/67/100% of them, which is what a profile-started VRAM tier does (DESIGN §5); the
+caches that hold the top 25/41/50/67/100% of them, which is what a profile-started VRAM tier does (docs/design.md "Decode"); the
 second table learns and measures within each prompt, as the engine's adaptive tier follows one conversation.
 The global row ranks (layer, expert) pairs across all layers together, as one cache budget for the model does.
 
@@ -233,7 +233,7 @@ def curves(routers, k: int, prompts: list[np.ndarray]) -> tuple[np.ndarray, np.n
 
 def prompt_curves(routers, k: int, prompts: list[np.ndarray]) -> np.ndarray:
     """Per-layer curves learnt and measured within each prompt (its first half, then its second), averaged over
-    the prompts: what an adaptive cache that follows one conversation sees (the engine's, DESIGN §5)."""
+    the prompts: what an adaptive cache that follows one conversation sees (the engine's, docs/design.md "Decode")."""
     n_expert = routers[0][0].shape[0]
     out = np.zeros((len(routers), len(FRACTIONS)))
     for il, ((w, _), x) in enumerate(zip(routers, prompts)):

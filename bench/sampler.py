@@ -37,7 +37,7 @@ def logits_like(kind: str, n: int, rng) -> np.ndarray:
 
 def time_chain(cp, kern, logits, params, reps):
     """(us a pick, the candidates sample_select used or -1 or None where the tree has no such count)."""
-    from engine.cuda.decode import MappedInts
+    from engine.cuda.launch import MappedInts
     from engine.cuda.sampler import GpuSampler
     from engine.sampling import Sampler
 
@@ -83,9 +83,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=300)
     a = ap.parse_args(argv)
     import cupy as cp
-    from engine.cuda.programs import OPTIONS, source_text
+    from engine.cuda import kernels
 
-    mod = cp.RawModule(code=source_text(("sample.cu",)), options=OPTIONS)
+    mod = kernels.load("sample")
     kern = lambda name, qt=None, tag=None: mod.get_function(name)   # noqa: E731
     n = a.vocab
     floor_us = 32 * n / HBM * 1e6

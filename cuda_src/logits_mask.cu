@@ -8,6 +8,8 @@
 //   found by k block-wide arg-max passes that skip the ids already taken: k <= 20 passes over the vocabulary cost
 //   less than one sort of it, and the request that asks for logprobs pays them alone.
 #define LP_THREADS 1024
+// NVRTC has no math.h, so no INFINITY: the bit pattern of -inf, as common.cuh spells NEG_INF.
+#define LP_NEG_INF __int_as_float(0xff800000)
 #define LP_MAX_K 20
 
 extern "C" __global__ void apply_token_mask(float* __restrict__ logits, const unsigned int* __restrict__ words,
@@ -15,7 +17,7 @@ extern "C" __global__ void apply_token_mask(float* __restrict__ logits, const un
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n_vocab; i += gridDim.x * blockDim.x) {
         const int w = i >> 5;
         const bool ok = w < n_words && ((words[w] >> (i & 31)) & 1u);
-        if (!ok) logits[i] = -INFINITY;
+        if (!ok) logits[i] = LP_NEG_INF;
     }
 }
 
@@ -31,7 +33,7 @@ __device__ __forceinline__ void argmax_block(float& v, int& id, float* s_val, in
     if (lane == 0) { s_val[warp] = v; s_id[warp] = id; }
     __syncthreads();
     if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? s_val[lane] : -INFINITY;
+        v = lane < (int)(blockDim.x >> 5) ? s_val[lane] : LP_NEG_INF;
         id = lane < (int)(blockDim.x >> 5) ? s_id[lane] : -1;
         for (int off = 16; off > 0; off >>= 1) {
             const float ov = __shfl_down_sync(0xffffffffu, v, off);
@@ -72,7 +74,7 @@ top_logprobs(const float* __restrict__ logits, int n_vocab, int token, int k, in
     __shared__ double s_sum[32];
     __shared__ int taken[LP_MAX_K];
 
-    float m = -INFINITY;
+    float m = LP_NEG_INF;
     int mi = -1;
     for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
         const float x = logits[i];
@@ -80,21 +82,21 @@ top_logprobs(const float* __restrict__ logits, int n_vocab, int token, int k, in
     }
     argmax_block(m, mi, s_val, s_id);
     double part = 0.0;
-    if (m > -INFINITY)
+    if (m > LP_NEG_INF)
         for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) part += exp((double)logits[i] - (double)m);
     const double lse = (double)m + log(sum_block(part, s_sum));
 
     if (threadIdx.x == 0) {
-        out_tok[0] = token >= 0 && token < n_vocab ? (float)((double)logits[token] - lse) : -INFINITY;
+        out_tok[0] = token >= 0 && token < n_vocab ? (float)((double)logits[token] - lse) : LP_NEG_INF;
         out_tok[1] = (float)lse;
     }
     k = k < LP_MAX_K ? k : LP_MAX_K;
     for (int j = 0; j < k; ++j) {
-        float v = -INFINITY;
+        float v = LP_NEG_INF;
         int id = -1;
         for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
             const float x = logits[i];
-            if (!(x > -INFINITY)) continue;
+            if (!(x > LP_NEG_INF)) continue;
             bool skip = false;
             for (int t = 0; t < j; ++t) skip |= taken[t] == i;
             if (skip) continue;
@@ -104,7 +106,7 @@ top_logprobs(const float* __restrict__ logits, int n_vocab, int token, int k, in
         if (threadIdx.x == 0) {
             taken[j] = id;
             out_ids[j] = id;
-            out_lp[j] = id >= 0 ? (float)((double)v - lse) : -INFINITY;
+            out_lp[j] = id >= 0 ? (float)((double)v - lse) : LP_NEG_INF;
         }
         __syncthreads();
     }

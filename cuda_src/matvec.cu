@@ -3,8 +3,8 @@
 // and load each x chunk once for the R rows (quant.cuh dot_rows).
 //   W: nrows rows of row_stride bytes (row_stride >= the row's ncols/QK blocks), 16-byte aligned
 //   x: NV vectors of ncols floats, vector v at x + v*ldx (16-byte aligned);  y: vector v's outputs at y + v*ldy
-// Kernels matvec_r<R>_nv<NV>; launch blockDim 128 (4 warps), grid ceil(nrows / (4*R)). engine/cuda/kernels.py's
-// matvec_plan() picks R from the H200 measurements (bench/matvec.py); MATVEC_ROWS there lists these instantiations.
+// Kernels matvec_r<R>_nv<NV>; launch blockDim 128 (4 warps), grid ceil(nrows / (4*R)). bench/matvec.py's
+// matvec_plan() picks R from the measurements (docs/experiments.md); MATVEC_ROWS there lists these instantiations.
 // @build per-qtype
 #include "quant.cuh"
 

@@ -5,12 +5,9 @@
 // mg_q4k8) and multiplies it with fp16 activations (converted once per token) by mma.sync
 // m16n8k16 with ldmatrix fragment loads, accumulating in fp32. A block multiplies each dequantized weight tile by MG_MT
 // 64-row tiles; the tiles are double-buffered in shared memory, and the next slice's global reads are issued before
-// this slice's mma instructions (one barrier a slice).
-// H200, Qwen3-30B-A3B shape, 4,096 tokens x top-8 over 128 experts (python -m bench.moe_gemm): gate/up 1.83 ms and
-// down 1.19 ms in the first version; with ldmatrix and double buffering, 1.71 / 1.01 ms through dequant8 and 1.43 /
-// 0.96 ms through mg_q4k8 (2026-11-30). Still 14-19% of cuBLAS's
-// fp16 rate: the dequantization is most of the issued instructions (ncu: ALU the busiest pipe, IPC 1.9).
-// tests/test_cuda_prefill_kernels.py checks it against NumPy on the H200.
+// this slice's mma instructions (one barrier a slice). The dequantization is most of the issued instructions
+// (python -m bench.moe_gemm; docs/experiments.md has the figures). tests/test_cuda_prefill_kernels.py checks it
+// against NumPy.
 #include "quant.cuh"
 #include "common.cuh"
 #include "mma.cuh"
@@ -109,12 +106,9 @@ __device__ __forceinline__ uint32_t mg_h2_sub(uint32_t a, uint32_t b) {
 // Q4_K chunk j (8 values) of the block at b as fp16: each nibble byte q becomes the fp16 1024 + q by a byte permute
 // with 0x64 (fp16's exponent for [1024, 2048), where the mantissa counts units) and 1024 is taken off exactly, two
 // values an instruction; then d * scale * q - dmin * min in fp32 (one fma each) and one rounding to fp16 per pair, the
-// same numbers as dequant8's fp32 path. The generic path (dequant8, then 8 saturating conversions) measured gate/up
-// 1.66 ms at 4K tokens on the H200; computing the fma in fp16x2 too (d * scale and dmin * min rounded to fp16 first)
-// measured 1.37 ms but took tests/test_cuda_prefill_streamed.py's int8-KV case over its bound (0.0509 against 0.05;
-// this path's numbers pass it), so the products stay in fp32. |w| <= 945 d stays far inside fp16's range.
-// H200 (2026-11-30, python -m bench.moe_gemm --tokens 4096): gate/up 1.434 ms against dequant8's 1.712 in the same
-// run, down 0.961 against 1.006; the grouped-GEMM and int8-KV streamed-pass tests pass with it.
+// same numbers as dequant8's fp32 path, faster than dequant8 then 8 conversions. The products stay in fp32: an fp16x2
+// fma was faster but took the int8-KV prompt-pass test over its bound (docs/experiments.md). |w| <= 945 d stays far
+// inside fp16's range.
 __device__ __forceinline__ uint4 mg_q4k8(const uint8_t* __restrict__ b, int j) {
     const int s = j >> 2;
     float dl, ml;

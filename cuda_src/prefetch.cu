@@ -7,18 +7,18 @@
 //
 // Staging: 2 banks (layer parity) of k slots. A bank's record (rec: layer, n, expert ids; rec_addr: the entries'
 // original addresses) lets the next user of the bank, two layers on, restore the table first; prefetch_finish
-// restores both banks at the end of the step, so the table is clean between steps. At --prefetch-depth 2 (layer l
+// restores both banks at the end of the step, so the table is clean between steps. At prefetch depth 2 (layer l
 // also predicts layer l+2, whose copy starts right away) there are 3 banks (layer m % 3): the copy for layer m,
 // launched after layer m-2's router, reuses the bank of layer m-3, whose experts ran before that router; the end of
 // the step adds prefetch_restore for the third bank. The kernels do not know the depth: prefetch.py picks the
 // pointers (pred of the layer copied, the bank, the stats pair a layer's routing is noted against).
 //
-// Late misses (--fetch-misses, on by default): after layer l's prefetch copy is joined, the main stream runs
+// Late misses (CudaOptions.fetch_misses, on by default): after layer l's prefetch copy is joined, the main stream runs
 // prefetch_copy once more for layer l with the layer's actual routing as the "prediction", into one of two miss
 // banks (layer parity): every routed expert still outside VRAM (neither a cache slot nor a staging or miss slot, the
 // second VRAM range [stage_lo, stage_hi) covering all banks; nor 0, file-only) is copied with the whole grid's loads
 // in flight (~46 GB/s) instead of being read in place by the expert kernels, whose k-way split leaves one missed
-// expert few loads in flight (~15-20 GB/s on the H200). Its own counters: `staged` is the fetched counter, `used`
+// expert few loads in flight (~15-20 GB/s). Its own counters: `staged` is the fetched counter, `used`
 // and `actual` null (a late copy is used by definition).
 #include "quant.cuh"
 #include "common.cuh"

@@ -15,12 +15,11 @@
 // the next two loading while this one is multiplied; int8 tiles come raw by cp.async two tiles ahead, and each
 // thread dequantizes the chunks it copied itself (its own cp.async data needs no barrier) into the other of two fp16
 // stages after its warp's multiplies, so one __syncthreads per tile orders everything. Fragments come from shared
-// memory by ldmatrix (K plain, V transposed). Causal prompts over 48 layers x 32 heads at 4K are ~6.6 TFLOP: the
-// first tensor-core version (4 warps, synchronous loads, scalar K reads) ran them at ~100 TFLOP/s on the H200.
+// memory by ldmatrix (K plain, V transposed).
 // A/B builds (bench.prefill_attn --define): FA_WARPS, FA_MT (2: 32 rows a warp), FA_STAGES, FA_BN, FA_MINB.
 // Head dims are compile-time (FA_HD, default 128; the pass loads the module with the model's head_dim).
 // The launch shape (rows per block, threads, dynamic shared memory per KV format) comes from the module itself
-// (flash_attn_shape, read by engine/cuda/prefill_streamed.py attn_kernel), so a launch cannot disagree with the build.
+// (flash_attn_shape, read by engine/cuda/prefill.py attn_kernel), so a launch cannot disagree with the build.
 // tests/test_cuda_prefill_kernels.py checks it against NumPy.
 #include "common.cuh"
 #include "mma.cuh"

@@ -23,9 +23,9 @@
 //
 //   template <int Q, int R, int NV> QFN void dot_rows(const uint8_t* const (&rows)[R], const float* x, int ldx,
 //                                                     int ncols, int lane, float (&acc)[R][NV]);
-//       R rows at once, each x chunk loaded once for all of them. Measured on the H200 (bench/matvec.py): R=2 helps
-//       windows of several vectors (Q4_K, 4 vectors: 490 -> 720 GB/s), short rows (R=4) and the simple types; the
-//       K-quants with one vector run fastest with R=1. engine/cuda/kernels.py matvec_plan() encodes this.
+//       R rows at once, each x chunk loaded once for all of them: R=2 helps windows of several vectors, short rows
+//       (R=4) and the simple types; the K-quants with one vector run fastest with R=1 (bench/matvec.py's
+//       matvec_plan; docs/experiments.md).
 //
 // Differences from the first sketch of this contract: none in the signatures; dot_row returns the lane's partial (no
 // shuffle inside, so the same code runs on the host for tests); dot_row_nv (windows of <= 8 tokens) and dot_rows
@@ -500,10 +500,7 @@ QFN void strata_load8(const float* __restrict__ x, float (&xv)[8]) {
 }
 
 // U chunks per lane and step, c0, c0+32, ..., c0+32(U-1), for R rows and NV vectors. The step has no branch, so the
-// compiler can issue all U*R chunks' loads before the arithmetic. (On the H200 this and the fewer loads per chunk
-// moved a one-vector Q4_K mat-vec from ~1040 to ~1100-1450 GB/s; the quantized types stay well under HBM's 4.4 TB/s,
-// where F16/F32 reach 91-96%: the per-element dequantization and the 4-byte fp32 x per weight cost more than the
-// weight bytes. The next step is llama.cpp's: int8 activations and dp4a.)
+// compiler can issue all U*R chunks' loads before the arithmetic (docs/experiments.md, "Loads before arithmetic").
 template <int Q, int R, int NV, int U>
 QFN void strata_dot_step(const uint8_t* const (&rows)[R], const float* __restrict__ x, int ldx, int c0,
                          float (&acc)[R][NV]) {

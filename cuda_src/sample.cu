@@ -42,7 +42,7 @@ extern "C" __global__ void argmax_finish(const int* __restrict__ state, int* __r
 // penalties -> top_k -> top_p -> min_p (all on the untempered distribution) -> temperature -> one draw.
 //
 // Every setting that changes between requests or steps is read from SampleParams / SampleState in device memory,
-// never from kernel arguments, so the launches sit in a CUDA graph captured once and replayed (DESIGN §5). Kernel
+// never from kernel arguments, so the launches sit in a CUDA graph captured once and replayed (docs/design.md "Decode"). Kernel
 // arguments are only what is fixed for the graph's life (buffer addresses, the vocabulary size).
 //
 // The kept set is always a prefix of the vocabulary sorted by (logit descending, id ascending): top_k, top_p and

@@ -21,7 +21,8 @@ THE CONTRACT with strata_worker.py (`python strata_worker.py --model M.gguf --ba
     vram_total_mib, expert_slots (experts the VRAM cache holds), experts_total, gpu (name, quoted),
     chat_decode_tokens, chat_decode_tok_s, chat_hit_pct (the warm-up over --calibrate-chats: decode speed and the
     share of expert reads served from VRAM as the cache learned), prefetch (on|off: what the decode step chose; when
-    some experts have no VRAM slot setup times the chats both ways and may pin arg.prefetch, prefetch_choice),
+    some experts have no VRAM slot setup times the chats both ways and may pin arg.tune=prefetch=on|off,
+    prefetch_choice),
     why="one sentence: what it chose and why" (printed to the person as is)
     arg.<flag>=<value>  a worker flag the calibration chose, to be put into the server config's `args` as
                         `--<flag> <value>`; `arg.<flag>=true` puts `--<flag>` alone; `arg.<flag>=false` nothing.
@@ -180,22 +181,22 @@ def prefetch_matters(result: dict) -> bool:
 
 
 def prefetch_choice(default: str, rates: dict) -> tuple[str | None, str]:
-    """(the --prefetch value to pin, or None to keep the worker's default; a sentence saying why) from the chats'
-    decode tok/s with the prefetch on and off, both runs starting from the same learned profile."""
+    """(the value to pin with --tune prefetch=, or None to keep the worker's default; a sentence saying why) from the
+    chats' decode tok/s with the prefetch on and off, both runs starting from the same learned profile."""
     other = "off" if default == "on" else "on"
     a, b = rates.get(default), rates.get(other)
     if not a or not b:
         return None, f"kept the decode prefetch's default ({default}): the comparison run gave no rate"
     said = f"typical chats decoded at {a} tok/s with the prefetch {default} (the default), {b} with it {other}"
     if b > a * (1 + AB_MARGIN):
-        return other, f"{said}: --prefetch {other}"
+        return other, f"{said}: --tune prefetch={other}"
     return None, f"{said}: the default stays"
 
 
 def ab_args(profile: Path, chats: Path, scratch: Path, prefetch: str) -> list[str]:
     """One side of the prefetch comparison: from the learned profile, never writing over it."""
     return ["--expert-profile", str(profile), "--expert-profile-save", str(scratch), "--expert-profile-save-every",
-            "0", "--calibrate-chats", str(chats), "--prefetch", prefetch]
+            "0", "--calibrate-chats", str(chats), "--tune", f"prefetch={prefetch}"]
 
 
 def default_worker() -> list[str]:

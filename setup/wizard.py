@@ -582,7 +582,8 @@ def reuse_calibration(ui: UI, c: cfgmod.Choices, earlier: dict) -> None:
 def compare_prefetch(ui: UI, worker, model_path: Path, c: cfgmod.Choices, result: dict, profile: Path, chats: Path,
                      tmp: Path) -> None:
     """Some experts have no VRAM slot: decode the chats with the prefetch off and on, both from the profile just
-    learned, and pin the other setting (result["arg.prefetch"]) only when it is clearly faster (cal.prefetch_choice)."""
+    learned, and pin the other setting (result["arg.tune"]: --tune prefetch=) only when it is clearly faster
+    (cal.prefetch_choice)."""
     ui.say("timing the decode prefetch both ways on the same chats (two more short runs) ...")
     default = result["prefetch"]
     choices = cfgmod.Choices(backend="cuda", ctx=c.ctx, mode=c.mode, resident_gib=c.resident_gib,
@@ -599,7 +600,7 @@ def compare_prefetch(ui: UI, worker, model_path: Path, c: cfgmod.Choices, result
     pick, why = cal.prefetch_choice(default, rates)
     result["prefetch_tok_s"] = rates
     if pick is not None:
-        result["arg.prefetch"] = pick
+        result["arg.tune"] = f"prefetch={pick}"
     result["why"] = f"{result['why']}; {why}" if result.get("why") else why
 
 

@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from engine.cuda.args import add_cuda_args
+from engine.cuda.args import CudaOptions, add_cuda_args
 
 
 def cuda_parser() -> argparse.ArgumentParser:
@@ -16,10 +16,13 @@ def parse(*flags) -> argparse.Namespace:
     return cuda_parser().parse_args(list(flags))
 
 
-def check_choice(flag: str, dest: str, value: str, bad: str):
-    """The flag defaults to None (the engine's default), takes `value`, and refuses `bad`."""
-    p = cuda_parser()
-    assert getattr(p.parse_args([]), dest) is None
-    assert getattr(p.parse_args([flag, value]), dest) == (int(value) if value.isdigit() else value)
+def options(*flags) -> CudaOptions:
+    return CudaOptions.from_args(parse(*flags))
+
+
+def check_tune(key: str, value: str, typed, bad: str):
+    """--tune KEY=value sets CudaOptions.KEY to `typed` (unset: the dataclass default), and KEY=bad is refused."""
+    assert options() == CudaOptions()
+    assert getattr(options("--tune", f"{key}={value}"), key) == typed
     with pytest.raises(SystemExit):
-        p.parse_args([flag, bad])
+        parse("--tune", f"{key}={bad}")

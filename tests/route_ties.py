@@ -4,8 +4,8 @@ Where a token's k-th and (k+1)-th router logits are closer than fp16 activations
 token to the other expert. Its logits then differ by 10-60% (the tiny fixtures' experts are random and unrelated), and
 later tokens by up to ~1% through its K/V: on tiny-qwen2moe-mixed, token 192's layer-0 gap of 1.3e-4 did exactly this
 on the H200 (0.225 on that row). That is a near-tie parting, not an engine error; a route taken against a clear gap
-is one. So the CUDA side records the routes it took (StreamedPrefill.routes), and `reference` runs the NumPy backend
-taking those routes where, and only where, its own gap is under ROUTE_TIE, and reports every place the two parted.
+is one. So the CUDA side records the routes it took (RouteRecorder, the backend's tracer), and `reference` runs the
+NumPy backend taking those routes where, and only where, its own gap is under ROUTE_TIE, and reports every place the two parted.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.arch import base
 from engine.backend_cpu import CPUBackend
+from engine.cuda.trace import Tracer
 
 # Router-logit gap (k-th minus (k+1)-th) under which the CUDA pass may part the routes: twice the most that a NumPy
 # model of the streamed pass's roundings moved a gap (fp16 q/k/v/o and expert GEMM operands, fp16 K/V, fp16 q and P in
@@ -25,8 +26,20 @@ ROUTE_TIE = 0.1
 ROUTE_TIE_KV8 = 0.66
 
 
+class RouteRecorder(Tracer):
+    """The CUDA backend's tracer for these tests: while `routes` is a list, the prompt pass's routes go there as
+    (pos0, layer, ids (T, k) device copy) records, per chunk and MoE layer."""
+
+    def __init__(self):
+        self.routes = None
+
+    def prefill_routes(self, pos0, layer, ids):
+        if self.routes is not None:
+            self.routes.append((pos0, layer, ids.copy()))
+
+
 def gpu_routes(records, cupy_get=lambda a: a.get()) -> dict[tuple[int, int], frozenset]:
-    """{(position, layer): the expert set} from StreamedPrefill.routes' (pos0, layer, ids (T, k)) records."""
+    """{(position, layer): the expert set} from RouteRecorder.routes' (pos0, layer, ids (T, k)) records."""
     out = {}
     for pos0, li, ids in records:
         for t, row in enumerate(np.asarray(cupy_get(ids)).reshape(len(ids), -1)):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from bench.prefetch_oracle import oracle_pass, summarize, upgrade
-from test_cuda_backend import cpu_runs, cuda_backend  # noqa: F401 (cpu_runs: a fixture)
+from test_cuda_backend import CTX, cpu_runs  # noqa: F401 (cpu_runs: a fixture)
 
 gpu = pytest.mark.gpu
 
@@ -49,7 +49,10 @@ def test_upgrade_keeps_the_right_guesses_and_reaches_the_share():
 def test_oracle_replays_compute_the_real_tokens(cpu_runs):
     model, prompt, _, _ = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
-    be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch="on")
+    from bench.prefetch_oracle import OracleReplays
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    opts = CudaOptions(expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch=True)
+    be = CUDABackend(model, CTX, opts, tracer=OracleReplays())
     try:
         rows = oracle_pass(be, prompt, 24, [0.0, 1.0])
         np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)

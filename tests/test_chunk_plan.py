@@ -90,6 +90,16 @@ def test_everything_resident_needs_no_ring():
     assert p.ring == 0 and p.ring_bytes == 0
 
 
+def test_one_streamed_expert_still_gets_the_smallest_ring():
+    """All but one expert cached (31 of 32 on the tiny models): the ring still takes RING_MIN slots, its own where
+    VRAM is left, else borrowed; the H200 suite refused this with plenty of VRAM before the floor was applied."""
+    p = plan_chunk(QWEN, 2 << 30, stride=STRIDE, n_stream=1, lendable=N_ALL - 1)
+    assert p.ring + p.lend >= RING_MIN and p.ring == RING_MIN and p.lend == 0
+    tight = chunk_bytes(QWEN, p.chunk) + STRIDE        # room for one own slot beside the chunk
+    p = plan_chunk(QWEN, tight, chunk=p.chunk, stride=STRIDE, n_stream=1, lendable=N_ALL - 1)
+    assert (p.ring, p.lend) == (1, RING_MIN - 1)
+
+
 def test_a_chunk_too_big_is_refused_with_the_numbers():
     free = 600 * MiB
     with pytest.raises(ChunkRefused) as e:
@@ -113,11 +123,11 @@ def test_explicit_ring_is_the_rings_own_depth():
     lent = plan_chunk(QWEN, free, chunk=1024, ring=96, stride=STRIDE, n_stream=N_ALL, lendable=3000)
     assert lent.ring == 96 and lent.ring_bytes == 96 * STRIDE
     assert lent.lend == RING_MAX - 96 and not lent.lend_occupied
-    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --ring"):
+    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --tune ring"):
         plan_chunk(QWEN, free, chunk=1024, ring=760, stride=STRIDE, n_stream=N_ALL)
-    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --ring"):
+    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --tune ring"):
         plan_chunk(QWEN, 1536 * MiB, ring=760, stride=STRIDE, n_stream=N_ALL)
-    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --ring"):
+    with pytest.raises(ChunkRefused, match="760 ring slots.*lower --tune ring"):
         plan_chunk(QWEN, 1536 * MiB, ring=760, stride=STRIDE, n_stream=N_ALL, lendable=3000)
     with pytest.raises(ValueError, match="at least 2"):
         plan_chunk(QWEN, free, ring=1, stride=STRIDE, n_stream=N_ALL)
@@ -143,7 +153,7 @@ def test_a_partial_cache_gets_the_rings_bytes_and_lends_the_ring_its_depth():
     """The backend holds back only the chunk (reserve_bytes), so the expert cache is sized with the bytes the ring
     used to take; the plan then finds just the chunk's room and borrows the ring's depth from the cache."""
     pytest.importorskip("cupy")
-    from engine.cuda.prefill_streamed import AUTO_TARGET, reserve_bytes
+    from engine.cuda.prefill import AUTO_TARGET, reserve_bytes
     opts = SimpleNamespace(prefill_chunk="auto", ring=None)
     held = reserve_bytes(QWEN, STRIDE, N_ALL, opts, 32768)
     assert held == chunk_bytes(QWEN, AUTO_TARGET)                # no ring bytes held back from the cache
@@ -191,23 +201,20 @@ def test_fixture_configs(fixtures_dir, name):
         assert "ffn_tmp" in {b.name for b in cp_.buffers(cfg, 8)}
 
 
-def test_streamed_flags_parse_and_refuse_bad_values():
-    import argparse
-    from engine.cuda.args import add_cuda_args
-    p = argparse.ArgumentParser()
-    add_cuda_args(p)
-    a = p.parse_args(["--prefill", "streamed", "--prefill-chunk", "auto", "--ring", "2", "--stream-min", "64"])
-    assert (a.prefill, a.prefill_chunk, a.ring, a.stream_min) == ("streamed", "auto", 2, 64)
-    assert p.parse_args(["--prefill-chunk", "2048"]).prefill_chunk == 2048
-    assert p.parse_args([]).prefill is None            # the batched pass stays the default
-    for bad in (["--prefill-chunk", "0"], ["--prefill-chunk", "big"], ["--ring", "1"], ["--prefill", "fast"]):
+def test_prompt_pass_flags_parse_and_refuse_bad_values():
+    from cuda_flags import options, parse
+    o = options("--prefill-chunk", "auto", "--tune", "ring=2", "--tune", "stream_min=64")
+    assert (o.prefill_chunk, o.ring, o.stream_min) == (None, 2, 64)
+    assert options("--prefill-chunk", "2048").prefill_chunk == 2048
+    for bad in (["--prefill-chunk", "0"], ["--prefill-chunk", "big"], ["--tune", "ring=1"], ["--tune", "stream_min=0"],
+                ["--tune", "nothing=1"], ["--tune", "ring"], ["--prefill", "batched"]):
         with pytest.raises(SystemExit):
-            p.parse_args(bad)
+            parse(*bad)
 
 
 def test_the_backend_reserves_the_target_chunk_and_only_an_explicit_ring():
     pytest.importorskip("cupy")
-    from engine.cuda.prefill_streamed import AUTO_TARGET, reserve_bytes
+    from engine.cuda.prefill import AUTO_TARGET, reserve_bytes
     opts = SimpleNamespace(prefill_chunk="auto", ring=None)
     assert reserve_bytes(QWEN, STRIDE, N_ALL, opts, 40960) == chunk_bytes(QWEN, AUTO_TARGET)
     assert reserve_bytes(QWEN, STRIDE, N_ALL, opts, 1000) == chunk_bytes(QWEN, 1000)
@@ -217,7 +224,7 @@ def test_the_backend_reserves_the_target_chunk_and_only_an_explicit_ring():
 
 
 def test_expert_row_blocks_cover_the_average_expert_twice():
-    from engine.cuda.prefill_streamed import GEMM_TILE, expert_row_blocks
+    from engine.cuda.prefill import GEMM_TILE, expert_row_blocks
     # 4K tokens x 8 of 128 experts: 256 rows on average, two 128-row passes; twice that many blocks
     assert expert_row_blocks(4096, 8, 128, row_tiles=2) == 4
     assert expert_row_blocks(4096, 8, 128, row_tiles=1) == 8

@@ -65,14 +65,16 @@ def test_kv_sizes_and_checks():
 
 
 def test_kv_flag():
-    from cuda_flags import check_choice
-    check_choice("--kv", "kv", "int8", "fp8")      # default None: CudaOptions' default (f16) applies
+    from cuda_flags import options, parse
+    assert options().kv == "f16" and options("--kv", "int8").kv == "int8"
+    with pytest.raises(SystemExit):
+        parse("--kv", "fp8")
 
 
 # ---- on the GPU --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def K():
-    from engine.cuda.programs import Kernels
+    from engine.cuda.kernels import Kernels
     from engine.cuda.quant_types import qtype
     return Kernels({qtype("F16").id})
 

@@ -1,5 +1,5 @@
-"""The token embedding in mapped pinned host memory (--embed-host, engine/cuda/embed_place.py): the placement rule and
-the backend's slot accounting on the CPU (against fakes); on the GPU, the embed kernel reading rows in place from the
+"""The token embedding in mapped pinned host memory (--tune embed_host, engine/cuda/embed_place.py): the placement rule
+and the backend's slot accounting on the CPU (against fakes); on the GPU, the embed kernel reading rows in place from the
 host, the same numbers with the embedding on the host as in VRAM (decode bit for bit, the prompt pass's embedded
 rows bit for bit), the cache getting the freed bytes as slots, and the tied case staying in VRAM."""
 from types import SimpleNamespace
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuda_flags import check_choice
+from cuda_flags import check_tune, options
 from engine.cuda.embed_place import embed_placement
 
 MiB = 1 << 20
@@ -16,37 +16,37 @@ gpu = pytest.mark.gpu
 
 # --- the rule (CPU) --------------------------------------------------------------------------------------------
 def test_not_every_expert_fits_moves_it_to_the_host():
-    where, why = embed_placement("auto", False, slots_vram=4242, slots_host=4308, total=6144)
+    where, why = embed_placement(None, False, slots_vram=4242, slots_host=4308, total=6144)
     assert where == "host" and "4242 of 6144" in why and "+66" in why
 
 
 def test_every_expert_fits_keeps_it_in_vram():
-    assert embed_placement("auto", False, 6144, 6144, 6144)[0] == "vram"
+    assert embed_placement(None, False, 6144, 6144, 6144)[0] == "vram"
     # fitting only with it on the host is not "every expert fits": moving it is what makes them fit
-    assert embed_placement("auto", False, 6100, 6144, 6144)[0] == "host"
+    assert embed_placement(None, False, 6100, 6144, 6144)[0] == "host"
 
 
 def test_tied_stays_in_vram_whatever_the_mode():
-    for mode in ("auto", "on", "off"):
-        where, why = embed_placement(mode, True, 10, 76, 6144)
+    for choice in (None, True, False):
+        where, why = embed_placement(choice, True, 10, 76, 6144)
         assert where == "vram" and "tied" in why
 
 
 def test_no_slot_gained_keeps_it_in_vram():
     # --expert-slots caps both counts, or the table is smaller than one slot: moving it buys nothing
-    where, why = embed_placement("auto", False, 3072, 3072, 6144)
+    where, why = embed_placement(None, False, 3072, 3072, 6144)
     assert where == "vram" and "no slot" in why
 
 
 def test_on_and_off_force_it():
-    assert embed_placement("on", False, 6144, 6144, 6144)[0] == "host"
-    assert embed_placement("off", False, 10, 76, 6144)[0] == "vram"
-    with pytest.raises(ValueError, match="auto, on, off"):
-        embed_placement("yes", False, 10, 76, 6144)
+    assert embed_placement(True, False, 6144, 6144, 6144)[0] == "host"
+    assert embed_placement(False, False, 10, 76, 6144)[0] == "vram"
 
 
 def test_flag_parses_and_refuses_bad_values():
-    check_choice("--embed-host", "embed_host", "off", "maybe")
+    check_tune("embed_host", "off", False, "maybe")
+    assert options("--tune", "embed_host=on").embed_host is True
+    assert options("--tune", "embed_host=auto").embed_host is None and options().embed_host is None
 
 
 # --- the backend's accounting (CPU, the GPU parts faked) --------------------------------------------------------
@@ -74,7 +74,7 @@ class FakeBackend:
     """The attributes CUDABackend._expert_slots reads, and a _slot_count with the real one's arithmetic: the budget
     minus what is allocated (the embedding counts while in VRAM) minus `extra`, in slots, capped."""
 
-    def __init__(self, budget, weights, tied=False, cap=None, mode="auto", total=40, base=10_000):
+    def __init__(self, budget, weights, tied=False, cap=None, mode=None, total=40, base=10_000):
         self.weights, self.budget, self.cap, self.total, self.base = weights, budget, cap, total, base
         self.config = SimpleNamespace(tied_embeddings=tied, n_layer=total // 8, n_expert=8)
         self.opts = SimpleNamespace(embed_host=mode)
@@ -155,7 +155,7 @@ QTS = ("Q4_K", "Q8_0", "Q6_K", "F16")
 
 @pytest.fixture(scope="module")
 def K():
-    from engine.cuda.programs import Kernels
+    from engine.cuda.kernels import Kernels
     from engine.cuda.quant_types import qtype
     return Kernels({qtype(n).id for n in QTS})
 
@@ -165,7 +165,7 @@ def K():
 @pytest.mark.parametrize("rows,cols,T", [(50, 512, 7), (3000, 2048, 300)])
 def test_embed_kernel_reads_host_rows_in_place(K, name, rows, cols, T):
     import cupy as cp
-    from engine.cuda.decode import I32, I64, NULL, U64, MappedInts, ptr
+    from engine.cuda.launch import I32, I64, NULL, U64, MappedInts, ptr
     from engine.cuda.weights import host_matrix, upload_matrix
     rng = np.random.default_rng()
     t, W = tensor(name, rows, cols, rng)
@@ -229,16 +229,13 @@ def spy_embed(be):
             return launch
         return k
 
-    for p in (be.prefill, getattr(be.prefill, "base", None)):
-        if p is not None:
-            p.k = wrap(p.k)
+    be.prefill.kernels = wrap(be.prefill.kernels)
     return rows
 
 
 @gpu
-@pytest.mark.parametrize("prefill", ["batched", "streamed"])
-def test_host_embedding_gives_the_same_numbers(model, prefill):
-    """--embed-host on against off with half the experts cached: the prompt pass embeds the same rows bit for bit
+def test_host_embedding_gives_the_same_numbers(model):
+    """embed_host on against off with half the experts cached: the prompt pass embeds the same rows bit for bit
     (streamed: chunks of 64 from stream_min 16, so experts stream through the ring), teacher-forced decode gives the
     same logits bit for bit and the NumPy backend's within 1e-2, greedy picks the same tokens."""
     from engine.backend_cpu import CPUBackend
@@ -250,20 +247,17 @@ def test_host_embedding_gives_the_same_numbers(model, prefill):
     cpu = CPUBackend(model, CTX)
     want = cpu.forward(seq, all_logits=True)
     cpu.close()
-    kw = dict(expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=0, prefill=prefill)
-    if prefill == "streamed":
-        kw.update(stream_min=16, prefill_chunk=64)
+    kw = dict(expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=0, stream_min=16, prefill_chunk=64)
     runs = {}
     for mode in ("off", "on"):
-        be = cuda(model, embed_host=mode, **kw)
+        be = cuda(model, embed_host=mode == "on", **kw)
         try:
             assert be.info()["embed"] == ("host" if mode == "on" else "vram")
             assert (be.weights.tok_embd.where == "host") == (mode == "on")
             rows = spy_embed(be)
             lg = be.forward(prompt, all_logits=True)
             embedded = np.concatenate(rows)
-            if prefill == "streamed":
-                assert be.prefill.last["bytes"] > 0         # the last chunk streamed experts
+            assert be.prefill.last["bytes"] > 0         # the last chunk streamed experts
             be.truncate(0)
             dec = np.stack([be.forward([t]) for t in seq])
             be.truncate(0)
@@ -294,7 +288,7 @@ def test_auto_gives_the_cache_the_embedding_bytes(model):
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert
     seq = np.random.default_rng(8).integers(3, cfg.n_vocab, 24).tolist()
-    be = cuda(model, adapt_every=0, prefetch="off")
+    be = cuda(model, adapt_every=0, prefetch=False)
     try:
         assert be.info()["embed"] == "vram" and be.cache.n_slots == total
         # the reference: this backend's own decode with every expert and the embedding in VRAM. Not the CPU's
@@ -341,7 +335,7 @@ def test_tied_embedding_stays_in_vram(fixtures_dir):
     assert tied.config.tied_embeddings
     lines = []
     from engine.cuda.backend import CUDABackend, CudaOptions
-    be = CUDABackend(tied, CTX, CudaOptions(embed_host="on", expert_slots=0, adapt_every=0), log=lines.append)
+    be = CUDABackend(tied, CTX, CudaOptions(embed_host=True, expert_slots=0, adapt_every=0), log=lines.append)
     try:
         assert be.info()["embed"] == "vram" and be.weights.tok_embd is be.weights.output
         assert any("token embedding" in m and "tied" in m for m in lines), lines
@@ -353,7 +347,7 @@ def test_tied_embedding_stays_in_vram(fixtures_dir):
 def test_worker_reports_where_the_embedding_lives(fixtures_dir):
     from test_worker_protocol import PROMPT, Worker, gen, shape
     w = Worker(fixtures_dir / "reference" / f"{MODEL}.gguf", "--backend", "cuda", "--expert-slots", "0",
-               "--embed-host", "on")
+               "--tune", "embed_host=on")
     try:
         assert w.info["embed"] == "host"
         lines = w.request(gen(6, PROMPT))

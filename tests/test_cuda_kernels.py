@@ -7,8 +7,8 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-from engine.cuda.decode import F32, I32, I64, NULL, U64, MappedInts, ptr  # noqa: E402
-from engine.cuda.kernels import staged_bytes  # noqa: E402
+from engine.cuda.launch import F32, I32, I64, NULL, U64, MappedInts, ptr  # noqa: E402
+from engine.cuda.launch import staged_bytes  # noqa: E402
 from engine.cuda.quant_types import qtype, random_rows  # noqa: E402
 from engine.gguf_model import dequantize  # noqa: E402
 from gpu_compare import rel  # noqa: E402
@@ -20,7 +20,7 @@ QTS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_K", "Q4_K", "Q6_K")
 
 @pytest.fixture(scope="module")
 def K():
-    from engine.cuda.programs import Kernels
+    from engine.cuda.kernels import Kernels
     return Kernels({qtype(n).id for n in QTS})
 
 

@@ -213,7 +213,7 @@ class _FakeBackend:
         self.fed.append(list(tokens))
         return [self._logits()]
 
-    def _decode(self, token):
+    def decode(self, token):
         self.fed.append([token])
         self.step.logits = self._logits()
 

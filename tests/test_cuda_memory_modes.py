@@ -1,7 +1,8 @@
 """The CUDA backend's memory modes against the NumPy reference: --mmap-experts (no expert pinned) and
 --resident-budget-gib (about half the experts pinned), with the VRAM cache holding all, half and none of the experts,
-through the batched and the streamed prompt pass: teacher-forced logits within 1e-2 relative, greedy tokens equal over
-64 steps, DONE's file blobs when experts come from the file; and the worker taking the flags end to end."""
+through the prompt pass with the experts streamed through its ring and read in place: teacher-forced logits within
+1e-2 relative, greedy tokens equal over 64 steps, DONE's file blobs when experts come from the file; and the worker
+taking the flags end to end."""
 import re
 
 import numpy as np
@@ -15,7 +16,7 @@ from engine import protocol  # noqa: E402
 from engine.session import Session  # noqa: E402
 import gpu_compare  # noqa: E402
 from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
-from route_ties import Reference, gpu_routes  # noqa: E402
+from route_ties import Reference, RouteRecorder, gpu_routes  # noqa: E402
 
 CTX = 256
 N_GREEDY = 64
@@ -34,23 +35,25 @@ def half_budget_gib(model):
     return (cfg.n_layer * cfg.n_expert // 2) * blob_layout(model).stride / 2**30
 
 
-def backend(model, mode, share, prefill, **extra):
+def backend(model, mode, share, prefill="in_place", **extra):
+    """prefill: "ring" streams every chunk's non-resident experts through the ring; "in_place" (the default
+    stream_min, longer than these prompts) reads them in place, the file-only ones staged per layer."""
     from engine.cuda.backend import CUDABackend, CudaOptions
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert
-    opts = dict(expert_slots={"none": 0, "half": total // 2, "all": total}[share], adapt_every=4, prefill=prefill)
-    if prefill == "streamed":
-        opts["stream_min"] = 1           # every chunk through the ring (short prompts otherwise read in place)
+    opts = dict(expert_slots={"none": 0, "half": total // 2, "all": total}[share], adapt_every=4)
+    if prefill == "ring":
+        opts["stream_min"] = 1
     if mode == "mmap":
         opts["mmap_experts"] = True
     else:
         opts["resident_budget_gib"] = half_budget_gib(model)
     opts.update(extra)
-    return CUDABackend(model, CTX, CudaOptions(**opts))
+    return CUDABackend(model, CTX, CudaOptions(**opts), tracer=RouteRecorder())
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("prefill", ["batched", "streamed"])
+@pytest.mark.parametrize("prefill", ["in_place", "ring"])
 @pytest.mark.parametrize("share", ["none", "half", "all"])
 @pytest.mark.parametrize("mode", ["mmap", "budget"])
 def test_memory_mode_matches_cpu(cpu_runs, name, mode, share, prefill):
@@ -66,17 +69,14 @@ def test_memory_mode_matches_cpu(cpu_runs, name, mode, share, prefill):
         assert info["staging_mib"] > 0
         # teacher-forced through the prompt pass, then the same positions through the decode step
         seq = prompt + toks[:-1]
-        if prefill == "streamed":       # the reference follows the pass's routes at near-ties (tests/route_ties.py)
-            be.prefill.routes = []
+        be.tracer.routes = []          # the reference follows the pass's routes at near-ties (tests/route_ties.py)
         lg = be.forward(seq, all_logits=True)[len(prompt) - 1:]
         assert np.isfinite(lg).all()
-        want = cpu_logits
-        if prefill == "streamed":
-            ref = Reference(model, CTX, gpu_routes(be.prefill.routes))
-            be.prefill.routes = None
-            want = ref.forward(seq, all_logits=True)[len(prompt) - 1:]
-            ref.close()
-            assert ref.clear_parts() == [], ref.parted
+        ref = Reference(model, CTX, gpu_routes(be.tracer.routes))
+        be.tracer.routes = None
+        want = ref.forward(seq, all_logits=True)[len(prompt) - 1:]
+        ref.close()
+        assert ref.clear_parts() == [], ref.parted
         assert rel_rows(lg, want).max() < 1e-2
         be.truncate(len(prompt))
         dec = np.stack([be.forward([t]) for t in toks[:-1]])
@@ -108,7 +108,7 @@ def _profile_half_and_half(cpu_runs, tmp_path, seed: int, adapt_every: int):
     order = np.random.default_rng(seed).permutation(cfg.n_layer * cfg.n_expert)
     path = tmp_path / "p.bin"
     save_profile(path, from_flat(cfg.n_layer, cfg.n_expert, order))
-    be = backend(run[0], "budget", "half", "batched", expert_profile=str(path), adapt_every=adapt_every)
+    be = backend(run[0], "budget", "half", expert_profile=str(path), adapt_every=adapt_every)
     return be, order, run
 
 
@@ -148,16 +148,18 @@ def test_the_adaptive_tier_keeps_a_reachable_table_reachable(cpu_runs, tmp_path)
 
 @pytest.mark.parametrize("mode", ["mmap", "budget"])
 def test_small_staging_ring_thrashes_and_stays_right(cpu_runs, mode):
-    """Three staging slots (one layer's top-2 plus one): nearly every file-only expert is read again each step."""
+    """The smallest staging ring the prompt pass allows (a ring batch or a layer's in-place group, plus one; fewer is
+    refused with the number): file-only experts are read again and again, and the answer stays right."""
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
-    be = backend(model, mode, "none", "batched", staging_slots=3, adapt_every=0)
+    with pytest.raises(ValueError, match=r"the staging ring needs at least \d+ slots") as refused:
+        backend(model, mode, "none", staging_slots=3, adapt_every=0)
+    need = int(re.search(r"needs at least (\d+) slots", str(refused.value)).group(1))
+    be = backend(model, mode, "none", staging_slots=need, adapt_every=0)
     try:
         be.reset_stats()
         assert_same_greedy(greedy(be, prompt, 32), toks[:32], cpu_logits)
         st = be.get_stats()
         assert st.hits == 0 and st.file_blobs > 0
-        if mode == "mmap":      # 8 routed experts a step, none pinned, 3 slots: at least 5 reads every step
-            assert st.file_blobs >= 5 * 31
         assert be.mem.source.lru.pins.sum() == 0
     finally:
         be.close()
@@ -165,7 +167,7 @@ def test_small_staging_ring_thrashes_and_stays_right(cpu_runs, mode):
 
 def test_done_reports_file_blobs_with_the_cache_empty(cpu_runs):
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
-    be = backend(model, "mmap", "none", "batched", adapt_every=0)
+    be = backend(model, "mmap", "none", adapt_every=0)
     try:
         lines = []
         done = Session(be, eog_ids=()).run(protocol.GenRequest(16, prompt), lines.append)
@@ -207,7 +209,7 @@ def test_resize_frees_the_old_cache_and_stays_right(cpu_runs, mode):
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
     half = cfg.n_layer * cfg.n_expert // 2
-    be = backend(model, mode, "half", "batched")
+    be = backend(model, mode, "half")
     pool = cp.get_default_memory_pool()
     try:
         greedy(be, prompt, 16)          # adapt_every=4: swaps have started

@@ -3,8 +3,8 @@
 GPU: the predictor against NumPy (normalised x @ R.T for F32/F16/Q8_0/Q4_K rows, top-k on its logits, ties to the
 lowest id, logits far below the max ranked as logits), the copy kernel's compaction, exact bytes and table
 rewrites/restores on random tables at several grid shapes, and the CUDA backend with prefetch on against the NumPy
-backend (greedy tokens, logits, the table after each step as before it), each at --prefetch-depth 1 and 2 (three
-staging banks); the late-miss copy (--fetch-misses: the same copy kernel with the routing as its prediction and the
+backend (greedy tokens, logits, the table after each step as before it), each at prefetch depth 1 and 2 (three
+staging banks); the late-miss copy (fetch_misses: the same copy kernel with the routing as its prediction and the
 staging + miss banks as a second VRAM range) on random tables, and end to end on and off against all-resident and the
 CPU, in the memory modes too. CPU: the switches, the bench's summary, the fork/join order (at depth 2 over whole
 48-layer steps on the stream-order graph: joins, bank reuse, the step boundary, the miss copy after the join and
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from engine.cuda import prefetch as pf
-from cuda_flags import check_choice, cuda_parser
+from cuda_flags import check_tune, options, parse
+from engine.cuda.args import CudaOptions
 from gpu_compare import assert_same_greedy, greedy, rel_rows
 from test_cuda_backend import MOE, N_GREEDY, cpu_runs, cuda_backend  # noqa: F401 (cpu_runs: a fixture)
 
@@ -23,43 +24,35 @@ gpu = pytest.mark.gpu
 
 
 # --- CPU: host-side logic ------------------------------------------------------------------------------------------
-def test_wanted_follows_flag_unless_all_resident():
-    assert not pf.wanted("on", 32, 32)          # nothing to fetch: capture nothing extra
+def test_wanted_follows_the_option_unless_all_resident():
+    assert not pf.wanted(True, 32, 32)          # nothing to fetch: capture nothing extra
     assert not pf.wanted(None, 40, 32)
-    assert pf.wanted("on", 16, 32)
-    assert not pf.wanted("off", 16, 32)
-    assert pf.wanted(None, 0, 32) == pf.DEFAULT_ON
-    # the default prefetches only below AUTO_MAX_SHARE of the experts in VRAM; a flag decides whatever the share
-    assert pf.wanted(None, 94, 100) == pf.DEFAULT_ON and not pf.wanted(None, 95, 100)
-    assert pf.wanted("on", 99, 100) and not pf.wanted("off", 50, 100)
+    assert pf.wanted(True, 16, 32)
+    assert not pf.wanted(False, 16, 32)
+    assert pf.wanted(None, 0, 32)
+    # automatic: only below AUTO_MAX_SHARE of the experts in VRAM; an explicit choice decides whatever the share
+    assert pf.wanted(None, 94, 100) and not pf.wanted(None, 95, 100)
+    assert pf.wanted(True, 99, 100) and not pf.wanted(False, 50, 100)
 
 
-def test_prefetch_flag():
-    check_choice("--prefetch", "prefetch", "off", "maybe")
+def test_prefetch_tune_keys():
+    check_tune("prefetch", "off", False, "maybe")
+    assert options("--tune", "prefetch=on").prefetch is True and options("--tune", "prefetch=auto").prefetch is None
+    assert CudaOptions().prefetch is None
+    check_tune("prefetch_depth", "1", 1, "3")
+    assert CudaOptions().prefetch_depth == 2
+    check_tune("fetch_misses", "off", False, "maybe")
+    assert CudaOptions().fetch_misses is True
 
 
-def test_options_take_the_flag():
-    pytest.importorskip("cupy")
-    from engine.cuda.backend import CudaOptions
-    p = cuda_parser()
-    assert CudaOptions.from_args(p.parse_args(["--prefetch", "on"])).prefetch == "on"
-    assert CudaOptions.from_args(p.parse_args([])).prefetch is None
-    assert CudaOptions.from_args(p.parse_args([])).prefetch_depth == pf.DEFAULT_DEPTH
-    assert CudaOptions.from_args(p.parse_args(["--prefetch-depth", "2"])).prefetch_depth == 2
-    assert CudaOptions.from_args(p.parse_args([])).fetch_misses is None
-    assert CudaOptions.from_args(p.parse_args(["--fetch-misses", "off"])).fetch_misses == "off"
-
-
-def test_fetch_misses_flag():
+def test_fetch_misses_needs_the_prefetch():
     from engine.cuda.args import check_cuda_args
-    check_choice("--fetch-misses", "fetch_misses", "off", "maybe")
-    p = cuda_parser()
-    assert pf.fetching(None) == pf.DEFAULT_FETCH_MISSES and pf.fetching("on") and not pf.fetching("off")
     # the late-miss copy is part of the prefetch: asking for it with the prefetch off is refused, with the fix
-    bad = check_cuda_args(p.parse_args(["--prefetch", "off", "--fetch-misses", "on"]))
-    assert bad and "--prefetch off" in bad
-    for ok in ([], ["--prefetch", "off"], ["--prefetch", "off", "--fetch-misses", "off"], ["--fetch-misses", "on"]):
-        assert check_cuda_args(p.parse_args(ok)) is None
+    bad = check_cuda_args(parse("--tune", "prefetch=off", "--tune", "fetch_misses=on"))
+    assert bad and "drop --tune prefetch=off" in bad
+    for ok in ([], ["--tune", "prefetch=off"], ["--tune", "prefetch=off", "--tune", "fetch_misses=off"],
+               ["--tune", "fetch_misses=on"]):
+        assert check_cuda_args(parse(*ok)) is None
 
 
 def test_summary():
@@ -81,45 +74,43 @@ def test_summary():
     assert s.summary(2_000_000, 100)["late_mb_per_token"] == 3.0 and s.summary(2_000_000, 100)["pred_accuracy"] == 0.9
 
 
-def test_prefetch_depth_flag_and_vram_staging_slots():
-    check_choice("--prefetch-depth", "prefetch_depth", "2", "3")
-    assert pf.DEFAULT_DEPTH == 2
+def test_vram_staging_slots():
     assert pf.vram_staging_slots(8, 1, False) == 16 and pf.vram_staging_slots(8, 2, False) == 24
     # the two late-miss banks on top
     assert pf.vram_staging_slots(8, 1, True) == 32 and pf.vram_staging_slots(8, 2, True) == 40
-    assert pf.vram_staging_slots(8) == pf.vram_staging_slots(8, pf.DEFAULT_DEPTH, pf.DEFAULT_FETCH_MISSES)
-    with pytest.raises(ValueError, match="--prefetch-depth 3"):
+    with pytest.raises(ValueError, match="prefetch depth 3"):
         pf.banks(3)
 
 
 def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_208):
     from types import SimpleNamespace as NS
-    return NS(cache=NS(n_slots=n_slots, n_total=n_total), prefetch=None,
-              cfg=NS(n_expert=n_expert, n_expert_used=k, n_embd=n_embd), layout=NS(nbytes=nbytes, stride=2_654_208))
+    st = NS(cache=NS(n_slots=n_slots, n_total=n_total), prefetch=None,
+            cfg=NS(n_expert=n_expert, n_expert_used=k, n_embd=n_embd), layout=NS(nbytes=nbytes, stride=2_654_208))
+    st.set_prefetch = lambda p: setattr(st, "prefetch", p)
+    return st
 
 
 def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
-    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth=1, fetch=True: f"PF{depth}{'f' if fetch else ''}")
-    monkeypatch.setattr(pf, "DEFAULT_ON", True)
+    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth, fetch: f"PF{depth}{'f' if fetch else ''}")
     logs = []
     st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append, depth=1, fetch_misses=False) == "PF1" and st.prefetch == "PF1"
+    assert pf.attach(st, True, logs.append, depth=1, fetch_misses=False) == "PF1" and st.prefetch == "PF1"
     assert "next-layer prediction, 2 x 8 staging slots, late misses read in place (40 MiB" in logs[-1]
     st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append, depth=2, fetch_misses=False) == "PF2" and st.prefetch == "PF2"
+    assert pf.attach(st, True, logs.append, depth=2, fetch_misses=False) == "PF2" and st.prefetch == "PF2"
     assert "prediction 2 layers ahead, 3 x 8 staging slots, late misses read in place (61 MiB" in logs[-1]
     st = _fake_step(16, 32)
-    assert pf.attach(st, "on", logs.append, depth=1, fetch_misses=True) == "PF1f"
+    assert pf.attach(st, True, logs.append, depth=1, fetch_misses=True) == "PF1f"
     assert "next-layer prediction, 2 x 8 staging slots + 2 x 8 for late misses (81 MiB" in logs[-1]
     st = _fake_step(32, 32)
-    assert pf.attach(st, "on", logs.append) is None and st.prefetch is None
-    assert pf.attach(_fake_step(16, 32), "off", logs.append) is None
+    assert pf.attach(st, True, logs.append, 2, True) is None and st.prefetch is None
+    assert pf.attach(_fake_step(16, 32), False, logs.append, 2, True) is None
     big = dict(n_expert=1024)
-    with pytest.raises(ValueError, match="--prefetch on cannot serve this model: .*1024.*--prefetch off"):
-        pf.attach(_fake_step(16, 32, **big), "on", logs.append)
+    with pytest.raises(ValueError, match="--tune prefetch=on cannot serve this model: .*1024.*--tune prefetch=off"):
+        pf.attach(_fake_step(16, 32, **big), True, logs.append, 2, True)
     n = len(logs)
     st = _fake_step(16, 32, **big)
-    assert pf.attach(st, None, logs.append) is None and st.prefetch is None
+    assert pf.attach(st, None, logs.append, 2, True) is None and st.prefetch is None
     assert len(logs) == n + 1 and logs[-1].startswith("expert prefetch off: ")
     assert pf.unsupported(_fake_step(0, 1, k=17).cfg, _fake_step(0, 1).layout)
     assert pf.unsupported(_fake_step(0, 1, n_embd=65536).cfg, _fake_step(0, 1).layout)
@@ -127,7 +118,7 @@ def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
 
 
 def test_predict_shared_memory_is_the_decode_staging():
-    """predict stages x with common.cuh stage_x (kernels.staged_bytes: 68 bytes per 16 floats), so the widest model
+    """predict stages x with common.cuh stage_x (launch.staged_bytes: 68 bytes per 16 floats), so the widest model
     it serves is the one whose staged x fills SMEM_MAX."""
     pytest.importorskip("cupy")
     widest = pf.SMEM_MAX * 16 // 68
@@ -136,18 +127,31 @@ def test_predict_shared_memory_is_the_decode_staging():
     assert "multiple of 4" in pf.unsupported(_fake_step(0, 1, n_embd=1022).cfg, _fake_step(0, 1).layout)
 
 
-def test_load_module_keys_on_router_cu_and_takes_extra_defines(monkeypatch):
-    """The router.cu digest always (an edit to it recompiles prefetch.cu); extra defines (bench.prefetch_grid's
-    PF_LOADS) beside it."""
-    import hashlib
+def test_load_module_takes_extra_defines(monkeypatch):
+    """prefetch.cu through the one loader, extra defines (bench.prefetch_grid's PF_LOADS) passed on."""
     seen = []
     monkeypatch.setattr(pf.kernels, "load",
                         lambda name, defines=None, qtypes=None: seen.append((name, defines, qtypes)))
-    digest = hashlib.sha256((pf.kernels.CUDA_SRC / "router.cu").read_bytes()).hexdigest()[:16]
     pf.load_module([0])
     pf.load_module([12], {"PF_LOADS": 16})
-    assert seen == [("prefetch", {"STRATA_ROUTER_SRC": digest}, [0]),
-                    ("prefetch", {"STRATA_ROUTER_SRC": digest, "PF_LOADS": 16}, [12])]
+    assert seen == [("prefetch", None, [0]), ("prefetch", {"PF_LOADS": 16}, [12])]
+
+
+def test_every_source_edit_changes_the_build_options(tmp_path, monkeypatch):
+    """The one recompile rule: each build's options carry a digest of every cuda_src file (router.cu, included by
+    prefetch.cu, as much as a header)."""
+    import shutil
+    for f in pf.kernels.CUDA_SRC.glob("*.cu*"):
+        shutil.copy(f, tmp_path / f.name)
+    monkeypatch.setattr(pf.kernels, "CUDA_SRC", tmp_path)
+    b = pf.kernels.Build("prefetch")
+    pf.kernels.sources_digest.cache_clear()
+    before = pf.kernels.options(b)
+    (tmp_path / "router.cu").write_text((tmp_path / "router.cu").read_text() + "\n// edited\n")
+    pf.kernels.sources_digest.cache_clear()
+    after = pf.kernels.options(b)
+    pf.kernels.sources_digest.cache_clear()
+    assert before != after
 
 
 def test_copy_grids_keep_the_link_busy_and_the_miss_copy_ahead():
@@ -248,7 +252,7 @@ def test_fork_join_order():
 
 
 def test_fork_join_order_with_late_misses():
-    """--fetch-misses: each layer's miss copy runs on the main stream after its prefetch copy is joined (its staged
+    """fetch_misses: each layer's miss copy runs on the main stream after its prefetch copy is joined (its staged
     entries in the table) and before its experts, the first layer too; the next copy is forked before the join, as
     without late misses, so it queues on the side stream behind this layer's and the link has no gap."""
     p, log = _fake_prefetcher(3, fetch_misses=True)
@@ -277,7 +281,7 @@ def test_fused_router_launch_predicts_instead_of_a_predict_launch():
     from types import SimpleNamespace as NS
     q = pf.Prefetcher.__new__(pf.Prefetcher)
     q.n_layer, q.depth = 4, 1
-    q.step = NS(w=NS(layers=[NS(router=NS(qt=t)) for t in (0, 0, 8, 8)]))
+    q.step = NS(weights=NS(layers=[NS(router=NS(qt=t)) for t in (0, 0, 8, 8)]))
     assert [q.fused(li) for li in range(4)] == [True, False, True, False]
 
 
@@ -434,7 +438,7 @@ def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_m
     calls = []
     p = pf.Prefetcher.__new__(pf.Prefetcher)
     p.depth, p.banks, p.fetch_misses = depth, pf.banks(depth), fetch_misses
-    p.n_layer, p.n_expert, p.k, p.stride, p.slot_lo, p.slot_hi = n_layer, n_expert, k, stride, 1, 2
+    p.n_layer, p.n_expert, p.top_k, p.stride, p.slot_lo, p.slot_hi = n_layer, n_expert, k, stride, 1, 2
     p.units = [60 + 4 * i for i in range(n_layer)]         # a recipe's layers copy blobs of their own sizes
     p.smem = 0
     p.staging, p.pred, p.actual = _Buf(10**6), _Buf(2 * 10**6), _Buf(3 * 10**6)
@@ -446,10 +450,14 @@ def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_m
     p.f_copy, p.f_finish, p.f_restore = rec("copy"), rec("finish"), rec("restore")
     p.f_predict = {0: rec("predict")}
     p.f_router_predict = {0: rec("router_predict")}
-    layers = [NS(router=NS(qt=0, ptr=100 + i, row_bytes=8), ffn_norm=_Buf(200 + i)) for i in range(n_layer)]
-    cfg = NS(rms_eps=1e-6, n_embd=64, expert_weights_norm=True, expert_weights_scale=1.0)
-    p.step = NS(k=None, w=NS(layers=layers), cfg=cfg, x=_Buf(11), ids=_Buf(12), rlogits=_Buf(13), wts=_Buf(14),
+    from engine.cuda.decode import DecodeStep
+    layers = [NS(router=NS(qt=0, ptr=100 + i, row_bytes=8, cols=64), ffn_norm=_Buf(200 + i)) for i in range(n_layer)]
+    cfg = NS(rms_eps=1e-6, n_embd=64, expert_weights_norm=True, expert_weights_scale=1.0, n_expert=n_expert,
+             n_expert_used=k)
+    p.step = NS(tracer=None, keeps=lambda kind: True, weights=NS(layers=layers), cfg=cfg, x=_Buf(11), ids=_Buf(12),
+                rlogits=_Buf(13), wts=_Buf(14),
                 cache=NS(table=p.table, slot_lo=1, slot_hi=2, counts=_Buf(15), stats=_Buf(16)))
+    p.step.router_args = lambda li: DecodeStep.router_args(p.step, li)
     return p, calls
 
 
@@ -538,9 +546,9 @@ def test_decode_step_takes_the_router_launch_from_the_prefetch():
     from engine.cuda.decode import DecodeStep
     ops = []
     st = DecodeStep.__new__(DecodeStep)
-    st.w = NS(layers=[None] * 3)
+    st.weights = NS(layers=[None] * 3)
     for name in ("embed", "output", "pick"):
-        setattr(st, f"enqueue_{name}", lambda name=name: ops.append(name))
+        setattr(st, f"enqueue_{name}", lambda *a, name=name: ops.append(name))
     st.enqueue_attention_block = lambda li: ops.append(("attn", li))
     st.enqueue_router = lambda li: ops.append(("step router", li))
     st.enqueue_experts = lambda li: ops.append(("experts", li))
@@ -981,7 +989,7 @@ def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth):
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert
     slots = {"none": 0, "half": total // 2}[share]
-    be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch="on", no_graph=not graph,
+    be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch=True, no_graph=not graph,
                       prefetch_depth=depth)
     try:
         assert be.step.prefetch is not None and be.info()["prefetch"] == "on"
@@ -1016,8 +1024,8 @@ def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth):
 def test_table_after_a_step_equals_before(cpu_runs, depth, fetch):
     model, prompt, toks, _ = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
-    be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch="on",
-                      prefetch_depth=depth, fetch_misses=fetch)
+    be = cuda_backend(model, expert_slots=cfg.n_layer * cfg.n_expert // 2, adapt_every=4, prefetch=True,
+                      prefetch_depth=depth, fetch_misses=fetch == "on")
     try:
         greedy(be, prompt, 24)               # the adaptive tier fills half the slots: hits and misses mixed
         be.cache.poll(be.stream, wait=True)
@@ -1043,19 +1051,19 @@ def test_table_after_a_step_equals_before(cpu_runs, depth, fetch):
 def test_prefetch_switch(cpu_runs):
     model = cpu_runs["tiny-qwen3moe-q4k"][0]
     total = model.config.n_layer * model.config.n_expert
-    for slots, flag, on in [(total, "on", False), (total // 2, "off", False), (total // 2, "on", True),
-                            (total // 2, None, pf.DEFAULT_ON), (total - 1, None, False), (total - 1, "on", True)]:
+    for slots, flag, on in [(total, True, False), (total // 2, False, False), (total // 2, True, True),
+                            (total // 2, None, True), (total - 1, None, False), (total - 1, True, True)]:
         lines = []
         if flag is None:
             from engine.cuda.backend import CUDABackend, CudaOptions
             from test_cuda_backend import CTX
-            be = CUDABackend(model, CTX, CudaOptions(expert_slots=slots, prefill="batched"), log=lines.append)
+            be = CUDABackend(model, CTX, CudaOptions(expert_slots=slots), log=lines.append)
         else:
             be = cuda_backend(model, expert_slots=slots, prefetch=flag)
         try:
             assert (be.step.prefetch is not None) == on
             if slots == total - 1 and flag is None:   # 31 of 32 in VRAM: the default leaves it off, and says why
-                assert any("expert prefetch off" in ln and "--prefetch on overrides" in ln for ln in lines), lines
+                assert any("expert prefetch off" in ln and "--tune prefetch=on overrides" in ln for ln in lines), lines
             assert be.info()["prefetch"] == ("on" if on else "off")
             assert (be.prefetch_stats() is not None) == on
         finally:
@@ -1079,12 +1087,12 @@ def test_sampled_variant_at_depth_2_restores_the_table_and_matches_depth_1(fixtu
     params = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 77, "penalty_present": 0.5}
     runs = {}
     for depth in (1, 2):
-        be = CUDABackend(model, 256, CudaOptions(expert_slots=total // 2, prefetch="on", adapt_every=0,
+        be = CUDABackend(model, 256, CudaOptions(expert_slots=total // 2, prefetch=True, adapt_every=0,
                                                  prefetch_depth=depth))
         try:
             assert be.step.prefetch is not None and be.step.prefetch.depth == depth
             runs[depth] = _sampled(be, prompt, params)
-            assert be.gpu_sampler.graph_of is be.step
+            assert set(be.step.graphs) == {"greedy", "sampled"}
             be.stream.synchronize()
             np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
             assert (be.step.prefetch.rec.get()[:, 1] == 0).all()
@@ -1098,7 +1106,11 @@ def test_sampled_variant_at_depth_2_restores_the_table_and_matches_depth_1(fixtu
 
 
 def _teacher_forced(be, prompt, toks):
-    be.truncate(len(prompt))
+    """Decode logits along toks, the prompt decoded token by token too: the prompt pass's grouped GEMMs add with
+    float atomics, so a K/V cache it wrote differs between runs by rounding, which would hide the 1e-5 comparison."""
+    be.truncate(0)
+    for t in prompt:
+        be.forward([t])
     return np.stack([be.forward([t]) for t in toks[:-1]])
 
 
@@ -1106,7 +1118,7 @@ def _teacher_forced(be, prompt, toks):
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("name", MOE)
 def test_fetch_misses_changes_no_token_or_logit(cpu_runs, name, depth):
-    """--fetch-misses on and off, with none and half of the experts in VRAM, against the CPU and against every expert
+    """fetch_misses on and off, with none and half of the experts in VRAM, against the CPU and against every expert
     resident: the same greedy tokens and the same decode logits (the late copies are the arena's bytes, read by the
     same kernels from VRAM instead of over PCIe), the table clean and every bank empty after the steps. With it on,
     every miss is either a staged expert the router chose or a late copy (used + fetched == lookups - hits, and
@@ -1124,8 +1136,8 @@ def test_fetch_misses_changes_no_token_or_logit(cpu_runs, name, depth):
     assert_same_greedy(ref_toks, toks, cpu_logits)
     for fetch in ("on", "off"):
         for slots in (0, total // 2):
-            be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch="on", prefetch_depth=depth,
-                              fetch_misses=fetch)
+            be = cuda_backend(model, expert_slots=slots, adapt_every=4, prefetch=True, prefetch_depth=depth,
+                              fetch_misses=fetch == "on")
             try:
                 p = be.step.prefetch
                 assert p is not None and p.fetch_misses == (fetch == "on") and p.depth == depth
@@ -1171,7 +1183,7 @@ def test_fetch_misses_in_the_memory_modes(cpu_runs, mode, depth, tmp_path):
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert
-    opts = dict(expert_slots=total // 2, prefill="batched", prefetch="on", prefetch_depth=depth, fetch_misses="on")
+    opts = dict(expert_slots=total // 2, prefetch=True, prefetch_depth=depth, fetch_misses=True)
     if mode == "mmap":
         opts.update(mmap_experts=True, adapt_every=4)
     else:

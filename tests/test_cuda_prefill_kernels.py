@@ -8,7 +8,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 from engine.cuda import kernels  # noqa: E402
-from engine.cuda.decode import F32, I32, I64, NULL  # noqa: E402
+from engine.cuda.launch import F32, I32, I64, NULL  # noqa: E402
 from engine.cuda.quant_types import NAMES, qtype, random_rows  # noqa: E402
 from engine.gguf_model import dequantize  # noqa: E402
 from gpu_compare import rel  # noqa: E402
@@ -36,7 +36,7 @@ def moe_mod_all():
 
 
 def att_mod(hd):
-    from engine.cuda.prefill_streamed import attn_module
+    from engine.cuda.prefill import attn_module
     return attn_module(hd)
 
 
@@ -137,7 +137,7 @@ def test_grouped_expert_gemms(moe_mod, name, T, k, E, n_embd, n_ff):
     base = int(blobs.data.ptr)
     # two launches over disjoint expert sets, as the resident group and a ring batch run: one with a single block
     # per expert along the rows (it loops over every row tile), one with the pass's own count
-    from engine.cuda.prefill_streamed import expert_row_blocks
+    from engine.cuda.prefill import expert_row_blocks
     for part, grid_y in ((list(range(0, E, 2)), 1), (list(range(1, E, 2)), expert_row_blocks(T, k, E))):
         sel = cp.asarray(np.array(part, np.int32))
         ptrs = cp.asarray(np.array([base + e * stride for e in part], np.uint64))
@@ -161,7 +161,7 @@ def test_grouped_expert_gemms(moe_mod, name, T, k, E, n_embd, n_ff):
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
 def test_grouped_expert_gemms_one_row_tile_per_pass(name):
     """moe_gemm.cu built with MG_MT=1 (bench.prefill --moe-row-tiles 1): one 64-row tile per dequantized weight tile."""
-    from engine.cuda.prefill_streamed import moe_module
+    from engine.cuda.prefill import moe_module
     test_grouped_expert_gemms(moe_module([name], row_tiles=1), name, 300, 4, 8, 256, 768)
 
 
@@ -170,7 +170,7 @@ MIXED = (("Q4_K", "Q5_K", "Q4_K"), ("Q6_K", "Q4_K", "Q6_K"), ("F16", "Q6_K", "F1
 
 @pytest.fixture(scope="module")
 def moe_mod_mixed():
-    from engine.cuda.prefill_streamed import moe_module
+    from engine.cuda.prefill import moe_module
     return moe_module(QTS, pairs=[(g, u) for g, u, _ in MIXED])
 
 
@@ -268,7 +268,7 @@ SHAPES_4K = [(4096, 0, 8, 1, 128), (512, 3584, 32, 4, 128)]
 
 def attend(mod, int8, T, n_head, n_kv, args):
     """Launch as the engine does (its AttnKernel: the build's own rows per block, threads, shared memory)."""
-    from engine.cuda.prefill_streamed import attn_kernel
+    from engine.cuda.prefill import attn_kernel
     attn_kernel(mod, int8)(T, n_head, n_kv, args)
 
 

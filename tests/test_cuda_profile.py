@@ -1,4 +1,4 @@
-"""Expert profiles (DESIGN §6): the .bin format round-trips, partial or foreign files are refused with a clear
+"""Expert profiles (docs/design.md "Files"): the .bin format round-trips, partial or foreign files are refused with a clear
 message, and saving is atomic (no GPU needed)."""
 import numpy as np
 import pytest

@@ -127,7 +127,7 @@ def test_unknown_type_names_the_supported_ones():
 
 def test_matvec_plan_names_kernels_that_exist_and_covers_every_row():
     import re
-    from engine.cuda.kernels import MATVEC_ROWS, matvec_plan
+    from bench.matvec import MATVEC_ROWS, matvec_plan
     src = (CUDA_SRC / "matvec.cu").read_text()
     made = {(int(r), int(n)) for r, n in re.findall(r"^STRATA_MATVEC\((\d+), (\d+)\)", src, re.M)}
     assert made == {(r, nv) for nv, rs in MATVEC_ROWS.items() for r in rs}
@@ -183,7 +183,8 @@ def test_gpu_dequant_matches_gguf(cp, name):
 
 def matvec(cp, name, w_rows, x, row_stride=None, pad_rows_out=3, rows_per_warp=1):
     """y (nv, nrows) = x (nv, ncols) @ W.T through matvec.cu; y poisoned with NaN first, with a tail checked."""
-    from engine.cuda.kernels import matvec_plan, quant_function
+    from bench.matvec import matvec_plan
+    from engine.cuda.kernels import quant_function
     nv, ncols = x.shape
     nrows = w_rows.shape[0]
     row_stride = row_stride or w_rows.shape[1]
@@ -210,7 +211,7 @@ def _check_matvec(name, rows, x, y, tail, what):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_matvec_matches_numpy(cp, name):
-    from engine.cuda.kernels import MATVEC_ROWS
+    from bench.matvec import MATVEC_ROWS
     q = qtype(name)
     rng = np.random.default_rng(3000 + q.id)
     for (n_rows, ncols), nv in zip(_sizes(name) + [(301, 2048 + 2 * 256)], (1, 3, 8, 2)):
@@ -225,7 +226,7 @@ def test_gpu_matvec_matches_numpy(cp, name):
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "F16"])
 def test_gpu_matvec_every_kernel_variant(cp, name):
     # every (rows per warp, vectors) kernel, with row counts that leave a partial block and a partial warp
-    from engine.cuda.kernels import MATVEC_ROWS
+    from bench.matvec import MATVEC_ROWS
     rng = np.random.default_rng(5000 + qtype(name).id)
     ncols = 512
     rows = random_rows(name, 45, ncols, rng)

@@ -35,7 +35,7 @@ def test_profile_written_at_quit(fixtures_dir, tmp_path):
     from engine.profile import load_profile
     path = tmp_path / "p.bin"
     w = cuda_worker(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf", "--expert-slots", "8",
-                    "--adapt-every", "4", "--expert-profile-save", str(path))
+                    "--tune", "adapt_every=4", "--expert-profile-save", str(path))
     try:
         lines = w.request(gen(20, PROMPT))
         done = protocol.parse_done(lines[-1])

@@ -293,8 +293,11 @@ class FakeStep:
         self.stream = _Stream()
         self.ids = None
 
-    def launch(self, token, pos, use_graph=True):
+    def launch_whole(self, token, pos, pick="greedy", use_graph=True):
         self.calls.append(("graph", token, pos))
+
+    def set_paged(self, paged):
+        self.paged = paged
 
     def enqueue_embed(self):
         self.calls.append("embed")
@@ -312,8 +315,8 @@ class FakeStep:
     def enqueue_output(self):
         self.calls.append("output")
 
-    def enqueue_pick(self):
-        self.calls.append("pick")
+    def enqueue_pick(self, pick):
+        self.calls.append("pick" if pick == "greedy" else f"pick {pick}")
 
 
 class _Stream:
@@ -378,6 +381,9 @@ def test_paged_decode_stages_each_layer_before_its_experts(model):
     step.routing[3] = [6, 5]
     pd.launch(9, 5)
     assert pd.decode_file_blobs == 7 and src.addr(3 * E + 4) == 0 and src.addr(0) != 0
+    # a sampled pick: the per-layer parts pick greedily, the sampled pick follows on the same stream
+    step.calls.clear()
+    assert pd.launch(10, 6, "sampled") == "paged" and step.calls[-2:] == ["pick", "pick sampled"]
 
 
 def test_paged_decode_uses_the_whole_step_graph_when_everything_is_reachable(model):

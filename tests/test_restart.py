@@ -170,7 +170,8 @@ def test_cuda_restart_through_the_servers_worker_command_loads_what_quit_saved(t
     from server.config import validate
     from server.worker import Worker
     model = fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf"
-    cfg = validate({"model": str(model), "args": ["--backend", "cuda", "--expert-slots", "8", "--adapt-every", "4"],
+    cfg = validate({"model": str(model),
+                    "args": ["--backend", "cuda", "--expert-slots", "8", "--tune", "adapt_every=4"],
                     "expert_profile_save": "p.bin", "log": str(tmp_path / "w.log"), "engine_silence_s": 120},
                    tmp_path)
     profile = tmp_path / "p.bin"

@@ -14,7 +14,7 @@ CTX = 256
 @pytest.fixture(scope="module")
 def qwen2(fixtures_dir):
     model = open_model(fixtures_dir / "reference" / "tiny-qwen2moe-mixed.gguf")
-    prompt = np.random.default_rng(5).integers(3, 1000, 200).tolist()     # test_cuda_prefill_streamed's prompt
+    prompt = np.random.default_rng(5).integers(3, 1000, 200).tolist()     # test_cuda_prefill's prompt
     cpu = CPUBackend(model, CTX)
     plain = cpu.forward(prompt, all_logits=True)
     cpu.close()

@@ -386,18 +386,18 @@ def test_an_unsupported_architecture_is_never_taken_without_a_clear_word(env, hu
     assert not any("future" in r[1] for r in hub.requests)
 
 
-@pytest.mark.parametrize("off_rate, pinned", [(130.0, ["--prefetch", "off"]), (122.0, [])])
+@pytest.mark.parametrize("off_rate, pinned", [(130.0, ["--tune", "prefetch=off"]), (122.0, [])])
 def test_the_prefetch_is_timed_both_ways_and_pinned_only_when_clearly_faster(env, hub, monkeypatch, off_rate, pinned):
     """Some experts without a VRAM slot: after the learning run, the chats are decoded with the prefetch off and on,
-    both from the profile just learned (neither writes over it); --prefetch off goes into the config's args only when
-    it beat the default (on, 120 tok/s) by more than cal.AB_MARGIN."""
+    both from the profile just learned (neither writes over it); --tune prefetch=off goes into the config's args only
+    when it beat the default (on, 120 tok/s) by more than cal.AB_MARGIN."""
     seen = env / "calls.txt"
     fake = env / "ab_worker.py"
     fake.write_text(textwrap.dedent(f'''
         import sys
         argv = sys.argv
         open({str(seen)!r}, "a").write(" ".join(argv) + "\\n")
-        off = "--prefetch" in argv and argv[argv.index("--prefetch") + 1] == "off"
+        off = "prefetch=off" in argv and argv[argv.index("prefetch=off") - 1] == "--tune"
         save = argv[argv.index("--expert-profile-save") + 1]
         open(save, "wb").write(b"STRP-" + (b"off" if off else b"on") + str(len(argv)).encode())
         print("CALIBRATE pcie_gbps=20 vram_free_mib=900 decode_tok_s=50 prompt_tok_s=800 expert_slots=100")
@@ -410,12 +410,12 @@ def test_the_prefetch_is_timed_both_ways_and_pinned_only_when_clearly_faster(env
     calls = seen.read_text().splitlines()
     cfg = config_of(env, "tiny-moe")
     profile = cfg["expert_profile_save"]
-    assert len(calls) == 3 and "--calibrate-chats" in calls[0] and "--prefetch" not in calls[0]
+    assert len(calls) == 3 and "--calibrate-chats" in calls[0] and "prefetch=" not in calls[0]
     for call, flag in zip(calls[1:], ("off", "on")):
-        assert f"--expert-profile {profile} " in call and f"--prefetch {flag}" in call
+        assert f"--expert-profile {profile} " in call and f"--tune prefetch={flag}" in call
         assert f"--expert-profile-save {profile} " not in call          # the learned profile is kept as it was
     assert open(profile, "rb").read().startswith(b"STRP-on")
-    assert cfg["args"][-len(pinned):] == pinned if pinned else "--prefetch" not in cfg["args"]
+    assert cfg["args"][-len(pinned):] == pinned if pinned else not any("prefetch" in a for a in cfg["args"])
     assert f"120.0 tok/s with the prefetch on (the default), {off_rate} with it off" in out
     saved = json.loads((env / "data" / "strata-tiny-moe.calibration.json").read_text())["result"]
     assert saved["prefetch_tok_s"] == {"off": off_rate, "on": 120.0}

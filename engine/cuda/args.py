@@ -1,12 +1,80 @@
-"""The CUDA backend's command-line flags (added to strata_worker.py's parser; importing this needs no CuPy)."""
+"""The CUDA backend's options: `CudaOptions` (every setting, typed, its default here and nowhere else) and the worker
+flags that fill it (added to strata_worker.py's parser; importing this needs no CuPy).
+
+A user sets the flags of add_cuda_args. The switches that exist for A/B runs and tuning go through one flag,
+`--tune KEY=VALUE` (repeatable), whose keys are TUNING's: CudaOptions fields like the others, so tests and benches
+set them by name."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, fields
 
 
-def _chunk(v: str):
+@dataclass
+class CudaOptions:
+    # --- what a user sets ---------------------------------------------------------------------------------------
+    vram_reserve_mib: int = 700             # VRAM left free for the driver and other programs
+    vram_budget_mib: int | None = None      # the most VRAM the worker takes in all (None: all free VRAM)
+    expert_slots: int | None = None         # at most this many experts cached in VRAM (None: what the budget holds)
+    mmap_experts: bool = False              # memory modes (engine/cuda/memory_mode.py)
+    resident_budget_gib: float | None = None
+    expert_profile: str | None = None
+    expert_profile_save: str | None = None
+    expert_profile_save_every: float = 10.0     # minutes; 0: at QUIT only
+    kv: str = "f16"                         # "int8": engine/cuda/kv.py's int8 layout (one scale per 32 values)
+    prefill_chunk: int | None = None        # prompt tokens per chunk (None: the largest that fits, 1024 and up)
+    no_graph: bool = False                  # decode kernel by kernel instead of replaying the graph (debugging)
+    calibrate: bool = False                 # measure the PCIe copy rate at start (INFO pcie_gbps)
+    # --- tuning (--tune KEY=VALUE): measured defaults, docs/design.md "Decode" and "The prompt pass" ---------------
+    prefetch: bool | None = None            # next-layer expert prefetch; None: on below 95% of the experts in VRAM
+    prefetch_depth: int = 2                 # predict the layer after next (2) or the next one (1)
+    fetch_misses: bool = True               # the prefetch also copies each layer's late misses into VRAM
+    embed_host: bool | None = None          # token embedding in pinned host memory; None: when that buys slots
+    adapt_every: int = 32                   # decode tokens between rounds of the adaptive expert tier (0: off)
+    ring: int | None = None                 # the prompt pass's own ring slots (None: borrow expert-cache slots)
+    stream_min: int = 1024                  # chunks of at least this many tokens stream experts through the ring
+    # --- tests only ---------------------------------------------------------------------------------------------
+    staging_slots: int | None = None        # memory modes: staging LRU slots (None: sized from the model)
+
+    @classmethod
+    def from_args(cls, args) -> "CudaOptions":
+        """The flags the worker parsed (add_cuda_args), --tune's pairs among them."""
+        kw = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
+        kw.update(getattr(args, "tune", None) or {})
+        return cls(**kw)
+
+
+def _at_least(lo: int, what: str = "a whole number"):
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            n = lo - 1
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"expected {what} >= {lo}, got {v!r}")
+        return n
+    return parse
+
+
+def _switch(v: str) -> bool:
+    if v not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {v!r}")
+    return v == "on"
+
+
+def _auto_switch(v: str) -> bool | None:
+    return None if v == "auto" else _switch(v)
+
+
+def _depth(v: str) -> int:
+    if v not in ("1", "2"):
+        raise argparse.ArgumentTypeError(f"expected 1 or 2, got {v!r}")
+    return int(v)
+
+
+def _chunk(v: str) -> int | None:
     if v == "auto":
-        return v
+        return None
     try:
         n = int(v)
     except ValueError:
@@ -14,18 +82,6 @@ def _chunk(v: str):
     if n < 1:
         raise argparse.ArgumentTypeError(f"--prefill-chunk takes a number of tokens (>= 1) or auto, got {v!r}")
     return n
-
-
-def _at_least(lo: int):
-    def parse(v: str) -> int:
-        try:
-            n = int(v)
-        except ValueError:
-            n = lo - 1
-        if n < lo:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= {lo}, got {v!r}")
-        return n
-    return parse
 
 
 def _gib(v: str) -> float:
@@ -38,81 +94,81 @@ def _gib(v: str) -> float:
     return x
 
 
-# The prompt pass a worker runs without --prefill (CudaOptions.prefill's default; the worker checks flag combinations
-# against it without importing CuPy). Streamed: on the H200 it read 1K/4K prompts of the Qwen3-30B-A3B-shaped model
-# at 13,278/16,141 tok/s all resident, where the batched pass managed 128-186 tok/s at 512 tokens (bench.decode's
-# prompt column), and it holds back less VRAM (prefill_streamed.py's docstring has the comparison).
-DEFAULT_PREFILL = "streamed"
+# --tune's keys: (parser of the value, what it does)
+TUNING = {
+    "prefetch": (_auto_switch, "auto|on|off: decode predicts each next layer's experts and copies the ones not in "
+                               "VRAM ahead of use (auto: while fewer than 95% of the experts fit in VRAM)"),
+    "prefetch_depth": (_depth, "1|2: the prefetch predicts the next layer (1) or the one after it (2, default)"),
+    "fetch_misses": (_switch, "on|off: the prefetch also copies each layer's routed experts it did not predict into "
+                              "VRAM before the layer's expert kernels (default on)"),
+    "embed_host": (_auto_switch, "auto|on|off: the token embedding in pinned host memory, read over PCIe, so its "
+                                 "VRAM holds expert slots (auto: when that buys slots; never when tied to the head)"),
+    "adapt_every": (_at_least(0), "N: decode tokens between rounds of the adaptive expert tier (default 32; 0 = off)"),
+    "ring": (_at_least(2), "N: the prompt pass's own expert ring slots (default: borrow the coldest cache slots)"),
+    "stream_min": (_at_least(1), "N: prompt chunks of at least N tokens stream experts through the ring; shorter "
+                                 "ones read them in place (default 1024)"),
+}
+
+
+class _Tune(argparse.Action):
+    """--tune KEY=VALUE, repeatable, into a dict {field: typed value}."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        key, eq, raw = value.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in TUNING:
+            parser.error(f"--tune takes KEY=VALUE with KEY one of {', '.join(TUNING)}; got {value!r}")
+        try:
+            typed = TUNING[key][0](raw.strip())
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"--tune {key}: {e}")
+        tune = dict(getattr(namespace, self.dest, None) or {})
+        tune[key] = typed
+        setattr(namespace, self.dest, tune)
 
 
 def check_cuda_args(args) -> str | None:
     """A one-line message for a flag combination the CUDA backend cannot run, else None."""
-    prefill = getattr(args, "prefill", None) or DEFAULT_PREFILL
-    if getattr(args, "kv", None) == "int8" and prefill != "streamed":
-        return ("--kv int8 needs the streamed prompt pass (the batched one reads an fp16 cache): add --prefill streamed "
-                "or use --kv f16")
-    if getattr(args, "fetch_misses", None) == "on" and getattr(args, "prefetch", None) == "off":
-        return "--fetch-misses on is part of the decode prefetch: drop --prefetch off (or --fetch-misses on)"
+    tune = getattr(args, "tune", None) or {}
+    if tune.get("fetch_misses") is True and tune.get("prefetch") is False:
+        return ("--tune fetch_misses=on is part of the decode prefetch: drop --tune prefetch=off "
+                "(or --tune fetch_misses=on)")
     return None
 
 
 def add_cuda_args(parser) -> None:
     g = parser
-    g.add_argument("--vram-reserve-mib", type=int, default=700, metavar="MIB",
+    g.add_argument("--vram-reserve-mib", type=int, default=None, metavar="MIB",
                    help="VRAM left free for the driver and other programs (default 700)")
     g.add_argument("--vram-budget-mib", type=int, default=None, metavar="MIB",
                    help="the most VRAM this worker takes in all (emulates a smaller card; default: all free VRAM)")
     g.add_argument("--expert-slots", type=int, default=None, metavar="N",
                    help="at most N experts cached in VRAM (default: as many as the VRAM budget holds)")
     mem = g.add_mutually_exclusive_group()
-    mem.add_argument("--mmap-experts", action="store_true",
+    mem.add_argument("--mmap-experts", action="store_true", default=None,
                      help="pin no experts: read them from the memory-mapped GGUF (the OS file cache) through a small "
                           "pinned staging ring, for PCs whose RAM cannot hold them (slowest)")
     mem.add_argument("--resident-budget-gib", type=_gib, default=None, metavar="GIB",
                      help="pin only the hottest GIB of experts (by --expert-profile, else by router-row norm); the "
                           "rest are read from the GGUF through a pinned staging ring")
     g.add_argument("--expert-profile", default=None, metavar="P",
-                   help="fill the VRAM expert cache in this profile's order (.bin, DESIGN §6)")
+                   help="fill the VRAM expert cache in this profile's order (.bin, docs/design.md \"Files\")")
     g.add_argument("--expert-profile-save", default=None, metavar="P",
                    help="write the learned expert profile here at QUIT and every --expert-profile-save-every minutes")
-    g.add_argument("--expert-profile-save-every", type=float, default=10.0, metavar="MIN",
+    g.add_argument("--expert-profile-save-every", type=float, default=None, metavar="MIN",
                    help="minutes between profile saves (default 10; 0 = at QUIT only)")
-    g.add_argument("--adapt-every", type=int, default=32, metavar="N",
-                   help="decode tokens between rounds of the adaptive expert tier (default 32; 0 = off)")
-    g.add_argument("--prefetch", choices=("on", "off"), default=None,
-                   help="decode: predict each next layer's experts from the current layer's FFN input and copy the "
-                        "ones not in VRAM ahead of use, overlapping PCIe with compute (default: on while fewer than 95%% "
-                        "of the experts fit in VRAM; above that the few others are faster read in place)")
-    g.add_argument("--prefetch-depth", type=int, choices=(1, 2), default=None, metavar="1|2",
-                   help="decode prefetch: predict the next layer's experts (1) or the one after it (2, default: each "
-                        "copy has two layers of compute to hide in, the guess is less accurate; 3 staging banks)")
-    g.add_argument("--fetch-misses", choices=("on", "off"), default=None,
-                   help="decode prefetch: copy each layer's routed experts that are neither cached nor prefetched "
-                        "into VRAM with one fast copy before its expert kernels, instead of letting them read those in "
-                        "place over PCIe (default on; off: A/B)")
-    g.add_argument("--embed-host", choices=("auto", "on", "off"), default=None,
-                   help="keep the token embedding in pinned host memory, read in place over PCIe (one row a token), "
-                        "so its VRAM holds expert-cache slots: auto (default) when not every expert fits in VRAM and "
-                        "that buys slots; on / off (A/B). Never when it is tied to the output head")
-    g.add_argument("--no-graph", action="store_true",
-                   help="launch the decode step kernel by kernel instead of replaying a CUDA graph (debugging)")
-    g.add_argument("--calibrate", action="store_true",
-                   help="measure PCIe and HBM bandwidth at start and report them in INFO (pcie_gbps, hbm_gbps)")
-    g.add_argument("--calibrate-chats", default=None, metavar="FILE",
-                   help="with --calibrate: a JSON list of prompts (lists of token ids, typical chats) decoded after "
-                        "the timing, so the adaptive tier learns the routing; --expert-profile-save keeps it")
     g.add_argument("--kv", choices=("f16", "int8"), default=None,
                    help="KV cache format: f16 (default) or int8 (one scale per 32 values; 56%% of the VRAM, so about "
                         "1.8x the context fits)")
-    g.add_argument("--prefill", choices=("batched", "streamed"), default=None,
-                   help="prompt pass: streamed (default: grouped expert GEMMs on tensor cores, from --stream-min "
-                        "tokens every non-resident expert through a VRAM ring) or batched (the first version)")
     g.add_argument("--prefill-chunk", type=_chunk, default=None, metavar="N|auto",
-                   help="streamed prompt pass: tokens per chunk (default auto: the largest that fits, 1024 and up)")
-    g.add_argument("--ring", type=_at_least(2), default=None, metavar="N",
-                   help="streamed prompt pass: N expert ring slots of its own (default: whatever VRAM the chunk "
-                        "leaves, plus up to two layers' worth of streamed experts (64..384) borrowed from the coldest "
-                        "expert-cache slots for the prompt and refilled at the first decode step)")
-    g.add_argument("--stream-min", type=_at_least(1), default=None, metavar="N",
-                   help="streamed prompt pass: chunks of at least N tokens stream experts through the ring; shorter "
-                        "ones read them in place (default 1024)")
+                   help="prompt pass: tokens per chunk (default auto: the largest that fits, 1024 and up)")
+    g.add_argument("--no-graph", action="store_true", default=None,
+                   help="launch the decode step kernel by kernel instead of replaying a CUDA graph (debugging)")
+    g.add_argument("--calibrate", action="store_true", default=None,
+                   help="measure the PCIe copy rate at start and report it in INFO (pcie_gbps)")
+    g.add_argument("--calibrate-chats", default=None, metavar="FILE",
+                   help="with --calibrate: a JSON list of prompts (lists of token ids, typical chats) decoded after "
+                        "the timing, so the adaptive tier learns the routing; --expert-profile-save keeps it")
+    g.add_argument("--tune", action=_Tune, default=None, metavar="KEY=VALUE",
+                   help="tuning and A/B switches, repeatable: " + "; ".join(f"{k}={d}" for k, (_, d) in TUNING.items())
+                   .replace("%", "%%"))

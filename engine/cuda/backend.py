@@ -1,35 +1,33 @@
 """The CUDA backend (engine/backend.py's contract): weights and KV cache in VRAM, experts in a pinned host arena with
-the hottest cached in VRAM, decode steps replayed from one CUDA graph with greedy picks on the GPU, the prompt pass
-as batched GEMMs."""
+the hottest cached in VRAM, decode steps replayed from one CUDA graph with the pick on the GPU, the prompt pass as
+tensor-core GEMMs in chunks (engine/cuda/prefill.py)."""
 from __future__ import annotations
 
 import gc
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import replace
 
 import cupy as cp
 import numpy as np
 
 from engine.backend import Backend, ExpertStats
 from engine.cuda.arena import ExpertArena, blob_layout
-from engine.cuda.args import DEFAULT_PREFILL
+from engine.cuda.args import CudaOptions
 from engine.cuda.decode import DecodeStep
 from engine.cuda.embed_place import embed_placement
 from engine.cuda.expert_cache import ExpertCache, SlotPools
 from engine.cuda.kv import KVCache
 from engine.cuda.memory_mode import MemoryMode
 from engine.cuda.prefetch import attach as attach_prefetch
-from engine.cuda.prefetch import DEFAULT_DEPTH as DEFAULT_PREFETCH_DEPTH
-from engine.cuda.prefetch import fetching as fetching_misses
 from engine.cuda.prefetch import vram_staging_slots
 from engine.cuda.prefetch import wanted as prefetch_wanted
-from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS
-from engine.cuda.prefill import SCORE_ELEMS, Prefill
-from engine.cuda.programs import Kernels
+from engine.cuda.prefill import Prefill, reserve_bytes
+from engine.cuda.kernels import Kernels
 from engine.cuda.rope import rope_table
 from engine.cuda.logits_mask import masked_next
 from engine.cuda.sampler import GpuSampler
+from engine.cuda.trace import Tracer
 from engine.cuda.weights import load_weights
 from engine.profile import from_flat, load_profile, save_profile
 from engine.sampling import SamplingError
@@ -42,46 +40,17 @@ def _log(msg: str) -> None:
     print(f"strata cuda: {msg}", file=sys.stderr, flush=True)
 
 
-@dataclass
-class CudaOptions:
-    vram_reserve_mib: int = 700
-    vram_budget_mib: int | None = None
-    expert_slots: int | None = None
-    mmap_experts: bool = False
-    resident_budget_gib: float | None = None
-    staging_slots: int | None = None    # memory modes: staging LRU slots (tests; default sized from the model)
-    expert_profile: str | None = None
-    expert_profile_save: str | None = None
-    expert_profile_save_every: float = 10.0
-    adapt_every: int = 32
-    prefetch: str | None = None         # "on" / "off"; None: engine/cuda/prefetch.py's default when experts miss
-    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH    # 1: predict the next layer; 2: the one after it (prefetch.py)
-    fetch_misses: str | None = None     # "on" / "off": the prefetch copies each layer's late misses (None: default)
-    kv: str = "f16"                     # "int8": engine/cuda/kv.py's int8 layout (one scale per 32 values)
-    no_graph: bool = False
-    calibrate: bool = False
-    prompt_chunk: int = 512
-    prefill: str = DEFAULT_PREFILL      # "batched" (engine/cuda/prefill.py) or "streamed" (prefill_streamed.py)
-    prefill_chunk: str | int = "auto"
-    ring: int | None = None
-    stream_min: int = 1024
-    embed_host: str = "auto"            # token embedding in pinned host memory: engine/cuda/embed_place.py
-
-    @classmethod
-    def from_args(cls, args) -> "CudaOptions":
-        kw = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
-        return cls(**kw)
-
-
 class CUDABackend(Backend):
     name = "cuda"
 
-    def __init__(self, model, max_context: int, opts: CudaOptions | None = None, log=_log, phase=None):
+    def __init__(self, model, max_context: int, opts: CudaOptions | None = None, log=_log, phase=None,
+                 tracer: Tracer | None = None):
         super().__init__(model, max_context)
         self.opts = opts = opts or CudaOptions()
         self.log = log
         # phase(name, done=, gib=, gib_s=): the narrated start (engine/protocol.py's INFO phase lines)
         self.phase = phase or (lambda name, **facts: None)
+        self.tracer = tracer or Tracer()    # benches' and tests' observer (engine/cuda/trace.py)
         if opts.mmap_experts and opts.resident_budget_gib is not None:
             raise ValueError("--mmap-experts pins no expert and --resident-budget-gib pins some: give one of them")
         cfg = self.config
@@ -134,14 +103,13 @@ class CUDABackend(Backend):
             free, _ = cp.cuda.runtime.memGetInfo()
             raise MemoryError(f"out of VRAM while loading the model ({e}); {free0 / MiB:.0f} MiB were free at "
                               f"start: lower --ctx ({max_context}) or use a GPU with more memory") from None
-        except MemoryError:         # a refusal with the numbers (VRAM budget, prompt chunk): free what was taken
+        except (MemoryError, ValueError):   # a refusal with the numbers (VRAM budget, prompt chunk, staging ring)
             self.close()
             raise
         if self.cache is not None:
             self._initial_fill()
         if not opts.no_graph:
-            self.step.capture()
-            self.gpu_sampler.capture(self.step)     # the sampled variant, before READY
+            self.step.capture()                     # the greedy and the sampled variant, before READY
             if self.mem:
                 self.mem.paged.capture()
         self.vram_free_mib = cp.cuda.runtime.memGetInfo()[0] / MiB
@@ -188,7 +156,7 @@ class CUDABackend(Backend):
         total = cfg.n_layer * cfg.n_expert
         if prefetch_wanted(opts.prefetch, n, total):    # the prefetch's VRAM staging slots come out of the budget
             n = pools.slots_for_bytes(avail - self.layout.stride * vram_staging_slots(
-                cfg.n_expert_used, opts.prefetch_depth, fetching_misses(opts.fetch_misses)))
+                cfg.n_expert_used, opts.prefetch_depth, opts.fetch_misses))
         if opts.expert_slots is not None:
             n = min(n, max(0, opts.expert_slots))
         n = min(n, cfg.n_layer * cfg.n_expert)
@@ -205,31 +173,17 @@ class CUDABackend(Backend):
         """The decode step over the current cache, its prefetch and the prompt pass (at start and after a resize),
         handed to the memory mode when there is one."""
         self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache, self.layout,
-                               self.stream)
-        attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth,
-                        fetching_misses(self.opts.fetch_misses))
-        self.prefill = self._make_prefill()
+                               self.stream, self.gpu_sampler)
+        attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth, self.opts.fetch_misses)
+        self.prefill = Prefill(self.step, self.opts, self.log, self.tracer)
         if self.mem:
             self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)
             self.mem.attach_prefill(self.prefill)
 
-    def _make_prefill(self):
-        if self.opts.prefill == "streamed":
-            from engine.cuda.prefill_streamed import StreamedPrefill
-            return StreamedPrefill(self.step, self.opts, self.log)
-        return Prefill(self.step)
-
     def _prefill_scratch_bytes(self) -> int:
-        if self.opts.prefill == "streamed":
-            from engine.cuda.prefill_streamed import reserve_bytes
-            lay = self.layout
-            return reserve_bytes(self.config, lay.stride if lay else 0, self.config.n_layer * self.config.n_expert,
-                                 self.opts, self.max_context)
-        c = self.config
-        T = self.prompt_chunk_size()
-        act = 8 * T * max(c.n_embd, c.n_head * c.head_dim, c.n_ff, c.n_ff_exp * 2) * 4
-        weights = 4 * 3 * max(c.n_ff_exp * c.n_embd, c.n_ff * c.n_embd, c.n_head * c.head_dim * c.n_embd)
-        return act + weights + SCORE_ELEMS * 4 + DEQUANT_SCRATCH_ELEMS * 4
+        stride = self.layout.stride if self.layout else 0
+        return reserve_bytes(self.config, stride, self.config.n_layer * self.config.n_expert,
+                             self.opts, self.max_context)
 
     def _initial_fill(self):
         cache, opts = self.cache, self.opts
@@ -267,10 +221,11 @@ class CUDABackend(Backend):
         self.stream.synchronize()
         return 4 * n / (time.perf_counter() - t0) / 1e9
 
-    def resize_expert_cache(self, vram_budget_mib=None, expert_slots=None) -> int:
+    def resize_expert_cache(self, vram_budget_mib=None, expert_slots=None, **options) -> int:
         """Rebuild the VRAM expert cache for another budget, keeping the arena, weights and KV cache (benchmarks
-        emulate several card sizes in one process). The learned heat carries over; returns the slot count. The token
-        embedding is placed again for the new budget (_expert_slots)."""
+        emulate several card sizes in one process), with these CudaOptions fields changed too (the prefetch's, for
+        A/B rows). The learned heat carries over; returns the slot count. The token embedding is placed again for the
+        new budget (_expert_slots)."""
         if self.cache is None:
             return 0
         self.stream.synchronize()
@@ -282,15 +237,12 @@ class CUDABackend(Backend):
         self.step = self.prefill = self.cache = None
         if self.mem:        # its per-layer graphs and references hold the old step and cache alive too
             self.mem.detach()
-        # Nothing may keep the old step alive, or its cache's slots stay allocated and the new budget is measured
-        # with both caches in VRAM (the H200 run refused 12 GiB: "the weights and the KV cache alone take 16499
-        # MiB"): the sampler's graph variant names its step, and the step and its prefetcher refer to each other.
-        if self.gpu_sampler is not None:
-            self.gpu_sampler.graph = self.gpu_sampler.graph_of = None
+        # Nothing may keep the old step alive, or its cache's slots stay allocated and the new budget is measured with
+        # both caches in VRAM: the step and its prefetcher refer to each other.
         gc.collect()
         pool = cp.get_default_memory_pool()
         pool.free_all_blocks()
-        self.opts.vram_budget_mib, self.opts.expert_slots = vram_budget_mib, expert_slots
+        self.opts = replace(self.opts, vram_budget_mib=vram_budget_mib, expert_slots=expert_slots, **options)
         with self.stream:
             self.cache = ExpertCache(self.arena, self._expert_slots(pool))
             self.cache.heat[:], self.cache.prior[:] = heat, prior
@@ -309,9 +261,7 @@ class CUDABackend(Backend):
 
     # --- the contract ----------------------------------------------------------------------------------------
     def prompt_chunk_size(self) -> int:
-        if self.opts.prefill == "streamed" and getattr(self, "prefill", None) is not None:
-            return int(self.prefill.chunk)
-        return int(self.opts.prompt_chunk)
+        return int(self.prefill.chunk)
 
     def _room(self, n: int):
         if self.n_cached + n > self.max_context:
@@ -338,7 +288,7 @@ class CUDABackend(Backend):
     def forward(self, tokens, all_logits: bool = False) -> np.ndarray:
         tokens = [int(t) for t in tokens]
         if len(tokens) == 1 and not all_logits:
-            self._decode(tokens[0])
+            self.decode(tokens[0])
             with self.stream:
                 return self.step.logits.get(stream=self.stream)
         lg = self._prefill(tokens, all_logits)
@@ -347,69 +297,61 @@ class CUDABackend(Backend):
         return h if all_logits else h[-1]
 
     def next_token(self, tokens, sampler) -> int:
-        """Every Sampler picks on the GPU; only the id comes back. Plain greedy (no penalties) is the step's own
-        argmax (the fast path); everything else (penalties, temperature, top_k/top_p/min_p, seeds) is
-        engine/cuda/sampler.py, whose random source is its own (seeded: reproducible on the same build) but whose
-        chain and kept sets are engine/sampling.py's. None goes to the host."""
+        """Every Sampler picks on the GPU; only the id comes back. Plain greedy (no penalties) is the step's argmax;
+        everything else (penalties, temperature, top_k/top_p/min_p, seeds) is engine/cuda/sampler.py, whose random
+        source is its own (seeded: reproducible on the same build) but whose chain and kept sets are
+        engine/sampling.py's. A grammar mask or logprobs go off the graphs (engine/cuda/logits_mask.py)."""
         if getattr(sampler, "mask", None) is not None or getattr(sampler, "top_logprobs", None) is not None:
-            # a grammar or logprobs: off the graphs (engine/cuda/logits_mask.py)
             return masked_next(self, tokens, sampler)
         tokens = [int(t) for t in tokens]
-        greedy = sampler.greedy and not sampler.penalties_active
-        gs = self.gpu_sampler
         if len(tokens) > 1:
-            lg = self._prefill(tokens, False)[-1]
+            return self._pick_after_prompt(tokens, sampler)
+        return self._checked(sampler, *self.decode(tokens[0], sampler))
+
+    def decode(self, token: int, sampler=None) -> tuple[int, int]:
+        """One decode step: `token` at the next position through every layer, then the pick on the GPU (the argmax
+        when sampler is None or plain greedy, else the sampler's chain). Returns (id, NaN count) as the step wrote
+        them; next_token turns a NaN into an error."""
+        self._room(1)
+        pick = "greedy" if self._greedy(sampler) else "sampled"
+        if pick == "sampled" and not self.gpu_sampler.in_sync(sampler, [token]):
             with self.stream:
-                if greedy:
-                    if bool(cp.isnan(lg).any()):
-                        raise SamplingError("the model produced NaN logits")
-                    return int(cp.argmax(lg))
-                gs.load(sampler)
-                gs.enqueue(self.kernels, cp.ascontiguousarray(lg, dtype=cp.float32), self.step.out.dptr)
-            return gs.picked(sampler, *self.step.result())
-        if greedy:
-            tok, nan = self._decode(tokens[0])
+                self.gpu_sampler.load(sampler)
+        if self.cache is not None:
+            self.prefill.give_back(self.stream)     # the ring's lent cache slots back once the prompt is over
+            self.cache.poll(self.stream)            # the adaptive tier's landed swaps into the table
+        pos = self.n_cached
+        self.tracer.before_step(self)
+        self.step.launch(token, pos, pick, use_graph=not self.opts.no_graph)
+        self.tracer.launched(self)
+        tok, nan = self.step.result()
+        self.tracer.after_step(self, token, pos)
+        self.n_cached += 1
+        self._tick()
+        return tok, nan
+
+    @staticmethod
+    def _greedy(sampler) -> bool:
+        return sampler is None or (sampler.greedy and not sampler.penalties_active)
+
+    def _checked(self, sampler, tok: int, nan: int) -> int:
+        if self._greedy(sampler):
             if nan:
                 raise SamplingError("the model produced NaN logits")
             return tok
-        if not gs.in_sync(sampler, tokens):
-            with self.stream:
-                gs.load(sampler)
-        return gs.picked(sampler, *self._decode(tokens[0], gs))
+        return self.gpu_sampler.picked(sampler, tok, nan)
 
-    def _decode(self, token: int, gs: GpuSampler | None = None):
-        """One step; gs: pick with the GPU sampler instead of the argmax."""
-        self._room(1)
-        self.prepare_decode()
-        use_graph = not self.opts.no_graph
-        if self.mem:        # layer by layer while some expert is only in the file
-            self.mem.paged.launch(token, self.n_cached, use_graph=use_graph)
-            if gs is not None:      # the paged graphs pick greedily: the sampled pick follows, stream-ordered
-                with self.stream:
-                    gs.enqueue(self.kernels, self.step.logits, self.step.out.dptr)
-        elif gs is not None:
-            if use_graph and gs.graph_of is not self.step:     # a new step (resize_expert_cache)
-                gs.capture(self.step)
-            gs.launch(self.step, token, self.n_cached, use_graph=use_graph)
-        else:
-            self.step.launch(token, self.n_cached, use_graph=use_graph)
-        res = self.step.result()
-        self.finish_decode()
-        return res
-
-    def prepare_decode(self):
-        """What a decode step needs first (_decode, and bench.prefetch_oracle's replays): the ring's lent cache slots
-        back once the prompt is over, and the adaptive tier's landed swaps in the table."""
-        if self.cache is not None:
-            if self.opts.prefill == "streamed":
-                self.prefill.give_back(self.stream)
-            self.cache.poll(self.stream)
-
-    def finish_decode(self):
-        """What follows a decode step (_decode, and bench.prefetch_oracle's real steps): its token counted in the KV
-        cache, then the adaptive tier's round and the profile's save when due."""
-        self.n_cached += 1
-        self._tick()
+    def _pick_after_prompt(self, tokens, sampler) -> int:
+        """The prompt pass, then the pick from its last logits row."""
+        lg = self._prefill(tokens, False)[-1]
+        with self.stream:
+            if self._greedy(sampler):
+                if bool(cp.isnan(lg).any()):
+                    raise SamplingError("the model produced NaN logits")
+                return int(cp.argmax(lg))
+            self.gpu_sampler.load(sampler)
+            self.gpu_sampler.enqueue(self.kernels, cp.ascontiguousarray(lg, dtype=cp.float32), self.step.out.dptr)
+        return self.gpu_sampler.picked(sampler, *self.step.result())
 
     def _tick(self):
         if self.cache is None:
@@ -452,8 +394,8 @@ class CUDABackend(Backend):
     def prefetch_stats(self):
         """engine/cuda/prefetch.py's PrefetchStats since the last reset_stats(), or None when the step does not
         prefetch."""
-        pf = self.step.prefetch if self.step is not None else None
-        return pf.read_stats() if pf is not None else None
+        prefetch = self.step.prefetch if self.step is not None else None
+        return prefetch.read_stats() if prefetch is not None else None
 
     def info(self) -> dict:
         dev = cp.cuda.Device()
@@ -470,8 +412,8 @@ class CUDABackend(Backend):
             out["expert_profile"] = self.opts.expert_profile      # the profile this start filled the cache from
         if self.pcie_gbps is not None:
             out["pcie_gbps"] = round(self.pcie_gbps, 1)
-        if self.opts.prefill == "streamed" and self.prefill is not None:
-            out.update(prefill="streamed", prefill_chunk=self.prefill.chunk, ring=self.prefill.plan.ring,
+        if self.prefill is not None:
+            out.update(prefill_chunk=self.prefill.chunk, ring=self.prefill.plan.ring,
                        ring_lend=self.prefill.plan.lend)
         return out
 

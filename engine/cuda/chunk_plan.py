@@ -1,7 +1,7 @@
 """How big a prompt chunk the streamed prompt pass takes, decided before anything is allocated.
 
 `buffers(cfg, T, ...)` lists every device buffer a chunk of T tokens needs (name, element count, bytes per element);
-engine/cuda/prefill_streamed.py allocates exactly this list, so summing it here *is* replaying the allocation: a
+engine/cuda/prefill.py allocates exactly this list, so summing it here *is* replaying the allocation: a
 chunk either fits or is refused with the numbers, never an out-of-memory halfway through a prompt. Pure Python (no
 CuPy), so the sizing is unit-tested on the CPU with real model shapes.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 MiB = 1 << 20
 AUTO_MAX = 8192          # auto never goes past this: the expert bytes per token are already 1/8 of a 1K chunk's
-AUTO_MIN = 1024          # DESIGN §5: 1,024 tokens and up when it fits
+AUTO_MIN = 1024          # docs/design.md "The prompt pass": 1,024 tokens and up when it fits
 STEP = 256               # auto chunk sizes are multiples of this (below AUTO_MIN: of 16)
 RING_MIN = 2             # two slots: one being copied while the other is read
 RING_MAX = 384           # the original engine measured 384 slots best with pinned sources
@@ -55,7 +55,7 @@ def buffers(cfg, T: int) -> list[Buffer]:
             out += [Buffer("sh_tmp", 3 * T * c.n_ff_shexp, 4, False), Buffer("sh_gate", T, 4, False)]
     else:
         out += [Buffer("ffn_tmp", 3 * T * c.n_ff, 4, False)]   # gate, up and their product
-    # What is dequantized to fp32 (prefill_streamed.py linear_into, Prefill.linear / ffn): the routers and the shared
+    # What is dequantized to fp32 (prefill.py linear_into, linear, ffn): the routers and the shared
     # expert of an MoE model, the FFN of a dense one. Attention goes through the fp16 "wh"; the output head's logits
     # of the last row come from the decode mat-vec on the quantized rows, so no fp32 copy of the head (n_vocab x
     # n_embd: the cap, 128 MiB, for Qwen3) is held back from the expert cache; logits for every row (all_logits:
@@ -82,8 +82,7 @@ def ring_target(n_stream: int, n_layer: int) -> int:
     Why two layers: the copy stream only refills a slot once the compute stream has released it, and during a
     layer's attention and dense projections the compute stream releases nothing. With one layer's worth the copy
     engine has at most the next layer's experts to copy while the current layer computes, then idles through the
-    next attention half (H200, 12 GiB, 4K prompt: a 17-slot ring, 0.9 ms of copies per 1.35 ms attention half, kept
-    the link 47% busy). Two layers' worth let the copies run a whole layer ahead, so the attention halves are covered
+    next attention half (docs/experiments.md, "The lent ring's depth"). Two layers' worth let the copies run a whole layer ahead, so the attention halves are covered
     by the next layer's copies, and ring batches (half the ring, at most ring.BATCH_MAX) stay full size. The floor
     covers an attention half (~27 experts at 52 GB/s on Qwen3-30B-A3B) with room for a batch being read; the cap is
     the original engine's measured best."""
@@ -100,7 +99,7 @@ class Plan:
     chunk_bytes: int
     ring_bytes: int
     lend: int = 0             # expert-cache slots the ring borrows per streamed prompt, on top of its own
-    lend_occupied: bool = False   # may it evict the coldest experts for them (auto), or only take free slots (--ring)
+    lend_occupied: bool = False   # may it evict the coldest experts for them (auto), or only take free slots (ring=N)
 
     @property
     def total(self) -> int:
@@ -126,20 +125,20 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
                max_tokens: int | None = None, lendable: int = 0) -> Plan:
     """The chunk and ring for `free` bytes of VRAM.
 
-    chunk: an int or "auto"; ring: an int (--ring: the ring's own slots, exactly) or None (auto); stride: bytes per
+    chunk: an int or "auto"; ring: an int (ring=N: the ring's own slots, exactly) or None (auto); stride: bytes per
     expert blob (0: no experts); n_stream: how many experts stream (the non-resident ones; 0 when everything is
     resident); max_tokens: the context (no chunk is longer); lendable: expert-cache slots the ring may borrow (the
     cache's slot count).
 
     Auto: the ring's own slots are whatever VRAM the chunk leaves (the backend reserves none for it, so the expert
     cache gets those bytes for decode), and per streamed prompt the ring borrows cache slots up to ring_target(),
-    evicting the coldest experts for them. --ring N: N own slots, plus only free (empty) cache slots lent on top.
+    evicting the coldest experts for them. ring=N: N own slots, plus only free (empty) cache slots lent on top.
     Raises ChunkRefused with the numbers when nothing fits.
     """
     cap = AUTO_MAX if max_tokens is None else max(1, min(AUTO_MAX, int(max_tokens)))
     streams = bool(stride and n_stream)
     if ring is not None and int(ring) < RING_MIN:
-        raise ValueError(f"--ring {ring} is too small; use at least {RING_MIN}")
+        raise ValueError(f"--tune ring={ring} is too small; use at least {RING_MIN}")
     lendable = max(0, int(lendable)) if streams else 0
     if ring is not None:
         own_floor = int(ring) if streams else 0
@@ -154,7 +153,7 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
         need = chunk_bytes(cfg, T) + ring_bytes(own_floor, stride)
         if need > free:
             raise _refuse(f"a prompt chunk of {T} tokens (with {own_floor} ring slots)", need, free,
-                          ("lower --ring, " if ring is not None else "") + "lower --prefill-chunk (or use auto), "
+                          ("lower --tune ring, " if ring is not None else "") + "lower --prefill-chunk (or use auto), "
                           "lower --ctx or --expert-slots, or raise --vram-budget-mib")
     else:
         # Largest multiple of STEP up to the cap that leaves room for the ring's own floor (the auto floor's
@@ -167,7 +166,7 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
         if T is None:
             T = _auto_sizes(cap)[-1]
             raise _refuse(f"the smallest prompt chunk ({T} tokens, {floor} ring slots)", chunk_bytes(cfg, T)
-                          + floor_bytes, free, ("lower --ring, " if ring is not None else "")
+                          + floor_bytes, free, ("lower --tune ring, " if ring is not None else "")
                           + "lower --ctx or --expert-slots, or raise --vram-budget-mib")
     cb = chunk_bytes(cfg, T)
     left = free - cb
@@ -176,13 +175,14 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
     if ring is not None:
         own = int(ring)
         if own * stride > left:
-            raise _refuse(f"--ring {ring} beside a chunk of {T} tokens", cb + own * stride, free,
-                          "lower --ring, or --prefill-chunk")
+            raise _refuse(f"--tune ring={ring} beside a chunk of {T} tokens", cb + own * stride, free,
+                          "lower --tune ring, or --prefill-chunk")
         return Plan(T, own, cb, ring_bytes(own, stride), max(0, min(lendable, RING_MAX - own)), False)
     # VRAM the chunk leaves would sit idle: the ring's own slots take it first (up to RING_MAX), so fewer experts
     # are evicted for lent slots
-    own = max(0, min(RING_MAX, n_stream, left // stride))
-    lend = max(0, min(lendable, ring_target(n_stream, cfg.n_layer) - own))
+    # (at least RING_MIN slots in all, even when fewer experts stream)
+    own = max(0, min(RING_MAX, max(n_stream, RING_MIN), left // stride))
+    lend = max(0, min(lendable, max(ring_target(n_stream, cfg.n_layer), RING_MIN) - own))
     if own + lend < RING_MIN:
         raise _refuse(f"a chunk of {T} tokens and {RING_MIN} ring slots", cb + (RING_MIN - lend) * stride, free,
                       "lower --prefill-chunk, --ctx or --expert-slots")

@@ -1,329 +1,252 @@
-"""One decode step (one token through every layer, greedy pick on the GPU) as a fixed sequence of kernel launches,
-captured once as a CUDA graph and replayed. Nothing that changes between steps is a kernel argument: the token and
+"""One decode step (one token through every layer, the next token picked on the GPU) as a fixed sequence of kernel
+launches, captured as CUDA graphs and replayed. Nothing that changes between steps is a kernel argument: the token and
 position are read from mapped pinned memory by the first kernel, the experts through the pointer table, so the same
-graph serves every step and every cache state.
+graph serves every step and every cache state (docs/design.md, "Decode").
 
-The host launches a step only after it has read the last pick. Queuing the next step before that, its token read on
-the device from the pick (branch experiment/ahead, not landed), measured nothing on the H200
-(bench.decode --ahead both: all resident 322.7 against 322.3 tok/s, 12 GiB 197.0 against 198.5): back-to-back graph
-replays take as long per step as the bench loop does, so no host gap sits between steps. The ~300 us that
-bench.decode_trace shows for cudaGraphLaunch, with the GPU idle meanwhile, is the profiler's (CUPTI) own."""
+The step owns one graph per pick mode (PICKS): "greedy" ends in the argmax, "sampled" in the GPU sampler's chain
+(engine/cuda/sampler.py). Its plug-ins are called through explicit hooks:
+  - the prefetch (engine/cuda/prefetch.py): `enqueue_router(li)` may take the router launch over,
+    `enqueue(li)` runs between a layer's router and its experts, `enqueue_finish()` after the last layer,
+    `enqueue_join()` at the end;
+  - the paged memory modes (engine/cuda/decode_paged.py): `launch` hands the step to them, and they drive it layer by
+    layer (the enqueue_* methods) while some expert is only in the file;
+  - a tracer (engine/cuda/trace.py) passed to `record`/`enqueue`: `keeps(kind)` filters the launches by kind
+    (bench.decode's per-kind profile), `pred_sink` redirects the prefetch's predictions (bench.prefetch_oracle).
+"""
 from __future__ import annotations
-
-import ctypes
 
 import cupy as cp
 import numpy as np
 
-from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE, device_address
-from engine.cuda.kernels import SMEM_DEFAULT, SMEM_MAX, staged_bytes
 from engine.cuda.kv import DecodeAttention
+from engine.cuda.launch import F32, I32, I64, MV_WARPS, NULL, U64, Launcher, MappedInts, ptr, skipped
 
-U64, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
-NULL = U64(0)
-MV_WARPS = 4           # rows per block in the mat-vec kernels (one warp each)
-BIG_ROWS = 16384             # a mat-vec with more rows gives each warp several (one staging of x serves them)
-
-
-def ptr(a) -> U64:
-    return NULL if a is None else U64(a.data.ptr)
-
-
-class MappedInts:
-    """A few int32 in pinned host memory that kernels read and write through their device address."""
-
-    def __init__(self, n: int):
-        self.hptr = cp.cuda.runtime.hostAlloc(4 * n, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
-        self.dptr = U64(device_address(self.hptr))
-        self.view = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(self.hptr))
-        self.view[:] = 0
-
-    def close(self):
-        if self.hptr:
-            self.view = None
-            cp.cuda.runtime.freeHost(self.hptr)
-            self.hptr = 0
-
-
-class _Only:
-    """The kernel table with every kind but `tag` turned into a no-op (profiling); records the kinds it sees."""
-
-    def __init__(self, kernels, tag, seen: set):
-        self.kernels, self.tag, self.seen = kernels, tag, seen
-
-    def __call__(self, name, qt=None, tag=None):
-        kind = tag or name
-        self.seen.add(kind)
-        if self.tag is None or kind == self.tag:
-            return self.kernels(name, qt)
-        return lambda *a, **kw: None
-
-
-class Launcher:
-    """Kernel launches shared by the decode step and the prompt pass (the mat-vec family, norms, FFN pieces)."""
-
-    def __init__(self, kernels, cfg):
-        self.k = kernels
-        self.cfg = cfg
-
-    # The decode mat-vecs read x from shared memory, staged once per block (common.cuh stage_x); given a norm
-    # weight, the block stages rmsnorm(x) * norm itself, so no norm has a launch of its own.
-    @staticmethod
-    def smem(f, n: int, need: bool, optional_max: int = SMEM_DEFAULT) -> int:
-        """Dynamic shared memory for staging n floats in kernel f (opted in above 48 KiB). Staging that is optional
-        (x may also be read from global memory) is skipped, 0, above optional_max bytes."""
-        nb = staged_bytes(n)
-        if not need and nb > optional_max:
-            return 0
-        if nb > SMEM_MAX:
-            raise ValueError(f"a {n}-float vector does not fit in shared memory ({nb} > {SMEM_MAX} bytes); "
-                             f"this model's width is beyond the decode kernels")
-        if nb > SMEM_DEFAULT and getattr(f, "max_dynamic_shared_size_bytes", 0) < nb:
-            f.max_dynamic_shared_size_bytes = nb
-        return nb
-
-    def mv(self, W, x, y, bias=None, gate_logit=None, accumulate=False, tag="mv", norm=None):
-        """y (+)= W @ xn; xn = rmsnorm(x) * norm when norm (a weight vector) is given, else x."""
-        f = self.k("mv", W.qt, tag)
-        sm = self.smem(f, W.cols, norm is not None)
-        rpw = min(8, max(1, W.rows // BIG_ROWS))
-        f(((W.rows + MV_WARPS * rpw - 1) // (MV_WARPS * rpw),), (32 * MV_WARPS,),
-          (U64(W.ptr), I64(W.row_bytes), ptr(x), ptr(y), ptr(bias), ptr(gate_logit), I32(W.rows), I32(W.cols),
-           I32(1 if accumulate else 0), ptr(norm), F32(self.cfg.rms_eps), I32(1 if sm else 0), I32(rpw)),
-          shared_mem=sm)
-
-    def mv3(self, Ws, x, ys, biases, norm=None):
-        """Q, K and V (of rmsnorm(x) * norm) in one launch when they share a quant type and width, else three."""
-        if len({(W.qt, W.cols, W.row_bytes) for W in Ws}) != 1:
-            for W, y, b in zip(Ws, ys, biases):
-                self.mv(W, x, y, bias=b, tag="qkv", norm=norm)
-            return
-        n = sum(W.rows for W in Ws)
-        f = self.k("mv3", Ws[0].qt, "qkv")
-        f(((n + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
-          (*(U64(W.ptr) for W in Ws), I64(Ws[0].row_bytes), ptr(x), ptr(norm), F32(self.cfg.rms_eps),
-           *(ptr(y) for y in ys), *(ptr(b) for b in biases), *(I32(W.rows) for W in Ws), I32(Ws[0].cols)),
-          shared_mem=self.smem(f, Ws[0].cols, True))
-
-    def swiglu(self, Wg, Wu, x, h, norm=None, tag="swiglu_mv"):
-        """h = silu(Wg @ xn) * (Wu @ xn), xn = rmsnorm(x) * norm when given."""
-        f = self.k("swiglu_mv", Wg.qt, tag)
-        f(((Wg.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
-          (U64(Wg.ptr), U64(Wu.ptr), I64(Wg.row_bytes), ptr(x), ptr(norm), F32(self.cfg.rms_eps), ptr(h),
-           I32(Wg.rows), I32(Wg.cols)),
-          shared_mem=self.smem(f, Wg.cols, True))
-
-    def output_logits(self, w, x, y):
-        """y = the output head on rmsnorm(x) * output_norm: a token's logits from its final residual x (one row)."""
-        self.mv(w.output, x, y, tag="output", norm=w.output_norm)
-
-    def rmsnorm(self, x, w, out, rows=1):
-        self.k("rmsnorm")((rows,), (256,), (ptr(x), ptr(w), ptr(out), I32(w.size), F32(self.cfg.rms_eps)))
+PICKS = ("greedy", "sampled")
 
 
 class DecodeStep:
-    def __init__(self, kernels, cfg, weights, kv, rope_cs, cache, layout, stream):
-        self.L = Launcher(kernels, cfg)
-        self.k = kernels
+    def __init__(self, kernels, cfg, weights, kv, rope_cs, cache, layout, stream, sampler=None):
+        self.kernels = kernels          # the kernel table (engine/cuda/kernels.Kernels)
+        self.launcher = Launcher(self.kernel, cfg)
         self.cfg = cfg
-        self.w = weights
+        self.weights = weights
         self.kv = kv
         self.rope = rope_cs
         self.cache = cache
         self.layout = layout
         self.stream = stream
+        self.sampler = sampler          # GpuSampler: the "sampled" pick (None: greedy only)
         c = cfg
         f32 = lambda n: cp.zeros(n, dtype=cp.float32)
         with stream:
-            self.x = f32(c.n_embd)
+            self.x = f32(c.n_embd)                          # the residual stream
             self.q = f32(c.n_head * c.head_dim)
-            self.kk = f32(c.n_head_kv * c.head_dim)
-            self.v = f32(c.n_head_kv * c.head_dim)
+            self.k_new = f32(c.n_head_kv * c.head_dim)      # this token's K and V rows
+            self.v_new = f32(c.n_head_kv * c.head_dim)
             self.att = f32(c.n_head * c.head_dim)
             self.attn = DecodeAttention(kernels, c, kv)      # its split buffers; K/V layout from kv.dtype
-            k = max(c.n_expert_used, 1)
-            self.h = f32(max(c.n_ff, k * c.n_ff_exp, 8))
+            top_k = max(c.n_expert_used, 1)
+            self.h = f32(max(c.n_ff, top_k * c.n_ff_exp, 8))
             self.h2 = f32(max(c.n_ff_shexp, 8))
             self.rlogits = f32(max(c.n_expert, 1))
-            self.ids = cp.zeros(k, dtype=cp.int32)
-            self.wts = f32(k)
+            self.ids = cp.zeros(top_k, dtype=cp.int32)
+            self.wts = f32(top_k)
             self.sgate = f32(1)
             self.logits = f32(c.n_vocab)
             self.state = cp.zeros(8, dtype=cp.int32)
             self.counter = cp.zeros(1, dtype=cp.int32)          # router_fused's "last block" counter
-        self.params = MappedInts(2)
-        self.out = MappedInts(2)
-        self.graph = None
-        self.prefetch = None        # engine/cuda/prefetch.py's Prefetcher, attached by the backend when it is on
+        self.params = MappedInts(2)     # token, position: read by the embed kernel and attention
+        self.out = MappedInts(2)        # the pick: id, NaN count (or -1: every logit -inf)
+        self.graphs: dict = {}          # pick mode -> captured graph
+        self.prefetch = None            # plug-ins (set_prefetch, set_paged)
+        self.paged = None
+        self.tracer = None              # the tracer of the enqueue in progress (record / enqueue)
+
+    # --- plug-ins --------------------------------------------------------------------------------------------
+    def set_prefetch(self, prefetch) -> None:
+        self.prefetch = prefetch
+
+    def set_paged(self, paged) -> None:
+        self.paged = paged
+
+    def kernel(self, name: str, qt: int | None = None, kind: str | None = None):
+        """The table's kernel, or a no-op when the tracer filters this kind (kind: the profile's name for the launch,
+        else the kernel's)."""
+        if self.tracer is not None and not self.tracer.keeps(kind or name):
+            return skipped
+        return self.kernels(name, qt)
+
+    def keeps(self, kind: str) -> bool:
+        """Whether launches of this kind run (the plug-ins' own kernels ask here)."""
+        return self.tracer is None or self.tracer.keeps(kind)
 
     # --- the launch sequence ---------------------------------------------------------------------------------
     # The RMSNorms have no launches: each kernel that reads a normed vector stages rmsnorm(x) * w per block (the
-    # consumer recomputes sum(x^2); no inter-block sync). The other direction, the producer's last block writing
-    # the next norm (a fence and a serial tail in wo and moe_down), measured slower on the H200: 4.93 vs 4.64 ms.
-    def enqueue(self):
-        pf = self.prefetch
-        self.enqueue_embed()
-        for li in range(len(self.w.layers)):
-            self.enqueue_attention_block(li)
-            if not (pf and pf.enqueue_router(li)):      # the prefetch's router launch also predicts layer li+1
-                self.enqueue_router(li)
-            if pf:          # predict layer li+1's experts and start fetching them; wait for layer li's fetch
-                pf.enqueue(li)
-            self.enqueue_experts(li)
-        if pf:
-            pf.enqueue_finish()
-        self.enqueue_output()
-        self.enqueue_pick()
-        if pf:
-            pf.enqueue_join()
+    # consumer recomputes sum(x^2); no inter-block sync), measured faster than the producer writing the next norm.
+    def enqueue(self, pick: str = "greedy", tracer=None):
+        """The whole step's launches on the current stream."""
+        self.tracer = tracer
+        try:
+            prefetch = self.prefetch
+            self.enqueue_embed()
+            for li in range(len(self.weights.layers)):
+                self.enqueue_attention_block(li)
+                if not (prefetch and prefetch.enqueue_router(li)):     # the prefetch's router launch also predicts
+                    self.enqueue_router(li)
+                if prefetch:        # predict later layers' experts and start fetching them; wait for this layer's
+                    prefetch.enqueue(li)
+                self.enqueue_experts(li)
+            if prefetch:
+                prefetch.enqueue_finish()
+            self.enqueue_output()
+            self.enqueue_pick(pick)
+            if prefetch:
+                prefetch.enqueue_join()
+        finally:
+            self.tracer = None
 
     def enqueue_embed(self):
-        c, te = self.cfg, self.w.tok_embd
-        self.k("embed", te.qt)((1,), (256,), (U64(te.ptr), I64(te.row_bytes), NULL, self.params.dptr,
-                                            ptr(self.state), ptr(self.x), I32(c.n_embd)))
+        c, te = self.cfg, self.weights.tok_embd
+        self.kernel("embed", te.qt)((1,), (256,), (U64(te.ptr), I64(te.row_bytes), NULL, self.params.dptr,
+                                                 ptr(self.state), ptr(self.x), I32(c.n_embd)))
 
     def enqueue_attention_block(self, li):
         """Attention norm, Q/K/V, RoPE + KV store, attention, and wo added to the residual x."""
-        c, L = self.cfg, self.L
-        ly = self.w.layers[li]
+        c, mv = self.cfg, self.launcher
+        layer = self.weights.layers[li]
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
-        L.mv3((ly.wq, ly.wk, ly.wv), self.x, (self.q, self.kk, self.v), (ly.bq, ly.bk, ly.bv), norm=ly.attn_norm)
-        self.attn.step(self.k, li, self.q, self.kk, self.v, ly.q_norm, ly.k_norm, self.rope, self.att, self.state,
-                       scale)
-        L.mv(ly.wo, self.att, self.x, accumulate=True, tag="wo")
+        mv.mv3((layer.wq, layer.wk, layer.wv), self.x, (self.q, self.k_new, self.v_new), (layer.bq, layer.bk, layer.bv),
+               norm=layer.attn_norm)
+        self.attn.step(self.kernel, li, self.q, self.k_new, self.v_new, layer.q_norm, layer.k_norm, self.rope,
+                       self.att, self.state, scale)
+        mv.mv(layer.wo, self.att, self.x, accumulate=True, tag="wo")
+
+    def router_args(self, li):
+        """router_fused's arguments for layer li (router_predict takes them too, then its prediction's): the router
+        rows, the FFN-normed input, the routing out, the cache's table, counts and stats."""
+        c, cache = self.cfg, self.cache
+        layer = self.weights.layers[li]
+        R = layer.router
+        rows = (U64(R.ptr), I64(R.row_bytes))
+        normed_x = (ptr(self.x), ptr(layer.ffn_norm), F32(c.rms_eps), I32(R.cols))
+        routing = (ptr(self.rlogits), I32(c.n_expert), I32(c.n_expert_used), I32(1 if c.expert_weights_norm else 0),
+                   F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts))
+        table = (U64(cache.table.data.ptr + 8 * li * c.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),
+                 U64(cache.counts.data.ptr + 4 * li * c.n_expert), ptr(cache.stats))
+        return (*rows, *normed_x, *routing, *table)
 
     def enqueue_router(self, li):
         """For MoE layers the router (on the FFN-normed x, the norm fused): afterwards self.ids / self.wts hold
         layer li's routing. Dense layers: nothing (their FFN kernels apply the norm)."""
-        c = self.cfg
-        ly = self.w.layers[li]
-        if not c.is_moe:
+        if not self.cfg.is_moe:
             return
-        cache = self.cache
-        k = c.n_expert_used
-        tab = U64(cache.table.data.ptr + 8 * li * c.n_expert)
-        R = ly.router
-        f = self.k("router_fused", R.qt, "router")
-        f(((R.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
-          (U64(R.ptr), I64(R.row_bytes), ptr(self.x), ptr(ly.ffn_norm), F32(c.rms_eps), I32(R.cols),
-           ptr(self.rlogits), I32(c.n_expert), I32(k), I32(1 if c.expert_weights_norm else 0),
-           F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts), tab, U64(cache.slot_lo), U64(cache.slot_hi),
-           U64(cache.counts.data.ptr + 4 * li * c.n_expert), ptr(cache.stats), ptr(self.counter)),
-          shared_mem=self.L.smem(f, R.cols, True))
+        R = self.weights.layers[li].router
+        f = self.kernel("router_fused", R.qt, "router")
+        f(((R.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,), (*self.router_args(li), ptr(self.counter)),
+          shared_mem=self.launcher.smem(f, R.cols, True))
 
     def enqueue_experts(self, li):
         """The routed experts (gate/up then down, weighted, added to x) and the shared expert; or the dense FFN."""
-        c, L = self.cfg, self.L
-        ly = self.w.layers[li]
-        nw, x = ly.ffn_norm, self.x
+        c, mv = self.cfg, self.launcher
+        layer = self.weights.layers[li]
+        norm, x = layer.ffn_norm, self.x
         if not c.is_moe:
-            L.swiglu(ly.w_gate, ly.w_up, x, self.h, norm=nw)
-            L.mv(ly.w_down, self.h, x, accumulate=True)
+            mv.swiglu(layer.w_gate, layer.w_up, x, self.h, norm=norm)
+            mv.mv(layer.w_down, self.h, x, accumulate=True)
             return
-        lay, cache = self.layout.layer(li), self.cache     # this layer's quant types and offsets (a graph node each)
-        k = c.n_expert_used
-        tab = U64(cache.table.data.ptr + 8 * li * c.n_expert)
-        grid = ((lay.n_ff + MV_WARPS - 1) // MV_WARPS, k, 1)
-        if lay.qt_up < 0:
-            f = self.k("moe_gate_up", lay.qt_gate_up)
+        blob, cache = self.layout.layer(li), self.cache     # this layer's quant types and offsets (a graph node each)
+        top_k = c.n_expert_used
+        table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
+        grid = ((blob.n_ff + MV_WARPS - 1) // MV_WARPS, top_k, 1)
+        if blob.qt_up < 0:
+            f = self.kernel("moe_gate_up", blob.qt_gate_up)
             f(grid, (32 * MV_WARPS,),
-              (tab, ptr(self.ids), I64(lay.up_off), I64(lay.rb_gate_up), ptr(x), ptr(nw), F32(c.rms_eps), ptr(self.h),
-               I32(lay.n_ff), I32(c.n_embd), I32(k)),
-              shared_mem=L.smem(f, c.n_embd, True))
+              (table, ptr(self.ids), I64(blob.up_off), I64(blob.rb_gate_up), ptr(x), ptr(norm), F32(c.rms_eps),
+               ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(top_k)),
+              shared_mem=mv.smem(f, c.n_embd, True))
         else:           # gate and up in different types: one launch each (moe.cu moe_proj)
-            for qt, off, rb, mul in ((lay.qt_gate_up, 0, lay.rb_gate_up, 0), (lay.qt_up, lay.up_off, lay.rb_up, 1)):
-                f = self.k("moe_proj", qt, "moe_gate_up")
+            for qt, off, rb, mul in ((blob.qt_gate_up, 0, blob.rb_gate_up, 0),
+                                     (blob.qt_up, blob.up_off, blob.rb_up, 1)):
+                f = self.kernel("moe_proj", qt, "moe_gate_up")
                 f(grid, (32 * MV_WARPS,),
-                  (tab, ptr(self.ids), I64(off), I64(rb), ptr(x), ptr(nw), F32(c.rms_eps), ptr(self.h),
-                   I32(lay.n_ff), I32(c.n_embd), I32(k), I32(mul)),
-                  shared_mem=L.smem(f, c.n_embd, True))
-        shared = ly.sh_up is not None
+                  (table, ptr(self.ids), I64(off), I64(rb), ptr(x), ptr(norm), F32(c.rms_eps), ptr(self.h),
+                   I32(blob.n_ff), I32(c.n_embd), I32(top_k), I32(mul)),
+                  shared_mem=mv.smem(f, c.n_embd, True))
+        shared = layer.sh_up is not None
         if shared:      # the shared expert reads x before moe_down adds to it
-            if ly.sh_gate_inp is not None:
-                L.mv(ly.sh_gate_inp, x, self.sgate, tag="shexp", norm=nw)
-            L.swiglu(ly.sh_gate, ly.sh_up, x, self.h2, norm=nw, tag="shexp")
-        f = self.k("moe_down", lay.qt_down)
-        sm = L.smem(f, k * lay.n_ff, False, optional_max=100 * 1024)   # e.g. 8 x 1536 (Qwen3-235B): 50 KiB
+            if layer.sh_gate_inp is not None:
+                mv.mv(layer.sh_gate_inp, x, self.sgate, tag="shexp", norm=norm)
+            mv.swiglu(layer.sh_gate, layer.sh_up, x, self.h2, norm=norm, tag="shexp")
+        f = self.kernel("moe_down", blob.qt_down)
+        sm = mv.smem(f, top_k * blob.n_ff, False, optional_max=100 * 1024)   # e.g. 8 x 1536 (Qwen3-235B): 50 KiB
         f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,),
-          (tab, ptr(self.ids), ptr(self.wts), I64(lay.down_off), I64(lay.rb_down), ptr(self.h), ptr(x),
-           I32(c.n_embd), I32(lay.n_ff), I32(k), I32(1 if sm else 0)),
+          (table, ptr(self.ids), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(x),
+           I32(c.n_embd), I32(blob.n_ff), I32(top_k), I32(1 if sm else 0)),
           shared_mem=sm)
         if shared:
-            L.mv(ly.sh_down, self.h2, x, gate_logit=self.sgate if ly.sh_gate_inp is not None else None,
-                 accumulate=True, tag="shexp")
+            mv.mv(layer.sh_down, self.h2, x, gate_logit=self.sgate if layer.sh_gate_inp is not None else None,
+                  accumulate=True, tag="shexp")
 
     def enqueue_output(self):
         """The output mat-vec (of the final-normed x, the norm fused) into self.logits."""
-        self.L.output_logits(self.w, self.x, self.logits)
+        self.launcher.output_logits(self.weights, self.x, self.logits)
 
-    def enqueue_pick(self):
-        """The next token from self.logits into self.out: the argmax, or while a GPU sampler is active (its own graph
-        variant, engine/cuda/sampler.py) its penalties / top_k / top_p / min_p / temperature and seeded draw."""
-        gs = getattr(self, "sampler", None)
-        if gs is not None and gs.active:
-            gs.enqueue(self.k, self.logits, self.out.dptr)
+    def enqueue_pick(self, pick: str = "greedy"):
+        """The next token from self.logits into self.out: the argmax ("greedy"), or the GPU sampler's penalties /
+        top_k / top_p / min_p / temperature and seeded draw ("sampled")."""
+        if pick == "sampled":
+            self.sampler.enqueue(self.kernel, self.logits, self.out.dptr)
             return
-        c = self.cfg
-        self.k("argmax_word")((264,), (256,), (ptr(self.logits), I32(c.n_vocab), ptr(self.state)))
-        self.k("argmax_finish")((1,), (1,), (ptr(self.state), self.out.dptr))
+        self.kernel("argmax_word")((264,), (256,), (ptr(self.logits), I32(self.cfg.n_vocab), ptr(self.state)))
+        self.kernel("argmax_finish")((1,), (1,), (ptr(self.state), self.out.dptr))
 
     # --- running ---------------------------------------------------------------------------------------------
-    def capture(self):
+    def picks(self) -> tuple[str, ...]:
+        return PICKS if self.sampler is not None else PICKS[:1]
+
+    def record(self, pick: str = "greedy", tracer=None):
+        """The step's launches captured as a graph (not kept: capture() keeps one per pick mode)."""
         s = self.stream
         s.synchronize()
         s.begin_capture()
         try:
             with s:
-                self.enqueue()
+                self.enqueue(pick, tracer)
         finally:
-            self.graph = s.end_capture()
+            graph = s.end_capture()
+        return graph
 
-    def launch(self, token: int, pos: int, use_graph: bool = True):
+    def capture(self):
+        """One graph per pick mode, replayed by launch()."""
+        self.graphs = {}
+        self.graphs = {pick: self.record(pick) for pick in self.picks()}
+
+    def launch(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True):
+        """Enqueue one step; result() waits for it. The memory modes take it over while some expert has no address
+        the GPU can read (decode_paged.py)."""
+        if self.paged is not None:
+            self.paged.launch(token, pos, pick, use_graph)
+        else:
+            self.launch_whole(token, pos, pick, use_graph)
+
+    def launch_whole(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True):
+        """The whole step: its graph for this pick mode, or the launches one by one."""
         self.params.view[0] = token
         self.params.view[1] = pos
-        if use_graph and self.graph is not None:
-            self.graph.launch(self.stream)
+        graph = self.graphs.get(pick) if use_graph else None
+        if graph is not None:
+            graph.launch(self.stream)
         else:
             with self.stream:
-                self.enqueue()
+                self.enqueue(pick)
 
     def result(self) -> tuple[int, int]:
-        """(greedy id, NaN count) of the last launched step; waits for it."""
+        """(picked id, NaN count) of the last launched step; waits for it."""
         self.stream.synchronize()
         return int(self.out.view[0]), int(self.out.view[1])
 
-    def profile(self, reps: int = 20) -> dict[str, float]:
-        """Microseconds per step of each kind of kernel: a graph of only that kind's launches, replayed. The full
-        step comes as 'step'; the kinds' sum exceeds it by the launch gaps the full graph overlaps."""
-        full = self.k
-        tags = set()
-        probe = _Only(full, None, tags)
-        self.k = self.L.k = probe
-        with self.stream:
-            self.enqueue()          # eager: records the kinds, and leaves state as a real step would
-        out = {"step": self._time_graph(reps)}
-        try:
-            for tag in sorted(tags):
-                self.k = self.L.k = _Only(full, tag, set())
-                out[tag] = self._time_graph(reps)
-        finally:
-            self.k = self.L.k = full
-            self.capture()
-        return out
-
-    def _time_graph(self, reps: int) -> float:
-        self.capture()
-        s = self.stream
-        self.graph.launch(s)
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(s)
-        for _ in range(reps):
-            self.graph.launch(s)
-        b.record(s)
-        b.synchronize()
-        return cp.cuda.get_elapsed_time(a, b) * 1000.0 / reps
-
     def close(self):
-        self.graph = None
+        self.graphs = {}
+        self.prefetch = self.paged = self.sampler = None
         self.params.close()
         self.out.close()

@@ -14,8 +14,8 @@ import numpy as np
 
 
 class PagedDecode:
-    """step: DecodeStep (its per-layer enqueue_* methods); cache: ExpertCache with a source; ev(): a recorded event
-    on the step's stream (injected, so the loop runs on the CPU against fakes)."""
+    """step: DecodeStep (its per-layer enqueue_* methods); cache: ExpertCache with a source; new_event(): a recorded
+    event on the step's stream (injected, so the loop runs on the CPU against fakes)."""
 
     def __init__(self, step, cache, source, new_event, use_graphs: bool = True):
         self.step, self.cache, self.source = step, cache, source
@@ -50,18 +50,19 @@ class PagedDecode:
             a = grab(lambda li=li: (st.enqueue_attention_block(li), st.enqueue_router(li)))
             b = grab(lambda li=li: st.enqueue_experts(li))
             parts.append((a, b))
-        tail = grab(lambda: (st.enqueue_output(), st.enqueue_pick()))
+        tail = grab(lambda: (st.enqueue_output(), st.enqueue_pick("greedy")))
         self.parts = (head, parts, tail)
 
     def close(self):
         self.parts = None
 
     # --- one step --------------------------------------------------------------------------------------------
-    def launch(self, token: int, pos: int, use_graph: bool = True) -> str:
-        """Enqueue one step; returns "graph" or "paged". The caller waits with step.result()."""
+    def launch(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True) -> str:
+        """Enqueue one step (DecodeStep.launch's hook); returns "graph" or "paged". The caller waits with
+        step.result()."""
         st = self.step
         if self.cache.reachable():
-            st.launch(token, pos, use_graph=use_graph)
+            st.launch_whole(token, pos, pick, use_graph)
             self.source.note_table_reads(self.new_event())
             self.graph_steps += 1
             return "graph"
@@ -71,6 +72,8 @@ class PagedDecode:
         s = st.stream
         with s:
             self._run(graphs, s)
+            if pick != "greedy":        # the per-layer parts pick greedily: the sampled pick follows, stream-ordered
+                st.enqueue_pick(pick)
         self.paged_steps += 1
         return "paged"
 
@@ -86,10 +89,10 @@ class PagedDecode:
             else:
                 st.enqueue_attention_block(li)
                 st.enqueue_router(li)
-            gs = li * E + np.asarray(st.ids.get(stream=s), dtype=np.int64)   # waits for the router
+            routed = li * E + np.asarray(st.ids.get(stream=s), dtype=np.int64)   # waits for the router
             # every routed expert outside VRAM and the arena is pinned in the LRU for this layer, the staged ones
             # too: staging a missing one must not evict one this layer is about to read
-            staged = gs[(cache.slot_of[gs] < 0) & self.source.file_only[gs]]
+            staged = routed[(cache.slot_of[routed] < 0) & self.source.file_only[routed]]
             if len(staged):
                 _, n_read = cache.stage(staged, s)
                 self.decode_file_blobs += n_read
@@ -105,4 +108,4 @@ class PagedDecode:
             graphs[2].launch(s)
         else:
             st.enqueue_output()
-            st.enqueue_pick()
+            st.enqueue_pick("greedy")

@@ -12,7 +12,7 @@ In the memory modes (`source`: engine/cuda/expert_source.py) an expert outside V
 staging slot while the staging LRU holds it, or unreachable (entry 0; the paged decode step stages it first). The
 tier then swaps in only experts reachable from pinned memory (the hot ones were staged when they were routed).
 
-Lending (the streamed prompt pass's ring, engine/cuda/prefill_streamed.py): `lend` takes slots out of the cache,
+Lending (the streamed prompt pass's ring, engine/cuda/prefill.py): `lend` takes slots out of the cache,
 free ones first, then the coldest occupied ones (never one a pending swap is filling); their experts' entries go
 back to their home addresses on the main stream before the ring's copy stream may write the slots (the ring waits
 on an event recorded after that). A lent slot's owner is LENT, so neither fill nor the adaptive tier touches it.

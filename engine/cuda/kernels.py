@@ -1,26 +1,25 @@
-"""Compile and cache the cuda_src/*.cu modules (CuPy RawModule through NVRTC, for the current device's architecture).
+"""The one kernel loader: cuda_src/*.cu compiled with NVRTC through cupy.RawModule, once per process and build.
 
-Each .cu file declares the variants the engine builds in comment lines, so the loader and the no-GPU compile test
+Each .cu file declares the variants it is built in, so the loader and the no-GPU compile test
 (tests/test_cuda_compile.py) read one list:
 
     // @build per-qtype            one variant per quant type, with -DSTRATA_QT=<ggml id> (matvec.cu, dequant.cu)
     // @build HEAD_DIM=128 NQ=4    one variant with these defines (any number of such lines)
     (no @build line)               one variant without defines
 
-A kernel template over a quant type names its parameter QT (`template <int QT> __global__ void mv(...)`): every
-variant instantiates it for each quant type (NVRTC name expressions `mv<12>`; the nvcc test takes their addresses), so
-a template that does not compile for some type fails the test even before a model of that type is loaded.
+A kernel template over a quant type names its parameter QT (`template <int QT> __global__ void mv(...)`): a build
+instantiates it for the quant types asked (NVRTC name expressions `mv<12>`; the nvcc test takes their addresses).
 A kernel over two types names them QG and QU (`template <int QG, int QU>`: gate and up of a layer that differ):
 instantiated for the `pairs` a model holds, or, in the compile test, for a few representative pairs (CHECK_PAIRS).
-`compile_all()` builds every declared variant (or those for the model's quant types) before the worker prints READY,
-so no kernel compiles mid-request. `load(name, defines)` returns the cached module for any defines, declared or not.
+
+Recompiling: CuPy's on-disk cache keys on a module's text and options, so every build carries a digest of all of
+cuda_src/ as a define; an edit to any source file recompiles, a repeated start does not. `Kernels` is the engine's
+table (decode and prompt-pass kernels), loaded before READY so nothing compiles mid-request or mid-capture.
 """
 from __future__ import annotations
 
 import hashlib
 import re
-import sys
-import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -28,14 +27,6 @@ from pathlib import Path
 from engine.cuda.quant_types import QTYPES, qtype
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
-SMEM_DEFAULT = 48 * 1024     # dynamic shared memory a kernel gets without opting in
-SMEM_MAX = 227 * 1024        # the most a block may opt in to (sm_80 / sm_90)
-
-
-def staged_bytes(n: int) -> int:
-    """Shared memory for n floats staged by common.cuh stage_x (Q4_K's padded layout: 4 floats per 64)."""
-    return 4 * (n + 4 * (n // 64))
-
 STD = "-std=c++17"
 _BUILD_RE = re.compile(r"^\s*//\s*@build\b(.*)$")
 _QT_TEMPLATE_RE = re.compile(r"template\s*<\s*int\s+QT\s*>\s*(?:__launch_bounds__\s*\([^)]*\)\s*)?"
@@ -129,11 +120,10 @@ def builds(qtypes=None) -> list[Build]:
 
 
 @lru_cache(maxsize=1)
-def _headers_digest() -> str:
-    # CuPy's on-disk cache keys on the source text and the options, not on included headers: a digest of every
-    # header as a define makes a header edit recompile everything that includes it.
+def sources_digest() -> str:
+    """A digest of every file in cuda_src/ (the one way a source edit forces a recompile: module docstring)."""
     h = hashlib.sha256()
-    for p in sorted(CUDA_SRC.glob("*.cuh")):
+    for p in sorted(CUDA_SRC.glob("*.cu*")):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
@@ -141,7 +131,7 @@ def _headers_digest() -> str:
 
 def options(build: Build) -> tuple[str, ...]:
     """NVRTC options for a build (the nvcc compile test uses the same defines and standard)."""
-    return (STD, f"-I{CUDA_SRC}", f"-DSTRATA_HEADERS={_headers_digest()}", *build.define_args())
+    return (STD, f"-I{CUDA_SRC}", f"-DSTRATA_SRC={sources_digest()}", *build.define_args())
 
 
 _modules: dict[Build, object] = {}
@@ -181,44 +171,39 @@ def quant_function(name: str, kernel: str, t, **defines):
     return function(name, kernel, {**defines, "STRATA_QT": qtype(t).id})
 
 
-def compile_all(qtypes=None, log=sys.stderr) -> int:
-    """Compile every declared variant (per-qtype ones only for `qtypes` when given); returns how many."""
-    t0 = time.perf_counter()
-    todo = builds(qtypes)
-    for b in todo:
-        load(b.name, dict(b.defines), qtypes)
-    if log is not None:
-        print(f"kernels: {len(todo)} modules ready in {time.perf_counter() - t0:.1f} s", file=log, flush=True)
-    return len(todo)
+# The engine's kernel table: these files' kernels, templated ones for the model's quant types.
+ENGINE_FILES = ("dense.cu", "norm_rope.cu", "attention.cu", "router.cu", "moe.cu", "sample.cu")
+_BOUNDS = r"(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+_GLOBAL_RE = re.compile(r"__global__\s+" + _BOUNDS + r"void\s+" + _BOUNDS + r"(\w+)\s*\(")
 
 
-MATVEC_ROWS = {1: (1, 2, 4), 2: (1, 2), 3: (1, 2), 4: (1, 2), 5: (1, 2), 6: (1, 2), 7: (1, 2), 8: (1, 2)}
-MATVEC_WARPS = 4  # warps per block in matvec.cu
+class Kernels:
+    """kernels(name) for a plain kernel, kernels(name, qt) for a QT template (qt: ggml type id); `tag` names the
+    launch's kind for a tracer (decode.py) and is ignored here."""
 
+    def __init__(self, qtype_ids):
+        self.qtype_ids = sorted({int(q) for q in qtype_ids})
+        self.modules = {f: load(Path(f).stem, qtypes=self.qtype_ids) for f in ENGINE_FILES}
+        self.file_of: dict[str, str] = {}
+        for f in ENGINE_FILES:
+            for name in _GLOBAL_RE.findall((CUDA_SRC / f).read_text()):
+                self.file_of.setdefault(name, f)
+        self._fn: dict = {}
+        # every kernel fetched now: none is loaded in the middle of a request or a graph capture
+        for name, f in self.file_of.items():
+            if name in _QT_TEMPLATE_RE.findall((CUDA_SRC / f).read_text()):
+                for q in self.qtype_ids:
+                    self(name, q)
+            else:
+                self(name)
 
-# Types whose mat-vec ran faster with two rows per warp on 8192 x 8192 (bench/matvec.py on the H200, 2026-11-29);
-# the K-quants and the 2-bit i-quants, with more registers per row, ran fastest with one.
-_TWO_ROW_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q6_K", "IQ4_NL", "IQ3_S", "MXFP4"}
-
-
-def matvec_plan(nrows: int, nv: int = 1, rows_per_warp: int | None = None, qtype_=None,
-                ncols: int | None = None) -> tuple[str, tuple[int], tuple[int], int]:
-    """(kernel name, grid, block, rows per warp) for matvec.cu. Without rows_per_warp, the choice follows the H200
-    measurements: several vectors or short rows (<= 1024 columns, many rows) gain from sharing each x chunk across
-    rows; single vectors over long rows gain only for the simple types; small matrices need one row per warp so that
-    enough warps run."""
-    if nv not in MATVEC_ROWS:
-        raise ValueError(f"matvec takes 1 to 8 vectors at once, got {nv}")
-    if rows_per_warp is None:
-        name = qtype(qtype_).name if qtype_ is not None else None
-        if nv > 1:
-            rows_per_warp = 2 if nrows >= 8192 else 1
-        elif ncols is not None and ncols <= 1024 and nrows >= 32768:
-            rows_per_warp = 4
-        elif name in _TWO_ROW_TYPES and nrows >= 8192:
-            rows_per_warp = 2
-        else:
-            rows_per_warp = 1
-    r = max(x for x in MATVEC_ROWS[nv] if x <= rows_per_warp)
-    per_block = MATVEC_WARPS * r
-    return f"matvec_r{r}_nv{nv}", ((nrows + per_block - 1) // per_block,), (32 * MATVEC_WARPS,), r
+    def __call__(self, name: str, qt: int | None = None, tag: str | None = None):
+        key = (name, qt)
+        f = self._fn.get(key)
+        if f is None:
+            if name not in self.file_of:
+                raise KeyError(f"no kernel {name!r} in {', '.join(ENGINE_FILES)}")
+            mod = self.modules[self.file_of[name]]
+            f = mod.get_function(f"{name}<{int(qt)}>" if qt is not None else name)
+            self._fn[key] = f
+        return f

@@ -67,21 +67,22 @@ class KVCache:
                              "or use layer_i8() for the int8 layout")
         return int(self.k[i].data.ptr), int(self.v[i].data.ptr)
 
-    def store(self, k, cfg, li, q, kk, v, q_norm, k_norm, rope, state=None, pos0: int = 0, T: int = 1) -> None:
+    def store(self, kernels, cfg, li, q, k_rows, v, q_norm, k_norm, rope, state=None, pos0: int = 0,
+              T: int = 1) -> None:
         """The step between the Q/K/V projections and attention, for T tokens at positions pos0 + t (+ state[1] when
         state, a device int32 array, is given): optional q/k RMSNorm and RoPE (rotated q written back into q), K and
-        V into layer li in this cache's layout. q: (T, n_head * head_dim), kk, v: (T, n_head_kv * head_dim) fp32;
-        rope: (max_ctx, n_rot / 2) float2 (cos, sin). k: the engine's kernel table (programs.Kernels)."""
+        V into layer li in this cache's layout. q: (T, n_head * head_dim), k_rows, v: (T, n_head_kv * head_dim) fp32;
+        rope: (max_ctx, n_rot / 2) float2 (cos, sin). kernels: the engine's kernel table (kernels.Kernels)."""
         c = cfg
         grid, blk = (c.n_head + 2 * c.n_head_kv, T), (c.head_dim,)
-        head = (_ptr(q), _ptr(kk), _ptr(v), _ptr(q_norm), _ptr(k_norm), _ptr(rope), _ptr(state), I32(pos0))
+        head = (_ptr(q), _ptr(k_rows), _ptr(v), _ptr(q_norm), _ptr(k_norm), _ptr(rope), _ptr(state), I32(pos0))
         tail = (I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(c.n_rot), I32(1 if c.rope_type == "neox" else 0),
                 F32(c.rms_eps), I32(self.max_ctx))
         if self.dtype == "f16":
             kc, vc = self.layer(li)
-            k("qk_rope_store")(grid, blk, (*head, U64(kc), U64(vc), *tail))
+            kernels("qk_rope_store")(grid, blk, (*head, U64(kc), U64(vc), *tail))
         else:
-            k("qk_rope_store_kv8")(grid, blk, (*head, *(U64(a) for a in self.layer_i8(li)), *tail))
+            kernels("qk_rope_store_kv8")(grid, blk, (*head, *(U64(a) for a in self.layer_i8(li)), *tail))
 
     def layer_i8(self, i: int) -> tuple[int, int, int, int]:
         """(k_q, k_scale, v_q, v_scale) addresses of layer i's int8 cache."""
@@ -150,33 +151,34 @@ class DecodeAttention:
         kernels(self.name_fused).max_dynamic_shared_size_bytes = self.smem
         kernels("qk_rope_store" if kv.dtype == "f16" else "qk_rope_store_kv8")     # loaded now, not mid-capture
 
-    def step(self, k, li, q, kk, v, q_norm, k_norm, rope, out, state, scale) -> None:
-        """This step's attention block between the Q/K/V projections (q, kk, v: raw, fp32) and wo: out gets the
+    def step(self, kernels, li, q, k_rows, v, q_norm, k_norm, rope, out, state, scale) -> None:
+        """This step's attention block between the Q/K/V projections (q, k_rows, v: raw, fp32) and wo: out gets the
         attention of the token at position state[1] over positions 0 .. state[1] of layer li, whose K/V it stores."""
         if not self.fused:
-            self.store(k, li, q, kk, v, q_norm, k_norm, rope, state)
-            self.attend(k, li, q, out, state, scale)
+            self.store(kernels, li, q, k_rows, v, q_norm, k_norm, rope, state)
+            self.attend(kernels, li, q, out, state, scale)
             return
         c = self.cfg
         addrs = self.kv.layer(li) if self.kv.dtype == "f16" else self.kv.layer_i8(li)
-        k(self.name_fused)((c.n_head_kv, self.n_split), (self.block,),
-                           (_ptr(q), _ptr(kk), _ptr(v), _ptr(q_norm), _ptr(k_norm), _ptr(rope), I32(c.n_rot),
-                            I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps), *(U64(a) for a in addrs),
-                            _ptr(state), _ptr(self.part), _ptr(self.counters), _ptr(out), I32(c.n_head_kv),
-                            I32(self.group), I32(c.head_dim), I32(self.kv.max_ctx), F32(scale)),
-                           shared_mem=self.smem)
+        rows = (_ptr(q), _ptr(k_rows), _ptr(v), _ptr(q_norm), _ptr(k_norm))
+        rotary = (_ptr(rope), I32(c.n_rot), I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps))
+        cache = tuple(U64(a) for a in addrs)
+        work = (_ptr(state), _ptr(self.part), _ptr(self.counters), _ptr(out))
+        shape = (I32(c.n_head_kv), I32(self.group), I32(c.head_dim), I32(self.kv.max_ctx), F32(scale))
+        kernels(self.name_fused)((c.n_head_kv, self.n_split), (self.block,), (*rows, *rotary, *cache, *work, *shape),
+                                 shared_mem=self.smem)
 
-    def store(self, k, li, q, kk, v, q_norm, k_norm, rope, state) -> None:
+    def store(self, kernels, li, q, k_rows, v, q_norm, k_norm, rope, state) -> None:
         """K/V of this step's token at position state[1] (KVCache.store)."""
-        self.kv.store(k, self.cfg, li, q, kk, v, q_norm, k_norm, rope, state)
+        self.kv.store(kernels, self.cfg, li, q, k_rows, v, q_norm, k_norm, rope, state)
 
-    def attend(self, k, li, q, out, state, scale, n_fixed: int = 0) -> None:
+    def attend(self, kernels, li, q, out, state, scale, n_fixed: int = 0) -> None:
         """out (n_head * head_dim) = softmax(q K^T * scale) V over positions 0 .. state[1] (0 .. n_fixed - 1 when state
         is None) of layer li, for the rotated q (n_head * head_dim)."""
         c = self.cfg
         addrs = self.kv.layer(li) if self.kv.dtype == "f16" else self.kv.layer_i8(li)
-        k(self.name)((c.n_head_kv, self.n_split), (self.block,),
-                     (_ptr(q), *(U64(a) for a in addrs), _ptr(state), I32(n_fixed), _ptr(self.part),
-                      _ptr(self.counters), _ptr(out), I32(c.n_head_kv), I32(self.group), I32(c.head_dim),
-                      I32(self.kv.max_ctx), F32(scale)),
-                     shared_mem=self.smem)
+        kernels(self.name)((c.n_head_kv, self.n_split), (self.block,),
+                           (_ptr(q), *(U64(a) for a in addrs), _ptr(state), I32(n_fixed), _ptr(self.part),
+                            _ptr(self.counters), _ptr(out), I32(c.n_head_kv), I32(self.group), I32(c.head_dim),
+                            I32(self.kv.max_ctx), F32(scale)),
+                           shared_mem=self.smem)

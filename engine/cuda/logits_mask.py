@@ -55,7 +55,7 @@ def masked_next(backend, tokens, sampler) -> int:
     if len(tokens) > 1:
         lg = backend._prefill(tokens, False)[-1]
     else:
-        backend._decode(tokens[0])        # the plain step; its own argmax is ignored
+        backend.decode(tokens[0])         # the plain step; its own argmax is ignored
         lg = backend.step.logits
     with backend.stream:
         lg = cp.array(lg, dtype=cp.float32, copy=True).reshape(-1)

@@ -1,5 +1,5 @@
 """The CUDA backend's memory modes, wired together: --mmap-experts (no expert pinned up front) and
---resident-budget-gib N (the hottest N GiB pinned, DESIGN §6's profile order, else router-row norms).
+--resident-budget-gib N (the hottest N GiB pinned, the profile order, docs/design.md "Files", else router-row norms).
 
 `MemoryMode.plan()` decides which experts the arena pins; `attach_*()` give the expert cache its source (the file
 through a pinned staging LRU, engine/cuda/expert_source.py), the decode step its per-layer form
@@ -72,11 +72,10 @@ class MemoryMode:
     def attach_cache(self, model, arena, cache, stream, opts, log):
         cfg = model.config
         # a ring batch is at most half the ring, and the ring holds at most every expert
-        streamed = opts.prefill == "streamed"
-        ring_batch = min(RING_BATCH_MAX, cfg.n_layer * cfg.n_expert // 2) if streamed else 0
+        ring_batch = min(RING_BATCH_MAX, cfg.n_layer * cfg.n_expert // 2)
         # a chunk too short for the ring pins every file-only expert its tokens route to in a layer at once
         # (routed_group): up to a layer's file-only experts
-        group = int((~self.pinned).reshape(cfg.n_layer, cfg.n_expert).sum(axis=1).max()) if streamed else 0
+        group = int((~self.pinned).reshape(cfg.n_layer, cfg.n_expert).sum(axis=1).max())
         n = staging_slots(cfg.n_layer, cfg.n_expert_used, arena.layout.stride, int((~self.pinned).sum()),
                           ring_batch, getattr(opts, "staging_slots", None), group=group)
         try:
@@ -97,6 +96,7 @@ class MemoryMode:
 
     def attach_step(self, step, use_graphs: bool):
         self.paged = PagedDecode(step, self.cache, self.source, lambda: _event(step.stream), use_graphs)
+        step.set_paged(self.paged)
         self.paged.decode_file_blobs = self._file_blobs     # after a resize the count goes on (reset_stats' base)
 
     def detach(self):
@@ -110,9 +110,9 @@ class MemoryMode:
         self.cache = None
 
     def attach_prefill(self, prefill):
-        """The streamed pass's ring copies file-only experts from staging slots (StagedCopies)."""
-        if getattr(prefill, "dev", None) is not None:
-            prefill.dev = StagedCopies(prefill.dev, self.cache)
+        """The prompt pass's ring copies file-only experts from staging slots (StagedCopies)."""
+        if prefill.dev is not None:
+            prefill.set_device(StagedCopies(prefill.dev, self.cache))
 
     # --- stats -----------------------------------------------------------------------------------------------
     def reset_stats(self):
@@ -186,16 +186,16 @@ def routed_group(cache, li: int, ids, stream):
     """The streamed pass's in-place expert group of layer li in the memory modes (chunks that do not use the ring):
     only the routed experts, the file-only ones staged and pinned, so no kernel is handed a 0 address. Waits for the
     router. Returns (sel, ptrs, n) and a function to call once the group's kernels are enqueued."""
-    from engine.cuda.decode import U64
+    from engine.cuda.launch import U64
     E = cache.n_expert
     es = np.unique(np.asarray(ids.get(stream=stream)).ravel()).astype(np.int64)
-    gs = li * E + es
-    need = gs[(cache.slot_of[gs] < 0) & cache.source.file_only[gs]]
+    flat = li * E + es
+    need = flat[(cache.slot_of[flat] < 0) & cache.source.file_only[flat]]
     if len(need):
         cache.stage(need, stream)
     with stream:
         sel = cp.asarray(es.astype(np.int32))
-        ptrs = cp.asarray(cache.table_host[gs])
+        ptrs = cp.asarray(cache.table_host[flat])
     cache.routed_group = (sel, ptrs)          # alive until the next layer's group replaces them
 
     def done():

@@ -13,23 +13,19 @@ kernel updates when it picks. Nothing that changes between requests or steps is 
 are captured in the decode step's graph.
 
 The kept set is found without sorting (cuda_src/sample.cu has the radix select). One block does it, since it is a
-chain of small decisions, and over the whole vocabulary that took 0.5-0.64 ms a pick with top_k or top_p
-(bench.sampler; 278.3 tok/s sampled against 322.1 greedy on the H200, all resident). So the multi-block kernels
-first narrow it down: sample_prep counts the keys in a histogram of their top 12 bits, sample_cut (one block, over
+chain of small decisions, but over the whole vocabulary that is slow (docs/experiments.md). So the multi-block
+kernels first narrow it down: sample_prep counts the keys in a histogram of their top 12 bits, sample_cut (one block, over
 4096 bins) picks the lowest bin that the kept set can reach (from top_k's count, or top_p's mass bounded from both
 sides by each bin's value range, and min_p's floor), and sample_gather marks the keys at or above it in a bitmap;
 sample_select copies those candidates (at most CAND_CAP) into shared memory in id order and selects from them. When
 the bins at and above the cut hold more than CAND_CAP keys (a large top_k, top_p over a flat distribution), it
-selects from the whole vocabulary, as before (~0.56 ms a pick: bench.sampler's flat top_p row; issuing each thread's
-loads four at a time there changed nothing (582 against 580 us), so L2 latency is not the limit; a guess, not
-measured: the first radix level's shared float atomics, where a flat distribution puts 150k keys into ~20 buckets);
-either way the kept set and the draw are the same. When nothing but min_p cuts the kept set (temperature alone keeps
+selects from the whole vocabulary; either way the kept set and the draw are the same. When nothing but min_p cuts the kept set (temperature alone keeps
 every key), the draw needs no select: sample_exp sums the tempered weights of each block's run of ids, and
 sample_select walks only the run the draw falls in. bench/sampler.py has the figures.
 
 Greedy without penalties keeps the step's own argmax (the fast path, its own graph); everything else goes through
-these kernels in a second graph variant of the same step (capture()): a mode word read by the kernels would put
-three launches (~8 us) into every greedy step as well.
+these kernels in the step's "sampled" graph (engine/cuda/decode.py): a mode word read by the kernels would put three
+launches (~8 us) into every greedy step as well.
 """
 from __future__ import annotations
 
@@ -128,9 +124,6 @@ class GpuSampler:
         sel = kernels("sample_select")
         if getattr(sel, "max_dynamic_shared_size_bytes", 0) < CAND_SMEM:
             sel.max_dynamic_shared_size_bytes = CAND_SMEM
-        self.active = False             # DecodeStep.enqueue_pick launches these kernels while True
-        self.graph = None               # the step's sampled variant (capture())
-        self.graph_of = None            # ... and the step it was captured from
         self.owner = None               # the host Sampler the device state belongs to
         self.draws = 0                  # the device's RNG counter, mirrored
         self.last_pick = None
@@ -204,36 +197,11 @@ class GpuSampler:
                                  (self.work, self.pw, self.qw, self.zpart, self.qpart, np.int32(SAMPLE_GRID), n, p,
                                   s, self.counts, self.ring, self.bitmap, np.uint64(out_dptr)), shared_mem=CAND_SMEM)
 
-    def capture(self, step) -> None:
-        """The step's sampled variant: its graph captured with enqueue_pick() routed here; the greedy graph stays."""
-        greedy = step.graph
-        step.sampler = self
-        self.active = True
-        try:
-            step.capture()
-            self.graph = step.graph
-            self.graph_of = step
-        finally:
-            step.graph = greedy
-            self.active = False
-
-    def launch(self, step, token: int, pos: int, use_graph: bool = True) -> None:
-        """One decode step with the sampled pick (the graph variant, or eager launches without graphs)."""
-        greedy = step.graph
-        step.sampler = self
-        self.active = True
-        try:
-            step.graph = self.graph if use_graph and self.graph_of is step else None
-            step.launch(token, pos, use_graph=use_graph and step.graph is not None)
-        finally:
-            step.graph = greedy
-            self.active = False
-
     def read_state(self) -> np.ndarray:
         """The device state record (tests: the kept set's boundary, u, total, the pick)."""
         return self.state.get(stream=self.stream).view(STATE_DTYPE)[0]
 
     def close(self) -> None:
-        self.graph = self.graph_of = self.owner = None
+        self.owner = None
         self.params = self.state = self.counts = self.ring = self.work = self.pw = self.qw = self.zpart = None
         self.hist = self.bitmap = self.qpart = None

@@ -1,4 +1,4 @@
-"""The streamed prompt pass (--prefill streamed) end to end against the NumPy backend: logits within 1e-2 relative and
+"""The prompt pass end to end against the NumPy backend: logits within 1e-2 relative and
 the same greedy continuation for prompts that cross several chunks, with the ring at its smallest and largest depth
 and the expert cache full, half, empty (and empty with its free slots lent to the ring); STOP mid-prompt through the
 worker; a chunk that does not fit refused with the numbers; the ring made of lent expert-cache slots (the coldest
@@ -16,7 +16,8 @@ from engine import protocol  # noqa: E402
 from engine.backend_cpu import CPUBackend  # noqa: E402
 from engine.gguf_model import open_model  # noqa: E402
 from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
-from route_ties import ROUTE_TIE, ROUTE_TIE_KV8, Reference, gpu_routes, greedy_reference  # noqa: E402
+from route_ties import (ROUTE_TIE, ROUTE_TIE_KV8, Reference, RouteRecorder, gpu_routes,  # noqa: E402
+                        greedy_reference)
 from test_worker_protocol import Worker, gen, shape  # noqa: E402
 
 CTX = 512
@@ -29,9 +30,9 @@ MODELS = ("tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed", "tiny-llama-legacy")
 
 def streamed(model, **opts):
     from engine.cuda.backend import CUDABackend, CudaOptions
-    kw = dict(prefill="streamed", prefill_chunk=CHUNK, stream_min=1, adapt_every=0)
+    kw = dict(prefill_chunk=CHUNK, stream_min=1, adapt_every=0)
     kw.update(opts)
-    return CUDABackend(model, CTX, CudaOptions(**kw))
+    return CUDABackend(model, CTX, CudaOptions(**kw), tracer=RouteRecorder())
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +58,10 @@ def routed_logits(be, model, tokens, tie=ROUTE_TIE):
     """The pass's logits for tokens (all rows) and the NumPy backend's, the latter taking the pass's routes wherever
     its own router is a near-tie (tests/route_ties.py: a near-tie parting moves a row by 10-60%); fails on a route
     the pass took against a clear gap."""
-    be.prefill.routes = []
+    be.tracer.routes = []
     lg = be.forward(tokens, all_logits=True)
-    ref = Reference(model, CTX, gpu_routes(be.prefill.routes), tie)
-    be.prefill.routes = None
+    ref = Reference(model, CTX, gpu_routes(be.tracer.routes), tie)
+    be.tracer.routes = None
     try:
         want = ref.forward(tokens, all_logits=True)
     finally:
@@ -72,10 +73,10 @@ def routed_logits(be, model, tokens, tie=ROUTE_TIE):
 def routed_greedy(be, model, prompt, n):
     """Greedy tokens from the pass (prompt) and the decode step, and the reference's (the prompt's routes as the pass
     took them at near-ties) with its step logits."""
-    be.prefill.routes = []
+    be.tracer.routes = []
     got = greedy(be, prompt, n)
-    ref = Reference(model, CTX, gpu_routes(be.prefill.routes))
-    be.prefill.routes = None
+    ref = Reference(model, CTX, gpu_routes(be.tracer.routes))
+    be.tracer.routes = None
     try:
         want, step_logits = greedy_reference(ref, prompt, n)
     finally:
@@ -137,14 +138,14 @@ def test_short_chunks_read_experts_in_place(cpu_runs, name):
 
 def test_a_chunk_that_does_not_fit_is_refused_with_the_numbers(cpu_runs):
     from engine.cuda.chunk_plan import ChunkRefused
-    from engine.cuda.prefill_streamed import StreamedPrefill
+    from engine.cuda.prefill import Prefill
     model = cpu_runs["tiny-qwen3moe-q4k"][0]
     be = streamed(model)
     try:
         used = cp.get_default_memory_pool().used_bytes() / 2**20
         tight = dataclasses.replace(be.opts, prefill_chunk=CTX, vram_budget_mib=int(used) + 1)
         with pytest.raises(ChunkRefused) as e:
-            StreamedPrefill(be.step, tight)
+            Prefill(be.step, tight)
         msg = str(e.value)
         assert f"a prompt chunk of {CTX} tokens" in msg and "MiB of VRAM but" in msg and "--prefill-chunk" in msg
     finally:
@@ -152,10 +153,10 @@ def test_a_chunk_that_does_not_fit_is_refused_with_the_numbers(cpu_runs):
 
 
 def test_stop_mid_prompt_cancels(fixtures_dir):
-    w = Worker(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf", "--backend", "cuda", "--prefill", "streamed",
-               "--prefill-chunk", "16", "--stream-min", "1", "--ring", "2", "--expert-slots", "0")
+    w = Worker(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf", "--backend", "cuda",
+               "--prefill-chunk", "16", "--tune", "stream_min=1", "--tune", "ring=2", "--expert-slots", "0")
     try:
-        assert w.info.get("prefill") == "streamed" and int(w.info["prefill_chunk"]) == 16
+        assert int(w.info["prefill_chunk"]) == 16
         long_prompt = [(i * 37 + 11) % 1000 for i in range(1000)]
         w.send(gen(4, long_prompt))
         assert w.read() == "RESUME 0"
@@ -174,11 +175,11 @@ def test_stop_mid_prompt_cancels(fixtures_dir):
 
 def test_phase_profile_covers_the_chunk(cpu_runs):
     """bench.prefill's per-phase table: every phase of a streamed chunk is timed and the phases add up to the chunk."""
-    from engine.cuda.prefill_streamed import PHASES
+    from engine.cuda.prefill import PHASES
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
     be = streamed(model, expert_slots=model.config.n_layer * model.config.n_expert // 2, ring=2)
     try:
-        be.prefill.profile = True
+        be.tracer.phase_timing = True
         lg, want = routed_logits(be, model, prompt[:CHUNK])
         assert rel_rows(lg, want).max() < 1e-2        # profiling changes nothing
         ms = be.prefill.last["phases"].totals()
@@ -278,7 +279,7 @@ def test_lending_in_the_memory_modes(cpu_runs, mode):
     from test_cuda_memory_modes import backend as mm_backend
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
     cfg = model.config
-    be = mm_backend(model, mode, "half", "streamed", adapt_every=0, prefill_chunk=CHUNK)
+    be = mm_backend(model, mode, "half", "ring", adapt_every=0, prefill_chunk=CHUNK)
     try:
         cache = be.cache
         cache.fill(np.arange(cfg.n_layer * cfg.n_expert), be.stream)

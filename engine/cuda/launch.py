@@ -1,0 +1,111 @@
+"""Kernel launch helpers shared by the decode step, the prompt pass, the prefetch and the tests: numpy scalar types
+for kernel arguments, `ptr` for device arrays, `MappedInts` (a few int32 both host and kernels read and write), the
+decode kernels' shared-memory rule, and `Launcher` (the mat-vec family, norms, FFN pieces)."""
+from __future__ import annotations
+
+import ctypes
+
+import cupy as cp
+import numpy as np
+
+from engine.cuda.arena import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE, device_address
+
+SMEM_DEFAULT = 48 * 1024     # dynamic shared memory a kernel gets without opting in
+SMEM_MAX = 227 * 1024        # the most a block may opt in to (sm_80 / sm_90)
+
+
+def staged_bytes(n: int) -> int:
+    """Shared memory for n floats staged by common.cuh stage_x (Q4_K's padded layout: 4 floats per 64)."""
+    return 4 * (n + 4 * (n // 64))
+
+
+U64, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
+NULL = U64(0)
+MV_WARPS = 4           # rows per block in the mat-vec kernels (one warp each)
+BIG_ROWS = 16384             # a mat-vec with more rows gives each warp several (one staging of x serves them)
+
+
+def skipped(*args, **kwargs) -> None:
+    """A launch a tracer filtered out (decode.py KindFilter)."""
+
+
+def ptr(a) -> U64:
+    return NULL if a is None else U64(a.data.ptr)
+
+
+class MappedInts:
+    """A few int32 in pinned host memory that kernels read and write through their device address."""
+
+    def __init__(self, n: int):
+        self.hptr = cp.cuda.runtime.hostAlloc(4 * n, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
+        self.dptr = U64(device_address(self.hptr))
+        self.view = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(self.hptr))
+        self.view[:] = 0
+
+    def close(self):
+        if self.hptr:
+            self.view = None
+            cp.cuda.runtime.freeHost(self.hptr)
+            self.hptr = 0
+
+
+class Launcher:
+    """Kernel launches shared by the decode step and the prompt pass (the mat-vec family, norms, FFN pieces)."""
+
+    def __init__(self, kernels, cfg):
+        self.kernels = kernels
+        self.cfg = cfg
+
+    # The decode mat-vecs read x from shared memory, staged once per block (common.cuh stage_x); given a norm
+    # weight, the block stages rmsnorm(x) * norm itself, so no norm has a launch of its own.
+    @staticmethod
+    def smem(f, n: int, need: bool, optional_max: int = SMEM_DEFAULT) -> int:
+        """Dynamic shared memory for staging n floats in kernel f (opted in above 48 KiB). Staging that is optional
+        (x may also be read from global memory) is skipped, 0, above optional_max bytes."""
+        nb = staged_bytes(n)
+        if not need and nb > optional_max:
+            return 0
+        if nb > SMEM_MAX:
+            raise ValueError(f"a {n}-float vector does not fit in shared memory ({nb} > {SMEM_MAX} bytes); "
+                             f"this model's width is beyond the decode kernels")
+        if nb > SMEM_DEFAULT and getattr(f, "max_dynamic_shared_size_bytes", 0) < nb:
+            f.max_dynamic_shared_size_bytes = nb
+        return nb
+
+    def mv(self, W, x, y, bias=None, gate_logit=None, accumulate=False, tag="mv", norm=None):
+        """y (+)= W @ xn; xn = rmsnorm(x) * norm when norm (a weight vector) is given, else x."""
+        f = self.kernels("mv", W.qt, tag)
+        sm = self.smem(f, W.cols, norm is not None)
+        rpw = min(8, max(1, W.rows // BIG_ROWS))
+        f(((W.rows + MV_WARPS * rpw - 1) // (MV_WARPS * rpw),), (32 * MV_WARPS,),
+          (U64(W.ptr), I64(W.row_bytes), ptr(x), ptr(y), ptr(bias), ptr(gate_logit), I32(W.rows), I32(W.cols),
+           I32(1 if accumulate else 0), ptr(norm), F32(self.cfg.rms_eps), I32(1 if sm else 0), I32(rpw)),
+          shared_mem=sm)
+
+    def mv3(self, Ws, x, ys, biases, norm=None):
+        """Q, K and V (of rmsnorm(x) * norm) in one launch when they share a quant type and width, else three."""
+        if len({(W.qt, W.cols, W.row_bytes) for W in Ws}) != 1:
+            for W, y, b in zip(Ws, ys, biases):
+                self.mv(W, x, y, bias=b, tag="qkv", norm=norm)
+            return
+        n = sum(W.rows for W in Ws)
+        f = self.kernels("mv3", Ws[0].qt, "qkv")
+        f(((n + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+          (*(U64(W.ptr) for W in Ws), I64(Ws[0].row_bytes), ptr(x), ptr(norm), F32(self.cfg.rms_eps),
+           *(ptr(y) for y in ys), *(ptr(b) for b in biases), *(I32(W.rows) for W in Ws), I32(Ws[0].cols)),
+          shared_mem=self.smem(f, Ws[0].cols, True))
+
+    def swiglu(self, Wg, Wu, x, h, norm=None, tag="swiglu_mv"):
+        """h = silu(Wg @ xn) * (Wu @ xn), xn = rmsnorm(x) * norm when given."""
+        f = self.kernels("swiglu_mv", Wg.qt, tag)
+        f(((Wg.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+          (U64(Wg.ptr), U64(Wu.ptr), I64(Wg.row_bytes), ptr(x), ptr(norm), F32(self.cfg.rms_eps), ptr(h),
+           I32(Wg.rows), I32(Wg.cols)),
+          shared_mem=self.smem(f, Wg.cols, True))
+
+    def output_logits(self, w, x, y):
+        """y = the output head on rmsnorm(x) * output_norm: a token's logits from its final residual x (one row)."""
+        self.mv(w.output, x, y, tag="output", norm=w.output_norm)
+
+    def rmsnorm(self, x, w, out, rows=1):
+        self.kernels("rmsnorm")((rows,), (256,), (ptr(x), ptr(w), ptr(out), I32(w.size), F32(self.cfg.rms_eps)))

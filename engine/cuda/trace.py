@@ -1,0 +1,47 @@
+"""The optional observer of the CUDA backend: benches and tests pass one (CUDABackend(..., tracer=...)) instead of
+setting attributes on the engine's classes. Every hook here does nothing; a tracer overrides what it needs.
+
+- Decode, around each step the backend runs: before_step(backend), launched(backend) once the step is enqueued,
+  after_step(backend, token, pos) once its pick is read and before the position advances (bench.prefetch_oracle
+  replays other graphs of the same step there).
+- A decode graph recorded with a tracer (DecodeStep.record(pick, tracer)): keeps(kind) filters the launches by kind
+  (KindFilter: bench.decode's per-kind profile); pred_sink, when set, receives the prefetch's predictions instead of
+  its own buffer (bench.prefetch_oracle's graph).
+- The prompt pass: copy_timing (timed events around the ring's copies: Prefill.last's "runner" and "window"),
+  phase_timing (GPU time per phase in Prefill.last["phases"]), prefill_routes(pos0, layer, ids) per chunk and MoE
+  layer (ids: the (T, top-k) device array of the routes taken; tests/route_ties.py follows them).
+"""
+from __future__ import annotations
+
+
+class Tracer:
+    copy_timing = False
+    phase_timing = False
+    pred_sink = None
+
+    def keeps(self, kind: str) -> bool:
+        return True
+
+    def before_step(self, backend) -> None:
+        pass
+
+    def launched(self, backend) -> None:
+        pass
+
+    def after_step(self, backend, token: int, pos: int) -> None:
+        pass
+
+    def prefill_routes(self, pos0: int, layer: int, ids) -> None:
+        pass
+
+
+class KindFilter(Tracer):
+    """Keeps the launches of one kind of kernel (only=None: every kind) and records the kinds it sees."""
+
+    def __init__(self, only: str | None = None):
+        self.only = only
+        self.seen: set[str] = set()
+
+    def keeps(self, kind: str) -> bool:
+        self.seen.add(kind)
+        return self.only is None or kind == self.only
