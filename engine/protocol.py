@@ -1,46 +1,8 @@
-"""The worker line protocol (DESIGN §3), shared by the worker and the server.
+"""The worker line protocol, shared by the worker and the server: every line's format and its parser.
 
-One message per line, ASCII, fields separated by single spaces. Token ids, never text, cross the boundary.
-
-Worker -> server:
-    INFO key=value ...            any number, before READY and after
-    INFO phase=<p> [phase_*=...]  the start, narrated (each line also restarts the server's silence allowance):
-                                  loading (the model file is being opened, weights placed), arena (experts being
-                                  pinned: phase_done = share done 0..1, phase_gib = GiB in all, phase_gib_s = GiB/s),
-                                  cache (the VRAM expert cache filling: phase_gib; phase_done 0 then 1), ready
-                                  (just before READY). describe_phase() is how the server and the Monitor say it.
-    READY <max_context> stop      once, when loaded
-    RESUME <n>[ <req>]            per request: prompt tokens reused from the cached prefix
-    PP <pos> <prompt> <ms> <tps>  after every prompt chunk
-    REUSED <n>                    once the prompt is read
-    T <id>[ <lp> <id>:<lp>,...]   every generated token, as soon as it is final; the end-of-generation token
-                                  that ends a request with `stop` is not sent (and not counted in DONE). With
-                                  logprobs=K in the GEN: the token's log-probability and the K most likely
-                                  tokens' (id:logprob, most likely first; "-" for K=0), of the model's distribution
-                                  before sampling filters, after the grammar mask.
-    DONE <14 fields>[ <req>]      or ERR[ req=<req>] <message>: exactly one per request. A STOP during the prompt
-                                  pass gives RESUME, PP..., DONE ... cancel (no REUSED: the prompt was not read)
-    CACHE <n_layer> <n_expert> <resident_hex> <heat_hex>
-                                  expert-cache picture (backends with an expert cache), may appear anywhere
-                                  like INFO; resident_hex is a bitmap, bit (layer*n_expert+expert), LSB first
-                                  within each byte; heat_hex one byte per (layer, expert), 0..255, use shaded.
-
-A worker on a model with recurrent layers resumes from checkpoints: see the note above `Done`.
-
-Server -> worker:
-    GEN <max_new>[ key=value ...] <id>,<id>,...
-    STOP
-    QUIT
-
-GEN's keys are the sampling keys (GEN_KEYS) and the request keys (REQUEST_KEYS):
-    req=<n>       the server's request number. The worker echoes it as the last field of RESUME and DONE and as
-                  ERR's first word, so the server checks that every line it reads between RESUME and DONE belongs
-                  to the request it sent: a line of another request is a protocol violation (the server then
-                  kills the worker), never an answer. Without req= nothing is echoed (tools/batch.py, tools/ask.py).
-    logprobs=<k>  T lines carry log-probabilities and the k (0..20) most likely tokens.
-    grammar=<b64> a constraint, base64url (no padding) of the JSON llguidance compiles (engine/grammar.py): before
-                  each pick the sampler masks every token the grammar does not allow; once the grammar is complete
-                  the request ends with `stop`.
+docs/design.md, "The worker protocol", is the reference: each line, the GEN keys (sampling, req, logprobs,
+grammar) and the start narration (INFO phase=...). A worker on a model with recurrent layers resumes from
+checkpoints: see the note above `Done`.
 """
 from __future__ import annotations
 

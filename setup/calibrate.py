@@ -1,44 +1,7 @@
 """Calibration: run the worker's `--calibrate` once on the GPU and keep what it measured and chose.
 
-THE CONTRACT with strata_worker.py (`python strata_worker.py --model M.gguf --backend cuda --calibrate
-[--ctx N] [--vram-reserve-mib N] [--vram-budget-mib N] [--mmap-experts | --resident-budget-gib N]
-[--calibrate-chats F --expert-profile-save P [--expert-profile P]]`):
-
-- The worker measures, prints, and exits 0. It does not wait for GEN lines: stdin is closed at once.
-- Every result is on stdout in lines of the form
-
-      CALIBRATE key=value key=value ...
-
-  split like a shell line (`shlex.split`), so a value with spaces is written in double quotes: `why="..."`.
-  Lines that do not start with `CALIBRATE ` are ignored here (INFO lines, READY, ...), so the worker may print them.
-  Several CALIBRATE lines are merged in order; a later key replaces an earlier one.
-- Keys this parser REQUIRES (a missing one fails the step, naming it):
-    pcie_gbps       host-to-device copy from pinned memory, GB/s: the fastest of four 256 MiB bursts
-    vram_free_mib   VRAM free on the card after the model's dense part and KV were placed, MiB
-    decode_tok_s    tokens/s of a short greedy decode at the chosen settings
-    prompt_tok_s    tokens/s of a short prompt pass at the chosen settings
-- Keys it understands when present:
-    vram_total_mib, expert_slots (experts the VRAM cache holds), experts_total, gpu (name, quoted),
-    chat_decode_tokens, chat_decode_tok_s, chat_hit_pct (the warm-up over --calibrate-chats: decode speed and the
-    share of expert reads served from VRAM as the cache learned), prefetch (on|off: what the decode step chose; when
-    some experts have no VRAM slot setup times the chats both ways and may pin arg.tune=prefetch=on|off,
-    prefetch_choice),
-    why="one sentence: what it chose and why" (printed to the person as is)
-    arg.<flag>=<value>  a worker flag the calibration chose, to be put into the server config's `args` as
-                        `--<flag> <value>`; `arg.<flag>=true` puts `--<flag>` alone; `arg.<flag>=false` nothing.
-                        e.g. `arg.vram-budget-mib=10800 arg.expert-slots=2310`
-- Values are numbers where they parse as numbers (int, then float), strings otherwise.
-- A non-zero exit status fails the step; the last lines of stderr are shown.
-
-Example of a complete, valid answer:
-
-    CALIBRATE gpu="NVIDIA H200" vram_total_mib=143771 pcie_gbps=55.5
-    CALIBRATE vram_free_mib=120000 expert_slots=6144 experts_total=6144
-    CALIBRATE decode_tok_s=210.4 prompt_tok_s=8123.0 arg.vram-budget-mib=131000
-    CALIBRATE why="all 6144 experts fit in VRAM: no PCIe traffic while decoding"
-
-The results are written to `strata-<model>.calibration.json` beside the server config (the server's config schema
-stays as DESIGN section 6 has it); the `arg.*` choices go into the config's `args`.
+The contract with strata_worker.py's `--calibrate` (the CALIBRATE lines, the keys this parser requires and those it
+understands, the arg.<flag> choices that reach the config's args) is in docs/design.md, "Calibration".
 """
 from __future__ import annotations
 
