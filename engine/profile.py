@@ -1,4 +1,4 @@
-"""Expert profiles (DESIGN §6): which experts to keep in VRAM, hottest first.
+"""Expert profiles (docs/design.md: files): which experts to keep in VRAM, hottest first.
 
 File (.bin, little-endian): b"STRP", uint32 version=1, n_layers, n_expert, n_ranked, n_ranked; then n_ranked pairs of
 (uint16 layer, uint16 expert), hottest first; then int32 ranks[n_layers * n_expert] (-1 = not ranked). A file is

@@ -1,4 +1,4 @@
-"""The server's settings: `strata-<model>.json` (DESIGN §6), loaded and checked key by key.
+"""The server's settings: `strata-<model>.json` (docs/design.md: files), loaded and checked key by key.
 
 Unknown or ill-typed keys stop the start with a message naming the key: a typo in a config that runs for days must
 not silently fall back to a default.
@@ -36,7 +36,7 @@ class ServerConfig:
     expert_profile_save_every: float | None = None   # minutes; None = the worker's default
     gpu: int | None = None
     gpus: list | None = None
-    layer_split: list | None = None              # DESIGN §6; refused while the worker has no --layer-split
+    layer_split: list | None = None              # docs/design.md: files; refused while the worker has no --layer-split
     idle_unload_s: float = 0.0                   # 0 = never unload
     sampling: dict = field(default_factory=dict)  # defaults for GEN keys (engine.protocol.GEN_KEYS)
     reasoning_budget_tokens: int | None = None   # None or -1 = unlimited

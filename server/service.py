@@ -1,4 +1,4 @@
-"""The request FIFO over one worker: one request at a time, cancel, thinking budget, history and metrics (DESIGN §4).
+"""The request FIFO over one worker: cancel, thinking budget, history and metrics (docs/design.md: server).
 
 One engine thread owns the worker and runs the jobs in order. HTTP handler threads submit jobs and read their
 events from a queue of their own; they never touch the worker, so a slow or vanished client cannot hold the FIFO.

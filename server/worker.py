@@ -1,4 +1,4 @@
-"""The worker process: spawn, READY, the line pump, the silence deadlines, STOP, kill, close (DESIGN §3-4).
+"""The worker process: spawn, READY, the line pump, silence deadlines, STOP, kill, close (docs/design.md: server).
 
 Every wait here is timed: a worker that stops talking is killed, never waited on, so the request FIFO that holds it
 always moves on. The worker's stderr goes straight to the log file; this module reads the log back to explain a

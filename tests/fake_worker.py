@@ -1,4 +1,4 @@
-"""A stand-in worker speaking the line protocol (DESIGN §3), with misbehaviours chosen by flags.
+"""A stand-in worker speaking the line protocol (docs/design.md: protocol), with misbehaviours chosen by flags.
 
 Its answer is a function of the prompt: the prompt's own ids again, in order (repeated if max_new is larger), so a
 test can tell whose tokens a client received. Finish `stop` after len(prompt) tokens, `length` at max_new.

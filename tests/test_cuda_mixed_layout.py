@@ -1,5 +1,5 @@
 """The CUDA backend on files whose expert tensors differ by layer (llama-quantize's recipes, community mixes) against
-the NumPy backend (DESIGN §7): a tiny 8-layer model with Q4_K_M's Q6_K ffn_down_exps on llama.cpp's "more bits"
+the NumPy backend (docs/design.md): a tiny 8-layer model with Q4_K_M's Q6_K ffn_down_exps on llama.cpp's "more bits"
 layers, a layer whose gate and up differ, a Q8_0 layer and a BF16 layer (tests/mixed_models.py "mix"). With the VRAM
 cache holding all, some and none of the experts, in the pinned, budget and mmap modes, through prompt chunks that
 stream the non-resident experts through the ring: teacher-forced logits within 1e-2 relative,

@@ -103,5 +103,5 @@ def test_llama_cpp_reads_the_fused_qkv_file_as_we_do(plain, tmp_path):
     assert theirs_fused["greedy_ids"] == theirs_plain["greedy_ids"]
     ours = _logits(fused)[-1]
     for (i, v), (j, u) in zip(theirs_fused["steps"][0]["top"], theirs_plain["steps"][0]["top"]):
-        # ours within llama.cpp's 8-bit-activation distance of a Q5_K/Q6_K file (DESIGN §7)
+        # ours within llama.cpp's 8-bit-activation distance of a Q5_K/Q6_K file (docs/design.md: correct)
         assert i == j and abs(v - u) < 1e-3 and abs(ours[i] - v) < 0.5

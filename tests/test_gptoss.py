@@ -2,7 +2,7 @@
 
 The fixtures (tests/fixtures/gptoss/*.json, made by python -m tools.gptoss_ref) hold llama.cpp's outputs and exact
 arithmetic's (tools/gptoss_exact.py, float64) for make_moe's gpt-oss-tiny preset at seed 1, which the tests make
-again byte for byte (the JSON's sha256 says which): in F16 (the architecture check, DESIGN §7: median |logit diff|
+again byte for byte (the JSON's sha256 says which): in F16 (the architecture check, docs/design.md: median |logit diff|
 <= 0.05 and the same greedy tokens), in the published files' types (MXFP4 experts, Q8_0 elsewhere) and in
 llama-quantize's Q4_K_M (that one only where llama.cpp runs: tools.llama_ref quantizes it again). Quantized files
 must equal exact arithmetic; llama.cpp sits its own measured distance from it. Prompts of 40, 90 and 150 tokens, past

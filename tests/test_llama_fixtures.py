@@ -1,4 +1,4 @@
-"""The CPU backend on files made by llama.cpp itself, in the recipes users download (DESIGN §7).
+"""The CPU backend on files made by llama.cpp itself, in the recipes users download (docs/design.md: correct).
 
 tests/fixtures/llama_ref/ holds, per architecture the engine runs and per recipe (F16, Q8_0, Q6_K, Q5_K_M, Q4_K_M,
 Q4_K_S, Q3_K_M, Q2_K, IQ4_XS, IQ3_XXS and IQ2_XXS with the committed imatrix, and "dynamic": Q4_K_M with per-tensor

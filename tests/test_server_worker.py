@@ -1,4 +1,4 @@
-"""Worker supervision through the HTTP API, against fake workers that misbehave (DESIGN §4).
+"""Worker supervision through the HTTP API, against fake workers that misbehave (docs/design.md: server).
 
 Each misbehaving worker must cost the request an error that names the cause, leave no process behind, and the next
 request must be answered by a fresh worker.

@@ -1,4 +1,4 @@
-"""Exact arithmetic for a GGUF: a float64 forward over gguf.quants.dequantize'd weights (DESIGN §7's yardstick).
+"""Exact arithmetic for a GGUF: a float64 forward over gguf.quants.dequantize'd weights (docs/design.md's yardstick).
 
     logits = exact_logits(path, token_ids)          # (len(token_ids), n_vocab) float64, causal, all positions
 

@@ -60,7 +60,7 @@ _F16_FIELDS: dict[Q, tuple[tuple[int, float], ...]] = {
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 # Types with one signed scale and no offset, whose random quants average off zero (see _quant_blocks).
 _SIGNED_SCALE = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS)
-# Every type DESIGN §2 lists. In the quantized ones every byte pattern of the quants and packed sub-scales is a
+# Every type the engine reads. In the quantized ones every byte pattern of the quants and packed sub-scales is a
 # valid block (grid indices cover their whole range), so only the fp16/E8M0 scales need choosing.
 QUANT_TYPES = tuple(_F16_FIELDS) + (Q.MXFP4,)
 SUPPORTED_TYPES = FLOAT_TYPES + QUANT_TYPES

@@ -3,7 +3,7 @@
 An expert is either pinned in the arena (a mapped address the GPU reads in place) or only in the GGUF file. A
 file-only expert reaches the GPU through a small pinned staging LRU: helper threads copy its gate/up/down slabs from
 the memory-mapped file (the OS file cache, or the disk) into a mapped pinned slot, whose device address then serves
-like an arena address (DESIGN §5 "Pinned or nothing": a kernel never reads pageable memory).
+like an arena address (docs/design.md: a kernel never reads pageable memory).
 
 Rules that keep the GPU from reading a slot that is being refilled:
 - `stage()` pins the slots it returns until the caller's `release()`: a pinned slot is never evicted. Pins never
