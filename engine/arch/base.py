@@ -220,6 +220,14 @@ class Transformer:
         neox = cfg.rope_type == "neox"
         q = apply_rope(q, cos, sin, cfg.n_rot, neox)
         k = apply_rope(k, cos, sin, cfg.n_rot, neox)
+        out = self.attend(il, q, k, v, pos0, kv) @ w.get(b + "attn_output.weight").T
+        bo = w.opt(b + "attn_output.bias")
+        return out + bo if bo is not None else out
+
+    def attend(self, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, kv: KVCache) -> np.ndarray:
+        """Causal attention of q (T, H, D) over the cache after appending k, v (T, Hkv, D|Dv): (T, H * Dv)."""
+        T, H, Hkv, D = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+        Dv = v.shape[2]
         S = pos0 + T
         kv.k[il][:, pos0:S] = k.transpose(1, 0, 2)
         kv.v[il][:, pos0:S] = v.transpose(1, 0, 2)
@@ -233,10 +241,7 @@ class Transformer:
             future = np.arange(S)[None, :] > (pos0 + np.arange(T))[:, None]
             scores[:, :, future] = -np.inf
         p = softmax(scores).reshape(Hkv, G * T, S)
-        out = (p @ V).reshape(Hkv, G, T, Dv).transpose(2, 0, 1, 3).reshape(T, H * Dv)
-        out = out @ w.get(b + "attn_output.weight").T
-        bo = w.opt(b + "attn_output.bias")
-        return out + bo if bo is not None else out
+        return (p @ V).reshape(Hkv, G, T, Dv).transpose(2, 0, 1, 3).reshape(T, H * Dv)
 
     def ffn(self, il: int, x: np.ndarray, decoding: bool) -> np.ndarray:
         raise NotImplementedError

@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from engine.arch.base import KVCache, Transformer, apply_rope, moe_ffn, rms_norm, route, silu, softmax, swiglu
+from engine.arch.base import KVCache, Transformer, apply_rope, moe_ffn, rms_norm, route, silu, swiglu
 from engine.gguf_model import ModelError
 
 CHUNK = 64      # tokens per chunk of the prompt-side delta rule
@@ -339,18 +339,7 @@ class Qwen3Next(Transformer):
         cos, sin = self.cos[pos0:pos0 + T], self.sin[pos0:pos0 + T]
         q = apply_rope(q, cos, sin, cfg.n_rot, neox=True)
         k = apply_rope(k, cos, sin, cfg.n_rot, neox=True)
-        S = pos0 + T
-        kv.k[il][:, pos0:S] = k.transpose(1, 0, 2)
-        kv.v[il][:, pos0:S] = v.transpose(1, 0, 2)
-        K, V = kv.k[il][:, :S], kv.v[il][:, :S]
-        G = H // Hkv
-        qg = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * T, D)
-        scores = (qg @ K.transpose(0, 2, 1)).reshape(Hkv, G, T, S) * np.float32(self.attn_scale)
-        if T > 1:
-            scores[:, :, np.arange(S)[None, :] > (pos0 + np.arange(T))[:, None]] = -np.inf
-        p = softmax(scores).reshape(Hkv, G * T, S)
-        out = (p @ V).reshape(Hkv, G, T, D).transpose(2, 0, 1, 3).reshape(T, H * D)
-        return (out * sigmoid(gate)) @ w.get(b + "attn_output.weight").T
+        return (self.attend(il, q, k, v, pos0, kv) * sigmoid(gate)) @ w.get(b + "attn_output.weight").T
 
     # --- routed experts plus the gated shared expert ---
     def ffn(self, il, x, decoding):
