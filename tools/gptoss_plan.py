@@ -145,9 +145,8 @@ def harmony_vocab(shape, tiny_vocab: list) -> list:
 
 
 def write_header_only(path, preset: str) -> int:
-    """A preset's GGUF header with its data left as a sparse hole (full-size shapes at no disk cost), for llama.cpp
-    to check shapes and keys against. Not a model to run. Returns the apparent file size."""
-    import numpy as np
+    """A preset's GGUF header with its data left as a sparse hole (make_moe.write_header_only), for llama.cpp to
+    check shapes and keys against. Returns the apparent file size."""
     from tools import make_moe as mm
     p = mm.PRESETS[preset]
     vocab = harmony_vocab(p.shape, mm.read_vocab(mm.VOCAB_DIR / BASE_VOCAB))
@@ -155,18 +154,4 @@ def write_header_only(path, preset: str) -> int:
     args = mm.parse_args(["--preset", preset])
     types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
     specs = plan(p.shape, types, n_vocab, mm.TensorSpec)
-    w = gguf.GGUFWriter(path, ARCH)
-    mm.add_metadata(w, p.shape, f"header-only {preset}", types["experts"], vocab, None)
-    for t in specs:
-        w.add_tensor_info(t.name, (*t.shape[:-1], mm.row_bytes(t.qtype, t.shape[-1])), np.dtype(np.uint8),
-                          t.nbytes, raw_dtype=t.qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    f = w.fout[0] if isinstance(w.fout, list) else w.fout
-    f.flush()
-    align = gguf.GGUF_DEFAULT_ALIGNMENT
-    size = f.tell() + sum((t.nbytes + align - 1) // align * align for t in specs) + align
-    f.truncate(size)
-    w.close()
-    return size
+    return mm.write_header_only(path, p.shape, specs, vocab, f"header-only {preset}", types["experts"])

@@ -172,21 +172,7 @@ def header_only_source(out: Path, make_moe_args: list[str]) -> Path:
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
     types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
     specs = mm.plan(shape, types, n_vocab)
-    w = gguf.GGUFWriter(Path(out), shape.arch)
-    mm.add_metadata(w, shape, "header-only", gguf.GGMLQuantizationType.F16, vocab, None)
-    for t in specs:
-        w.add_tensor_info(t.name, (*t.shape[:-1], mm.row_bytes(t.qtype, t.shape[-1])), np.dtype(np.uint8),
-                          t.nbytes, raw_dtype=t.qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    f = w.fout[0] if isinstance(w.fout, list) else w.fout
-    f.flush()
-    start = f.tell()
-    align = gguf.GGUF_DEFAULT_ALIGNMENT
-    total = sum((t.nbytes + align - 1) // align * align for t in specs)
-    f.truncate(start + total + (1 << 20))   # slack for the data section's own alignment
-    w.close()
+    mm.write_header_only(Path(out), shape, specs, vocab, "header-only", gguf.GGMLQuantizationType.F16)
     return Path(out)
 
 

@@ -519,6 +519,26 @@ def _resolve_vocab(v: str) -> Path:
     return p
 
 
+def write_header_only(path: Path, shape: Shape, specs: list[TensorSpec], vocab, name: str, file_qtype: Q) -> int:
+    """The model's GGUF header with its data left as a sparse hole: full-size shapes at no disk cost, for llama.cpp
+    to check shapes and keys (or plan a recipe) against. Not a model to run. Returns the apparent file size."""
+    w = gguf.GGUFWriter(Path(path), shape.arch)
+    add_metadata(w, shape, name, file_qtype, vocab, None)
+    for t in specs:
+        w.add_tensor_info(t.name, (*t.shape[:-1], row_bytes(t.qtype, t.shape[-1])), np.dtype(np.uint8),
+                          t.nbytes, raw_dtype=t.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    f = w.fout[0] if isinstance(w.fout, list) else w.fout
+    f.flush()
+    align = gguf.GGUF_DEFAULT_ALIGNMENT
+    size = f.tell() + sum((t.nbytes + align - 1) // align * align for t in specs) + (1 << 20)   # slack: alignment
+    f.truncate(size)
+    w.close()
+    return size
+
+
 def write_model(path: Path, shape: Shape, specs: list[TensorSpec], vocab, name: str, file_qtype: Q, seed: int,
                 zipf_s: float, chat_template: str | None = None, threads: int | None = None,
                 progress: bool = True, attn_gain: float = ATTN_GAIN) -> None:
