@@ -50,6 +50,21 @@ def cpu_greedy(model, prompt, n, ctx):
         cpu.close()
 
 
+def cpu_teacher_run(model, prompt, n, ctx):
+    """The NumPy backend's greedy continuation of prompt: n tokens, and the logits of every prompt row followed by
+    those each token was picked from, (len(prompt) + n - 1, vocab): what a prompt pass plus decode must reproduce."""
+    cpu = CPUBackend(model, ctx)
+    try:
+        logits = [cpu.forward(prompt, all_logits=True)]
+        toks = []
+        for _ in range(n):
+            toks.append(int(np.argmax(logits[-1][-1])))
+            logits.append(cpu.forward([toks[-1]], all_logits=True))
+    finally:
+        cpu.close()
+    return toks, np.concatenate(logits[:-1], axis=0)
+
+
 def cpu_runs(fixtures_dir, names, n, ctx):
     """Per fixture model: the model, its reference prompt, the CPU's greedy continuation and each step's logits."""
     out = {}

@@ -11,9 +11,8 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-from engine.backend_cpu import CPUBackend  # noqa: E402
 from engine.gguf_model import open_model  # noqa: E402
-from gpu_compare import assert_same_greedy, rel_rows  # noqa: E402
+from gpu_compare import assert_same_greedy, cpu_teacher_run, rel_rows  # noqa: E402
 from mixed_models import write  # noqa: E402
 from route_ties import RouteRecorder  # noqa: E402
 from test_cuda_prefill import routed_greedy, routed_logits  # noqa: E402
@@ -36,14 +35,7 @@ def runs(tmp_path_factory, fixtures_dir):
         write(path, "mix", args)
         model = open_model(path)
         prompt = np.random.default_rng(5).integers(3, 1000, N_PROMPT).tolist()
-        cpu = CPUBackend(model, CTX)
-        logits = [cpu.forward(prompt, all_logits=True)]
-        toks = []
-        for _ in range(N_GREEDY):
-            toks.append(int(np.argmax(logits[-1][-1])))
-            logits.append(cpu.forward([toks[-1]], all_logits=True))
-        cpu.close()
-        out[arch] = (model, prompt, toks, np.concatenate(logits[:-1], axis=0))
+        out[arch] = (model, prompt, *cpu_teacher_run(model, prompt, N_GREEDY, CTX))
     return out
 
 

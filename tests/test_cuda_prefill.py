@@ -13,9 +13,8 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 from engine import protocol  # noqa: E402
-from engine.backend_cpu import CPUBackend  # noqa: E402
 from engine.gguf_model import open_model  # noqa: E402
-from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
+from gpu_compare import assert_same_greedy, cpu_teacher_run, greedy, rel_rows  # noqa: E402
 from route_ties import (ROUTE_TIE, ROUTE_TIE_KV8, Reference, RouteRecorder, gpu_routes,  # noqa: E402
                         greedy_reference)
 from test_worker_protocol import Worker, gen, shape  # noqa: E402
@@ -42,14 +41,7 @@ def cpu_runs(fixtures_dir):
         model = open_model(fixtures_dir / "reference" / f"{name}.gguf")
         rng = np.random.default_rng(5)
         prompt = rng.integers(3, min(model.config.n_vocab, 1000), N_PROMPT).tolist()
-        cpu = CPUBackend(model, CTX)
-        logits = [cpu.forward(prompt, all_logits=True)]
-        toks = []
-        for _ in range(N_GREEDY):
-            toks.append(int(np.argmax(logits[-1][-1])))
-            logits.append(cpu.forward([toks[-1]], all_logits=True))
-        cpu.close()
-        out[name] = (model, prompt, toks, np.concatenate(logits[:-1], axis=0))
+        out[name] = (model, prompt, *cpu_teacher_run(model, prompt, N_GREEDY, CTX))
     return out
 
 
