@@ -52,16 +52,19 @@ __device__ __forceinline__ int at_buf_bytes(bool i8, int hd) {
 }
 
 // Queue tile rows row0 .. row0 + AT_T - 1 (global row = kv head * max_ctx + position; rows >= n_valid zero-filled).
-template <bool I8>
+// RING (gpt-oss): row0 is a position and the layer holds `ring` rows a head from head0 on, position p at row p % ring.
+template <bool I8, bool RING = false>
 __device__ __forceinline__ void at_issue(unsigned char* buf, const unsigned char* kg, const unsigned char* vg,
-                                         const float* ksg, const float* vsg, long long row0, int n_valid, int hd) {
+                                         const float* ksg, const float* vsg, long long row0, int n_valid, int hd,
+                                         long long head0 = 0, int ring = 1) {
     const int rb = at_row_bytes(I8, hd), rs = rb + 16, cpr = rb / 16;
     unsigned char* ks = buf;
     unsigned char* vs = buf + AT_T * rs;
+    auto row_of = [&](int r) { return RING ? head0 + (row0 + r) % ring : row0 + r; };
     for (int i = threadIdx.x; i < AT_T * cpr; i += blockDim.x) {
         const int r = i / cpr, c = i - r * cpr;
         const bool ok = r < n_valid;
-        const long long g = (row0 + (ok ? r : 0)) * rb + c * 16;
+        const long long g = row_of(ok ? r : 0) * rb + c * 16;
         cp_async16(ks + r * rs + c * 16, kg + g, ok);
         cp_async16(vs + r * rs + c * 16, vg + g, ok);
     }
@@ -71,7 +74,7 @@ __device__ __forceinline__ void at_issue(unsigned char* buf, const unsigned char
         float* vss = kss + AT_T * ns;
         for (int i = threadIdx.x; i < AT_T * ns; i += blockDim.x) {
             const bool ok = i / ns < n_valid;
-            const long long g = row0 * ns + (ok ? i : 0);
+            const long long g = RING ? (ok ? row_of(i / ns) * ns + i % ns : head0 * ns) : row0 * ns + (ok ? i : 0);
             cp_async4(kss + i, ksg + g, ok);
             cp_async4(vss + i, vsg + g, ok);
         }
@@ -151,6 +154,9 @@ struct AtNew {
     const float2* cs;
     int n_rot, neox;
     float eps;
+    // gpt-oss (the OSS template flag): one sink logit per q head of this layer (may be null), the window (0: none)
+    const float* sinks;
+    int n_swa;
 };
 
 // By one warp: dst[0 .. hd) = rope(rmsnorm(src) * w) at position pos, times mul (norm_rope.cu's qk_rope_store for one
@@ -218,7 +224,10 @@ __device__ __forceinline__ void at_put_row(const float* x, unsigned char* dst, f
 // (the last needed split) norms and rotates this step's K, writes K and V into the cache and into its own last tile
 // (which cp.async loaded before they were written). Nothing else in the launch reads that row, so no other block
 // waits for it; this replaces a qk_rope_store launch.
-template <bool I8, bool FUSE>
+// OSS (gpt-oss, with FUSE): the layer holds max_ctx rows a head as a ring (position p at row p % max_ctx; a full
+// layer's ring is its whole context), only the last nn.n_swa positions are attended when n_swa > 0, and the head's
+// sink logit nn.sinks[h] joins each softmax denominator (engine/arch/gptoss.py sink_softmax).
+template <bool I8, bool FUSE, bool OSS = false>
 __device__ __forceinline__ void attn_gqa_body(const float* __restrict__ q, const unsigned char* kg,
                                               const unsigned char* vg, const float* ksg, const float* vsg,
                                               const int* __restrict__ state, int n_fixed, float* __restrict__ part,
@@ -231,17 +240,19 @@ __device__ __forceinline__ void attn_gqa_body(const float* __restrict__ q, const
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int n_pos = state ? state[1] + 1 : n_fixed;
-    int span = (n_pos + S - 1) / S;
+    const int lo = OSS && nn.n_swa > 0 ? max(0, n_pos - nn.n_swa) : 0;     // the first position attended
+    int span = (n_pos - lo + S - 1) / S;
     span = max(AT_T, (span + AT_T - 1) / AT_T * AT_T);
-    const int n_need = (n_pos + span - 1) / span;
+    const int n_need = (n_pos - lo + span - 1) / span;
     if (split >= n_need) return;                     // uniform over the block; not counted in the merge
-    const int p0 = split * span, p1 = min(n_pos, p0 + span);
+    const int p0 = lo + split * span, p1 = min(n_pos, p0 + span);
     const int n_tiles = (p1 - p0 + AT_T - 1) / AT_T;
     const int bb = at_buf_bytes(I8, hd), dpl = hd / 32;
     float* qs = reinterpret_cast<float*>(at_smem);
     unsigned char* bufs = at_smem + G * hd * 4;
-    const long long row0 = (long long)kvh * max_ctx + p0;
-    at_issue<I8>(bufs, kg, vg, ksg, vsg, row0, min(AT_T, p1 - p0), hd);
+    const long long head0 = (long long)kvh * max_ctx;
+    const long long row0 = OSS ? p0 : head0 + p0;     // OSS: a position, its row p % max_ctx (at_issue RING)
+    at_issue<I8, OSS>(bufs, kg, vg, ksg, vsg, row0, min(AT_T, p1 - p0), hd, head0, max_ctx);
     const int pos = n_pos - 1;
     const bool holds_new = FUSE && split == n_need - 1;
     float* knew = &s_c[0][0];          // the merge's scratch, free until then: the new K and V rows
@@ -253,7 +264,7 @@ __device__ __forceinline__ void attn_gqa_body(const float* __restrict__ q, const
             at_rope_row(knew, nn.k + (long long)kvh * hd, nn.k_norm, nn, pos, hd, 1.f, lane);
             for (int d = lane; d < hd; d += 32) vnew[d] = nn.v[(long long)kvh * hd + d];
             __syncwarp();
-            const long long row = (long long)kvh * max_ctx + pos;
+            const long long row = head0 + (OSS ? pos % max_ctx : pos);
             const int rb = at_row_bytes(I8, hd);
             at_put_row<I8>(knew, const_cast<unsigned char*>(kg) + row * rb,
                            I8 ? const_cast<float*>(ksg) + row * (hd / 32) : nullptr, hd, lane);
@@ -275,8 +286,8 @@ __device__ __forceinline__ void attn_gqa_body(const float* __restrict__ q, const
     for (int t = 0; t < n_tiles; ++t) {
         const int tp = p0 + t * AT_T, nv = min(AT_T, p1 - tp);
         if (t + 1 < n_tiles) {
-            at_issue<I8>(bufs + ((t + 1) & 1) * bb, kg, vg, ksg, vsg, row0 + (t + 1) * AT_T,
-                         min(AT_T, p1 - tp - AT_T), hd);
+            at_issue<I8, OSS>(bufs + ((t + 1) & 1) * bb, kg, vg, ksg, vsg, row0 + (t + 1) * AT_T,
+                              min(AT_T, p1 - tp - AT_T), hd, head0, max_ctx);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
@@ -323,7 +334,8 @@ __device__ __forceinline__ void attn_gqa_body(const float* __restrict__ q, const
         for (int hh = 0; hh < 2; ++hh) {
             const int g = warp + hh * nw;
             if (g >= G) continue;
-            const float inv = 1.f / l[hh];
+            const float sink = OSS && nn.sinks ? __expf(nn.sinks[kvh * G + g] - m[hh]) : 0.f;
+            const float inv = 1.f / (l[hh] + sink);
             float* o = out + (long long)kvh * cols + g * hd + lane * dpl;
 #pragma unroll
             for (int i = 0; i < AT_DPL; ++i)
@@ -368,6 +380,7 @@ __device__ __forceinline__ void attn_gqa_body(const float* __restrict__ q, const
             L += ls * c;
         }
         L = warp_sum(L);
+        if (OSS && nn.sinks) L += __expf(nn.sinks[kvh * G + g] - M);
         if (lane == 0) s_inv[g] = 1.f / L;
     }
     __syncthreads();
@@ -444,6 +457,34 @@ attn_gqa_rope_i8(const float* __restrict__ q, const float* __restrict__ k, const
     const AtNew nn{k, v, q_norm, k_norm, rope_cs, n_rot, neox, eps};
     attn_gqa_body<true, true>(q, reinterpret_cast<const unsigned char*>(kq), reinterpret_cast<const unsigned char*>(vq),
                               ks, vs, state, 0, part, counters, out, n_head_kv, group, head_dim, max_ctx, scale, nn);
+}
+
+// gpt-oss's fused launches: as attn_gqa_rope_* with the layer's sinks (n_head floats), its window (0: none) and the
+// ring (max_ctx: the layer's rows a head, engine/cuda/kv.py KVCache.rows).
+extern "C" __global__ void __launch_bounds__(256)
+attn_gqa_rope_oss_f16(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                      const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                      const float2* __restrict__ rope_cs, int n_rot, int neox, float eps, unsigned short* kc,
+                      unsigned short* vc, const int* __restrict__ state, float* __restrict__ part,
+                      int* __restrict__ counters, float* __restrict__ out, int n_head_kv, int group, int head_dim,
+                      int max_ctx, float scale, const float* __restrict__ sinks, int n_swa) {
+    const AtNew nn{k, v, q_norm, k_norm, rope_cs, n_rot, neox, eps, sinks, n_swa};
+    attn_gqa_body<false, true, true>(q, reinterpret_cast<const unsigned char*>(kc),
+                                     reinterpret_cast<const unsigned char*>(vc), nullptr, nullptr, state, 0, part,
+                                     counters, out, n_head_kv, group, head_dim, max_ctx, scale, nn);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attn_gqa_rope_oss_i8(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                     const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                     const float2* __restrict__ rope_cs, int n_rot, int neox, float eps, signed char* kq, float* ks,
+                     signed char* vq, float* vs, const int* __restrict__ state, float* __restrict__ part,
+                     int* __restrict__ counters, float* __restrict__ out, int n_head_kv, int group, int head_dim,
+                     int max_ctx, float scale, const float* __restrict__ sinks, int n_swa) {
+    const AtNew nn{k, v, q_norm, k_norm, rope_cs, n_rot, neox, eps, sinks, n_swa};
+    attn_gqa_body<true, true, true>(q, reinterpret_cast<const unsigned char*>(kq),
+                                    reinterpret_cast<const unsigned char*>(vq), ks, vs, state, 0, part, counters, out,
+                                    n_head_kv, group, head_dim, max_ctx, scale, nn);
 }
 
 // norm_rope.cu's qk_rope_store for the int8 cache: the same optional q/k RMSNorm and RoPE (rotated q back into q),

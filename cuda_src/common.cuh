@@ -80,6 +80,12 @@ __device__ __forceinline__ float h2f(unsigned short h) {
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
+// gpt-oss's SWIGLU_OAI (engine/arch/gptoss.py swiglu_oai; ggml's alpha 1.702 and limit 7): the gate clamped above at
+// 7, up clamped to +-7 and offset by 1
+__device__ __forceinline__ float swiglu_oai(float g, float u) {
+    const float x = fminf(g, 7.f), y = fminf(fmaxf(u, -7.f), 7.f);
+    return x / (1.f + __expf(-1.702f * x)) * (y + 1.f);
+}
 
 // ---- "the last block does the epilogue" -------------------------------------------------------------------------
 // A kernel whose blocks each write part of a vector can finish a reduction over all of it without another launch

@@ -152,11 +152,13 @@ __device__ __forceinline__ uint4 mg_x8(const unsigned short* __restrict__ m, int
 // The body takes gate's and up's quant types (and up's row bytes) apart: moe_gemm_gate_up is it with one type, and
 // moe_gemm_gate_up_mixed<QG, QU> serves a layer whose gate and up differ (instantiated only for the pairs a model
 // holds: engine/cuda/kernels.py's `pairs`).
-template <int QG, int QU>
+// OAI (gpt-oss): gate and up get expert e's biases (bg, bu: (n_expert, n_ff) fp32) and h = swiglu_oai(gate, up)
+// (common.cuh), as engine/arch/gptoss.py.
+template <int QG, int QU, bool OAI = false>
 __device__ __forceinline__ void moe_gemm_gate_up_body(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
                  const int* __restrict__ offsets, const int* __restrict__ rows, const unsigned short* __restrict__ x,
                  unsigned short* __restrict__ h, long long up_off, long long row_bytes, long long up_row_bytes, int n_ff,
-                 int K) {
+                 int K, const float* __restrict__ bg = nullptr, const float* __restrict__ bu = nullptr) {
     // two buffers of each tile: a slice is written into one while the last slice's readers may still be in the
     // other, so one barrier a slice suffices (the first version wrote in place and needed two)
     __shared__ __align__(16) unsigned short xs2[2][MG_ROWS * MG_LDS];
@@ -254,8 +256,12 @@ __device__ __forceinline__ void moe_gemm_gate_up_body(const int* __restrict__ se
 #pragma unroll
                     for (int q = 0; q < 2; ++q) {
                         const int col = n0 + wn + 8 * j + 2 * t + q;
-                        if (col < n_ff)
-                            h[(long long)(o0 + r) * n_ff + col] = f2h_sat(silu(ag[i][j][2 * hh + q]) * au[i][j][2 * hh + q]);
+                        if (col < n_ff) {
+                            const float gv = ag[i][j][2 * hh + q], uv = au[i][j][2 * hh + q];
+                            h[(long long)(o0 + r) * n_ff + col] = f2h_sat(
+                                OAI ? swiglu_oai(gv + bg[(long long)e * n_ff + col], uv + bu[(long long)e * n_ff + col])
+                                    : silu(gv) * uv);
+                        }
                     }
                 }
     }
@@ -266,6 +272,16 @@ __global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up(const int* __r
                  const int* __restrict__ offsets, const int* __restrict__ rows, const unsigned short* __restrict__ x,
                  unsigned short* __restrict__ h, long long up_off, long long row_bytes, int n_ff, int K) {
     moe_gemm_gate_up_body<QT, QT>(sel, ptrs, offsets, rows, x, h, up_off, row_bytes, row_bytes, n_ff, K);
+}
+
+// gpt-oss's experts: moe_gemm_gate_up with the biases and SWIGLU_OAI (OAI above).
+template <int QT>
+__global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up_oai(const int* __restrict__ sel,
+                 const unsigned long long* __restrict__ ptrs, const int* __restrict__ offsets,
+                 const int* __restrict__ rows, const unsigned short* __restrict__ x, unsigned short* __restrict__ h,
+                 long long up_off, long long row_bytes, int n_ff, int K, const float* __restrict__ bg,
+                 const float* __restrict__ bu) {
+    moe_gemm_gate_up_body<QT, QT, true>(sel, ptrs, offsets, rows, x, h, up_off, row_bytes, row_bytes, n_ff, K, bg, bu);
 }
 
 template <int QG, int QU>
@@ -279,12 +295,13 @@ __global__ __launch_bounds__(MG_THREADS, 2) void moe_gemm_gate_up_mixed(const in
 // ---- down with the routing weight -------------------------------------------------------------------------------
 // Grid (ceil(n_embd / 64), any number of row-tile blocks per expert, n_sel), block 256. out[rows[o], n] += row_w[o] *
 // (h[o] . down_n) for the selected experts' sorted pairs o; out is the fp32 residual stream (T, n_embd), added to
-// with atomics (a token's k experts land from different blocks).
-template <int QT>
-__global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
+// with atomics (a token's k experts land from different blocks). BIAS (gpt-oss): expert e's bias bd[e] (n_expert,
+// n_embd) joins each product before the weight, out += row_w * (h . down_n + bd[e, n]).
+template <int QT, bool BIAS = false>
+__device__ __forceinline__ void moe_gemm_down_body(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
               const int* __restrict__ offsets, const int* __restrict__ rows, const float* __restrict__ row_w,
               const unsigned short* __restrict__ h, float* __restrict__ out, long long down_off, long long row_bytes,
-              int n_embd, int K) {
+              int n_embd, int K, const float* __restrict__ bd = nullptr) {
     __shared__ __align__(16) unsigned short hs2[2][MG_ROWS * MG_LDS];     // double-buffered as in gate/up
     __shared__ __align__(16) unsigned short ds2[2][MG_BN * MG_LDS];
     int cur = 0;
@@ -366,10 +383,29 @@ __global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restric
 #pragma unroll
                     for (int q = 0; q < 2; ++q) {
                         const int col = n0 + wn + 8 * j + 2 * t + q;
-                        if (col < n_embd) atomicAdd(out + (long long)tok * n_embd + col, wt * acc[i][j][2 * hh + q]);
+                        if (col < n_embd)
+                            atomicAdd(out + (long long)tok * n_embd + col,
+                                      wt * (BIAS ? acc[i][j][2 * hh + q] + bd[(long long)e * n_embd + col]
+                                                 : acc[i][j][2 * hh + q]));
                     }
             }
     }
+}
+
+template <int QT>
+__global__ __launch_bounds__(MG_THREADS) void moe_gemm_down(const int* __restrict__ sel, const unsigned long long* __restrict__ ptrs,
+              const int* __restrict__ offsets, const int* __restrict__ rows, const float* __restrict__ row_w,
+              const unsigned short* __restrict__ h, float* __restrict__ out, long long down_off, long long row_bytes,
+              int n_embd, int K) {
+    moe_gemm_down_body<QT>(sel, ptrs, offsets, rows, row_w, h, out, down_off, row_bytes, n_embd, K);
+}
+
+template <int QT>
+__global__ __launch_bounds__(MG_THREADS) void moe_gemm_down_bias(const int* __restrict__ sel,
+              const unsigned long long* __restrict__ ptrs, const int* __restrict__ offsets, const int* __restrict__ rows,
+              const float* __restrict__ row_w, const unsigned short* __restrict__ h, float* __restrict__ out,
+              long long down_off, long long row_bytes, int n_embd, int K, const float* __restrict__ bd) {
+    moe_gemm_down_body<QT, true>(sel, ptrs, offsets, rows, row_w, h, out, down_off, row_bytes, n_embd, K, bd);
 }
 
 // Rows of a quantized matrix as fp16 (rows x cols, row-major): the prompt pass's dense projections run as cuBLAS

@@ -93,8 +93,9 @@ template <int N>
 __device__ __forceinline__ void fa_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // The fp16 tile of FA_BN keys and values from position p0 into the stage at shared address st (K, then V).
+// ring > 0 (gpt-oss): the head holds `ring` rows, position p at row p % ring.
 __device__ __forceinline__ void fa_issue_f16(uint32_t st, const unsigned short* kc, const unsigned short* vc,
-                                             long long head_base, int p0, int end) {
+                                             long long head_base, int p0, int end, int ring = 0) {
     constexpr int CH = FA_HD / 8, N = FA_BN * CH;
 #pragma unroll
     for (int i = 0; i < (N + FA_THREADS - 1) / FA_THREADS; ++i) {
@@ -102,7 +103,7 @@ __device__ __forceinline__ void fa_issue_f16(uint32_t st, const unsigned short* 
         if (N % FA_THREADS == 0 || w < N) {
             const int r = w / CH, c = w % CH, p = p0 + r;
             const bool ok = p < end;
-            const long long off = (head_base + (ok ? p : 0)) * FA_HD + 8 * c;
+            const long long off = (head_base + (ok ? (ring ? p % ring : p) : 0)) * FA_HD + 8 * c;
             const uint32_t so = (uint32_t)((r * FA_LD + 8 * c) * 2);
             fa_cp16(st + so, kc + off, ok);
             fa_cp16(st + FA_TILE_B + so, vc + off, ok);
@@ -113,7 +114,8 @@ __device__ __forceinline__ void fa_issue_f16(uint32_t st, const unsigned short* 
 // The int8 tile from p0 into the raw stage at shared address rs: chunk w (16 values of row w / (FA_HD / 16)) of K at
 // rs + 16 w, of V after K's, and the chunk's scale (of its 32-value block) at one float per chunk after those.
 __device__ __forceinline__ void fa_issue_i8(uint32_t rs, const signed char* kc, const signed char* vc,
-                                            const float* ksc, const float* vsc, long long head_base, int p0, int end) {
+                                            const float* ksc, const float* vsc, long long head_base, int p0, int end,
+                                            int ring = 0) {
     constexpr int CH = FA_HD / 16;
 #pragma unroll
     for (int i = 0; i < (FA_RCH + FA_THREADS - 1) / FA_THREADS; ++i) {
@@ -121,7 +123,7 @@ __device__ __forceinline__ void fa_issue_i8(uint32_t rs, const signed char* kc, 
         if (FA_RCH % FA_THREADS == 0 || w < FA_RCH) {
             const int r = w / CH, c = w % CH, p = p0 + r;
             const bool ok = p < end;
-            const long long row = head_base + (ok ? p : 0);
+            const long long row = head_base + (ok ? (ring ? p % ring : p) : 0);
             fa_cp16(rs + 16 * w, kc + row * FA_HD + 16 * c, ok);
             fa_cp16(rs + 16 * (FA_RCH + w), vc + row * FA_HD + 16 * c, ok);
             const long long si = row * (FA_HD / 32) + c / 2;
@@ -183,10 +185,13 @@ __device__ __forceinline__ float fa_exp2(float x) {
 // softmax, O += P V. Per m-tile mt the lane holds rows g and g + 8: state index 2 mt and 2 mt + 1 (m, l, lim).
 // k_lane, v_lane: this lane's ldmatrix row offsets (bytes) within a tile; Q's fragments: qa, or (FA_QSM) by ldmatrix
 // at q_lane (+ 16 rows per m-tile).
+// WIN (gpt-oss): keys at or below lim - swa are masked too, and a row may see no key of a tile before its first
+// visible one (its max stays -inf: the exponents are then taken against 0).
+template <bool WIN = false>
 __device__ __forceinline__ void fa_tile(float (&o)[FA_MT][FA_NO][4], float (&m)[2 * FA_MT], float (&l)[2 * FA_MT],
                                         const uint32_t (&qa)[FA_MT][FA_QR][4], uint32_t q_lane, uint32_t st,
                                         uint32_t k_lane, uint32_t v_lane, int p0, bool diag,
-                                        const int (&lim)[2 * FA_MT]) {
+                                        const int (&lim)[2 * FA_MT], int swa = 0) {
     const int t4 = threadIdx.x & 3;
     float s[FA_MT][FA_NS][4];
 #pragma unroll
@@ -230,6 +235,12 @@ __device__ __forceinline__ void fa_tile(float (&o)[FA_MT][FA_NO][4], float (&m)[
                 if (key + 1 > lim[ia]) s[mt][n][1] = NEG_INF;
                 if (key > lim[ib]) s[mt][n][2] = NEG_INF;
                 if (key + 1 > lim[ib]) s[mt][n][3] = NEG_INF;
+                if (WIN && swa > 0) {
+                    if (key <= lim[ia] - swa) s[mt][n][0] = NEG_INF;
+                    if (key + 1 <= lim[ia] - swa) s[mt][n][1] = NEG_INF;
+                    if (key <= lim[ib] - swa) s[mt][n][2] = NEG_INF;
+                    if (key + 1 <= lim[ib] - swa) s[mt][n][3] = NEG_INF;
+                }
             }
         }
         float mx_a = NEG_INF, mx_b = NEG_INF;
@@ -245,7 +256,9 @@ __device__ __forceinline__ void fa_tile(float (&o)[FA_MT][FA_NO][4], float (&m)[
         // key 0 is in every row's first tile, so the running max is finite from the first tile on (a row with no
         // visible key in a later diagonal tile keeps its max: c = 1, weights 0)
         const float mn_a = fmaxf(m[ia], mx_a), mn_b = fmaxf(m[ib], mx_b);
-        const float c_a = fa_exp2(m[ia] - mn_a), c_b = fa_exp2(m[ib] - mn_b);   // exp2(-inf) = 0 on the first tile
+        // WIN: nothing visible yet keeps the max at -inf; exponents against 0 then (weights 0, no -inf - -inf NaN)
+        const float rf_a = WIN && mn_a == NEG_INF ? 0.f : mn_a, rf_b = WIN && mn_b == NEG_INF ? 0.f : mn_b;
+        const float c_a = fa_exp2(m[ia] - rf_a), c_b = fa_exp2(m[ib] - rf_b);   // exp2(-inf) = 0 on the first tile
         m[ia] = mn_a;
         m[ib] = mn_b;
         l[ia] *= c_a;
@@ -259,10 +272,10 @@ __device__ __forceinline__ void fa_tile(float (&o)[FA_MT][FA_NO][4], float (&m)[
         }
 #pragma unroll
         for (int n = 0; n < FA_NS; ++n) {
-            s[mt][n][0] = fa_exp2(s[mt][n][0] - mn_a);
-            s[mt][n][1] = fa_exp2(s[mt][n][1] - mn_a);
-            s[mt][n][2] = fa_exp2(s[mt][n][2] - mn_b);
-            s[mt][n][3] = fa_exp2(s[mt][n][3] - mn_b);
+            s[mt][n][0] = fa_exp2(s[mt][n][0] - rf_a);
+            s[mt][n][1] = fa_exp2(s[mt][n][1] - rf_a);
+            s[mt][n][2] = fa_exp2(s[mt][n][2] - rf_b);
+            s[mt][n][3] = fa_exp2(s[mt][n][3] - rf_b);
             l[ia] += s[mt][n][0] + s[mt][n][1];
             l[ib] += s[mt][n][2] + s[mt][n][3];
         }
@@ -294,10 +307,13 @@ __device__ __forceinline__ void fa_tile(float (&o)[FA_MT][FA_NO][4], float (&m)[
 // Grid (ceil(T * G / FA_BM), n_head_kv), block FA_THREADS, FA_SMEM_F16 / FA_SMEM_I8 bytes of dynamic shared memory;
 // G = n_head / n_head_kv, head_dim == FA_HD. q, out: (T, n_head * head_dim) fp32, q already rotated; the query rows
 // of token t see positions 0 .. pos0 + t.
-template <bool I8>
+// OSS (gpt-oss): the layer's max_ctx rows a head are a ring (position p at row p % max_ctx), the query of position
+// P sees keys P - swa + 1 .. P when swa > 0, and the head's sinks[h] joins each row's softmax denominator.
+template <bool I8, bool OSS = false>
 __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void* kc, const void* vc,
                                         const float* ksc, const float* vsc, float* __restrict__ out, int T, int pos0,
-                                        int n_head, int n_head_kv, int max_ctx, float scale) {
+                                        int n_head, int n_head_kv, int max_ctx, float scale,
+                                        const float* __restrict__ sinks = nullptr, int swa = 0) {
     extern __shared__ __align__(16) unsigned char fa_sm[];
     const int G = n_head / n_head_kv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -322,6 +338,9 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
 #pragma unroll
     for (int i = 0; i < 2 * FA_MT; ++i) lim[i] = pos0 + min(row_of(i), rows - 1) / G;
     const long long head_base = (long long)kvh * max_ctx;
+    const int ring = OSS ? max_ctx : 0;
+    // OSS with a window: the block's first key is its first row's first visible one, rounded down to a tile
+    const int kb = OSS && swa > 0 ? max(0, pos0 + min(r0, rows - 1) / G - swa + 1) / FA_BN * FA_BN : 0;
     // shared memory: NST fp16 K/V stages, Q (FA_QSM), int8's two raw stages (int8 tiles run two ahead in those, so
     // two fp16 stages suffice)
     constexpr int NST = I8 ? 2 : FA_STAGES, Q0 = NST * FA_STAGE_B, RAW0 = Q0 + FA_Q_B;
@@ -330,17 +349,17 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
     auto issue = [&](int stage, int p) {
         if (I8)
             fa_issue_i8(sm0 + RAW0 + stage * FA_RAW_B, (const signed char*)kc, (const signed char*)vc, ksc, vsc,
-                        head_base, p, end);
+                        head_base, p, end, ring);
         else
             fa_issue_f16(sm0 + stage * FA_STAGE_B, (const unsigned short*)kc, (const unsigned short*)vc, head_base, p,
-                         end);
+                         end, ring);
     };
 
     // the first tiles start loading before Q is read: int8 two, fp16 NST - 1 (one commit group a tile, empty past end)
     constexpr int AHEAD = I8 ? 2 : NST - 1;
 #pragma unroll
     for (int t = 0; t < AHEAD; ++t) {
-        if (t * FA_BN < end) issue(t, t * FA_BN);
+        if (kb + t * FA_BN < end) issue(t, kb + t * FA_BN);
         fa_commit();
     }
 
@@ -398,11 +417,11 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
     if (I8) {
         fa_wait<1>();                                         // this thread's chunks of tile 0
         fa_dequant(fa_sm + RAW0, fa_sm);
-        if (2 * FA_BN < end) issue(0, 2 * FA_BN);
+        if (kb + 2 * FA_BN < end) issue(0, kb + 2 * FA_BN);
         fa_commit();
         __syncthreads();
     }
-    for (int p0 = 0, cur = 0; p0 < end; p0 += FA_BN, cur = cur + 1 == NST ? 0 : cur + 1) {
+    for (int p0 = kb, cur = 0; p0 < end; p0 += FA_BN, cur = cur + 1 == NST ? 0 : cur + 1) {
         // tile j (keys from p0) is in stage cur; nxt, tile j - 1's, is free once every warp has passed tile j's
         // barrier: fp16 loads tile j + NST - 1 into it, int8 dequantizes tile j + 1 into it
         const int nxt = cur == 0 ? NST - 1 : cur - 1;
@@ -413,8 +432,13 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
             fa_commit();
         }
         // warp-uniform: no key of this tile is visible to the warp's rows (or the warp has none)
-        if (w_live && p0 <= w_last)
+        if (OSS && swa > 0) {   // also skipped: tiles wholly before the warp's windows; masked: tiles crossing one
+            if (w_live && p0 <= w_last && p0 + FA_BN - 1 > w_first - swa)
+                fa_tile<true>(o, m, l, qa, q_lane, sm0 + cur * FA_STAGE_B, k_lane, v_lane, p0,
+                              p0 + FA_BN - 1 > w_first || p0 <= w_last - swa, lim, swa);
+        } else if (w_live && p0 <= w_last) {
             fa_tile(o, m, l, qa, q_lane, sm0 + cur * FA_STAGE_B, k_lane, v_lane, p0, p0 + FA_BN - 1 > w_first, lim);
+        }
         if (I8 && p0 + FA_BN < end) {
             // tile j + 1 (raw, issued two tiles ago: its own chunks only) into the other fp16 stage, which every warp
             // finished with before the last barrier; then tile j + 3 into the raw stage just emptied
@@ -432,6 +456,8 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const void*
         li += __shfl_xor_sync(0xffffffffu, li, 1);
         li += __shfl_xor_sync(0xffffffffu, li, 2);
         const int r = row_of(i);
+        if (OSS && sinks)       // m is in log2 units (q was scaled by log2(e))
+            li += fa_exp2(sinks[kvh * G + min(r, rows - 1) % G] * 1.4426950408889634f - m[i]);
         if (r < rows) {
             const float inv = 1.f / li;
             float* dst = out + q_off(r) + 2 * t4;
@@ -455,4 +481,21 @@ flash_attn_i8(const float* __restrict__ q, const signed char* __restrict__ kc, c
               const float* __restrict__ k_scale, const float* __restrict__ v_scale, float* __restrict__ out, int T,
               int pos0, int n_head, int n_head_kv, int head_dim, int max_ctx, float scale) {
     fa_body<true>(q, kc, vc, k_scale, v_scale, out, T, pos0, n_head, n_head_kv, max_ctx, scale);
+}
+
+// gpt-oss's layers: as flash_attn_f16 / flash_attn_i8 with the layer's sinks (n_head floats, may be null), its
+// window swa (0: none) and max_ctx the rows a head of its KV ring (engine/cuda/kv.py KVCache.rows).
+extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB)
+flash_attn_oss_f16(const float* __restrict__ q, const unsigned short* __restrict__ kc,
+                   const unsigned short* __restrict__ vc, float* __restrict__ out, int T, int pos0, int n_head,
+                   int n_head_kv, int head_dim, int max_ctx, float scale, const float* __restrict__ sinks, int swa) {
+    fa_body<false, true>(q, kc, vc, nullptr, nullptr, out, T, pos0, n_head, n_head_kv, max_ctx, scale, sinks, swa);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB)
+flash_attn_oss_i8(const float* __restrict__ q, const signed char* __restrict__ kc, const signed char* __restrict__ vc,
+                  const float* __restrict__ k_scale, const float* __restrict__ v_scale, float* __restrict__ out, int T,
+                  int pos0, int n_head, int n_head_kv, int head_dim, int max_ctx, float scale,
+                  const float* __restrict__ sinks, int swa) {
+    fa_body<true, true>(q, kc, vc, k_scale, v_scale, out, T, pos0, n_head, n_head_kv, max_ctx, scale, sinks, swa);
 }

@@ -227,3 +227,21 @@ __global__ void router_fused(const uint8_t* __restrict__ W, long long row_bytes,
     if (last_block(counter))
         route_block(logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
 }
+
+// router_fused for gpt-oss: the logits get the router's bias (n_expert floats) before the routing. Its top-k weights
+// (renorm 1) are the softmax over the chosen logits alone, which is gpt-oss's SOFTMAX_WEIGHT gating.
+template <int QT>
+__global__ void router_fused_bias(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
+                                  const float* __restrict__ norm_w, float eps, int ncols, float* __restrict__ logits,
+                                  int n_expert, int k, int renorm, float scale, int* __restrict__ ids,
+                                  float* __restrict__ weights, const unsigned long long* __restrict__ table,
+                                  unsigned long long slot_lo, unsigned long long slot_hi, int* __restrict__ counts,
+                                  unsigned long long* __restrict__ stats, int* __restrict__ counter,
+                                  const float* __restrict__ bias) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const float s = row_dot<QT>(W, row_bytes, r, n_expert, x, norm_w, eps, ncols);
+    if (lane == 0 && r < n_expert) logits[r] = s + bias[r];
+    if (last_block(counter))
+        route_block(logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
+}

@@ -115,6 +115,7 @@ class Session:
                 self.backend.truncate(0)
         else:
             self.backend.truncate(keep)
+            keep = self.backend.n_cached        # a KV ring may have kept less (engine/cuda/backend.py truncate)
         del self.tokens[keep:]
         if store is not None:
             store.drop_after(keep)

@@ -59,10 +59,12 @@ def _routing(net, taken: dict, parted: list, margins: dict, ranked: dict, tie: f
     experts in `taken` ((position, layer) -> set). Every (position, layer, gap, ours, theirs) where `taken` differs
     goes to `parted`; every gap to `margins`, every row's k + 1 best experts to `ranked`."""
     mod = sys.modules[type(net).__module__]
-    if getattr(mod, "route", None) is None:      # a dense model routes nothing
+    # gpt-oss routes by route_softmax_weight (the softmax over the chosen logits), the others by base.route
+    softmax_weight = getattr(mod, "route_softmax_weight", None)
+    if getattr(mod, "route", None) is None and softmax_weight is None:      # a dense model routes nothing
         yield
         return
-    orig_route, orig_ffn, orig_forward = mod.route, net.ffn, net.forward
+    orig_route, orig_ffn, orig_forward = getattr(mod, "route", None), net.ffn, net.forward
     where = {"layer": 0, "pos0": 0}
 
     def forward(tokens, pos0, kv, all_logits):
@@ -74,7 +76,10 @@ def _routing(net, taken: dict, parted: list, margins: dict, ranked: dict, tie: f
         return orig_ffn(il, x, decoding)
 
     def route(logits, k, renormalize, scale=1.0):
-        ids, weights = base.route(logits, k, renormalize, scale)
+        if softmax_weight is not None:
+            ids, weights = softmax_weight(logits, k)
+        else:
+            ids, weights = base.route(logits, k, renormalize, scale)
         g = gap(logits, k)
         probs = base.softmax(logits.astype(np.float32))
         for t in range(len(ids)):
@@ -87,16 +92,24 @@ def _routing(net, taken: dict, parted: list, margins: dict, ranked: dict, tie: f
             parted.append((*key, float(g[t]), sorted(ids[t].tolist()), sorted(want)))
             if g[t] < tie:
                 # theirs, weighted as route() weights any choice: softmax probabilities, renormalized, scaled
+                # (gpt-oss: the softmax over the chosen, which is the renormalized one)
                 ids[t] = sorted(want, key=lambda e: -probs[t, e])
                 w = probs[t, ids[t]]
-                weights[t] = (w / w.sum() if renormalize else w) * np.float32(scale)
+                weights[t] = (w / w.sum() if renormalize or softmax_weight else w) * np.float32(scale)
         return ids, weights
 
-    mod.route, net.ffn, net.forward = route, ffn, forward
+    net.ffn, net.forward = ffn, forward
+    if softmax_weight is not None:
+        mod.route_softmax_weight = lambda logits, k: route(logits, k, True)
+    else:
+        mod.route = route
     try:
         yield
     finally:
-        mod.route = orig_route
+        if softmax_weight is not None:
+            mod.route_softmax_weight = softmax_weight
+        else:
+            mod.route = orig_route
         del net.ffn, net.forward      # the instance attributes go; the class's methods show through again
 
 

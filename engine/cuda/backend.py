@@ -17,12 +17,12 @@ from engine.cuda.args import CudaOptions
 from engine.cuda.decode import DecodeStep
 from engine.cuda.embed_place import embed_placement
 from engine.cuda.expert_cache import ExpertCache, SlotPools
-from engine.cuda.kv import KVCache
+from engine.cuda.kv import KVCache, ring_rows
 from engine.cuda.memory_mode import MemoryMode
 from engine.cuda.prefetch import attach as attach_prefetch
 from engine.cuda.prefetch import vram_staging_slots
 from engine.cuda.prefetch import wanted as prefetch_wanted
-from engine.cuda.prefill import Prefill, reserve_bytes
+from engine.cuda.prefill import AUTO_TARGET, Prefill, parse_chunk, reserve_bytes
 from engine.cuda.kernels import Kernels
 from engine.cuda.rope import rope_table
 from engine.cuda.logits_mask import masked_next
@@ -54,8 +54,6 @@ class CUDABackend(Backend):
         if opts.mmap_experts and opts.resident_budget_gib is not None:
             raise ValueError("--mmap-experts pins no expert and --resident-budget-gib pins some: give one of them")
         cfg = self.config
-        if cfg.arch == "gpt-oss":   # sinks, windows, biases and SWIGLU_OAI: engine/arch/gptoss.py only, so far
-            raise ValueError("the CUDA backend does not run gpt-oss yet; use --backend cpu")
         if cfg.is_hybrid:
             raise ValueError(f"the CUDA backend has no Gated DeltaNet layers yet, which {cfg.arch} needs; "
                              f"use --backend cpu")
@@ -69,6 +67,7 @@ class CUDABackend(Backend):
         self.mem = None             # engine/cuda/memory_mode.py: --mmap-experts / --resident-budget-gib
         self.stats = ExpertStats()
         self._tokens_since_adapt = 0
+        self._kv_high = 0           # the most positions written since the cache was last empty (truncate)
         self._last_save = time.monotonic()
         pool = cp.get_default_memory_pool()
         free0, total = cp.cuda.runtime.memGetInfo()
@@ -76,9 +75,12 @@ class CUDABackend(Backend):
             with self.stream:
                 t0 = time.perf_counter()
                 self.weights = load_weights(model)
-                self.kv = KVCache(cfg, max_context, opts.kv)
+                self.kv = KVCache(cfg, max_context, opts.kv, self._kv_rows(max_context))
                 self.rope = cp.asarray(rope_table(cfg, max_context))
                 self.layout = blob_layout(model) if cfg.is_moe else None
+                if cfg.arch == "gpt-oss" and any(ly.qt_up >= 0 for ly in self.layout.layers):
+                    raise ValueError("this gpt-oss file has gate and up experts in different quant types, which the "
+                                     "CUDA gpt-oss expert kernels do not take; use --backend cpu or requantize")
                 qts = self.weights.qtype_ids()
                 if self.layout:
                     qts |= self.layout.qtype_ids()
@@ -116,6 +118,20 @@ class CUDABackend(Backend):
         self.pcie_gbps = self._calibrate() if opts.calibrate else None
 
     # --- set-up ----------------------------------------------------------------------------------------------
+    def _kv_rows(self, max_context: int) -> list[int] | None:
+        """Window layers (gpt-oss) keep a KV ring of the window plus the target prompt chunk (kv.py ring_rows), not
+        the whole context; None when every layer attends to all."""
+        cfg = self.config
+        if not (cfg.n_swa and any(cfg.swa_layers)):
+            return None
+        chunk = parse_chunk(self.opts.prefill_chunk)
+        rows = ring_rows(cfg, max_context, min(AUTO_TARGET if chunk == "auto" else chunk, max_context))
+        full = KVCache.nbytes(cfg, max_context, self.opts.kv)
+        saved = full - KVCache.nbytes(cfg, max_context, self.opts.kv, rows)
+        self.log(f"KV cache: {sum(cfg.swa_layers)} window layers keep {max(rows)} of {max_context} rows "
+                 f"({saved / MiB:.0f} of {full / MiB:.0f} MiB saved for expert slots)")
+        return rows
+
     def _expert_slots(self, pool) -> int:
         """The expert cache's slot count, the token embedding placed first: in mapped pinned host memory when the
         cache cannot hold every expert and the embedding's VRAM buys it slots (embed_place.py), else in VRAM. Both
@@ -262,6 +278,18 @@ class CUDABackend(Backend):
     # --- the contract ----------------------------------------------------------------------------------------
     def prompt_chunk_size(self) -> int:
         return int(self.prefill.chunk)
+
+    def truncate(self, n: int) -> None:
+        """As Backend.truncate; but a window layer's KV ring (gpt-oss, kv.py) keeps only `spare` rows beyond its
+        window, so after positions more than that past n were written the window before n is gone: the cache then
+        restarts empty (n_cached 0) and the session feeds the prompt again."""
+        self._kv_high = max(self._kv_high, self.n_cached)
+        super().truncate(n)
+        spare = getattr(self.kv, "spare", None)
+        if n and spare is not None and self._kv_high - n > spare:
+            self.n_cached = 0
+        if self.n_cached == 0:
+            self._kv_high = 0
 
     def _room(self, n: int):
         if self.n_cached + n > self.max_context:

@@ -44,7 +44,9 @@ class DecodeStep:
             self.k_new = f32(c.n_head_kv * c.head_dim)      # this token's K and V rows
             self.v_new = f32(c.n_head_kv * c.head_dim)
             self.att = f32(c.n_head * c.head_dim)
-            self.attn = DecodeAttention(kernels, c, kv)      # its split buffers; K/V layout from kv.dtype
+            oss = c.arch == "gpt-oss"       # sinks, windows and rings (kv.py), biases and SWIGLU_OAI (moe_oss.cu)
+            self.attn = DecodeAttention(kernels, c, kv,      # its split buffers; K/V layout from kv.dtype
+                                        sinks=[L.sinks for L in weights.layers] if oss else None)
             top_k = max(c.n_expert_used, 1)
             self.h = f32(max(c.n_ff, top_k * c.n_ff_exp, 8))
             self.h2 = f32(max(c.n_ff_shexp, 8))
@@ -119,7 +121,7 @@ class DecodeStep:
                norm=layer.attn_norm)
         self.attn.step(self.kernel, li, self.q, self.k_new, self.v_new, layer.q_norm, layer.k_norm, self.rope,
                        self.att, self.state, scale)
-        mv.mv(layer.wo, self.att, self.x, accumulate=True, tag="wo")
+        mv.mv(layer.wo, self.att, self.x, bias=layer.bo, accumulate=True, tag="wo")
 
     def router_args(self, li):
         """router_fused's arguments for layer li (router_predict takes them too, then its prediction's): the router
@@ -129,7 +131,9 @@ class DecodeStep:
         R = layer.router
         rows = (U64(R.ptr), I64(R.row_bytes))
         normed_x = (ptr(self.x), ptr(layer.ffn_norm), F32(c.rms_eps), I32(R.cols))
-        routing = (ptr(self.rlogits), I32(c.n_expert), I32(c.n_expert_used), I32(1 if c.expert_weights_norm else 0),
+        # gpt-oss weights the top k by a softmax over their logits alone: the renormalized top-k softmax, the same
+        renorm = c.expert_weights_norm or layer.router_bias is not None
+        routing = (ptr(self.rlogits), I32(c.n_expert), I32(c.n_expert_used), I32(1 if renorm else 0),
                    F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts))
         table = (U64(cache.table.data.ptr + 8 * li * c.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),
                  U64(cache.counts.data.ptr + 4 * li * c.n_expert), ptr(cache.stats))
@@ -140,7 +144,14 @@ class DecodeStep:
         layer li's routing. Dense layers: nothing (their FFN kernels apply the norm)."""
         if not self.cfg.is_moe:
             return
-        R = self.weights.layers[li].router
+        layer = self.weights.layers[li]
+        R = layer.router
+        if layer.router_bias is not None:       # gpt-oss
+            f = self.kernel("router_fused_bias", R.qt, "router")
+            f(((R.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+              (*self.router_args(li), ptr(self.counter), ptr(layer.router_bias)),
+              shared_mem=self.launcher.smem(f, R.cols, True))
+            return
         f = self.kernel("router_fused", R.qt, "router")
         f(((R.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,), (*self.router_args(li), ptr(self.counter)),
           shared_mem=self.launcher.smem(f, R.cols, True))
@@ -158,6 +169,9 @@ class DecodeStep:
         top_k = c.n_expert_used
         table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
         grid = ((blob.n_ff + MV_WARPS - 1) // MV_WARPS, top_k, 1)
+        if layer.exp_bias is not None:
+            self.enqueue_experts_oss(li, layer, blob, table, grid)
+            return
         if blob.qt_up < 0:
             f = self.kernel("moe_gate_up", blob.qt_gate_up)
             f(grid, (32 * MV_WARPS,),
@@ -186,6 +200,24 @@ class DecodeStep:
         if shared:
             mv.mv(layer.sh_down, self.h2, x, gate_logit=self.sgate if layer.sh_gate_inp is not None else None,
                   accumulate=True, tag="shexp")
+
+    def enqueue_experts_oss(self, li, layer, blob, table, grid):
+        """gpt-oss's routed experts (moe_oss.cu): gate/up with their biases and SWIGLU_OAI, then down with its bias,
+        weighted, added to x. Its files have gate and up in one type (weights.py refuses others)."""
+        c, mv, x = self.cfg, self.launcher, self.x
+        top_k = c.n_expert_used
+        bg, bu, bd = layer.exp_bias
+        f = self.kernel("moe_gate_up_oai", blob.qt_gate_up, "moe_gate_up")
+        f(grid, (32 * MV_WARPS,),
+          (table, ptr(self.ids), I64(blob.up_off), I64(blob.rb_gate_up), ptr(x), ptr(layer.ffn_norm), F32(c.rms_eps),
+           ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(top_k), ptr(bg), ptr(bu)),
+          shared_mem=mv.smem(f, c.n_embd, True))
+        f = self.kernel("moe_down_bias", blob.qt_down, "moe_down")
+        sm = mv.smem(f, top_k * blob.n_ff, False, optional_max=100 * 1024)
+        f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,),
+          (table, ptr(self.ids), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(x),
+           I32(c.n_embd), I32(blob.n_ff), I32(top_k), I32(1 if sm else 0), ptr(bd)),
+          shared_mem=sm)
 
     def enqueue_output(self):
         """The output mat-vec (of the final-normed x, the norm fused) into self.logits."""

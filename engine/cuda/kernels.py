@@ -172,7 +172,7 @@ def quant_function(name: str, kernel: str, t, **defines):
 
 
 # The engine's kernel table: these files' kernels, templated ones for the model's quant types.
-ENGINE_FILES = ("dense.cu", "norm_rope.cu", "attention.cu", "router.cu", "moe.cu", "sample.cu")
+ENGINE_FILES = ("dense.cu", "norm_rope.cu", "attention.cu", "router.cu", "moe.cu", "sample.cu", "moe_oss.cu")
 _BOUNDS = r"(?:__launch_bounds__\s*\([^)]*\)\s*)?"
 _GLOBAL_RE = re.compile(r"__global__\s+" + _BOUNDS + r"void\s+" + _BOUNDS + r"(\w+)\s*\(")
 

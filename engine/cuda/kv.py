@@ -7,6 +7,10 @@ Layouts, per layer (the kernels take one layer's addresses):
   v_q, v_scale)`, the argument order of attention.cu's qk_rope_store_kv8 / attn_gqa_i8 (and prefill_attn.cu's
   qk_rope_store_kv8 / flash_attn_i8).
   A row is head_dim + head_dim / 8 bytes instead of 2 * head_dim: 56% of the fp16 cache.
+Window layers (gpt-oss): a layer whose attention sees only the last n_swa positions holds `rows[i]` rows a head
+instead of max_ctx, a ring (position p at row p % rows[i]) long enough for the window plus the longest prompt chunk
+(whose own K/V are written before its queries read the window behind them): ring_rows(). The kernels take a layer's
+rows as their max_ctx; `chunk_cap` is the longest chunk the rings allow.
 """
 from __future__ import annotations
 
@@ -35,13 +39,33 @@ def row_bytes(head_dim: int, dtype: str) -> int:
     return 2 * head_dim if dtype == "f16" else head_dim + head_dim // 32 * 4
 
 
+def ring_rows(cfg, max_ctx: int, chunk: int) -> list[int]:
+    """Rows a head per layer: max_ctx, or for a window layer the window plus a chunk less one (the chunk's first query
+    still sees n_swa - 1 positions before it), rounded up to 64 rows and at most max_ctx."""
+    ring = min(max_ctx, -(-(cfg.n_swa + max(1, chunk) - 1) // 64) * 64)
+    return [ring if cfg.is_swa(i) and cfg.n_swa > 0 else max_ctx for i in range(cfg.n_layer)]
+
+
 class KVCache:
-    def __init__(self, cfg, max_ctx: int, dtype: str = "f16"):
+    def __init__(self, cfg, max_ctx: int, dtype: str = "f16", rows: list[int] | None = None):
         check_dtype(cfg, dtype)
         self.dtype = dtype
         self.max_ctx = max_ctx
         self.head_dim = hd = cfg.head_dim
-        shape = (cfg.n_layer, cfg.n_head_kv, max_ctx, hd)
+        self.rows = list(rows) if rows is not None else [max_ctx] * cfg.n_layer
+        self.n_swa = cfg.n_swa
+        # the longest chunk whose own K/V and window fit every ring (store() splits a chunk where its ring wraps)
+        self.chunk_cap = min([max_ctx] + [r - cfg.n_swa + 1 for r in self.rows if r < max_ctx])
+        # rows a ring holds beyond its window: a truncation further back than that lost the window (backend.truncate)
+        self.spare = min([r - cfg.n_swa for r in self.rows if r < max_ctx], default=None)
+        if self.chunk_cap < 1:
+            raise ValueError(f"KV rings of {min(self.rows)} rows are shorter than the window of {cfg.n_swa}")
+        if any(r != max_ctx for r in self.rows):     # per layer: one flat allocation, layer i at _off[i] rows
+            self._off = np.concatenate([[0], np.cumsum([cfg.n_head_kv * r for r in self.rows])]).tolist()
+            shape = (self._off[-1], hd)
+        else:
+            self._off = None
+            shape = (cfg.n_layer, cfg.n_head_kv, max_ctx, hd)
         if dtype == "f16":
             self.k = cp.zeros(shape, dtype=cp.float16)
             self.v = cp.zeros(shape, dtype=cp.float16)
@@ -53,8 +77,15 @@ class KVCache:
             self.v_scale = cp.zeros(shape[:-1] + (hd // 32,), dtype=cp.float32)
 
     @staticmethod
-    def nbytes(cfg, max_ctx: int, dtype: str = "f16") -> int:
-        return 2 * cfg.n_layer * cfg.n_head_kv * max_ctx * row_bytes(cfg.head_dim, dtype)
+    def nbytes(cfg, max_ctx: int, dtype: str = "f16", rows: list[int] | None = None) -> int:
+        n = sum(rows) if rows is not None else cfg.n_layer * max_ctx
+        return 2 * cfg.n_head_kv * n * row_bytes(cfg.head_dim, dtype)
+
+    def _at(self, a, i: int) -> int:
+        """Address of layer i in array a (K, V or a scale array)."""
+        if self._off is None:
+            return int(a[i].data.ptr)
+        return int(a.data.ptr) + self._off[i] * a.strides[0]
 
     @property
     def total_bytes(self) -> int:
@@ -65,7 +96,7 @@ class KVCache:
         if self.dtype != "f16":
             raise ValueError("this pass reads the fp16 KV cache, but the cache is int8 (--kv int8): run with --kv f16, "
                              "or use layer_i8() for the int8 layout")
-        return int(self.k[i].data.ptr), int(self.v[i].data.ptr)
+        return self._at(self.k, i), self._at(self.v, i)
 
     def store(self, kernels, cfg, li, q, k_rows, v, q_norm, k_norm, rope, state=None, pos0: int = 0,
               T: int = 1) -> None:
@@ -74,10 +105,28 @@ class KVCache:
         V into layer li in this cache's layout. q: (T, n_head * head_dim), k_rows, v: (T, n_head_kv * head_dim) fp32;
         rope: (max_ctx, n_rot / 2) float2 (cos, sin). kernels: the engine's kernel table (kernels.Kernels)."""
         c = cfg
+        R = self.rows[li]
+        if R < self.max_ctx:
+            # a ring: the chunk in pieces that do not wrap, each stored at its rows with the RoPE table shifted so
+            # that row pos0 % R + t still turns by position pos0 + t (state is None: the prompt pass)
+            if state is not None:
+                raise ValueError("a window layer's ring takes the decode step's K/V in its fused attention launch "
+                                 "(DecodeAttention with fused=True), not through store()")
+            t = 0
+            while t < T:
+                p = pos0 + t
+                n = min(T - t, R - p % R)
+                self._store(kernels, c, li, q[t:t + n], k_rows[t:t + n], v[t:t + n], q_norm, k_norm,
+                            U64(int(rope.data.ptr) + (p - p % R) * rope.strides[0]), p % R, n, R)
+                t += n
+            return
+        self._store(kernels, c, li, q, k_rows, v, q_norm, k_norm, _ptr(rope), pos0, T, self.max_ctx, state)
+
+    def _store(self, kernels, c, li, q, k_rows, v, q_norm, k_norm, rope_ptr, pos0, T, rows, state=None) -> None:
         grid, blk = (c.n_head + 2 * c.n_head_kv, T), (c.head_dim,)
-        head = (_ptr(q), _ptr(k_rows), _ptr(v), _ptr(q_norm), _ptr(k_norm), _ptr(rope), _ptr(state), I32(pos0))
+        head = (_ptr(q), _ptr(k_rows), _ptr(v), _ptr(q_norm), _ptr(k_norm), rope_ptr, _ptr(state), I32(pos0))
         tail = (I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), I32(c.n_rot), I32(1 if c.rope_type == "neox" else 0),
-                F32(c.rms_eps), I32(self.max_ctx))
+                F32(c.rms_eps), I32(rows))
         if self.dtype == "f16":
             kc, vc = self.layer(li)
             kernels("qk_rope_store")(grid, blk, (*head, U64(kc), U64(vc), *tail))
@@ -88,8 +137,7 @@ class KVCache:
         """(k_q, k_scale, v_q, v_scale) addresses of layer i's int8 cache."""
         if self.dtype != "int8":
             raise ValueError("layer_i8() needs the int8 KV cache (--kv int8); this one is fp16: use layer()")
-        return (int(self.k[i].data.ptr), int(self.k_scale[i].data.ptr), int(self.v[i].data.ptr),
-                int(self.v_scale[i].data.ptr))
+        return self._at(self.k, i), self._at(self.k_scale, i), self._at(self.v, i), self._at(self.v_scale, i)
 
 
 def check_dtype(cfg, dtype: str) -> None:
@@ -124,7 +172,8 @@ class DecodeAttention:
     and k, writes K/V there and attends, in one launch (fused) or two (`store`, then `attend`). Buffers are sized
     once from max_ctx; the position is read on the device, so a captured graph serves every step."""
 
-    def __init__(self, kernels, cfg, kv: KVCache, n_split: int | None = None, fused: bool | None = None):
+    def __init__(self, kernels, cfg, kv: KVCache, n_split: int | None = None, fused: bool | None = None,
+                 sinks=None):
         G = cfg.n_head // cfg.n_head_kv
         if cfg.n_head % cfg.n_head_kv or not 1 <= G <= AT_MAX_G:
             raise ValueError(f"the CUDA decode attention takes 1 to {AT_MAX_G} q heads per KV head "
@@ -144,6 +193,11 @@ class DecodeAttention:
         self.fused = FUSED_STORE if fused is None else fused
         self.name = "attn_gqa_f16" if kv.dtype == "f16" else "attn_gqa_i8"
         self.name_fused = "attn_gqa_rope_f16" if kv.dtype == "f16" else "attn_gqa_rope_i8"
+        # gpt-oss: per layer its sink logits (n_head fp32 arrays); its launches add them, the window and the rings
+        self.sinks = sinks
+        if sinks is not None:
+            self.fused = True
+            self.name_fused = "attn_gqa_rope_oss_f16" if kv.dtype == "f16" else "attn_gqa_rope_oss_i8"
         self.part = cp.zeros(cfg.n_head * n_split * (cfg.head_dim + 2), dtype=cp.float32)
         self.counters = cp.zeros(cfg.n_head_kv, dtype=cp.int32)
         # past 48 KiB (head_dim 256) a block must opt in; set before any capture, harmless below
@@ -164,9 +218,10 @@ class DecodeAttention:
         rotary = (_ptr(rope), I32(c.n_rot), I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps))
         cache = tuple(U64(a) for a in addrs)
         work = (_ptr(state), _ptr(self.part), _ptr(self.counters), _ptr(out))
-        shape = (I32(c.n_head_kv), I32(self.group), I32(c.head_dim), I32(self.kv.max_ctx), F32(scale))
-        kernels(self.name_fused)((c.n_head_kv, self.n_split), (self.block,), (*rows, *rotary, *cache, *work, *shape),
-                                 shared_mem=self.smem)
+        shape = (I32(c.n_head_kv), I32(self.group), I32(c.head_dim), I32(self.kv.rows[li]), F32(scale))
+        oss = () if self.sinks is None else (_ptr(self.sinks[li]), I32(c.n_swa if c.is_swa(li) else 0))
+        kernels(self.name_fused)((c.n_head_kv, self.n_split), (self.block,),
+                                 (*rows, *rotary, *cache, *work, *shape, *oss), shared_mem=self.smem)
 
     def store(self, kernels, li, q, k_rows, v, q_norm, k_norm, rope, state) -> None:
         """K/V of this step's token at position state[1] (KVCache.store)."""

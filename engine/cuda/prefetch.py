@@ -76,6 +76,8 @@ def wanted(choice: bool | None, n_slots: int, n_total: int) -> bool:
 
 def unsupported(cfg, layout) -> str | None:
     """Why the kernels cannot serve this model (None: they can)."""
+    if getattr(cfg, "arch", None) == "gpt-oss":
+        return "its router kernel has no router bias, which gpt-oss needs"
     if cfg.n_expert_used > MAX_K or cfg.n_expert > MAX_EXPERTS:
         return (f"it handles up to {MAX_EXPERTS} experts and top-{MAX_K} routing (this model: {cfg.n_expert}, "
                 f"top-{cfg.n_expert_used})")

@@ -70,14 +70,14 @@ class AttnKernel:
         self.fn(attn_grid(T, n_head, n_head_kv, self.rows), (self.threads,), args, shared_mem=self.smem)
 
 
-def attn_kernel(mod, int8: bool) -> AttnKernel:
+def attn_kernel(mod, int8: bool, oss: bool = False) -> AttnKernel:
     """The attention kernel of an attn_module build for this KV format, its shape asked of the build itself
     (flash_attn_shape), so the engine, the tests and bench.prefill_attn launch every variant alike; opted in to the
-    shared memory it needs above 48 KiB."""
+    shared memory it needs above 48 KiB. oss: gpt-oss's variant (sinks, window, KV ring: flash_attn_oss_*)."""
     shape = cp.zeros(4, cp.int32)
     mod.get_function("flash_attn_shape")((1,), (1,), (shape,))
     rows, threads, smem_f16, smem_i8 = (int(x) for x in shape.get())
-    fn = mod.get_function("flash_attn_i8" if int8 else "flash_attn_f16")
+    fn = mod.get_function(("flash_attn_oss_" if oss else "flash_attn_") + ("i8" if int8 else "f16"))
     smem = smem_i8 if int8 else smem_f16
     if smem > SMEM_DEFAULT and getattr(fn, "max_dynamic_shared_size_bytes", 0) < smem:
         fn.max_dynamic_shared_size_bytes = smem
@@ -163,7 +163,8 @@ class Prefill:
         self.launcher = Launcher(self.kernels, self.cfg)
         c = self.cfg
         self.att_mod = attn_module(c.head_dim)
-        self.attend = attn_kernel(self.att_mod, getattr(self.kv, "dtype", "f16") == "int8")
+        self.oss = c.arch == "gpt-oss"      # sinks, windows and KV rings; biases and SWIGLU_OAI in the experts
+        self.attend = attn_kernel(self.att_mod, getattr(self.kv, "dtype", "f16") == "int8", self.oss)
         blob = self.layout
         qts = set(self.weights.qtype_ids()) | (blob.qtype_ids() if blob else set())
         pairs = {(ly.qt_gate_up, ly.qt_up) for ly in blob.layers if ly.qt_up >= 0} if blob else set()
@@ -173,7 +174,7 @@ class Prefill:
         n_stream = self.cache.n_total - self.cache.n_slots if self.cache is not None else 0
         free = vram_left(opts)
         self.plan = plan_chunk(c, free, chunk=parse_chunk(opts.prefill_chunk), ring=opts.ring, stride=stride,
-                               n_stream=n_stream, max_tokens=self.kv.max_ctx,
+                               n_stream=n_stream, max_tokens=getattr(self.kv, "chunk_cap", self.kv.max_ctx),
                                lendable=self.cache.lendable if self.cache is not None else 0)
         self.chunk = self.plan.chunk
         with step.stream:
@@ -402,10 +403,14 @@ class Prefill:
                 kv_args = (U64(kq), U64(vq), U64(ks), U64(vs))
             else:
                 kv_args = tuple(U64(a) for a in self.kv.layer(li))
+            rows = self.kv.rows[li] if self.oss else self.kv.max_ctx
+            oss = (ptr(layer.sinks), I32(c.n_swa if c.is_swa(li) else 0)) if self.oss else ()
             self.attend(T, c.n_head, c.n_head_kv, (q, *kv_args, att, I32(T), I32(pos0), I32(c.n_head),
-                                                   I32(c.n_head_kv), I32(c.head_dim), I32(self.kv.max_ctx), scale))
+                                                   I32(c.n_head_kv), I32(c.head_dim), I32(rows), scale, *oss))
             self._mark("attention")
             self.linear_f16(layer.wo, self.to_half(att, T, qw), x, accumulate=True)      # x += att @ wo^T
+            if layer.bo is not None:
+                x += layer.bo
             self._mark("dense")
             mv.rmsnorm(x, layer.ffn_norm, xn, rows=T)
             self._mark("other")
@@ -440,9 +445,12 @@ class Prefill:
         c, blob, cache, mod = self.cfg, self.layout.layer(li), self.cache, self.moe_mod
         top_k = c.n_expert_used
         logits = self.linear_into(layer.router, xn, self._view("router_logits", T, c.n_expert))
+        if layer.router_bias is not None:       # gpt-oss: then the softmax over the chosen k (renormalized top k)
+            logits += layer.router_bias
+        renorm = c.expert_weights_norm or layer.router_bias is not None
         ids, wts = self._view("ids", T, top_k), self._view("wts", T, top_k)
         self.kernels("router_topk")((T,), (32,),
-                              (ptr(logits), I32(c.n_expert), I32(top_k), I32(1 if c.expert_weights_norm else 0),
+                              (ptr(logits), I32(c.n_expert), I32(top_k), I32(1 if renorm else 0),
                                F32(c.expert_weights_scale), ptr(ids), ptr(wts), NULL, U64(0), U64(0),
                                U64(cache.counts.data.ptr + 4 * li * c.n_expert), NULL))
         self._mark("router")
@@ -451,24 +459,29 @@ class Prefill:
         mod.get_function("moe_sort")((1,), (1024,), (ids, wts, I32(T * top_k), I32(top_k), I32(c.n_expert), offsets,
                                                      rows, row_w))
         self._mark("sort")
-        if blob.qt_up < 0:
+        bias_gu = bias_dn = ()
+        if layer.exp_bias is not None:      # gpt-oss: biases, SWIGLU_OAI (moe_gemm.cu OAI / BIAS)
+            gu = mod.get_function(f"moe_gemm_gate_up_oai<{blob.qt_gate_up}>")
+            gu_rows = (I64(blob.rb_gate_up),)
+            bias_gu, bias_dn = tuple(ptr(b) for b in layer.exp_bias[:2]), (ptr(layer.exp_bias[2]),)
+        elif blob.qt_up < 0:
             gu = mod.get_function(f"moe_gemm_gate_up<{blob.qt_gate_up}>")
             gu_rows = (I64(blob.rb_gate_up),)
         else:           # gate and up in different types (a community quant's layer)
             gu = mod.get_function(f"moe_gemm_gate_up_mixed<{blob.qt_gate_up}, {blob.qt_up}>")
             gu_rows = (I64(blob.rb_gate_up), I64(blob.rb_up))
-        dn = mod.get_function(f"moe_gemm_down<{blob.qt_down}>")
+        dn = mod.get_function(f"moe_gemm_down{'_bias' if bias_dn else ''}<{blob.qt_down}>")
         row_blocks = expert_row_blocks(T, top_k, c.n_expert)
 
         def run(sel, ptrs, n):
             if not n:
                 return
             gu(((blob.n_ff + GEMM_TILE - 1) // GEMM_TILE, row_blocks, n), (256,),
-               (sel, ptrs, offsets, rows, xh, h, I64(blob.up_off), *gu_rows, I32(blob.n_ff), I32(c.n_embd)))
+               (sel, ptrs, offsets, rows, xh, h, I64(blob.up_off), *gu_rows, I32(blob.n_ff), I32(c.n_embd), *bias_gu))
             self._mark("gate_up")
             dn(((c.n_embd + GEMM_TILE - 1) // GEMM_TILE, row_blocks, n), (256,),
                (sel, ptrs, offsets, rows, row_w, h, x, I64(blob.down_off), I64(blob.rb_down), I32(c.n_embd),
-                I32(blob.n_ff)))
+                I32(blob.n_ff), *bias_dn))
             self._mark("down")
 
         if runner is None and cache.source is not None:   # memory modes: the routed experts, file-only ones staged

@@ -91,6 +91,13 @@ class Layer:
     sh_up: DevMatrix | None = None
     sh_down: DevMatrix | None = None
     sh_gate_inp: DevMatrix | None = None
+    # gpt-oss: the output projection's bias, the sink logit per q head, the router's bias, and every expert's
+    # gate/up/down biases ((n_expert, n_ff), (n_expert, n_ff), (n_expert, n_embd), flat): all experts' in VRAM, so a
+    # kernel reads the bias of whichever expert was routed wherever its weights are (cache slot, arena, ring)
+    bo: cp.ndarray | None = None
+    sinks: cp.ndarray | None = None
+    router_bias: cp.ndarray | None = None
+    exp_bias: tuple | None = None
 
 
 @dataclass
@@ -149,12 +156,17 @@ def load_weights(model) -> DeviceWeights:
     tok = mat("token_embd.weight")
     out = tok if cfg.tied_embeddings else mat("output.weight")
     dw = DeviceWeights(tok_embd=tok, output=out, output_norm=f32("output_norm.weight"))
+    ffn_norm = "post_attention_norm.weight" if cfg.arch == "gpt-oss" else "ffn_norm.weight"    # llama.cpp's names
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
         L = Layer(attn_norm=f32(b + "attn_norm.weight"), wq=mat(b + "attn_q.weight"), wk=mat(b + "attn_k.weight"),
-                  wv=mat(b + "attn_v.weight"), wo=mat(b + "attn_output.weight"), ffn_norm=f32(b + "ffn_norm.weight"),
+                  wv=mat(b + "attn_v.weight"), wo=mat(b + "attn_output.weight"), ffn_norm=f32(b + ffn_norm),
                   q_norm=opt_f32(b + "attn_q_norm.weight"), k_norm=opt_f32(b + "attn_k_norm.weight"),
                   bq=opt_f32(b + "attn_q.bias"), bk=opt_f32(b + "attn_k.bias"), bv=opt_f32(b + "attn_v.bias"))
+        if cfg.arch == "gpt-oss":
+            L.bo, L.sinks, L.router_bias = (f32(b + n) for n in ("attn_output.bias", "attn_sinks.weight",
+                                                                 "ffn_gate_inp.bias"))
+            L.exp_bias = tuple(f32(b + f"ffn_{k}_exps.bias") for k in ("gate", "up", "down"))
         if cfg.is_moe:
             L.router = mat(b + "ffn_gate_inp.weight")
             if cfg.shared_expert:

@@ -1,0 +1,133 @@
+"""gpt-oss on the CUDA backend against the NumPy backend (tests/gpu_compare.py's criteria), on make_moe's gpt-oss-tiny
+(window 16; tests/test_gptoss.py makes the same files) in F16 and in the published files' types (MXFP4 experts, Q8_0
+elsewhere): a 150-token prompt in chunks of 40 or 64 (so the window layers' KV rings wrap), teacher-forced logits
+within 1e-2 and greedy tokens equal, with the expert cache holding all, half or none of the experts (misses read in
+place from the pinned arena, or streamed through the prompt pass's ring); a truncation past a ring's spare rows
+restarts the cache; the worker protocol serves the tiny model."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+from engine.gguf_model import open_model  # noqa: E402
+from gpu_compare import assert_same_greedy, cpu_greedy, greedy, rel_rows  # noqa: E402
+from route_ties import Reference, RouteRecorder, gpu_routes  # noqa: E402
+from tools import make_moe  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gptoss"
+F16_TYPES = ["--experts", "F16", "--attn", "F16", "--embd", "F16", "--output", "F16"]
+CTX = 256
+N_GREEDY = 24
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{kind: (model, prompt, CPU greedy tokens, their logits)} for the F16 and the published-types file."""
+    from tools.gptoss_ref import PRESET
+    d = tmp_path_factory.mktemp("gptoss")
+    case = max(json.loads((FIXTURES / "gpt-oss-tiny-f16.json").read_text())["cases"], key=lambda c: len(c["prompt_ids"]))
+    prompt = list(case["prompt_ids"])
+    out = {}
+    for kind, types in (("f16", F16_TYPES), ("mxfp4", [])):
+        path = d / f"gpt-oss-tiny-{kind}.gguf"
+        assert make_moe.main([*PRESET, "--norm", "F32", "--out", str(path), *types]) == 0
+        model = open_model(path)
+        out[kind] = (model, prompt, *cpu_greedy(model, prompt, N_GREEDY, CTX))
+    return out
+
+
+def cuda_backend(model, **opts):
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    return CUDABackend(model, CTX, CudaOptions(**opts), tracer=RouteRecorder())
+
+
+@pytest.mark.parametrize("kind", ["f16", "mxfp4"])
+@pytest.mark.parametrize("share,chunk,stream_min", [("all", 64, 1024), ("half", 40, 1024), ("none", 64, 1024),
+                                                    ("none", 40, 16), ("half", 64, 16)])
+def test_logits_and_greedy_match_cpu(runs, kind, share, chunk, stream_min):
+    model, prompt, toks, cpu_logits = runs[kind]
+    cfg = model.config
+    assert len(prompt) > 4 * cfg.n_swa and any(cfg.swa_layers) and not all(cfg.swa_layers)
+    total = cfg.n_layer * cfg.n_expert
+    slots = {"none": 0, "half": total // 2, "all": total}[share]
+    be = cuda_backend(model, expert_slots=slots, prefill_chunk=chunk, stream_min=stream_min)
+    try:
+        assert be.cache.n_slots == slots and be.prompt_chunk_size() == chunk
+        rows = be.kv.rows
+        assert max(rows) == CTX and min(rows) < len(prompt)         # the window layers' rings wrap in the prompt
+        seq = prompt + toks[:-1]
+        be.tracer.routes = []
+        lg = be.forward(seq, all_logits=True)[len(prompt) - 1:]
+        if stream_min < chunk and share != "all":
+            assert be.prefill.last["ring"] > 0                       # the last chunk streamed experts
+        assert np.isfinite(lg).all()
+        ref = Reference(model, CTX, gpu_routes(be.tracer.routes))
+        be.tracer.routes = None
+        want = ref.forward(seq, all_logits=True)[len(prompt) - 1:]
+        ref.close()
+        assert ref.clear_parts() == [], ref.parted
+        assert rel_rows(lg, want).max() < 1e-2
+        # the same positions one token at a time through the decode graph
+        be.truncate(len(prompt))
+        assert be.n_cached == len(prompt)
+        dec = np.stack([be.forward([t]) for t in toks[:-1]])
+        assert np.minimum(rel_rows(dec, cpu_logits[1:]), rel_rows(dec, want[1:])).max() < 1e-2
+        # greedy from an empty cache, then a cut further back than a ring's spare rows: the cache restarts empty
+        be.truncate(0)
+        assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, cpu_logits)
+        be.truncate(len(prompt) - be.kv.spare - 1)
+        assert be.n_cached == 0
+        assert_same_greedy(greedy(be, prompt, 8), toks[:8], cpu_logits)
+    finally:
+        be.close()
+
+
+def test_int8_kv_greedy(runs):
+    model, prompt, toks, cpu_logits = runs["mxfp4"]
+    be = cuda_backend(model, kv="int8", prefill_chunk=64)
+    try:
+        assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, cpu_logits)
+    finally:
+        be.close()
+
+
+def test_window_rings_free_vram(runs):
+    """The KV cache is the full layers' context plus the window layers' rings, no more."""
+    from engine.cuda.kv import KVCache
+    model = runs["f16"][0]
+    cfg = model.config
+    be = cuda_backend(model, prefill_chunk=40)
+    try:
+        n_swa_layers = sum(cfg.swa_layers)
+        ring = -(-(cfg.n_swa + 40 - 1) // 64) * 64
+        assert sorted(set(be.kv.rows)) == [ring, CTX]
+        assert be.kv.total_bytes == KVCache.nbytes(cfg, CTX, rows=be.kv.rows)
+        saved = n_swa_layers * (CTX - ring) * 2 * cfg.n_head_kv * 2 * cfg.head_dim       # K and V, fp16
+        assert be.kv.total_bytes == KVCache.nbytes(cfg, CTX) - saved > 0
+    finally:
+        be.close()
+
+
+def test_worker_serves_gpt_oss(runs):
+    """The worker protocol on CUDA with the tiny gpt-oss file: READY's facts, a prompt past the window, a second request
+    reusing its prefix, the tokens the CPU backend picks."""
+    from engine import protocol
+    from test_worker_protocol import Worker, gen, tokens
+    model, prompt, toks, cpu_logits = runs["mxfp4"]
+    w = Worker(model.path, "--backend", "cuda", "--ctx", str(CTX), "--expert-slots", "16")
+    try:
+        assert w.info["backend"] == "cuda" and w.info["arch"] == "gpt-oss"
+        lines = w.request(gen(8, prompt))
+        assert_same_greedy(tokens(lines), toks[:8], cpu_logits)
+        done = protocol.parse_done(lines[-1])
+        assert done.generated == 8 and done.prompt_read == len(prompt)
+        lines = w.request(gen(4, prompt + toks[:3]))
+        assert_same_greedy(tokens(lines), toks[3:7], cpu_logits[3:])
+        assert w.quit() == 0
+    finally:
+        w.kill()
