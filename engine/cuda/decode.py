@@ -132,7 +132,7 @@ class DecodeStep:
         rows = (U64(R.ptr), I64(R.row_bytes))
         normed_x = (ptr(self.x), ptr(layer.ffn_norm), F32(c.rms_eps), I32(R.cols))
         # gpt-oss weights the top k by a softmax over their logits alone: the renormalized top-k softmax, the same
-        renorm = c.expert_weights_norm or layer.router_bias is not None
+        renorm = c.expert_weights_norm or getattr(layer, "router_bias", None) is not None
         routing = (ptr(self.rlogits), I32(c.n_expert), I32(c.n_expert_used), I32(1 if renorm else 0),
                    F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts))
         table = (U64(cache.table.data.ptr + 8 * li * c.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),

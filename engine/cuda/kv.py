@@ -53,13 +53,13 @@ class KVCache:
         self.max_ctx = max_ctx
         self.head_dim = hd = cfg.head_dim
         self.rows = list(rows) if rows is not None else [max_ctx] * cfg.n_layer
-        self.n_swa = cfg.n_swa
+        n_swa = getattr(cfg, "n_swa", 0)
         # the longest chunk whose own K/V and window fit every ring (store() splits a chunk where its ring wraps)
-        self.chunk_cap = min([max_ctx] + [r - cfg.n_swa + 1 for r in self.rows if r < max_ctx])
+        self.chunk_cap = min([max_ctx] + [r - n_swa + 1 for r in self.rows if r < max_ctx])
         # rows a ring holds beyond its window: a truncation further back than that lost the window (backend.truncate)
-        self.spare = min([r - cfg.n_swa for r in self.rows if r < max_ctx], default=None)
+        self.spare = min([r - n_swa for r in self.rows if r < max_ctx], default=None)
         if self.chunk_cap < 1:
-            raise ValueError(f"KV rings of {min(self.rows)} rows are shorter than the window of {cfg.n_swa}")
+            raise ValueError(f"KV rings of {min(self.rows)} rows are shorter than the window of {n_swa}")
         if any(r != max_ctx for r in self.rows):     # per layer: one flat allocation, layer i at _off[i] rows
             self._off = np.concatenate([[0], np.cumsum([cfg.n_head_kv * r for r in self.rows])]).tolist()
             shape = (self._off[-1], hd)
