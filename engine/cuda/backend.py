@@ -128,8 +128,8 @@ class CUDABackend(Backend):
         rows = ring_rows(cfg, max_context, min(AUTO_TARGET if chunk == "auto" else chunk, max_context))
         full = KVCache.nbytes(cfg, max_context, self.opts.kv)
         saved = full - KVCache.nbytes(cfg, max_context, self.opts.kv, rows)
-        self.log(f"KV cache: {sum(cfg.swa_layers)} window layers keep {max(rows)} of {max_context} rows "
-                 f"({saved / MiB:.0f} of {full / MiB:.0f} MiB saved for expert slots)")
+        self.log(f"KV cache: {sum(cfg.swa_layers)} window layers keep {min(rows)} of {max_context} rows "
+                 f"({saved / MiB:.1f} of {full / MiB:.1f} MiB saved for expert slots)")
         return rows
 
     def _expert_slots(self, pool) -> int:
