@@ -40,3 +40,15 @@ def test_reference_in_the_kernels_layout_is_the_models_gdn(name):
         assert np.abs(got - want).max() < 1e-9 * max(1.0, np.abs(want).max())
         assert np.array_equal(conv, cache.conv[il])
         assert np.abs(S - cache.delta[il]).max() < 1e-9 * max(1.0, np.abs(S).max())
+
+
+def test_scratch_and_state_sizes():
+    from engine.cuda.gdn import scratch_bytes, state_bytes
+    sh = GdnShape(16, 32, 128, 4, True, 1e-6)            # Qwen3-Next-80B-A3B's GDN layers
+    # act16 4096 x 8192 fp16 (64 MiB), gcum 32 x 4096 fp32, tcat 32 x 64 x 64 x 128 fp16, qkm half of tcat
+    assert scratch_bytes(sh, 4096) == 4096 * 8192 * 2 + 32 * 4096 * 4 + 32 * 64 * 64 * 128 * 2 + 32 * 64 * 64 * 64 * 2
+    # one more token: its row, and a whole chunk more of gcum, tcat and qkm
+    assert scratch_bytes(sh, 4097) - scratch_bytes(sh, 4096) == 8192 * 2 + 32 * 64 * (4 + 128 * 2 + 64 * 2)
+    be = CPUBackend(open_model(HERE / "tiny-qwen3next-q4_k_m.gguf"), 64)
+    n_gdn = sum(be.net.cfg.recurrent_layers)
+    assert n_gdn * state_bytes(GdnShape.from_config(be.net.cfg)) == be.kv.state_bytes()
