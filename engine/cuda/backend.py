@@ -190,7 +190,7 @@ class CUDABackend(Backend):
         if opts.expert_profile:
             prof = load_profile(opts.expert_profile, self.config.n_layer, self.config.n_expert)
             order = prof.flat_order()
-            cache.prior = prof.ranks().astype(np.int64)
+            cache.load_prior(prof.ranks())
             src = f"profile {opts.expert_profile}"
         elif cache.n_slots >= cache.n_total:
             order = np.arange(cache.n_total)

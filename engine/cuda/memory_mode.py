@@ -170,7 +170,8 @@ class StagedCopies:
 def routed_group(cache, li: int, ids, stream):
     """The streamed pass's in-place expert group of layer li in the memory modes (chunks that do not use the ring):
     only the routed experts, the file-only ones staged and pinned, so no kernel is handed a 0 address. Waits for the
-    router. Returns (sel, ptrs, n) and a function to call once the group's kernels are enqueued."""
+    router. Returns (sel, ptrs, n), a function to call once the group's kernels are enqueued, and the device arrays the
+    views point into (the caller keeps them until those kernels have run)."""
     from engine.cuda.launch import U64
     E = cache.n_expert
     es = np.unique(np.asarray(ids.get(stream=stream)).ravel()).astype(np.int64)
@@ -181,9 +182,8 @@ def routed_group(cache, li: int, ids, stream):
     with stream:
         sel = cp.asarray(es.astype(np.int32))
         ptrs = cp.asarray(cache.table_host[flat])
-    cache.routed_group = (sel, ptrs)          # alive until the next layer's group replaces them
 
     def done():
         if len(need):
             cache.source.release(need, _event(stream))
-    return (U64(sel.data.ptr), U64(ptrs.data.ptr), len(es)), done
+    return (U64(sel.data.ptr), U64(ptrs.data.ptr), len(es)), done, (sel, ptrs)

@@ -473,7 +473,8 @@ class Prefill:
 
         if runner is None and cache.source is not None:   # memory modes: the routed experts, file-only ones staged
             from engine.cuda.memory_mode import routed_group
-            group, staged_done = routed_group(cache, li, ids, self.step.stream)
+            # its arrays stay alive until the next layer's group replaces them
+            group, staged_done, self._routed = routed_group(cache, li, ids, self.step.stream)
             run(*group)
             staged_done()
         else:
