@@ -4,7 +4,7 @@ tests/fixtures/llama_ref (F16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_K_S, Q3_K_M, Q2_K,
 llama-quantize as tests/test_llama_fixtures.py rebuilds them (skipped, with the reason, where the anchor wheel is
 missing). Teacher-forced logits through the prompt pass within 1e-2 relative, the same positions through the decode
 step, greedy tokens equal up to a near-tie (gpu_compare, route_ties: the NumPy side takes the pass's routes at router
-near-ties).
+near-ties; the decode step, which records no routes, is excused at the NumPy router's own near-ties: DECODE_TIE).
 
 The MoE files run with the VRAM cache holding all, some and none of the experts in the pinned mode, the prompt in
 chunks that stream the rest through the ring. The memory modes (--resident-budget-gib, --mmap-experts) add their
@@ -37,6 +37,14 @@ MODE_RECIPES = ("q4_k_m", "iq2_xxs", "dynamic")
 CTX = 512
 N_PROMPT = 100          # two chunks of CHUNK: the second attends to the first's KV
 N_GREEDY = 16
+# The decode step records no routes, so where the NumPy router's gap at a decoded position is under DECODE_TIE the step
+# may take the other expert: that row is not compared, the rows after it only within KV_SPREAD (a parted route moves
+# later rows through its K/V only), and greedy tokens may part from there. On the H200 qwen2moe-q6_k's row 112
+# (layer 5's gap 4e-4) came out 0.088 from the CPU with the cache empty and within 1e-2 with it full (the prompt
+# pass adds with float atomics, so its K/V differ in the last bits between runs); the prompt pass's bound, with its
+# fp16 operands, is route_ties.ROUTE_TIE (0.1).
+DECODE_TIE = 1e-2
+KV_SPREAD = 3e-2
 
 
 def _cases():
@@ -68,10 +76,15 @@ def build_all(workers: int = 6) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def files():
+    """key -> the fixture's GGUF, made on first use where missing (its family's F16 source and its recipe only)."""
     why = lr.available()
     if why:
         pytest.skip(f"the recipe GGUFs are rebuilt by llama.cpp's CPU wheel, which is not usable here: {why}")
-    return build_all()
+
+    def get(key):
+        name, recipe = REFS[key]["fixture"], REFS[key]["recipe"]
+        return lr.build_model_set(name, lr.FIXTURE_MODELS[name], MODELS_DIR, (recipe,), imatrix_dir=REF_DIR)[recipe]
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +96,22 @@ def cpu_runs(files):
 
     def get(key):
         if key not in cache:
-            model = open_model(files[key])
+            model = open_model(files(key))
             prompt = np.random.default_rng(5).integers(3, model.config.n_vocab - 3, N_PROMPT).tolist()
             cache[key] = (model, prompt, *cpu_teacher_run(model, prompt, N_GREEDY, CTX))
         return cache[key]
     return get
+
+
+def decode_ties(model, seq, start: int) -> set[int]:
+    """The positions >= start where the NumPy backend's router gap is under DECODE_TIE in some layer."""
+    from route_ties import Reference
+    ref = Reference(model, CTX)
+    try:
+        ref.forward(seq, all_logits=True)
+    finally:
+        ref.close()
+    return {pos for (pos, _), gap in ref.margins.items() if pos >= start and gap < DECODE_TIE}
 
 
 @pytest.mark.parametrize("key,mode,share", _cases())
@@ -96,8 +120,9 @@ def test_cuda_matches_cpu_on_llama_cpp_files(files, cpu_runs, key, mode, share):
     from test_cuda_mixed_layout import backend, check_books
     from test_cuda_prefill import routed_greedy, routed_logits
     ref = REFS[key]
-    if ref["model_sha256"] != lr.sha256(files[key]):     # the file is still llama-quantize's: its types must be
-        assert lr.tensor_types(files[key]) == ref["tensor_types"], f"{key}: rebuilt with other tensor types"
+    path = files(key)
+    if ref["model_sha256"] != lr.sha256(path):     # the file is still llama-quantize's: its types must be recorded
+        assert lr.tensor_types(path) == ref["tensor_types"], f"{key}: rebuilt with other tensor types"
     model, prompt, toks, cpu_logits = cpu_runs(key)
     cfg = model.config
     be = backend(model, mode, share)
@@ -109,15 +134,24 @@ def test_cuda_matches_cpu_on_llama_cpp_files(files, cpu_runs, key, mode, share):
         if cfg.n_expert and share != "all":
             last = be.tracer.last
             assert last["ring"] >= 2 and last["bytes"] > 0          # the chunk streamed experts through the ring
-        be.truncate(len(prompt))
+        P = len(prompt)
+        ties = decode_ties(model, seq, P)
+        be.truncate(P)
         dec = np.stack([be.forward([t]) for t in toks[:-1]])
-        err = np.minimum(rel_rows(dec, cpu_logits[len(prompt):]), rel_rows(dec, want[len(prompt):])).max()
-        assert err < 1e-2, f"decode step vs CPU: {err:.4f}"
+        err = np.minimum(rel_rows(dec, cpu_logits[P:]), rel_rows(dec, want[P:]))
+        pos = P + np.arange(len(err))
+        bound = np.where(pos > min(ties, default=1 << 30), KV_SPREAD, 1e-2)
+        off = [(int(p), round(float(e), 4)) for p, e, b in zip(pos, err, bound) if e >= b and int(p) not in ties]
+        assert not off, f"decode step vs CPU (position, relative error): {off}; router near-ties at {sorted(ties)}"
         if cfg.n_expert:
             check_books(be)
         be.truncate(0)
         be.reset_stats()
-        assert_same_greedy(*routed_greedy(be, model, prompt, N_GREEDY))
+        got, want_toks, step_logits = routed_greedy(be, model, prompt, N_GREEDY)
+        # step i picks from position P + i - 1: from the first near-tie on the paths may part
+        first = next((i for i, (g, w) in enumerate(zip(got, want_toks)) if g != w), None)
+        k = first if first is not None and ties and first >= min(ties) - P + 1 else N_GREEDY
+        assert_same_greedy(got[:k], want_toks[:k], step_logits[:k])
         if cfg.n_expert:
             st = be.get_stats()
             assert st.lookups == (N_GREEDY - 1) * cfg.n_layer * cfg.n_expert_used
@@ -128,7 +162,7 @@ def test_cuda_matches_cpu_on_llama_cpp_files(files, cpu_runs, key, mode, share):
         be.close()
 
 
-if __name__ == "__main__":      # the GGUFs once, before parallel pytest processes share them
+if __name__ == "__main__":      # every GGUF at once, before parallel pytest processes share them
     import time
     t0 = time.perf_counter()
     why = lr.available()
