@@ -124,7 +124,7 @@ class OracleReplays(Tracer):
                 pf.pred.set(upgrade(pred, actual, q, self.rng).reshape(-1), stream=s)
             row = self.rows[f"q={q:g}"]
             before = self.counters(be)
-            step.params.view[0], step.params.view[1] = token, pos
+            step.set_inputs(token, pos)
             self.a.record(s)
             self.oracle.launch(s)
             self.b.record(s)

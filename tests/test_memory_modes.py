@@ -272,6 +272,9 @@ class FakeStep:
     def launch_whole(self, token, pos, pick="greedy", use_graph=True):
         self.calls.append(("graph", token, pos))
 
+    def set_inputs(self, token, pos):
+        self.params.view[:] = [token, pos]
+
     def set_paged(self, paged):
         self.paged = paged
 
