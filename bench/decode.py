@@ -4,10 +4,11 @@
                            [--prompt 512] [--new 256] [--prefetch on|off|both] [--prefetch-depth 1|2|both]
                            [--fetch-misses on|off|both] [--out bench.json]
 
-Makes the Qwen3-30B-A3B-shaped Q4_K model with tools/make_moe.py when it is not there (timed). One backend process:
-the pinned arena is filled once, and the VRAM expert cache is rebuilt for each budget (--vram-budget-mib semantics:
-everything the worker takes, weights and KV included). Per budget: a learning pass (prompt + decode, the adaptive
-tier running), then the measured pass on a fresh random prompt. Ceilings: PCIe-bound = expert bytes missed per token
+Makes the Qwen3-30B-A3B-shaped Q4_K model with tools/make_moe.py when it is not there (timed). One process, a backend
+per budget (--vram-budget-mib semantics: everything the worker takes, weights and KV included), each built after the
+last one closed and gave its VRAM back, its expert cache filled from the profile the last one saved (as a restart
+loads it). Per budget: a learning pass (prompt + decode, the adaptive tier running), then the measured pass on a
+fresh random prompt. Ceilings: PCIe-bound = expert bytes missed per token
 over 51 GB/s (the in-place read rate, docs/design.md "Measured facts"); HBM-bound = bytes touched per token over 4.4 TB/s.
 With the next-layer prefetch (engine/cuda/prefetch.py): its prediction accuracy, the MB per token it copied and the
 share of them wasted (never routed), and the bytes that really crossed the link (misses read in place + copies).
@@ -16,14 +17,18 @@ at depth 1 (predict the next layer) and 2 (the one after it), with the predictio
 --fetch-misses both measures each prefetching row with the late-miss copy on and off (the routed experts the prediction
 missed copied into VRAM before the layer's expert kernels, or read in place by them); "late MB/tok" is what it copied.
 --adapt-measured off|both measures each row with the adaptive tier frozen during the measured pass (its swaps cross the
-link too: the swaps column counts them).
+link too: the swaps column counts them): a backend built with adapt_every 0 after the learning pass's, filled from
+the profile that pass saved.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,6 +63,26 @@ def make_model(path: Path, n_layer: int | None = None, recipe: str | None = None
     print("bench.decode: making the model:", " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     return time.perf_counter() - t0
+
+
+def free_vram() -> None:
+    """What closed backends left in CuPy's pools goes back to the driver, so that the next backend sizes its expert
+    cache from the VRAM really free (--vram-budget-mib counts the pool's bytes as used), as a fresh process would."""
+    import cupy as cp
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def fresh_backend(model, ctx: int, budget: str, profile: Path, tracer=None, **opts):
+    """A backend for one budget ('all' or GiB), built once the previous one has closed: its expert cache filled from
+    the profile the previous one saved at close, its own saved there at close. opts: more CudaOptions fields."""
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    free_vram()
+    mib = None if budget == "all" else int(float(budget) * 1024)
+    return CUDABackend(model, ctx, CudaOptions(vram_budget_mib=mib, expert_profile_save=str(profile),
+                                               expert_profile=str(profile) if profile.is_file() else None, **opts),
+                       tracer=tracer)
 
 
 def touched_bytes(model, k_used: int, expert_bytes: int) -> int:
@@ -151,14 +176,14 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     import cupy as cp
-    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.cuda.backend import CudaOptions
     from engine.gguf_model import open_model
 
     facts = {}
     if not a.model.is_file():
         facts["model_make_s"] = round(make_model(a.model, recipe=a.make_recipe, routing=a.make_routing), 1)
     model = open_model(a.model)
-    t0 = time.perf_counter()
+    ctx = a.prompt + a.new + 16
     # each flag's values as CudaOptions takes them (None: the option's default)
     on_off = {"on": True, "off": False, None: None}
     default = CudaOptions()
@@ -166,41 +191,51 @@ def main(argv=None):
     depths = [1, 2] if a.prefetch_depth == "both" else [int(a.prefetch_depth or default.prefetch_depth)]
     fetches = [True, False] if a.fetch_misses == "both" else [on_off[a.fetch_misses]]
     fetches = [default.fetch_misses if f is None else f for f in fetches]
-    be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True,
-                                                               prefetch=modes[0], prefetch_depth=depths[0],
-                                                               fetch_misses=fetches[0]))
-    facts["load_s"] = round(time.perf_counter() - t0, 1)
-    facts["arena_gib"] = round(be.arena.nbytes / 2**30, 2)
-    facts["arena_fill_gib_s"] = round(be.arena.nbytes / 2**30 / be.arena.fill_seconds, 1)
-    facts["pcie_copy_gbps"] = round(be.pcie_gbps, 1)
-    blob = int(np.mean([ly.nbytes for ly in be.layout.layers]))     # a recipe's layers differ: the mean blob
-    touched = touched_bytes(model, model.config.n_expert_used, blob)
-    facts["touched_mb_per_token"] = round(touched / 1e6, 1)
-    print(f"bench.decode: {json.dumps(facts)}", file=sys.stderr, flush=True)
-
+    budgets = a.budgets.split(",")
     rows = []
     rng = np.random.default_rng(a.seed)
-    if a.budgets.split(",")[0] != "all":
-        # Every row's cache is filled from the routing heat learned so far; a first row at a small budget would start
+    profile = Path(tempfile.mkdtemp(prefix="bench-decode-")) / "learned.profile"
+
+    def start(budget, **opts):
+        t0 = time.perf_counter()
+        be = fresh_backend(model, ctx, budget, profile, calibrate=not facts.get("load_s"), **opts)
+        if not facts.get("load_s"):     # the first backend's start, as the worker's
+            facts["load_s"] = round(time.perf_counter() - t0, 1)
+            facts["arena_gib"] = round(be.arena.nbytes / 2**30, 2)
+            facts["arena_fill_gib_s"] = round(be.arena.nbytes / 2**30 / be.arena.fill_seconds, 1)
+            facts["pcie_copy_gbps"] = round(be.pcie_gbps, 1)
+            facts["blob"] = int(np.mean([ly.nbytes for ly in be.layout.layers]))   # a recipe's layers differ
+            facts["touched_mb_per_token"] = round(touched_bytes(model, model.config.n_expert_used,
+                                                                facts["blob"]) / 1e6, 1)
+            print(f"bench.decode: {json.dumps(facts)}", file=sys.stderr, flush=True)
+        return be
+
+    if budgets[0] != "all":
+        # Every row's cache is filled from the profile learned so far; a first row at a small budget would start
         # cold (the H200 measured 0.32 hits at 12 GiB that way, against 0.84 after a learning pass with everything
         # resident): one unmeasured pass with every expert in VRAM learns it, as the default budget list does.
-        be.resize_expert_cache(vram_budget_mib=None)
+        be = start("all", adapt_every=a.adapt_every)
         run_pass(be, rng, a.prompt, a.new)
+        be.close()      # saves the profile
     # everything resident never prefetches: one row for it; prefetch off: one row whatever the depth and late copy
     adapts = ["on", "off"] if a.adapt_measured == "both" else [a.adapt_measured]
-    runs = [(b, mode, d, f, ad) for b in a.budgets.split(",") for mode in (modes[:1] if b == "all" else modes)
+    runs = [(b, mode, d, f, ad) for b in budgets for mode in (modes[:1] if b == "all" else modes)
             for d in (depths[:1] if b == "all" or mode is False else depths)
             for f in (fetches[:1] if b == "all" or mode is False else fetches)
             for ad in (adapts[:1] if b == "all" else adapts)]
     for b, mode, depth, fetch, adapt in runs:
-        mib = None if b == "all" else int(float(b) * 1024)
-        slots = be.resize_expert_cache(vram_budget_mib=mib, prefetch=mode, prefetch_depth=depth, fetch_misses=fetch)
-        used_mib = cp.get_default_memory_pool().total_bytes() / 2**20
+        row_opts = dict(prefetch=mode, prefetch_depth=depth, fetch_misses=fetch)
+        be = start(b, adapt_every=a.adapt_every, **row_opts)
+        blob = facts["blob"]
+        touched = touched_bytes(model, model.config.n_expert_used, blob)
         learn = run_pass(be, rng, a.prompt, a.new)
+        if adapt == "off":      # the tier frozen: a backend that starts where the learning pass left the cache
+            be.close()
+            be = start(b, adapt_every=0, **row_opts)
+        slots = be.cache.n_slots
+        used_mib = cp.get_default_memory_pool().total_bytes() / 2**20
         swaps0 = be.cache.swaps
-        be.opts.adapt_every = a.adapt_every if adapt == "on" else 0
         m = run_pass(be, rng, a.prompt, a.new)
-        be.opts.adapt_every = a.adapt_every
         tps = m["steps"] / m["decode_s"]
         hit = m["hits"] / max(m["lookups"], 1)
         miss_bytes = (m["lookups"] - m["hits"]) * blob / m["steps"]
@@ -225,13 +260,15 @@ def main(argv=None):
                          fetch_misses=("on" if be.step.prefetch.fetch_misses else "off") if ps else None,
                          **pre, link_mb_per_token=round(link_bytes / 1e6, 2),
                          link_gbps=round(link_bytes * tps / 1e9, 1)))
-        if b == a.budgets.split(",")[0] and a.sampled:
+        if b == budgets[0] and a.sampled:
             smp = run_pass(be, rng, a.prompt, a.new, SAMPLED)
             rows[-1]["sampled_tok_s"] = round(smp["steps"] / smp["decode_s"], 1)
         if a.profile:
             rows[-1]["profile_us"] = {k: round(v, 1) for k, v in kernel_profile(be.step).items()}
+        be.close()      # saves the profile the next row starts from
         print(f"bench.decode: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
-    be.close()
+    free_vram()
+    shutil.rmtree(profile.parent, ignore_errors=True)
     if a.out:
         a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
     print(f"model {a.model.name}: prompt {a.prompt}, {a.new} new tokens, ceilings PCIe {PCIE_BPS / 1e9:.0f} GB/s, "

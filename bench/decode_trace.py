@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.decode import DEFAULT_MODEL, make_model, run_pass
+from bench.decode import DEFAULT_MODEL, free_vram, fresh_backend, make_model, run_pass
 
 
 def short(name: str) -> str:
@@ -85,28 +85,31 @@ def main(argv=None):
     ap.add_argument("--trace", type=Path, help="write the chrome trace here")
     a = ap.parse_args(argv)
 
+    import shutil
+    import tempfile
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.cuda.backend import CUDABackend, CudaOptions
     from engine.gguf_model import open_model
     from engine.sampling import Sampler
 
     if not a.model.is_file():
         make_model(a.model)
     model = open_model(a.model)
-    opts = CudaOptions(adapt_every=32)
+    opts = dict(adapt_every=32)
     if a.prefetch:
-        opts.prefetch = a.prefetch == "on"
+        opts["prefetch"] = a.prefetch == "on"
     if a.prefetch_depth:
-        opts.prefetch_depth = a.prefetch_depth
+        opts["prefetch_depth"] = a.prefetch_depth
     if a.fetch_misses:
-        opts.fetch_misses = a.fetch_misses == "on"
-    be = CUDABackend(model, a.prompt + 512, opts)
+        opts["fetch_misses"] = a.fetch_misses == "on"
+    learned = Path(tempfile.mkdtemp(prefix="bench-trace-")) / "learned.profile"
     rng = np.random.default_rng(1)
-    be.resize_expert_cache(vram_budget_mib=None)
-    run_pass(be, rng, a.prompt, 256)                      # learn the routing heat with every expert resident
-    be.resize_expert_cache(vram_budget_mib=int(a.budget * 1024))
+    be = fresh_backend(model, a.prompt + 512, "all", learned, **opts)
+    run_pass(be, rng, a.prompt, 256)                      # learn the routing with every expert resident
+    be.close()                                            # (the profile the next backend starts from)
+    be = fresh_backend(model, a.prompt + 512, str(a.budget), learned, **opts)
     run_pass(be, rng, a.prompt, 256)                      # and at this budget (the adaptive tier settles)
     be.truncate(0)
     s = Sampler({})
@@ -127,6 +130,8 @@ def main(argv=None):
           f"{st.hits / max(st.lookups, 1):.3f}, prefetch {'on' if be.step.prefetch else 'off'}")
     print("\n".join(summarize(ev, a.steps)))
     be.close()
+    free_vram()
+    shutil.rmtree(learned.parent, ignore_errors=True)
 
 
 if __name__ == "__main__":

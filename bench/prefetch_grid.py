@@ -6,7 +6,7 @@ COPY_THREADS, MISS_BLOCKS and cuda_src/prefetch.cu's PF_LOADS), all in one proce
 A grid is BLOCKSxTHREADS for the side-stream prefetch copy, optionally :MISS_BLOCKS (the late-miss copy's blocks,
 default the engine's) and :LOADS (16-byte loads in flight a thread, default the engine's). The copy blocks share the
 SMs with the decode step's kernels, so what they cost the step is measured here, not derived: bench.decode's model
-and passes (a learning pass with every expert resident, then per grid the cache rebuilt from the same heat, a
+and passes (a learning pass with every expert resident, then per grid a backend filled from the profile it saved, a
 learning pass at the budget and --passes measured passes on fresh random prompts; ~2 tok/s of noise between passes
 on the H200). Prints tok/s per pass and their mean, and the hit rate.
 """
@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from bench.decode import DEFAULT_MODEL, make_model, run_pass
+from bench.decode import DEFAULT_MODEL, free_vram, fresh_backend, make_model, run_pass
 
 
 def parse_grid(text: str, miss: int, loads: int) -> tuple[int, int, int, int]:
@@ -45,9 +45,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     grids = [parse_grid(g, pf.MISS_BLOCKS, pf.COPY_LOADS) for g in a.grids.split(",")]
 
+    import shutil
+    import tempfile
     from pathlib import Path
 
-    from engine.cuda.backend import CUDABackend, CudaOptions
     from engine.gguf_model import open_model
 
     loads_now = [pf.COPY_LOADS]
@@ -60,24 +61,29 @@ def main(argv=None):
     model_path = Path(a.model)
     if not model_path.is_file():
         make_model(model_path)
-    be = CUDABackend(open_model(model_path), 512 + 256 + 16, CudaOptions(adapt_every=32))
+    model = open_model(model_path)
+    ctx = 512 + 256 + 16
+    learned = Path(tempfile.mkdtemp(prefix="bench-grid-")) / "learned.profile"
     rng = np.random.default_rng(1)
-    be.resize_expert_cache(vram_budget_mib=None)
-    run_pass(be, rng, 512, 256)                   # the routing heat every grid starts from
-    heat = be.cache.heat.copy()
+    be = fresh_backend(model, ctx, "all", learned, adapt_every=32)
+    run_pass(be, rng, 512, 256)                   # the routing every grid starts from
+    be.close()
+    first = learned.read_bytes()
     rows = []
     for blocks, threads, miss, loads in grids:
         pf.COPY_BLOCKS, pf.COPY_THREADS, pf.MISS_BLOCKS, loads_now[0] = blocks, threads, miss, loads
-        be.cache.heat[:] = heat
-        be.resize_expert_cache(vram_budget_mib=int(a.budget * 1024))
+        learned.write_bytes(first)                # each grid from the same profile
+        be = fresh_backend(model, ctx, str(a.budget), learned, adapt_every=32)
         run_pass(be, rng, 512, 256)
         ms = [run_pass(be, rng, 512, 256) for _ in range(a.passes)]
+        be.close()
         tps = [m["steps"] / m["decode_s"] for m in ms]
         hit = sum(m["hits"] for m in ms) / max(sum(m["lookups"] for m in ms), 1)
         rows.append((blocks, threads, miss, loads, tps, hit))
         print(f"bench.prefetch_grid: {blocks}x{threads} miss {miss} loads {loads}: "
               + " ".join(f"{t:.1f}" for t in tps), file=sys.stderr, flush=True)
-    be.close()
+    free_vram()
+    shutil.rmtree(learned.parent, ignore_errors=True)
     print(f"decode at {a.budget:g} GiB, {a.passes} passes a grid (512-token prompt, 256 new tokens)")
     print("| prefetch copy | miss copy blocks | loads a thread | KiB in flight | hit rate | tok/s per pass | mean |")
     print("| --- | ---: | ---: | ---: | ---: | --- | ---: |")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.decode import DEFAULT_MODEL, PCIE_BPS, make_model, run_pass
+from bench.decode import DEFAULT_MODEL, PCIE_BPS, free_vram, fresh_backend, make_model, run_pass
 from engine.cuda.prefetch import STATS, PrefetchStats
 from engine.cuda.trace import Tracer
 
@@ -124,7 +124,7 @@ class OracleReplays(Tracer):
                 pf.pred.set(upgrade(pred, actual, q, self.rng).reshape(-1), stream=s)
             row = self.rows[f"q={q:g}"]
             before = self.counters(be)
-            step.params.view[0], step.params.view[1] = token, pos
+            step.set_inputs(token, pos)
             self.a.record(s)
             self.oracle.launch(s)
             self.b.record(s)
@@ -199,27 +199,38 @@ def main(argv=None):
     if a.new < 2 or a.prompt < 1 or not all(0.0 <= q <= 1.0 for q in qs) or a.budget <= 0:
         raise SystemExit("bench.prefetch_oracle: --prompt >= 1, --new >= 2, --budget > 0, --upgrade shares in [0, 1]")
 
-    from engine.cuda.backend import CUDABackend, CudaOptions
+    import shutil
+    import tempfile
+
     from engine.gguf_model import open_model
     if not a.model.is_file():
         make_model(a.model)
     model = open_model(a.model)
-    be = CUDABackend(model, a.prompt + a.new + 16, CudaOptions(adapt_every=a.adapt_every, calibrate=True,
-                                                               prefetch=True), tracer=OracleReplays())
+    ctx = a.prompt + a.new + 16
+    profile = Path(tempfile.mkdtemp(prefix="bench-oracle-")) / "learned.profile"
+    rng = np.random.default_rng(a.seed)
+    t0 = time.perf_counter()
     try:
-        rng = np.random.default_rng(a.seed)
-        t0 = time.perf_counter()
-        # as bench.decode: the routing heat learned with everything resident, then a learning pass at the budget
-        be.resize_expert_cache(vram_budget_mib=None)
-        run_pass(be, rng, a.prompt, a.new)
-        slots = be.resize_expert_cache(vram_budget_mib=int(a.budget * 1024))
-        run_pass(be, rng, a.prompt, a.new)
-        print(f"bench.prefetch_oracle: {slots} of {be.cache.n_total} experts in VRAM, learned in "
-              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        prompt = rng.integers(0, model.config.n_vocab, size=a.prompt).tolist()
-        rows = summarize(oracle_pass(be, prompt, a.new, qs, a.seed), be.layout.nbytes)
+        # as bench.decode: the routing learned with everything resident (the profile its close saves), then a
+        # learning pass at the budget
+        be = fresh_backend(model, ctx, "all", profile, adapt_every=a.adapt_every)
+        try:
+            run_pass(be, rng, a.prompt, a.new)
+        finally:
+            be.close()
+        be = fresh_backend(model, ctx, str(a.budget), profile, OracleReplays(), adapt_every=a.adapt_every,
+                           calibrate=True, prefetch=True)
+        try:
+            run_pass(be, rng, a.prompt, a.new)
+            print(f"bench.prefetch_oracle: {be.cache.n_slots} of {be.cache.n_total} experts in VRAM, learned in "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            prompt = rng.integers(0, model.config.n_vocab, size=a.prompt).tolist()
+            rows = summarize(oracle_pass(be, prompt, a.new, qs, a.seed), be.layout.nbytes)
+        finally:
+            be.close()
     finally:
-        be.close()
+        free_vram()
+        shutil.rmtree(profile.parent, ignore_errors=True)
     for r in rows:
         print(f"bench.prefetch_oracle: {json.dumps(r)}", file=sys.stderr, flush=True)
     cols = ("row", "tok_s", "pred_accuracy", "prefetch_mb_per_token", "prefetch_wasted", "late_mb_per_token",

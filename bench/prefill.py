@@ -4,10 +4,10 @@
                             [--prompts 1024,4096,8192,32768] [--chunk auto] [--ring N] [--out prefill.json]
                             [--no-profile] [--lend-floor N]
 
-One backend process (the pinned arena is filled once); per budget the VRAM expert cache is rebuilt
-(--vram-budget-mib semantics: weights, KV cache, expert cache and the prompt pass's buffers all count), warmed by a
-1K prompt and 64 decoded tokens (the adaptive tier fills it from the routing), then each prompt length is read chunk
-by chunk as the worker's session reads it. Per row: tok/s, chunk, ring depth used (its own slots + expert-cache
+One process, a backend per budget (--vram-budget-mib semantics: weights, KV cache, expert cache and the prompt
+pass's buffers all count; bench.decode's fresh_backend: built once the last one gave its VRAM back, filled from the
+profile it saved), warmed by a 1K prompt and 64 decoded tokens (the adaptive tier fills it from the routing), then
+each prompt length is read chunk by chunk as the worker's session reads it. Per row: tok/s, chunk, ring depth used (its own slots + expert-cache
 slots lent to it), expert bytes streamed per chunk, the link rate while copying and averaged over the prompt (against
 55 GB/s, the pinned copy in docs/design.md "Measured facts"), the share of the prompt's time the copy engine was busy (from events around each
 ring batch's copies), and that share within the streamed layers only (from the first streamed layer's start to the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.decode import DEFAULT_MODEL, make_model
+from bench.decode import DEFAULT_MODEL, free_vram, fresh_backend, make_model
 
 LINK_BPS = 55e9
 
@@ -49,12 +49,12 @@ def warm(be, rng, n_prompt=1024, n_new=64):
     be.cache.poll(be.stream, wait=True)
 
 
-def read_prompt(be, prompt, profile=True):
-    """The prompt chunk by chunk, as engine/session.py reads it; per-chunk facts from the streamed pass (and its GPU
-    time per phase when profiling: events between phases only, so the chunk's own figures barely move)."""
+def read_prompt(be, tracer, prompt, profile=True):
+    """The prompt chunk by chunk, as engine/session.py reads it; per-chunk facts from the streamed pass through the
+    backend's tracer (a trace.ChunkFacts), with its GPU time per phase when profiling (events between phases only, so
+    the chunk's own figures barely move)."""
     be.truncate(0)
-    pf = be.prefill
-    be.tracer.copy_timing, be.tracer.phase_timing = True, profile       # the measured prompts only
+    tracer.copy_timing, tracer.phase_timing = True, profile       # the measured prompts only
     chunks = []
     t0 = time.perf_counter()
     step = be.prompt_chunk_size()
@@ -63,7 +63,7 @@ def read_prompt(be, prompt, profile=True):
         c0 = time.perf_counter()
         be.forward(part)                      # returns the last logits on the host: the chunk has finished
         dt = time.perf_counter() - c0
-        last = dict(pf.last)
+        last = dict(tracer.last)
         runner = last.pop("runner", None)
         timer = last.pop("phases", None)
         window = last.pop("window", None)
@@ -74,7 +74,7 @@ def read_prompt(be, prompt, profile=True):
                            busy_s=busy, busy_streamed_s=busy_w / 1000, streamed_s=win / 1000,
                            host_ms=last.get("host_ms", 0.0), phases=timer.totals() if timer is not None else None))
     total = time.perf_counter() - t0
-    be.tracer.copy_timing = be.tracer.phase_timing = False
+    tracer.copy_timing = tracer.phase_timing = False
     return total, chunks
 
 
@@ -138,9 +138,11 @@ def main(argv=None):
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
 
-    from engine.cuda.backend import CUDABackend, CudaOptions
+    import shutil
+    import tempfile
+
     from engine.cuda import chunk_plan, prefill
-    from engine.cuda.trace import Tracer
+    from engine.cuda.trace import ChunkFacts
     from engine.gguf_model import open_model
 
     if a.moe_row_tiles:
@@ -153,35 +155,43 @@ def main(argv=None):
         facts["model_make_s"] = round(make_model(a.model, recipe=a.make_recipe), 1)
     model = open_model(a.model)
     ctx = max(max(lengths) + 16, a.ctx or 0)
-    t0 = time.perf_counter()
-    opts = CudaOptions(prefill_chunk=None if a.chunk == "auto" else int(a.chunk), ring=a.ring, stream_min=a.stream_min,
-                       calibrate=True)
-    be = CUDABackend(model, ctx, opts, tracer=Tracer())
-    facts.update(load_s=round(time.perf_counter() - t0, 1), ctx=ctx, kv_gib=round(be.kv.k.nbytes * 2 / 2**30, 2),
-                 arena_gib=round(be.arena.nbytes / 2**30, 2), pcie_copy_gbps=round(be.pcie_gbps, 1),
-                 expert_mb=round(be.layout.stride / 1e6, 2), moe_row_tiles=prefill.MOE_ROW_TILES,
-                 ring_lend_floor=chunk_plan.RING_LEND_FLOOR)
-    log(json.dumps(facts))
+    opts = dict(prefill_chunk=None if a.chunk == "auto" else int(a.chunk), ring=a.ring, stream_min=a.stream_min)
+    profile = Path(tempfile.mkdtemp(prefix="bench-prefill-")) / "learned.profile"
+    tracer = ChunkFacts()
+
+    def start(budget):
+        t0 = time.perf_counter()
+        be = fresh_backend(model, ctx, budget, profile, tracer, calibrate=not facts.get("load_s"), **opts)
+        if not facts.get("load_s"):     # the first backend's start, as the worker's
+            facts.update(load_s=round(time.perf_counter() - t0, 1), ctx=ctx,
+                         kv_gib=round(be.kv.k.nbytes * 2 / 2**30, 2), arena_gib=round(be.arena.nbytes / 2**30, 2),
+                         pcie_copy_gbps=round(be.pcie_gbps, 1), expert_mb=round(be.layout.stride / 1e6, 2),
+                         moe_row_tiles=prefill.MOE_ROW_TILES, ring_lend_floor=chunk_plan.RING_LEND_FLOOR)
+            log(json.dumps(facts))
+        return be
+
     rows = []
     rng = np.random.default_rng(a.seed)
-    if a.budgets.split(",")[0] != "all":
-        # every row's cache is filled from the routing heat learned so far: a first row at a small budget would start
+    budgets = a.budgets.split(",")
+    if budgets[0] != "all":
+        # every row's cache is filled from the profile learned so far: a first row at a small budget would start
         # cold (the H200 measured 252 of 6144 experts resident at 12 GiB that way, against ~2,940 after a pass with
         # everything in VRAM), so one unmeasured warm-up with every expert resident learns it, as bench.decode does
-        be.resize_expert_cache(vram_budget_mib=None)
+        be = start("all")
         warm(be, rng)
-    for b in a.budgets.split(","):
-        mib = None if b == "all" else int(float(b) * 1024)
+        be.close()      # saves the profile
+    for b in budgets:
         try:
-            slots = be.resize_expert_cache(vram_budget_mib=mib)
+            be = start(b)
         except MemoryError as e:
             rows.append(dict(budget=b, error=str(e)))
             log(f"budget {b}: {e}")
             continue
+        slots = be.cache.n_slots
         warm(be, rng)
         for n in lengths:
             prompt = rng.integers(0, be.config.n_vocab, n).tolist()
-            total, chunks = read_prompt(be, prompt, profile=not a.no_profile)
+            total, chunks = read_prompt(be, tracer, prompt, profile=not a.no_profile)
             streamed = [c for c in chunks if c["bytes"]]
             nbytes = sum(c["bytes"] for c in chunks)
             busy = sum(c["busy_s"] for c in chunks)
@@ -199,7 +209,9 @@ def main(argv=None):
                 row["phase_ms"] = {p: round(sum(c["phases"][p] for c in chunks), 2) for p in chunks[0]["phases"]}
             rows.append(row)
             log(json.dumps(row))
-    be.close()
+        be.close()      # saves the profile the next budget starts from
+    free_vram()
+    shutil.rmtree(profile.parent, ignore_errors=True)
     if a.out:
         a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
     print(f"model {a.model.name}: prompt pass; link reference {LINK_BPS / 1e9:.0f} GB/s; "

@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.arch import base
 from engine.backend_cpu import CPUBackend
-from engine.cuda.trace import Tracer
+from engine.cuda.trace import ChunkFacts
 
 # Router-logit gap (k-th minus (k+1)-th) under which the CUDA pass may part the routes: twice the most that a NumPy
 # model of the streamed pass's roundings moved a gap (fp16 q/k/v/o and expert GEMM operands, fp16 K/V, fp16 q and P in
@@ -26,11 +26,12 @@ ROUTE_TIE = 0.1
 ROUTE_TIE_KV8 = 0.66
 
 
-class RouteRecorder(Tracer):
+class RouteRecorder(ChunkFacts):
     """The CUDA backend's tracer for these tests: while `routes` is a list, the prompt pass's routes go there as
-    (pos0, layer, ids (T, k) device copy) records, per chunk and MoE layer."""
+    (pos0, layer, ids (T, k) device copy) records, per chunk and MoE layer; `last`: the last chunk's facts."""
 
-    def __init__(self):
+    def __init__(self, **timing):
+        super().__init__(**timing)
         self.routes = None
 
     def prefill_routes(self, pos0, layer, ids):

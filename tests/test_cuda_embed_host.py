@@ -124,8 +124,8 @@ def test_backend_says_so_when_pinning_fails(backend_mod):
 
 
 def test_a_resize_places_it_again(backend_mod):
-    """resize_expert_cache (bench.decode's budgets): on the host from a small budget, back to VRAM when every expert
-    fits with it there, kept on the host when they fit only without it."""
+    """Placed again while it sits on the host: back to VRAM when every expert fits with it there, kept on the host
+    when they fit only without it."""
     w = FakeWeights(where="host")
     be = FakeBackend(budget=10_000 + EMB + 40 * STRIDE, weights=w)
     assert be.slots() == 40 and w.moves == ["vram"]
@@ -206,7 +206,8 @@ def model(fixtures_dir):
 
 def cuda(model, **kw):
     from engine.cuda.backend import CUDABackend, CudaOptions
-    return CUDABackend(model, CTX, CudaOptions(**kw))
+    from engine.cuda.trace import ChunkFacts
+    return CUDABackend(model, CTX, CudaOptions(**kw), tracer=ChunkFacts())
 
 
 def spy_embed(be):
@@ -257,7 +258,7 @@ def test_host_embedding_gives_the_same_numbers(model):
             rows = spy_embed(be)
             lg = be.forward(prompt, all_logits=True)
             embedded = np.concatenate(rows)
-            assert be.prefill.last["bytes"] > 0         # the last chunk streamed experts
+            assert be.tracer.last["bytes"] > 0         # the last chunk streamed experts
             be.truncate(0)
             dec = np.stack([be.forward([t]) for t in seq])
             be.truncate(0)
@@ -280,52 +281,56 @@ def test_host_embedding_gives_the_same_numbers(model):
 
 @gpu
 def test_auto_gives_the_cache_the_embedding_bytes(model):
-    """At a budget that holds some of the experts, auto moves the embedding to the host and the cache gets exactly
-    its bytes as slots; a resize to no budget brings it back to VRAM with every expert cached; decode stays right."""
+    """At a budget that holds about half the experts, auto puts the embedding on the host and the cache gets its bytes
+    as slots (against the same budget with it kept in VRAM); with no budget it stays in VRAM with every expert
+    cached; decode stays right. One backend per budget, as the benches build them."""
+    import gc
+
     import cupy as cp
-    from engine.cuda.backend import STEP_HEADROOM
+    from engine.cuda.backend import STEP_HEADROOM, CUDABackend, CudaOptions
     from gpu_compare import rel_rows
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert
     seq = np.random.default_rng(8).integers(3, cfg.n_vocab, 24).tolist()
-    be = cuda(model, adapt_every=0, prefetch=False)
+    pool = cp.get_default_memory_pool()
+    gc.collect()
+    pool.free_all_blocks()
+    seen = {}
+    # the arena fills after the slot count and before the cache: what the count saw allocated (weights, KV cache)
+    be = CUDABackend(model, CTX, CudaOptions(adapt_every=0, prefetch=False),
+                     phase=lambda name, **facts: seen.setdefault(name, pool.total_bytes()))
     try:
-        assert be.info()["embed"] == "vram" and be.cache.n_slots == total
+        assert be.info()["embed"] == "vram" and be.cache.n_slots == total and be.cache.pools.n_pools == 1
         # the reference: this backend's own decode with every expert and the embedding in VRAM. Not the CPU's
         # teacher-forced logits: on this model and sequence a near-tie in the router picks another expert in fp32
         # than in fp64 from row 1 on (the H200 gave 0.405 against the CPU for every placement alike, the embedding
-        # in VRAM or on the host, before or after a resize); test_host_embedding_gives_the_same_numbers checks the
-        # CPU agreement where the routes are followed
+        # in VRAM or on the host); test_host_embedding_gives_the_same_numbers checks the CPU agreement where the
+        # routes are followed
         want = np.stack([be.forward([t]) for t in seq])
-        be.truncate(0)
         stride, nb = be.layout.stride, be.weights.tok_embd.nbytes
-        seen = {}
-        real = be._expert_slots
-
-        def at_the_accounting(pool):    # room for 8-24 of the 32 experts, from what is allocated right now
-            need = pool.total_bytes() + STEP_HEADROOM + be._prefill_scratch_bytes()
-            be.opts.vram_budget_mib = -(-(need + total * stride // 4) // MiB)
-            seen.update(room=be.opts.vram_budget_mib * MiB - need)
-            return real(pool)
-
-        be._expert_slots = at_the_accounting
-        n = be.resize_expert_cache(vram_budget_mib=1)
-        del be._expert_slots
-        room = seen["room"]
-        assert 0 < room // stride < total
-        assert be.info()["embed"] == "host"
-        assert cp.cuda.runtime.pointerGetAttributes(be.weights.tok_embd.ptr).type == cp.cuda.runtime.memoryTypeHost
-        assert n == be.cache.n_slots == min(total, (room + nb) // stride) > room // stride
-        dec = np.stack([be.forward([t]) for t in seq])
-        assert rel_rows(dec, want).max() < 1e-2
-        be.truncate(0)
-        assert be.resize_expert_cache(vram_budget_mib=None) == total
-        assert be.info()["embed"] == "vram"
-        assert cp.cuda.runtime.pointerGetAttributes(be.weights.tok_embd.ptr).type == cp.cuda.runtime.memoryTypeDevice
-        dec = np.stack([be.forward([t]) for t in seq])
-        assert rel_rows(dec, want).max() < 1e-2
+        need = seen["arena"] + STEP_HEADROOM + be._prefill_scratch_bytes()
     finally:
         be.close()
+    budget = -(-(need + total * stride // 4) // MiB)         # room for 8-24 of the 32 experts
+    room = budget * MiB - need
+    assert 0 < room // stride < total
+    slots = {}
+    for embed in (False, None):         # --tune embed_host=off, then auto
+        gc.collect()
+        pool.free_all_blocks()
+        be = cuda(model, adapt_every=0, prefetch=False, vram_budget_mib=budget, embed_host=embed)
+        try:
+            slots[embed] = be.cache.n_slots
+            where = be.info()["embed"]
+            assert where == ("vram" if embed is False else "host")
+            kind = cp.cuda.runtime.memoryTypeHost if where == "host" else cp.cuda.runtime.memoryTypeDevice
+            assert cp.cuda.runtime.pointerGetAttributes(be.weights.tok_embd.ptr).type == kind
+            dec = np.stack([be.forward([t]) for t in seq])
+            assert rel_rows(dec, want).max() < 1e-2
+        finally:
+            be.close()
+    assert slots == {False: room // stride, None: min(total, (room + nb) // stride)}
+    assert slots[None] > slots[False]
 
 
 @gpu

@@ -96,7 +96,7 @@ def test_mixed_layout_matches_cpu(runs, arch, mode, share):
         assert np.isfinite(lg).all()
         assert rel_rows(lg, want).max() < 1e-2
         if share != "all":
-            last = be.prefill.last
+            last = be.tracer.last
             assert last["ring"] >= 2 and last["bytes"] > 0          # the chunks streamed experts through the ring
         # the same positions through the decode step (the lent slots come back at its first step)
         be.truncate(len(prompt))
@@ -118,22 +118,23 @@ def test_mixed_layout_matches_cpu(runs, arch, mode, share):
         be.close()
 
 
-def test_resize_keeps_every_expert_in_its_pool(runs):
+def test_every_slot_count_keeps_each_expert_in_its_pool(runs):
     model, prompt, toks, _ = runs["qwen3moe"]
     cfg = model.config
-    be = backend(model, "pinned", "some", adapt_every=2)
-    try:
-        be.forward(prompt)
-        for t in toks[:8]:
-            be.forward([t])
-        for n in (cfg.n_layer * cfg.n_expert // 3, 5, cfg.n_layer * cfg.n_expert):
-            assert be.resize_expert_cache(expert_slots=n) == n
+    total = cfg.n_layer * cfg.n_expert
+    for n in (total // 3, 5, total):
+        be = backend(model, "pinned", "some", adapt_every=2, expert_slots=n)
+        try:
+            assert be.cache.n_slots == n
+            be.forward(prompt)
+            for t in toks[:8]:
+                be.forward([t])
             check_books(be)
-        be.truncate(0)
-        lg, want = routed_logits(be, model, prompt + toks[:-1])
-        assert rel_rows(lg, want).max() < 1e-2
-    finally:
-        be.close()
+            be.truncate(0)
+            lg, want = routed_logits(be, model, prompt + toks[:-1])
+            assert rel_rows(lg, want).max() < 1e-2
+        finally:
+            be.close()
 
 
 def test_a_profile_fills_each_pool_with_its_hottest(runs, tmp_path):

@@ -27,11 +27,11 @@ CHUNK = 64
 MODELS = ("tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed", "tiny-llama-legacy")
 
 
-def streamed(model, **opts):
+def streamed(model, tracer=None, **opts):
     from engine.cuda.backend import CUDABackend, CudaOptions
     kw = dict(prefill_chunk=CHUNK, stream_min=1, adapt_every=0)
     kw.update(opts)
-    return CUDABackend(model, CTX, CudaOptions(**kw), tracer=RouteRecorder())
+    return CUDABackend(model, CTX, CudaOptions(**kw), tracer=tracer or RouteRecorder())
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_streamed_matches_cpu(cpu_runs, name, placement, ring):
         assert np.isfinite(lg).all()
         assert rel_rows(lg, want).max() < 1e-2
         if cfg.n_expert and placement != "full":
-            last = be.prefill.last
+            last = be.tracer.last
             assert last["ring"] >= 2 and last["bytes"] > 0          # the chunks streamed experts
             if ring == 2 and placement != "lent":
                 assert last["ring"] == 2
@@ -123,7 +123,7 @@ def test_short_chunks_read_experts_in_place(cpu_runs, name):
     try:
         lg, want = routed_logits(be, model, prompt + toks[:-1])
         assert rel_rows(lg, want).max() < 1e-2
-        assert be.prefill.last["ring"] == 0 and be.prefill.last["bytes"] == 0
+        assert be.tracer.last["ring"] == 0 and be.tracer.last["bytes"] == 0
     finally:
         be.close()
 
@@ -169,16 +169,16 @@ def test_phase_profile_covers_the_chunk(cpu_runs):
     """bench.prefill's per-phase table: every phase of a streamed chunk is timed and the phases add up to the chunk."""
     from engine.cuda.prefill import PHASES
     model, prompt, toks, cpu_logits = cpu_runs["tiny-qwen3moe-q4k"]
-    be = streamed(model, expert_slots=model.config.n_layer * model.config.n_expert // 2, ring=2)
+    be = streamed(model, expert_slots=model.config.n_layer * model.config.n_expert // 2, ring=2,
+                  tracer=RouteRecorder(phase_timing=True))
     try:
-        be.tracer.phase_timing = True
         lg, want = routed_logits(be, model, prompt[:CHUNK])
         assert rel_rows(lg, want).max() < 1e-2        # profiling changes nothing
-        ms = be.prefill.last["phases"].totals()
+        ms = be.tracer.last["phases"].totals()
         assert set(ms) == set(PHASES)
         for p in ("dense", "attention", "router", "sort", "gate_up", "down", "other"):
             assert ms[p] > 0, p
-        assert be.prefill.last["bytes"] > 0 and ms["ring_wait"] >= 0
+        assert be.tracer.last["bytes"] > 0 and ms["ring_wait"] >= 0
     finally:
         be.close()
 
@@ -242,7 +242,7 @@ def test_lent_occupied_slots_stream_and_come_back_refilled(cpu_runs, name):
         assert occupied == cache.n_slots
         lg, want = routed_logits(be, model, prompt + toks[:-1])        # several chunks on one lending
         assert np.isfinite(lg).all() and rel_rows(lg, want).max() < 1e-2
-        last = be.prefill.last
+        last = be.tracer.last
         assert last["lent"] == k and last["ring"] == k and last["bytes"] > 0
         lent = be.prefill.lent
         assert len(lent) == k and (cache.owner[lent] == LENT).all()
@@ -279,7 +279,7 @@ def test_lending_in_the_memory_modes(cpu_runs, mode):
         lend_all(be, cache.n_slots // 2)
         lg, want = routed_logits(be, model, prompt + toks[:-1])
         assert np.isfinite(lg).all() and rel_rows(lg, want).max() < 1e-2
-        assert be.prefill.last["lent"] > 0
+        assert be.tracer.last["lent"] > 0
         be.truncate(0)
         assert_same_greedy(*routed_greedy(be, model, prompt, N_GREEDY))
         cache.poll(be.stream, wait=True)

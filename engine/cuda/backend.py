@@ -3,10 +3,8 @@ the hottest cached in VRAM, decode steps replayed from one CUDA graph with the p
 tensor-core GEMMs in chunks (engine/cuda/prefill.py)."""
 from __future__ import annotations
 
-import gc
 import sys
 import time
-from dataclasses import replace
 
 import cupy as cp
 import numpy as np
@@ -186,8 +184,8 @@ class CUDABackend(Backend):
         return n
 
     def _build_step(self):
-        """The decode step over the current cache, its prefetch and the prompt pass (at start and after a resize),
-        handed to the memory mode when there is one."""
+        """The decode step over the cache, its prefetch and the prompt pass, handed to the memory mode when there is
+        one."""
         self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache, self.layout,
                                self.stream, self.gpu_sampler)
         attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth, self.opts.fetch_misses)
@@ -208,7 +206,7 @@ class CUDABackend(Backend):
         if opts.expert_profile:
             prof = load_profile(opts.expert_profile, self.config.n_layer, self.config.n_expert)
             order = prof.flat_order()
-            cache.prior = prof.ranks().astype(np.int64)
+            cache.load_prior(prof.ranks())
             src = f"profile {opts.expert_profile}"
         elif cache.n_slots >= cache.n_total:
             order = np.arange(cache.n_total)
@@ -236,44 +234,6 @@ class CUDABackend(Backend):
             cp.cuda.runtime.memcpyAsync(dst.data.ptr, src, n, cp.cuda.runtime.memcpyDefault, self.stream.ptr)
         self.stream.synchronize()
         return 4 * n / (time.perf_counter() - t0) / 1e9
-
-    def resize_expert_cache(self, vram_budget_mib=None, expert_slots=None, **options) -> int:
-        """Rebuild the VRAM expert cache for another budget, keeping the arena, weights and KV cache (benchmarks
-        emulate several card sizes in one process), with these CudaOptions fields changed too (the prefetch's, for
-        A/B rows). The learned heat carries over; returns the slot count. The token embedding is placed again for the
-        new budget (_expert_slots)."""
-        if self.cache is None:
-            return 0
-        self.stream.synchronize()
-        # an adaptive swap still copying on the cache's own stream would write into the freed slots, which the new
-        # cache (or anything allocated next) may already own
-        self.cache.copy_stream.synchronize()
-        heat, prior = self.cache.heat.copy(), self.cache.prior.copy()
-        self.step.close()
-        self.step = self.prefill = self.cache = None
-        if self.mem:        # its per-layer graphs and references hold the old step and cache alive too
-            self.mem.detach()
-        # Nothing may keep the old step alive, or its cache's slots stay allocated and the new budget is measured with
-        # both caches in VRAM: the step and its prefetcher refer to each other.
-        gc.collect()
-        pool = cp.get_default_memory_pool()
-        pool.free_all_blocks()
-        self.opts = replace(self.opts, vram_budget_mib=vram_budget_mib, expert_slots=expert_slots, **options)
-        with self.stream:
-            self.cache = ExpertCache(self.arena, self._expert_slots(pool))
-            self.cache.heat[:], self.cache.prior[:] = heat, prior
-            if self.mem:
-                self.mem.attach_new_cache(self.cache)
-            self._build_step()
-        order = np.argsort(-heat, kind="stable")
-        if self.cache.n_slots >= self.cache.n_total:
-            order = np.arange(self.cache.n_total)
-        self.cache.fill(order[heat[order] > 0] if self.cache.n_slots < self.cache.n_total else order, self.stream)
-        if not self.opts.no_graph:
-            self.step.capture()
-            if self.mem:
-                self.mem.paged.capture()
-        return self.cache.n_slots
 
     # --- the contract ----------------------------------------------------------------------------------------
     def prompt_chunk_size(self) -> int:
@@ -473,3 +433,6 @@ class CUDABackend(Backend):
             if getattr(self, "weights", None) is not None:
                 self.stream.synchronize()           # the last step may still read a host-resident embedding
                 self.weights.close()
+            # a closed backend holds no device memory, whoever still refers to it: a bench builds the next one in the
+            # same process, and its expert cache is sized from the VRAM free then
+            self.weights = self.kv = self.rope = self.cache = self.prefill = None

@@ -261,10 +261,14 @@ class DecodeStep:
         else:
             self.launch_whole(token, pos, pick, use_graph)
 
+    def set_inputs(self, token: int, pos: int) -> None:
+        """The token and position the next launch reads (mapped host memory: no copy, read by the embed kernel and
+        attention)."""
+        self.params.view[0], self.params.view[1] = token, pos
+
     def launch_whole(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True):
         """The whole step: its graph for this pick mode, or the launches one by one."""
-        self.params.view[0] = token
-        self.params.view[1] = pos
+        self.set_inputs(token, pos)
         graph = self.graphs.get(pick) if use_graph else None
         if graph is not None:
             graph.launch(self.stream)

@@ -66,8 +66,7 @@ class PagedDecode:
             self.source.note_table_reads(self.new_event())
             self.graph_steps += 1
             return "graph"
-        st.params.view[0] = token
-        st.params.view[1] = pos
+        st.set_inputs(token, pos)
         graphs = self.parts if (use_graph and self.use_graphs) else None
         s = st.stream
         with s:

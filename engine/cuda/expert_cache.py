@@ -98,7 +98,7 @@ class ExpertCache:
         self.counts = cp.zeros(self.n_total, dtype=cp.int32)
         self.stats = cp.zeros(2, dtype=cp.uint64)          # hits, lookups (decode)
         self.heat = np.zeros(self.n_total, dtype=np.float64)
-        self.prior = np.full(self.n_total, -1, dtype=np.int64)   # rank from a loaded profile
+        self.prior = np.full(self.n_total, -1, dtype=np.int64)   # rank from a loaded profile (load_prior)
         self.max_swaps = max_swaps
         self.copy_stream = cp.cuda.Stream(non_blocking=True)
         self._pending = None          # (event, ids, slots)
@@ -316,6 +316,11 @@ class ExpertCache:
         if self.source is not None and self.reachable():
             return ~self.source.file_only
         return None
+
+    def load_prior(self, ranks) -> None:
+        """Each expert's rank in a loaded profile (-1: unranked): evictions and refills order equal heat by it, and
+        the profile saved next keeps the unrouted experts in its order."""
+        self.prior = np.asarray(ranks, dtype=np.int64).copy()
 
     def lend(self, n: int, stream, occupied: bool = True) -> list[int]:
         """Take up to n slots for the ring (lend_choice's order); the experts in them go back home on `stream`.

@@ -31,7 +31,6 @@ class MemoryMode:
         self.pinned = pinned
         self.source = self.buffer = self.paged = self.cache = None
         self._base = (0, 0, 0)             # the source's counters at reset_stats
-        self._file_blobs = 0               # decode's file reads by the steps detach() let go of
 
     @classmethod
     def plan(cls, model, opts, layout, log, n_vram: int = 0):
@@ -87,27 +86,13 @@ class MemoryMode:
         self.source = ExpertSource(model, arena.layout, arena.blob_ptr, n,
                                    alloc=lambda nbytes: (self.buffer.view, self.buffer.dptr),
                                    on_evict=lambda g: self.cache.on_evict(g, stream), log=log)
-        self.attach_new_cache(cache)
-        log(f"expert staging ring: {n} slots ({self.source.nbytes / MiB:.0f} MiB pinned)")
-
-    def attach_new_cache(self, cache):
         self.cache = cache
         cache.set_source(self.source)
+        log(f"expert staging ring: {n} slots ({self.source.nbytes / MiB:.0f} MiB pinned)")
 
     def attach_step(self, step, use_graphs: bool):
         self.paged = PagedDecode(step, self.cache, self.source, lambda: _event(step.stream), use_graphs)
         step.set_paged(self.paged)
-        self.paged.decode_file_blobs = self._file_blobs     # after a resize the count goes on (reset_stats' base)
-
-    def detach(self):
-        """Let go of the decode step and the cache before the backend rebuilds them (resize_expert_cache): the per-layer
-        graphs and the event factory name the old step, whose cache must be freed before the new budget is
-        measured."""
-        if self.paged is not None:
-            self._file_blobs = self.paged.decode_file_blobs
-            self.paged.close()
-            self.paged = None
-        self.cache = None
 
     def attach_prefill(self, prefill):
         """The prompt pass's ring copies file-only experts from staging slots (StagedCopies)."""
@@ -185,7 +170,8 @@ class StagedCopies:
 def routed_group(cache, li: int, ids, stream):
     """The streamed pass's in-place expert group of layer li in the memory modes (chunks that do not use the ring):
     only the routed experts, the file-only ones staged and pinned, so no kernel is handed a 0 address. Waits for the
-    router. Returns (sel, ptrs, n) and a function to call once the group's kernels are enqueued."""
+    router. Returns (sel, ptrs, n), a function to call once the group's kernels are enqueued, and the device arrays the
+    views point into (the caller keeps them until those kernels have run)."""
     from engine.cuda.launch import U64
     E = cache.n_expert
     es = np.unique(np.asarray(ids.get(stream=stream)).ravel()).astype(np.int64)
@@ -196,9 +182,8 @@ def routed_group(cache, li: int, ids, stream):
     with stream:
         sel = cp.asarray(es.astype(np.int32))
         ptrs = cp.asarray(cache.table_host[flat])
-    cache.routed_group = (sel, ptrs)          # alive until the next layer's group replaces them
 
     def done():
         if len(need):
             cache.source.release(need, _event(stream))
-    return (U64(sel.data.ptr), U64(ptrs.data.ptr), len(es)), done
+    return (U64(sel.data.ptr), U64(ptrs.data.ptr), len(es)), done, (sel, ptrs)

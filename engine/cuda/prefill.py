@@ -186,7 +186,6 @@ class Prefill:
             self.ring_mem = cp.empty(self.plan.ring * stride, dtype=cp.uint8)
         self.dev = CupyDevice(step.stream) if blob else None
         self._tm = None
-        self.last = {}               # facts about the last chunk (benches, tests)
         self._groups_key = self._groups_val = None
         self.lent: list[int] = []    # expert-cache slots the ring holds now (given back by give_back)
         p = self.plan
@@ -424,11 +423,11 @@ class Prefill:
                 self._mark("dense")
         if runner is not None:
             runner.end_chunk()
-            self.last = dict(ring=runner.depth, lent=len(self.lent), bytes=runner.bytes_copied, runner=runner,
-                             window=tuple(window) if streamed else None)
+            facts = dict(ring=runner.depth, lent=len(self.lent), bytes=runner.bytes_copied, runner=runner,
+                         window=tuple(window) if streamed else None)
         else:
-            self.last = dict(ring=0, lent=0, bytes=0, runner=None, window=None)
-        self.last.update(tokens=T, host_ms=(time.perf_counter() - t0) * 1000)
+            facts = dict(ring=0, lent=0, bytes=0, runner=None, window=None)
+        facts.update(tokens=T, host_ms=(time.perf_counter() - t0) * 1000)
         if all_logits:
             xo = cp.empty_like(x)
             mv.rmsnorm(x, w.output_norm, xo, rows=T)
@@ -438,7 +437,8 @@ class Prefill:
             mv.output_logits(w, x[-1:], out)
         self._mark("other")
         if self._tm is not None:
-            self.last["phases"], self._tm = self._tm, None     # bench: .totals() once the chunk has finished
+            facts["phases"], self._tm = self._tm, None     # .totals() once the chunk has finished
+        self.tracer.prefill_chunk(facts)
         return out
 
     def moe(self, li, layer, xn, x, T, group, runner, ring_views):
@@ -486,7 +486,8 @@ class Prefill:
 
         if runner is None and cache.source is not None:   # memory modes: the routed experts, file-only ones staged
             from engine.cuda.memory_mode import routed_group
-            group, staged_done = routed_group(cache, li, ids, self.step.stream)
+            # its arrays stay alive until the next layer's group replaces them
+            group, staged_done, self._routed = routed_group(cache, li, ids, self.step.stream)
             run(*group)
             staged_done()
         else:

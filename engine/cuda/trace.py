@@ -7,9 +7,11 @@ setting attributes on the engine's classes. Every hook here does nothing; a trac
 - A decode graph recorded with a tracer (DecodeStep.record(pick, tracer)): keeps(kind) filters the launches by kind
   (KindFilter: bench.decode's per-kind profile); pred_sink, when set, receives the prefetch's predictions instead of
   its own buffer (bench.prefetch_oracle's graph).
-- The prompt pass: copy_timing (timed events around the ring's copies: Prefill.last's "runner" and "window"),
-  phase_timing (GPU time per phase in Prefill.last["phases"]), prefill_routes(pos0, layer, ids) per chunk and MoE
-  layer (ids: the (T, top-k) device array of the routes taken; tests/route_ties.py follows them).
+- The prompt pass: prefill_chunk(facts) once per chunk, after its last launch (ChunkFacts keeps the last one:
+  ring depth, lent slots, bytes streamed, tokens, host ms; with copy_timing the ring's "runner" and the streamed
+  layers' "window" carry timed events, with phase_timing "phases" the GPU time per phase); prefill_routes(pos0, layer,
+  ids) per chunk and MoE layer (ids: the (T, top-k) device array of the routes taken; tests/route_ties.py follows
+  them).
 """
 from __future__ import annotations
 
@@ -33,6 +35,20 @@ class Tracer:
 
     def prefill_routes(self, pos0: int, layer: int, ids) -> None:
         pass
+
+    def prefill_chunk(self, facts: dict) -> None:
+        pass
+
+
+class ChunkFacts(Tracer):
+    """Keeps the prompt pass's facts about its last chunk in `last` (None before the first)."""
+
+    def __init__(self, copy_timing: bool = False, phase_timing: bool = False):
+        self.copy_timing, self.phase_timing = copy_timing, phase_timing
+        self.last: dict | None = None
+
+    def prefill_chunk(self, facts: dict) -> None:
+        self.last = facts
 
 
 class KindFilter(Tracer):
