@@ -164,7 +164,7 @@ def main(argv=None):
         be = fresh_backend(model, ctx, budget, profile, tracer, calibrate=not facts.get("load_s"), **opts)
         if not facts.get("load_s"):     # the first backend's start, as the worker's
             facts.update(load_s=round(time.perf_counter() - t0, 1), ctx=ctx,
-                         kv_gib=round(be.kv.k.nbytes * 2 / 2**30, 2), arena_gib=round(be.arena.nbytes / 2**30, 2),
+                         kv_gib=round(be.kv.total_bytes / 2**30, 2), arena_gib=round(be.arena.nbytes / 2**30, 2),
                          pcie_copy_gbps=round(be.pcie_gbps, 1), expert_mb=round(be.layout.stride / 1e6, 2),
                          moe_row_tiles=prefill.MOE_ROW_TILES, ring_lend_floor=chunk_plan.RING_LEND_FLOOR)
             log(json.dumps(facts))
