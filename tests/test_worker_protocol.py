@@ -99,9 +99,6 @@ class Worker:
 
 @pytest.fixture(scope="session")
 def hybrid_models(tmp_path_factory):
-    if BACKEND != "cpu":
-        pytest.skip(f"the {BACKEND} backend does not run qwen3next/qwen35moe yet (issue 19 part 2); drop this skip "
-                    f"when it does")
     from tools import make_moe
     d = tmp_path_factory.mktemp("hybrids")
     for preset in HYBRIDS:
@@ -245,8 +242,6 @@ def test_hybrid_greedy_tokens_after_a_checkpoint_resume_follow_llama_cpp(tmp_pat
     import hashlib
     import json
     from tools import make_moe
-    if BACKEND != "cpu":
-        pytest.skip(f"the {BACKEND} backend does not run {arch} yet (issue 19 part 2)")
     ref = json.loads((ROOT / "tests" / "fixtures" / "hybrid" / f"tiny-{arch}-f16.json").read_text())
     # the fixture names the make_moe command its model was written by
     assert ref["source"][0] == "python -m tools.make_moe"

@@ -11,7 +11,8 @@ from dataclasses import replace
 import cupy as cp
 import numpy as np
 
-from engine.backend import Backend, ExpertStats
+from engine.backend import Backend, ExpertStats, RecurrentSnapshot
+from engine.cuda import hybrid_layers
 from engine.cuda.arena import ExpertArena, blob_layout
 from engine.cuda.args import CudaOptions
 from engine.cuda.decode import DecodeStep
@@ -56,9 +57,8 @@ class CUDABackend(Backend):
         cfg = self.config
         if cfg.arch == "gpt-oss":   # sinks, windows, biases and SWIGLU_OAI: engine/arch/gptoss.py only, so far
             raise ValueError("the CUDA backend does not run gpt-oss yet; use --backend cpu")
-        if cfg.is_hybrid:
-            raise ValueError(f"the CUDA backend has no Gated DeltaNet layers yet, which {cfg.arch} needs; "
-                             f"use --backend cpu")
+        self.recurrent = cfg.is_hybrid      # qwen3next / qwen35moe: engine/cuda/hybrid_layers.py
+        self.gdn_state = None
         if cfg.head_dim_v != cfg.head_dim or cfg.head_dim % 32 or cfg.head_dim > 256:
             raise ValueError(f"the CUDA backend needs head_dim == head_dim_v, a multiple of 32 and <= 256 "
                              f"(this model: {cfg.head_dim}/{cfg.head_dim_v}); use --backend cpu")
@@ -76,8 +76,13 @@ class CUDABackend(Backend):
             with self.stream:
                 t0 = time.perf_counter()
                 self.weights = load_weights(model)
-                self.kv = KVCache(cfg, max_context, opts.kv)
-                self.rope = cp.asarray(rope_table(cfg, max_context))
+                if cfg.is_hybrid:
+                    self.kv = hybrid_layers.HybridKV(cfg, max_context, opts.kv)
+                    self.rope = cp.asarray(hybrid_layers.hybrid_rope_table(cfg, max_context))
+                    self.gdn_state = hybrid_layers.GdnState(cfg, self.stream)
+                else:
+                    self.kv = KVCache(cfg, max_context, opts.kv)
+                    self.rope = cp.asarray(rope_table(cfg, max_context))
                 self.layout = blob_layout(model) if cfg.is_moe else None
                 qts = self.weights.qtype_ids()
                 if self.layout:
@@ -174,8 +179,12 @@ class CUDABackend(Backend):
         handed to the memory mode when there is one."""
         self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache, self.layout,
                                self.stream, self.gpu_sampler)
+        if self.gdn_state is not None:
+            hybrid_layers.attach_decode(self.step, self.gdn_state)
         attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth, self.opts.fetch_misses)
         self.prefill = Prefill(self.step, self.opts, self.log, self.tracer)
+        if self.gdn_state is not None:
+            hybrid_layers.attach_prefill(self.prefill, self.gdn_state)
         if self.mem:
             self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)
             self.mem.attach_prefill(self.prefill)
@@ -262,6 +271,28 @@ class CUDABackend(Backend):
     # --- the contract ----------------------------------------------------------------------------------------
     def prompt_chunk_size(self) -> int:
         return int(self.prefill.chunk)
+
+    # --- the recurrent state (engine/backend.py's contract; hybrid_layers.GdnState) --------------------------
+    def truncate(self, n: int) -> None:
+        if self.recurrent and n not in (0, self.n_cached):
+            raise ValueError(f"cannot truncate to {n} of {self.n_cached}: a recurrent state cannot be rewound; "
+                             f"restore_state() a snapshot taken at or before {n}, or truncate(0)")
+        super().truncate(n)
+        if self.recurrent and n == 0:
+            self.gdn_state.zero()
+
+    def state_bytes(self) -> int:
+        return self.gdn_state.nbytes if self.recurrent else 0
+
+    def snapshot_state(self) -> RecurrentSnapshot:
+        if not self.recurrent:
+            return super().snapshot_state()
+        return RecurrentSnapshot(self.n_cached, self.gdn_state.nbytes, self.gdn_state.snapshot())
+
+    def restore_state(self, snap: RecurrentSnapshot) -> None:
+        super().restore_state(snap)
+        if self.recurrent:
+            self.gdn_state.restore(snap.data)
 
     def _room(self, n: int):
         if self.n_cached + n > self.max_context:

@@ -91,6 +91,10 @@ class Layer:
     sh_up: DevMatrix | None = None
     sh_down: DevMatrix | None = None
     sh_gate_inp: DevMatrix | None = None
+    # qwen3next / qwen35moe (engine/cuda/hybrid_layers.py): a gated attention layer's gate rows of attn_q (wq holds
+    # its query rows), or a Gated DeltaNet layer's weights (then wq, wk, wv, wo are None)
+    attn_gate: DevMatrix | None = None
+    gdn: object | None = None
 
 
 @dataclass
@@ -128,7 +132,7 @@ class DeviceWeights:
     def qtype_ids(self) -> set[int]:
         ids = {self.tok_embd.qt, self.output.qt}
         for L in self.layers:
-            for v in vars(L).values():
+            for v in (*vars(L).values(), *(vars(L.gdn).values() if L.gdn is not None else ())):
                 if isinstance(v, DevMatrix):
                     ids.add(v.qt)
         return ids
@@ -151,10 +155,15 @@ def load_weights(model) -> DeviceWeights:
     dw = DeviceWeights(tok_embd=tok, output=out, output_norm=f32("output_norm.weight"))
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        L = Layer(attn_norm=f32(b + "attn_norm.weight"), wq=mat(b + "attn_q.weight"), wk=mat(b + "attn_k.weight"),
-                  wv=mat(b + "attn_v.weight"), wo=mat(b + "attn_output.weight"), ffn_norm=f32(b + "ffn_norm.weight"),
-                  q_norm=opt_f32(b + "attn_q_norm.weight"), k_norm=opt_f32(b + "attn_k_norm.weight"),
-                  bq=opt_f32(b + "attn_q.bias"), bk=opt_f32(b + "attn_k.bias"), bv=opt_f32(b + "attn_v.bias"))
+        if cfg.is_hybrid:       # a gated attention or a Gated DeltaNet layer
+            from engine.cuda.hybrid_layers import hybrid_layer
+            L = hybrid_layer(model, i, f32)
+        else:
+            L = Layer(attn_norm=f32(b + "attn_norm.weight"), wq=mat(b + "attn_q.weight"), wk=mat(b + "attn_k.weight"),
+                      wv=mat(b + "attn_v.weight"), wo=mat(b + "attn_output.weight"),
+                      ffn_norm=f32(b + "ffn_norm.weight"), q_norm=opt_f32(b + "attn_q_norm.weight"),
+                      k_norm=opt_f32(b + "attn_k_norm.weight"), bq=opt_f32(b + "attn_q.bias"),
+                      bk=opt_f32(b + "attn_k.bias"), bv=opt_f32(b + "attn_v.bias"))
         if cfg.is_moe:
             L.router = mat(b + "ffn_gate_inp.weight")
             if cfg.shared_expert:
