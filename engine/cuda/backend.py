@@ -443,6 +443,8 @@ class CUDABackend(Backend):
             out["expert_profile"] = self.opts.expert_profile      # the profile this start filled the cache from
         if self.pcie_gbps is not None:
             out["pcie_gbps"] = round(self.pcie_gbps, 1)
+        if self.gdn_state is not None:      # what one checkpoint takes (pinned host memory)
+            out["recurrent_state_mib"] = round(self.gdn_state.nbytes / MiB, 1)
         if self.prefill is not None:
             out.update(prefill_chunk=self.prefill.chunk, ring=self.prefill.plan.ring,
                        ring_lend=self.prefill.plan.lend)

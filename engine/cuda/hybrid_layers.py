@@ -100,7 +100,7 @@ def hybrid_layer(model, il: int, f32) -> Layer:
     if cfg.arch == "qwen3next":
         beta, alpha = upload_matrix(model.tensor(b + "ssm_ba.weight")), None
     else:
-        beta, alpha = upload_matrix(model.tensor(b + "ssm_beta.weight")), upload_matrix(model.tensor(b + "ssm_alpha.weight"))
+        beta, alpha = (upload_matrix(model.tensor(b + n)) for n in ("ssm_beta.weight", "ssm_alpha.weight"))
     conv = cp.asarray(model.dequant(b + "ssm_conv1d.weight").reshape(-1, cfg.ssm_conv).astype(np.float32))
     slot = sum(cfg.recurrent_layers[:il])
     L.gdn = GdnLayer(qkv=qkv, z=z, beta=beta, alpha=alpha, conv=conv, dt_bias=f32(b + "ssm_dt.bias"),
@@ -129,10 +129,6 @@ class HybridKV(KVCache):
 
     def layer_i8(self, i: int):
         return super().layer_i8(self.attn_slot[i])
-
-
-def make_kv(cfg, max_ctx: int, dtype: str) -> KVCache:
-    return HybridKV(cfg, max_ctx, dtype) if cfg.is_hybrid else KVCache(cfg, max_ctx, dtype)
 
 
 def hybrid_rope_table(cfg, n_pos: int) -> np.ndarray:
@@ -192,8 +188,8 @@ class GdnState:
 
 
 def _pinned(n: int) -> np.ndarray:
-    mem = cp.cuda.alloc_pinned_memory(4 * n)
-    return np.frombuffer(mem, dtype=np.float32, count=n)
+    import cupyx
+    return cupyx.empty_pinned((n,), dtype=np.float32)     # from CuPy's pinned pool: a checkpoint reuses freed ones
 
 
 # --- the gate ---------------------------------------------------------------------------------------------------
