@@ -3,7 +3,7 @@ shapes, beside the same model's gated-attention layer in the flash prompt kernel
 the share of the mixers' prompt time that GDN takes can be read off; and the decode step's two GDN kernels replayed
 in a CUDA graph (which shows them capture-safe).
 
-    python -m bench.gdn [--tokens 4096] [--reps 10]
+    python -m bench.gdn [--tokens 4096] [--reps 10] [--define GDN_BV=128]
 
 Ceilings beside each GDN figure: its bytes at HBM's measured read rate (docs/design.md "Measured facts": fp32 qkv, z,
 beta/alpha in, the gated output out, the state in and out) and its tensor-core FLOPs (the chunk form's products,
@@ -58,7 +58,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a gdn.cu define for a variant (e.g. GDN_BV=128); repeatable")
     a = ap.parse_args(argv)
+    if any("=" not in d for d in a.define):
+        ap.error("--define takes NAME=VALUE")
+    defs = dict(d.split("=", 1) for d in a.define)
     import cupy as cp
 
     from engine.cuda.gdn import GdnKernels, GdnShape
@@ -70,7 +75,7 @@ def main(argv=None):
     rows = []
     for name, (n_k, n_v, D, grouped), (H, KV, hd), n_gdn, n_att in MODELS:
         sh = GdnShape(n_k, n_v, D, 4, grouped, 1e-6)
-        k = GdnKernels(sh)
+        k = GdnKernels(sh, defs)
         C = sh.channels
 
         def f32(*s, scale=1.0):
@@ -131,7 +136,7 @@ def main(argv=None):
         share = n_gdn * t_all / (n_gdn * t_all + n_att * t_att)
         rows.append((name, t_conv, t_prep, t_delta - t_prep, t_norm, t_all, floor, fl / t_all / 1e12, t_att,
                      causal_flops(T, 0, H, hd) / t_att / 1e12, n_gdn, n_att, share, t_dec, per4k))
-    print(f"bench.gdn: T = {T} tokens, one layer; ms per 4K tokens (x {4096 / T:.2f} of the measured)")
+    print(f"bench.gdn: {' '.join(a.define) or 'default build'}, T = {T} tokens, one layer; ms per 4K tokens (x {4096 / T:.2f} of the measured)")
     print("| model | conv | prep | scan | norm | GDN layer | floor | GDN TFLOP/s | attention layer | attn TFLOP/s "
           "| GDN x n + attn x m (ms) | GDN share | decode GDN us/token/layer |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -162,13 +162,14 @@ def _rows(x, width: int, name: str) -> int:
 class GdnKernels:
     """The compiled kernels for one GdnShape (a module per head width; load before READY, nothing compiles later)."""
 
-    def __init__(self, shape: GdnShape):
+    def __init__(self, shape: GdnShape, defines: dict | None = None):
+        """defines: extra gdn.cu build defines for an A/B (bench.gdn --define GDN_BV=128)."""
         import cupy as cp
 
         from engine.cuda import kernels
 
         self.shape = shape
-        mod = kernels.load("gdn", {"GDN_D": shape.head_dim})
+        mod = kernels.load("gdn", {**(defines or {}), "GDN_D": shape.head_dim})
         self.f = {n: mod.get_function(n) for n in ("gdn_conv_decode", "gdn_delta_decode", "gdn_conv_prefill",
                                                    "gdn_chunk_prep", "gdn_chunk_scan", "gdn_gated_norm")}
         out = cp.zeros(8, cp.int32)
