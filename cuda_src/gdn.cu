@@ -22,14 +22,17 @@
 #error "GDN_D (the GDN head width) is 64 or 128"
 #endif
 #ifndef GDN_BV
-#define GDN_BV 64                   // value columns per scan block: D / GDN_BV blocks per head share its chunk work
+#define GDN_BV 32                   // value columns per scan block: 4 blocks a head at D 128 fill the SMs (bench.gdn:
+                                    // 64 took 0.23 ms a 4K-token layer at the 80B shape, 32 0.17 ms)
 #endif
 #if GDN_BV > GDN_D || GDN_D % GDN_BV != 0 || GDN_BV % 32 != 0
 #error "GDN_BV divides GDN_D and is a multiple of 32"
 #endif
 #define GDN_KMAX 8                  // widest conv kernel (the published models: 4)
 #define GDN_C 64                    // tokens per chunk
-#define GDN_DEC_WARPS 8             // gdn_delta_decode: warps per value head
+#ifndef GDN_DEC_WARPS
+#define GDN_DEC_WARPS 16            // gdn_delta_decode: warps per value head (all of S_h's rows in flight at once)
+#endif
 
 __device__ __forceinline__ float gdn_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float gdn_softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
@@ -54,13 +57,18 @@ extern "C" __global__ void gdn_conv_decode(const float* qkv, float* __restrict__
     __shared__ float buf[32];
     const int grp = blockIdx.x, c = grp * GDN_D + threadIdx.x;
     const float x = qkv[c];
+    // every load before the first store (the stores could alias them for the compiler: one latency each otherwise)
+    float st[GDN_KMAX - 1], w[GDN_KMAX - 1];
+#pragma unroll
+    for (int i = 0; i < GDN_KMAX - 1; ++i) {
+        st[i] = i < d_conv - 1 ? conv_state[(long long)i * C + c] : 0.f;
+        w[i] = i < d_conv - 1 ? conv_w[(long long)c * d_conv + i] : 0.f;
+    }
     float acc = x * conv_w[(long long)c * d_conv + d_conv - 1];
-    float prev = 0.f;
-    for (int i = d_conv - 2; i >= 0; --i) {       // newest first: row i moves to i - 1
-        const float s = conv_state[(long long)i * C + c];
-        acc += s * conv_w[(long long)c * d_conv + i];
-        conv_state[(long long)i * C + c] = i == d_conv - 2 ? x : prev;
-        prev = s;
+#pragma unroll
+    for (int i = 0; i < GDN_KMAX - 1; ++i) {
+        acc += st[i] * w[i];
+        if (i < d_conv - 1) conv_state[(long long)i * C + c] = i + 1 < d_conv - 1 ? st[i + 1 < GDN_KMAX - 1 ? i + 1 : 0] : x;
     }
     float y = silu(acc);
     if (grp < 2 * n_k) {                          // block-uniform
@@ -107,6 +115,9 @@ gdn_delta_decode(const float* __restrict__ act, const float* __restrict__ b, con
             s[rr][0] = t.x, s[rr][1] = t.y;
         }
     }
+    // every row's load issued before the first use: without this the compiler interleaved them with the row's
+    // reductions, one memory latency a row (bench.gdn: 7.7 us a layer's step at 8 warps)
+    asm volatile("" ::: "memory");
 #pragma unroll
     for (int rr = 0; rr < ROWS; ++rr) {
         const int i = warp * ROWS + rr;
@@ -146,71 +157,61 @@ gdn_delta_decode(const float* __restrict__ act, const float* __restrict__ b, con
 #define GDN_CONV_TT 32              // tokens per conv block
 
 // Grid (2 n_k + n_v, ceil(T / GDN_CONV_TT)), block GDN_D. qkv rows of ld_in floats (the first C used), act16: (T, C)
-// fp16 [q | k | v], q and k l2-normed (q times q_scale), v = silu(conv). Only the first token tile reads the old
-// conv state, so its block alone writes the new one (the last d_conv - 1 inputs of state + qkv), after reading.
-extern "C" __global__ void gdn_conv_prefill(const float* __restrict__ qkv, long long ld_in, int T,
-                                            float* __restrict__ conv_state, const float* __restrict__ conv_w,
-                                            unsigned short* __restrict__ act16, int C, int n_k, int d_conv, float eps,
-                                            float q_scale) {
-    __shared__ float buf[32];
-    const int grp = blockIdx.x, c = grp * GDN_D + threadIdx.x, t0 = blockIdx.y * GDN_CONV_TT;
-    float win[GDN_KMAX], w[GDN_KMAX];
+// fp16 [q | k | v], q and k l2-normed (q times q_scale), v = silu(conv). A thread takes one channel over the tile's
+// tokens, every input in registers first (weights right-aligned in GDN_KMAX taps, so every index is compile-time),
+// and q/k heads reduce all the tile's sums of squares at one barrier. Only the first tile reads the old conv state,
+// so its block alone writes the new one (the last d_conv - 1 inputs of state + qkv), after reading.
+extern "C" __global__ void __launch_bounds__(GDN_D)
+gdn_conv_prefill(const float* __restrict__ qkv, long long ld_in, int T, float* __restrict__ conv_state,
+                 const float* __restrict__ conv_w, unsigned short* __restrict__ act16, int C, int n_k, int d_conv,
+                 float eps, float q_scale) {
+    constexpr int K = GDN_KMAX, TT = GDN_CONV_TT, NW = GDN_D / 32;
+    __shared__ float part[TT][NW];
+    const int grp = blockIdx.x, c = grp * GDN_D + threadIdx.x, t0 = blockIdx.y * TT;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int shift = K - d_conv;                 // tap m holds weight m - shift (none below shift)
+    float w[K], seq[K - 1 + TT];                  // seq[j]: the input at token t0 - (K - 1) + j
 #pragma unroll
-    for (int i = 0; i < GDN_KMAX; ++i) {
-        w[i] = i < d_conv ? conv_w[(long long)c * d_conv + i] : 0.f;
-        win[i] = 0.f;
+    for (int m = 0; m < K; ++m) w[m] = m >= shift ? conv_w[(long long)c * d_conv + m - shift] : 0.f;
+#pragma unroll
+    for (int j = 0; j < K - 1 + TT; ++j) {
+        const int p = t0 - (K - 1) + j;
+        seq[j] = p >= T ? 0.f : p >= 0 ? qkv[p * ld_in + c]
+                                       : (p + d_conv - 1 >= 0 ? conv_state[(long long)(p + d_conv - 1) * C + c] : 0.f);
     }
-    const float w_last = conv_w[(long long)c * d_conv + d_conv - 1];
-    // win[i], i < d_conv - 1: the input at token t0 - (d_conv - 1) + i (state row p + d_conv - 1 before token 0)
-    float old[GDN_KMAX];
+    float y[TT];
 #pragma unroll
-    for (int i = 0; i < GDN_KMAX - 1; ++i) {
-        old[i] = 0.f;
-        if (i < d_conv - 1) {
-            const int p = t0 - (d_conv - 1) + i;
-            if (p < 0) {
-                old[i] = conv_state[(long long)(p + d_conv - 1) * C + c];
-                win[i] = old[i];
-            } else {
-                win[i] = qkv[p * ld_in + c];
-            }
+    for (int tt = 0; tt < TT; ++tt) {
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < K; ++m) acc += w[m] * seq[tt + m];
+        y[tt] = silu(acc);
+    }
+    if (grp < 2 * n_k) {                          // block-uniform
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+            const float ss = warp_sum(y[tt] * y[tt]);
+            if (lane == 0) part[tt][warp] = ss;
+        }
+        __syncthreads();
+        const float scale = grp < n_k ? q_scale : 1.f;
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+            float ss = 0.f;
+#pragma unroll
+            for (int i = 0; i < NW; ++i) ss += part[tt][i];
+            y[tt] *= rsqrtf(ss + eps) * scale;
         }
     }
-    const bool qk = grp < 2 * n_k;
-    const float scale = grp < n_k ? q_scale : 1.f;
-    const int t1 = min(T, t0 + GDN_CONV_TT);
-    for (int t = t0; t < t1; ++t) {
-        const float x = qkv[t * ld_in + c];
-        float acc = x * w_last;
 #pragma unroll
-        for (int i = 0; i < GDN_KMAX - 1; ++i) {
-            if (i < d_conv - 1) {
-                acc += win[i] * w[i];
-                win[i] = i + 1 < d_conv - 1 ? win[i + 1] : x;
-            }
-        }
-        float y = silu(acc);
-        if (qk) y *= rsqrtf(block_sum(y * y, buf) + eps) * scale;
-        act16[(long long)t * C + c] = f2h(y);
-    }
+    for (int tt = 0; tt < TT; ++tt)
+        if (t0 + tt < T) act16[(long long)(t0 + tt) * C + c] = f2h(y[tt]);
     if (blockIdx.y == 0) {
-        // new row i = input at position T - (d_conv - 1) + i: the old state's row (that + d_conv - 1) when < 0
-#pragma unroll
-        for (int i = 0; i < GDN_KMAX - 1; ++i) {
-            if (i < d_conv - 1) {
-                const int p = T - (d_conv - 1) + i;
-                float val;
-                if (p >= 0) {
-                    val = qkv[p * ld_in + c];
-                } else {
-                    // the old row p + d_conv - 1 is win-loaded as old[p + d_conv - 1] (t0 = 0 here)
-                    val = 0.f;
-#pragma unroll
-                    for (int j = 0; j < GDN_KMAX - 1; ++j)
-                        if (j == p + d_conv - 1) val = old[j];
-                }
-                conv_state[(long long)i * C + c] = val;
-            }
+        // new row i = the input at token T - (d_conv - 1) + i; before token 0 that is old row T + i, which comes after
+        // row i, so writing rows in ascending order reads every old row before it is replaced
+        for (int i = 0; i < d_conv - 1; ++i) {
+            const int p = T - (d_conv - 1) + i;
+            conv_state[(long long)i * C + c] = p >= 0 ? qkv[p * ld_in + c] : conv_state[(long long)(T + i) * C + c];
         }
     }
 }
@@ -245,7 +246,7 @@ __device__ __forceinline__ void gdn_load_tile(uint32_t sm, const unsigned short*
 #define GDN_LDK (GDN_D + 8)         // shared pitch (halves) of Q and K tiles
 #define GDN_LDC (GDN_C + 8)         // of 64-column tiles
 #define GDN_PREP_THREADS 128
-#define GDN_PREP_SMEM (2 * GDN_C * GDN_LDK * 2 + GDN_C * (GDN_C + 1) * 4 * 2 + 3 * GDN_C * 4)
+#define GDN_PREP_SMEM (2 * GDN_C * GDN_LDK * 2 + GDN_C * (GDN_C + 1) * 4 * 2 + 3 * GDN_C * 4 + 768 * 4)
 
 // Grid (n_chunks, n_v), block 128, GDN_PREP_SMEM bytes of dynamic shared memory. Chunk c of value head h:
 //   gcum[h, c*64 + t] = g_1 + ... + g_t within the chunk (log G_t); tokens past T have beta = g = 0
@@ -264,6 +265,7 @@ gdn_chunk_prep(const unsigned short* __restrict__ act16, int T, int C, const flo
     float* sG = sX + GDN_C * (GDN_C + 1);
     float* sB = sG + GDN_C;
     float* sGraw = sB + GDN_C;
+    float* sM = sGraw + GDN_C;                                        // 3 x 16 x 16: sum_k A_ik X_kj
     const int ch = blockIdx.x, h = blockIdx.y, nch = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, t4 = lane & 3;
     const int r = n_v / n_k, kh = grouped ? h / r : h % n_k;
@@ -332,20 +334,44 @@ gdn_chunk_prep(const unsigned short* __restrict__ act16, int T, int C, const flo
             qkm_out[t * GDN_C + s] = f2h(dec * qk[n][e]);
         }
     __syncthreads();
-    // X = (I + A)^-1, unit lower triangular, by forward substitution: column c by thread c, row t after rows < t
-    if (threadIdx.x < GDN_C) {
-        const int c = threadIdx.x;
-        for (int t = 0; t < GDN_C; ++t) {
+    // X = (I + A)^-1 by 16 x 16 blocks (one long forward substitution took 64 dependent rows on 64 threads):
+    // warp w inverts diagonal block w by forward substitution (lanes l and l + 16 split column l's sums by the
+    // parity of s), then the blocks below it, block diagonal by block diagonal: X_ij = -X_ii sum_{j<=k<i} A_ik X_kj.
+    // The blocks above the diagonal are never written; the writer below takes them as 0.
+    {
+        const int cl = lane & 15, par = lane >> 4, b0 = 16 * warp, c = b0 + cl;
+        for (int t = 0; t < 16; ++t) {
             float acc = 0.f;
-            for (int s = c; s < t; ++s) acc += sA[t * (GDN_C + 1) + s] * sX[s * (GDN_C + 1) + c];
-            sX[t * (GDN_C + 1) + c] = t == c ? 1.f : (t < c ? 0.f : -acc);
+            for (int s = cl + par; s < t; s += 2) acc += sA[(b0 + t) * (GDN_C + 1) + b0 + s] * sX[(b0 + s) * (GDN_C + 1) + c];
+            acc += __shfl_xor_sync(0xffffffffu, acc, 16);
+            if (par == 0) sX[(b0 + t) * (GDN_C + 1) + c] = t == cl ? 1.f : (t < cl ? 0.f : -acc);
+            __syncwarp();
         }
     }
     __syncthreads();
+    for (int d = 1; d < 4; ++d) {
+        const int n = (4 - d) * 256;
+        for (int e = threadIdx.x; e < n; e += GDN_PREP_THREADS) {
+            const int jb = e >> 8, row = (e >> 4) & 15, col = e & 15, ib = jb + d;
+            float acc = 0.f;
+            for (int m = 16 * jb; m < 16 * ib; ++m)
+                acc += sA[(16 * ib + row) * (GDN_C + 1) + m] * sX[m * (GDN_C + 1) + 16 * jb + col];
+            sM[e] = acc;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < n; e += GDN_PREP_THREADS) {
+            const int jb = e >> 8, row = (e >> 4) & 15, col = e & 15, ib = jb + d;
+            float acc = 0.f;
+            for (int m = 0; m <= row; ++m)
+                acc += sX[(16 * ib + row) * (GDN_C + 1) + 16 * ib + m] * sM[(jb << 8) + (m << 4) + col];
+            sX[(16 * ib + row) * (GDN_C + 1) + 16 * jb + col] = -acc;
+        }
+        __syncthreads();
+    }
     unsigned short* tc = tcat + ((long long)h * nch + ch) * GDN_C * 2 * GDN_C;
     for (int w = threadIdx.x; w < GDN_C * GDN_C; w += GDN_PREP_THREADS) {
         const int t = w / GDN_C, c = w % GDN_C;
-        const float x = sX[t * (GDN_C + 1) + c] * sB[c];
+        const float x = (t >> 4) < (c >> 4) ? 0.f : sX[t * (GDN_C + 1) + c] * sB[c];
         tc[t * 2 * GDN_C + c] = f2h(x);
         tc[t * 2 * GDN_C + GDN_C + c] = f2h(-x * expf(sG[c]));
     }
@@ -371,13 +397,15 @@ gdn_chunk_prep(const unsigned short* __restrict__ act16, int T, int C, const flo
 #define GDN_SM_H (GDN_SM_UD + GDN_C * GDN_LDV * 2)
 #define GDN_SCAN_SMEM (GDN_SM_H + GDN_D * GDN_LDV * 2)
 
-// This build's launch shape for the wrappers: prep threads and shared bytes, scan threads, shared bytes, GDN_BV.
+// This build's launch shape for the wrappers: prep threads and shared bytes, scan threads, shared bytes, GDN_BV,
+// gdn_delta_decode's threads.
 extern "C" __global__ void gdn_shape(int* out) {
     out[0] = GDN_PREP_THREADS;
     out[1] = GDN_PREP_SMEM;
     out[2] = GDN_SCAN_THREADS;
     out[3] = GDN_SCAN_SMEM;
     out[4] = GDN_BV;
+    out[5] = 32 * GDN_DEC_WARPS;
 }
 
 // Grid (D / GDN_BV, n_v), block GDN_SCAN_THREADS, GDN_SCAN_SMEM bytes. Value head h, value columns i0 .. i0+BV-1 of

@@ -31,7 +31,6 @@ from engine.arch.base import rms_norm, silu
 from engine.arch.qwen3next import CHUNK, causal_conv, delta_rule, delta_rule_chunk, l2_norm, sigmoid, softplus
 
 CONV_TT = 32          # gdn_conv_prefill's tokens per block (GDN_CONV_TT)
-DEC_THREADS = 256     # gdn_delta_decode's block (32 GDN_DEC_WARPS)
 
 
 @dataclass(frozen=True)
@@ -174,7 +173,8 @@ class GdnKernels:
                                                    "gdn_chunk_prep", "gdn_chunk_scan", "gdn_gated_norm")}
         out = cp.zeros(8, cp.int32)
         mod.get_function("gdn_shape")((1,), (1,), (out,))
-        self.prep_threads, self.prep_smem, self.scan_threads, self.scan_smem, self.bv = (int(v) for v in out.get()[:5])
+        (self.prep_threads, self.prep_smem, self.scan_threads, self.scan_smem, self.bv,
+         self.dec_threads) = (int(v) for v in out.get()[:6])
         for name, nb in (("gdn_chunk_prep", self.prep_smem), ("gdn_chunk_scan", self.scan_smem)):
             self.f[name].max_dynamic_shared_size_bytes = nb
 
@@ -207,7 +207,7 @@ class GdnKernels:
         from engine.cuda.launch import F32, I32, ptr
         sh = self.shape
         pb, pa, _, grp = self._ba(b, a)
-        self.f["gdn_delta_decode"]((sh.n_v_heads,), (DEC_THREADS,),
+        self.f["gdn_delta_decode"]((sh.n_v_heads,), (self.dec_threads,),
                                    (ptr(act), pb, pa, grp, ptr(dt_bias), ptr(ssm_a), ptr(S), ptr(z), ptr(norm_w),
                                     ptr(out), I32(sh.n_k_heads), I32(sh.n_v_heads), I32(int(sh.grouped)),
                                     F32(sh.eps)))
