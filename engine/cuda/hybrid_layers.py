@@ -119,11 +119,6 @@ class HybridKV(KVCache):
         super().__init__(replace(cfg, n_layer=len(attn)), max_ctx, dtype)
         self.attn_slot = {li: s for s, li in enumerate(attn)}
 
-    @staticmethod
-    def nbytes(cfg, max_ctx: int, dtype: str = "f16") -> int:
-        n_attn = sum(not r for r in cfg.recurrent_layers)
-        return KVCache.nbytes(replace(cfg, n_layer=n_attn), max_ctx, dtype)
-
     def layer(self, i: int):
         return super().layer(self.attn_slot[i])
 
