@@ -15,7 +15,7 @@ cp = pytest.importorskip("cupy")
 from engine.cuda.gdn import GdnKernels, GdnShape, ref_conv_act, ref_layer  # noqa: E402
 
 DECODE_TOL = 2e-5
-PROMPT_TOL = 1e-2
+PROMPT_TOL = 3e-3      # measured up to 5.6e-4 (outputs) and 4.8e-4 (state): docs/experiments.md, the GDN kernels
 
 # (n_k, n_v, D, grouped): the tiny models', Qwen3-Next-80B-A3B's (grouped) and Qwen3.5-35B-A3B's (tiled) heads
 SHAPES = [(2, 4, 64, True), (2, 4, 64, False), (4, 4, 128, False), (16, 32, 128, True), (16, 32, 128, False)]

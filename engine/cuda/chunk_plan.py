@@ -63,13 +63,12 @@ def buffers(cfg, T: int) -> list[Buffer]:
     # teacher forcing, tests) dequantize it in blocks of the cap beyond this plan, as their (T, n_vocab) output is.
     if getattr(c, "recurrent_layers", ()):
         # engine/cuda/hybrid_layers.py: the attention gate, a GDN layer's projections (beta: qwen3next's whole ssm_ba)
-        # and output; engine/cuda/gdn.py's GdnScratch (fp16 conv outputs; per value head and 64-token chunk its
-        # cumulative decays, UT-transform and masked Q K^T tiles), allocated there
+        # and output; engine/cuda/gdn.py's GdnScratch for the chunk, allocated there
+        from engine.cuda.gdn import GdnShape, scratch_bytes
         conv, inner, Hv = 2 * c.ssm_k_heads * c.ssm_state + c.ssm_inner, c.ssm_inner, c.ssm_v_heads
-        padded = -(-T // 64) * 64
         out += [Buffer("gate", T * qw, 4), Buffer("gdn_qkv", T * conv, 4), Buffer("gdn_z", T * inner, 4),
                 Buffer("gdn_beta", T * 2 * Hv, 4), Buffer("gdn_alpha", T * Hv, 4), Buffer("gdn_o", T * inner, 4),
-                Buffer("gdn_scratch", 2 * T * conv + 4 * Hv * padded + 2 * Hv * padded * (128 + 64), 1, False)]
+                Buffer("gdn_scratch", scratch_bytes(GdnShape.from_config(c), T), 1, False)]
     fp32 = max(c.n_expert * E, (c.n_ff_shexp or 0) * E) if c.n_expert else (c.n_ff or 0) * E
     out += [Buffer("dequant_scratch", max(1, min(fp32, DEQUANT_SCRATCH_ELEMS)), 4, False),
             Buffer("logits", c.n_vocab, 4, False),             # the last row's logits (the mat-vec norms x itself)

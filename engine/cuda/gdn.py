@@ -18,7 +18,8 @@ Buffers (fp32 unless said; C = 2 n_k D + n_v D conv channels, rows contiguous, e
     out        (T, n_v D)  rms_norm(o) * norm_w * silu(z) per head: the input of ssm_out.
 Value head h reads key head h // r (qwen3next) or h % n_k (qwen35moe), r = n_v / n_k. Launches go on the current
 CuPy stream (`with stream:`); the decode ones allocate nothing and read every per-step value from device memory, so
-they can be captured in the decode step's graph. The prompt needs a GdnScratch sized for its longest chunk.
+they can be captured in the decode step's graph. The prompt needs a GdnScratch sized for its longest chunk
+(scratch_bytes says how much VRAM to reserve; state_bytes one layer's recurrent state).
 """
 from __future__ import annotations
 
@@ -71,6 +72,23 @@ class GdnShape:
 
 def n_chunks(T: int) -> int:
     return (T + CHUNK - 1) // CHUNK
+
+
+def scratch_layout(shape: GdnShape, max_tokens: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """GdnScratch's arrays for prompt chunks of up to max_tokens: name -> (shape, dtype name)."""
+    nc, Hv = n_chunks(max_tokens), shape.n_v_heads
+    return {"act16": ((max_tokens, shape.channels), "float16"), "gcum": ((Hv, nc * CHUNK), "float32"),
+            "tcat": ((Hv, nc, CHUNK, 2 * CHUNK), "float16"), "qkm": ((Hv, nc, CHUNK, CHUNK), "float16")}
+
+
+def scratch_bytes(shape: GdnShape, max_tokens: int) -> int:
+    """VRAM a GdnScratch takes (one serves every GDN layer): 113 MiB at 4096 tokens of the published shapes."""
+    return sum(int(np.prod(s)) * np.dtype(t).itemsize for s, t in scratch_layout(shape, max_tokens).values())
+
+
+def state_bytes(shape: GdnShape) -> int:
+    """One GDN layer's recurrent state in VRAM: the conv inputs and S, fp32 (as HybridCache.state_bytes counts)."""
+    return 4 * ((shape.conv_kernel - 1) * shape.channels + shape.n_v_heads * shape.head_dim ** 2)
 
 
 # --- NumPy references, in the kernels' layouts (float64 in, float64 out when given float64) ------------------------
@@ -221,12 +239,8 @@ class GdnKernels:
     # --- prompt: T tokens ---
     def scratch(self, max_tokens: int) -> GdnScratch:
         import cupy as cp
-        sh = self.shape
-        nc = n_chunks(max_tokens)
-        return GdnScratch(max_tokens, cp.empty((max_tokens, sh.channels), cp.float16),
-                          cp.empty((sh.n_v_heads, nc * CHUNK), cp.float32),
-                          cp.empty((sh.n_v_heads, nc, CHUNK, 2 * CHUNK), cp.float16),
-                          cp.empty((sh.n_v_heads, nc, CHUNK, CHUNK), cp.float16))
+        return GdnScratch(max_tokens, **{k: cp.empty(s, t) for k, (s, t) in
+                                         scratch_layout(self.shape, max_tokens).items()})
 
     def _check_T(self, T: int, scratch: GdnScratch) -> None:
         if not 1 <= T <= scratch.max_tokens:
