@@ -48,15 +48,17 @@ def find_vocab() -> Path:
     raise SystemExit("bench.decode: ggml-vocab-qwen2.gguf not found in ../shared/fixtures/vocab or .fixtures/vocab")
 
 
-def make_model(path: Path, n_layer: int | None = None, recipe: str | None = None, routing: str | None = None) -> float:
-    """tools/make_moe's Qwen3-30B-A3B preset at path (n_layer: cut to that many layers; recipe: llama-quantize's
-    per-layer types, e.g. q4_k_m; routing: make_moe --routing, else --attn-gain 3); returns the seconds taken."""
+def make_model(path: Path, n_layer: int | None = None, recipe: str | None = None, routing: str | None = None,
+               preset: str = "qwen3-30b-a3b") -> float:
+    """tools/make_moe's Qwen3-30B-A3B preset (or `preset`: qwen35moe-35b-a3b, qwen3next-80b-a3b) at path (n_layer:
+    cut to that many layers; recipe: llama-quantize's per-layer types, e.g. q4_k_m; routing: make_moe --routing,
+    else --attn-gain 3); returns the seconds taken."""
     t0 = time.perf_counter()
     # --attn-gain 3: with flat random attention every token of a prompt reaches nearly the same hidden state, so
     # routing collapses onto a few experts (the H200 measured 0.997 hits at a 12 GiB budget). Sharper attention
     # gives the per-layer curve bench/routing.py calibrates against (half the experts cached: ~70% hits), so the
     # budgets below exercise the PCIe path as a real model would.
-    cmd = [sys.executable, "-m", "tools.make_moe", "--preset", "qwen3-30b-a3b", "--out", str(path),
+    cmd = [sys.executable, "-m", "tools.make_moe", "--preset", preset, "--out", str(path),
            "--vocab", str(find_vocab())] + (["--n-layer", str(n_layer)] if n_layer else [])
     cmd += ["--routing", routing] if routing else ["--attn-gain", "3"]
     cmd += ["--recipe", recipe] if recipe else []
@@ -152,6 +154,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--make-recipe", help="when --model is missing, make it in this llama-quantize recipe (q4_k_m...)")
+    ap.add_argument("--make-preset", default="qwen3-30b-a3b",
+                    help="when --model is missing, make this tools/make_moe preset (qwen35moe-35b-a3b, "
+                         "qwen3next-80b-a3b: ~48 GB at q4_k_m, give --model a path in /dev/shm)")
     ap.add_argument("--make-routing", choices=("trained", "spread"),
                     help="when --model is missing, make it with make_moe --routing (default: --attn-gain 3)")
     ap.add_argument("--budgets", default="all,24,16,12,8", help="GiB, comma-separated; 'all' = no budget")
@@ -181,7 +186,8 @@ def main(argv=None):
 
     facts = {}
     if not a.model.is_file():
-        facts["model_make_s"] = round(make_model(a.model, recipe=a.make_recipe, routing=a.make_routing), 1)
+        facts["model_make_s"] = round(make_model(a.model, recipe=a.make_recipe, routing=a.make_routing,
+                                                       preset=a.make_preset), 1)
     model = open_model(a.model)
     ctx = a.prompt + a.new + 16
     # each flag's values as CudaOptions takes them (None: the option's default)

@@ -118,6 +118,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--make-recipe", help="when --model is missing, make it in this llama-quantize recipe (q4_k_m...)")
+    ap.add_argument("--make-preset", default="qwen3-30b-a3b",
+                    help="when --model is missing, make this tools/make_moe preset (qwen35moe-35b-a3b, "
+                         "qwen3next-80b-a3b: ~48 GB at q4_k_m, give --model a path in /dev/shm)")
     ap.add_argument("--budgets", default="all,16,12", help="GiB, comma-separated; 'all' = no budget")
     ap.add_argument("--prompts", default="1024,4096,8192,32768", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--chunk", default="auto", help="--prefill-chunk: tokens or auto")
@@ -152,7 +155,7 @@ def main(argv=None):
     lengths = [int(x) for x in a.prompts.split(",")]
     facts = {}
     if not a.model.is_file():
-        facts["model_make_s"] = round(make_model(a.model, recipe=a.make_recipe), 1)
+        facts["model_make_s"] = round(make_model(a.model, recipe=a.make_recipe, preset=a.make_preset), 1)
     model = open_model(a.model)
     ctx = max(max(lengths) + 16, a.ctx or 0)
     opts = dict(prefill_chunk=None if a.chunk == "auto" else int(a.chunk), ring=a.ring, stream_min=a.stream_min)

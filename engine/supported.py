@@ -7,7 +7,7 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gpt-oss",
 
 # What the CUDA backend runs. The others run on the CPU backend (the NumPy reference) only, so far: right, but far
 # too slow for the sizes these models come in, so setup never offers them for a GPU.
-CUDA_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gpt-oss")
+CUDA_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gpt-oss", "qwen3next", "qwen35moe")
 
 
 def runs_on(arch: str, backend: str) -> bool:

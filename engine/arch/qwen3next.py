@@ -229,6 +229,17 @@ def delta_rule_chunk(q, k, v, g, beta, S):
     return o.transpose(1, 0, 2).astype(v.dtype), S.astype(v.dtype)
 
 
+def imrope_still(cfg) -> np.ndarray | None:
+    """qwen35moe's IMRoPE for text: which rotary pairs (n_rot/2 bools) stay at position 0's angle. Sectors of the
+    t/h/w sections turn with p; the fourth section's position is 0. None for plain neox RoPE (qwen3next)."""
+    if cfg.arch != "qwen35moe":
+        return None
+    s = cfg.rope_sections
+    sector = np.arange(cfg.n_rot // 2) % sum(s)
+    return ~(((sector % 3 == 0) & (sector < 3 * s[0])) | ((sector % 3 == 1) & (sector < 3 * s[1]))
+             | ((sector % 3 == 2) & (sector < 3 * s[2])))
+
+
 class Qwen3Next(Transformer):
     recurrent = True
 
@@ -239,12 +250,8 @@ class Qwen3Next(Transformer):
         # engine's rounding (llama.cpp's fp16 or 8-bit activations) may pick the other expert, and a recurrent
         # state carries that difference to every later token: reference tests pick prompts without such ties.
         self.min_route_gap = math.inf
-        if cfg.arch == "qwen35moe":
-            # IMRoPE for text: sectors of the t/h/w sections turn with p; the fourth section's position is 0.
-            s = cfg.rope_sections
-            sector = np.arange(cfg.n_rot // 2) % sum(s)
-            still = ~(((sector % 3 == 0) & (sector < 3 * s[0])) | ((sector % 3 == 1) & (sector < 3 * s[1]))
-                      | ((sector % 3 == 2) & (sector < 3 * s[2])))
+        still = imrope_still(cfg)
+        if still is not None:
             self.cos[:, still], self.sin[:, still] = self.cos[0, still], self.sin[0, still]
 
     def new_cache(self, max_context: int, dtype=np.float32) -> HybridCache:

@@ -9,7 +9,8 @@ import time
 import cupy as cp
 import numpy as np
 
-from engine.backend import Backend, ExpertStats
+from engine.backend import Backend, ExpertStats, RecurrentSnapshot
+from engine.cuda import hybrid_layers
 from engine.cuda.arena import ExpertArena, blob_layout
 from engine.cuda.args import CudaOptions
 from engine.cuda.decode import DecodeStep
@@ -52,9 +53,8 @@ class CUDABackend(Backend):
         if opts.mmap_experts and opts.resident_budget_gib is not None:
             raise ValueError("--mmap-experts pins no expert and --resident-budget-gib pins some: give one of them")
         cfg = self.config
-        if cfg.is_hybrid:
-            raise ValueError(f"the CUDA backend has no Gated DeltaNet layers yet, which {cfg.arch} needs; "
-                             f"use --backend cpu")
+        self.recurrent = cfg.is_hybrid      # qwen3next / qwen35moe: engine/cuda/hybrid_layers.py
+        self.gdn_state = None
         if cfg.head_dim_v != cfg.head_dim or cfg.head_dim % 32 or cfg.head_dim > 256:
             raise ValueError(f"the CUDA backend needs head_dim == head_dim_v, a multiple of 32 and <= 256 "
                              f"(this model: {cfg.head_dim}/{cfg.head_dim_v}); use --backend cpu")
@@ -73,8 +73,13 @@ class CUDABackend(Backend):
             with self.stream:
                 t0 = time.perf_counter()
                 self.weights = load_weights(model)
-                self.kv = KVCache(cfg, max_context, opts.kv, self._kv_rows(max_context))
-                self.rope = cp.asarray(rope_table(cfg, max_context))
+                if cfg.is_hybrid:
+                    self.kv = hybrid_layers.HybridKV(cfg, max_context, opts.kv)
+                    self.rope = cp.asarray(hybrid_layers.hybrid_rope_table(cfg, max_context))
+                    self.gdn_state = hybrid_layers.GdnState(cfg, self.stream)
+                else:
+                    self.kv = KVCache(cfg, max_context, opts.kv, self._kv_rows(max_context))
+                    self.rope = cp.asarray(rope_table(cfg, max_context))
                 self.layout = blob_layout(model) if cfg.is_moe else None
                 if cfg.arch == "gpt-oss" and any(ly.qt_up >= 0 for ly in self.layout.layers):
                     raise ValueError("this gpt-oss file has gate and up experts in different quant types, which the "
@@ -188,8 +193,12 @@ class CUDABackend(Backend):
         one."""
         self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache, self.layout,
                                self.stream, self.gpu_sampler)
+        if self.gdn_state is not None:
+            hybrid_layers.attach_decode(self.step, self.gdn_state)
         attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth, self.opts.fetch_misses)
         self.prefill = Prefill(self.step, self.opts, self.log, self.tracer)
+        if self.gdn_state is not None:
+            hybrid_layers.attach_prefill(self.prefill, self.gdn_state)
         if self.mem:
             self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)
             self.mem.attach_prefill(self.prefill)
@@ -240,9 +249,13 @@ class CUDABackend(Backend):
         return int(self.prefill.chunk)
 
     def truncate(self, n: int) -> None:
-        """As Backend.truncate; but a window layer's KV ring (gpt-oss, kv.py) keeps only `spare` rows beyond its
-        window, so after positions more than that past n were written the window before n is gone: the cache then
-        restarts empty (n_cached 0) and the session feeds the prompt again."""
+        """As Backend.truncate. A recurrent state (hybrids) cannot be rewound: only 0 or n_cached. A window layer's
+        KV ring (gpt-oss, kv.py) keeps only `spare` rows beyond its window, so after positions more than that past n
+        were written the window before n is gone: the cache then restarts empty (n_cached 0) and the session feeds
+        the prompt again."""
+        if self.recurrent and n not in (0, self.n_cached):
+            raise ValueError(f"cannot truncate to {n} of {self.n_cached}: a recurrent state cannot be rewound; "
+                             f"restore_state() a snapshot taken at or before {n}, or truncate(0)")
         self._kv_high = max(self._kv_high, self.n_cached)
         super().truncate(n)
         spare = getattr(self.kv, "spare", None)
@@ -250,6 +263,22 @@ class CUDABackend(Backend):
             self.n_cached = 0
         if self.n_cached == 0:
             self._kv_high = 0
+            if self.recurrent:
+                self.gdn_state.zero()
+
+    # --- the recurrent state (engine/backend.py's contract; hybrid_layers.GdnState) --------------------------
+    def state_bytes(self) -> int:
+        return self.gdn_state.nbytes if self.recurrent else 0
+
+    def snapshot_state(self) -> RecurrentSnapshot:
+        if not self.recurrent:
+            return super().snapshot_state()
+        return RecurrentSnapshot(self.n_cached, self.gdn_state.nbytes, self.gdn_state.snapshot())
+
+    def restore_state(self, snap: RecurrentSnapshot) -> None:
+        super().restore_state(snap)
+        if self.recurrent:
+            self.gdn_state.restore(snap.data)
 
     def _room(self, n: int):
         if self.n_cached + n > self.max_context:
@@ -400,6 +429,8 @@ class CUDABackend(Backend):
             out["expert_profile"] = self.opts.expert_profile      # the profile this start filled the cache from
         if self.pcie_gbps is not None:
             out["pcie_gbps"] = round(self.pcie_gbps, 1)
+        if self.gdn_state is not None:      # what one checkpoint takes (pinned host memory)
+            out["recurrent_state_mib"] = round(self.gdn_state.nbytes / MiB, 1)
         if self.prefill is not None:
             out.update(prefill_chunk=self.prefill.chunk, ring=self.prefill.plan.ring,
                        ring_lend=self.prefill.plan.lend)

@@ -44,7 +44,8 @@ def buffers(cfg, T: int) -> list[Buffer]:
            Buffer("v", T * kw, 4), Buffer("att", T * qw, 4),
            # fp16 GEMM operands: the normed activations (or the attention output) once per token, and a dense
            # weight matrix dequantized once per chunk
-           Buffer("xh", T * max(E, qw), 2), Buffer("wh", min(max(qw * E, kw * E), WH_ELEMS), 2)]
+           Buffer("xh", T * max(E, qw, getattr(c, "ssm_inner", 0)), 2),
+           Buffer("wh", min(max(qw * E, kw * E), WH_ELEMS), 2)]
     if c.n_expert:
         out += [Buffer("router_logits", T * c.n_expert, 4),
                 Buffer("ids", T * k, 4), Buffer("wts", T * k, 4),
@@ -60,6 +61,14 @@ def buffers(cfg, T: int) -> list[Buffer]:
     # of the last row come from the decode mat-vec on the quantized rows, so no fp32 copy of the head (n_vocab x
     # n_embd: the cap, 128 MiB, for Qwen3) is held back from the expert cache; logits for every row (all_logits:
     # teacher forcing, tests) dequantize it in blocks of the cap beyond this plan, as their (T, n_vocab) output is.
+    if getattr(c, "recurrent_layers", ()):
+        # engine/cuda/hybrid_layers.py: the attention gate, a GDN layer's projections (beta: qwen3next's whole ssm_ba)
+        # and output; engine/cuda/gdn.py's GdnScratch for the chunk, allocated there
+        from engine.cuda.gdn import GdnShape, scratch_bytes
+        conv, inner, Hv = 2 * c.ssm_k_heads * c.ssm_state + c.ssm_inner, c.ssm_inner, c.ssm_v_heads
+        out += [Buffer("gate", T * qw, 4), Buffer("gdn_qkv", T * conv, 4), Buffer("gdn_z", T * inner, 4),
+                Buffer("gdn_beta", T * 2 * Hv, 4), Buffer("gdn_alpha", T * Hv, 4), Buffer("gdn_o", T * inner, 4),
+                Buffer("gdn_scratch", scratch_bytes(GdnShape.from_config(c), T), 1, False)]
     fp32 = max(c.n_expert * E, (c.n_ff_shexp or 0) * E) if c.n_expert else (c.n_ff or 0) * E
     out += [Buffer("dequant_scratch", max(1, min(fp32, DEQUANT_SCRATCH_ELEMS)), 4, False),
             Buffer("logits", c.n_vocab, 4, False),             # the last row's logits (the mat-vec norms x itself)

@@ -63,6 +63,7 @@ class DecodeStep:
         self.prefetch = None            # plug-ins (set_prefetch, set_paged)
         self.paged = None
         self.tracer = None              # the tracer of the enqueue in progress (record / enqueue)
+        self.hybrid = None              # qwen3next / qwen35moe: their attention blocks (engine/cuda/hybrid_layers.py)
 
     # --- plug-ins --------------------------------------------------------------------------------------------
     def set_prefetch(self, prefetch) -> None:
@@ -70,6 +71,9 @@ class DecodeStep:
 
     def set_paged(self, paged) -> None:
         self.paged = paged
+
+    def set_hybrid(self, hybrid) -> None:
+        self.hybrid = hybrid
 
     def kernel(self, name: str, qt: int | None = None, kind: str | None = None):
         """The table's kernel, or a no-op when the tracer filters this kind (kind: the profile's name for the launch,
@@ -114,6 +118,9 @@ class DecodeStep:
 
     def enqueue_attention_block(self, li):
         """Attention norm, Q/K/V, RoPE + KV store, attention, and wo added to the residual x."""
+        if self.hybrid is not None:
+            self.hybrid.enqueue_mixer(li)
+            return
         c, mv = self.cfg, self.launcher
         layer = self.weights.layers[li]
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))

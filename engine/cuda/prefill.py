@@ -188,6 +188,7 @@ class Prefill:
         self._tm = None
         self._groups_key = self._groups_val = None
         self.lent: list[int] = []    # expert-cache slots the ring holds now (given back by give_back)
+        self.hybrid = None           # qwen3next / qwen35moe: engine/cuda/hybrid_layers.py HybridPrefill
         p = self.plan
         lend = (f"up to {p.lend} expert-cache slots lent per prompt (the coldest experts evicted for them)"
                 if p.lend_occupied else f"up to {p.lend} free expert-cache slots lent")
@@ -199,6 +200,10 @@ class Prefill:
         self.dev = dev
 
     # --- lent expert-cache slots ------------------------------------------------------------------------------
+    def set_hybrid(self, hybrid) -> None:
+        """qwen3next / qwen35moe: the GDN mixers and the attention gate (hybrid_layers.HybridPrefill)."""
+        self.hybrid = hybrid
+
     def borrow(self) -> list[int]:
         """Top the ring's lent cache slots up to the plan's count (the first streamed chunk of a prompt borrows them,
         later chunks keep them); returns their addresses. The cache writes the evicted experts' entries on the
@@ -385,32 +390,37 @@ class Prefill:
         for li, layer in enumerate(w.layers):
             if streamed and li == streamed[0]:
                 window[1] = self._timing_event()
-            mv.rmsnorm(x, layer.attn_norm, xn, rows=T)
-            xh = self.to_half(xn, T, c.n_embd)
-            self.linear_f16(layer.wq, xh, q)
-            self.linear_f16(layer.wk, xh, k)
-            self.linear_f16(layer.wv, xh, v)
-            if layer.bq is not None:
-                q += layer.bq
-                k += layer.bk
-                v += layer.bv
-            self._mark("dense")
-            # q/k norms, RoPE, and K/V into the cache in whatever layout kv.py allocated (--kv f16|int8)
-            self.kv.store(self.kernels, c, li, q, k, v, layer.q_norm, layer.k_norm, self.step.rope, None, pos0, T)
-            if int8:
-                kq, ks, vq, vs = self.kv.layer_i8(li)
-                kv_args = (U64(kq), U64(vq), U64(ks), U64(vs))
+            if layer.gdn is not None:       # a Gated DeltaNet layer (hybrid_layers.py): x += its mixer
+                self.hybrid.mixer(li, layer, x, xn, T)
             else:
-                kv_args = tuple(U64(a) for a in self.kv.layer(li))
-            rows = self.kv.rows[li] if self.oss else self.kv.max_ctx
-            oss = (ptr(layer.sinks), I32(c.n_swa if c.is_swa(li) else 0)) if self.oss else ()
-            self.attend(T, c.n_head, c.n_head_kv, (q, *kv_args, att, I32(T), I32(pos0), I32(c.n_head),
-                                                   I32(c.n_head_kv), I32(c.head_dim), I32(rows), scale, *oss))
-            self._mark("attention")
-            self.linear_f16(layer.wo, self.to_half(att, T, qw), x, accumulate=True)      # x += att @ wo^T
-            if layer.bo is not None:
-                x += layer.bo
-            self._mark("dense")
+                mv.rmsnorm(x, layer.attn_norm, xn, rows=T)
+                xh = self.to_half(xn, T, c.n_embd)
+                self.linear_f16(layer.wq, xh, q)
+                self.linear_f16(layer.wk, xh, k)
+                self.linear_f16(layer.wv, xh, v)
+                if layer.bq is not None:
+                    q += layer.bq
+                    k += layer.bk
+                    v += layer.bv
+                self._mark("dense")
+                # q/k norms, RoPE, and K/V into the cache in whatever layout kv.py allocated (--kv f16|int8)
+                self.kv.store(self.kernels, c, li, q, k, v, layer.q_norm, layer.k_norm, self.step.rope, None, pos0, T)
+                if int8:
+                    kq, ks, vq, vs = self.kv.layer_i8(li)
+                    kv_args = (U64(kq), U64(vq), U64(ks), U64(vs))
+                else:
+                    kv_args = tuple(U64(a) for a in self.kv.layer(li))
+                rows = self.kv.rows[li] if self.oss else self.kv.max_ctx
+                oss = (ptr(layer.sinks), I32(c.n_swa if c.is_swa(li) else 0)) if self.oss else ()
+                self.attend(T, c.n_head, c.n_head_kv, (q, *kv_args, att, I32(T), I32(pos0), I32(c.n_head),
+                                                       I32(c.n_head_kv), I32(c.head_dim), I32(rows), scale, *oss))
+                if layer.attn_gate is not None:     # a hybrid's gated attention: att *= sigmoid(xn @ gate^T)
+                    self.hybrid.gate(layer, xh, att, T)
+                self._mark("attention")
+                self.linear_f16(layer.wo, self.to_half(att, T, qw), x, accumulate=True)      # x += att @ wo^T
+                if layer.bo is not None:
+                    x += layer.bo
+                self._mark("dense")
             mv.rmsnorm(x, layer.ffn_norm, xn, rows=T)
             self._mark("other")
             if c.is_moe:

@@ -98,6 +98,10 @@ class Layer:
     sinks: cp.ndarray | None = None
     router_bias: cp.ndarray | None = None
     exp_bias: tuple | None = None
+    # qwen3next / qwen35moe (engine/cuda/hybrid_layers.py): a gated attention layer's gate rows of attn_q (wq holds
+    # its query rows), or a Gated DeltaNet layer's weights (then wq, wk, wv, wo are None)
+    attn_gate: DevMatrix | None = None
+    gdn: object | None = None
 
 
 @dataclass
@@ -135,7 +139,7 @@ class DeviceWeights:
     def qtype_ids(self) -> set[int]:
         ids = {self.tok_embd.qt, self.output.qt}
         for L in self.layers:
-            for v in vars(L).values():
+            for v in (*vars(L).values(), *(vars(L.gdn).values() if L.gdn is not None else ())):
                 if isinstance(v, DevMatrix):
                     ids.add(v.qt)
         return ids
@@ -159,10 +163,14 @@ def load_weights(model) -> DeviceWeights:
     ffn_norm = "post_attention_norm.weight" if cfg.arch == "gpt-oss" else "ffn_norm.weight"    # llama.cpp's names
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        L = Layer(attn_norm=f32(b + "attn_norm.weight"), wq=mat(b + "attn_q.weight"), wk=mat(b + "attn_k.weight"),
-                  wv=mat(b + "attn_v.weight"), wo=mat(b + "attn_output.weight"), ffn_norm=f32(b + ffn_norm),
-                  q_norm=opt_f32(b + "attn_q_norm.weight"), k_norm=opt_f32(b + "attn_k_norm.weight"),
-                  bq=opt_f32(b + "attn_q.bias"), bk=opt_f32(b + "attn_k.bias"), bv=opt_f32(b + "attn_v.bias"))
+        if cfg.is_hybrid:       # a gated attention or a Gated DeltaNet layer
+            from engine.cuda.hybrid_layers import hybrid_layer
+            L = hybrid_layer(model, i, f32)
+        else:
+            L = Layer(attn_norm=f32(b + "attn_norm.weight"), wq=mat(b + "attn_q.weight"), wk=mat(b + "attn_k.weight"),
+                      wv=mat(b + "attn_v.weight"), wo=mat(b + "attn_output.weight"), ffn_norm=f32(b + ffn_norm),
+                      q_norm=opt_f32(b + "attn_q_norm.weight"), k_norm=opt_f32(b + "attn_k_norm.weight"),
+                      bq=opt_f32(b + "attn_q.bias"), bk=opt_f32(b + "attn_k.bias"), bv=opt_f32(b + "attn_v.bias"))
         if cfg.arch == "gpt-oss":
             L.bo, L.sinks, L.router_bias = (f32(b + n) for n in ("attn_output.bias", "attn_sinks.weight",
                                                                  "ffn_gate_inp.bias"))
