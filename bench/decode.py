@@ -58,8 +58,10 @@ def make_model(path: Path, n_layer: int | None = None, recipe: str | None = None
     # routing collapses onto a few experts (the H200 measured 0.997 hits at a 12 GiB budget). Sharper attention
     # gives the per-layer curve bench/routing.py calibrates against (half the experts cached: ~70% hits), so the
     # budgets below exercise the PCIe path as a real model would.
-    cmd = [sys.executable, "-m", "tools.make_moe", "--preset", preset, "--out", str(path),
-           "--vocab", str(find_vocab())] + (["--n-layer", str(n_layer)] if n_layer else [])
+    cmd = [sys.executable, "-m", "tools.make_moe", "--preset", preset, "--out", str(path)]
+    if not preset.startswith("gpt-oss"):    # gpt-oss presets make their own harmony vocabulary
+        cmd += ["--vocab", str(find_vocab())]
+    cmd += ["--n-layer", str(n_layer)] if n_layer else []
     cmd += ["--routing", routing] if routing else ["--attn-gain", "3"]
     cmd += ["--recipe", recipe] if recipe else []
     print("bench.decode: making the model:", " ".join(cmd), file=sys.stderr, flush=True)

@@ -134,7 +134,7 @@ def test_greedy_whatever_part_of_the_experts_sits_in_vram(cpu_runs, name, share)
         if share == "all":
             assert st.hits == st.lookups
         if share != "all":
-            assert be.prefill.last["bytes"] > 0           # the last prompt chunk streamed experts
+            assert be.tracer.last["bytes"] > 0           # the last prompt chunk streamed experts
     finally:
         be.close()
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import fcntl
 import io
 import json
 import os
@@ -86,6 +87,14 @@ def llama_python(wheel: Path = WHEEL, cache: Path = CACHE) -> Path:
     env = os.environ.get("STRATA_LLAMA_PYTHON")
     if env:
         return Path(env)
+    # test processes run side by side (tools/gpu_suite.sh recipes): one makes the venv while the others wait
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / "venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _make_venv(wheel, cache)
+
+
+def _make_venv(wheel: Path, cache: Path) -> Path:
     py = cache / "venv" / "bin" / "python"
     stamp = cache / "venv" / "installed-from"
     if py.is_file() and stamp.is_file() and stamp.read_text() == wheel.name:
