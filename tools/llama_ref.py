@@ -141,8 +141,12 @@ def make_source(out: Path, make_moe_args: list[str]) -> Path:
     """An F16 model (F32 norms, routers and biases) written by tools.make_moe with these arguments."""
     from tools import make_moe
     out = Path(out)
+    # a name of this process's own, then one atomic rename: test processes side by side (gpu_suite recipes) may
+    # make the same file at once, and each must see it whole or not at all
+    tmp = out.with_name(f"{out.stem}.{os.getpid()}{out.suffix}")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        make_moe.main([*make_moe_args, *F16_TYPES, "--threads", "1", "--out", str(out)])
+        make_moe.main([*make_moe_args, *F16_TYPES, "--threads", "1", "--out", str(tmp)])
+    os.replace(tmp, out)
     return out
 
 
@@ -157,7 +161,7 @@ def quantize(src: Path, dst: Path, recipe: str, imatrix: Path | None = None, nth
     if recipe in NEEDS_IMATRIX and imatrix is None:
         raise LlamaRefError(f"{recipe} needs an importance matrix: pass imatrix= (tools.imatrix makes one)")
     dst = Path(dst)
-    tmp = dst.with_name(dst.name + ".part")
+    tmp = dst.with_name(f"{dst.name}.{os.getpid()}.part")     # this process's own (make_source says why)
     _call({"op": "quantize", "src": str(src), "dst": str(tmp), "ftype": RECIPES[recipe], "nthread": nthread,
            "imatrix": str(imatrix) if imatrix else None,
            "overrides": [(pattern, int(gguf.GGMLQuantizationType[t])) for pattern, t in overrides]})
