@@ -37,21 +37,19 @@ BONUS = (0.25, 0.5, 1.0)      # the previous token's experts' logits raised by t
 def record(model, n_prompt: int, n_new: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Every MoE layer's normed FFN input and normed attention input (the residual after the layer before's experts),
     one row a token (prompt rows first), greedy decode of a random prompt."""
+    from engine.arch.base import Observer
     from engine.backend_cpu import CPUBackend
-    be = CPUBackend(model, n_prompt + n_new + 8, expert_cache_mb=3000)
     rows: list[list[np.ndarray]] = [[] for _ in range(model.config.n_layer)]
     att_rows: list[list[np.ndarray]] = [[] for _ in range(model.config.n_layer)]
-    ffn, attention = be.net.ffn, be.net.attention
 
-    def recording_ffn(il, x, decoding):
-        rows[il].append(np.array(x, dtype=np.float32))
-        return ffn(il, x, decoding)
+    class Inputs(Observer):
+        def attention_input(self, il, x):
+            att_rows[il].append(np.array(x, dtype=np.float32))
 
-    def recording_attention(il, x, pos0, kv):
-        att_rows[il].append(np.array(x, dtype=np.float32))
-        return attention(il, x, pos0, kv)
+        def ffn_input(self, il, x):
+            rows[il].append(np.array(x, dtype=np.float32))
 
-    be.net.ffn, be.net.attention = recording_ffn, recording_attention
+    be = CPUBackend(model, n_prompt + n_new + 8, expert_cache_mb=3000, observer=Inputs())
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     tok = int(np.argmax(be.forward(rng.integers(0, model.config.n_vocab, size=n_prompt).tolist())))

@@ -20,8 +20,9 @@ a VRAM budget below the model's size really exercises the PCIe path.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -166,33 +167,39 @@ def random_inputs(rng: np.random.Generator, n: int, norm_w: np.ndarray, common: 
     return x * norm_w
 
 
+class Sharpened:
+    """A model whose attention scores are attn_gain^2 times the file's: what make_moe --attn-gain G writes (q and
+    k, or their norms, times G; RoPE is linear), as the attention scale of the config the forward reads."""
+
+    def __init__(self, model, attn_gain: float):
+        cfg = model.config
+        scale = (cfg.attn_scale or 1.0 / math.sqrt(cfg.head_dim)) * attn_gain * attn_gain
+        self.config = dataclasses.replace(cfg, attn_scale=scale)
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
 def forward_inputs(model, n_prompts: int, prompt_len: int, seed: int, attn_gain: float = 1.0) -> list[np.ndarray]:
     """Every layer's router inputs, (n_prompts, prompt_len, n_embd), for prompts of random tokens: the CPU engine.
 
     attn_gain multiplies q and k as make_moe --attn-gain does (on top of the file's own), so that one file
     serves to calibrate it."""
+    from engine.arch.base import Observer
     from engine.backend_cpu import CPUBackend
-    be = CPUBackend(model, prompt_len, chunk=prompt_len, warm=False)
-    if attn_gain != 1.0:
-        qk = ("attn_q_norm.weight", "attn_k_norm.weight") if model.has("blk.0.attn_q_norm.weight") else \
-            ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")
-        get, done = be.weights.get, set()
 
-        def scaled(name):
-            w = get(name)
-            if name.endswith(qk) and name not in done:   # scaled once; Weights keeps the scaled copy
-                w = be.weights._dense[name] = w * np.float32(attn_gain)
-                done.add(name)
-            return w
-        be.weights.get = scaled
-    rec: dict[int, list[np.ndarray]] = {}
-    inner = be.net.ffn
+    class FfnInputs(Observer):
+        def __init__(self):
+            self.rows: dict[int, list[np.ndarray]] = {}
 
-    def ffn(self, il, x, decoding):
-        rec.setdefault(il, []).append(np.array(x, np.float32))
-        return inner(il, x, decoding)
+        def ffn_input(self, il, x):
+            self.rows.setdefault(il, []).append(np.array(x, np.float32))
 
-    be.net.ffn = types.MethodType(ffn, be.net)
+    obs = FfnInputs()
+    be = CPUBackend(Sharpened(model, attn_gain) if attn_gain != 1.0 else model, prompt_len, chunk=prompt_len,
+                    warm=False, observer=obs)
+    rec = obs.rows
     rng = np.random.default_rng(seed)
     for _ in range(n_prompts):
         be.truncate(0)

@@ -50,12 +50,12 @@ class CPUBackend(Backend):
     name = "cpu"
 
     def __init__(self, model, max_context: int, expert_cache_mb: float = 256.0, chunk: int = 256,
-                 warm: bool = True):
+                 warm: bool = True, observer=None):
         super().__init__(model, max_context)
         if max_context < 1:
             raise ValueError(f"context must be at least 1 token, not {max_context}")
         self.weights = Weights(model, expert_cache_mb)
-        self.net = build(model, self.weights, max_context)
+        self.net = build(model, self.weights, max_context, observer)    # observer: arch/base.Observer
         # The hybrids' cache (engine/arch/qwen3next.py) also holds each GDN layer's conv and delta state.
         self.kv = self.net.new_cache(max_context)
         self.recurrent = self.net.recurrent

@@ -28,5 +28,6 @@ def family(model: GGUFModel):
     raise ModelError(f"architecture {arch!r} has no forward pass here; supported: {', '.join(SUPPORTED_ARCHS)}")
 
 
-def build(model: GGUFModel, weights, max_context: int):
-    return family(model)(model, weights, max_context)
+def build(model: GGUFModel, weights, max_context: int, observer=None):
+    """observer: an engine.arch.base.Observer (benches watch the forward through it), or None."""
+    return family(model)(model, weights, max_context, observer)

@@ -164,13 +164,25 @@ class KVCache:
         self.capacity = cap
 
 
+class Observer:
+    """What a bench may watch of the forward (bench.routing, bench.prefetch_predictors): each layer's normed input to
+    its attention (or other mixer) and to its feed-forward block, (T, n_embd). This one watches nothing."""
+
+    def attention_input(self, il: int, x: np.ndarray) -> None:
+        pass
+
+    def ffn_input(self, il: int, x: np.ndarray) -> None:
+        pass
+
+
 class Transformer:
     """A pre-norm decoder: attention then a feed-forward block per layer. Families override ffn()."""
 
     recurrent = False    # True: the cache also holds a recurrent state (engine/backend.py says what follows)
 
-    def __init__(self, model: GGUFModel, weights: Weights, max_context: int):
+    def __init__(self, model: GGUFModel, weights: Weights, max_context: int, observer: Observer | None = None):
         self.model = model
+        self.observer = observer or Observer()
         self.cfg = model.config
         self.w = weights
         self.cos, self.sin = rope_tables(self.cfg, max_context, weights.opt("rope_freqs.weight"))
@@ -197,8 +209,10 @@ class Transformer:
         for il in range(cfg.n_layer):
             b = f"blk.{il}."
             h = rms_norm(x, self.w.get(b + "attn_norm.weight"), cfg.rms_eps)
+            self.observer.attention_input(il, h)
             x = x + self.attention(il, h, pos0, kv)
             h = rms_norm(x, self.w.get(b + "ffn_norm.weight"), cfg.rms_eps)
+            self.observer.ffn_input(il, h)
             x = x + self.ffn(il, h, decoding)
         if not all_logits:
             x = x[-1:]

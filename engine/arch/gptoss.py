@@ -115,8 +115,12 @@ class GptOss(Transformer):
         decoding = len(tokens) == 1
         for il in range(cfg.n_layer):
             b = f"blk.{il}."
-            x = x + self.attention(il, rms_norm(x, w.get(b + "attn_norm.weight"), cfg.rms_eps), pos0, kv)
-            x = x + self.ffn(il, rms_norm(x, w.get(b + "post_attention_norm.weight"), cfg.rms_eps), decoding)
+            h = rms_norm(x, w.get(b + "attn_norm.weight"), cfg.rms_eps)
+            self.observer.attention_input(il, h)
+            x = x + self.attention(il, h, pos0, kv)
+            h = rms_norm(x, w.get(b + "post_attention_norm.weight"), cfg.rms_eps)
+            self.observer.ffn_input(il, h)
+            x = x + self.ffn(il, h, decoding)
         if not all_logits:
             x = x[-1:]
         x = rms_norm(x, w.get("output_norm.weight"), cfg.rms_eps)

@@ -243,8 +243,8 @@ def imrope_still(cfg) -> np.ndarray | None:
 class Qwen3Next(Transformer):
     recurrent = True
 
-    def __init__(self, model, weights, max_context):
-        super().__init__(model, weights, max_context)
+    def __init__(self, model, weights, max_context, observer=None):
+        super().__init__(model, weights, max_context, observer)
         cfg = self.cfg
         # The smallest gap between the k-th and (k+1)-th router logit seen so far. Where it is tiny, another
         # engine's rounding (llama.cpp's fp16 or 8-bit activations) may pick the other expert, and a recurrent
@@ -266,11 +266,13 @@ class Qwen3Next(Transformer):
         for il in range(cfg.n_layer):
             b = f"blk.{il}."
             h = rms_norm(x, w.get(b + "attn_norm.weight"), cfg.rms_eps)
+            self.observer.attention_input(il, h)
             if cfg.recurrent_layers[il]:
                 x = x + self.gdn(il, h, cache)
             else:
                 x = x + self.gated_attention(il, h, pos0, cache.kv)
             h = rms_norm(x, w.get(b + "post_attention_norm.weight"), cfg.rms_eps)
+            self.observer.ffn_input(il, h)
             x = x + self.ffn(il, h, decoding)
         if not all_logits:
             x = x[-1:]
