@@ -611,8 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m tools.make_moe", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Make a random-weight GGUF with llama.cpp's tensor names and metadata keys.",
         epilog=f"presets:\n{presets}\n\nqwen3-next-80b is Qwen3-Next's expert side as arch qwen2moe (shared expert "
-               f"with a sigmoid gate),\nwhich the CUDA engine runs; qwen3next-80b-a3b is the real architecture "
-               f"(Gated DeltaNet), CPU only so far.\n"
+               f"with a sigmoid gate);\nqwen3next-80b-a3b is the real architecture "
+               f"(Gated DeltaNet), which both backends run.\n"
                f"Router rows have Zipf-like norms {ROUTER_NORM}/(rank+1)^s, a random rank order per layer; s\n"
                f"(--zipf-s) sets how skewed expert usage is. Per preset, s and the hit rate of a frequency-ranked\n"
                f"cache holding 25/41/50/67% of each layer's experts (python -m bench.routing --preset P\n"
