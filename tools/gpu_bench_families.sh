@@ -5,7 +5,8 @@
 # files are: MXFP4 experts), then bench.decode, bench.prefill (4K prompt) and bench.llama_bench, and prints one table
 # (bench.vs_llama). Models over 40 GB go to /dev/shm (the GPU machine's disk has ~51 GB free) and are deleted after;
 # smaller ones stay in /tmp for the next call while the machine is warm. Logs and JSON under $OUT (or ./gpu-out).
-# llama-bench: LLAMA_BENCH (default /tmp/llama-bench, else .anchors/llama-bench.{gz,xz} carried into the checkout).
+# llama-bench: LLAMA_BENCH (default /tmp/llama-bench, else .lbench/ or .anchors/llama-bench.{xz,gz} carried into the
+# checkout; xz: the .gz is 44 MB and a call carries 64 MiB in all).
 # Each call must end inside the device's 10 minutes: the 80B and 120b shapes take one call each.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ case $PRESET in
 esac
 MODEL=$DIR/$PRESET.gguf
 BENCH=${LLAMA_BENCH:-/tmp/llama-bench}
-for cand in "$BENCH" .anchors/llama-bench.xz .anchors/llama-bench.gz; do [[ -f $cand ]] && { BENCH=$cand; break; }; done
+for cand in "$BENCH" .lbench/llama-bench.xz .anchors/llama-bench.xz .anchors/llama-bench.gz; do [[ -f $cand ]] && { BENCH=$cand; break; }; done
 T0=$(date +%s)
 say() { echo "[gpu_bench_families t+$(( $(date +%s) - T0 ))s] $*"; }
 status=0
