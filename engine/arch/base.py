@@ -214,9 +214,13 @@ class Transformer:
             h = rms_norm(x, self.w.get(b + "ffn_norm.weight"), cfg.rms_eps)
             self.observer.ffn_input(il, h)
             x = x + self.ffn(il, h, decoding)
+        return self.head(x, all_logits)
+
+    def head(self, x: np.ndarray, all_logits: bool) -> np.ndarray:
+        """The output norm and the vocabulary projection: logits of every row, or of the last one."""
         if not all_logits:
             x = x[-1:]
-        x = rms_norm(x, self.w.get("output_norm.weight"), cfg.rms_eps)
+        x = rms_norm(x, self.w.get("output_norm.weight"), self.cfg.rms_eps)
         logits = x @ self.w.get(self.output_name).T
         return logits if all_logits else logits[0]
 

@@ -121,11 +121,7 @@ class GptOss(Transformer):
             h = rms_norm(x, w.get(b + "post_attention_norm.weight"), cfg.rms_eps)
             self.observer.ffn_input(il, h)
             x = x + self.ffn(il, h, decoding)
-        if not all_logits:
-            x = x[-1:]
-        x = rms_norm(x, w.get("output_norm.weight"), cfg.rms_eps)
-        logits = x @ w.get(self.output_name).T
-        return logits if all_logits else logits[0]
+        return self.head(x, all_logits)
 
     def qkv(self, il: int, x: np.ndarray, pos0: int):
         """q (T, H, D), k and v (T, Hkv, D): projections plus biases, q and k turned by RoPE at pos0.."""

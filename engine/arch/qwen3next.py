@@ -274,11 +274,7 @@ class Qwen3Next(Transformer):
             h = rms_norm(x, w.get(b + "post_attention_norm.weight"), cfg.rms_eps)
             self.observer.ffn_input(il, h)
             x = x + self.ffn(il, h, decoding)
-        if not all_logits:
-            x = x[-1:]
-        x = rms_norm(x, w.get("output_norm.weight"), cfg.rms_eps)
-        logits = x @ w.get(self.output_name).T
-        return logits if all_logits else logits[0]
+        return self.head(x, all_logits)
 
     # --- Gated DeltaNet ---
     def qkv_z(self, il, x):
