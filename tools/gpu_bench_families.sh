@@ -32,7 +32,8 @@ say "$PRESET at $BUDGETS: $MODEL"
 python3 -m bench.decode --model "$MODEL" --make-preset "$PRESET" "${RECIPE[@]}" --budgets "$BUDGETS" --no-profile \
     --no-sampled --new 128 --out "$OUT/$PRESET-decode.json" > "$OUT/$PRESET-decode.log" 2>&1 || status=1
 say "decode: exit $status"; tail -n 4 "$OUT/$PRESET-decode.log"
-python3 -m bench.prefill --model "$MODEL" --prompts 4096 --budgets "$BUDGETS" --no-profile \
+python3 -m bench.prefill --model "$MODEL" --make-preset "$PRESET" "${RECIPE[@]}" --prompts 4096 --budgets "$BUDGETS" \
+    --no-profile \
     --out "$OUT/$PRESET-prefill.json" > "$OUT/$PRESET-prefill.log" 2>&1 || status=1
 say "prefill: exit $status"; tail -n 4 "$OUT/$PRESET-prefill.log"
 rm -f "$OUT/$PRESET-llama.jsonl"
