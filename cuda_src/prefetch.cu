@@ -125,21 +125,53 @@ __device__ __forceinline__ void rank_topk(const float* logits, int n, int k, int
 // The decode step uses it only where router_predict cannot serve (the two layers' router rows of different types);
 // it is router_fused's latency chain: the old version read x twice as scalars, loaded the row only after the staging
 // and picked the top-k in k serial warp rounds (17 us a layer on the H200).
+//
+// The router bias (gpt-oss's ffn_gate_inp.bias, added to the logits before the top-k, as router.cu's
+// router_fused_bias) is a compile-time variant: predict_bias / router_predict_bias take the bias pointers as their
+// last arguments and instantiate the same bodies with BIAS true. The bias-free kernels keep their code and arguments
+// (no load, no branch, no extra parameter), as router.cu keeps router_fused and router_fused_bias apart.
+template <int QT, bool BIAS>
+__device__ __forceinline__ void predict_body(const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
+                                             int n_embd, const uint8_t* __restrict__ R, long long row_bytes,
+                                             int n_expert, int k, float* __restrict__ logits,
+                                             int* __restrict__ pred_out, const int* __restrict__ ids,
+                                             const int* __restrict__ pred_in, int check, int* __restrict__ actual,
+                                             unsigned long long* __restrict__ stats, int* __restrict__ counter,
+                                             const float* __restrict__ bias) {
+    if (R) {
+        const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+        float s = row_dot<QT>(R, row_bytes, r, n_expert, x, norm_w, eps, n_embd);
+        if ((threadIdx.x & 31) == 0 && r < n_expert) {
+            if constexpr (BIAS) s += bias[r];
+            logits[r] = s;
+        }
+    }
+    if (last_block(counter)) {
+        if (threadIdx.x < 32) note_routing(ids, pred_in, check, actual, k, stats);
+        if (R) rank_topk(logits, n_expert, k, pred_out);
+    }
+}
+
 template <int QT>
 __global__ void predict(const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int n_embd,
                         const uint8_t* __restrict__ R, long long row_bytes, int n_expert, int k,
                         float* __restrict__ logits, int* __restrict__ pred_out, const int* __restrict__ ids,
                         const int* __restrict__ pred_in, int check, int* __restrict__ actual,
                         unsigned long long* __restrict__ stats, int* __restrict__ counter) {
-    if (R) {
-        const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-        const float s = row_dot<QT>(R, row_bytes, r, n_expert, x, norm_w, eps, n_embd);
-        if ((threadIdx.x & 31) == 0 && r < n_expert) logits[r] = s;
-    }
-    if (last_block(counter)) {
-        if (threadIdx.x < 32) note_routing(ids, pred_in, check, actual, k, stats);
-        if (R) rank_topk(logits, n_expert, k, pred_out);
-    }
+    predict_body<QT, false>(x, norm_w, eps, n_embd, R, row_bytes, n_expert, k, logits, pred_out, ids, pred_in, check,
+                            actual, stats, counter, nullptr);
+}
+
+// predict with the predicted layer's router bias (n_expert floats; not read in the bookkeeping mode, R == nullptr).
+template <int QT>
+__global__ void predict_bias(const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int n_embd,
+                             const uint8_t* __restrict__ R, long long row_bytes, int n_expert, int k,
+                             float* __restrict__ logits, int* __restrict__ pred_out, const int* __restrict__ ids,
+                             const int* __restrict__ pred_in, int check, int* __restrict__ actual,
+                             unsigned long long* __restrict__ stats, int* __restrict__ counter,
+                             const float* __restrict__ bias) {
+    predict_body<QT, true>(x, norm_w, eps, n_embd, R, row_bytes, n_expert, k, logits, pred_out, ids, pred_in, check,
+                           actual, stats, counter, bias);
 }
 
 // Layer l's router and the prediction of layer l+1's experts in one launch (the decode step's choice when both
@@ -150,7 +182,37 @@ __global__ void predict(const float* __restrict__ x, const float* __restrict__ n
 // router and the experts (~9-17 us a layer: a launch, a staging of x, a last-block sync of its own); here the two
 // routers' rows load side by side and share one last-block tail. Arguments: router_fused's, then predict's
 // (R2: layer l+1's router rows, norm_w2: layer l+1's FFN norm weights, which the blocks [nb, 2 nb) stage x with, as
-// predict does; logits2: its logits, pstats: the prefetch counters); counter: this kernel's own.
+// predict does; logits2: its logits, pstats: the prefetch counters); counter: this kernel's own. It replaces the
+// step's router launch, so its routing must be router_fused's (router_fused_bias's with BIAS) bit for bit: the same
+// row_dot at the same block shape (prefetch.py PREDICT_WARPS == launch.py MV_WARPS), the same logit (+ bias) sum,
+// the same route_block.
+template <int QT, bool BIAS>
+__device__ __forceinline__ void router_predict_body(
+    const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x, const float* __restrict__ norm_w,
+    float eps, int ncols, float* __restrict__ logits, int n_expert, int k, int renorm, float scale,
+    int* __restrict__ ids, float* __restrict__ weights, const unsigned long long* __restrict__ table,
+    unsigned long long slot_lo, unsigned long long slot_hi, int* __restrict__ counts,
+    unsigned long long* __restrict__ stats, const uint8_t* __restrict__ R2, long long row_bytes2,
+    const float* __restrict__ norm_w2, float* __restrict__ logits2, int* __restrict__ pred_out,
+    const int* __restrict__ pred_in, int check, int* __restrict__ actual, unsigned long long* __restrict__ pstats,
+    int* __restrict__ counter, const float* __restrict__ bias, const float* __restrict__ bias2) {
+    const int nb = gridDim.x / 2;
+    const bool next = blockIdx.x >= nb;
+    const int r = (blockIdx.x - (next ? nb : 0)) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    float s = row_dot<QT>(next ? R2 : W, next ? row_bytes2 : row_bytes, r, n_expert, x, next ? norm_w2 : norm_w, eps,
+                          ncols);
+    if ((threadIdx.x & 31) == 0 && r < n_expert) {
+        if constexpr (BIAS) s += (next ? bias2 : bias)[r];
+        (next ? logits2 : logits)[r] = s;
+    }
+    if (last_block(counter)) {
+        route_block(logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
+        __syncthreads();                           // ids written (by threads 0..k-1) before the note reads them
+        if (threadIdx.x < 32) note_routing(ids, pred_in, check, actual, k, pstats);
+        rank_topk(logits2, n_expert, k, pred_out);
+    }
+}
+
 template <int QT>
 __global__ void router_predict(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
                                const float* __restrict__ norm_w, float eps, int ncols, float* __restrict__ logits,
@@ -162,18 +224,29 @@ __global__ void router_predict(const uint8_t* __restrict__ W, long long row_byte
                                float* __restrict__ logits2, int* __restrict__ pred_out,
                                const int* __restrict__ pred_in, int check, int* __restrict__ actual,
                                unsigned long long* __restrict__ pstats, int* __restrict__ counter) {
-    const int nb = gridDim.x / 2;
-    const bool next = blockIdx.x >= nb;
-    const int r = (blockIdx.x - (next ? nb : 0)) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const float s = row_dot<QT>(next ? R2 : W, next ? row_bytes2 : row_bytes, r, n_expert, x, next ? norm_w2 : norm_w,
-                                eps, ncols);
-    if ((threadIdx.x & 31) == 0 && r < n_expert) (next ? logits2 : logits)[r] = s;
-    if (last_block(counter)) {
-        route_block(logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
-        __syncthreads();                           // ids written (by threads 0..k-1) before the note reads them
-        if (threadIdx.x < 32) note_routing(ids, pred_in, check, actual, k, pstats);
-        rank_topk(logits2, n_expert, k, pred_out);
-    }
+    router_predict_body<QT, false>(W, row_bytes, x, norm_w, eps, ncols, logits, n_expert, k, renorm, scale, ids,
+                                   weights, table, slot_lo, slot_hi, counts, stats, R2, row_bytes2, norm_w2, logits2,
+                                   pred_out, pred_in, check, actual, pstats, counter, nullptr, nullptr);
+}
+
+// router_predict for gpt-oss: bias (layer l's router bias) and bias2 (layer l+1's), n_expert floats each, added to
+// their logits before the top-k; the routing half is then router_fused_bias's (renorm 1: the softmax over the chosen).
+template <int QT>
+__global__ void router_predict_bias(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
+                                    const float* __restrict__ norm_w, float eps, int ncols,
+                                    float* __restrict__ logits, int n_expert, int k, int renorm, float scale,
+                                    int* __restrict__ ids, float* __restrict__ weights,
+                                    const unsigned long long* __restrict__ table, unsigned long long slot_lo,
+                                    unsigned long long slot_hi, int* __restrict__ counts,
+                                    unsigned long long* __restrict__ stats, const uint8_t* __restrict__ R2,
+                                    long long row_bytes2, const float* __restrict__ norm_w2,
+                                    float* __restrict__ logits2, int* __restrict__ pred_out,
+                                    const int* __restrict__ pred_in, int check, int* __restrict__ actual,
+                                    unsigned long long* __restrict__ pstats, int* __restrict__ counter,
+                                    const float* __restrict__ bias, const float* __restrict__ bias2) {
+    router_predict_body<QT, true>(W, row_bytes, x, norm_w, eps, ncols, logits, n_expert, k, renorm, scale, ids,
+                                  weights, table, slot_lo, slot_hi, counts, stats, R2, row_bytes2, norm_w2, logits2,
+                                  pred_out, pred_in, check, actual, pstats, counter, bias, bias2);
 }
 
 // Side stream, launched right after the prediction (router_predict or predict), so the link starts on layer l+1's

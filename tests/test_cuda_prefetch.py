@@ -82,10 +82,11 @@ def test_vram_staging_slots():
         pf.banks(3)
 
 
-def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_208):
+def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_208, arch="qwen3moe"):
     from types import SimpleNamespace as NS
     st = NS(cache=NS(n_slots=n_slots, n_total=n_total), prefetch=None,
-            cfg=NS(n_expert=n_expert, n_expert_used=k, n_embd=n_embd), layout=NS(nbytes=nbytes, stride=2_654_208))
+            cfg=NS(n_expert=n_expert, n_expert_used=k, n_embd=n_embd, arch=arch),
+            layout=NS(nbytes=nbytes, stride=2_654_208))
     st.set_prefetch = lambda p: setattr(st, "prefetch", p)
     return st
 
@@ -115,6 +116,27 @@ def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
     assert pf.unsupported(_fake_step(0, 1, k=17).cfg, _fake_step(0, 1).layout)
     assert pf.unsupported(_fake_step(0, 1, n_embd=65536).cfg, _fake_step(0, 1).layout)
     assert pf.unsupported(_fake_step(0, 1, n_embd=16384).cfg, _fake_step(0, 1).layout) is None
+
+
+def test_gpt_oss_shapes_are_served(monkeypatch):
+    """gpt-oss is no longer refused (the predictions add its router bias): the 20b and 120b shapes (hidden 2880, 32 or
+    128 experts, top-4, MXFP4 blobs of 13.2 MB) and the tiny one attach; the limits that still hold refuse it too."""
+    for n_expert, n_embd, nbytes in ((32, 2880, 13_271_040), (128, 2880, 13_271_040), (16, 256, 60_000)):
+        st = _fake_step(16, 32, n_expert=n_expert, k=4, n_embd=n_embd, nbytes=nbytes, arch="gpt-oss")
+        assert pf.unsupported(st.cfg, st.layout) is None
+    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth, fetch: f"PF{depth}")
+    logs = []
+    st = _fake_step(16, 32, n_expert=32, k=4, n_embd=2880, arch="gpt-oss")
+    assert pf.attach(st, True, logs.append, depth=2, fetch_misses=True) == "PF2" and st.prefetch == "PF2"
+    assert logs[-1].startswith("expert prefetch on: ")
+    assert "1024" in pf.unsupported(_fake_step(0, 1, n_expert=1024, k=4, arch="gpt-oss").cfg, st.layout)
+
+
+def test_predictor_blocks_are_the_routers():
+    """router_predict replaces the step's router launch: its routing equals router_fused(_bias)'s bit for bit only
+    at the same block shape (stage_x's sum of squares and route_block reduce over the block's threads)."""
+    from engine.cuda.launch import MV_WARPS
+    assert pf.PREDICT_WARPS == MV_WARPS
 
 
 def test_predict_shared_memory_is_the_decode_staging():
@@ -432,8 +454,9 @@ class _Buf:
         return _Buf(self.data.ptr + b * self.row_bytes)
 
 
-def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_misses=True):
-    """A Prefetcher with fake buffers and launch functions that record their arguments (name, grid + block, args)."""
+def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_misses=True, biased=False):
+    """A Prefetcher with fake buffers and launch functions that record their arguments (name, grid + block, args);
+    `biased`: every layer's router with a bias at 300 + layer (gpt-oss), renorm left off in the config."""
     from types import SimpleNamespace as NS
     calls = []
     p = pf.Prefetcher.__new__(pf.Prefetcher)
@@ -450,9 +473,11 @@ def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_m
     p.f_copy, p.f_finish, p.f_restore = rec("copy"), rec("finish"), rec("restore")
     p.f_predict = {0: rec("predict")}
     p.f_router_predict = {0: rec("router_predict")}
+    p.f_predict_bias, p.f_router_predict_bias = {0: rec("predict_bias")}, {0: rec("router_predict_bias")}
     from engine.cuda.decode import DecodeStep
-    layers = [NS(router=NS(qt=0, ptr=100 + i, row_bytes=8, cols=64), ffn_norm=_Buf(200 + i)) for i in range(n_layer)]
-    cfg = NS(rms_eps=1e-6, n_embd=64, expert_weights_norm=True, expert_weights_scale=1.0, n_expert=n_expert,
+    layers = [NS(router=NS(qt=0, ptr=100 + i, row_bytes=8, cols=64), ffn_norm=_Buf(200 + i),
+                 router_bias=_Buf(300 + i) if biased else None) for i in range(n_layer)]
+    cfg = NS(rms_eps=1e-6, n_embd=64, expert_weights_norm=not biased, expert_weights_scale=1.0, n_expert=n_expert,
              n_expert_used=k)
     p.step = NS(tracer=None, keeps=lambda kind: True, weights=NS(layers=layers), cfg=cfg, x=_Buf(11), ids=_Buf(12),
                 rlogits=_Buf(13), wts=_Buf(14),
@@ -538,6 +563,51 @@ def test_launch_pointers(depth):
     assert [c[0] for c in calls] == ["finish"] + ["restore"] * (depth - 1)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_launch_pointers_with_router_bias(depth):
+    """gpt-oss: the predictions take the bias variants with the bias-free kernels' arguments, then the biases:
+    router_predict_bias layer li's (its routing, as router_fused_bias) and the predicted layer's; predict_bias the
+    predicted layer's; the routing renormalized (the softmax over the chosen) though the config does not ask it; the
+    bookkeeping launch (no router) the plain predict. Without a bias: the plain kernels, no extra argument."""
+    p, calls = _pointer_prefetcher(depth)
+    q, qcalls = _pointer_prefetcher(depth, biased=True)
+    for li in range(6):
+        for m in p.targets(li):
+            calls.clear(), qcalls.clear()
+            p.launch_predict(li, m, note=m == p.targets(li)[0])
+            q.launch_predict(li, m, note=m == p.targets(li)[0])
+            (name, grid, a), = calls
+            (qname, qgrid, qa), = qcalls
+            assert (name, qname, len(a)) == ("predict", "predict_bias", 16)
+            assert qgrid == grid and qa == a + [300 + m]
+        calls.clear(), qcalls.clear()
+        if p.targets(li):
+            assert p.enqueue_router(li) and q.enqueue_router(li)
+            (name, grid, a), = calls
+            (qname, qgrid, qa), = qcalls
+            m = p.targets(li)[0]
+            assert (name, qname, len(a)) == ("router_predict", "router_predict_bias", 28)
+            assert a[9] == 1 and qa[9] == 1                  # renorm: the config's, and gpt-oss's by the bias
+            assert qgrid == grid and qa == a + [300 + li, 300 + m]
+        else:
+            assert not p.enqueue_router(li) and not q.enqueue_router(li)
+    calls.clear(), qcalls.clear()
+    p.launch_note(5)
+    q.launch_note(5)
+    assert [c[0] for c in qcalls] == ["predict"] and qcalls == calls
+
+
+def test_mixed_router_biases_are_refused():
+    """Every router with a bias or none (weights.py loads gpt-oss's for every layer): a mix is refused by name."""
+    pytest.importorskip("cupy")
+    from types import SimpleNamespace as NS
+    st = _fake_step(16, 32, k=4, n_embd=256, arch="gpt-oss")
+    st.cfg.n_layer = 3
+    st.weights = NS(layers=[NS(router=NS(qt=0), router_bias=b) for b in (object(), None, object())])
+    with pytest.raises(ValueError, match="some layers' routers have a bias and others none"):
+        pf.Prefetcher(st, 2, True)
+
+
 def test_decode_step_takes_the_router_launch_from_the_prefetch():
     """DecodeStep.enqueue's hook: the step's own router runs only where the Prefetcher did not launch one."""
     pytest.importorskip("cupy")
@@ -579,8 +649,9 @@ def _ref_logits(x, w, R, eps):
     return (R.astype(np.float64) @ xn).astype(np.float32)
 
 
-def _run_predict(cp, qt, x, w, Rbytes, row_bytes, n_expert, k, ids, pred_in, check, eps=1e-6):
-    f = _module([qt]).get_function(f"predict<{qt}>")
+def _run_predict(cp, qt, x, w, Rbytes, row_bytes, n_expert, k, ids, pred_in, check, eps=1e-6, bias=None):
+    """predict (predict_bias with `bias`, the predicted layer's router bias) on fresh poisoned outputs, twice."""
+    f = _module([qt]).get_function(f"predict{'' if bias is None else '_bias'}<{qt}>")
     n_embd = x.size
     smem = pf.staged_bytes(n_embd)
     if smem > pf.SMEM_DEFAULT:
@@ -599,7 +670,7 @@ def _run_predict(cp, qt, x, w, Rbytes, row_bytes, n_expert, k, ids, pred_in, che
         f(((n_expert + warps - 1) // warps,), (32 * warps,),
           (_u64(d["x"]), _u64(d["w"]), F32(eps), I32(n_embd), _u64(d["R"]), I64(row_bytes), I32(n_expert), I32(k),
            _u64(logits), _u64(pred), _u64(d["ids"]), _u64(d["pred_in"]), I32(check), _u64(actual), _u64(stats),
-           _u64(counter)), shared_mem=smem)
+           _u64(counter), *(() if bias is None else (_u64(cp.asarray(bias)),))), shared_mem=smem)
     cp.cuda.Device().synchronize()
     return logits.get(), pred.get(), actual.get(), stats.get(), int(counter.get()[0])
 
@@ -757,6 +828,138 @@ def test_router_predict_matches_router_and_predict(name, n_embd, n_expert, k, re
     right = len(set(ref_ids.tolist()) & set(pred_in_h.tolist()))
     assert pstats.get().tolist() == [2 * k, 2 * right, 0, 0]
     assert int(counter.get()[0]) == 0
+
+
+def _router_data(name, n_embd, n_expert, seed, biased):
+    """Random inputs for two layers' routers (NumPy): x, each layer's FFN norm weights, raw rows, their float64
+    values, the reference logits R . (rmsnorm(x) * w) (+ bias), and the biases (None without): gpt-oss-like biases, 2x
+    the spread of the bias-free logits, so that they reorder the top-k."""
+    from engine.cuda.quant_types import qtype, random_rows
+    from engine.gguf_model import dequantize
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n_embd).astype(np.float32) * 2
+    ws = [rng.uniform(0.5, 1.5, n_embd).astype(np.float32) for _ in range(2)]
+    raws = [random_rows(name, n_expert, n_embd, rng) for _ in range(2)]
+    Rs = [dequantize(r, qtype(name).ggml).reshape(n_expert, n_embd).astype(np.float64) for r in raws]
+    xns = [x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * w for w in ws]
+    plain = [R @ xn for R, xn in zip(Rs, xns)]
+    biases = [(rng.standard_normal(n_expert) * 2 * p.std()).astype(np.float32) for p in plain] if biased else None
+    refs = [p + b for p, b in zip(plain, biases)] if biased else plain
+    scales = [np.abs(R) @ np.abs(xn) + (np.abs(b) if biased else 0) for R, xn, b in zip(Rs, xns, biases or (0, 0))]
+    return dict(x=x, ws=ws, raws=raws, plain=plain, refs=refs, scales=scales, biases=biases, rng=rng)
+
+
+# gpt-oss's router shapes (hidden 2880; 20b: 32 experts, 120b: 128; top-4) and the qwen-like ones
+BIAS_SIZES = [(2880, 32, 4), (2880, 128, 4), (256, 16, 4), (1024, 512, 16), (768, 60, 2)]
+
+
+@gpu
+@pytest.mark.parametrize("name", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("n_embd,n_expert,k", BIAS_SIZES)
+def test_predict_bias_matches_numpy(name, n_embd, n_expert, k):
+    """predict_bias (gpt-oss's predictions where router_predict cannot serve): logits = R . xn + the predicted layer's
+    router bias against NumPy, the top-k exactly that of its logits, the routing noted; the biases reorder the
+    reference top-k, so a kernel leaving them out fails the ranking as well as the logits."""
+    cp = _cp()
+    from engine.cuda.quant_types import qtype
+    d = _router_data(name, n_embd, n_expert, n_embd + n_expert + 1, True)
+    ref, raw, rng = d["refs"][1], d["raws"][1], d["rng"]
+    assert set(_top_k(ref.astype(np.float32), k)) != set(_top_k(d["plain"][1].astype(np.float32), k))
+    ids = rng.permutation(n_expert)[:k]
+    pred_in = np.concatenate([ids[: k // 2], rng.permutation(np.setdiff1d(np.arange(n_expert), ids))[: k - k // 2]])
+    logits, pred, actual, stats, counter = _run_predict(cp, qtype(name).id, d["x"], d["ws"][1], raw, raw.shape[1],
+                                                        n_expert, k, ids, pred_in, check=1, eps=1e-5,
+                                                        bias=d["biases"][1])
+    assert np.linalg.norm(logits - ref) / np.linalg.norm(d["scales"][1]) < 1e-5
+    np.testing.assert_array_equal(pred, _top_k(logits, k))
+    np.testing.assert_array_equal(actual[:k], ids)
+    assert (actual[k:] == -7).all()
+    assert stats.tolist() == [k, k // 2, 0, 0]
+    assert counter == 0
+
+
+@gpu
+@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("name", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("n_embd,n_expert,k", BIAS_SIZES)
+def test_router_predict_routes_as_the_router_bit_for_bit(biased, name, n_embd, n_expert, k):
+    """router_predict replaces the step's router launch: its routing (logits, ids, weights, counts, hits) equals
+    router_fused's bit for bit, and router_predict_bias's router_fused_bias's (gpt-oss: each layer's bias on its
+    logits, renorm 1: the softmax over the chosen k), on the same inputs with every output poisoned; the routing is
+    gpt-oss's (NumPy route_softmax_weight on the kernel's logits) and the prediction layer l+1's biased top-k."""
+    cp = _cp()
+    from engine.arch import gptoss
+    from engine.cuda import kernels
+    from engine.cuda.launch import MV_WARPS
+    from engine.cuda.quant_types import qtype
+    qt = qtype(name).id
+    d = _router_data(name, n_embd, n_expert, 7 * n_embd + n_expert + biased, biased)
+    rng, raws = d["rng"], d["raws"]
+    if biased:      # the biases reorder both layers' reference top-k
+        for ref, plain in zip(d["refs"], d["plain"]):
+            assert set(_top_k(ref.astype(np.float32), k)) != set(_top_k(plain.astype(np.float32), k))
+    sfx = "_bias" if biased else ""
+    router = kernels.load("router", qtypes=[qt]).get_function(f"router_fused{sfx}<{qt}>")
+    fused = _module([qt]).get_function(f"router_predict{sfx}<{qt}>")
+    smem = pf.staged_bytes(n_embd)
+    if smem > pf.SMEM_DEFAULT:
+        router.max_dynamic_shared_size_bytes = fused.max_dynamic_shared_size_bytes = smem
+    d_raw, d_x, d_ws = [cp.asarray(r) for r in raws], cp.asarray(d["x"]), [cp.asarray(w) for w in d["ws"]]
+    d_b = [cp.asarray(b) for b in d["biases"]] if biased else []
+    slot_lo, slot_hi = 1000, 2000
+    table = rng.choice([1500, 5000], size=n_expert).astype(np.uint64)      # 1500: inside the slot range
+    d_table = cp.asarray(table)
+    renorm = 1 if biased else int(k % 4 == 0)           # gpt-oss renormalizes; the others both ways (k 2: not)
+    I32, I64, F32, U64 = np.int32, np.int64, np.float32, np.uint64
+
+    def outputs():
+        return dict(logits=cp.full(n_expert, np.nan, cp.float32), ids=cp.full(k, -1, cp.int32),
+                    wts=cp.full(k, np.nan, cp.float32), counts=cp.zeros(n_expert, cp.int32),
+                    stats=cp.zeros(2, cp.uint64), counter=cp.zeros(1, cp.int32))
+
+    def routing(o):
+        return (_u64(d_raw[0]), I64(raws[0].shape[1]), _u64(d_x), _u64(d_ws[0]), F32(1e-5), I32(n_embd),
+                _u64(o["logits"]), I32(n_expert), I32(k), I32(renorm), F32(1.5), _u64(o["ids"]), _u64(o["wts"]),
+                _u64(d_table), U64(slot_lo), U64(slot_hi), _u64(o["counts"]), _u64(o["stats"]))
+
+    a, b = outputs(), outputs()
+    logits2, pred = cp.full(n_expert, np.nan, cp.float32), cp.full(k, -7, cp.int32)
+    pred_in_h = rng.permutation(n_expert)[:k].astype(np.int32)
+    pred_in, actual, pstats = cp.asarray(pred_in_h), cp.full(k + 1, -7, cp.int32), cp.zeros(4, cp.uint64)
+    for _ in range(2):      # twice: the last-block counters reset themselves, the counts add up
+        router(((n_expert + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+               (*routing(a), _u64(a["counter"]), *(_u64(v) for v in d_b[:1])), shared_mem=smem)
+        nb = (n_expert + pf.PREDICT_WARPS - 1) // pf.PREDICT_WARPS
+        fused((2 * nb,), (32 * pf.PREDICT_WARPS,),
+              (*routing(b), _u64(d_raw[1]), I64(raws[1].shape[1]), _u64(d_ws[1]), _u64(logits2), _u64(pred),
+               _u64(pred_in), I32(1), _u64(actual), _u64(pstats), _u64(b["counter"]), *(_u64(v) for v in d_b)),
+              shared_mem=smem)
+    cp.cuda.Device().synchronize()
+    got = {key: (a[key].get(), b[key].get()) for key in a}
+    for key, (want, have) in got.items():   # bit for bit (floats compared as their bits)
+        if want.dtype == np.float32:
+            want, have = want.view(np.uint32), have.view(np.uint32)
+        np.testing.assert_array_equal(have, want, err_msg=key)
+    lg, ids, wts = got["logits"][1], got["ids"][1], got["wts"][1]
+    assert np.linalg.norm(lg - d["refs"][0]) / np.linalg.norm(d["scales"][0]) < 1e-5
+    np.testing.assert_array_equal(ids, _top_k(lg, k))
+    p = np.exp(lg.astype(np.float64) - lg.max())
+    ref_w = p[ids] / (p[ids].sum() if renorm else p.sum()) * 1.5
+    np.testing.assert_allclose(wts, ref_w, rtol=1e-4, atol=1e-30)
+    if biased:
+        oss_ids, oss_w = gptoss.route_softmax_weight(lg[None], k)
+        assert ids.tolist() == oss_ids[0].tolist()
+        np.testing.assert_allclose(wts, oss_w[0] * 1.5, rtol=1e-5, atol=1e-30)
+    np.testing.assert_array_equal(got["counts"][1], 2 * np.bincount(ids, minlength=n_expert))
+    assert got["stats"][1].tolist() == [2 * int((table[ids] == 1500).sum()), 2 * k]
+    lg2 = logits2.get()
+    assert np.linalg.norm(lg2 - d["refs"][1]) / np.linalg.norm(d["scales"][1]) < 1e-5
+    np.testing.assert_array_equal(pred.get(), _top_k(lg2, k))
+    np.testing.assert_array_equal(actual.get()[:k], ids)
+    assert actual.get()[k] == -7
+    right = len(set(ids.tolist()) & set(pred_in_h.tolist()))
+    assert pstats.get().tolist() == [2 * k, 2 * right, 0, 0]
+    assert int(b["counter"].get()[0]) == int(a["counter"].get()[0]) == 0
 
 
 class _Arena:

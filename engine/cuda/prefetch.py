@@ -10,7 +10,8 @@ bytes: the expert actually routed is still read in place through its untouched e
 
 Per layer l, on the step's stream (DecodeStep's hooks):
     enqueue_router(l)   router_predict: layer l's router and the first target's prediction in one launch (where the
-                        two routers' rows differ in type: router_fused, then predict)
+                        two routers' rows differ in type: router_fused, then predict; gpt-oss: their _bias variants,
+                        each router's bias added to its logits)
     enqueue(l)          event -> [side] prefetch_copy(target) -> event done[target];  wait done[l] -> miss_copy(l)
 then enqueue_finish() forks prefetch_finish (the table restored) and enqueue_join() joins it after the pick, so the
 graph ends with the table as it began.
@@ -76,8 +77,6 @@ def wanted(choice: bool | None, n_slots: int, n_total: int) -> bool:
 
 def unsupported(cfg, layout) -> str | None:
     """Why the kernels cannot serve this model (None: they can)."""
-    if getattr(cfg, "arch", None) == "gpt-oss":
-        return "its router kernel has no router bias, which gpt-oss needs"
     if cfg.n_expert_used > MAX_K or cfg.n_expert > MAX_EXPERTS:
         return (f"it handles up to {MAX_EXPERTS} experts and top-{MAX_K} routing (this model: {cfg.n_expert}, "
                 f"top-{cfg.n_expert_used})")
@@ -115,6 +114,11 @@ def attach(step, choice: bool | None, log, depth: int, fetch_misses: bool) -> "P
     log(f"expert prefetch on: {what}, {nb} x {top_k} staging slots{late} "
         f"({vram_staging_slots(top_k, depth, fetch_misses) * step.layout.stride / 2**20:.0f} MiB of VRAM)")
     return step.prefetch
+
+
+def router_bias(layer):
+    """A layer's router bias (gpt-oss's ffn_gate_inp.bias, weights.Layer.router_bias), None for the models without."""
+    return getattr(layer, "router_bias", None)
 
 
 def banks(depth: int) -> int:
@@ -169,6 +173,12 @@ class Prefetcher:
         why = unsupported(c, lay)
         if why:
             raise ValueError(f"expert prefetch cannot serve this model: {why}")
+        # gpt-oss: every router has a bias (weights.py), which the predictions add as the router does; the kernels'
+        # bias variants take the pointers (prefetch.cu predict_bias, router_predict_bias)
+        biased = {router_bias(layer) is not None for layer in step.weights.layers}
+        if len(biased) > 1:
+            raise ValueError("expert prefetch cannot serve this model: some layers' routers have a bias and others "
+                             "none; run with --tune prefetch=off")
         self.stride = lay.stride                      # a staging slot holds the largest blob
         # 16-byte units copied per expert of each layer (within the 256-aligned stride): the copy launches carry
         # their layer's count, so a recipe's larger layers copy their own bytes
@@ -179,12 +189,15 @@ class Prefetcher:
         qts = sorted({int(layer.router.qt) for layer in step.weights.layers})
         mod = load_module(qts)
         # fetched now: no kernel is compiled or loaded while a graph is being captured
-        self.f_predict = {qt: mod.get_function(f"predict<{qt}>") for qt in qts}
-        self.f_router_predict = {qt: mod.get_function(f"router_predict<{qt}>") for qt in qts}
+        fn = lambda name: {qt: mod.get_function(f"{name}<{qt}>") for qt in qts}
+        self.f_predict, self.f_router_predict = fn("predict"), fn("router_predict")
+        self.f_predict_bias, self.f_router_predict_bias = (fn("predict_bias"), fn("router_predict_bias")) \
+            if biased == {True} else ({}, {})
         self.smem = staged_bytes(c.n_embd)
         if self.smem > SMEM_DEFAULT:
-            for f in (*self.f_predict.values(), *self.f_router_predict.values()):
-                f.max_dynamic_shared_size_bytes = self.smem
+            for fs in (self.f_predict, self.f_router_predict, self.f_predict_bias, self.f_router_predict_bias):
+                for f in fs.values():
+                    f.max_dynamic_shared_size_bytes = self.smem
         self.f_copy = mod.get_function("prefetch_copy")
         self.f_finish = mod.get_function("prefetch_finish")
         self.f_restore = mod.get_function("prefetch_restore")
@@ -264,8 +277,13 @@ class Prefetcher:
         # layer li's router (router_fused's arguments), then layer m's prediction and layer li's noting
         predict = (U64(nxt.router.ptr), I64(nxt.router.row_bytes), self._ptr(nxt.ffn_norm), self._ptr(self.logits),
                    self._pred_out(m))
-        self._fn("router", self.f_router_predict[int(R.qt)])(
-            (2 * nb,), (32 * warps,), (*st.router_args(li), *predict, *self._note(li, li > 0)), shared_mem=self.smem)
+        # gpt-oss: layer li's router bias (its routing, as router_fused_bias) and layer m's (the prediction)
+        bias, bias2 = router_bias(st.weights.layers[li]), router_bias(nxt)
+        fs, biases = (self.f_router_predict, ()) if bias is None else \
+            (self.f_router_predict_bias, (self._ptr(bias), self._ptr(bias2)))
+        self._fn("router", fs[int(R.qt)])(
+            (2 * nb,), (32 * warps,), (*st.router_args(li), *predict, *self._note(li, li > 0), *biases),
+            shared_mem=self.smem)
         return True
 
     def enqueue(self, li: int):
@@ -337,9 +355,12 @@ class Prefetcher:
         rows = (U64(router.ptr), I64(router.row_bytes)) if router is not None else (U64(0), I64(0))
         ranked = (I32(self.n_expert), I32(self.top_k), self._ptr(self.logits), pred_out)
         qt = int(st.weights.layers[li if router is None else norm_layer].router.qt)
-        self._fn("predict", self.f_predict[qt])(
+        # gpt-oss: the predicted layer's router bias on its logits (the bookkeeping mode ranks nothing: no bias)
+        bias = router_bias(st.weights.layers[norm_layer]) if router is not None else None
+        fs, biases = (self.f_predict, ()) if bias is None else (self.f_predict_bias, (self._ptr(bias),))
+        self._fn("predict", fs[qt])(
             (grid,), (32 * PREDICT_WARPS,),
-            (*normed_x, *rows, *ranked, self._ptr(st.ids), *self._note(li, check)),
+            (*normed_x, *rows, *ranked, self._ptr(st.ids), *self._note(li, check), *biases),
             shared_mem=self.smem if router is not None else 0)
 
     def launch_predict(self, li: int, m: int, note: bool = True):
