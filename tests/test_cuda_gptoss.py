@@ -3,7 +3,8 @@
 elsewhere): a 150-token prompt in chunks of 40 or 64 (so the window layers' KV rings wrap), teacher-forced logits
 within 1e-2 and greedy tokens equal, with the expert cache holding all, half or none of the experts (misses read in
 place from the pinned arena, or streamed through the prompt pass's ring); a truncation past a ring's spare rows
-restarts the cache; the worker protocol serves the tiny model."""
+restarts the cache; the decode prefetch (router bias in its predictions) changes no token or logit; the worker protocol
+serves the tiny model."""
 import json
 from pathlib import Path
 
@@ -83,6 +84,73 @@ def test_logits_and_greedy_match_cpu(runs, kind, share, chunk, stream_min):
         be.truncate(len(prompt) - be.kv.spare - 1)
         assert be.n_cached == 0
         assert_same_greedy(greedy(be, prompt, 8), toks[:8], cpu_logits)
+    finally:
+        be.close()
+
+
+def _teacher_forced(be, prompt, toks):
+    """Decode logits along toks, the prompt decoded token by token too (no prompt pass: its fp16 GEMMs and float
+    atomics would hide a 1e-5 comparison between two backends)."""
+    be.truncate(0)
+    for t in prompt:
+        be.forward([t])
+    return np.stack([be.forward([t]) for t in toks[:-1]])
+
+
+@pytest.fixture(scope="module")
+def resident_decode(runs):
+    """kind -> teacher-forced decode logits with every expert in VRAM (no prefetch), made on first use."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            model, prompt, toks, _ = runs[kind]
+            be = cuda_backend(model, expert_slots=model.config.n_layer * model.config.n_expert, prefill_chunk=64)
+            try:
+                assert be.step.prefetch is None
+                made[kind] = _teacher_forced(be, prompt, toks)
+            finally:
+                be.close()
+        return made[kind]
+    return get
+
+
+@pytest.mark.parametrize("kind", ["f16", "mxfp4"])
+@pytest.mark.parametrize("share,depth,graph", [("none", 1, True), ("half", 2, True), ("none", 2, False),
+                                               ("half", 1, True)])
+def test_prefetch_matches_cpu(runs, resident_decode, kind, share, depth, graph):
+    """The decode prefetch on (prefetch.py with predict_bias / router_predict_bias: each router's bias on its logits),
+    with none or half of the experts in VRAM, at depth 1 and 2, graph and launches: greedy tokens as the CPU's, the
+    table clean and every bank empty after the steps, every layer but the first noted against a prediction and the
+    misses all served (staged and used, or copied late); teacher-forced decode logits within 1e-5 of every expert
+    resident (the router launch the prefetch takes over routes as router_fused_bias, bit for bit) and 1e-2 of the
+    CPU."""
+    model, prompt, toks, cpu_logits = runs[kind]
+    cfg = model.config
+    total = cfg.n_layer * cfg.n_expert
+    be = cuda_backend(model, expert_slots={"none": 0, "half": total // 2}[share], adapt_every=4, prefetch=True,
+                      prefetch_depth=depth, no_graph=not graph, prefill_chunk=64)
+    try:
+        p = be.step.prefetch
+        assert p is not None and be.info()["prefetch"] == "on" and p.depth == depth and p.fetch_misses
+        assert set(p.f_router_predict_bias) == set(p.f_predict_bias) == {int(L.router.qt) for L in be.weights.layers}
+        assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, cpu_logits)
+        be.stream.synchronize()
+        np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+        assert (p.rec.get()[:, 1] == 0).all() and (p.miss_rec.get()[:, 1] == 0).all()
+        ps, st = be.prefetch_stats(), be.get_stats()
+        steps, k = N_GREEDY - 1, cfg.n_expert_used
+        assert st.lookups == steps * cfg.n_layer * k
+        assert ps.predicted + ps.predicted2 == steps * (cfg.n_layer - 1) * k
+        assert ps.predicted2 == (steps * (cfg.n_layer - 2) * k if depth == 2 else 0)
+        assert 0 < ps.staged and ps.used <= ps.staged and 0 <= ps.correct <= ps.predicted
+        assert ps.used + ps.fetched == st.lookups - st.hits, (ps, st)
+        if share == "none":
+            assert ps.staged == ps.predicted + ps.predicted2 and ps.used == ps.correct + ps.correct2
+            assert st.hits == 0
+        dec = _teacher_forced(be, prompt, toks)
+        assert rel_rows(dec, resident_decode(kind)).max() < 1e-5
+        assert rel_rows(dec, cpu_logits[1:]).max() < 1e-2
     finally:
         be.close()
 
