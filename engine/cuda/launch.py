@@ -33,6 +33,24 @@ def ptr(a) -> U64:
     return NULL if a is None else U64(a.data.ptr)
 
 
+MV4_MAX = 4            # matrices one dense.cu mv4 launch computes
+
+
+def shared_input_launches(Ws) -> list[list[int]]:
+    """The launches of mv_many for matrices Ws that read one input: indices grouped by (quant type, width, row bytes)
+    in order of first appearance, at most MV4_MAX a launch (mv4 has one quant type; llama-quantize's recipes give
+    e.g. attn_qkv Q6_K and attn_gate Q4_K in some layers, which then take two launches)."""
+    groups: dict[tuple[int, int, int], list[list[int]]] = {}
+    for i, W in enumerate(Ws):
+        if W is None:
+            continue
+        runs = groups.setdefault((int(W.qt), int(W.cols), int(W.row_bytes)), [[]])
+        if len(runs[-1]) == MV4_MAX:
+            runs.append([])
+        runs[-1].append(i)
+    return [g for runs in groups.values() for g in runs]
+
+
 class MappedInts:
     """A few int32 in pinned host memory that kernels read and write through their device address."""
 
@@ -94,6 +112,36 @@ class Launcher:
           (*(U64(W.ptr) for W in Ws), I64(Ws[0].row_bytes), ptr(x), ptr(norm), F32(self.cfg.rms_eps),
            *(ptr(y) for y in ys), *(ptr(b) for b in biases), *(I32(W.rows) for W in Ws), I32(Ws[0].cols)),
           shared_mem=self.smem(f, Ws[0].cols, True))
+
+    def mv_many(self, Ws, x, ys, norm=None, conv=None, tag="mv4"):
+        """ys[i] = Ws[i] @ xn for every i, xn = rmsnorm(x) * norm when given: one dense.cu mv4 launch per group of
+        shared_input_launches (so mixed quant types cost a launch per type). conv = (conv_state, conv_w, d_conv): Ws[0]
+        is a GDN layer's attn_qkv and ys[0] gets the conv of its outputs (mv4's epilogue; conv_state shifts)."""
+        if conv is not None and (conv[0].shape != (conv[2] - 1, Ws[0].rows) or conv[1].shape != (Ws[0].rows, conv[2])
+                                 or not 2 <= conv[2] <= 32):
+            raise ValueError(f"mv_many's conv: a state of shape {conv[0].shape} and taps {conv[1].shape} for "
+                             f"{Ws[0].rows} channels of width {conv[2]}; want ({conv[2] - 1}, channels) and "
+                             f"(channels, {conv[2]}), a width of 2 to 32")
+        for group in shared_input_launches(Ws):
+            f = self.kernels("mv4", Ws[group[0]].qt, tag)
+            W0 = Ws[group[0]]
+            pad = MV4_MAX - len(group)
+            mats, outs = [Ws[i] for i in group], [ys[i] for i in group]
+            with_conv = conv is not None and group[0] == 0
+            state, taps, d_conv = conv if with_conv else (None, None, 0)
+            n = sum(W.rows for W in mats)
+            f(((n + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+              (*(U64(W.ptr) for W in mats), *(NULL,) * pad, I64(W0.row_bytes), ptr(x), ptr(norm),
+               F32(self.cfg.rms_eps), *(ptr(y) for y in outs), *(NULL,) * pad, *(I32(W.rows) for W in mats),
+               *(I32(0),) * pad, I32(W0.cols), ptr(state), ptr(taps), I32(d_conv)),
+              shared_mem=self.smem(f, W0.cols, True))
+
+    def mv_gated(self, W, x, gate, y, tag="wo"):
+        """y += W @ (x * sigmoid(gate)): a gated attention's output projection with its query gate (dense.cu)."""
+        f = self.kernels("mv_gated", W.qt, tag)
+        f(((W.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+          (U64(W.ptr), I64(W.row_bytes), ptr(x), ptr(gate), ptr(y), I32(W.rows), I32(W.cols)),
+          shared_mem=self.smem(f, W.cols, True))
 
     def swiglu(self, Wg, Wu, x, h, norm=None, tag="swiglu_mv"):
         """h = silu(Wg @ xn) * (Wu @ xn), xn = rmsnorm(x) * norm when given."""
