@@ -99,34 +99,35 @@ __global__ void mv3(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ 
 // Up to four projections of one input in one launch (one quant type and width; the decode step's hybrid mixers,
 // engine/cuda/launch.py mv_many): rows [0, n0) of W0, then n1 of W1, n2 of W2, n3 of W3 (a matrix with no rows is
 // absent). x staged, normed by norm_w when given; dynamic shared memory staged_bytes(ncols).
-// With conv_w given, W0 is a GDN layer's attn_qkv and its outputs go through the decode step's causal conv: channel
-// c = r over conv_state's d_conv - 1 saved inputs (rows of n0 floats, oldest first) and this one, then silu; the
-// state shifts by one in place (one warp owns a channel). The l2 norms of q and k need whole heads, so
-// gdn.cu's gdn_delta_decode applies them (qk_norm), which saves the decode step gdn_conv_decode's launch.
+// With conv_w given, matrix conv_m (0..3) is a GDN layer's attn_qkv and its outputs go through the decode step's
+// causal conv: channel c = its row r, over conv_state's d_conv - 1 saved inputs (rows of that matrix's row count,
+// oldest first) and this one, then silu; the state shifts by one in place (one warp owns a channel). The l2 norms of
+// q and k need whole heads, so gdn.cu's gdn_delta_decode applies them (qk_norm): no gdn_conv_decode launch.
+// mv4_rows is the body for warp row r (every warp of the block calls it: the staging); mv_mixed.cu's two-type kernel
+// calls it for each of its two parts.
 template <int QT>
-__global__ void mv4(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,
-                    const uint8_t* __restrict__ W3, long long row_bytes, const float* __restrict__ x,
-                    const float* __restrict__ norm_w, float eps, float* __restrict__ y0, float* __restrict__ y1,
-                    float* __restrict__ y2, float* __restrict__ y3, int n0, int n1, int n2, int n3, int ncols,
-                    float* __restrict__ conv_state, const float* __restrict__ conv_w, int d_conv) {
+__device__ __forceinline__ void mv4_rows(int r, const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
+                                         const uint8_t* W3, long long row_bytes, const float* __restrict__ x,
+                                         const float* __restrict__ norm_w, float eps, float* y0, float* y1, float* y2,
+                                         float* y3, int n0, int n1, int n2, int n3, int ncols, float* conv_state,
+                                         const float* __restrict__ conv_w, int d_conv, int conv_m) {
     const int lane = threadIdx.x & 31, n = n0 + n1 + n2 + n3;
-    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const bool valid = r < n;
     if (!valid) r = n - 1;                       // a tail warp re-reads the last row (it must join the staging)
     const uint8_t* W = W0;
     float* y = y0;
-    int m = 0;                                   // which matrix (warp-uniform)
+    int m = 0, nm = n0;                          // which matrix (warp-uniform) and its rows
     if (r >= n0) {
-        r -= n0, W = W1, y = y1, m = 1;
+        r -= n0, W = W1, y = y1, m = 1, nm = n1;
         if (r >= n1) {
-            r -= n1, W = W2, y = y2, m = 2;
-            if (r >= n2) r -= n2, W = W3, y = y3, m = 3;
+            r -= n1, W = W2, y = y2, m = 2, nm = n2;
+            if (r >= n2) r -= n2, W = W3, y = y3, m = 3, nm = n3;
         }
     }
-    const bool conv = conv_w != nullptr && m == 0;
+    const bool conv = conv_w != nullptr && m == conv_m;
     float st = 0.f, w = 0.f;                     // lane i: saved input i and tap i of channel r, loaded early
     if (conv) {
-        if (lane < d_conv - 1) st = conv_state[(long long)lane * n0 + r];
+        if (lane < d_conv - 1) st = conv_state[(long long)lane * nm + r];
         if (lane < d_conv) w = conv_w[(long long)r * d_conv + lane];
     }
     const float* xs;
@@ -138,9 +139,19 @@ __global__ void mv4(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ 
     const float acc = warp_sum((lane < d_conv - 1 ? st : lane == d_conv - 1 ? s : 0.f) * w);
     const float next = __shfl_down_sync(0xffffffffu, st, 1);
     if (valid) {
-        if (lane < d_conv - 1) conv_state[(long long)lane * n0 + r] = lane + 1 < d_conv - 1 ? next : s;
+        if (lane < d_conv - 1) conv_state[(long long)lane * nm + r] = lane + 1 < d_conv - 1 ? next : s;
         if (lane == 0) y[r] = silu(acc);
     }
+}
+
+template <int QT>
+__global__ void mv4(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,
+                    const uint8_t* __restrict__ W3, long long row_bytes, const float* __restrict__ x,
+                    const float* __restrict__ norm_w, float eps, float* __restrict__ y0, float* __restrict__ y1,
+                    float* __restrict__ y2, float* __restrict__ y3, int n0, int n1, int n2, int n3, int ncols,
+                    float* __restrict__ conv_state, const float* __restrict__ conv_w, int d_conv, int conv_m) {
+    mv4_rows<QT>(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), W0, W1, W2, W3, row_bytes, x, norm_w, eps,
+                 y0, y1, y2, y3, n0, n1, n2, n3, ncols, conv_state, conv_w, d_conv, conv_m);
 }
 
 // y[r] += W[r] . (x * sigmoid(gate)): a gated attention's output projection (qwen3next / qwen35moe attn_output) with

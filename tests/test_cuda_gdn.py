@@ -232,12 +232,13 @@ def mv_table():
 @pytest.mark.parametrize("p", SHAPES, ids=IDS)
 def test_decode_in_the_engines_launches(mv_table, p, qts):
     """The decode step's GDN mixer as engine/cuda/hybrid_layers.py launches it: the four projections of the normed x
-    through Launcher.mv_many with the conv in attn_qkv's epilogue, then gdn_delta_decode with the q/k l2 norms
-    (qk_norm), against the two-launch path (separate mat-vecs, conv_decode, delta_decode) on a copy of the state, and
-    both against the float64 recurrence on the same projections; every output poisoned first, four tokens."""
+    in one launch through Launcher.mv_many (two types: mv_mixed.cu) with the conv in attn_qkv's epilogue, then
+    gdn_delta_decode with the q/k l2 norms (qk_norm), against the two-launch path (separate mat-vecs, conv_decode,
+    delta_decode) on a copy of the state, and both against the float64 recurrence on the same projections; every
+    output poisoned first, four tokens."""
     from types import SimpleNamespace
 
-    from engine.cuda.launch import Launcher
+    from engine.cuda.launch import Launcher, load_mixed, mixed_pairs
     from engine.cuda.quant_types import qtype, random_rows
     from engine.cuda.weights import DevMatrix
     from engine.gguf_model import dequantize
@@ -261,6 +262,7 @@ def test_decode_in_the_engines_launches(mv_table, p, qts):
     # projections of about unit size (the weights' entries are about 1.5 (Q8_0) or 1 (F16)), as a model's: beta and
     # the decay then neither saturate nor vanish
     norm_w = rng.uniform(0.01, 0.03, n_embd).astype(np.float32)
+    load_mixed(mv_table, mixed_pairs([mats]))
     dnorm = cp.asarray(norm_w)
     two = {n: lay.dev[n].copy() for n in ("conv_state", "S")}        # the two-launch path's own state
     for step in range(4):
@@ -271,7 +273,8 @@ def test_decode_in_the_engines_launches(mv_table, p, qts):
         want = lay.reference((proj[0], proj[1], proj[2], proj[3]))
         ys = [cp.full(r + 3, cp.nan, cp.float32) for r in rows]
         out = cp.full(Hv * D, cp.nan, cp.float32)
-        mv.mv_many(mats, dx, ys, norm=dnorm, conv=(lay.dev["conv_state"], lay.dev["conv_w"], sh.conv_kernel))
+        mv.mv_many(mats, dx, ys, norm=dnorm, conv=(lay.dev["conv_state"], lay.dev["conv_w"], sh.conv_kernel),
+                   mixed=True)
         k.delta_decode(ys[0], ys[2][:rows[2]], None if sh.grouped else ys[3][:rows[3]], lay.dev["dt_bias"],
                        lay.dev["ssm_a"], lay.dev["S"], ys[1], lay.dev["norm_w"], out, qk_norm=True)
         zs = [cp.full(r, cp.nan, cp.float32) for r in rows]

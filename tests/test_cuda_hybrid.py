@@ -199,28 +199,26 @@ class LaunchCounter:
 @pytest.mark.parametrize("name", ("qwen35moe-q4_k_m", "qwen3next-q3_k_m", "qwen35moe-iq4_xs"))
 def test_decode_step_launches_of_the_mixers(cpu_runs, name):
     """The decode step takes the fused launches (tests/test_cuda_gdn.py test_decode_in_the_engines_launches checks
-    their arithmetic): a GDN layer's four projections in one launch per quant type among them (the conv in attn_qkv's
-    epilogue, no gdn_conv_decode), then one delta-rule launch and ssm_out; a gated attention layer's q/k/v/gate
-    likewise, and its gate inside attn_output's launch (no sigmoid_gate_mul). The fixtures hold both one-type layers
-    and the Q4_K_M / Q3_K_M recipes' mixes."""
-    from engine.cuda.launch import shared_input_launches
+    their arithmetic): a GDN layer's four projections in one launch (the conv in attn_qkv's epilogue, no
+    gdn_conv_decode), then one delta-rule launch and ssm_out; a gated attention layer's q/k/v/gate likewise, and its
+    gate inside attn_output's launch (no sigmoid_gate_mul). The fixtures hold one-type layers and the Q4_K_M / Q3_K_M
+    recipes' mixes (one matrix of another type: still one launch)."""
+    from engine.cuda.hybrid_layers import mixer_projections
+    from engine.cuda.launch import plan_shared_input
     model = cpu_runs[name][0]
     be = cuda_backend(model, prefetch=False)
     try:
         count = LaunchCounter()
         with be.stream:
             be.step.enqueue("greedy", count)
-        gdn = [L.gdn for L in be.weights.layers if L.gdn is not None]
+        gdn = [L for L in be.weights.layers if L.gdn is not None]
         att = [L for L in be.weights.layers if L.gdn is None]
         assert gdn and att
         k = count.kinds
-        assert k["gdn_in"] == sum(len(shared_input_launches((g.qkv, g.z, g.beta, g.alpha))) for g in gdn)
-        assert k["gdn"] == k["gdn_out"] == len(gdn)
-        assert k["qkv"] == sum(len(shared_input_launches((L.wq, L.wk, L.wv, L.attn_gate))) for L in att)
-        assert k["wo"] == len(att)
+        assert all(len(plan_shared_input(mixer_projections(L), True)) == 1 for L in be.weights.layers)
+        assert k["gdn_in"] == k["gdn"] == k["gdn_out"] == len(gdn)
+        assert k["qkv"] == k["wo"] == len(att)
         assert "attention" not in k, k         # the decode step's sigmoid_gate_mul kind before
-        if name.endswith("iq4_xs"):         # one type throughout: one projection launch a layer
-            assert k["gdn_in"] == len(gdn) and k["qkv"] == len(att)
     finally:
         be.close()
 

@@ -440,21 +440,29 @@ MANY = [(("Q4_K",) * 4, (4096, 512, 512, 4096), 2048, 0),
         (("Q6_K", "Q4_K", "Q4_K", "Q4_K"), (8192, 4096, 32, 32), 2048, 4),
         (("Q5_K", "Q5_K", "Q5_K", None), (12288, 4096, 64, 0), 2048, 4),
         (("Q8_0", "F16", "Q8_0", "Q8_0"), (33, 7, 5, 3), 512, 2),
+        (("Q4_K", "Q6_K", "Q4_K", "Q4_K"), (130, 6, 64, 3), 256, 4),      # mixed: the conv's matrix second
+        (("Q4_K", "Q4_K", "Q6_K", "Q4_K"), (8192, 4096, 32, 32), 2048, 4),
         (("F32", "F32", "F32", "F32"), (1, 130, 2, 9), 256, 8)]
 
 
 @pytest.mark.parametrize("names,rows,cols,d_conv", MANY)
 @pytest.mark.parametrize("norm", [False, True])
-def test_mv_many(K, names, rows, cols, d_conv, norm):
-    """Launcher.mv_many (dense.cu mv4, a launch per quant type) against NumPy: every output, and with a conv the
-    conv of matrix 0's outputs and its state shifted in place; twice, so the second step reads the first's state."""
+@pytest.mark.parametrize("mixed", [False, True], ids=["per-type", "mixed"])
+def test_mv_many(K, names, rows, cols, d_conv, norm, mixed):
+    """Launcher.mv_many against NumPy: dense.cu mv4 a launch per quant type, or (mixed) a single matrix of another
+    type in the same launch (mv_mixed.cu mv4_mixed, also with the conv's matrix second in the launch); every output,
+    and with a conv the conv of matrix 0's outputs and its state shifted in place; twice, so the second step reads
+    the first's state."""
     from types import SimpleNamespace
 
-    from engine.cuda.launch import Launcher
+    from engine.cuda.launch import Launcher, load_mixed, mixed_pairs, plan_shared_input
     rng = np.random.default_rng()
     mv = Launcher(K, SimpleNamespace(rms_eps=1e-6))
     mats = [None if n is None else rand_matrix(n, r, cols, rng) for n, r in zip(names, rows)]
     Ws = [None if n is None else _dev(n, m[0], r, cols) for n, m, r in zip(names, mats, rows)]
+    if mixed:
+        load_mixed(K, mixed_pairs([Ws]))
+        assert len(plan_shared_input(Ws, True)) == 1
     nw = cp.asarray(rng.uniform(0.5, 1.5, cols).astype(np.float32))
     C = rows[0]
     if d_conv:
@@ -465,7 +473,8 @@ def test_mv_many(K, names, rows, cols, d_conv, norm):
     for _ in range(2):
         x = cp.asarray(rng.standard_normal(cols).astype(np.float32))
         ys = [poisoned(r + 5) for r in rows]                # the 5 past each output stay poisoned
-        mv.mv_many(Ws, x, ys, norm=nw if norm else None, conv=(dstate, dtaps, d_conv) if d_conv else None)
+        mv.mv_many(Ws, x, ys, norm=nw if norm else None, conv=(dstate, dtaps, d_conv) if d_conv else None,
+                   mixed=mixed)
         xin = rms_ref(x.get(), nw.get()) if norm else x.get().astype(np.float64)
         for i, (m, y, r) in enumerate(zip(mats, ys, rows)):
             got = y.get()

@@ -1,14 +1,15 @@
-"""Which of a hybrid layer's projections share a dense.cu mv4 launch (engine/cuda/launch.py shared_input_launches),
-on the CPU, for the layers' real type mixes: the uniform files, llama-quantize's Q4_K_M recipe (attn_qkv / attn_v in
-Q6_K on some layers), a legacy row split, more matrices than one launch takes. The kernel itself:
-tests/test_cuda_kernels.py test_mv_many (GPU)."""
+"""Which of a hybrid layer's projections share a launch (engine/cuda/launch.py shared_input_launches: dense.cu mv4,
+one quant type; plan_shared_input: a single matrix of another type joins through mv_mixed.cu mv4_mixed), on the CPU,
+for the layers' real type mixes: the uniform files, llama-quantize's Q4_K_M recipe (attn_qkv / attn_v in Q6_K on
+some layers), Q3_K_M's, more matrices than one launch takes. The kernels: tests/test_cuda_kernels.py test_mv_many
+(GPU)."""
 from dataclasses import dataclass
 
 import pytest
 
 pytest.importorskip("cupy")
 
-from engine.cuda.launch import MV4_MAX, shared_input_launches  # noqa: E402
+from engine.cuda.launch import MV4_MAX, mixed_pairs, plan_shared_input, shared_input_launches  # noqa: E402
 from engine.cuda.quant_types import qtype  # noqa: E402
 
 
@@ -65,3 +66,34 @@ def test_at_most_four_a_launch_every_matrix_once():
     assert plan == [[0, 1, 2, 3], [4, 5, 6, 7], [8], [9]]
     assert all(len(g) <= MV4_MAX for g in plan)
     assert sorted(i for g in plan for i in g) == list(range(10))
+
+
+def test_a_single_matrix_of_another_type_joins_the_others():
+    q6, q4 = mat("Q6_K"), mat("Q4_K")
+    assert plan_shared_input([q6, q4, q4, q4], mixed=True) == [([0, 1, 2, 3], True)]
+    assert plan_shared_input([q4, q4, q6, q4], mixed=True) == [([2, 0, 1, 3], True)]      # attn_v first
+    assert plan_shared_input([q6, q4, q4, None], mixed=True) == [([0, 1, 2], True)]      # qwen3next: no alpha
+    assert plan_shared_input([q6, q4], mixed=True) == [([0, 1], True)]
+    # without mixed, or one type: shared_input_launches' groups
+    assert plan_shared_input([q6, q4, q4, q4]) == [([0], False), ([1, 2, 3], False)]
+    assert plan_shared_input([q4] * 4, mixed=True) == [([0, 1, 2, 3], False)]
+
+
+def test_what_stays_apart():
+    q6, q5, q4 = mat("Q6_K"), mat("Q5_K"), mat("Q4_K")
+    two_two = [q6, q6, q4, q4]
+    assert plan_shared_input(two_two, mixed=True) == [([0, 1], False), ([2, 3], False)]
+    three = [q6, q5, q4, q4]
+    assert plan_shared_input(three, mixed=True) == [([0], False), ([1], False), ([2, 3], False)]
+    wide = [mat("Q6_K", 4096), q4, q4]            # another width: another staging
+    assert plan_shared_input(wide, mixed=True) == [([0], False), ([1, 2], False)]
+    five = [q6] + [q4] * 4
+    assert plan_shared_input(five, mixed=True) == [([0], False), ([1, 2, 3, 4], False)]
+
+
+def test_mixed_pairs_are_the_mixed_launches_types():
+    q6, q5, q4, q3 = mat("Q6_K"), mat("Q5_K"), mat("Q4_K"), mat("Q3_K")
+    layers = [(q6, q4, q4, q4), (q4, q4, q4, q4), (q4, q4, q6, q4), (q5, q3, q3, None), (q6, q6, q4, q4)]
+    ids = {n: qtype(n).id for n in ("Q6_K", "Q5_K", "Q4_K", "Q3_K")}
+    assert mixed_pairs(layers) == {(ids["Q6_K"], ids["Q4_K"]), (ids["Q5_K"], ids["Q3_K"])}
+    assert mixed_pairs(layers, mixed=False) == set()

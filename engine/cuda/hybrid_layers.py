@@ -9,9 +9,9 @@ post_attention_norm as the FFN norm and the shared expert's sigmoid gate as qwen
   is its rotary table with the still pairs kept at position 0's angle.
 - Gated DeltaNet: the projections (attn_qkv, attn_gate = z, beta, alpha) with the mat-vec / GEMM kernels, then
   engine/cuda/gdn.py's kernels (conv, delta rule, gated norm) on the state in VRAM, then ssm_out. In the decode step
-  the four projections share launches (Launcher.mv_many: one per quant type among them) and the conv runs in
-  attn_qkv's epilogue, so a GDN layer's mixer is 3 launches when its projections share a type (was 7); a gated
-  attention layer's is 3 likewise (q/k/v/gate, attention, gated attn_output; was 5).
+  the four projections share one launch (Launcher.mv_many; one matrix in another quant type, as the Q4_K_M recipe's
+  Q6_K attn_qkv, joins through mv_mixed.cu) and the conv runs in attn_qkv's epilogue, so a GDN layer's mixer is 3
+  launches (was 7); a gated attention layer's is 3 likewise (q/k/v/gate, attention, gated attn_output; was 5 to 7).
 - The recurrent state (GdnState): every GDN layer's conv window and delta matrices in one VRAM buffer, updated in
   place; checkpoints copy it whole to pinned host memory (VRAM is what the expert cache needs; the copy is one
   transfer of tens of MiB per checkpoint, docs/experiments.md).
@@ -27,7 +27,7 @@ import numpy as np
 from engine.arch.qwen3next import imrope_still
 from engine.cuda import kernels as kernel_loader
 from engine.cuda.kv import KVCache
-from engine.cuda.launch import I64, ptr
+from engine.cuda.launch import I64, load_mixed, mixed_pairs, ptr
 from engine.cuda.rope import rope_table
 from engine.cuda.weights import DevMatrix, Layer, _shape, upload_matrix
 
@@ -212,12 +212,22 @@ def gdn_kernels(cfg):
     return GdnKernels(GdnShape.from_config(cfg))
 
 
+def mixer_projections(layer) -> tuple:
+    """The matrices a hybrid layer's decode mixer projects the normed x with, in HybridDecode's order (None: absent)."""
+    g = layer.gdn
+    if g is None:
+        return layer.wq, layer.wk, layer.wv, layer.attn_gate
+    return g.qkv, g.z, g.beta, g.alpha
+
+
 class HybridDecode:
     """The decode step's attention block for a hybrid layer (DecodeStep.enqueue_attention_block hands it over):
     gated attention, or GDN on the state in VRAM. Buffers sized once; nothing per step is an argument."""
 
     def __init__(self, step, state: GdnState, gdn):
         self.step, self.state, self.gdn, c = step, state, gdn, step.cfg
+        # the two-type projection kernels this model's layers need, compiled now (before any capture)
+        load_mixed(step.kernels, mixed_pairs(mixer_projections(L) for L in step.weights.layers))
         f32 = lambda n: cp.zeros(n, dtype=cp.float32)
         with step.stream:
             self.gate = f32(c.n_head * c.head_dim)
@@ -229,16 +239,16 @@ class HybridDecode:
         layer = st.weights.layers[li]
         if layer.gdn is None:
             c = st.cfg
-            mv.mv_many((layer.wq, layer.wk, layer.wv, layer.attn_gate), st.x, (st.q, st.k_new, st.v_new, self.gate),
-                       norm=layer.attn_norm, tag="qkv")
+            mv.mv_many(mixer_projections(layer), st.x, (st.q, st.k_new, st.v_new, self.gate), norm=layer.attn_norm,
+                       tag="qkv", mixed=True)
             st.attn.step(st.kernel, li, st.q, st.k_new, st.v_new, layer.q_norm, layer.k_norm, st.rope, st.att,
                          st.state, np.float32(c.attn_scale or 1.0 / np.sqrt(c.head_dim)))
             mv.mv_gated(layer.wo, st.att, self.gate, st.x, tag="wo")     # x += wo @ (att * sigmoid(gate))
             return
         g = layer.gdn
-        # the projections (a launch per quant type among them), the conv in qkv's epilogue, the conv state in place
-        mv.mv_many((g.qkv, g.z, g.beta, g.alpha), st.x, (self.qkv, self.z, self.beta, self.alpha),
-                   norm=layer.attn_norm, conv=(self.state.conv(g.slot), g.conv, g.conv.shape[1]), tag="gdn_in")
+        # the projections (one launch, or two for a 2 + 2 type split), the conv in qkv's epilogue, its state in place
+        mv.mv_many(mixer_projections(layer), st.x, (self.qkv, self.z, self.beta, self.alpha), norm=layer.attn_norm,
+                   conv=(self.state.conv(g.slot), g.conv, g.conv.shape[1]), tag="gdn_in", mixed=True)
         if st.keeps("gdn"):     # q/k l2 norms, delta rule, gated norm: the delta state in place
             self.gdn.delta_decode(self.qkv, self.beta[:g.beta.rows], None if g.alpha is None else self.alpha,
                                   g.dt_bias, g.a, self.state.delta(g.slot), self.z, g.norm, self.o, qk_norm=True)
