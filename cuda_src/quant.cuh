@@ -162,8 +162,44 @@ QFN void ld8(const uint8_t* p, uint32_t& a, uint32_t& b) {
 #endif
 }
 QFN void ld8_a2(const uint8_t* p, uint32_t& a, uint32_t& b) { a = ld4_a2(p); b = ld4_a2(p + 4); }
-QFN uint32_t ld4_a1(const uint8_t* p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+
+// the 32 bits at bit sh (0..31) of the 64-bit hi:lo
+QFN uint32_t strata_funnel(uint32_t lo, uint32_t hi, uint32_t sh) {
+#if defined(STRATA_HOST)
+    return (uint32_t)((((unsigned long long)hi << 32) | lo) >> sh);
+#else
+    return __funnelshift_r(lo, hi, sh);
+#endif
+}
+
+// Loads through the read-only (non-coherent) cache: weights only, which no kernel writes. Where the address depends on
+// the pointer's own value (ld8_a1), nvcc can no longer prove that itself and would emit plain global loads.
+QFN uint32_t ld1_nc(const uint8_t* p) {
+#if defined(STRATA_HOST)
+    return *p;
+#else
+    return __ldg(p);
+#endif
+}
+QFN uint32_t ld4_nc(const uint8_t* p) {
+#if defined(STRATA_HOST)
+    return ld4(p);
+#else
+    return __ldg((const uint32_t*)p);
+#endif
+}
+
+// 8 bytes at any address (MXFP4's 17-byte blocks put them at every offset mod 4) in three aligned word loads instead
+// of eight byte loads: the words at p & ~3, p & ~3 + 4 and (p + 7) & ~3 (the second again when p is aligned), joined by
+// funnel shifts. Each of the three words holds at least one of the 8 bytes, so no load leaves an allocation that holds
+// them (allocations are whole words: cudaMalloc's are 256-byte aligned). Same code on the host, whose ld4 checks the
+// alignment.
+QFN void ld8_a1(const uint8_t* p, uint32_t& a, uint32_t& b) {
+    const uint32_t o = (uint32_t)(unsigned long long)p & 3;
+    const uint8_t* w = p - o;
+    const uint32_t w0 = ld4_nc(w), w1 = ld4_nc(w + 4), w2 = ld4_nc(w + ((o + 7) & ~3u));
+    a = strata_funnel(w0, w1, 8 * o);
+    b = strata_funnel(w1, w2, 8 * o);
 }
 QFN float h2f_at(const uint8_t* p) { return strata_h2f(ld2(p)); }
 
@@ -323,12 +359,27 @@ QFN float strata_e8m0_half(uint32_t x) {
     return strata_u2f(x < 2 ? (0x00200000u << x) : ((x - 1) << 23));
 }
 
+// Doubled e2m1 magnitude of code m (0..7): 0, 1, 2, 3, 4, 6, 8, 12 (strata_kvalues_mxfp4 without the sign). One byte
+// permute from two constant registers: a lookup in the table is a memory load per value, 8 more per chunk.
+QFN uint32_t strata_e2m1x2(uint32_t m) {
+#if defined(STRATA_HOST)
+    return (uint32_t)(((((unsigned long long)0x0C080604u << 32) | 0x03020100u) >> (8 * m)) & 0xff);
+#else
+    return __byte_perm(0x03020100u, 0x0C080604u, m);  // byte m of the pair; the selector's other nibbles pick byte 0 (0)
+#endif
+}
+
 template <> QFN void dequant8<STRATA_Q_MXFP4>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
-    const float d = strata_e8m0_half(b[0]);
-    const uint32_t q0 = ld4_a1(b + 1 + (j & 1) * 8), q1 = ld4_a1(b + 5 + (j & 1) * 8);
+    const float d = strata_e8m0_half(ld1_nc(b));
+    uint32_t q0, q1; ld8_a1(b + 1 + (j & 1) * 8, q0, q1);
     const int sh = (j >> 1) * 4;
+    q0 = (q0 >> sh) & 0x0f0f0f0fu; q1 = (q1 >> sh) & 0x0f0f0f0fu;
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = d * (float)strata_kvalues_mxfp4[(byte8(q0, q1, k) >> sh) & 0xf];
+    for (int k = 0; k < 8; k++) {
+        const uint32_t n = byte8(q0, q1, k);  // e2m1: sign bit 3, magnitude code bits 0..2
+        const float x = d * u2f_small(strata_e2m1x2(n & 7));
+        v[k] = (n & 8) ? -x : x;
+    }
 }
 
 // ---- K-quants (256 elements) -----------------------------------------------------------------------------------------
