@@ -283,3 +283,39 @@ def test_gpu_matvec_row_stride_skips_padding(cp, name):
     y, _ = matvec(cp, name, padded, x, row_stride=stride, rows_per_warp=2)
     want = x.astype(np.float64) @ _ref(rows, name).astype(np.float64).T
     np.testing.assert_allclose(y, want, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rows,ncols", [(1, 32), (33, 32 * 45), (7, 2880)])
+def test_gpu_mxfp4_at_every_byte_offset(cp, n_rows, ncols):
+    # MXFP4 blocks are 17 bytes, read as aligned words (quant.cuh ld8_a1): the matrix starts 0..3 bytes into a buffer
+    # of 0xFF guard bytes, with rows of 1, 45 (odd) and 90 (gpt-oss's 2880 columns) blocks, so blocks and rows sit at
+    # every offset mod 4; mat-vecs (1 and 2 vectors, every rows-per-warp kernel) and dequant against gguf.
+    from bench.matvec import MATVEC_ROWS, matvec_plan
+    from engine.cuda.kernels import quant_function
+    rng = np.random.default_rng()
+    rows = random_rows("MXFP4", n_rows, ncols, rng)
+    ref = _ref(rows, "MXFP4")
+    for off in range(4):
+        buf = np.full(rows.size + 8, 0xFF, np.uint8)
+        buf[off:off + rows.size] = rows.reshape(-1)
+        src = cp.asarray(buf)[off:]
+        for nv in (1, 2):
+            x = rng.standard_normal((nv, ncols), dtype=np.float32)
+            for r in MATVEC_ROWS[nv]:
+                kernel, grid, block, _ = matvec_plan(n_rows, nv, r)
+                yd = cp.full((nv, n_rows + 3), np.nan, dtype=cp.float32)
+                quant_function("matvec", kernel, "MXFP4")(
+                    grid, block, (src, np.int64(rows.shape[1]), cp.asarray(x), np.int32(ncols), yd,
+                                  np.int32(n_rows + 3), np.int32(n_rows), np.int32(ncols)))
+                y = cp.asnumpy(yd)
+                _check_matvec("MXFP4", rows, x, y[:, :n_rows], y[:, n_rows:], f"offset {off} {n_rows}x{ncols} "
+                              f"nv={nv} rows/warp={r}")
+        n_blocks = rows.size // 17
+        dst = cp.full(n_blocks * 32 + 64, np.nan, dtype=cp.float32)
+        quant_function("dequant", "dequant_f32", "MXFP4")((max(1, n_blocks * 4 // 256 + 1),), (256,),
+                                                          (src, dst, np.int64(n_blocks)))
+        got = cp.asnumpy(dst)
+        np.testing.assert_allclose(got[:-64], ref.reshape(-1), rtol=1e-6, atol=1e-6 * float(np.abs(ref).max()),
+                                   err_msg=f"MXFP4 dequant at offset {off}, {n_rows}x{ncols}")
+        assert np.isnan(got[-64:]).all(), "dequant_f32 wrote past its output"
