@@ -359,26 +359,43 @@ QFN float strata_e8m0_half(uint32_t x) {
     return strata_u2f(x < 2 ? (0x00200000u << x) : ((x - 1) << 23));
 }
 
-// Doubled e2m1 magnitude of code m (0..7): 0, 1, 2, 3, 4, 6, 8, 12 (strata_kvalues_mxfp4 without the sign). One byte
-// permute from two constant registers: a lookup in the table is a memory load per value, 8 more per chunk.
-QFN uint32_t strata_e2m1x2(uint32_t m) {
+// __byte_perm for selectors whose four nibbles are all < 8 (no sign-replicate bytes): byte i of the result is byte
+// (s >> 4i) & 7 of b:a; the selector's bits 16..31 are ignored.
+QFN uint32_t strata_prmt(uint32_t a, uint32_t b, uint32_t s) {
 #if defined(STRATA_HOST)
-    return (uint32_t)(((((unsigned long long)0x0C080604u << 32) | 0x03020100u) >> (8 * m)) & 0xff);
+    const unsigned long long v = ((unsigned long long)b << 32) | a;
+    uint32_t r = 0;
+    for (int i = 0; i < 4; i++) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    return r;
 #else
-    return __byte_perm(0x03020100u, 0x0C080604u, m);  // byte m of the pair; the selector's other nibbles pick byte 0 (0)
+    return __byte_perm(a, b, s);
 #endif
+}
+
+// MXFP4 codes (e2m1: sign bit 3, magnitude bits 0..2), doubled as in strata_kvalues_mxfp4, in fp16 without a table:
+// the doubled magnitudes 0, 1, 2, 3, 4, 6, 8, 12 are fp16 values whose low byte is 0 and whose high bytes are these 8.
+// Four codes (bits 0..3 of each byte of q) become two fp16x2 words, lo = codes of bytes 0, 1 and hi = bytes 2, 3: one
+// byte permute looks up two magnitudes (the selector's odd nibbles are the codes, its even ones pick a 0 byte), one
+// more puts the two signs at bits 15 and 31. Exact; no memory load, no int-to-float conversion.
+#define STRATA_E2M1_F16HI_0_3 0x42403C00u
+#define STRATA_E2M1_F16HI_4_7 0x4A484644u
+QFN void strata_e2m1x4(uint32_t q, uint32_t& lo, uint32_t& hi) {
+    const uint32_t m = q & 0x07070707u, s = (q & 0x08080808u) << 4;  // magnitudes; each byte's sign at its bit 7
+    lo = strata_prmt(STRATA_E2M1_F16HI_0_3, STRATA_E2M1_F16HI_4_7, m << 4) | strata_prmt(s, 0u, 0x1404u);
+    hi = strata_prmt(STRATA_E2M1_F16HI_0_3, STRATA_E2M1_F16HI_4_7, m >> 12) | strata_prmt(s, 0u, 0x3424u);
 }
 
 template <> QFN void dequant8<STRATA_Q_MXFP4>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
     const float d = strata_e8m0_half(ld1_nc(b));
     uint32_t q0, q1; ld8_a1(b + 1 + (j & 1) * 8, q0, q1);
     const int sh = (j >> 1) * 4;
-    q0 = (q0 >> sh) & 0x0f0f0f0fu; q1 = (q1 >> sh) & 0x0f0f0f0fu;
+    uint32_t h[4];
+    strata_e2m1x4(q0 >> sh, h[0], h[1]);
+    strata_e2m1x4(q1 >> sh, h[2], h[3]);
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const uint32_t n = byte8(q0, q1, k);  // e2m1: sign bit 3, magnitude code bits 0..2
-        const float x = d * u2f_small(strata_e2m1x2(n & 7));
-        v[k] = (n & 8) ? -x : x;
+    for (int k = 0; k < 4; k++) {
+        v[2 * k] = d * strata_h2f((uint16_t)(h[k] & 0xffff));
+        v[2 * k + 1] = d * strata_h2f((uint16_t)(h[k] >> 16));
     }
 }
 
