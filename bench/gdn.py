@@ -1,7 +1,8 @@
 """One Gated DeltaNet layer's prompt kernels (cuda_src/gdn.cu) per 4K tokens at the Qwen3-Next-80B-A3B and Qwen3.5-35B-A3B
 shapes, beside the same model's gated-attention layer in the flash prompt kernel (prefill_attn.cu) at the same T, so
 the share of the mixers' prompt time that GDN takes can be read off; and the decode step's two GDN kernels replayed
-in a CUDA graph (which shows them capture-safe).
+in a CUDA graph (which shows them capture-safe), beside the delta kernel alone with its q/k norms (the engine's
+decode step, whose conv runs in the projection's launch).
 
     python -m bench.gdn [--tokens 4096] [--reps 10] [--define GDN_BV=128]
 
@@ -118,6 +119,14 @@ def main(argv=None):
                 k.decode(*dec_args)
             graph = stream.end_capture()
             t_dec = timed(lambda: graph.launch(stream), a.reps * 10) / 10
+            # the engine's decode form: the conv is in the projection's launch (dense.cu mv4), the delta kernel
+            # norms q and k itself, one launch a layer here
+            stream.begin_capture()
+            for _ in range(10):
+                k.delta_decode(act, b[0], None if al is None else al[0], dt_bias, ssm_a, S, z[0], norm_w, dout,
+                               qk_norm=True)
+            graph1 = stream.end_capture()
+            t_dec1 = timed(lambda: graph1.launch(stream), a.reps * 10) / 10
         stream.synchronize()
 
         # the attention layer of the same model at the same T
@@ -135,16 +144,16 @@ def main(argv=None):
         per4k = 4096 / T
         share = n_gdn * t_all / (n_gdn * t_all + n_att * t_att)
         rows.append((name, t_conv, t_prep, t_delta - t_prep, t_norm, t_all, floor, fl / t_all / 1e12, t_att,
-                     causal_flops(T, 0, H, hd) / t_att / 1e12, n_gdn, n_att, share, t_dec, per4k))
+                     causal_flops(T, 0, H, hd) / t_att / 1e12, n_gdn, n_att, share, t_dec, t_dec1, per4k))
     print(f"bench.gdn: {' '.join(a.define) or 'default build'}, T = {T} tokens, one layer; ms per 4K tokens (x {4096 / T:.2f} of the measured)")
     print("| model | conv | prep | scan | norm | GDN layer | floor | GDN TFLOP/s | attention layer | attn TFLOP/s "
-          "| GDN x n + attn x m (ms) | GDN share | decode GDN us/token/layer |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for (name, tc, tp, ts, tn, ta, fl, tf, tt, atf, ng, na, share, td, s) in rows:
+          "| GDN x n + attn x m (ms) | GDN share | decode GDN us/token/layer | the same, delta kernel alone (qk_norm) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (name, tc, tp, ts, tn, ta, fl, tf, tt, atf, ng, na, share, td, td1, s) in rows:
         print(f"| {name} | {tc * s * 1e3:.3f} | {tp * s * 1e3:.3f} | {ts * s * 1e3:.3f} | {tn * s * 1e3:.3f} | "
               f"{ta * s * 1e3:.3f} | {fl * s * 1e3:.3f} | {tf:.0f} | {tt * s * 1e3:.3f} | {atf:.0f} | "
               f"{ng} x {ta * s * 1e3:.2f} + {na} x {tt * s * 1e3:.2f} = {(ng * ta + na * tt) * s * 1e3:.1f} | "
-              f"{share:.0%} | {td * 1e6:.1f} |")
+              f"{share:.0%} | {td * 1e6:.1f} | {td1 * 1e6:.1f} |")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,100 @@ __global__ void mv3(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ 
     if (lane == 0 && valid) y[r] = b ? s + b[r] : s;
 }
 
+// Up to four projections of one input in one launch (one quant type and width; the decode step's hybrid mixers,
+// engine/cuda/launch.py mv_many): rows [0, n0) of W0, then n1 of W1, n2 of W2, n3 of W3 (a matrix with no rows is
+// absent). x staged, normed by norm_w when given; dynamic shared memory staged_bytes(ncols).
+// With conv_w given, matrix conv_m (0..3) is a GDN layer's attn_qkv and its outputs go through the decode step's
+// causal conv: channel c = its row r, over conv_state's d_conv - 1 saved inputs (rows of that matrix's row count,
+// oldest first) and this one, then silu; the state shifts by one in place (one warp owns a channel). The l2 norms of
+// q and k need whole heads, so gdn.cu's gdn_delta_decode applies them (qk_norm): no gdn_conv_decode launch.
+// mv4_rows is the body for warp row r (every warp of the block calls it: the staging); mv_mixed.cu's two-type kernel
+// calls it for each of its two parts.
+template <int QT>
+__device__ __forceinline__ void mv4_rows(int r, const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
+                                         const uint8_t* W3, long long row_bytes, const float* __restrict__ x,
+                                         const float* __restrict__ norm_w, float eps, float* y0, float* y1, float* y2,
+                                         float* y3, int n0, int n1, int n2, int n3, int ncols, float* conv_state,
+                                         const float* __restrict__ conv_w, int d_conv, int conv_m) {
+    const int lane = threadIdx.x & 31, n = n0 + n1 + n2 + n3;
+    const bool valid = r < n;
+    if (!valid) r = n - 1;                       // a tail warp re-reads the last row (it must join the staging)
+    const uint8_t* W = W0;
+    float* y = y0;
+    int m = 0, nm = n0;                          // which matrix (warp-uniform) and its rows
+    if (r >= n0) {
+        r -= n0, W = W1, y = y1, m = 1, nm = n1;
+        if (r >= n1) {
+            r -= n1, W = W2, y = y2, m = 2, nm = n2;
+            if (r >= n2) r -= n2, W = W3, y = y3, m = 3, nm = n3;
+        }
+    }
+    const bool conv = conv_w != nullptr && m == conv_m;
+    float st = 0.f, w = 0.f;                     // lane i: saved input i and tap i of channel r, loaded early
+    if (conv) {
+        if (lane < d_conv - 1) st = conv_state[(long long)lane * nm + r];
+        if (lane < d_conv) w = conv_w[(long long)r * d_conv + lane];
+    }
+    const float* xs;
+    const float s = warp_sum(staged_row_dot<QT>(W + (long long)r * row_bytes, x, norm_w, eps, ncols, lane, xs));
+    if (!conv) {
+        if (lane == 0 && valid) y[r] = s;
+        return;
+    }
+    const float acc = warp_sum((lane < d_conv - 1 ? st : lane == d_conv - 1 ? s : 0.f) * w);
+    const float next = __shfl_down_sync(0xffffffffu, st, 1);
+    if (valid) {
+        if (lane < d_conv - 1) conv_state[(long long)lane * nm + r] = lane + 1 < d_conv - 1 ? next : s;
+        if (lane == 0) y[r] = silu(acc);
+    }
+}
+
+template <int QT>
+__global__ void mv4(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,
+                    const uint8_t* __restrict__ W3, long long row_bytes, const float* __restrict__ x,
+                    const float* __restrict__ norm_w, float eps, float* __restrict__ y0, float* __restrict__ y1,
+                    float* __restrict__ y2, float* __restrict__ y3, int n0, int n1, int n2, int n3, int ncols,
+                    float* __restrict__ conv_state, const float* __restrict__ conv_w, int d_conv, int conv_m) {
+    mv4_rows<QT>(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), W0, W1, W2, W3, row_bytes, x, norm_w, eps,
+                 y0, y1, y2, y3, n0, n1, n2, n3, ncols, conv_state, conv_w, d_conv, conv_m);
+}
+
+// y[r] += W[r] . (x * sigmoid(gate)): a gated attention's output projection (qwen3next / qwen35moe attn_output) with
+// its query gate applied as the block stages x (attn_gate.cu's sigmoid_gate_mul, without a launch of its own). One
+// warp per row; dynamic shared memory staged_bytes(ncols); x and gate 16-byte aligned, ncols a multiple of 4.
+template <int QT>
+__global__ void mv_gated(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
+                         const float* __restrict__ gate, float* __restrict__ y, int nrows, int ncols) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const uint8_t* row = W + (long long)min(r, nrows - 1) * row_bytes;
+    float* xs = reinterpret_cast<float*>(strata_smem4);
+    auto stage = [&]() {
+        for (int i = 4 * threadIdx.x; i < ncols; i += 4 * blockDim.x) {
+            float4 v = *reinterpret_cast<const float4*>(x + i);
+            const float4 g = *reinterpret_cast<const float4*>(gate + i);
+            v.x *= 1.f / (1.f + __expf(-g.x));
+            v.y *= 1.f / (1.f + __expf(-g.y));
+            v.z *= 1.f / (1.f + __expf(-g.z));
+            v.w *= 1.f / (1.f + __expf(-g.w));
+            *reinterpret_cast<float4*>(xs + xs_at<QT>(i)) = v;
+        }
+        __syncthreads();
+    };
+    float s;
+    if constexpr (QT == STRATA_Q_Q4_K) {        // the row's first units go out before the staging, as mv's
+        Q4KRaw p[4];
+        q4k_preload<4>(row, ncols, lane, p);
+        stage();
+        s = q4k_finish<4>(p, row, xs, ncols, lane);
+    } else {
+        stage();
+        s = dot_s<QT>(row, xs, ncols, lane);
+    }
+    s = warp_sum(s);
+    if (lane == 0 && r < nrows) y[r] += s;
+}
+
 // h[r] = silu(Wg[r] . xn) * (Wu[r] . xn): the gate and up halves of a SwiGLU FFN in one pass. x staged (normed by
 // norm_w when given); dynamic shared memory staged_bytes(ncols).
 template <int QT>

@@ -3,7 +3,8 @@
 // NumPy reference: engine/arch/qwen3next.py (causal_conv, l2_norm, delta_rule, delta_rule_chunk, Qwen3Next.gdn);
 // launch wrappers and every buffer's layout: engine/cuda/gdn.py. Head width (key = value) is compile-time, GDN_D.
 //
-// Decode (capture-safe: no allocation, every input from device memory): gdn_conv_decode then gdn_delta_decode.
+// Decode (capture-safe: no allocation, every input from device memory): gdn_conv_decode then gdn_delta_decode; the
+// engine's decode step does the conv in its projection's launch instead (dense.cu mv4) and the l2 norms here.
 // Prompt: gdn_conv_prefill (f16 activations), gdn_chunk_prep (per chunk of 64 tokens and value head, all in
 // parallel: the decay-masked A = beta K K^T, its inverse (I + A)^-1 by forward substitution, the masked Q K^T), then
 // gdn_chunk_scan (per value head and slice of GDN_BV value columns, chunk after chunk: the WY/UT form
@@ -81,12 +82,14 @@ extern "C" __global__ void gdn_conv_decode(const float* qkv, float* __restrict__
 // Grid n_v, block 32 GDN_DEC_WARPS: value head h. Row i of S_h (S[h, i, :], keys along j) is independent of the
 // others: decay, err = v_i - S_i.k, S_i += beta err k, o_i = S_i.q; a warp takes GDN_D / GDN_DEC_WARPS rows, each lane
 // GDN_D / 32 consecutive keys. Then out = rms_norm(o) * norm_w * silu(z) over the head.
-// act: (2 n_k + n_v) D floats [q | k | v]; b, a: this token's beta/alpha projections (see gdn_beta_g).
+// act: (2 n_k + n_v) D floats [q | k | v], q and k l2-normed (q scaled) by gdn_conv_decode, or with qk_norm not yet
+// (dense.cu mv4's conv epilogue): then here, as gdn_conv_decode would; b, a: this token's beta/alpha projections
+// (see gdn_beta_g).
 extern "C" __global__ void __launch_bounds__(32 * GDN_DEC_WARPS)
 gdn_delta_decode(const float* __restrict__ act, const float* __restrict__ b, const float* __restrict__ a,
                  int grp, const float* __restrict__ dt_bias, const float* __restrict__ ssm_a, float* __restrict__ S,
                  const float* __restrict__ z, const float* __restrict__ norm_w, float* __restrict__ out, int n_k,
-                 int n_v, int grouped, float eps) {
+                 int n_v, int grouped, float eps, int qk_norm, float q_scale) {
     constexpr int L = GDN_D / 32, ROWS = GDN_D / GDN_DEC_WARPS;
     __shared__ float o_sm[GDN_D];
     __shared__ float buf[32];
@@ -100,6 +103,14 @@ gdn_delta_decode(const float* __restrict__ act, const float* __restrict__ b, con
     for (int e = 0; e < L; ++e) {
         q[e] = act[kh * GDN_D + lane * L + e];
         k[e] = act[(n_k + kh) * GDN_D + lane * L + e];
+    }
+    if (qk_norm) {          // act straight from the conv (dense.cu mv4): each warp holds whole q and k heads
+        float qq = 0.f, kk = 0.f;
+#pragma unroll
+        for (int e = 0; e < L; ++e) qq += q[e] * q[e], kk += k[e] * k[e];
+        const float sq = rsqrtf(warp_sum(qq) + eps) * q_scale, sk = rsqrtf(warp_sum(kk) + eps);
+#pragma unroll
+        for (int e = 0; e < L; ++e) q[e] *= sq, k[e] *= sk;
     }
     const float* v = act + 2 * n_k * GDN_D + h * GDN_D;
     float* Sh = S + (long long)h * GDN_D * GDN_D;

@@ -162,8 +162,44 @@ QFN void ld8(const uint8_t* p, uint32_t& a, uint32_t& b) {
 #endif
 }
 QFN void ld8_a2(const uint8_t* p, uint32_t& a, uint32_t& b) { a = ld4_a2(p); b = ld4_a2(p + 4); }
-QFN uint32_t ld4_a1(const uint8_t* p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+
+// the 32 bits at bit sh (0..31) of the 64-bit hi:lo
+QFN uint32_t strata_funnel(uint32_t lo, uint32_t hi, uint32_t sh) {
+#if defined(STRATA_HOST)
+    return (uint32_t)((((unsigned long long)hi << 32) | lo) >> sh);
+#else
+    return __funnelshift_r(lo, hi, sh);
+#endif
+}
+
+// Loads through the read-only (non-coherent) cache: weights only, which no kernel writes. Where the address depends on
+// the pointer's own value (ld8_a1), nvcc can no longer prove that itself and would emit plain global loads.
+QFN uint32_t ld1_nc(const uint8_t* p) {
+#if defined(STRATA_HOST)
+    return *p;
+#else
+    return __ldg(p);
+#endif
+}
+QFN uint32_t ld4_nc(const uint8_t* p) {
+#if defined(STRATA_HOST)
+    return ld4(p);
+#else
+    return __ldg((const uint32_t*)p);
+#endif
+}
+
+// 8 bytes at any address (MXFP4's 17-byte blocks put them at every offset mod 4) in three aligned word loads instead
+// of eight byte loads: the words at p & ~3, p & ~3 + 4 and (p + 7) & ~3 (the second again when p is aligned), joined by
+// funnel shifts. Each of the three words holds at least one of the 8 bytes, so no load leaves an allocation that holds
+// them (allocations are whole words: cudaMalloc's are 256-byte aligned). Same code on the host, whose ld4 checks the
+// alignment.
+QFN void ld8_a1(const uint8_t* p, uint32_t& a, uint32_t& b) {
+    const uint32_t o = (uint32_t)(unsigned long long)p & 3;
+    const uint8_t* w = p - o;
+    const uint32_t w0 = ld4_nc(w), w1 = ld4_nc(w + 4), w2 = ld4_nc(w + ((o + 7) & ~3u));
+    a = strata_funnel(w0, w1, 8 * o);
+    b = strata_funnel(w1, w2, 8 * o);
 }
 QFN float h2f_at(const uint8_t* p) { return strata_h2f(ld2(p)); }
 
@@ -323,12 +359,44 @@ QFN float strata_e8m0_half(uint32_t x) {
     return strata_u2f(x < 2 ? (0x00200000u << x) : ((x - 1) << 23));
 }
 
+// __byte_perm for selectors whose four nibbles are all < 8 (no sign-replicate bytes): byte i of the result is byte
+// (s >> 4i) & 7 of b:a; the selector's bits 16..31 are ignored.
+QFN uint32_t strata_prmt(uint32_t a, uint32_t b, uint32_t s) {
+#if defined(STRATA_HOST)
+    const unsigned long long v = ((unsigned long long)b << 32) | a;
+    uint32_t r = 0;
+    for (int i = 0; i < 4; i++) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    return r;
+#else
+    return __byte_perm(a, b, s);
+#endif
+}
+
+// MXFP4 codes (e2m1: sign bit 3, magnitude bits 0..2), doubled as in strata_kvalues_mxfp4, in fp16 without a table:
+// the doubled magnitudes 0, 1, 2, 3, 4, 6, 8, 12 are fp16 values whose low byte is 0 and whose high bytes are these 8.
+// Four codes (bits 0..3 of each byte of q) become two fp16x2 words, lo = codes of bytes 0, 1 and hi = bytes 2, 3: one
+// byte permute looks up two magnitudes (the selector's odd nibbles are the codes, its even ones pick a 0 byte), one
+// more puts the two signs at bits 15 and 31. Exact; no memory load, no int-to-float conversion.
+#define STRATA_E2M1_F16HI_0_3 0x42403C00u
+#define STRATA_E2M1_F16HI_4_7 0x4A484644u
+QFN void strata_e2m1x4(uint32_t q, uint32_t& lo, uint32_t& hi) {
+    const uint32_t m = q & 0x07070707u, s = (q & 0x08080808u) << 4;  // magnitudes; each byte's sign at its bit 7
+    lo = strata_prmt(STRATA_E2M1_F16HI_0_3, STRATA_E2M1_F16HI_4_7, m << 4) | strata_prmt(s, 0u, 0x1404u);
+    hi = strata_prmt(STRATA_E2M1_F16HI_0_3, STRATA_E2M1_F16HI_4_7, m >> 12) | strata_prmt(s, 0u, 0x3424u);
+}
+
 template <> QFN void dequant8<STRATA_Q_MXFP4>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
-    const float d = strata_e8m0_half(b[0]);
-    const uint32_t q0 = ld4_a1(b + 1 + (j & 1) * 8), q1 = ld4_a1(b + 5 + (j & 1) * 8);
+    const float d = strata_e8m0_half(ld1_nc(b));
+    uint32_t q0, q1; ld8_a1(b + 1 + (j & 1) * 8, q0, q1);
     const int sh = (j >> 1) * 4;
+    uint32_t h[4];
+    strata_e2m1x4(q0 >> sh, h[0], h[1]);
+    strata_e2m1x4(q1 >> sh, h[2], h[3]);
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = d * (float)strata_kvalues_mxfp4[(byte8(q0, q1, k) >> sh) & 0xf];
+    for (int k = 0; k < 4; k++) {
+        v[2 * k] = d * strata_h2f((uint16_t)(h[k] & 0xffff));
+        v[2 * k + 1] = d * strata_h2f((uint16_t)(h[k] >> 16));
+    }
 }
 
 // ---- K-quants (256 elements) -----------------------------------------------------------------------------------------

@@ -220,6 +220,80 @@ def test_decode_after_prefill(p):
     assert rel(lay.dev["S"].get(), lay.S) < PROMPT_TOL
 
 
+@pytest.fixture(scope="module")
+def mv_table():
+    """The engine's kernel table for the projections of test_decode_in_the_engines_launches."""
+    from engine.cuda.kernels import Kernels
+    from engine.cuda.quant_types import qtype
+    return Kernels({qtype(n).id for n in ("Q8_0", "F16")})
+
+
+@pytest.mark.parametrize("qts", [("Q8_0",) * 4, ("F16", "Q8_0", "Q8_0", "Q8_0")], ids=["one-type", "two-types"])
+@pytest.mark.parametrize("p", SHAPES, ids=IDS)
+def test_decode_in_the_engines_launches(mv_table, p, qts):
+    """The decode step's GDN mixer as engine/cuda/hybrid_layers.py launches it: the four projections of the normed x
+    in one launch through Launcher.mv_many (two types: mv_mixed.cu) with the conv in attn_qkv's epilogue, then
+    gdn_delta_decode with the q/k l2 norms (qk_norm), against the two-launch path (separate mat-vecs, conv_decode,
+    delta_decode) on a copy of the state, and both against the float64 recurrence on the same projections; every
+    output poisoned first, four tokens."""
+    from types import SimpleNamespace
+
+    from engine.cuda.launch import Launcher, load_mixed, mixed_pairs
+    from engine.cuda.quant_types import qtype, random_rows
+    from engine.cuda.weights import DevMatrix
+    from engine.gguf_model import dequantize
+
+    sh = shape_of(p)
+    rng = np.random.default_rng()
+    lay = as64(Layer(sh, rng))
+    k, n_embd, eps = kern(sh), 512, 1e-6
+    mv = Launcher(mv_table, SimpleNamespace(rms_eps=eps))
+    C, Hv, D = sh.channels, sh.n_v_heads, sh.head_dim
+    rows = (C, Hv * D, 2 * Hv if sh.grouped else Hv, 0 if sh.grouped else Hv)
+    mats, host = [], []
+    for name, r in zip(qts, rows):
+        if not r:
+            mats.append(None)
+            host.append(None)
+            continue
+        raw = random_rows(name, r, n_embd, rng)
+        mats.append(DevMatrix(cp.asarray(raw), qtype(name).id, r, n_embd, raw.shape[1]))
+        host.append(dequantize(raw, qtype(name).ggml).reshape(r, n_embd).astype(np.float64))
+    # projections of about unit size (the weights' entries are about 1.5 (Q8_0) or 1 (F16)), as a model's: beta and
+    # the decay then neither saturate nor vanish
+    norm_w = rng.uniform(0.01, 0.03, n_embd).astype(np.float32)
+    load_mixed(mv_table, mixed_pairs([mats]))
+    dnorm = cp.asarray(norm_w)
+    two = {n: lay.dev[n].copy() for n in ("conv_state", "S")}        # the two-launch path's own state
+    for step in range(4):
+        x = rng.standard_normal(n_embd).astype(np.float32)
+        dx = cp.asarray(x)
+        xn = x / np.sqrt((x.astype(np.float64) ** 2).mean() + eps) * norm_w
+        proj = [None if W is None else (W @ xn)[None] for W in host]
+        want = lay.reference((proj[0], proj[1], proj[2], proj[3]))
+        ys = [cp.full(r + 3, cp.nan, cp.float32) for r in rows]
+        out = cp.full(Hv * D, cp.nan, cp.float32)
+        mv.mv_many(mats, dx, ys, norm=dnorm, conv=(lay.dev["conv_state"], lay.dev["conv_w"], sh.conv_kernel),
+                   mixed=True)
+        k.delta_decode(ys[0], ys[2][:rows[2]], None if sh.grouped else ys[3][:rows[3]], lay.dev["dt_bias"],
+                       lay.dev["ssm_a"], lay.dev["S"], ys[1], lay.dev["norm_w"], out, qk_norm=True)
+        zs = [cp.full(r, cp.nan, cp.float32) for r in rows]
+        for W, y in zip(mats, zs):
+            if W is not None:
+                mv.mv(W, dx, y, norm=dnorm)
+        act, out2 = cp.full(C, cp.nan, cp.float32), cp.full(Hv * D, cp.nan, cp.float32)
+        k.decode(zs[0], zs[1], zs[2], None if sh.grouped else zs[3], lay.dev["dt_bias"], lay.dev["ssm_a"],
+                 lay.dev["conv_w"], lay.dev["norm_w"], two["conv_state"], two["S"], out2, act)
+        got = out.get()
+        assert np.isfinite(got).all() and all(np.isnan(y[r:].get()).all() for y, r in zip(ys, rows))
+        assert rel(got, want[0]) < DECODE_TOL, f"step {step}"
+        assert rel(got, out2.get()) < DECODE_TOL, f"step {step}"
+        assert rel(lay.dev["S"].get(), lay.S) < DECODE_TOL, f"step {step}"
+        assert rel(lay.dev["conv_state"].get(), lay.conv_state) < DECODE_TOL
+        assert rel(lay.dev["S"].get(), two["S"].get()) < DECODE_TOL
+        assert rel(lay.dev["conv_state"].get(), two["conv_state"].get()) < DECODE_TOL
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("p", SHAPES[3:], ids=IDS[3:])
 def test_long_prompt_at_the_published_shapes(p):

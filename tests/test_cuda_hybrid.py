@@ -184,6 +184,45 @@ def test_truncate_only_to_zero_or_the_end(cpu_runs):
         be.close()
 
 
+class LaunchCounter:
+    """A decode step's tracer that counts the launches by kind and keeps none (so the enqueue runs nothing)."""
+    pred_sink = None
+
+    def __init__(self):
+        self.kinds: dict[str, int] = {}
+
+    def keeps(self, kind: str) -> bool:
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        return False
+
+
+@pytest.mark.parametrize("name", ("qwen35moe-q4_k_m", "qwen3next-q3_k_m", "qwen35moe-iq4_xs"))
+def test_decode_step_launches_of_the_mixers(cpu_runs, name):
+    """The decode step takes the fused launches (tests/test_cuda_gdn.py test_decode_in_the_engines_launches checks
+    their arithmetic): a GDN layer's four projections in one launch (the conv in attn_qkv's epilogue, no
+    gdn_conv_decode), then one delta-rule launch and ssm_out; a gated attention layer's q/k/v/gate likewise, and its
+    gate inside attn_output's launch (no sigmoid_gate_mul). The fixtures hold one-type layers and the Q4_K_M / Q3_K_M
+    recipes' mixes (one matrix of another type: still one launch)."""
+    from engine.cuda.hybrid_layers import mixer_projections
+    from engine.cuda.launch import plan_shared_input
+    model = cpu_runs[name][0]
+    be = cuda_backend(model, prefetch=False)
+    try:
+        count = LaunchCounter()
+        with be.stream:
+            be.step.enqueue("greedy", count)
+        gdn = [L for L in be.weights.layers if L.gdn is not None]
+        att = [L for L in be.weights.layers if L.gdn is None]
+        assert gdn and att
+        k = count.kinds
+        assert all(len(plan_shared_input(mixer_projections(L), True)) == 1 for L in be.weights.layers)
+        assert k["gdn_in"] == k["gdn"] == k["gdn_out"] == len(gdn)
+        assert k["qkv"] == k["wo"] == len(att)
+        assert "attention" not in k, k         # the decode step's sigmoid_gate_mul kind before
+    finally:
+        be.close()
+
+
 @pytest.mark.parametrize("n", [1, 255, 4096, 300_001])
 def test_sigmoid_gate_mul_kernel(n):
     """cuda_src/attn_gate.cu against NumPy on fresh random data; the values past n stay as they were."""

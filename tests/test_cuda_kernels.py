@@ -418,3 +418,115 @@ def test_router_fused(K, name, n_expert, k, ncols, renorm):
     np.testing.assert_array_equal(counts.get(), 2 * np.bincount(ref_ids, minlength=n_expert))
     assert list(stats.get()) == [2 * int((table[ref_ids] == 1500).sum()), 2 * k]
     assert int(counter.get()[0]) == 0
+
+
+def _dev(name, raw, rows, cols):
+    from engine.cuda.weights import DevMatrix
+    return DevMatrix(cp.asarray(raw), qtype(name).id, rows, cols, raw.shape[1])
+
+
+def conv_ref(s, state, w):
+    """The decode step's causal conv of channel outputs s (C,) over state (d - 1, C) with taps w (C, d): (silu of
+    the conv, the shifted state), float64."""
+    acc = (state * w[:, :-1].T).sum(0) + s * w[:, -1]
+    return acc / (1 + np.exp(-acc)), np.concatenate([state[1:], s[None]])
+
+
+# (types, rows, cols, conv width): the 35B shape's gated attention (q, k, v, gate) and GDN projections (qkv, z, beta,
+# alpha; the 80B's have no alpha) in one type and in the Q4_K_M recipe's mixes, and odd sizes
+MANY = [(("Q4_K",) * 4, (4096, 512, 512, 4096), 2048, 0),
+        (("Q4_K", "Q4_K", "Q6_K", "Q4_K"), (4096, 512, 512, 4096), 2048, 0),
+        (("Q4_K",) * 4, (8192, 4096, 32, 32), 2048, 4),
+        (("Q6_K", "Q4_K", "Q4_K", "Q4_K"), (8192, 4096, 32, 32), 2048, 4),
+        (("Q5_K", "Q5_K", "Q5_K", None), (12288, 4096, 64, 0), 2048, 4),
+        (("Q8_0", "F16", "Q8_0", "Q8_0"), (33, 7, 5, 3), 512, 2),
+        (("Q4_K", "Q6_K", "Q4_K", "Q4_K"), (130, 6, 64, 3), 256, 4),      # mixed: the conv's matrix second
+        (("Q4_K", "Q4_K", "Q6_K", "Q4_K"), (8192, 4096, 32, 32), 2048, 4),
+        (("F32", "F32", "F32", "F32"), (1, 130, 2, 9), 256, 8)]
+
+
+@pytest.mark.parametrize("names,rows,cols,d_conv", MANY)
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("mixed", [False, True], ids=["per-type", "mixed"])
+def test_mv_many(K, names, rows, cols, d_conv, norm, mixed):
+    """Launcher.mv_many against NumPy: dense.cu mv4 a launch per quant type, or (mixed) a single matrix of another
+    type in the same launch (mv_mixed.cu mv4_mixed, also with the conv's matrix second in the launch); every output,
+    and with a conv the conv of matrix 0's outputs and its state shifted in place; twice, so the second step reads
+    the first's state."""
+    from types import SimpleNamespace
+
+    from engine.cuda.launch import Launcher, load_mixed, mixed_pairs, plan_shared_input
+    rng = np.random.default_rng()
+    mv = Launcher(K, SimpleNamespace(rms_eps=1e-6))
+    mats = [None if n is None else rand_matrix(n, r, cols, rng) for n, r in zip(names, rows)]
+    Ws = [None if n is None else _dev(n, m[0], r, cols) for n, m, r in zip(names, mats, rows)]
+    if mixed:
+        load_mixed(K, mixed_pairs([Ws]))
+        assert len(plan_shared_input(Ws, True)) == 1
+    nw = cp.asarray(rng.uniform(0.5, 1.5, cols).astype(np.float32))
+    C = rows[0]
+    if d_conv:
+        state = rng.standard_normal((d_conv - 1, C)).astype(np.float32)
+        taps = rng.standard_normal((C, d_conv)).astype(np.float32) * 0.5
+        dstate, dtaps = cp.asarray(state), cp.asarray(taps)
+        state = state.astype(np.float64)
+    for _ in range(2):
+        x = cp.asarray(rng.standard_normal(cols).astype(np.float32))
+        ys = [poisoned(r + 5) for r in rows]                # the 5 past each output stay poisoned
+        mv.mv_many(Ws, x, ys, norm=nw if norm else None, conv=(dstate, dtaps, d_conv) if d_conv else None,
+                   mixed=mixed)
+        xin = rms_ref(x.get(), nw.get()) if norm else x.get().astype(np.float64)
+        for i, (m, y, r) in enumerate(zip(mats, ys, rows)):
+            got = y.get()
+            assert np.isnan(got[r:]).all()
+            if m is None:
+                assert np.isnan(got).all()
+                continue
+            Wd = m[1].astype(np.float64)
+            ref, scale = Wd @ xin, np.abs(Wd) @ np.abs(xin)
+            if i == 0 and d_conv:
+                want, new_state = conv_ref(ref, state, taps.astype(np.float64))
+                tap_scale = np.abs(taps[:, -1]) * scale + (np.abs(state) * np.abs(taps[:, :-1]).T).sum(0)
+                assert rel_to(got[:r], want, tap_scale) < 1e-5
+                got_state = dstate.get()
+                np.testing.assert_array_equal(got_state[:-1], state[1:].astype(np.float32))
+                assert rel_to(got_state[-1], ref, scale) < 1e-5
+                state = got_state.astype(np.float64)
+            else:
+                assert rel_to(got[:r], ref, scale) < 1e-5
+
+
+def test_mv_many_refuses_a_conv_of_the_wrong_shape(K):
+    from types import SimpleNamespace
+
+    from engine.cuda.launch import Launcher
+    rng = np.random.default_rng(1)
+    raw, _ = rand_matrix("Q8_0", 64, 256, rng)
+    W = _dev("Q8_0", raw, 64, 256)
+    with pytest.raises(ValueError, match="conv"):
+        Launcher(K, SimpleNamespace(rms_eps=1e-6)).mv_many(
+            [W], cp.zeros(256, cp.float32), [poisoned(64)],
+            conv=(cp.zeros((3, 63), cp.float32), cp.zeros((64, 4), cp.float32), 4))
+
+
+@pytest.mark.parametrize("name", QTS)
+@pytest.mark.parametrize("rows,cols", [(2048, 4096), (37, 512), (5, 8192), (300, 256)])
+def test_mv_gated(K, name, rows, cols):
+    """Launcher.mv_gated (dense.cu): y += W @ (x * sigmoid(gate)), the gated attention's output projection; the
+    values past the rows stay as they were."""
+    from types import SimpleNamespace
+
+    from engine.cuda.launch import Launcher
+    rng = np.random.default_rng()
+    raw, Wd = rand_matrix(name, rows, cols, rng)
+    x = rng.standard_normal(cols).astype(np.float32)
+    g = (rng.standard_normal(cols) * 3).astype(np.float32)
+    y0 = rng.standard_normal(rows + 3).astype(np.float32)
+    y0[rows:] = np.nan
+    y = cp.asarray(y0)
+    Launcher(K, SimpleNamespace(rms_eps=1e-6)).mv_gated(_dev(name, raw, rows, cols), cp.asarray(x), cp.asarray(g), y)
+    xg = x.astype(np.float64) / (1 + np.exp(-g.astype(np.float64)))
+    Wd = Wd.astype(np.float64)
+    got = y.get()
+    assert rel_to(got[:rows], y0[:rows] + Wd @ xg, np.abs(y0[:rows]) + np.abs(Wd) @ np.abs(xg)) < 1e-5
+    assert np.isnan(got[rows:]).all()

@@ -21,23 +21,24 @@ HOST_MAIN = r"""
 #include "quant.cuh"
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <vector>
-template <int Q> static void run(const std::vector<uint8_t>& in, int ncols, const std::vector<float>& x,
+template <int Q> static void run(const uint8_t* in, size_t n, int ncols, const std::vector<float>& x,
                                  std::vector<float>& out, std::vector<float>& dots) {
     constexpr int QK = QTraits<Q>::QK, B = QTraits<Q>::BYTES;
-    const size_t nb = in.size() / B, rb = (size_t)ncols / QK * B, nrows = in.size() / rb;
+    const size_t nb = n / B, rb = (size_t)ncols / QK * B, nrows = n / rb;
     out.assign(nb * QK, 0.f);
     for (size_t b = 0; b < nb; b++)
         for (int j = 0; j < QK / 8; j++) {
             float v[8];
-            dequant8<Q>(in.data() + b * B, j, v);
+            dequant8<Q>(in + b * B, j, v);
             for (int k = 0; k < 8; k++) out[b * QK + j * 8 + k] = v[k];
         }
     dots.assign(2 * nrows, 0.f);
     for (size_t r = 0; r < nrows; r++)
-        for (int lane = 0; lane < 32; lane++) dots[r] += dot_row<Q>(in.data() + r * rb, x.data(), ncols, lane);
+        for (int lane = 0; lane < 32; lane++) dots[r] += dot_row<Q>(in + r * rb, x.data(), ncols, lane);
     for (size_t r = 0; r < nrows; r += 2) {  // dot_rows, two rows at a time (the last pair may repeat a row)
-        const uint8_t* rows[2] = {in.data() + r * rb, in.data() + (r + 1 < nrows ? r + 1 : r) * rb};
+        const uint8_t* rows[2] = {in + r * rb, in + (r + 1 < nrows ? r + 1 : r) * rb};
         float acc[2][1] = {{0.f}, {0.f}};
         for (int lane = 0; lane < 32; lane++) dot_rows<Q, 2, 1>(rows, x.data(), ncols, ncols, lane, acc);
         dots[nrows + r] = acc[0][0];
@@ -50,11 +51,19 @@ int main(int argc, char** argv) {
     std::vector<uint8_t> in; std::vector<float> x(ncols), out, dots;
     FILE* f = fopen(argv[3], "rb"); int c; while ((c = fgetc(f)) != EOF) in.push_back((uint8_t)c); fclose(f);
     f = fopen(argv[4], "rb"); if (fread(x.data(), 4, ncols, f) != (size_t)ncols) return 3; fclose(f);
+    // the data in an allocation of whole words, as a GPU's are (the sanitizer build sees any read past that)
+    std::vector<uint8_t> buf((in.size() + 3) & ~(size_t)3);
+    std::copy(in.begin(), in.end(), buf.begin());
+#if defined(STRATA_ONLY)  // one type (the sanitizer build)
+    if (qt != STRATA_ONLY) { fprintf(stderr, "this build runs type %d only\n", STRATA_ONLY); return 2; }
+    run<STRATA_ONLY>(buf.data(), in.size(), ncols, x, out, dots);
+#else
     switch (qt) {
-#define CASE(T) case STRATA_Q_##T: run<STRATA_Q_##T>(in, ncols, x, out, dots); break;
+#define CASE(T) case STRATA_Q_##T: run<STRATA_Q_##T>(buf.data(), in.size(), ncols, x, out, dots); break;
         STRATA_FOR_EACH_QTYPE(CASE)
         default: fprintf(stderr, "unknown type %d\n", qt); return 2;
     }
+#endif
     f = fopen(argv[5], "wb"); fwrite(out.data(), 4, out.size(), f); fwrite(dots.data(), 4, dots.size(), f); fclose(f);
     return 0;
 }
@@ -68,18 +77,22 @@ def _host_compiler() -> list[str] | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def host_bin(tmp_path_factory):
+def _build_host(tmp_path_factory, *flags: str) -> Path:
     cxx = _host_compiler()
     if cxx is None:
         pytest.skip("no C++ compiler (g++/c++/clang++ or $CXX) to build quant.cuh for the host")
     d = tmp_path_factory.mktemp("quant_host")
     (d / "main.cpp").write_text(HOST_MAIN)
     exe = d / "quant_host"
-    p = subprocess.run([*cxx, "-O1", "-std=c++17", f"-I{CUDA_SRC}", str(d / "main.cpp"), "-o", str(exe)],
+    p = subprocess.run([*cxx, "-O1", "-std=c++17", *flags, f"-I{CUDA_SRC}", str(d / "main.cpp"), "-o", str(exe)],
                        capture_output=True, text=True)
-    assert p.returncode == 0, f"quant.cuh does not compile for the host:\n{p.stderr[-3000:]}"
+    assert p.returncode == 0, f"quant.cuh does not compile for the host ({' '.join(flags)}):\n{p.stderr[-3000:]}"
     return exe
+
+
+@pytest.fixture(scope="module")
+def host_bin(tmp_path_factory):
+    return _build_host(tmp_path_factory)
 
 
 def _sizes(name: str) -> list[tuple[int, int]]:
@@ -91,17 +104,15 @@ def _ref(rows: np.ndarray, name: str) -> np.ndarray:
     return dequantize(rows, qtype(name).ggml).astype(np.float32).reshape(rows.shape[0], -1)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_host_dequant8_and_dot_row_match_gguf(host_bin, tmp_path, name):
+def _check_host(exe, tmp_path, name, sizes, rng):
     q = qtype(name)
-    rng = np.random.default_rng(1000 + q.id)
-    for n_rows, ncols in _sizes(name):
+    for n_rows, ncols in sizes:
         rows = random_rows(name, n_rows, ncols, rng)
         x = rng.standard_normal(ncols, dtype=np.float32)
         rows.tofile(tmp_path / "in.bin")
         x.tofile(tmp_path / "x.bin")
         (tmp_path / "out.bin").write_bytes(b"\xff" * 8)  # stale bytes must be overwritten
-        subprocess.run([str(host_bin), str(q.id), str(ncols), str(tmp_path / "in.bin"), str(tmp_path / "x.bin"),
+        subprocess.run([str(exe), str(q.id), str(ncols), str(tmp_path / "in.bin"), str(tmp_path / "x.bin"),
                         str(tmp_path / "out.bin")], check=True)
         out = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
         ref = _ref(rows, name)
@@ -113,6 +124,26 @@ def test_host_dequant8_and_dot_row_match_gguf(host_bin, tmp_path, name):
         dots, dots2 = out[ref.size:ref.size + n_rows], out[ref.size + n_rows:]
         assert np.all(np.abs(dots - want) <= 1e-5 * scale), f"{name} dot_row {n_rows}x{ncols}"
         assert np.all(np.abs(dots2 - want) <= 1e-5 * scale), f"{name} dot_rows {n_rows}x{ncols}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_host_dequant8_and_dot_row_match_gguf(host_bin, tmp_path, name):
+    _check_host(host_bin, tmp_path, name, _sizes(name), np.random.default_rng(1000 + qtype(name).id))
+
+
+def test_host_mxfp4_word_loads_stay_inside_the_data(tmp_path_factory, tmp_path):
+    # MXFP4's 17-byte blocks sit at every byte offset mod 4; quant.cuh reads them as aligned words (ld8_a1). Built
+    # with AddressSanitizer over a buffer of the rows rounded up to whole words (a GPU allocation is rounded further),
+    # any word read past the last block's word aborts. Total block counts 1..8 and 160 put the last block at each
+    # offset mod 4 (the buffer starts 16-byte aligned: block k at 17k).
+    cxx = _host_compiler()
+    if cxx and subprocess.run([*cxx, "-fsanitize=address", "-x", "c++", "-", "-o", str(tmp_path / "probe")],
+                              input="int main() { return 0; }", text=True, capture_output=True).returncode:
+        pytest.skip(f"{cxx[0]} cannot build with -fsanitize=address (no libasan)")
+    exe = _build_host(tmp_path_factory, "-fsanitize=address", "-fno-omit-frame-pointer",
+                      f"-DSTRATA_ONLY={qtype('MXFP4').id}")
+    sizes = [(n_rows, 32 * nb) for n_rows in (1, 3) for nb in (1, 2, 3, 4, 5, 7, 8)] + [(5, 1024)]
+    _check_host(exe, tmp_path, "MXFP4", sizes, np.random.default_rng(1039))
 
 
 def test_random_rows_refuses_a_ragged_row():
@@ -252,3 +283,39 @@ def test_gpu_matvec_row_stride_skips_padding(cp, name):
     y, _ = matvec(cp, name, padded, x, row_stride=stride, rows_per_warp=2)
     want = x.astype(np.float64) @ _ref(rows, name).astype(np.float64).T
     np.testing.assert_allclose(y, want, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rows,ncols", [(1, 32), (33, 32 * 45), (7, 2880)])
+def test_gpu_mxfp4_at_every_byte_offset(cp, n_rows, ncols):
+    # MXFP4 blocks are 17 bytes, read as aligned words (quant.cuh ld8_a1): the matrix starts 0..3 bytes into a buffer
+    # of 0xFF guard bytes, with rows of 1, 45 (odd) and 90 (gpt-oss's 2880 columns) blocks, so blocks and rows sit at
+    # every offset mod 4; mat-vecs (1 and 2 vectors, every rows-per-warp kernel) and dequant against gguf.
+    from bench.matvec import MATVEC_ROWS, matvec_plan
+    from engine.cuda.kernels import quant_function
+    rng = np.random.default_rng()
+    rows = random_rows("MXFP4", n_rows, ncols, rng)
+    ref = _ref(rows, "MXFP4")
+    for off in range(4):
+        buf = np.full(rows.size + 8, 0xFF, np.uint8)
+        buf[off:off + rows.size] = rows.reshape(-1)
+        src = cp.asarray(buf)[off:]
+        for nv in (1, 2):
+            x = rng.standard_normal((nv, ncols), dtype=np.float32)
+            for r in MATVEC_ROWS[nv]:
+                kernel, grid, block, _ = matvec_plan(n_rows, nv, r)
+                yd = cp.full((nv, n_rows + 3), np.nan, dtype=cp.float32)
+                quant_function("matvec", kernel, "MXFP4")(
+                    grid, block, (src, np.int64(rows.shape[1]), cp.asarray(x), np.int32(ncols), yd,
+                                  np.int32(n_rows + 3), np.int32(n_rows), np.int32(ncols)))
+                y = cp.asnumpy(yd)
+                _check_matvec("MXFP4", rows, x, y[:, :n_rows], y[:, n_rows:], f"offset {off} {n_rows}x{ncols} "
+                              f"nv={nv} rows/warp={r}")
+        n_blocks = rows.size // 17
+        dst = cp.full(n_blocks * 32 + 64, np.nan, dtype=cp.float32)
+        quant_function("dequant", "dequant_f32", "MXFP4")((max(1, n_blocks * 4 // 256 + 1),), (256,),
+                                                          (src, dst, np.int64(n_blocks)))
+        got = cp.asnumpy(dst)
+        np.testing.assert_allclose(got[:-64], ref.reshape(-1), rtol=1e-6, atol=1e-6 * float(np.abs(ref).max()),
+                                   err_msg=f"MXFP4 dequant at offset {off}, {n_rows}x{ncols}")
+        assert np.isnan(got[-64:]).all(), "dequant_f32 wrote past its output"

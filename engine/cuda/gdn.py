@@ -220,19 +220,22 @@ class GdnKernels:
                                   (ptr(qkv), ptr(conv_state), ptr(conv_w), ptr(act), I32(sh.channels),
                                    I32(sh.n_k_heads), I32(sh.conv_kernel), F32(sh.eps), F32(sh.q_scale)))
 
-    def delta_decode(self, act, b, a, dt_bias, ssm_a, S, z, norm_w, out) -> None:
-        """One delta-rule step of every value head on S in place, then out (n_v D,) = gated rms_norm of o with z."""
+    def delta_decode(self, act, b, a, dt_bias, ssm_a, S, z, norm_w, out, qk_norm: bool = False) -> None:
+        """One delta-rule step of every value head on S in place, then out (n_v D,) = gated rms_norm of o with z.
+        act: conv_decode's output, or with qk_norm the conv and silu alone (dense.cu mv4's conv epilogue): the
+        kernel then l2-norms q and k (and scales q) itself."""
         from engine.cuda.launch import F32, I32, ptr
         sh = self.shape
         pb, pa, _, grp = self._ba(b, a)
         self.f["gdn_delta_decode"]((sh.n_v_heads,), (self.dec_threads,),
                                    (ptr(act), pb, pa, grp, ptr(dt_bias), ptr(ssm_a), ptr(S), ptr(z), ptr(norm_w),
                                     ptr(out), I32(sh.n_k_heads), I32(sh.n_v_heads), I32(int(sh.grouped)),
-                                    F32(sh.eps)))
+                                    F32(sh.eps), I32(int(qk_norm)), F32(sh.q_scale)))
 
     def decode(self, qkv, z, b, a, dt_bias, ssm_a, conv_w, norm_w, conv_state, S, out, act) -> None:
-        """The decode step's GDN mixer before ssm_out: conv_decode then delta_decode (act: (C,) fp32 scratch, or
-        qkv itself)."""
+        """The GDN mixer before ssm_out in two launches, conv_decode then delta_decode (act: (C,) fp32 scratch, or
+        qkv itself). The engine's decode step has the conv in its projection launch instead (hybrid_layers.py);
+        this stays as the tests' reference for it."""
         self.conv_decode(qkv, conv_state, conv_w, act)
         self.delta_decode(act, b, a, dt_bias, ssm_a, S, z, norm_w, out)
 

@@ -4,10 +4,14 @@ post_attention_norm as the FFN norm and the shared expert's sigmoid gate as qwen
 
 - Gated attention: attn_q gives each head [query | gate]; its rows are split on loading into the query rows (wq, so
   the Q/K/V mat-vecs, q/k norms, partial RoPE and attention are the plain path's) and the gate rows (attn_gate); the
-  attention output is multiplied by sigmoid(gate) (cuda_src/attn_gate.cu) before attn_output. qwen35moe's IMRoPE
+  attention output is multiplied by sigmoid(gate) before attn_output (the prompt pass: cuda_src/attn_gate.cu; the
+  decode step: in attn_output's launch, dense.cu mv_gated). qwen35moe's IMRoPE
   is its rotary table with the still pairs kept at position 0's angle.
 - Gated DeltaNet: the projections (attn_qkv, attn_gate = z, beta, alpha) with the mat-vec / GEMM kernels, then
-  engine/cuda/gdn.py's kernels (conv, delta rule, gated norm) on the state in VRAM, then ssm_out.
+  engine/cuda/gdn.py's kernels (conv, delta rule, gated norm) on the state in VRAM, then ssm_out. In the decode step
+  the four projections share one launch (Launcher.mv_many; one matrix in another quant type, as the Q4_K_M recipe's
+  Q6_K attn_qkv, joins through mv_mixed.cu) and the conv runs in attn_qkv's epilogue, so a GDN layer's mixer is 3
+  launches (was 7); a gated attention layer's is 3 likewise (q/k/v/gate, attention, gated attn_output; was 5 to 7).
 - The recurrent state (GdnState): every GDN layer's conv window and delta matrices in one VRAM buffer, updated in
   place; checkpoints copy it whole to pinned host memory (VRAM is what the expert cache needs; the copy is one
   transfer of tens of MiB per checkpoint, docs/experiments.md).
@@ -23,7 +27,7 @@ import numpy as np
 from engine.arch.qwen3next import imrope_still
 from engine.cuda import kernels as kernel_loader
 from engine.cuda.kv import KVCache
-from engine.cuda.launch import I64, ptr
+from engine.cuda.launch import I64, load_mixed, mixed_pairs, ptr
 from engine.cuda.rope import rope_table
 from engine.cuda.weights import DevMatrix, Layer, _shape, upload_matrix
 
@@ -208,41 +212,46 @@ def gdn_kernels(cfg):
     return GdnKernels(GdnShape.from_config(cfg))
 
 
+def mixer_projections(layer) -> tuple:
+    """The matrices a hybrid layer's decode mixer projects the normed x with, in HybridDecode's order (None: absent)."""
+    g = layer.gdn
+    if g is None:
+        return layer.wq, layer.wk, layer.wv, layer.attn_gate
+    return g.qkv, g.z, g.beta, g.alpha
+
+
 class HybridDecode:
     """The decode step's attention block for a hybrid layer (DecodeStep.enqueue_attention_block hands it over):
     gated attention, or GDN on the state in VRAM. Buffers sized once; nothing per step is an argument."""
 
     def __init__(self, step, state: GdnState, gdn):
         self.step, self.state, self.gdn, c = step, state, gdn, step.cfg
+        # the two-type projection kernels this model's layers need, compiled now (before any capture)
+        load_mixed(step.kernels, mixed_pairs(mixer_projections(L) for L in step.weights.layers))
         f32 = lambda n: cp.zeros(n, dtype=cp.float32)
         with step.stream:
             self.gate = f32(c.n_head * c.head_dim)
             self.qkv, self.z, self.o = f32(state.conv_dim), f32(c.ssm_inner), f32(c.ssm_inner)
             self.beta, self.alpha = f32(2 * c.ssm_v_heads), f32(c.ssm_v_heads)    # beta: qwen3next's whole ssm_ba
-        self.gate_fn = gate_kernel()
 
     def enqueue_mixer(self, li: int) -> None:
         st, mv = self.step, self.step.launcher
         layer = st.weights.layers[li]
         if layer.gdn is None:
             c = st.cfg
-            mv.mv3((layer.wq, layer.wk, layer.wv), st.x, (st.q, st.k_new, st.v_new), (None, None, None),
-                   norm=layer.attn_norm)
-            mv.mv(layer.attn_gate, st.x, self.gate, tag="qkv", norm=layer.attn_norm)
+            mv.mv_many(mixer_projections(layer), st.x, (st.q, st.k_new, st.v_new, self.gate), norm=layer.attn_norm,
+                       tag="qkv", mixed=True)
             st.attn.step(st.kernel, li, st.q, st.k_new, st.v_new, layer.q_norm, layer.k_norm, st.rope, st.att,
                          st.state, np.float32(c.attn_scale or 1.0 / np.sqrt(c.head_dim)))
-            if st.keeps("attention"):
-                gate_mul(self.gate_fn, st.att, self.gate, c.n_head * c.head_dim)
-            mv.mv(layer.wo, st.att, st.x, accumulate=True, tag="wo")
+            mv.mv_gated(layer.wo, st.att, self.gate, st.x, tag="wo")     # x += wo @ (att * sigmoid(gate))
             return
         g = layer.gdn
-        for W, y in ((g.qkv, self.qkv), (g.z, self.z), (g.beta, self.beta), (g.alpha, self.alpha)):
-            if W is not None:
-                mv.mv(W, st.x, y, tag="gdn_in", norm=layer.attn_norm)
-        if st.keeps("gdn"):     # conv (its output over qkv), delta rule, gated norm: the state in place
-            self.gdn.decode(self.qkv, self.z, self.beta[:g.beta.rows], None if g.alpha is None else self.alpha,
-                            g.dt_bias, g.a, g.conv, g.norm, self.state.conv(g.slot), self.state.delta(g.slot),
-                            self.o, self.qkv)
+        # the projections (one launch, or two for a 2 + 2 type split), the conv in qkv's epilogue, its state in place
+        mv.mv_many(mixer_projections(layer), st.x, (self.qkv, self.z, self.beta, self.alpha), norm=layer.attn_norm,
+                   conv=(self.state.conv(g.slot), g.conv, g.conv.shape[1]), tag="gdn_in", mixed=True)
+        if st.keeps("gdn"):     # q/k l2 norms, delta rule, gated norm: the delta state in place
+            self.gdn.delta_decode(self.qkv, self.beta[:g.beta.rows], None if g.alpha is None else self.alpha,
+                                  g.dt_bias, g.a, self.state.delta(g.slot), self.z, g.norm, self.o, qk_norm=True)
         mv.mv(g.out, self.o, st.x, accumulate=True, tag="gdn_out")
 
 

@@ -197,6 +197,10 @@ class Kernels:
             else:
                 self(name)
 
+    def register(self, name: str, qt, fn) -> None:
+        """A kernel loaded apart (engine/cuda/launch.py load_mixed: two-type ones), then found as self(name, qt)."""
+        self._fn[(name, qt)] = fn
+
     def __call__(self, name: str, qt: int | None = None, tag: str | None = None):
         key = (name, qt)
         f = self._fn.get(key)

@@ -33,6 +33,59 @@ def ptr(a) -> U64:
     return NULL if a is None else U64(a.data.ptr)
 
 
+MV4_MAX = 4            # matrices one dense.cu mv4 launch computes
+
+
+def shared_input_launches(Ws) -> list[list[int]]:
+    """The launches of mv_many for matrices Ws that read one input: indices grouped by (quant type, width, row bytes)
+    in order of first appearance, at most MV4_MAX a launch (mv4 has one quant type; llama-quantize's recipes give
+    e.g. attn_qkv Q6_K and attn_gate Q4_K in some layers, which then take two launches)."""
+    groups: dict[tuple[int, int, int], list[list[int]]] = {}
+    for i, W in enumerate(Ws):
+        if W is None:
+            continue
+        runs = groups.setdefault((int(W.qt), int(W.cols), int(W.row_bytes)), [[]])
+        if len(runs[-1]) == MV4_MAX:
+            runs.append([])
+        runs[-1].append(i)
+    return [g for runs in groups.values() for g in runs]
+
+
+def plan_shared_input(Ws, mixed: bool = False) -> list[tuple[list[int], bool]]:
+    """mv_many's launches: (matrix indices in launch order, two types?). shared_input_launches' groups; with mixed,
+    two groups of one width whose one holds a single matrix and which hold at most MV4_MAX together become one
+    mv4_mixed launch, that single matrix first (a Q4_K_M layer's attn_qkv or attn_v in Q6_K beside Q4_K)."""
+    groups = shared_input_launches(Ws)
+    if mixed and len(groups) == 2 and sum(map(len, groups)) <= MV4_MAX:
+        a, b = sorted(groups, key=len)
+        if len(a) == 1 and Ws[a[0]].cols == Ws[b[0]].cols:
+            return [(a + b, True)]
+    return [(g, False) for g in groups]
+
+
+def mixed_pairs(projections, mixed: bool = True) -> set[tuple[int, int]]:
+    """The (first matrix's, the others') quant type ids of the mv4_mixed launches that plan_shared_input makes for
+    these lists of matrices (one list per layer)."""
+    out = set()
+    for Ws in projections:
+        for order, two in plan_shared_input(Ws, mixed):
+            if two:
+                out.add((int(Ws[order[0]].qt), int(Ws[order[1]].qt)))
+    return out
+
+
+def load_mixed(table, pairs) -> None:
+    """cuda_src/mv_mixed.cu's mv4_mixed for these type pairs, compiled now and added to the kernel table (so
+    table("mv4_mixed", (qg, qu)) finds them, as the decode step's launches ask)."""
+    if not pairs:
+        return
+    from engine.cuda import kernels as loader
+    pairs = sorted(pairs)
+    mod = loader.load("mv_mixed", qtypes=(), pairs=pairs)
+    for qg, qu in pairs:
+        table.register("mv4_mixed", (qg, qu), mod.get_function(f"mv4_mixed<{qg}, {qu}>"))
+
+
 class MappedInts:
     """A few int32 in pinned host memory that kernels read and write through their device address."""
 
@@ -94,6 +147,45 @@ class Launcher:
           (*(U64(W.ptr) for W in Ws), I64(Ws[0].row_bytes), ptr(x), ptr(norm), F32(self.cfg.rms_eps),
            *(ptr(y) for y in ys), *(ptr(b) for b in biases), *(I32(W.rows) for W in Ws), I32(Ws[0].cols)),
           shared_mem=self.smem(f, Ws[0].cols, True))
+
+    def mv_many(self, Ws, x, ys, norm=None, conv=None, tag="mv4", mixed: bool = False):
+        """ys[i] = Ws[i] @ xn for every i, xn = rmsnorm(x) * norm when given, in the launches of
+        plan_shared_input(Ws, mixed): dense.cu mv4 for one quant type, mv_mixed.cu mv4_mixed for a matrix of another
+        type beside them (mixed: the caller has loaded those kernels, load_mixed). conv = (conv_state, conv_w,
+        d_conv): Ws[0] is a GDN layer's attn_qkv and ys[0] gets the conv of its outputs (the kernels' epilogue;
+        conv_state shifts in place)."""
+        if conv is not None and (conv[0].shape != (conv[2] - 1, Ws[0].rows) or conv[1].shape != (Ws[0].rows, conv[2])
+                                 or not 2 <= conv[2] <= 32):
+            raise ValueError(f"mv_many's conv: a state of shape {conv[0].shape} and taps {conv[1].shape} for "
+                             f"{Ws[0].rows} channels of width {conv[2]}; want ({conv[2] - 1}, channels) and "
+                             f"(channels, {conv[2]}), a width of 2 to 32")
+        for order, two_types in plan_shared_input(Ws, mixed):
+            mats, outs = [Ws[i] for i in order], [ys[i] for i in order]
+            pad = MV4_MAX - len(order)
+            conv_m = order.index(0) if conv is not None and 0 in order else -1
+            state, taps, d_conv = conv if conv_m >= 0 else (None, None, 0)
+            W0 = mats[0]
+            if two_types:
+                f = self.kernels("mv4_mixed", (W0.qt, mats[1].qt), tag)
+                rest = sum(W.rows for W in mats[1:])
+                grid = (W0.rows + MV_WARPS - 1) // MV_WARPS + (rest + MV_WARPS - 1) // MV_WARPS
+                strides = (I64(W0.row_bytes), I64(mats[1].row_bytes))
+            else:
+                f = self.kernels("mv4", W0.qt, tag)
+                grid = (sum(W.rows for W in mats) + MV_WARPS - 1) // MV_WARPS
+                strides = (I64(W0.row_bytes),)
+            f((grid,), (32 * MV_WARPS,),
+              (*(U64(W.ptr) for W in mats), *(NULL,) * pad, *strides, ptr(x), ptr(norm), F32(self.cfg.rms_eps),
+               *(ptr(y) for y in outs), *(NULL,) * pad, *(I32(W.rows) for W in mats), *(I32(0),) * pad,
+               I32(W0.cols), ptr(state), ptr(taps), I32(d_conv), I32(conv_m)),
+              shared_mem=self.smem(f, W0.cols, True))
+
+    def mv_gated(self, W, x, gate, y, tag="wo"):
+        """y += W @ (x * sigmoid(gate)): a gated attention's output projection with its query gate (dense.cu)."""
+        f = self.kernels("mv_gated", W.qt, tag)
+        f(((W.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+          (U64(W.ptr), I64(W.row_bytes), ptr(x), ptr(gate), ptr(y), I32(W.rows), I32(W.cols)),
+          shared_mem=self.smem(f, W.cols, True))
 
     def swiglu(self, Wg, Wu, x, h, norm=None, tag="swiglu_mv"):
         """h = silu(Wg @ xn) * (Wu @ xn), xn = rmsnorm(x) * norm when given."""
