@@ -87,6 +87,29 @@ def test_qt_templates_are_instantiated_for_every_type(tmp_path):
     assert "(void*)&k1<12>" in b.instantiation_source()
 
 
+@pytest.mark.parametrize("bounds_at", ["before void", "after void", "before __global__"])
+def test_qt_templates_are_found_wherever_launch_bounds_stand(tmp_path, bounds_at):
+    """CUDA takes __launch_bounds__ before or after `void`; read at the wrong place it became a kernel's name."""
+    lb = "__launch_bounds__(128, 5)"
+    head = {"before void": f"__global__ {lb} void", "after void": f"__global__ void {lb}",
+            "before __global__": f"{lb} __global__ void"}[bounds_at]
+    p = tmp_path / "t.cu"
+    p.write_text(f"template <int QT>\n{head} k1(int a) {{}}\n")
+    (b,) = kernels.parse_builds(p)
+    assert b.instances == tuple(f"k1<{q.id}>" for q in kernels.QTYPES.values())
+
+
+def test_every_kernel_of_the_sources_is_found():
+    """Each __global__ of the engine's files (outside comments) is a kernel the loader's pattern names (the
+    per-qtype modules, matvec.cu's macro-made kernels among them, are fetched by name, not found by it)."""
+    import re
+    for f in kernels.ENGINE_FILES:
+        path = kernels.CUDA_SRC / f
+        text = re.sub(r"//[^\n]*", "", path.read_text())
+        names = kernels._GLOBAL_RE.findall(text)
+        assert "__launch_bounds__" not in names and len(names) == text.count("__global__"), (path.name, names)
+
+
 def test_bad_build_line_is_refused(tmp_path):
     p = tmp_path / "x.cu"
     p.write_text("// @build 1BAD=2\n")

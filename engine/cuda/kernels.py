@@ -29,10 +29,12 @@ from engine.cuda.quant_types import QTYPES, qtype
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 STD = "-std=c++17"
 _BUILD_RE = re.compile(r"^\s*//\s*@build\b(.*)$")
-_QT_TEMPLATE_RE = re.compile(r"template\s*<\s*int\s+QT\s*>\s*(?:__launch_bounds__\s*\([^)]*\)\s*)?"
-                             r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)\s*\(")
-_QT2_TEMPLATE_RE = re.compile(r"template\s*<\s*int\s+QG\s*,\s*int\s+QU\s*>\s*(?:__launch_bounds__\s*\([^)]*\)\s*)?"
-                              r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)\s*\(")
+# __launch_bounds__ may stand before or after `void` (CUDA takes both): a pattern that allowed only one place would
+# read the other as a kernel named __launch_bounds__
+_BOUNDS = r"(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+_KERNEL = r"__global__\s+" + _BOUNDS + r"void\s+" + _BOUNDS + r"(\w+)\s*\("
+_QT_TEMPLATE_RE = re.compile(r"template\s*<\s*int\s+QT\s*>\s*" + _BOUNDS + _KERNEL)
+_QT2_TEMPLATE_RE = re.compile(r"template\s*<\s*int\s+QG\s*,\s*int\s+QU\s*>\s*" + _BOUNDS + _KERNEL)
 
 
 @dataclass(frozen=True)
@@ -173,8 +175,7 @@ def quant_function(name: str, kernel: str, t, **defines):
 
 # The engine's kernel table: these files' kernels, templated ones for the model's quant types.
 ENGINE_FILES = ("dense.cu", "norm_rope.cu", "attention.cu", "router.cu", "moe.cu", "sample.cu", "moe_oss.cu")
-_BOUNDS = r"(?:__launch_bounds__\s*\([^)]*\)\s*)?"
-_GLOBAL_RE = re.compile(r"__global__\s+" + _BOUNDS + r"void\s+" + _BOUNDS + r"(\w+)\s*\(")
+_GLOBAL_RE = re.compile(_KERNEL)
 
 
 class Kernels:
