@@ -10,8 +10,9 @@ layer's ffn_norm weight, optionally with a direction shared by each prompt's tok
 NumPy engine on prompts of random tokens and takes the real router inputs (minutes for 48 layers at hidden 2048, so
 a model with few experts, whose hidden states are routed through a preset's 128-expert routers: --route-preset).
 Half the prompts rank each layer's experts by how often they are routed to, the other half is measured against
-caches that hold the top 25/41/50/67/100% of them, which is what a profile-started VRAM tier does (docs/design.md "Decode"); the
-second table learns and measures within each prompt, as the engine's adaptive tier follows one conversation.
+caches that hold the top 25/41/50/67/100% of them (--fractions), which is what a profile-started VRAM tier does
+(docs/design.md "Decode"); the second table learns and measures within each prompt, as the engine's adaptive tier
+follows one conversation; its LRU row serves each prompt's second half from an LRU cache warmed on the first.
 The global row ranks (layer, expert) pairs across all layers together, as one cache budget for the model does.
 
 TARGET is the curve a trained MoE's routing gives (see its comment); the benchmark model should land near it so that
@@ -91,19 +92,20 @@ LRU_FRACTION = 0.40
 WINDOW = 8
 
 
-def lru_hits(ids: np.ndarray, capacity: int) -> float:
-    """Hit rate of an LRU cache of `capacity` experts serving one sequence's routings ids (T, k), cold start."""
+def lru_hits(ids: np.ndarray, capacity: int, warm: int = 0) -> float:
+    """Hit rate of an LRU cache of `capacity` experts serving one sequence's routings ids (T, k), cold start; the
+    first `warm` tokens only fill it (their hits are not counted)."""
     cache: dict[int, None] = {}
     hits = 0
-    for row in ids:
+    for t, row in enumerate(ids):
         for e in row.tolist():
             if e in cache:
-                hits += 1
+                hits += t >= warm
                 del cache[e]
             elif len(cache) >= capacity:
                 del cache[next(iter(cache))]
             cache[e] = None
-    return hits / ids.size
+    return hits / ids[warm:].size
 
 
 def temporal_stats(ids: np.ndarray, n_expert: int, window: int = WINDOW,
@@ -122,36 +124,54 @@ def temporal_stats(ids: np.ndarray, n_expert: int, window: int = WINDOW,
             f"lru_{round(lru_fraction * 100)}": lru_hits(ids, max(1, round(lru_fraction * n_expert)))}
 
 
+def route(router, x: np.ndarray, k: int) -> np.ndarray:
+    """The top k expert ids of router inputs x (..., n_embd) -> (n, k); router is (weight, norm weight, bias)."""
+    w, _, b = router
+    return topk_ids(x.reshape(-1, x.shape[-1]) @ w.T + b, k)
+
+
 def temporal_table(routers, k: int, prompts: list[np.ndarray]) -> dict[str, float]:
     """temporal_stats averaged over layers and prompts (each prompt one sequence, tokens in order)."""
     n_expert = routers[0][0].shape[0]
     acc: dict[str, list[float]] = {}
-    for (w, _), x in zip(routers, prompts):
+    for r, x in zip(routers, prompts):
         for p in x:
-            for key, v in temporal_stats(topk_ids(p @ w.T, k), n_expert).items():
+            for key, v in temporal_stats(route(r, p, k), n_expert).items():
                 acc.setdefault(key, []).append(v)
     return {key: float(np.mean(v)) for key, v in acc.items()}
 
 
 # --- where the routers come from ---------------------------------------------------------------------------------
 
-def preset_routers(shape, seed: int, **router_args) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(router (n_expert, n_embd), ffn_norm weight (n_embd,)) per layer, made exactly as make_moe writes them."""
+def _ffn_norm(arch: str) -> str:
+    return "post_attention_norm" if arch == "gpt-oss" else "ffn_norm"   # gpt-oss's FFN norm (engine/arch/gptoss.py)
+
+
+def preset_routers(shape, seed: int, **router_args) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(router (n_expert, n_embd), FFN norm weight (n_embd,), router bias (n_expert,): gpt-oss's, else zeros) per
+    layer, made exactly as make_moe writes them."""
     from gguf import GGMLQuantizationType as Q
+    from tools import gptoss_plan
     from tools import make_moe as mm
     types_ = {g: Q.F32 for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
-    specs = mm.plan(shape, types_, 1)       # the vocabulary size changes no tensor's index
+    # the vocabulary size changes no tensor's index
+    specs = gptoss_plan.plan(shape, types_, 1, mm.TensorSpec) if shape.arch == "gpt-oss" else mm.plan(shape, types_, 1)
+    wanted = {"ffn_gate_inp.weight": 0, f"{_ffn_norm(shape.arch)}.weight": 1, "ffn_gate_inp.bias": 2}
     out = {}
     for i, t in enumerate(specs):
-        if t.init == "router" or t.name.endswith("ffn_norm.weight"):
+        part = wanted.get(t.name.split(".", 2)[-1]) if t.layer >= 0 else None
+        if part is not None:
             raw = mm.tensor_bytes(t, i, shape, seed, **router_args)
-            out.setdefault(t.layer, {})[t.init] = raw.view("<f4").reshape(t.shape).astype(np.float32)
-    return [(out[il]["router"], out[il]["norm"]) for il in sorted(out)]
+            out.setdefault(t.layer, {})[part] = raw.view("<f4").reshape(t.shape).astype(np.float32)
+    return [(o[0], o[1], o.get(2, np.zeros(shape.n_expert, np.float32))) for _, o in sorted(out.items())]
 
 
-def file_routers(model) -> list[tuple[np.ndarray, np.ndarray]]:
-    return [(model.dequant(f"blk.{il}.ffn_gate_inp.weight"), model.dequant(f"blk.{il}.ffn_norm.weight"))
-            for il in range(model.config.n_layer)]
+def file_routers(model) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    cfg, norm = model.config, _ffn_norm(model.config.arch)
+    return [(model.dequant(f"blk.{il}.ffn_gate_inp.weight"), model.dequant(f"blk.{il}.{norm}.weight"),
+             model.dequant(f"blk.{il}.ffn_gate_inp.bias") if model.has(f"blk.{il}.ffn_gate_inp.bias")
+             else np.zeros(cfg.n_expert, np.float32))
+            for il in range(cfg.n_layer)]
 
 
 def random_inputs(rng: np.random.Generator, n: int, norm_w: np.ndarray, common: float = 0.0) -> np.ndarray:
@@ -219,55 +239,80 @@ def random_prompts(routers, n_prompts: int, prompt_len: int, common: float, seed
     """random_inputs for every layer, (n_prompts, prompt_len, n_embd), one shared direction per prompt and layer."""
     rng = np.random.default_rng(seed)
     return [np.stack([random_inputs(rng, prompt_len, norm_w, common) for _ in range(n_prompts)])
-            for _, norm_w in routers]
+            for _, norm_w, _ in routers]
 
 
 # --- the report --------------------------------------------------------------------------------------------------
 
-def curves(routers, k: int, prompts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-layer curves (n_layer, len(FRACTIONS)) and the global one, the ranking learnt on the first half of the
+def curves(routers, k: int, prompts: list[np.ndarray], fractions=FRACTIONS) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer curves (n_layer, len(fractions)) and the global one, the ranking learnt on the first half of the
     prompts and measured on the other half: a cache made from one workload's profile, serving another's."""
     learn, measure = [], []
-    for (w, _), x in zip(routers, prompts):
+    for r, x in zip(routers, prompts):
         half = max(1, len(x) // 2)
-        ids = topk_ids(x.reshape(-1, x.shape[-1]) @ w.T, k).reshape(len(x), -1, k)
+        ids = route(r, x, k).reshape(len(x), -1, k)
         learn.append(ids[:half].reshape(-1, k))
         measure.append(ids[half:].reshape(-1, k))
     n_expert = routers[0][0].shape[0]
-    per_layer = np.array([hit_curve(a, b, n_expert) for a, b in zip(learn, measure)])
-    return per_layer, global_curve(learn, measure, n_expert)
+    per_layer = np.array([hit_curve(a, b, n_expert, fractions) for a, b in zip(learn, measure)])
+    return per_layer, global_curve(learn, measure, n_expert, fractions)
 
 
-def prompt_curves(routers, k: int, prompts: list[np.ndarray]) -> np.ndarray:
+def prompt_curves(routers, k: int, prompts: list[np.ndarray], fractions=FRACTIONS) -> np.ndarray:
     """Per-layer curves learnt and measured within each prompt (its first half, then its second), averaged over
     the prompts: what an adaptive cache that follows one conversation sees (the engine's, docs/design.md "Decode")."""
     n_expert = routers[0][0].shape[0]
-    out = np.zeros((len(routers), len(FRACTIONS)))
-    for il, ((w, _), x) in enumerate(zip(routers, prompts)):
+    out = np.zeros((len(routers), len(fractions)))
+    for il, (r, x) in enumerate(zip(routers, prompts)):
         half = x.shape[1] // 2
         for p in x:
-            ids = topk_ids(p @ w.T, k)
-            out[il] += hit_curve(ids[:half], ids[half:], n_expert)
+            ids = route(r, p, k)
+            out[il] += hit_curve(ids[:half], ids[half:], n_expert, fractions)
     return out / len(prompts[0])
 
 
-def table(per_layer: np.ndarray, glob: np.ndarray | None, all_layers: bool, n_expert: int) -> str:
-    held = cached_fractions(n_expert)
-    head = "| layer | " + " | ".join(f"{f:.0%}" for f in held) + " |"
-    lines = [head, "|" + " --- |" * (len(FRACTIONS) + 1)]
+def lru_curve(routers, k: int, prompts: list[np.ndarray], fractions=FRACTIONS) -> np.ndarray:
+    """Per layer, an LRU cache of each fraction of the layer's experts warmed on each prompt's first half and
+    measured on its second, averaged over the prompts: a cache that follows only the most recent routing."""
+    n_expert = routers[0][0].shape[0]
+    caps = [max(1, round(f * n_expert)) for f in fractions]
+    out = np.zeros((len(routers), len(fractions)))
+    for il, (r, x) in enumerate(zip(routers, prompts)):
+        for p in x:
+            ids = route(r, p, k)
+            out[il] += [lru_hits(ids, c, len(ids) // 2) for c in caps]
+    return out / len(prompts[0])
+
+
+def table(per_layer: np.ndarray, glob: np.ndarray | None, all_layers: bool, n_expert: int,
+          fractions=FRACTIONS, extra: dict[str, np.ndarray] | None = None) -> str:
+    held = cached_fractions(n_expert, fractions)
+    head = "| layer | " + " | ".join(f"{f:.1%}" for f in held) + " |"
+    lines = [head, "|" + " --- |" * (len(fractions) + 1)]
     row = lambda name, v: f"| {name} | " + " | ".join(f"{x:.3f}" for x in v) + " |"
     if all_layers:
         lines += [row(str(il), v) for il, v in enumerate(per_layer)]
     lines += [row("mean", per_layer.mean(0)), row("min", per_layer.min(0)), row("max", per_layer.max(0))]
     if glob is not None:
         lines.append(row("global", glob))
+    lines += [row(name, v) for name, v in (extra or {}).items()]
     lines.append(row("TARGET", [target_at(f) for f in held]))
     return "\n".join(lines)
 
 
-def off_target(curve: np.ndarray, n_expert: int) -> float:
+def off_target(curve: np.ndarray, n_expert: int, fractions=FRACTIONS) -> float:
     """The largest distance of a curve from TARGET, at the fractions the cache really holds."""
-    return float(np.max(np.abs(curve - np.array([target_at(f) for f in cached_fractions(n_expert)]))))
+    return float(np.max(np.abs(curve - np.array([target_at(f) for f in cached_fractions(n_expert, fractions)]))))
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        fs = tuple(sorted({float(f) for f in text.split(",")}))
+    except ValueError:
+        fs = ()
+    if not fs or not all(0 < f <= 1 for f in fs):
+        raise argparse.ArgumentTypeError(f"{text!r}: give fractions of the experts in (0, 1], e.g. 0.15,0.35,1")
+    return fs
 
 
 def _preset_routers(mm, name: str, n_layer: int | None, seed: int, zipf_s: float | None):
@@ -304,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-gain", type=float, default=1.0, metavar="G",
                     help="with --forward: multiply the model's q and k by G first, as make_moe --attn-gain does "
                          "(calibrate the gain on one file)")
+    ap.add_argument("--fractions", type=_fractions, default=FRACTIONS, metavar="F,F,..",
+                    help="cache sizes to measure, as fractions of each layer's experts (default: "
+                         + ",".join(f"{f:g}" for f in FRACTIONS) + ")")
     ap.add_argument("--layers", action="store_true", help="print every layer, not just the summary")
     a = ap.parse_args(argv)
 
@@ -335,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.forward:
         prompts = forward_inputs(model, a.prompts, a.prompt_len, a.seed + 1, a.attn_gain)
         if a.route_preset:      # the model's hidden states with the preset's ffn_norm weights, as make_moe writes
-            prompts = [x / nf * nr for x, (_, nf), (_, nr) in zip(prompts, file_routers(model), routers)]
+            prompts = [x / nf * nr for x, (_, nf, _), (_, nr, _) in zip(prompts, file_routers(model), routers)]
         inputs = "the CPU forward's router inputs"
         print("bench.routing: share of the router inputs' energy in their prompt's mean, by layer: " + ", ".join(
             f"{il}: {shared_energy(x):.2f}" for il, x in enumerate(prompts)
@@ -347,14 +395,16 @@ def main(argv: list[str] | None = None) -> int:
     n_expert = routers[0][0].shape[0]
     print(f"bench.routing: {name}: {len(routers)} layers, {n_expert} experts, top {k}; {inputs}, "
           f"{a.prompts} prompts of {a.prompt_len} tokens")
-    per_layer, glob = curves(routers, k, prompts)
+    fs = a.fractions
+    per_layer, glob = curves(routers, k, prompts, fs)
     print("ranking learnt on half the prompts, measured on the others:")
-    print(table(per_layer, glob, a.layers, n_expert))
-    off = off_target(per_layer.mean(0), n_expert)
+    print(table(per_layer, glob, a.layers, n_expert, fs))
+    off = off_target(per_layer.mean(0), n_expert, fs)
     print(f"mean curve at most {off:.3f} from TARGET: {'within' if off <= BAND else 'OUTSIDE'} the band of {BAND}")
-    within = prompt_curves(routers, k, prompts)
-    print("ranking learnt on each prompt's first half, measured on its second (an adaptive cache):")
-    print(table(within, None, a.layers, n_expert))
+    within = prompt_curves(routers, k, prompts, fs)
+    print("ranking learnt on each prompt's first half, measured on its second (an adaptive cache); LRU: the mean "
+          "of an LRU cache per layer warmed on the first half:")
+    print(table(within, None, a.layers, n_expert, fs, {"LRU": lru_curve(routers, k, prompts, fs).mean(0)}))
     tt = temporal_table(routers, k, prompts)
     print("over time (mean of layers and prompts; a trained Qwen3-30B-A3B's in brackets): " + ", ".join(
         f"{key} {v:.3f} ({TEMPORAL_TARGET[key]:.3f})" for key, v in tt.items()))

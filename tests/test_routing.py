@@ -1,4 +1,5 @@
 """bench/routing.py: the frequency-ranked cache curve, and make_moe's routers landing on its TARGET. CPU only."""
+import argparse
 from dataclasses import replace
 
 import numpy as np
@@ -57,25 +58,46 @@ def test_band_rejects_flat_and_overskewed_routers(zipf_s):
         np.testing.assert_allclose(per_layer.mean(0), rt.cached_fractions(n_expert), atol=0.02)
 
 
-def test_file_routers_are_the_in_memory_ones_and_forward_runs(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "gpt-oss-tiny"])
+def test_file_routers_are_the_in_memory_ones_and_forward_runs(tmp_path, preset):
+    # gpt-oss: its own tensor plan, post_attention_norm as the FFN norm, and a router bias
     gm = pytest.importorskip("engine.gguf_model")
-    path = tmp_path / "tiny.gguf"
-    assert mm.main(["--preset", "tiny", "--seed", "5", "--out", str(path)]) == 0
+    path = tmp_path / f"{preset}.gguf"
+    assert mm.main(["--preset", preset, "--seed", "5", "--out", str(path)]) == 0
     model = gm.open_model(path)
+    p = mm.PRESETS[preset]
     from_file = rt.file_routers(model)
-    in_memory = rt.preset_routers(mm.PRESETS["tiny"].shape, 5, zipf_s=mm.PRESETS["tiny"].zipf_s)
+    in_memory = rt.preset_routers(p.shape, 5, zipf_s=p.zipf_s)
     assert len(from_file) == len(in_memory) == 4
-    for (wf, nf), (wm, nm) in zip(from_file, in_memory):
-        assert np.array_equal(wf, wm) and np.array_equal(nf, nm)
+    for f, m in zip(from_file, in_memory):
+        assert all(np.array_equal(a, b) for a, b in zip(f, m))
+    assert np.any(in_memory[0][2] != 0) == (preset == "gpt-oss-tiny")
+    k = p.shape.n_expert_used
     hidden = rt.forward_inputs(model, 2, 32, 0)
     assert [h.shape for h in hidden] == [(2, 32, 256)] * 4
     assert all(np.isfinite(h).all() for h in hidden)
     # the router input is RMS-normed: unit RMS before the norm weight
     np.testing.assert_allclose(np.sqrt(np.mean((hidden[1] / in_memory[1][1]) ** 2, axis=-1)), 1, rtol=1e-3)
-    per_layer, glob = rt.curves(from_file, 2, hidden)
-    within = rt.prompt_curves(from_file, 2, hidden)
-    for c in (per_layer, within):
-        assert c.shape == (4, len(rt.FRACTIONS)) and np.all(c[:, -1] == 1.0)
+    if preset == "gpt-oss-tiny":     # the routing is the engine's, bias included: its router's ids for the inputs
+        from engine.backend_cpu import CPUBackend
+        engine_ids, _ = CPUBackend(model, 32, warm=False).net.router(1, hidden[1][0])
+        ids = rt.route(from_file[1], hidden[1][0], k)
+        assert np.array_equal(np.sort(ids, axis=1), np.sort(engine_ids, axis=1))
+    fs = (0.25, 0.5, 1.0)
+    per_layer, glob = rt.curves(from_file, k, hidden, fs)
+    within = rt.prompt_curves(from_file, k, hidden, fs)
+    lru = rt.lru_curve(from_file, k, hidden, fs)
+    for c in (per_layer, within, lru):
+        assert c.shape == (4, len(fs)) and np.all(np.diff(c, axis=1) >= 0)
+    assert np.all(per_layer[:, -1] == 1.0) and np.all(within[:, -1] == 1.0)
+    # an LRU of every expert misses only an expert's first routing in the prompt (those in the first half uncounted)
+    for il in range(4):
+        first_seen = []
+        for x in hidden[il]:
+            flat = rt.route(from_file[il], x, k).ravel()
+            seen_before = np.array([e in flat[:i] for i, e in enumerate(flat)])
+            first_seen.append(seen_before[len(flat) // 2:].mean())
+        assert lru[il, -1] == pytest.approx(np.mean(first_seen))
 
 
 def test_cli_prints_the_curve_beside_the_target(capsys):
@@ -83,6 +105,13 @@ def test_cli_prints_the_curve_beside_the_target(capsys):
     out = capsys.readouterr().out
     assert "zipf-s 0.2" in out and "| 1 |" in out and "| TARGET | 0.450 | 0.606 | 0.700 | 0.831 | 1.000 |" in out
     assert "within the band" in out and "an adaptive cache" in out
+    assert rt.main(["--preset", "qwen3-30b-a3b", "--n-layer", "1", "--prompts", "2", "--fractions", "1,0.15"]) == 0
+    out = capsys.readouterr().out       # 0.15 of 128 experts is 19: 14.8%
+    assert "| layer | 14.8% | 100.0% |" in out and "| LRU |" in out
+    assert rt._fractions("0.5,0.15,0.5") == (0.15, 0.5)
+    for bad in ("0", "1.5", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="fractions of the experts"):
+            rt._fractions(bad)
     for argv, message in ((["--preset", "tiny", "--forward"], "need --model"),
                           (["--model", "x.gguf", "--route-preset", "tiny"], "--route-preset needs --forward"),
                           (["--prompts", "1"], "at least 2")):
@@ -123,6 +152,7 @@ def test_temporal_stats_count_repeats_windows_and_lru_hits():
                                                                       "lru_50": 0.5}
     assert rt.lru_hits(np.array([[0], [1], [2], [0]]), 2) == 0.0      # 0 was evicted by 2
     assert rt.lru_hits(np.array([[0], [1], [0], [2], [0]]), 2) == 0.4  # 0 kept fresh, 1 evicted
+    assert rt.lru_hits(np.array([[0], [1], [0], [2], [0]]), 2, warm=2) == 2 / 3   # t2 and t4 hit, t3 misses
     rng = np.random.default_rng(0)
     chance = rt.temporal_stats(np.array([rng.choice(128, 8, replace=False) for _ in range(3000)]), 128)
     assert chance["repeat_next"] == pytest.approx(8 / 128, abs=0.01)   # the 6% the trained traces compare with
