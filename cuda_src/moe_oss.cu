@@ -39,7 +39,7 @@ __device__ __forceinline__ float4 mx4_codes(const uint32_t (&q)[4], int f) {
     return make_float4(strata_h2f((uint16_t)(lo & 0xffff)), strata_h2f((uint16_t)(lo >> 16)),
                        strata_h2f((uint16_t)(hi & 0xffff)), strata_h2f((uint16_t)(hi >> 16)));
 }
-// A block's dot with its 32 x (xb, 16-byte aligned), both rows of a pair (gate, up) against the same x. The lane
+// A block's dot with its 32 x (xb, 16-byte aligned); mx4_dot2: two rows' blocks (gate, up) against the same x. The lane
 // walks the block's float4s from its own start, (k + lane) % 8: the 8 lanes of a shared-memory phase read 8
 // different banks' quads though their blocks lie 128 bytes apart (in order they would all hit the same 4 banks).
 __device__ __forceinline__ float mx4_dot(const Mx4Raw& r, const float* xb, int lane) {
@@ -76,10 +76,10 @@ __device__ __forceinline__ void mx4_dot2(const Mx4Raw& ra, const Mx4Raw& rb, con
 // Launch bounds: blocks of 128 threads (launch.py's MV_WARPS = 4); MXFP4's batches of loads in flight take 159
 // registers unbounded (3 blocks an SM), 94 at 5 blocks an SM, without spills.
 template <int QT>
-__global__ __launch_bounds__(128, 5) void moe_gate_up_oai(const unsigned long long* __restrict__ table, const int* __restrict__ ids,
-                                long long up_off, long long row_bytes, const float* __restrict__ x,
-                                const float* __restrict__ norm_w, float eps, float* __restrict__ h, int n_ff, int ncols,
-                                int k, const float* __restrict__ bg, const float* __restrict__ bu) {
+__global__ __launch_bounds__(128, 5) void moe_gate_up_oai(
+    const unsigned long long* __restrict__ table, const int* __restrict__ ids, long long up_off, long long row_bytes,
+    const float* __restrict__ x, const float* __restrict__ norm_w, float eps, float* __restrict__ h, int n_ff,
+    int ncols, int k, const float* __restrict__ bg, const float* __restrict__ bu) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int j = blockIdx.y, t = blockIdx.z;
@@ -127,10 +127,10 @@ __global__ __launch_bounds__(128, 5) void moe_gate_up_oai(const unsigned long lo
 // row over all k experts (k <= 32); with stage, h[t] (k * n_ff floats) from shared memory (staged_bytes(k * n_ff)).
 // 4 blocks an SM: what the staged h of gpt-oss (4 x 2880 floats, 46 KiB) leaves room for anyway.
 template <int QT>
-__global__ __launch_bounds__(128, 4) void moe_down_bias(const unsigned long long* __restrict__ table, const int* __restrict__ ids,
-                              const float* __restrict__ weights, long long down_off, long long row_bytes,
-                              const float* __restrict__ h, float* __restrict__ out, int n_embd, int n_ff, int k,
-                              int stage, const float* __restrict__ bd) {
+__global__ __launch_bounds__(128, 4) void moe_down_bias(
+    const unsigned long long* __restrict__ table, const int* __restrict__ ids, const float* __restrict__ weights,
+    long long down_off, long long row_bytes, const float* __restrict__ h, float* __restrict__ out, int n_embd,
+    int n_ff, int k, int stage, const float* __restrict__ bd) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int t = blockIdx.y;
