@@ -86,7 +86,7 @@ def global_curve(learn: list[np.ndarray], measure: list[np.ndarray], n_expert: i
 # How a trained MoE's routing moves from token to token, from published Qwen3-30B-A3B decode traces (128 experts,
 # top 8): ~45% of a token's experts were also the previous token's (chance: 8/128 = 6%), ~80% were used within the
 # previous 8 tokens, and an LRU cache holding 40% of each layer's experts hits 90-95%. TEMPORAL_TARGET holds the
-# middle of each; make_moe's --routing trained is calibrated to land near it (docs/experiments.md).
+# middle of each; make_moe's --routing trained is calibrated, per arch, to land near it (docs/experiments.md).
 TEMPORAL_TARGET = {"repeat_next": 0.45, "within_8": 0.80, "lru_40": 0.925}
 LRU_FRACTION = 0.40
 WINDOW = 8

@@ -364,6 +364,22 @@ def test_routing_setting_is_an_attention_gain(tmp_path):
         mm.main(["--preset", "tiny", "--routing", "spread", "--attn-gain", "2", "--dry-run"])
 
 
+def test_trained_routing_gain_is_per_arch(tmp_path):
+    # gpt-oss routes less stickily than qwen3moe at the same gain, so its --routing trained has its own (measured)
+    # gain; the Qwen presets keep 1.2 and spread stays 3 everywhere
+    oss = mm.ARCH_ROUTING_GAINS["gpt-oss"]["trained"]
+    assert oss < mm.ROUTING_GAINS["trained"] == 1.2
+    assert mm.routing_gain("trained", "qwen3moe") == 1.2 and mm.routing_gain("trained", "qwen2moe") == 1.2
+    assert mm.routing_gain("spread", "gpt-oss") == mm.routing_gain("spread", "qwen3moe") == 3.0
+    files = {}
+    for name, args in (("trained", ["--routing", "trained"]), ("calibrated", ["--attn-gain", str(oss)]),
+                       ("qwen_gain", ["--attn-gain", "1.2"])):
+        files[name] = tmp_path / f"{name}.gguf"
+        assert mm.main(["--preset", "gpt-oss-tiny", "--n-layer", "1", *args, "--out", str(files[name])]) == 0
+    trained = files["trained"].read_bytes()
+    assert trained == files["calibrated"].read_bytes() and trained != files["qwen_gain"].read_bytes()
+
+
 def test_benches_make_the_recipe_and_routing_asked_for(monkeypatch, tmp_path):
     from bench import decode
     ran = []

@@ -261,6 +261,19 @@ ATTN_GAIN = 1.0
 # 0.30/0.74/0.82. --routing trained is 1.2; --routing spread is 3 (tokens route nearly independently: the pessimistic
 # end); decode figures at both bracket what a user sees.
 ROUTING_GAINS = {"trained": 1.2, "spread": 3.0}
+# gpt-oss routes far less stickily at the same gain (its alternate 128-token windows and attention sinks keep less of
+# the prompt's mean in the residual). On a 36-layer cut of the 120b with 16 experts, routed through the preset's
+# 128-expert routers (docs/experiments.md, "gpt-oss-120b's expert-cache hit rate"): 1.2 gives 0.16/0.57/0.83, 0.8
+# 0.29/0.72/0.93, 0.6 0.36/0.79/0.95, 0.5 0.41/0.82/0.96, 0.4 0.46/0.84/0.96; 0.5 has the smallest largest gap to
+# the target (0.036). The 20b (24 layers) shares it, not measured.
+ARCH_ROUTING_GAINS = {"gpt-oss": {"trained": 0.5}}
+
+
+def routing_gain(routing: str, arch: str) -> float:
+    """The attention gain --routing ROUTING means for this arch."""
+    return ARCH_ROUTING_GAINS.get(arch, {}).get(routing, ROUTING_GAINS[routing])
+
+
 ZIPF_S = 0.2               # qwen3-30b-a3b's; the default for shapes made with --n-expert
 
 
@@ -647,8 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"multiply attention q and k by G (default {ATTN_GAIN}); 3 keeps a random model's tokens "
                          f"from all routing alike (see below)")
     ap.add_argument("--routing", choices=sorted(ROUTING_GAINS),
-                    help="set --attn-gain for routing over time like a trained model's (trained: 1.2) or nearly "
-                         "independent per token (spread: 3)")
+                    help="set --attn-gain for routing over time like a trained model's (trained: 1.2, gpt-oss "
+                         f"{ARCH_ROUTING_GAINS['gpt-oss']['trained']:g}) or nearly independent per token (spread: 3)")
     ap.add_argument("--threads", type=int, help="generator threads (default: CPU count, at most 16)")
     ap.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
     ap.add_argument("--recipe", choices=sorted(RECIPES),
@@ -726,13 +739,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.zipf_s is not None and args.zipf_s < 0:
         raise SystemExit(f"make_moe: --zipf-s must be 0 (flat) or more, not {args.zipf_s}")
-    if args.routing:
-        if args.attn_gain != ATTN_GAIN:
-            raise SystemExit("make_moe: pass --routing or --attn-gain, not both")
-        args.attn_gain = ROUTING_GAINS[args.routing]
+    if args.routing and args.attn_gain != ATTN_GAIN:
+        raise SystemExit("make_moe: pass --routing or --attn-gain, not both")
     if not args.attn_gain > 0:
         raise SystemExit(f"make_moe: --attn-gain must be more than 0, not {args.attn_gain}")
     shape = resolve_shape(args)
+    if args.routing:
+        args.attn_gain = routing_gain(args.routing, shape.arch)
     if shape.arch == "gpt-oss":
         vocab = gptoss_plan.harmony_vocab(shape, read_vocab(_resolve_vocab(gptoss_plan.BASE_VOCAB)))
     else:
