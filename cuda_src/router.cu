@@ -101,7 +101,14 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int n_e
 // norm needs no launch of its own) and, in the last block, the routing. Grid ceil(n_expert / warps per block),
 // dynamic shared memory staged_bytes(ncols); n_expert <= ROUTER_MAX_EXPERTS, k <= ROUTER_MAX_K.
 #define ROUTER_MAX_EXPERTS 512
-#define ROUTER_F4 16       // float4 of an F32 row per lane in flight at once (16: a 2048-wide row in one round)
+// float4 of an F32 row per lane in flight at once. 24: a 3072-wide row in one round (gpt-oss's 2880; at 16 its last
+// 832 columns went through the loop below, seven dependent HBM round trips of one float4 a lane, ~5 of the launch's
+// ~11 us on the H200). The sum's order is the same at any value (the loop continues where the batch ends), so the
+// prefetch's router_predict still routes bit for bit as router_fused; narrower rows leave the extra loads predicated
+// off (the router's grid is n_expert / 4 blocks: its registers bound nothing).
+#ifndef ROUTER_F4           // a define, so that bench/decode_kernels.py can build the earlier 16 beside it
+#define ROUTER_F4 24
+#endif
 
 // Expert e's place among the n4 * 4 values in shared memory (v4; e's own value ve): how many are larger, or equal
 // with a lower id (ties go to the lower id, as route_warp's argmax rounds pick). route_block and prefetch.cu's

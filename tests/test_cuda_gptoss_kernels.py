@@ -190,7 +190,10 @@ def test_prompt_attention_sinks_window_ring(dtype, n_kv, group, hd, n_swa, chunk
 
 
 @gpu
-@pytest.mark.parametrize("qt,E,k,n_embd", [("F32", 32, 4, 256), ("Q8_0", 128, 4, 2880), ("F32", 16, 4, 64)])
+# F32 at gpt-oss-20b's own shape (32 x 2880: router.cu's ROUTER_F4 batch covers the row), at its boundary (3072) and
+# past it (4000: the rest of the row through row_dot's loop)
+@pytest.mark.parametrize("qt,E,k,n_embd", [("F32", 32, 4, 256), ("Q8_0", 128, 4, 2880), ("F32", 16, 4, 64),
+                                          ("F32", 32, 4, 2880), ("F32", 32, 4, 3072), ("F32", 40, 4, 4000)])
 def test_router_with_bias_softmaxes_the_chosen(K, qt, E, k, n_embd):
     from engine.cuda.launch import MV_WARPS, staged_bytes
     rng = np.random.default_rng()
