@@ -211,10 +211,58 @@ def bench_experts(cp, name, n_embd, n_ff, n_expert, k, oss, rng, launches=64, re
     best = _graph_time(cp, launch, launches, reps)
     assert bool(cp.isfinite(out).all()), f"{name} experts gave a non-finite output"
     moved = k * nbytes + (2 * n_embd + 2 * k * n_ff) * 4
+    row = {"type": name, "n_embd": n_embd, "n_ff": n_ff, "experts": n_expert, "k": k, "mb": k * nbytes / 1e6,
+           "us": best * 1e6, "gbps": moved / best / 1e9, "of_hbm": moved / best / HBM_CEILING}
+    if oss:
+        row.update(_oss_variants(cp, fg, fd, sm_g, sm_d, grid_g, grid_d, launch_args(table, ids, wts, x, norm, h, out,
+                                                                                      bias, up_off, down_off, rb_gu,
+                                                                                      rb_d, n_embd, n_ff, k),
+                                 x, norm, launches, reps))
     del blob, one
     cp.get_default_memory_pool().free_all_blocks()
-    return {"type": name, "n_embd": n_embd, "n_ff": n_ff, "experts": n_expert, "k": k, "mb": k * nbytes / 1e6,
-            "us": best * 1e6, "gbps": moved / best / 1e9, "of_hbm": moved / best / HBM_CEILING}
+    return row
+
+
+def launch_args(table, ids, wts, x, norm, h, out, bias, up_off, down_off, rb_gu, rb_d, n_embd, n_ff, k):
+    """moe_oss.cu's gate/up and down arguments for launch i, with x and its norm weights (None: x is normed)."""
+    i64, i32, f32 = np.int64, np.int32, np.float32
+
+    def gate_up(i, xv=x, nw=norm):
+        return (table, ids[i], i64(up_off), i64(rb_gu), xv, nw if nw is not None else np.uint64(0), f32(1e-5), h,
+                i32(n_ff), i32(n_embd), i32(k), bias[0], bias[1])
+
+    def down(i, stage):
+        return (table, ids[i], wts, i64(down_off), i64(rb_d), h, out, i32(n_embd), i32(n_ff), i32(k),
+                i32(1 if stage else 0), bias[2])
+    return gate_up, down
+
+
+def _oss_variants(cp, fg, fd, sm_g, sm_d, grid_g, grid_d, args, x, norm, launches, reps) -> dict:
+    """gpt-oss's expert kernels apart, and the two launch-side alternatives to the decode step's way: down reading h
+    from global memory (no 46 KiB of staged h a block, so more blocks an SM), and x normed once by rmsnorm (the
+    gate/up blocks then stage x without each reducing its norm). Microseconds a token's layer."""
+    from engine.cuda.kernels import load
+    from engine.cuda.launch import MV_WARPS
+    gate_up, down = args
+    blk = (32 * MV_WARPS,)
+    xn = cp.empty_like(x)
+    rms = load("norm_rope").get_function("rmsnorm")
+
+    def t(launch):
+        return round(_graph_time(cp, launch, launches, reps) * 1e6, 2)
+
+    def prenormed(i):
+        rms((1,), (256,), (x, norm, xn, np.int32(x.size), np.float32(1e-5)))
+        fg(grid_g, blk, gate_up(i, xn, None), shared_mem=sm_g)
+        fd(grid_d, blk, down(i, sm_d > 0), shared_mem=sm_d)
+
+    def unstaged(i):
+        fg(grid_g, blk, gate_up(i), shared_mem=sm_g)
+        fd(grid_d, blk, down(i, False), shared_mem=0)
+    return {"us_gate_up": t(lambda i: fg(grid_g, blk, gate_up(i), shared_mem=sm_g)),
+            "us_down": t(lambda i: fd(grid_d, blk, down(i, sm_d > 0), shared_mem=sm_d)),
+            "us_down_unstaged": t(lambda i: fd(grid_d, blk, down(i, False), shared_mem=0)),
+            "us_with_down_unstaged": t(unstaged), "us_prenormed": t(prenormed)}
 
 
 def main(argv=None):
@@ -266,6 +314,10 @@ def main(argv=None):
             experts.append(x)
             print(f"{n:8s} {n_embd:>6d} x {n_ff:<6d} {f'{k}/{n_expert}':>7s} {x['mb']:7.1f} {x['us']:8.1f} "
                   f"{x['gbps']:7.0f} {x['of_hbm'] * 100:10.0f}%  {what}", flush=True)
+            if oss:
+                print(f"#   {n}: gate/up alone {x['us_gate_up']} us, down alone {x['us_down']} (h from global memory: "
+                      f"{x['us_down_unstaged']}); both with down unstaged {x['us_with_down_unstaged']}, with x "
+                      f"normed once by rmsnorm {x['us_prenormed']}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"device_copy_gbps": copy_bps / 1e9, "hbm_ceiling_gbps": HBM_CEILING / 1e9,
                                         "rows": rows, "experts": experts}, indent=1))
