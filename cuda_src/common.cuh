@@ -298,69 +298,6 @@ __device__ __forceinline__ void q4k_dot2(const Q4KRaw& ra, const Q4KRaw& rb, con
     b += d0 * p0 + d1 * p1 - (mn0 * t0 + mn1 * t1);
 }
 
-// ---- Q8_0 rows with every load of a lane in flight ---------------------------------------------------------------
-// quant.cuh's dot_rows keeps four 8-element chunks a lane in flight, then waits on them: a 2880-wide Q8_0 row
-// (gpt-oss's q/k/v: 360 chunks, 11.25 a lane) costs six dependent HBM round trips that way (two steps of four, then
-// the tail a chunk at a time, divergent). Here a lane issues the loads of up to Q8_BATCH chunks of its row before any
-// arithmetic, and the staged mat-vecs (dense.cu staged_row_dot) issue them before the block stages x, so their latency
-// overlaps the staging. A chunk's quants sit at 2 (mod 4) or 0 in a 34-byte block: three aligned word loads and funnel
-// shifts (quant.cuh ld8_a1) instead of four 2-byte loads. The arithmetic is dequant8<Q8_0>'s and dot_rows', chunk by
-// chunk in the same ascending order: the same bits as before (the prefetch's router, which must match the step's
-// router bit for bit, shares dot_s).
-#ifndef Q8_BATCH        // a define, so that a bench can build variants (bench/matvec.py --decode --define)
-#define Q8_BATCH 16     // chunks a lane in flight: a 4096-wide row (gpt-oss's attn_output) in one round
-#endif
-struct Q8Raw {
-    uint32_t a, b, d;   // the chunk's 8 quant bytes, its block's fp16 scale
-};
-__device__ __forceinline__ Q8Raw q8_load(const uint8_t* __restrict__ row, int c) {
-    const uint8_t* b = row + (c >> 2) * 34;
-    Q8Raw r;
-    r.d = ld2(b);
-    ld8_a1(b + 2 + 8 * (c & 3), r.a, r.b);
-    return r;
-}
-// acc plus chunk c's 8 products with the staged x (dequant8<Q8_0>'s int8 + 128 trick, then dot_rows' fma order)
-__device__ __forceinline__ float q8_chunk(const Q8Raw& r, const float* xs, int c, float acc) {
-    const float d = strata_h2f((uint16_t)r.d);
-    float xv[8];
-    strata_load8(xs + 8 * c, xv);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc += (bytef(r.a ^ 0x80808080u, r.b ^ 0x80808080u, k, 128.f) * d) * xv[k];
-    return acc;
-}
-// a lane's chunks c0, c0 + 32, ... of a row of nc chunks, B a batch, every load of a batch before its arithmetic
-template <int B = Q8_BATCH>
-__device__ __forceinline__ float q8_dot_from(const uint8_t* __restrict__ row, const float* xs, int nc, int c0,
-                                             float acc) {
-    for (; c0 < nc; c0 += 32 * B) {
-        Q8Raw r[B];
-#pragma unroll
-        for (int i = 0; i < B; ++i)
-            if (c0 + 32 * i < nc) r[i] = q8_load(row, c0 + 32 * i);
-#pragma unroll
-        for (int i = 0; i < B; ++i)
-            if (c0 + 32 * i < nc) acc = q8_chunk(r[i], xs, c0 + 32 * i, acc);
-    }
-    return acc;
-}
-// a lane's first batch, loaded before the kernel stages x, and the row's dot once it is staged
-template <int B = Q8_BATCH>
-__device__ __forceinline__ void q8_preload(const uint8_t* __restrict__ row, int nc, int lane, Q8Raw (&p)[B]) {
-#pragma unroll
-    for (int i = 0; i < B; ++i)
-        if (lane + 32 * i < nc) p[i] = q8_load(row, lane + 32 * i);
-}
-template <int B = Q8_BATCH>
-__device__ __forceinline__ float q8_finish(const Q8Raw (&p)[B], const uint8_t* __restrict__ row, const float* xs,
-                                           int nc, int lane) {
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < B; ++i)
-        if (lane + 32 * i < nc) acc = q8_chunk(p[i], xs, lane + 32 * i, acc);
-    return q8_dot_from<B>(row, xs, nc, lane + 32 * B, acc);
-}
-
 // dotw over x staged by stage_x<QT> (padded for Q4_K): a lane's Q4_K units, all loads issued before the arithmetic.
 #define Q4K_BATCH 2     // units per row and lane in flight at once (2 covers a 2048-wide row; registers bound occupancy)
 template <int QT>
@@ -378,8 +315,6 @@ __device__ __forceinline__ float dot_s(const uint8_t* __restrict__ row, const fl
                 if (u0 + 32 * i < n) acc += q4k_dot(r[i], xs, u0 + 32 * i);
         }
         return acc;
-    } else if constexpr (QT == STRATA_Q_Q8_0) {
-        return q8_dot_from(row, xs, ncols >> 3, lane, 0.f);
     } else {
         return dot_row<QT>(row, xs, ncols, lane);
     }

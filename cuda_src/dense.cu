@@ -19,9 +19,8 @@ __device__ __forceinline__ void mv_store(int r, float s, float* __restrict__ y, 
 }
 
 // This warp's dot product of row (clamped to the last row) with x staged in shared memory: for Q4_K the row's
-// first B units a lane go out before the staging, so their latency overlaps it; for Q8_0 its first QB chunks.
-// Returns the staged x through xs.
-template <int QT, int B = Q4K_BATCH, int QB = Q8_BATCH>
+// first B units a lane go out before the staging, so their latency overlaps it. Returns the staged x through xs.
+template <int QT, int B = Q4K_BATCH>
 __device__ __forceinline__ float staged_row_dot(const uint8_t* __restrict__ row, const float* x,
                                                 const float* __restrict__ norm_w, float eps, int ncols, int lane,
                                                 const float*& xs) {
@@ -30,11 +29,6 @@ __device__ __forceinline__ float staged_row_dot(const uint8_t* __restrict__ row,
         q4k_preload<B>(row, ncols, lane, p);
         xs = stage_x<QT>(x, norm_w, eps, ncols);
         return q4k_finish<B>(p, row, xs, ncols, lane);
-    } else if constexpr (QT == STRATA_Q_Q8_0) {   // likewise a lane's first QB chunks (common.cuh)
-        Q8Raw p[QB];
-        q8_preload<QB>(row, ncols >> 3, lane, p);
-        xs = stage_x<QT>(x, norm_w, eps, ncols);
-        return q8_finish<QB>(p, row, xs, ncols >> 3, lane);
     } else {
         xs = stage_x<QT>(x, norm_w, eps, ncols);
         return dot_s<QT>(row, xs, ncols, lane);
@@ -76,11 +70,6 @@ __global__ void mv(const uint8_t* __restrict__ W, long long row_bytes, const flo
 
 // The Q, K and V projections in one launch (one quant type): rows [0, n0) of W0, then W1, then W2; bias optional.
 // x staged (normed by norm_w when given); dynamic shared memory staged_bytes(ncols).
-// Q8_0: a lane's first MV3_Q8_BATCH chunks in flight (12: a 2880-wide row, gpt-oss's, in one round; mv's 16 took
-// ~100 registers here, so that only four 128-thread blocks of gpt-oss's 1280 fitted an SM at once).
-#ifndef MV3_Q8_BATCH
-#define MV3_Q8_BATCH 12
-#endif
 template <int QT>
 __global__ void mv3(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,
                     long long row_bytes, const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
@@ -103,8 +92,7 @@ __global__ void mv3(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ 
         }
     }
     const float* xs;
-    const float s = warp_sum(staged_row_dot<QT, Q4K_BATCH, MV3_Q8_BATCH>(W + (long long)r * row_bytes, x, norm_w, eps,
-                                                                          ncols, lane, xs));
+    const float s = warp_sum(staged_row_dot<QT>(W + (long long)r * row_bytes, x, norm_w, eps, ncols, lane, xs));
     if (lane == 0 && valid) y[r] = b ? s + b[r] : s;
 }
 
@@ -143,8 +131,7 @@ __device__ __forceinline__ void mv4_rows(int r, const uint8_t* W0, const uint8_t
         if (lane < d_conv) w = conv_w[(long long)r * d_conv + lane];
     }
     const float* xs;
-    const float s = warp_sum(staged_row_dot<QT, Q4K_BATCH, MV3_Q8_BATCH>(W + (long long)r * row_bytes, x, norm_w, eps,
-                                                                          ncols, lane, xs));
+    const float s = warp_sum(staged_row_dot<QT>(W + (long long)r * row_bytes, x, norm_w, eps, ncols, lane, xs));
     if (!conv) {
         if (lane == 0 && valid) y[r] = s;
         return;
