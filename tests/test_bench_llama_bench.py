@@ -146,3 +146,16 @@ def test_vs_llama_puts_the_rows_side_by_side(tmp_path):
     # a missing side prints dashes, not a made-up figure
     rows = vs_llama.load(tmp_path / "d.json", tmp_path / "none.json", tmp_path / "none.jsonl")
     assert vs_llama.table(rows).splitlines()[3] == "| 12 | 200.0 | 0.900 | - | - | - | - | - | - | - |"
+
+
+def test_vs_llama_says_when_strata_ran_in_a_memory_mode(tmp_path, capsys):
+    from bench import vs_llama
+    d = tmp_path / "d.json"
+    d.write_text(json.dumps({"facts": {"memory": "pinned"}, "rows": []}))
+    assert vs_llama.memory_note(d) is None
+    d.write_text(json.dumps({"facts": {"memory": "budget", "experts_pinned": 4130, "arena_gib": 52.0}, "rows": [
+        {"budget": "12", "tok_s": 30.0, "hit_rate": 0.34}]}))
+    assert vs_llama.main([str(d), str(tmp_path / "p.json"), str(tmp_path / "l.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "| 12 | 30.0 | 0.340 |" in out
+    assert "memory mode budget, 4130 experts pinned (52.0 GiB)" in out
