@@ -47,6 +47,16 @@ def test_dry_run_of_other_presets_keeps_their_two_benches(tmp_path):
     assert "--resident-budget-gib" not in p.stdout and "--probe" not in p.stdout
 
 
+def test_routing_names_the_file_and_reaches_the_maker(tmp_path):
+    p = _run(["gpt-oss-120b", "12"], tmp_path, DRY_RUN="1", ROUTING="trained")
+    assert p.returncode == 0, p.stderr
+    # the make step's arguments: the file, the preset, no recipe, the routing
+    assert "/dev/shm/gpt-oss-120b-trained.gguf gpt-oss-120b  trained" in p.stdout
+    assert "--model /dev/shm/gpt-oss-120b-trained.gguf" in p.stdout
+    bad = _run(["gpt-oss-120b", "12"], tmp_path, DRY_RUN="1", ROUTING="sticky")
+    assert bad.returncode == 2 and "ROUTING is trained or spread" in bad.stdout
+
+
 def test_unknown_preset(tmp_path):
     p = _run(["qwen9-1t"], tmp_path, DRY_RUN="1")
     assert p.returncode == 2 and "unknown preset" in p.stdout

@@ -14,6 +14,8 @@
 # bench/host_ram.py) and read the rest from the file; one backend a budget times decode and the 4K prompt
 # (bench.decode --prefill-prompts), and llama-bench picks its layer counts from one-batch probes and measures once
 # (--probe --reps 1). Each step has a time limit so the model is deleted before the device's limit.
+# ROUTING=trained|spread makes the model with make_moe --routing (routing over time like a trained model's, or tokens
+# routing nearly independently); unset, bench.decode's --attn-gain 3 (the spread end). The file's name says which.
 # DRY_RUN=1 prints the steps and runs none.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +33,8 @@ case $PRESET in
     *) echo "gpu_bench_families: unknown preset $PRESET (gpt-oss-20b, gpt-oss-120b, qwen35moe-35b-a3b," \
             "qwen3next-80b-a3b)"; exit 2 ;;
 esac
-MODEL=$DIR/$PRESET.gguf
+case ${ROUTING:-} in ""|trained|spread) ;; *) echo "gpu_bench_families: ROUTING is trained or spread, not $ROUTING"; exit 2 ;; esac
+MODEL=$DIR/$PRESET${ROUTING:+-$ROUTING}.gguf
 BENCH=${LLAMA_BENCH:-/tmp/llama-bench}
 for cand in "$BENCH" .lbench/llama-bench.xz .anchors/llama-bench.xz .anchors/llama-bench.gz; do [[ -f $cand ]] && { BENCH=$cand; break; }; done
 mkdir -p "$OUT"
@@ -63,8 +66,9 @@ if [[ $DIR == /dev/shm && ! -f $MODEL && ${DRY_RUN:-0} != 1 ]]; then
 fi
 if [[ ! -f $MODEL ]]; then
     step make 200 "$OUT/$PRESET-make.log" python3 -c 'import sys; from pathlib import Path; from bench.decode import make_model
-print("made in", round(make_model(Path(sys.argv[1]), recipe=sys.argv[3] or None, preset=sys.argv[2]), 1), "s")' \
-        "$MODEL" "$PRESET" "${RECIPE[1]:-}" || { say "no model: stopping"; exit 1; }
+print("made in", round(make_model(Path(sys.argv[1]), recipe=sys.argv[3] or None, preset=sys.argv[2],
+                                  routing=sys.argv[4] or None), 1), "s")' \
+        "$MODEL" "$PRESET" "${RECIPE[1]:-}" "${ROUTING:-}" || { say "no model: stopping"; exit 1; }
 fi
 if (( ONE_BACKEND )); then
     # decode and the 4K prompt on one backend a budget; llama.cpp gets what is left but for 15 s of clean-up
