@@ -89,6 +89,36 @@ def fresh_backend(model, ctx: int, budget: str, profile: Path, tracer=None, **op
                        tracer=tracer)
 
 
+def resident_budget(value, model, log) -> float | None:
+    """--resident-budget-gib (GiB, 'auto' or None) as CudaOptions takes it: 'auto' pins what host RAM holds beside
+    the model file (bench/host_ram.py; gpt-oss-120b's file in /dev/shm and a whole arena would not both fit)."""
+    from bench.host_ram import resolve
+    from engine.cuda.expert_layout import blob_layout
+    if value is None:
+        return None
+    nbytes = int(blob_layout(model).expert_strides(model.config.n_expert).sum()) if model.config.is_moe else 0
+    return resolve(value, nbytes, log=log)
+
+
+def memory_facts(be) -> dict:
+    """Where the experts' host copies are: 'pinned' (the whole arena) or the memory mode's name and how many it
+    pinned, for the bench output (a budget-mode figure reads its misses from the file, not all from pinned RAM)."""
+    info = be.info()
+    out = {"memory": info.get("memory", "pinned")}
+    if "experts_pinned" in info:
+        out["experts_pinned"] = info["experts_pinned"]
+        out["arena_gib"] = round(be.arena.nbytes / 2**30, 2)
+    return out
+
+
+def dump(path, facts: dict, rows: list) -> None:
+    """The rows so far as JSON (rewritten after each row, so a run cut short still leaves what it measured)."""
+    if path:
+        tmp = Path(str(path) + ".part")
+        tmp.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
+        tmp.replace(path)
+
+
 def touched_bytes(model, k_used: int, expert_bytes: int) -> int:
     """Weight bytes one decode step reads: every non-expert matrix once, k experts per layer, one embedding row."""
     total = 0
@@ -149,7 +179,7 @@ def run_pass(be, rng, n_prompt: int, n_new: int, params=None):
     t2 = time.perf_counter()
     st = be.get_stats()
     return dict(prompt_s=t1 - t0, decode_s=t2 - t1, steps=n_new - 1, hits=st.hits, lookups=st.lookups,
-                prefetch=be.prefetch_stats())
+                file_mb=st.file_mb, prefetch=be.prefetch_stats())
 
 
 def main(argv=None):
@@ -175,7 +205,17 @@ def main(argv=None):
                     help="prefetch depth (default: the engine's default); both: each prefetching budget at 1 and 2")
     ap.add_argument("--fetch-misses", choices=("on", "off", "both"), default=None,
                     help="late-miss copy (default: the engine's default); both: each prefetching row on and off")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="the rows as JSON, rewritten as each one is measured")
+    ap.add_argument("--resident-budget-gib", metavar="GIB|auto",
+                    help="pin only this many GiB of experts in host RAM, the rest read from the model file "
+                         "(engine/cuda/memory_mode.py); auto: what RAM holds beside the file (bench/host_ram.py)")
+    ap.add_argument("--prefill-prompts", default="",
+                    help="also time prompts of these lengths (comma-separated) on each budget's backend after its "
+                         "decode rows, as bench.prefill does (one backend a budget serves both benches)")
+    ap.add_argument("--prefill-out", type=Path, help="those prompt rows as bench.prefill --out writes them")
+    ap.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True,
+                    help="when the first budget is not 'all': one unmeasured pass with every expert in VRAM first, "
+                         "whose profile fills the first budget's cache (default on)")
     ap.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
                     help="also time a sampled pass (temperature/top_k/top_p/min_p, seeded) at the first budget")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
@@ -191,7 +231,15 @@ def main(argv=None):
         facts["model_make_s"] = round(make_model(a.model, recipe=a.make_recipe, routing=a.make_routing,
                                                        preset=a.make_preset), 1)
     model = open_model(a.model)
-    ctx = a.prompt + a.new + 16
+    lengths = [int(x) for x in a.prefill_prompts.split(",") if x.strip()]
+    ctx = max(a.prompt + a.new, max(lengths, default=0)) + 16
+    log = lambda m: print(f"bench.decode: {m}", file=sys.stderr, flush=True)
+    memory = resident_budget(a.resident_budget_gib, model, log)
+    tracer = None
+    if lengths:
+        from engine.cuda.trace import ChunkFacts
+        tracer = ChunkFacts()
+    pre_facts, pre_rows = {"ctx": ctx, "with": "bench.decode --prefill-prompts (the decode rows' backends)"}, []
     # each flag's values as CudaOptions takes them (None: the option's default)
     on_off = {"on": True, "off": False, None: None}
     default = CudaOptions()
@@ -206,9 +254,12 @@ def main(argv=None):
 
     def start(budget, **opts):
         t0 = time.perf_counter()
-        be = fresh_backend(model, ctx, budget, profile, calibrate=not facts.get("load_s"), **opts)
+        be = fresh_backend(model, ctx, budget, profile, tracer, calibrate=not facts.get("load_s"),
+                           resident_budget_gib=memory, **opts)
         if not facts.get("load_s"):     # the first backend's start, as the worker's
             facts["load_s"] = round(time.perf_counter() - t0, 1)
+            facts["ctx"] = ctx
+            facts.update(memory_facts(be))
             facts["arena_gib"] = round(be.arena.nbytes / 2**30, 2)
             facts["arena_fill_gib_s"] = round(be.arena.nbytes / 2**30 / be.arena.fill_seconds, 1)
             facts["pcie_copy_gbps"] = round(be.pcie_gbps, 1)
@@ -218,7 +269,7 @@ def main(argv=None):
             print(f"bench.decode: {json.dumps(facts)}", file=sys.stderr, flush=True)
         return be
 
-    if budgets[0] != "all":
+    if budgets[0] != "all" and a.learn:
         # Every row's cache is filled from the profile learned so far; a first row at a small budget would start
         # cold (the H200 measured 0.32 hits at 12 GiB that way, against 0.84 after a learning pass with everything
         # resident): one unmeasured pass with every expert in VRAM learns it, as the default budget list does.
@@ -273,12 +324,21 @@ def main(argv=None):
             rows[-1]["sampled_tok_s"] = round(smp["steps"] / smp["decode_s"], 1)
         if a.profile:
             rows[-1]["profile_us"] = {k: round(v, 1) for k, v in kernel_profile(be.step).items()}
-        be.close()      # saves the profile the next row starts from
+        rows[-1].update(memory_facts(be))
+        if be.mem is not None:      # the memory modes: what decode read from the model file (not pinned RAM)
+            rows[-1]["file_mb_per_token"] = round(m["file_mb"] * 2**20 / 1e6 / m["steps"], 2)
         print(f"bench.decode: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+        dump(a.out, facts, rows)
+        if lengths and b not in {r["budget"] for r in pre_rows}:    # warmed by the two decode passes
+            from bench.prefill import prompt_row
+            for n in lengths:
+                pre_rows.append(prompt_row(be, tracer, b, n, rng, profile=False))
+                print(f"bench.decode: prompt {json.dumps(pre_rows[-1])}", file=sys.stderr, flush=True)
+                dump(a.prefill_out, {**facts, **pre_facts}, pre_rows)
+        be.close()      # saves the profile the next row starts from
     free_vram()
     shutil.rmtree(profile.parent, ignore_errors=True)
-    if a.out:
-        a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
+    dump(a.out, facts, rows)
     print(f"model {a.model.name}: prompt {a.prompt}, {a.new} new tokens, ceilings PCIe {PCIE_BPS / 1e9:.0f} GB/s, "
           f"HBM {HBM_BPS / 1e12:.1f} TB/s; {json.dumps(facts)}")
     print("| budget GiB | prefetch | depth | late copy | adapt (swaps) | slots | hit rate | tok/s | PCIe MB/tok "

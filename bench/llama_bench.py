@@ -26,6 +26,7 @@ import numpy as np
 
 GIB = 2 ** 30
 OVER_GIB = 0.25     # a run this far over its budget is measured again with more layers' experts on the CPU
+PROBE_PROMPT = 512  # --probe: llama-bench's default batch, one of it
 # llama.cpp's LLM_FFN_EXPS_REGEX (common/common.h): what -ncmoe keeps on the CPU for each of the first N layers
 EXPS = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps")
 
@@ -116,10 +117,13 @@ class PeakVram:
         return (self.peak - self.base) / 1024
 
 
-def run_bench(binary: Path, model: Path, ncmoe: int, a) -> dict:
-    """One llama-bench run (pp and tg); its tok/s and peak VRAM."""
-    cmd = [str(binary), "-m", str(model), "-ngl", "99", "-fa", "on", "-ncmoe", str(ncmoe), "-p", str(a.prompt),
-           "-n", str(a.gen), "-r", str(a.reps), "-t", str(a.threads), "-o", "json"]
+def run_bench(binary: Path, model: Path, ncmoe: int, a, probe: bool = False) -> dict:
+    """One llama-bench run (pp and tg); its tok/s and peak VRAM. probe: one unwarmed batch of PROBE_PROMPT tokens
+    and no generation, for the peak VRAM alone (the compute buffers, the CPU experts' copies among them, are sized
+    by the batch, not the prompt; the probe's KV cache is the shorter prompt's)."""
+    p, n, r = (PROBE_PROMPT, 0, 1) if probe else (a.prompt, a.gen, a.reps)
+    cmd = [str(binary), "-m", str(model), "-ngl", "99", "-fa", "on", "-ncmoe", str(ncmoe), "-p", str(p),
+           "-n", str(n), "-r", str(r), "-t", str(a.threads), "-o", "json"] + (["--no-warmup"] if probe else [])
     print("bench.llama_bench:", " ".join(cmd), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with PeakVram() as vram:
@@ -128,7 +132,7 @@ def run_bench(binary: Path, model: Path, ncmoe: int, a) -> dict:
         raise SystemExit(f"bench.llama_bench: llama-bench exited {p.returncode}: {p.stderr.strip()[-800:]}")
     rows = json.loads(p.stdout)
     ts = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in rows}
-    return {"ncmoe": ncmoe, "vram_gib": round(vram.gib, 2), "pp_tok_s": round(ts.get("pp", 0.0), 1),
+    return {"ncmoe": ncmoe, "vram_gib": round(vram.gib, 2), **({"probe": True} if probe else {}), "pp_tok_s": round(ts.get("pp", 0.0), 1),
             "tg_tok_s": round(ts.get("tg", 0.0), 1), "wall_s": round(time.perf_counter() - t0, 1)}
 
 
@@ -143,7 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="llama-bench -r")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 16, help="llama-bench -t")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
-    ap.add_argument("--out", type=Path, help="append the rows here as JSON lines")
+    ap.add_argument("--probe", action="store_true",
+                    help="pick -ncmoe from short runs (one batch of 512 prompt tokens, no warm-up, no generation: the "
+                         "same VRAM peak but for the prompt's KV) and measure each budget once at the layer count "
+                         "picked; for models whose CPU-expert runs take minutes (gpt-oss-120b)")
+    ap.add_argument("--out", type=Path, help="append the rows here as JSON lines, each as it is measured")
     a = ap.parse_args(argv)
     if not a.model.is_file():
         raise SystemExit(f"bench.llama_bench: no model at {a.model}; make it with tools.make_moe (see bench.decode)")
@@ -152,25 +160,34 @@ def main(argv: list[str] | None = None) -> int:
     binary = unpack(a.bench)
     per_layer = expert_bytes(a.model)
     budgets = [b.strip() for b in a.budgets.split(",") if b.strip()]
-    first = run_bench(binary, a.model, 0, a)
     rows = []
+
+    def emit(row):
+        rows.append(row)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps({"model": a.model.name, **row}) + "\n")
+
+    first = run_bench(binary, a.model, 0, a, probe=a.probe and "all" not in budgets)
     for b in budgets:
         if b == "all":
-            rows.append({"budget": "all", **first})
+            emit({"budget": "all", **first})
             continue
         n = layers_for(float(b), first["vram_gib"], per_layer)
         if n is None:
-            rows.append({"budget": b, "ncmoe": None, "note": "does not fit even with every expert on the CPU"})
+            emit({"budget": b, "ncmoe": None, "note": "does not fit even with every expert on the CPU"})
             continue
-        r = first if n == 0 else run_bench(binary, a.model, n, a)
+        r = first if n == 0 else run_bench(binary, a.model, n, a, probe=a.probe)
         # the prompt pass's buffers grow when experts sit on the CPU (their weights cross to the GPU per batch):
         # once over the budget, move as many more layers as the excess needs and measure again
         over = r["vram_gib"] - float(b)
         if over > OVER_GIB and n < len(per_layer):
             more = layers_for(float(b), r["vram_gib"], per_layer[n:])
-            n2 = len(per_layer) if more is None else n + max(1, more)
-            r = run_bench(binary, a.model, n2, a)
-        rows.append({"budget": b, **r})
+            n = len(per_layer) if more is None else n + max(1, more)
+            r = run_bench(binary, a.model, n, a, probe=a.probe)
+        if r.get("probe"):      # the layer count is picked: the measured run (its own VRAM peak is what is shown)
+            r = run_bench(binary, a.model, n, a)
+        emit({"budget": b, **r})
     print(f"llama.cpp on {a.model.name} ({len(per_layer)} MoE layers, {sum(per_layer) / GIB:.2f} GiB of experts; "
           f"-p {a.prompt} -n {a.gen} -r {a.reps} -t {a.threads})")
     print("| budget GiB | -ncmoe | VRAM used GiB | pp tok/s | tg tok/s |")
@@ -180,10 +197,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['budget']} | - | - | - | - |  {r['note']}")
         else:
             print(f"| {r['budget']} | {r['ncmoe']} | {r['vram_gib']:.1f} | {r['pp_tok_s']:,.0f} | {r['tg_tok_s']:.1f} |")
-    if a.out:
-        with open(a.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps({"model": a.model.name, **r}) + "\n")
     return 0
 
 

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.decode import DEFAULT_MODEL, free_vram, fresh_backend, make_model
+from bench.decode import (DEFAULT_MODEL, dump, free_vram, fresh_backend, make_model, memory_facts,
+                          resident_budget)
 
 LINK_BPS = 55e9
 
@@ -85,6 +86,28 @@ def streamed_busy(chunks) -> float:
     return sum(c.get("busy_streamed_s", 0.0) for c in chunks) / win if win else 0.0
 
 
+def prompt_row(be, tracer, budget, n: int, rng, profile: bool = True) -> dict:
+    """Read a random prompt of n tokens on a warmed backend (its tracer a ChunkFacts); the table's row."""
+    prompt = rng.integers(0, be.config.n_vocab, n).tolist()
+    total, chunks = read_prompt(be, tracer, prompt, profile=profile)
+    streamed = [c for c in chunks if c["bytes"]]
+    nbytes = sum(c["bytes"] for c in chunks)
+    busy = sum(c["busy_s"] for c in chunks)
+    row = dict(budget=budget, prompt=n, slots=be.cache.n_slots, experts_total=be.cache.n_total,
+               resident=int(be.cache.resident().sum()), chunk=be.prompt_chunk_size(),
+               ring=max((c["ring"] for c in chunks), default=0),
+               lent=max((c["lent"] for c in chunks), default=0), tok_s=round(n / total, 1),
+               chunks=len(chunks), mb_per_chunk=round(nbytes / max(len(streamed), 1) / 1e6, 1),
+               link_gbps_copying=round(nbytes / busy / 1e9, 1) if busy else 0.0,
+               link_gbps_avg=round(nbytes / total / 1e9, 1),
+               copy_busy_share=round(busy / total, 3),
+               link_busy_streamed=round(streamed_busy(chunks), 3), first_chunk_s=round(chunks[0]["s"], 3),
+               host_ms_per_chunk=round(sum(c["host_ms"] for c in chunks) / len(chunks), 1))
+    if all(c["phases"] for c in chunks):
+        row["phase_ms"] = {p: round(sum(c["phases"][p] for c in chunks), 2) for p in chunks[0]["phases"]}
+    return row
+
+
 def print_tables(rows) -> None:
     """The main table, then GPU time by phase for the rows that were profiled."""
     print("| budget GiB | prompt | resident/total | chunk | ring (own+lent) | tok/s | MB/chunk | GB/s copying "
@@ -138,7 +161,10 @@ def main(argv=None):
                          "max(2 layers of streamed experts, this) cache slots, at most 384; 384 tries the deepest")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the per-phase GPU times (CUDA events between the phases of each chunk)")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--resident-budget-gib", metavar="GIB|auto",
+                    help="pin only this many GiB of experts in host RAM, the rest read from the model file "
+                         "(engine/cuda/memory_mode.py); auto: what RAM holds beside the file (bench/host_ram.py)")
+    ap.add_argument("--out", type=Path, help="the rows as JSON, rewritten as each one is measured")
     a = ap.parse_args(argv)
 
     import shutil
@@ -158,7 +184,8 @@ def main(argv=None):
         facts["model_make_s"] = round(make_model(a.model, recipe=a.make_recipe, preset=a.make_preset), 1)
     model = open_model(a.model)
     ctx = max(max(lengths) + 16, a.ctx or 0)
-    opts = dict(prefill_chunk=None if a.chunk == "auto" else int(a.chunk), ring=a.ring, stream_min=a.stream_min)
+    opts = dict(prefill_chunk=None if a.chunk == "auto" else int(a.chunk), ring=a.ring, stream_min=a.stream_min,
+                resident_budget_gib=resident_budget(a.resident_budget_gib, model, log))
     profile = Path(tempfile.mkdtemp(prefix="bench-prefill-")) / "learned.profile"
     tracer = ChunkFacts()
 
@@ -166,7 +193,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         be = fresh_backend(model, ctx, budget, profile, tracer, calibrate=not facts.get("load_s"), **opts)
         if not facts.get("load_s"):     # the first backend's start, as the worker's
-            facts.update(load_s=round(time.perf_counter() - t0, 1), ctx=ctx,
+            facts.update(load_s=round(time.perf_counter() - t0, 1), ctx=ctx, **memory_facts(be),
                          kv_gib=round(be.kv.total_bytes / 2**30, 2), arena_gib=round(be.arena.nbytes / 2**30, 2),
                          pcie_copy_gbps=round(be.pcie_gbps, 1), expert_mb=round(be.layout.stride / 1e6, 2),
                          moe_row_tiles=prefill.MOE_ROW_TILES, ring_lend_floor=chunk_plan.RING_LEND_FLOOR)
@@ -190,33 +217,16 @@ def main(argv=None):
             rows.append(dict(budget=b, error=str(e)))
             log(f"budget {b}: {e}")
             continue
-        slots = be.cache.n_slots
         warm(be, rng)
         for n in lengths:
-            prompt = rng.integers(0, be.config.n_vocab, n).tolist()
-            total, chunks = read_prompt(be, tracer, prompt, profile=not a.no_profile)
-            streamed = [c for c in chunks if c["bytes"]]
-            nbytes = sum(c["bytes"] for c in chunks)
-            busy = sum(c["busy_s"] for c in chunks)
-            row = dict(budget=b, prompt=n, slots=slots, experts_total=be.cache.n_total,
-                       resident=int(be.cache.resident().sum()), chunk=be.prompt_chunk_size(),
-                       ring=max((c["ring"] for c in chunks), default=0),
-                       lent=max((c["lent"] for c in chunks), default=0), tok_s=round(n / total, 1),
-                       chunks=len(chunks), mb_per_chunk=round(nbytes / max(len(streamed), 1) / 1e6, 1),
-                       link_gbps_copying=round(nbytes / busy / 1e9, 1) if busy else 0.0,
-                       link_gbps_avg=round(nbytes / total / 1e9, 1),
-                       copy_busy_share=round(busy / total, 3),
-                       link_busy_streamed=round(streamed_busy(chunks), 3), first_chunk_s=round(chunks[0]["s"], 3),
-                       host_ms_per_chunk=round(sum(c["host_ms"] for c in chunks) / len(chunks), 1))
-            if all(c["phases"] for c in chunks):
-                row["phase_ms"] = {p: round(sum(c["phases"][p] for c in chunks), 2) for p in chunks[0]["phases"]}
+            row = prompt_row(be, tracer, b, n, rng, profile=not a.no_profile)
             rows.append(row)
             log(json.dumps(row))
+            dump(a.out, facts, rows)
         be.close()      # saves the profile the next budget starts from
     free_vram()
     shutil.rmtree(profile.parent, ignore_errors=True)
-    if a.out:
-        a.out.write_text(json.dumps(dict(facts=facts, rows=rows), indent=1))
+    dump(a.out, facts, rows)
     print(f"model {a.model.name}: prompt pass; link reference {LINK_BPS / 1e9:.0f} GB/s; "
           f"{json.dumps(facts)}")
     print_tables(rows)

@@ -31,6 +31,18 @@ def load(decode: Path, prefill: Path, llama: Path) -> list[dict]:
     return rows
 
 
+def memory_note(decode: Path) -> str | None:
+    """A line under the table when Strata ran in a memory mode (bench.decode --resident-budget-gib): its misses
+    were not all read from a whole pinned arena."""
+    if not decode.is_file():
+        return None
+    f = json.loads(decode.read_text()).get("facts", {})
+    if f.get("memory", "pinned") == "pinned":
+        return None
+    return (f"Strata's experts in host RAM: memory mode {f['memory']}, {f.get('experts_pinned')} experts pinned "
+            f"({f.get('arena_gib')} GiB), the rest read from the model file (file MB a token in the decode rows)")
+
+
 def _f(v, fmt):
     return "-" if v is None else format(v, fmt)
 
@@ -57,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m bench.vs_llama DECODE.json PREFILL.json LLAMA.jsonl", file=sys.stderr)
         return 2
     print(table(load(*map(Path, argv))))
+    note = memory_note(Path(argv[0]))
+    if note:
+        print(f"\n{note}")
     return 0
 
 

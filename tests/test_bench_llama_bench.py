@@ -88,6 +88,42 @@ print(json.dumps([{{"n_prompt": 4096, "n_gen": 0, "avg_ts": 1000.0 - n}}, {{"n_p
     assert "| 3.2 | 4 | 2.5 |" in capsys.readouterr().out
 
 
+def test_probe_picks_layers_by_short_runs_then_measures_once(tiny, tmp_path, monkeypatch):
+    """--probe: the VRAM peaks come from one-batch runs (-p 512 -n 0 -r 1 --no-warmup) and each budget gets one
+    measured run at the layer count they picked, whose own peak is the row's; rows reach --out as they are
+    measured. The fake's VRAM model is the test above's (3.2 GiB: 3 layers over, 4 under)."""
+    state, calls = tmp_path / "vram", tmp_path / "calls"
+    state.write_text("1000")
+    monkeypatch.setattr(lb, "expert_bytes", lambda path: [lb.GIB] * 8)
+    _script(tmp_path / "nvidia-smi", f"print(open({str(state)!r}).read())\n")
+    _script(tmp_path / "llama-bench", f"""import sys, json, time
+a = sys.argv
+open({str(calls)!r}, "a").write(" ".join(a[1:]) + "\\n")
+n = int(a[a.index("-ncmoe") + 1])
+p, g = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
+used = (6 - n) * 1024 + (512 if n else 0)
+open({str(state)!r}, "w").write(str(1000 + used))
+time.sleep(0.6)
+open({str(state)!r}, "w").write("1000")
+rows = [{{"n_prompt": p, "n_gen": 0, "avg_ts": 1000.0 - n}}] + ([{{"n_prompt": 0, "n_gen": g, "avg_ts": 50.0 - n}}] if g else [])
+print(json.dumps(rows))
+""")
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    out = tmp_path / "rows.jsonl"
+    assert lb.main(["--model", str(tiny), "--bench", str(tmp_path / "llama-bench"), "--budgets", "3.2",
+                    "--probe", "--reps", "1", "--out", str(out)]) == 0
+    runs = calls.read_text().splitlines()
+    probes = [r for r in runs if "--no-warmup" in r]
+    assert len(probes) == 3 and all("-p 512 -n 0 -r 1" in r for r in probes)
+    assert [r.split("-ncmoe ")[1].split()[0] for r in probes] == ["0", "3", "4"]     # 3 lands over: 4
+    measured = [r for r in runs if "--no-warmup" not in r]
+    assert len(measured) == 1 and "-ncmoe 4 -p 4096 -n 128 -r 1" in measured[0]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["budget"] == "3.2" and rows[0]["ncmoe"] == 4
+    assert "probe" not in rows[0] and rows[0]["tg_tok_s"] == 46.0
+    assert rows[0]["vram_gib"] == pytest.approx(2.5, abs=0.01)
+
+
 def test_missing_model_says_what_to_do(tmp_path):
     with pytest.raises(SystemExit, match="make it with tools.make_moe"):
         lb.main(["--model", str(tmp_path / "none.gguf")])
@@ -110,3 +146,16 @@ def test_vs_llama_puts_the_rows_side_by_side(tmp_path):
     # a missing side prints dashes, not a made-up figure
     rows = vs_llama.load(tmp_path / "d.json", tmp_path / "none.json", tmp_path / "none.jsonl")
     assert vs_llama.table(rows).splitlines()[3] == "| 12 | 200.0 | 0.900 | - | - | - | - | - | - | - |"
+
+
+def test_vs_llama_says_when_strata_ran_in_a_memory_mode(tmp_path, capsys):
+    from bench import vs_llama
+    d = tmp_path / "d.json"
+    d.write_text(json.dumps({"facts": {"memory": "pinned"}, "rows": []}))
+    assert vs_llama.memory_note(d) is None
+    d.write_text(json.dumps({"facts": {"memory": "budget", "experts_pinned": 4130, "arena_gib": 52.0}, "rows": [
+        {"budget": "12", "tok_s": 30.0, "hit_rate": 0.34}]}))
+    assert vs_llama.main([str(d), str(tmp_path / "p.json"), str(tmp_path / "l.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "| 12 | 30.0 | 0.340 |" in out
+    assert "memory mode budget, 4130 experts pinned (52.0 GiB)" in out
