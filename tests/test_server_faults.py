@@ -171,12 +171,16 @@ def test_fault_suite_32_streaming_clients_under_chaos(tmp_path, fixtures_dir):
                 # its own answer or a piece of it (an early DONE ends an answer short), never another's
                 assert prompt_of(i).startswith(text), (i, text)
         assert any(o[0] == "done" and o[1] == prompt_of(i) for i, o in enumerate(out))
-        # the service serves on: a request after the storm (retried while chaos hits it) gets its own answer
+        # the service serves on: a request after the storm (retried while chaos hits it) gets its own answer; chaos
+        # is still on, so a 200 may be cut short by an early DONE, but it is never another's text
         for _ in range(20):
             r = complete(base, "hello there")
             if r.status_code == 200:
-                assert r.json()["choices"][0]["text"] == "hello there"
-                break
+                text = r.json()["choices"][0]["text"]
+                assert "hello there".startswith(text), text
+                if text == "hello there":
+                    break
+                continue
             assert r.status_code == 503 and "message" in r.json()["error"]
         else:
             pytest.fail("no request was served after the storm")
