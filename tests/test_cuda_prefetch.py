@@ -25,14 +25,35 @@ gpu = pytest.mark.gpu
 
 # --- CPU: host-side logic ------------------------------------------------------------------------------------------
 def test_wanted_follows_the_option_unless_all_resident():
-    assert not pf.wanted(True, 32, 32)          # nothing to fetch: capture nothing extra
-    assert not pf.wanted(None, 40, 32)
-    assert pf.wanted(True, 16, 32)
-    assert not pf.wanted(False, 16, 32)
-    assert pf.wanted(None, 0, 32)
+    mb = 2 << 20                                # a Qwen-sized expert
+    assert not pf.wanted(True, 32, 32, mb)      # nothing to fetch: capture nothing extra
+    assert not pf.wanted(None, 40, 32, mb)
+    assert pf.wanted(True, 16, 32, mb)
+    assert not pf.wanted(False, 16, 32, mb)
+    assert pf.wanted(None, 0, 32, mb)
     # automatic: only below AUTO_MAX_SHARE of the experts in VRAM; an explicit choice decides whatever the share
-    assert pf.wanted(None, 94, 100) and not pf.wanted(None, 95, 100)
-    assert pf.wanted(True, 99, 100) and not pf.wanted(False, 50, 100)
+    assert pf.wanted(None, 94, 100, mb) and not pf.wanted(None, 95, 100, mb)
+    assert pf.wanted(True, 99, 100, mb) and not pf.wanted(False, 50, 100, mb)
+
+
+def test_auto_declines_large_experts_and_says_why():
+    big = pf.AUTO_MAX_EXPERT_BYTES + 1           # gpt-oss's 13.2 MB experts are past the bound
+    assert pf.wanted(None, 16, 100, pf.AUTO_MAX_EXPERT_BYTES) and not pf.wanted(None, 16, 100, big)
+    assert pf.wanted(True, 16, 100, big)         # prefetch=on still runs it
+    assert "MiB" in pf.auto_declined(16, 100, big) and "link time" in pf.auto_declined(16, 100, big)
+    assert "95%" in pf.auto_declined(96, 100, 1 << 20)
+    assert pf.auto_declined(16, 100, 1 << 20) is None        # auto prefetches: nothing declined
+    assert pf.auto_declined(100, 100, big) is None           # all resident: nothing to decline
+
+
+def test_attach_logs_the_declined_prefetch():
+    from types import SimpleNamespace as NS
+    step = NS(cache=NS(n_slots=16, n_total=100), layout=NS(stride=pf.AUTO_MAX_EXPERT_BYTES + 16))
+    said = []
+    assert pf.attach(step, None, said.append, 2, True) is None
+    assert len(said) == 1 and said[0].startswith("expert prefetch off: an expert is") and "prefetch=on" in said[0]
+    said.clear()
+    assert pf.attach(step, False, said.append, 2, True) is None and not said     # asked off: nothing to say
 
 
 def test_prefetch_tune_keys():

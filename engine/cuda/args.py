@@ -97,7 +97,8 @@ def _gib(v: str) -> float:
 # --tune's keys: (parser of the value, what it does)
 TUNING = {
     "prefetch": (_auto_switch, "auto|on|off: decode predicts each next layer's experts and copies the ones not in "
-                               "VRAM ahead of use (auto: while fewer than 95% of the experts fit in VRAM)"),
+                               "VRAM ahead of use (auto: while fewer than 95% of the experts fit in VRAM, for "
+                               "experts of at most 8 MiB)"),
     "prefetch_depth": (_depth, "1|2: the prefetch predicts the next layer (1) or the one after it (2, default)"),
     "fetch_misses": (_switch, "on|off: the prefetch also copies each layer's routed experts it did not predict into "
                               "VRAM before the layer's expert kernels (default on)"),

@@ -173,7 +173,8 @@ class CUDABackend(Backend):
             avail = min(avail, left)
         n = pools.slots_for_bytes(avail)
         total = cfg.n_layer * cfg.n_expert
-        if prefetch_wanted(opts.prefetch, n, total):    # the prefetch's VRAM staging slots come out of the budget
+        # the prefetch's VRAM staging slots come out of the budget
+        if prefetch_wanted(opts.prefetch, n, total, self.layout.stride):
             n = pools.slots_for_bytes(avail - self.layout.stride * vram_staging_slots(
                 cfg.n_expert_used, opts.prefetch_depth, opts.fetch_misses))
         if opts.expert_slots is not None:

@@ -54,6 +54,11 @@ MAX_EXPERTS = 512          # cuda_src/prefetch.cu PF_MAX_EXPERTS
 # The automatic rule (CudaOptions.prefetch None) prefetches only while the cache holds less than this share of the
 # experts: near full residency its fixed cost a layer outweighs the stalls it saves (docs/experiments.md).
 AUTO_MAX_SHARE = 0.95
+# ... and only for experts of at most this many bytes: a wrong guess costs its expert's bytes of link time, which a
+# 2.7 MB Qwen expert hides behind a layer's compute (prefetch on won at every share below 95%) and a 13.2 MB gpt-oss
+# one does not (~260 us, two to three layers): gpt-oss-120b at 12 GiB, link-bound with 57% of the prefetched bytes
+# wasted, decoded 40.1 tok/s with it and 52.0 without (docs/experiments.md). The bound lies between the two sides.
+AUTO_MAX_EXPERT_BYTES = 8 << 20
 DEPTHS = (1, 2)            # prefetch_depth: predict the next layer, or the one after it (module docstring)
 MISS_BANKS = 2             # late-miss banks of k slots: layer parity (a bank is reused two layers on)
 FETCHED = 6                # stats index of the late-miss count (cuda_src/prefetch.cu's stats comment)
@@ -65,14 +70,26 @@ def load_module(qtypes, defines=None):
     return kernels.load("prefetch", defines=defines, qtypes=qtypes)
 
 
-def wanted(choice: bool | None, n_slots: int, n_total: int) -> bool:
+def wanted(choice: bool | None, n_slots: int, n_total: int, expert_bytes: int) -> bool:
     """Whether the decode step prefetches: never when every expert has a VRAM slot (nothing to fetch), else as
-    CudaOptions.prefetch says (None: below AUTO_MAX_SHARE of the experts in VRAM)."""
+    CudaOptions.prefetch says (None: below AUTO_MAX_SHARE of the experts in VRAM, for experts of at most
+    AUTO_MAX_EXPERT_BYTES)."""
     if n_slots >= n_total:
         return False
     if choice is None:
-        return n_slots < AUTO_MAX_SHARE * n_total
+        return n_slots < AUTO_MAX_SHARE * n_total and expert_bytes <= AUTO_MAX_EXPERT_BYTES
     return choice
+
+
+def auto_declined(n_slots: int, n_total: int, expert_bytes: int) -> str | None:
+    """Why the automatic rule declines a prefetch that prefetch=on would run (None: it does not decline one)."""
+    if not wanted(True, n_slots, n_total, expert_bytes) or wanted(None, n_slots, n_total, expert_bytes):
+        return None
+    if expert_bytes > AUTO_MAX_EXPERT_BYTES:
+        return (f"an expert is {expert_bytes / 2**20:.1f} MiB, and a wrong guess of that size costs more link time "
+                f"than the right ones save (auto prefetches experts of at most {AUTO_MAX_EXPERT_BYTES >> 20} MiB)")
+    return (f"{n_slots} of {n_total} experts ({n_slots / n_total:.0%}) are in VRAM, and the others are faster read "
+            f"in place (auto prefetches below {AUTO_MAX_SHARE:.0%})")
 
 
 def unsupported(cfg, layout) -> str | None:
@@ -94,12 +111,11 @@ def attach(step, choice: bool | None, log, depth: int, fetch_misses: bool) -> "P
     """Give the decode step a Prefetcher when wanted() says so (with the late-miss copy when fetch_misses). A model
     the kernels cannot serve: refused when the prefetch was asked for (choice True), else said in the log."""
     c = step.cache
-    if c is None or not wanted(choice, c.n_slots, c.n_total):
-        # the automatic share rule declined what prefetch=on would do: say so
-        if c is not None and choice is None and wanted(True, c.n_slots, c.n_total):
-            log(f"expert prefetch off: {c.n_slots} of {c.n_total} experts ({c.n_slots / c.n_total:.0%}) are in VRAM, "
-                f"and the others are faster read in place (auto prefetches below {AUTO_MAX_SHARE:.0%}; "
-                f"--tune prefetch=on overrides)")
+    if c is None or not wanted(choice, c.n_slots, c.n_total, step.layout.stride):
+        # the automatic rule declined what prefetch=on would do: say so
+        why = auto_declined(c.n_slots, c.n_total, step.layout.stride) if c is not None and choice is None else None
+        if why:
+            log(f"expert prefetch off: {why}; --tune prefetch=on overrides")
         return None
     why = unsupported(step.cfg, step.layout)
     if why:
