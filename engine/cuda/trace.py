@@ -50,6 +50,11 @@ class ChunkFacts(Tracer):
     def prefill_chunk(self, facts: dict) -> None:
         self.last = facts
 
+    def forget(self) -> None:
+        """Drop the last chunk's facts: they hold its ring runner, and through it the backend's VRAM, so a tracer
+        that outlives its backend (the benches pass one to each backend in turn) must let go before the next."""
+        self.last = None
+
 
 class KindFilter(Tracer):
     """Keeps the launches of one kind of kernel (only=None: every kind) and records the kinds it sees."""
