@@ -9,7 +9,7 @@ output norm fused). Timed as bench/matvec.py times: a replayed CUDA graph cyclin
 (>= 400 MB together, so that the 50 MB L2 serves none of them), best of five. --before DIR compiles the same
 kernels from DIR (a cuda_src/ of an earlier commit: `git archive <commit> cuda_src | tar -x -C DIR/..`) and prints
 both, with the largest difference between their outputs (0 where the change keeps the arithmetic). --define builds
-this tree's variant with a define (e.g. MV3_Q8_BATCH=8, Q8_BATCH=12, ROUTER_F4=16), never the --before build.
+this tree's variant with a define (e.g. ROUTER_F4=16), never the --before build.
 """
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", type=Path, help="a cuda_src folder of an earlier commit, timed beside this tree's")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                    help="a define for this tree's build (e.g. MV3_Q8_BATCH=8); repeatable")
+                    help="a define for this tree's build (e.g. ROUTER_F4=16); repeatable")
     ap.add_argument("--only", default=",".join(CASES), help=f"comma-separated cases of {', '.join(CASES)}")
     a = ap.parse_args(argv)
     a.defines = parse_defines(ap, a)

@@ -9,11 +9,11 @@ from bench.decode_kernels import CASES, build, copies_for, parse
 def test_parse_defaults_and_choices():
     a = parse([])
     assert a.cases == list(CASES) and a.defines == {} and a.before is None
-    a = parse(["--only", "mv3,router", "--define", "MV3_Q8_BATCH=8", "--before", "/tmp/x"])
-    assert a.cases == ["mv3", "router"] and a.defines == {"MV3_Q8_BATCH": "8"} and a.before == Path("/tmp/x")
+    a = parse(["--only", "mv3,router", "--define", "ROUTER_F4=16", "--before", "/tmp/x"])
+    assert a.cases == ["mv3", "router"] and a.defines == {"ROUTER_F4": "16"} and a.before == Path("/tmp/x")
 
 
-@pytest.mark.parametrize("argv", [["--only", "attention"], ["--only", ""], ["--define", "MV3_Q8_BATCH"]])
+@pytest.mark.parametrize("argv", [["--only", "attention"], ["--only", ""], ["--define", "ROUTER_F4"]])
 def test_parse_refuses_bad_input(argv):
     with pytest.raises(SystemExit):
         parse(argv)
