@@ -6,7 +6,7 @@ import numpy as np
 from engine.backend_cpu import CPUBackend
 from engine.gguf_model import open_model
 from engine.sampling import Sampler
-from route_ties import greedy_reference
+from route_ties import Reference, greedy_reference, gpu_routes
 
 # A CPU top-1/top-2 margin below this is a near-tie: fp16 activations may pick the other token from there on.
 TIE = 1e-2
@@ -39,6 +39,26 @@ def assert_same_greedy(got, want, step_logits):
                                              f"{top2[1] - top2[0]:.4f}")
             return
     assert len(got) == len(want)
+
+
+def assert_pass_and_decode_match(be, model, ctx, prompt, toks, cpu_logits, tol=1e-2):
+    """prompt + toks[:-1] teacher-forced through the prompt pass (its tracer a route_ties.RouteRecorder: the reference
+    follows the pass's routes where its fp16 GEMMs part a near-tie), within tol of that reference row by row; then the
+    same positions one token at a time through the decode step, each row within tol of one valid routing: the plain
+    one (cpu_logits[1:], cpu_runs' step logits) or the one whose prompt positions parted."""
+    seq = prompt + toks[:-1]
+    be.tracer.routes = []
+    lg = be.forward(seq, all_logits=True)[len(prompt) - 1:]
+    assert np.isfinite(lg).all()
+    ref = Reference(model, ctx, gpu_routes(be.tracer.routes))
+    be.tracer.routes = None
+    want = ref.forward(seq, all_logits=True)[len(prompt) - 1:]
+    ref.close()
+    assert ref.clear_parts() == [], ref.parted
+    assert rel_rows(lg, want).max() < tol
+    be.truncate(len(prompt))
+    dec = np.stack([be.forward([t]) for t in toks[:-1]])
+    assert np.minimum(rel_rows(dec, cpu_logits[1:]), rel_rows(dec, want[1:])).max() < tol
 
 
 def cpu_greedy(model, prompt, n, ctx):

@@ -14,7 +14,7 @@ from engine.gguf_model import open_model  # noqa: E402
 from engine.profile import load_profile  # noqa: E402
 import gpu_compare  # noqa: E402
 from gpu_compare import assert_same_greedy, cpu_greedy, greedy, rel_rows  # noqa: E402
-from route_ties import Reference, RouteRecorder, gpu_routes  # noqa: E402
+from route_ties import RouteRecorder  # noqa: E402
 
 CTX = 256
 N_GREEDY = 64
@@ -39,22 +39,7 @@ def test_teacher_forced_logits_match_cpu(cpu_runs, name):
     model, prompt, toks, cpu_logits = cpu_runs[name]
     be = cuda_backend(model)
     try:
-        seq = prompt + toks[:-1]
-        # the prompt pass's fp16 GEMMs may part a routing near-tie: the reference follows its routes there
-        be.tracer.routes = []
-        lg = be.forward(seq, all_logits=True)[len(prompt) - 1:]
-        assert np.isfinite(lg).all()
-        ref = Reference(model, CTX, gpu_routes(be.tracer.routes))
-        be.tracer.routes = None
-        want = ref.forward(seq, all_logits=True)[len(prompt) - 1:]
-        ref.close()
-        assert ref.clear_parts() == [], ref.parted
-        assert rel_rows(lg, want).max() < 1e-2
-        # the same positions again, one token at a time through the decode graph (each row within reach of one valid
-        # routing: the plain one, or the one whose prompt positions parted)
-        be.truncate(len(prompt))
-        dec = np.stack([be.forward([t]) for t in toks[:-1]])
-        assert np.minimum(rel_rows(dec, cpu_logits[1:]), rel_rows(dec, want[1:])).max() < 1e-2
+        gpu_compare.assert_pass_and_decode_match(be, model, CTX, prompt, toks, cpu_logits)
     finally:
         be.close()
 

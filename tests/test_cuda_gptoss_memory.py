@@ -3,15 +3,13 @@ arena do not fit the GPU machine's RAM together, bench/host_ram.py): half the ex
 or none (--mmap-experts), the VRAM cache holding none or half of them, the rest read from the file through the
 staging ring; teacher-forced logits within 1e-2 of the NumPy reference and greedy tokens equal, as
 tests/test_cuda_gptoss.py holds the pinned arena to. The MXFP4 file only (the published types)."""
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
-from route_ties import Reference, gpu_routes  # noqa: E402
+from gpu_compare import assert_pass_and_decode_match, assert_same_greedy, greedy  # noqa: E402
 from test_cuda_gptoss import CTX, N_GREEDY, cuda_backend, runs  # noqa: E402,F401  (runs: the module fixture)
 
 MiB = 1 << 20
@@ -31,19 +29,7 @@ def test_memory_modes_match_cpu(runs, mode, share):
         info = be.info()
         assert info["memory"] == mode
         assert info["experts_pinned"] == (0 if mode == "mmap" else total // 2)
-        seq = prompt + toks[:-1]
-        be.tracer.routes = []
-        lg = be.forward(seq, all_logits=True)[len(prompt) - 1:]
-        assert np.isfinite(lg).all()
-        ref = Reference(model, CTX, gpu_routes(be.tracer.routes))
-        be.tracer.routes = None
-        want = ref.forward(seq, all_logits=True)[len(prompt) - 1:]
-        ref.close()
-        assert ref.clear_parts() == [], ref.parted
-        assert rel_rows(lg, want).max() < 1e-2
-        be.truncate(len(prompt))
-        dec = np.stack([be.forward([t]) for t in toks[:-1]])
-        assert np.minimum(rel_rows(dec, cpu_logits[1:]), rel_rows(dec, want[1:])).max() < 1e-2
+        assert_pass_and_decode_match(be, model, CTX, prompt, toks, cpu_logits)
         be.truncate(0)
         be.reset_stats()
         assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, cpu_logits)

@@ -15,8 +15,8 @@ cp = pytest.importorskip("cupy")
 from engine import protocol  # noqa: E402
 from engine.session import Session  # noqa: E402
 import gpu_compare  # noqa: E402
-from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
-from route_ties import Reference, RouteRecorder, gpu_routes  # noqa: E402
+from gpu_compare import assert_same_greedy, greedy  # noqa: E402
+from route_ties import RouteRecorder  # noqa: E402
 
 CTX = 256
 N_GREEDY = 64
@@ -68,21 +68,7 @@ def test_memory_mode_matches_cpu(cpu_runs, name, mode, share, prefill):
         assert info["arena_mib"] == int(info["experts_pinned"] * be.layout.stride / MiB)
         assert info["staging_mib"] > 0
         # teacher-forced through the prompt pass, then the same positions through the decode step
-        seq = prompt + toks[:-1]
-        be.tracer.routes = []          # the reference follows the pass's routes at near-ties (tests/route_ties.py)
-        lg = be.forward(seq, all_logits=True)[len(prompt) - 1:]
-        assert np.isfinite(lg).all()
-        ref = Reference(model, CTX, gpu_routes(be.tracer.routes))
-        be.tracer.routes = None
-        want = ref.forward(seq, all_logits=True)[len(prompt) - 1:]
-        ref.close()
-        assert ref.clear_parts() == [], ref.parted
-        assert rel_rows(lg, want).max() < 1e-2
-        be.truncate(len(prompt))
-        dec = np.stack([be.forward([t]) for t in toks[:-1]])
-        # Each decoded row matches the reference of one valid routing: the plain one where the decode step (fp32)
-        # resolved a near-tie the NumPy way, the route-following one where a prompt position's tie parted in the pass.
-        assert np.minimum(rel_rows(dec, cpu_logits[1:]), rel_rows(dec, want[1:])).max() < 1e-2
+        gpu_compare.assert_pass_and_decode_match(be, model, CTX, prompt, toks, cpu_logits)
         # greedy from a fresh cache position, the stats of that request
         be.truncate(0)
         be.reset_stats()
