@@ -132,8 +132,9 @@ def profile_args(profile: Path, chats: Path | None) -> list[str]:
 
 
 # The decode prefetch's default switches at 95% of the experts in VRAM, from one H200's figures (prefetch.py:
-# on 263 / off 255 tok/s at 92%, on 285 / off 310 at 98%); a PC's own link moves where it pays, so when some experts
-# have no slot setup times the chats both ways and keeps the other setting only when it is clearly faster.
+# on 263 / off 255 tok/s at 92%, on 285 / off 310 at 98%), and is off for experts over 8 MiB (gpt-oss-120b at 12 GiB:
+# on 40.1 / off 52.0); a PC's own link moves where it pays, so when some experts have no slot setup times the chats
+# both ways and keeps the other setting only when it is clearly faster.
 AB_MARGIN = 0.03
 
 
