@@ -82,7 +82,7 @@ def fresh_backend(model, ctx: int, budget: str, profile: Path, tracer=None, **op
     """A backend for one budget ('all' or GiB), built once the previous one has closed: its expert cache filled from
     the profile the previous one saved at close, its own saved there at close. opts: more CudaOptions fields."""
     from engine.cuda.backend import CUDABackend, CudaOptions
-    if hasattr(tracer, "forget"):
+    if tracer is not None:
         # the last prompt chunk's facts hold the previous backend (its ring runner), so its VRAM could not go back
         # to the pool: the likely cause of the H200's gpt-oss-120b 24 GiB row after the 12 GiB one with
         # --prefill-prompts starting at 14,130 MiB of "weights" against 2,636 (812 slots; not yet re-measured)

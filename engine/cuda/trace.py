@@ -30,6 +30,9 @@ class Tracer:
     def launched(self, backend) -> None:
         pass
 
+    def forget(self) -> None:
+        """Drop whatever the tracer keeps of the backend it served (a tracer may serve several in turn)."""
+
     def after_step(self, backend, token: int, pos: int) -> None:
         pass
 
