@@ -23,13 +23,14 @@ def net():
 
 
 def test_attn_q_rows_split_query_and_gate(net):
+    """The rows themselves, compared exactly: a product of a row subset may round differently in BLAS (different
+    blocking for a different shape), which says nothing about which rows were picked."""
     cfg, il = net.cfg, net.cfg.recurrent_layers.index(False)
     W = net.w.get(f"blk.{il}.attn_q.weight")
-    x = np.random.default_rng(0).standard_normal((3, cfg.n_embd)).astype(np.float32)
-    qg = (x @ W.T).reshape(3, cfg.n_head, 2 * cfg.head_dim)
+    per_head = W.reshape(cfg.n_head, 2 * cfg.head_dim, cfg.n_embd)
     q_rows, g_rows = hl.attn_q_rows(cfg)
-    np.testing.assert_array_equal(x @ W[q_rows].T, qg[..., :cfg.head_dim].reshape(3, -1))
-    np.testing.assert_array_equal(x @ W[g_rows].T, qg[..., cfg.head_dim:].reshape(3, -1))
+    np.testing.assert_array_equal(W[q_rows], per_head[:, :cfg.head_dim].reshape(-1, cfg.n_embd))
+    np.testing.assert_array_equal(W[g_rows], per_head[:, cfg.head_dim:].reshape(-1, cfg.n_embd))
 
 
 def test_ssm_in_rows_split_qkv_and_z(net):
