@@ -44,7 +44,9 @@ def test_fused_and_unit_dim_files_give_the_same_logits(plain, tmp_path):
         assert len(names["blk.0.ffn_gate_inp_shexp.weight"].dims) == 1
     want = _logits(plain)
     np.testing.assert_array_equal(_logits(fused), want)
-    np.testing.assert_array_equal(exact_logits(fused, TOKENS), exact_logits(plain, TOKENS))
+    # float64 over the same weights: a view into a fused tensor is laid out differently, and BLAS may block it
+    # differently (1.4e-14 apart seen here), so equal to float64 rounding rather than bit for bit
+    np.testing.assert_allclose(exact_logits(fused, TOKENS), exact_logits(plain, TOKENS), rtol=1e-12, atol=1e-12)
     assert np.max(np.abs(exact_logits(plain, TOKENS) - want)) < 1e-3   # and both are exact arithmetic
 
 
