@@ -335,7 +335,7 @@ def main(argv=None):
         print(f"bench.decode: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
         dump(a.out, facts, rows)
         if lengths and b not in {r["budget"] for r in pre_rows}:    # warmed by the two decode passes
-            from bench.prefill import prompt_row
+            from bench.prompt_pass import prompt_row
             for n in lengths:
                 pre_rows.append(prompt_row(be, tracer, b, n, rng, profile=False))
                 print(f"bench.decode: prompt {json.dumps(pre_rows[-1])}", file=sys.stderr, flush=True)

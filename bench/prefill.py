@@ -31,6 +31,7 @@ import numpy as np
 
 from bench.decode import (DEFAULT_MODEL, dump, free_vram, fresh_backend, make_model, memory_facts,
                           resident_budget)
+from bench.prompt_pass import prompt_row
 
 LINK_BPS = 55e9
 
@@ -48,64 +49,6 @@ def warm(be, rng, n_prompt=1024, n_new=64):
     for _ in range(n_new - 1):
         tok = be.next_token([tok], s)
     be.cache.poll(be.stream, wait=True)
-
-
-def read_prompt(be, tracer, prompt, profile=True):
-    """The prompt chunk by chunk, as engine/session.py reads it; per-chunk facts from the streamed pass through the
-    backend's tracer (a trace.ChunkFacts), with its GPU time per phase when profiling (events between phases only, so
-    the chunk's own figures barely move)."""
-    be.truncate(0)
-    tracer.copy_timing, tracer.phase_timing = True, profile       # the measured prompts only
-    chunks = []
-    t0 = time.perf_counter()
-    step = be.prompt_chunk_size()
-    for i in range(0, len(prompt), step):
-        part = prompt[i:i + step]
-        c0 = time.perf_counter()
-        be.forward(part)                      # returns the last logits on the host: the chunk has finished
-        dt = time.perf_counter() - c0
-        last = dict(tracer.last)
-        runner = last.pop("runner", None)
-        timer = last.pop("phases", None)
-        window = last.pop("window", None)
-        busy = runner.busy_ms() / 1000 if runner is not None and runner.spans else 0.0
-        # copying between the first streamed layer's start and the last one's end, and that window's length
-        busy_w, win = runner.busy_within_ms(*window) if window is not None else (0.0, 0.0)
-        chunks.append(dict(tokens=len(part), s=dt, ring=last["ring"], lent=last.get("lent", 0), bytes=last["bytes"],
-                           busy_s=busy, busy_streamed_s=busy_w / 1000, streamed_s=win / 1000,
-                           host_ms=last.get("host_ms", 0.0), phases=timer.totals() if timer is not None else None))
-    total = time.perf_counter() - t0
-    tracer.copy_timing = tracer.phase_timing = False
-    return total, chunks
-
-
-def streamed_busy(chunks) -> float:
-    """The share of the streamed layers' time (each chunk's first streamed layer's start to its last one's end, on
-    the compute stream) the copy engine spent copying: issue 5 wants >= 0.8 at 12 GiB. 0 when nothing streamed."""
-    win = sum(c.get("streamed_s", 0.0) for c in chunks)
-    return sum(c.get("busy_streamed_s", 0.0) for c in chunks) / win if win else 0.0
-
-
-def prompt_row(be, tracer, budget, n: int, rng, profile: bool = True) -> dict:
-    """Read a random prompt of n tokens on a warmed backend (its tracer a ChunkFacts); the table's row."""
-    prompt = rng.integers(0, be.config.n_vocab, n).tolist()
-    total, chunks = read_prompt(be, tracer, prompt, profile=profile)
-    streamed = [c for c in chunks if c["bytes"]]
-    nbytes = sum(c["bytes"] for c in chunks)
-    busy = sum(c["busy_s"] for c in chunks)
-    row = dict(budget=budget, prompt=n, slots=be.cache.n_slots, experts_total=be.cache.n_total,
-               resident=int(be.cache.resident().sum()), chunk=be.prompt_chunk_size(),
-               ring=max((c["ring"] for c in chunks), default=0),
-               lent=max((c["lent"] for c in chunks), default=0), tok_s=round(n / total, 1),
-               chunks=len(chunks), mb_per_chunk=round(nbytes / max(len(streamed), 1) / 1e6, 1),
-               link_gbps_copying=round(nbytes / busy / 1e9, 1) if busy else 0.0,
-               link_gbps_avg=round(nbytes / total / 1e9, 1),
-               copy_busy_share=round(busy / total, 3),
-               link_busy_streamed=round(streamed_busy(chunks), 3), first_chunk_s=round(chunks[0]["s"], 3),
-               host_ms_per_chunk=round(sum(c["host_ms"] for c in chunks) / len(chunks), 1))
-    if all(c["phases"] for c in chunks):
-        row["phase_ms"] = {p: round(sum(c["phases"][p] for c in chunks), 2) for p in chunks[0]["phases"]}
-    return row
 
 
 def print_tables(rows) -> None:

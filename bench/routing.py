@@ -144,7 +144,9 @@ def temporal_table(routers, k: int, prompts: list[np.ndarray]) -> dict[str, floa
 # --- where the routers come from ---------------------------------------------------------------------------------
 
 def _ffn_norm(arch: str) -> str:
-    return "post_attention_norm" if arch == "gpt-oss" else "ffn_norm"   # gpt-oss's FFN norm (engine/arch/gptoss.py)
+    """The norm before a layer's experts, as the family's forward names it (gpt-oss's is post_attention_norm)."""
+    from engine.arch import family
+    return family(arch, True).MODEL.ffn_norm
 
 
 def preset_routers(shape, seed: int, **router_args) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -156,7 +158,7 @@ def preset_routers(shape, seed: int, **router_args) -> list[tuple[np.ndarray, np
     types_ = {g: Q.F32 for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
     # the vocabulary size changes no tensor's index
     specs = gptoss_plan.plan(shape, types_, 1, mm.TensorSpec) if shape.arch == "gpt-oss" else mm.plan(shape, types_, 1)
-    wanted = {"ffn_gate_inp.weight": 0, f"{_ffn_norm(shape.arch)}.weight": 1, "ffn_gate_inp.bias": 2}
+    wanted = {"ffn_gate_inp.weight": 0, _ffn_norm(shape.arch): 1, "ffn_gate_inp.bias": 2}
     out = {}
     for i, t in enumerate(specs):
         part = wanted.get(t.name.split(".", 2)[-1]) if t.layer >= 0 else None
@@ -168,7 +170,7 @@ def preset_routers(shape, seed: int, **router_args) -> list[tuple[np.ndarray, np
 
 def file_routers(model) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     cfg, norm = model.config, _ffn_norm(model.config.arch)
-    return [(model.dequant(f"blk.{il}.ffn_gate_inp.weight"), model.dequant(f"blk.{il}.{norm}.weight"),
+    return [(model.dequant(f"blk.{il}.ffn_gate_inp.weight"), model.dequant(f"blk.{il}.{norm}"),
              model.dequant(f"blk.{il}.ffn_gate_inp.bias") if model.has(f"blk.{il}.ffn_gate_inp.bias")
              else np.zeros(cfg.n_expert, np.float32))
             for il in range(cfg.n_layer)]

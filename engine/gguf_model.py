@@ -19,10 +19,10 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 import gguf.quants
 
-from engine.supported import SUPPORTED_ARCHS  # noqa: F401  (re-exported: engine.arch and the tests import it here)
+from engine.arch import family
+from engine.model_config import ModelConfig, ModelError   # defined there, imported from here by most callers
+from engine.supported import SUPPORTED_ARCHS
 
-# Gated DeltaNet + gated attention hybrids (engine/arch/qwen3next.py); their tensors are checked there.
-HYBRID_ARCHS = ("qwen3next", "qwen35moe")
 QTYPE_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "MXFP4")
 # An older gguf package may lack the newest types (MXFP4 came with gpt-oss): those are then refused by name.
@@ -30,73 +30,6 @@ SUPPORTED_QTYPES = frozenset(QT[n] for n in QTYPE_NAMES if n in QT.__members__)
 EXPERT_KINDS = ("gate", "up", "down")
 GGUF_MAGIC = b"GGUF"
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
-class ModelError(Exception):
-    """A model file that cannot be used; the message is one line that says what is wrong and what to do."""
-
-
-@dataclass
-class ModelConfig:
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int            # per-head width of Q and K
-    head_dim_v: int          # per-head width of V
-    n_ff: int                # dense FFN width (0 when every layer has experts)
-    n_vocab: int
-    n_ctx_train: int
-    rms_eps: float
-    rope_base: float
-    rope_type: str           # "norm": rotate pairs (2i, 2i+1) (llama); "neox": pairs (i, i + n_rot/2) (qwen)
-    n_rot: int               # leading dimensions of each head that RoPE turns
-    rope_scaling: str = "none"   # "none" | "linear" | "yarn"
-    rope_freq_scale: float = 1.0  # 1 / scaling factor
-    rope_n_ctx_orig: int = 0
-    yarn_ext_factor: float = 0.0
-    yarn_attn_factor: float = 1.0
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    attn_scale: float = 0.0      # 0: 1/sqrt(head_dim)
-    n_expert: int = 0
-    n_expert_used: int = 0
-    n_ff_exp: int = 0
-    n_ff_shexp: int = 0
-    expert_weights_norm: bool = False   # renormalize the top-k router weights to sum 1
-    expert_weights_scale: float = 1.0
-    qk_norm: bool = False
-    attn_bias: bool = False
-    tied_embeddings: bool = False
-    shared_expert: bool = False
-    shared_expert_gate: bool = False
-    n_swa: int = 0                      # sliding-window width (gpt-oss); 0: every layer attends to all
-    swa_layers: tuple[bool, ...] = ()   # per layer: does it use the window
-
-    def is_swa(self, layer: int) -> bool:
-        return bool(self.swa_layers) and self.swa_layers[layer]
-    # The hybrids (qwen3next, qwen35moe). n_layer counts the trunk only; block_count = n_layer + n_layer_nextn.
-    n_layer_nextn: int = 0       # MTP (next-token) blocks after the trunk, loaded but not run by the main pass
-    recurrent_layers: tuple = () # per trunk layer: True = Gated DeltaNet, False = gated full attention
-    ssm_conv: int = 0            # causal conv1d kernel width (d_conv)
-    ssm_inner: int = 0           # value width of a GDN layer: ssm_v_heads * head_v_dim
-    ssm_state: int = 0           # head_k_dim = head_v_dim
-    ssm_v_heads: int = 0         # ssm.time_step_rank
-    ssm_k_heads: int = 0         # ssm.group_count
-    rope_sections: tuple = ()    # IMRoPE sections (qwen35moe)
-
-    @property
-    def norm_topk_prob(self) -> bool:   # the Hugging Face name for the same switch
-        return self.expert_weights_norm
-
-    @property
-    def is_hybrid(self) -> bool:
-        return bool(self.recurrent_layers)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.n_expert > 0
 
 
 @dataclass
@@ -353,6 +286,11 @@ class GGUFModel:
         t = self.tensor(name)
         return dequantize(t.data, t.qtype)
 
+    def dequant_rows(self, name: str, rows) -> np.ndarray:
+        """Some rows of a matrix as float32 (the embedding lookup), without dequantizing the others."""
+        t = self.tensor(name)
+        return dequantize(t.data[rows], t.qtype)
+
     def expert_name(self, layer: int, kind: str) -> str:
         if kind not in EXPERT_KINDS:
             raise ValueError(f"expert kind {kind!r}: one of {EXPERT_KINDS}")
@@ -379,9 +317,6 @@ class GGUFModel:
 # (ggml_n_dims), so llama-quantize'd files store qwen2moe's shared-expert gate [1, n_embd] as 1-D [n_embd]. Both
 # load here as the row matrix the HF shape is.
 _ROW_MATRICES = ("ffn_gate_inp_shexp.weight",)
-# Where llama.cpp's attn_qkv is the attention's q, k and v stacked (its create_tensor_qkv); the hybrid
-# architectures' attn_qkv (linear-attention mixing) means something else.
-_QKV_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 
 def _view(t: TensorInfo, name: str, shape: tuple[int, ...], data: np.ndarray, first_byte: int) -> TensorInfo:
@@ -398,7 +333,9 @@ def _as_llama_cpp_loads(model: "GGUFModel") -> None:
         if name.endswith(_ROW_MATRICES) and len(t.shape) == 1:
             ts[name] = TensorInfo(name, t.qtype, (1, t.shape[0]), t.data.reshape(1, -1), t.path, t.offset)
     arch = md.get("general.architecture")
-    fused_qkv = [n for n in ts if n.endswith(("attn_qkv.weight", "attn_qkv.bias"))] if arch in _QKV_ARCHS else []
+    # only where the family's attn_qkv is attention's q, k and v stacked (a hybrid's mixes its linear attention)
+    fam = family(arch, bool(md.get(f"{arch}.expert_count"))) if isinstance(arch, str) else None
+    fused_qkv = [n for n in ts if n.endswith(("attn_qkv.weight", "attn_qkv.bias"))] if fam and fam.FUSED_QKV else []
     for name in fused_qkv:
         t = ts.pop(name)
         n_embd, n_head = md.get(f"{arch}.embedding_length"), md.get(f"{arch}.attention.head_count")
@@ -446,6 +383,7 @@ def dequantize(data: np.ndarray, qtype: QT) -> np.ndarray:
 # --- hyperparameters ---------------------------------------------------------------------------------------------
 
 def read_config(md: dict, model: GGUFModel) -> ModelConfig:
+    """The keys every architecture shares, then its family's rules (engine/arch/), then what the tensors say."""
     arch = md.get("general.architecture")
     if arch is None:
         raise ModelError(f"{model.path.name} has no general.architecture; it is not a model GGUF (a vocabulary only?)")
@@ -478,6 +416,7 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
     emb = model.tensor("token_embd.weight")
     n_vocab = emb.shape[0]
     n_expert = int(get("expert_count", 0) or 0)
+    fam = _family(model, arch, n_expert)
 
     scaling = str(get("rope.scaling.type", "none") or "none")
     factor = float(get("rope.scaling.factor", 0.0) or 0.0)
@@ -495,7 +434,7 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
         n_ff=int(get("feed_forward_length", 0) or 0), n_vocab=n_vocab, n_ctx_train=n_ctx_train,
         rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_base=float(get("rope.freq_base", 10000.0)),
-        rope_type="norm" if arch == "llama" else "neox",
+        rope_type="neox",     # llama.cpp's LLAMA_ROPE_TYPE_NEOX; a family with NORM pairs (llama) says so
         n_rot=int(get("rope.dimension_count", head_dim)),
         rope_scaling=scaling, rope_freq_scale=freq_scale,
         rope_n_ctx_orig=int(get("rope.scaling.original_context_length", n_ctx_train)),
@@ -510,31 +449,11 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
         expert_weights_scale=float(get("expert_weights_scale", 0.0) or 0.0) or 1.0,
         tied_embeddings=not model.has("output.weight"),
     )
-    if arch in ("qwen2moe", "qwen3moe") and not n_expert:
-        raise ModelError(f"{model.path.name} is {arch} but has no {arch}.expert_count; the file is incomplete")
-    if n_expert:
-        if not 0 < cfg.n_expert_used <= n_expert:
-            raise ModelError(f"{model.path.name}: {arch}.expert_used_count={cfg.n_expert_used} with "
-                             f"{n_expert} experts; the file is damaged")
-        gate = model.tensor("blk.0.ffn_gate_exps.weight")
-        if not cfg.n_ff_exp:
-            cfg.n_ff_exp = gate.shape[1]
-    # What llama.cpp does per architecture (the arguments of its build_moe_ffn calls), whatever the file says:
-    # qwen3moe and llama-MoE renormalize the top-k softmax weights; qwen2moe keeps them raw and adds a
-    # sigmoid-gated shared expert.
-    cfg.expert_weights_norm = arch in ("qwen3moe", "llama", "qwen3next", "qwen35moe")
-    if arch in HYBRID_ARCHS:
-        from engine.arch.qwen3next import read_hybrid_config
-        read_hybrid_config(cfg, get, model)
-    cfg.qk_norm = model.has(f"blk.{cfg.recurrent_layers.index(False) if cfg.is_hybrid else 0}.attn_q_norm.weight")
-    cfg.attn_bias = model.has("blk.0.attn_q.bias")
-    cfg.shared_expert = model.has("blk.0.ffn_up_shexp.weight")
-    cfg.shared_expert_gate = model.has("blk.0.ffn_gate_inp_shexp.weight")
-    if cfg.shared_expert and not cfg.n_ff_shexp:
-        cfg.n_ff_shexp = model.tensor("blk.0.ffn_up_shexp.weight").shape[0]
-    if arch == "gpt-oss":
-        from engine.arch.gptoss import read_gptoss_config
-        read_gptoss_config(cfg, md, model)
+    if n_expert and not 0 < cfg.n_expert_used <= n_expert:
+        raise ModelError(f"{model.path.name}: {arch}.expert_used_count={cfg.n_expert_used} with "
+                         f"{n_expert} experts; the file is damaged")
+    fam.configure(cfg, get, model)
+    _from_tensors(cfg, model)
     if n_head_kv <= 0 or head_dim <= 0 or n_head % n_head_kv:
         raise ModelError(f"{model.path.name}: {n_head} heads do not share {n_head_kv} KV heads evenly; damaged?")
     if emb.shape[-1] != n_embd:
@@ -545,62 +464,36 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
     return cfg
 
 
-def _ffn_norm(cfg: ModelConfig) -> str:
-    return "post_attention_norm.weight" if cfg.arch == "gpt-oss" else "ffn_norm.weight"   # llama.cpp's names
+def _family(model: GGUFModel, arch: str, n_expert: int):
+    """The engine/arch/ module that runs this file, or a ModelError saying why none does."""
+    fam = family(arch, n_expert > 0)
+    if fam is not None:
+        return fam
+    if n_expert:
+        raise ModelError(f"{model.path.name} is {arch} with {n_expert} experts, which this engine runs only as a "
+                         f"dense model; the file is damaged or made for another program")
+    raise ModelError(f"{model.path.name} is {arch} but has no {arch}.expert_count; the file is incomplete")
 
 
-def required_tensors(cfg: ModelConfig, model: GGUFModel) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight"]
-    for i in range(cfg.n_layer):
-        b = f"blk.{i}."
-        names += [b + n for n in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                                  "attn_output.weight", _ffn_norm(cfg))]
-        if cfg.qk_norm:
-            names += [b + "attn_q_norm.weight", b + "attn_k_norm.weight"]
-        if cfg.attn_bias:
-            names += [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"]
-        if cfg.is_moe:
-            names += [b + "ffn_gate_inp.weight"] + [b + f"ffn_{k}_exps.weight" for k in EXPERT_KINDS]
-            if cfg.shared_expert:
-                names += [b + f"ffn_{k}_shexp.weight" for k in EXPERT_KINDS]
-            if cfg.shared_expert_gate:
-                names += [b + "ffn_gate_inp_shexp.weight"]
-        else:
-            names += [b + f"ffn_{k}.weight" for k in EXPERT_KINDS]
-    return names
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Numpy shapes of the main per-layer tensors (layer 0's names; every layer is the same)."""
-    E, q, kv, v = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_head_kv * cfg.head_dim_v
-    shapes = {"attn_q.weight": (q, E), "attn_k.weight": (kv, E), "attn_v.weight": (v, E),
-              "attn_output.weight": (E, cfg.n_head * cfg.head_dim_v), "attn_norm.weight": (E,), _ffn_norm(cfg): (E,)}
-    if cfg.is_moe:
-        X, F = cfg.n_expert, cfg.n_ff_exp
-        shapes.update({"ffn_gate_inp.weight": (X, E), "ffn_gate_exps.weight": (X, F, E),
-                       "ffn_up_exps.weight": (X, F, E), "ffn_down_exps.weight": (X, E, F)})
-    else:
-        shapes.update({"ffn_gate.weight": (cfg.n_ff, E), "ffn_up.weight": (cfg.n_ff, E),
-                       "ffn_down.weight": (E, cfg.n_ff)})
-    return shapes
+def _from_tensors(cfg: ModelConfig, model: GGUFModel) -> None:
+    """What the tensors say, after the family's rules (its layer plan): which layers route, the expert widths when
+    no key gives them, q/k norms, attention biases and a shared expert."""
+    if not cfg.moe_layers:
+        cfg.moe_layers = (cfg.is_moe,) * cfg.n_layer
+    if len(cfg.moe_layers) != cfg.n_layer:
+        raise ModelError(f"{model.path.name}: {len(cfg.moe_layers)} per-layer expert flags for {cfg.n_layer} layers; "
+                         f"the file is damaged")
+    moe = cfg.moe_layers.index(True) if True in cfg.moe_layers else 0     # the layer that shows the expert widths
+    if cfg.is_moe and not cfg.n_ff_exp:
+        cfg.n_ff_exp = model.tensor(f"blk.{moe}.ffn_gate_exps.weight").shape[1]
+    attn = cfg.recurrent_layers.index(False) if cfg.is_hybrid else 0      # the first layer that attends
+    cfg.qk_norm = model.has(f"blk.{attn}.attn_q_norm.weight")
+    cfg.attn_bias = model.has("blk.0.attn_q.bias")
+    cfg.shared_expert = model.has(f"blk.{moe}.ffn_up_shexp.weight")
+    cfg.shared_expert_gate = model.has(f"blk.{moe}.ffn_gate_inp_shexp.weight")
+    if cfg.shared_expert and not cfg.n_ff_shexp:
+        cfg.n_ff_shexp = model.tensor(f"blk.{moe}.ffn_up_shexp.weight").shape[0]
 
 
 def _check_required(model: GGUFModel) -> None:
-    cfg = model.config
-    if cfg.is_hybrid:
-        from engine.arch.qwen3next import check_tensors
-        check_tensors(model)
-        return
-    for name in required_tensors(cfg, model):
-        model.tensor(name)
-    shapes = expected_shapes(cfg)
-    for i in range(cfg.n_layer):
-        for suffix, want in shapes.items():
-            t = model.tensor(f"blk.{i}.{suffix}")
-            if t.shape != want:
-                raise ModelError(f"{model.path.name}: tensor {t.name} has shape {t.shape}, but the metadata implies "
-                                 f"{want}; the file is damaged or made for another program")
-    out = model.tensor("token_embd.weight" if cfg.tied_embeddings else "output.weight")
-    if out.shape != (cfg.n_vocab, cfg.n_embd):
-        raise ModelError(f"{model.path.name}: tensor {out.name} has shape {out.shape}, expected "
-                         f"{(cfg.n_vocab, cfg.n_embd)}; the file is damaged")
+    family(model.config.arch, model.config.is_moe).check_tensors(model)

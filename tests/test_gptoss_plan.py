@@ -177,7 +177,7 @@ def test_llama_cpp_loads_the_real_shapes_as_the_published_files(tmp_path, preset
     if why:
         pytest.skip(f"needs llama.cpp: {why}")
     path = tmp_path / f"{preset}.gguf"
-    gptoss_plan.write_header_only(path, preset)      # sparse: a few MB on disk
+    mm.write_preset_header(path, preset)      # sparse: a few MB on disk
     r = subprocess.run([str(llama_ref.llama_python()), "-c", _LOAD, str(path), str(llama_ref.WORKER.parent)],
                        capture_output=True, text=True, timeout=300)
     lines = r.stdout.strip().splitlines()

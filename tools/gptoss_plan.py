@@ -143,15 +143,3 @@ def harmony_vocab(shape, tiny_vocab: list) -> list:
             ("tokenizer.ggml.add_bos_token", False, [VT.BOOL]),
             ("tokenizer.chat_template", TEMPLATE.read_text(encoding="utf-8"), [VT.STRING])]
 
-
-def write_header_only(path, preset: str) -> int:
-    """A preset's GGUF header with its data left as a sparse hole (make_moe.write_header_only), for llama.cpp to
-    check shapes and keys against. Returns the apparent file size."""
-    from tools import make_moe as mm
-    p = mm.PRESETS[preset]
-    vocab = harmony_vocab(p.shape, mm.read_vocab(mm.VOCAB_DIR / BASE_VOCAB))
-    n_vocab = len(next(v for k, v, _ in vocab if k == "tokenizer.ggml.tokens"))
-    args = mm.parse_args(["--preset", preset])
-    types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
-    specs = plan(p.shape, types, n_vocab, mm.TensorSpec)
-    return mm.write_header_only(path, p.shape, specs, vocab, f"header-only {preset}", types["experts"])

@@ -552,6 +552,35 @@ def write_header_only(path: Path, shape: Shape, specs: list[TensorSpec], vocab, 
     return size
 
 
+def shape_vocab(shape: Shape) -> list:
+    """The vocabulary keys a shape's file carries: Shape.vocab's (gpt-oss: the harmony vocabulary made from it)."""
+    if shape.arch == "gpt-oss":
+        vocab = gptoss_plan.harmony_vocab(shape, read_vocab(_resolve_vocab(gptoss_plan.BASE_VOCAB)))
+    else:
+        vocab = read_vocab(_resolve_vocab(shape.vocab))
+    if shape.hybrid:
+        vocab = hybrid_plan.adjust_vocab(vocab, shape.hybrid)
+    return vocab
+
+
+def shape_plan(shape: Shape, types: dict, n_vocab: int) -> list[TensorSpec]:
+    """Every tensor of the shape's file, in order (gpt-oss: tools/gptoss_plan.py's plan)."""
+    return gptoss_plan.plan(shape, types, n_vocab, TensorSpec) if shape.arch == "gpt-oss" else \
+        plan(shape, types, n_vocab)
+
+
+def write_preset_header(path: Path, preset: str) -> int:
+    """A preset's GGUF header with its data left as a sparse hole (write_header_only), in the preset's own types,
+    for llama.cpp to check shapes and keys against. Returns the apparent file size."""
+    args = parse_args(["--preset", preset])
+    shape = resolve_shape(args)
+    vocab = shape_vocab(shape)
+    n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
+    types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
+    return write_header_only(Path(path), shape, shape_plan(shape, types, n_vocab), vocab, f"header-only {preset}",
+                             types["experts"] if shape.n_expert else types["ffn"])
+
+
 def write_model(path: Path, shape: Shape, specs: list[TensorSpec], vocab, name: str, file_qtype: Q, seed: int,
                 zipf_s: float, chat_template: str | None = None, threads: int | None = None,
                 progress: bool = True, attn_gain: float = ATTN_GAIN) -> None:
@@ -746,18 +775,12 @@ def main(argv: list[str] | None = None) -> int:
     shape = resolve_shape(args)
     if args.routing:
         args.attn_gain = routing_gain(args.routing, shape.arch)
-    if shape.arch == "gpt-oss":
-        vocab = gptoss_plan.harmony_vocab(shape, read_vocab(_resolve_vocab(gptoss_plan.BASE_VOCAB)))
-    else:
-        vocab = read_vocab(_resolve_vocab(shape.vocab))
-    if shape.hybrid:
-        vocab = hybrid_plan.adjust_vocab(vocab, shape.hybrid)
+    vocab = shape_vocab(shape)
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
     types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
     if types["norm"] not in FLOAT_TYPES:
         raise SystemExit(f"make_moe: --norm must be F32, F16 or BF16 (norms are 1-D), not {types['norm'].name}")
-    specs = gptoss_plan.plan(shape, types, n_vocab, TensorSpec) if shape.arch == "gpt-oss" else \
-        plan(shape, types, n_vocab)
+    specs = shape_plan(shape, types, n_vocab)
     if args.recipe:
         # llama.cpp counts a hybrid's MTP blocks among the layers (n_layer_all) when it picks ffn_down's types
         n_all = shape.n_layer + (shape.hybrid.n_nextn if shape.hybrid else 0)

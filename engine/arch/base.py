@@ -1,7 +1,10 @@
-"""The parts every supported architecture shares: float32 weights, RoPE, GQA attention with a KV cache, RMSNorm.
+"""The parts every family shares: float32 weights, RoPE, GQA attention with a KV cache, RMSNorm, the standard layer.
 
-The family files (dense.py, qwen3moe.py, qwen2moe.py, mixtral.py) differ only in their feed-forward block; the
-attention variants (q/k norms, biases) follow the tensors the GGUF holds, as in llama.cpp.
+Transformer is a pre-norm decoder. The families built on it (dense.py, qwen3moe.py, qwen2moe.py) differ only in
+their feed-forward block; the attention variants (q/k norms, biases) follow the tensors the GGUF holds, as in
+llama.cpp. gpt-oss (gptoss.py) also replaces the attention (sinks, a sliding window) and names its FFN norm
+post_attention_norm. The hybrids (qwen3next.py) override forward itself: three layers of four run a recurrent mixer
+in place of the attention, over a cache that holds their state.
 """
 from __future__ import annotations
 
@@ -11,13 +14,15 @@ from collections import OrderedDict
 import numpy as np
 
 from engine.backend import ExpertStats
-from engine.gguf_model import GGUFModel, ModelConfig, dequantize
+from engine.model_config import ModelConfig
 
 
 class Weights:
-    """float32 weights from the GGUF: dense ones dequantized once and kept; experts through a bounded LRU."""
+    """float32 weights from the GGUF: dense ones dequantized once and kept; experts through a bounded LRU.
 
-    def __init__(self, model: GGUFModel, expert_cache_mb: float = 256.0):
+    model: an engine.gguf_model.GGUFModel, which dequantizes (dequant, dequant_rows, dequant_expert)."""
+
+    def __init__(self, model, expert_cache_mb: float = 256.0):
         self.model = model
         self._dense: dict[str, np.ndarray] = {}
         self._experts: OrderedDict[tuple[int, int], tuple[np.ndarray, ...]] = OrderedDict()
@@ -39,8 +44,7 @@ class Weights:
         """Rows of a matrix (the embedding lookup) without dequantizing all of it, unless it is kept anyway."""
         if name in self._dense:
             return self._dense[name][ids]
-        t = self.model.tensor(name)
-        return dequantize(t.data[ids], t.qtype)
+        return self.model.dequant_rows(name, ids)
 
     def expert(self, layer: int, e: int, decoding: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate, up, down) of one expert as float32; the least recently used ones are dropped past the budget."""
@@ -53,11 +57,10 @@ class Weights:
             if decoding:
                 self.stats.hits += 1
             return hit
-        raw = [self.model.expert_bytes(layer, kind, e) for kind in ("gate", "up", "down")]
-        qtypes = [self.model.tensor(self.model.expert_name(layer, kind)).qtype for kind in ("gate", "up", "down")]
-        mats = tuple(dequantize(r, q) for r, q in zip(raw, qtypes))
+        kinds = ("gate", "up", "down")
+        mats = tuple(self.model.dequant_expert(layer, kind, e) for kind in kinds)
         self.stats.file_blobs += 1
-        self.stats.file_mb += sum(r.nbytes for r in raw) / 2**20
+        self.stats.file_mb += sum(self.model.expert_bytes(layer, kind, e).nbytes for kind in kinds) / 2**20
         size = sum(m.nbytes for m in mats)
         self._experts[key] = mats
         self._expert_bytes += size
@@ -179,8 +182,9 @@ class Transformer:
     """A pre-norm decoder: attention then a feed-forward block per layer. Families override ffn()."""
 
     recurrent = False    # True: the cache also holds a recurrent state (engine/backend.py says what follows)
+    ffn_norm = "ffn_norm.weight"   # the norm before the feed-forward block (llama.cpp's name, without blk.N.)
 
-    def __init__(self, model: GGUFModel, weights: Weights, max_context: int, observer: Observer | None = None):
+    def __init__(self, model, weights: Weights, max_context: int, observer: Observer | None = None):
         self.model = model
         self.observer = observer or Observer()
         self.cfg = model.config
@@ -211,7 +215,7 @@ class Transformer:
             h = rms_norm(x, self.w.get(b + "attn_norm.weight"), cfg.rms_eps)
             self.observer.attention_input(il, h)
             x = x + self.attention(il, h, pos0, kv)
-            h = rms_norm(x, self.w.get(b + "ffn_norm.weight"), cfg.rms_eps)
+            h = rms_norm(x, self.w.get(b + self.ffn_norm), cfg.rms_eps)
             self.observer.ffn_input(il, h)
             x = x + self.ffn(il, h, decoding)
         return self.head(x, all_logits)

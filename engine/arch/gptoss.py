@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.arch.base import Transformer, apply_rope, rms_norm
-from engine.gguf_model import ModelConfig, ModelError
+from engine.arch import tensors
+from engine.arch.base import Transformer, apply_rope
+from engine.model_config import ModelError
+
+ARCHS = ("gpt-oss",)
+EXPERTS = True
+FUSED_QKV = False
 
 # llama.cpp's build_moe_ffn, case LLM_FFN_SWIGLU_OAI_MOE (constants there, not GGUF keys)
 SWIGLU_ALPHA = np.float32(1.702)
 SWIGLU_LIMIT = np.float32(7.0)
 
 
-def read_gptoss_config(cfg: ModelConfig, md: dict, model) -> None:
-    """The gpt-oss keys llama.cpp reads (llama_model_openai_moe::load_arch_hparams) and its tensors' presence."""
-    name = model.path.name
+def configure(cfg, get, model) -> None:
+    """The gpt-oss keys llama.cpp reads (llama_model_openai_moe::load_arch_hparams)."""
+    name, md = model.path.name, model.metadata
     n_swa = md.get("gpt-oss.attention.sliding_window")
     if not isinstance(n_swa, int) or n_swa <= 0:
         raise ModelError(f"{name} lacks gpt-oss.attention.sliding_window (a positive window); the file is incomplete")
@@ -47,8 +52,12 @@ def read_gptoss_config(cfg: ModelConfig, md: dict, model) -> None:
     if base_swa is not None and float(base_swa) != cfg.rope_base:
         raise ModelError(f"{name}: gpt-oss.rope.freq_base_swa={base_swa} differs from rope.freq_base="
                          f"{cfg.rope_base}, which this engine does not support")
-    if not cfg.is_moe:
-        raise ModelError(f"{name} is gpt-oss but has no gpt-oss.expert_count; the file is incomplete")
+
+
+def check_tensors(model) -> None:
+    """The standard layer's tensors (post_attention_norm before the experts), then gpt-oss's sinks and biases."""
+    tensors.check_standard(model, GptOss.ffn_norm)
+    cfg, name = model.config, model.path.name
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
         for t, shape in ((b + "attn_sinks.weight", (cfg.n_head,)), (b + "attn_output.bias", (cfg.n_embd,)),
@@ -108,20 +117,7 @@ def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 # --- the model ----------------------------------------------------------------------------------------------------
 
 class GptOss(Transformer):
-    def forward(self, tokens: np.ndarray, pos0: int, kv, all_logits: bool) -> np.ndarray:
-        cfg, w = self.cfg, self.w
-        x = w.rows("token_embd.weight", tokens)
-        kv.ensure(pos0 + len(tokens))
-        decoding = len(tokens) == 1
-        for il in range(cfg.n_layer):
-            b = f"blk.{il}."
-            h = rms_norm(x, w.get(b + "attn_norm.weight"), cfg.rms_eps)
-            self.observer.attention_input(il, h)
-            x = x + self.attention(il, h, pos0, kv)
-            h = rms_norm(x, w.get(b + "post_attention_norm.weight"), cfg.rms_eps)
-            self.observer.ffn_input(il, h)
-            x = x + self.ffn(il, h, decoding)
-        return self.head(x, all_logits)
+    ffn_norm = "post_attention_norm.weight"
 
     def qkv(self, il: int, x: np.ndarray, pos0: int):
         """q (T, H, D), k and v (T, Hkv, D): projections plus biases, q and k turned by RoPE at pos0.."""
@@ -171,3 +167,6 @@ class GptOss(Transformer):
             h = swiglu_oai(xe @ gate.T + bg[e], xe @ up.T + bu[e])
             out[rows] += weights[rows, slot][:, None] * (h @ down.T + bd[e])
         return out
+
+
+MODEL = GptOss

@@ -25,20 +25,40 @@ MTP (nextn) blocks after the trunk are checked for nothing and never run: llama.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
+from engine.arch import tensors
 from engine.arch.base import KVCache, Transformer, apply_rope, moe_ffn, rms_norm, route, silu, swiglu
-from engine.gguf_model import ModelError
+from engine.model_config import ModelError
+
+ARCHS = ("qwen3next", "qwen35moe")
+EXPERTS = True
+FUSED_QKV = False       # a GDN layer's attn_qkv is its mixing projection, not attention's q, k and v
 
 CHUNK = 64      # tokens per chunk of the prompt-side delta rule
+
+
+@dataclass(frozen=True)
+class GdnLayout:
+    """How the two converters lay out a GDN layer (cfg.family_params): the places the architectures differ."""
+    tiled_heads: bool        # value head h reads key head h % n_k (qwen35moe); else h // r (qwen3next, HF's order)
+    split_beta_alpha: bool   # ssm_beta and ssm_alpha apart (qwen35moe); else one ssm_ba grouped per key head
+    legacy_ssm_in: bool      # the first qwen3next converter's fused ssm_in (q, k, v and z) is read too
+
+
+LAYOUTS = {"qwen3next": GdnLayout(tiled_heads=False, split_beta_alpha=False, legacy_ssm_in=True),
+           "qwen35moe": GdnLayout(tiled_heads=True, split_beta_alpha=True, legacy_ssm_in=False)}
 
 # --- configuration and tensors ---------------------------------------------------------------------------------
 
 
-def read_hybrid_config(cfg, get, model) -> None:
+def configure(cfg, get, model) -> None:
     """Fill the hybrid fields of cfg from the GGUF keys llama.cpp's loader reads for these architectures."""
     name, arch = model.path.name, cfg.arch
+    cfg.expert_weights_norm = True      # top-k of a softmax, renormalized (llama.cpp: norm_w = true)
+    cfg.family_params = LAYOUTS[arch]
     n_all = cfg.n_layer
     nextn = int(get("nextn_predict_layers", 0) or 0)
     if not 0 <= nextn < n_all:
@@ -72,8 +92,6 @@ def read_hybrid_config(cfg, get, model) -> None:
         if not isinstance(sections, list) or len(sections) < 3 or sum(sections[:3]) <= 0:
             raise ModelError(f"{name} lacks {arch}.rope.dimension_sections (IMRoPE); the file is incomplete")
         cfg.rope_sections = tuple(int(s) for s in (list(sections) + [0])[:4])
-    if not cfg.n_expert:
-        raise ModelError(f"{name} is {arch} but has no {arch}.expert_count; the file is incomplete")
 
 
 def expected_tensors(cfg, il: int) -> dict[str, tuple[int, ...]]:
@@ -89,10 +107,10 @@ def expected_tensors(cfg, il: int) -> dict[str, tuple[int, ...]]:
         t.update({"attn_qkv.weight": (conv, E), "attn_gate.weight": (cfg.ssm_inner, E),
                   "ssm_conv1d.weight": (conv, cfg.ssm_conv), "ssm_dt.bias": (Hv,), "ssm_a": (Hv,),
                   "ssm_norm.weight": (S,), "ssm_out.weight": (E, cfg.ssm_inner)})
-        if cfg.arch == "qwen3next":
-            t["ssm_ba.weight"] = (2 * Hv, E)
-        else:
+        if cfg.family_params.split_beta_alpha:
             t.update({"ssm_beta.weight": (Hv, E), "ssm_alpha.weight": (Hv, E)})
+        else:
+            t["ssm_ba.weight"] = (2 * Hv, E)
     else:
         H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         t.update({"attn_q.weight": (2 * H * D, E), "attn_k.weight": (Hkv * D, E), "attn_v.weight": (Hkv * D, E),
@@ -101,6 +119,7 @@ def expected_tensors(cfg, il: int) -> dict[str, tuple[int, ...]]:
 
 
 def check_tensors(model) -> None:
+    """Every trunk layer's tensors in the shapes cfg implies (its GDN or gated attention ones), and the output."""
     cfg, name = model.config, model.path.name
     if cfg.head_dim != cfg.head_dim_v:
         raise ModelError(f"{name}: {cfg.arch} needs key and value heads of one width, not {cfg.head_dim} and "
@@ -115,7 +134,7 @@ def check_tensors(model) -> None:
                              f"apart only for plain attention; convert it without fusing")
         want_all = expected_tensors(cfg, il)
         if cfg.recurrent_layers[il] and model.has(f"blk.{il}.ssm_in.weight"):
-            if cfg.arch != "qwen3next":
+            if not cfg.family_params.legacy_ssm_in:
                 raise ModelError(f"{name}: {cfg.arch} has no legacy ssm_in tensor, but blk.{il} holds one; damaged?")
             q, g = want_all.pop("attn_qkv.weight"), want_all.pop("attn_gate.weight")
             want_all["ssm_in.weight"] = (q[0] + g[0], cfg.n_embd)
@@ -125,9 +144,7 @@ def check_tensors(model) -> None:
             if shape != want:
                 raise ModelError(f"{name}: tensor {t.name} has shape {t.shape}, but the metadata implies {want}; "
                                  f"the file is damaged or made for another program")
-    out = model.tensor("token_embd.weight" if cfg.tied_embeddings else "output.weight")
-    if out.shape != (cfg.n_vocab, cfg.n_embd):
-        raise ModelError(f"{name}: tensor {out.name} has shape {out.shape}, expected {(cfg.n_vocab, cfg.n_embd)}")
+    tensors.check_output(model)
 
 
 # --- the cache: K/V of the attention layers, conv and delta state of the GDN layers ------------------------------
@@ -232,7 +249,7 @@ def delta_rule_chunk(q, k, v, g, beta, S):
 def imrope_still(cfg) -> np.ndarray | None:
     """qwen35moe's IMRoPE for text: which rotary pairs (n_rot/2 bools) stay at position 0's angle. Sectors of the
     t/h/w sections turn with p; the fourth section's position is 0. None for plain neox RoPE (qwen3next)."""
-    if cfg.arch != "qwen35moe":
+    if not cfg.rope_sections:
         return None
     s = cfg.rope_sections
     sector = np.arange(cfg.n_rot // 2) % sum(s)
@@ -242,6 +259,7 @@ def imrope_still(cfg) -> np.ndarray | None:
 
 class Qwen3Next(Transformer):
     recurrent = True
+    ffn_norm = "post_attention_norm.weight"
 
     def __init__(self, model, weights, max_context, observer=None):
         super().__init__(model, weights, max_context, observer)
@@ -271,7 +289,7 @@ class Qwen3Next(Transformer):
                 x = x + self.gdn(il, h, cache)
             else:
                 x = x + self.gated_attention(il, h, pos0, cache.kv)
-            h = rms_norm(x, w.get(b + "post_attention_norm.weight"), cfg.rms_eps)
+            h = rms_norm(x, w.get(b + self.ffn_norm), cfg.rms_eps)
             self.observer.ffn_input(il, h)
             x = x + self.ffn(il, h, decoding)
         return self.head(x, all_logits)
@@ -295,7 +313,7 @@ class Qwen3Next(Transformer):
     def beta_alpha(self, il, x):
         """(b, a), each (T, n_v): the pre-sigmoid beta and the pre-softplus alpha of every value head."""
         cfg, b = self.cfg, f"blk.{il}."
-        if cfg.arch == "qwen35moe":
+        if cfg.family_params.split_beta_alpha:
             return x @ self.w.get(b + "ssm_beta.weight").T, x @ self.w.get(b + "ssm_alpha.weight").T
         r = cfg.ssm_v_heads // cfg.ssm_k_heads
         ba = (x @ self.w.get(b + "ssm_ba.weight").T).reshape(len(x), cfg.ssm_k_heads, 2 * r)
@@ -314,7 +332,7 @@ class Qwen3Next(Transformer):
         k = l2_norm(qkv[:, Hk * D:2 * Hk * D].reshape(T, Hk, D), cfg.rms_eps)
         v = qkv[:, 2 * Hk * D:].reshape(T, Hv, D)
         r = Hv // Hk
-        if cfg.arch == "qwen35moe":   # value head h reads key head h % Hk
+        if cfg.family_params.tiled_heads:   # value head h reads key head h % Hk
             q, k = np.tile(q, (1, r, 1)), np.tile(k, (1, r, 1))
         else:                         # value head h reads key head h // r
             q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)
@@ -361,3 +379,5 @@ class Qwen3Next(Transformer):
         g = x @ w.get(b + "ffn_gate_inp_shexp.weight").reshape(-1, cfg.n_embd).T     # (T, 1)
         return out + shared * sigmoid(g)
 
+
+MODEL = Qwen3Next
