@@ -14,7 +14,9 @@ of tools.imatrix's format, computed here by transformers in float64), and per fi
   greedy run (`hf_greedy_ids`); per step the QSA regime (`qsa`: dense / sparse / differs, spec section 5 item 1);
 - quantized: exact arithmetic (`exact_top`, `exact_at_top`): transformers in float64 over the file's dequantized
   weights mapped back to the HF layout (the converter's transforms undone), the selection as transformers makes it.
-Only the llama.cpp side needs the anchor wheel; the rest runs in the venv (torch, transformers, the sdist). CI never
+tokenizer-llama-cpp.json beside them is llama_tokenize's ids on the F16 file (python -m tools.tokenizer_reference
+--vocab tests/fixtures/qwen4exp/tiny-qwen4exp-f16.gguf --pre qwen35 --out ...). Only the llama.cpp side needs the
+anchor wheel; the rest runs in the venv (torch, transformers, the sdist). CI never
 runs this module: the tests read what it wrote.
 
 The converter detects a BPE pre-tokenizer by hashing a test string's ids; a new vocabulary is unknown to it, so it
