@@ -45,13 +45,13 @@ def _top(step: dict) -> tuple[list[int], np.ndarray]:
 # --- the fixtures themselves ----------------------------------------------------------------------------------
 
 def test_files_are_the_ones_recorded():
-    manifest = json.loads((HERE / "MANIFEST.json").read_text())
-    for name, entry in manifest.items():
-        p = HERE / name
-        assert p.stat().st_size == entry["bytes"] and sha256(p) == entry["sha256"], name
-        assert entry["bytes"] < 5 << 20, f"{name}: keep committed fixtures under 5 MB"
+    sums = dict(reversed(line.split("  ")) for line in (HERE / "SHA256SUMS").read_text().splitlines())
+    assert set(sums) == {p.name for p in HERE.iterdir() if p.is_file()} - {"SHA256SUMS"}
+    for name, digest in sums.items():
+        assert sha256(HERE / name) == digest, name
+        assert (HERE / name).stat().st_size < 5 << 20, f"{name}: keep committed fixtures under 5 MB"
     for recipe, ref in REFS.items():
-        assert ref["model_sha256"] == manifest[ref["model_file"]]["sha256"], recipe
+        assert ref["model_sha256"] == sums[ref["model_file"]], recipe
 
 
 def test_cases_cover_both_regimes_and_the_crossing():

@@ -61,10 +61,10 @@ def test_the_gguf_carries_qwen35s_text_side(codec, fixtures_dir):
 
 def test_tokenizer_equals_llama_cpp_on_the_gguf():
     """engine/tokenizer.py on the tiny GGUF's own metadata (pre qwen35) against llama_tokenize on the same file
-    (tokenizer-llama-cpp.json, made by python -m tools.tokenizer_reference --vocab <it> --pre qwen35)."""
+    (tokenizer/llama-cpp.json, made by python -m tools.tokenizer_reference --vocab <it> --pre qwen35)."""
     import hashlib
     from engine.tokenizer import Tokenizer
-    ref = json.loads((MODEL.parent / "tokenizer-llama-cpp.json").read_text(encoding="utf-8"))
+    ref = json.loads((MODEL.parent / "tokenizer" / "llama-cpp.json").read_text(encoding="utf-8"))
     assert ref["vocab_sha256"] == hashlib.sha256(MODEL.read_bytes()).hexdigest() and ref["pre"] == "qwen35"
     tok = Tokenizer.from_gguf(MODEL)
     for case in ref["cases"]:

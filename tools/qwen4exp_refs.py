@@ -14,7 +14,7 @@ of tools.imatrix's format, computed here by transformers in float64), and per fi
   greedy run (`hf_greedy_ids`); per step the QSA regime (`qsa`: dense / sparse / differs, spec section 5 item 1);
 - quantized: exact arithmetic (`exact_top`, `exact_at_top`): transformers in float64 over the file's dequantized
   weights mapped back to the HF layout (the converter's transforms undone), the selection as transformers makes it.
-tokenizer-llama-cpp.json beside them is llama_tokenize's ids on the F16 file (python -m tools.tokenizer_reference
+tokenizer/llama-cpp.json is llama_tokenize's ids on the F16 file (python -m tools.tokenizer_reference
 --vocab tests/fixtures/qwen4exp/tiny-qwen4exp-f16.gguf --pre qwen35 --out ...). Only the llama.cpp side needs the
 anchor wheel; the rest runs in the venv (torch, transformers, the sdist). CI never
 runs this module: the tests read what it wrote.
@@ -684,8 +684,8 @@ def write_all(out: Path, work: Path = WORK) -> list[Path]:
         dst.write_text(json.dumps(ref, separators=(",", ":")) + "\n")
         written += [path, dst]
         print(f"qwen4exp_refs: {dst.name}: {ref.get('llama_vs_hf') or ref.get('llama_vs_exact')}", file=sys.stderr)
-    manifest = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(written)}
-    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    # sha256sum's format (sha256sum -c SHA256SUMS checks it); not a .json: the fixture folders' *.json are references
+    (out / "SHA256SUMS").write_text("".join(f"{sha256(p)}  {p.name}\n" for p in sorted(written)))
     return written
 
 
