@@ -11,6 +11,9 @@ The arithmetic, in one place so the wizard's advice can be checked against it:
   Memory modes, from what is left (the "RAM budget"): every expert pinned in RAM ("ram") when they fit; else the
   hottest N GiB pinned, the rest read from the GGUF ("budget", --resident-budget-gib N) when N is a useful share;
   else every expert read through the OS file cache ("mmap", --mmap-experts, slowest).
+- A hashed n-gram table (qwen4exp's per_layer_token_embd, table bytes = file bytes x table_share) is never loaded:
+  each token reads its 16 rows from the file through a bounded row cache (TABLE_ROW_CACHE of RAM), so it needs
+  disk only, neither RAM nor VRAM; dense bytes exclude it.
 - The CPU backend (no GPU) holds the whole model plus KV in RAM; it is the NumPy reference, so a model beyond a few
   GiB does not "fit" there in any useful sense (tokens would take many seconds each), and the wizard says so.
 """
@@ -36,6 +39,10 @@ DISK_MARGIN = 1 * GIB                 # never fill a disk to the last byte
 MIN_BUDGET_SHARE = 0.2                # below this share of the experts pinned, "budget" is no better than mmap
 CPU_MAX_BYTES = 4 * GIB               # model size the NumPy CPU backend runs at a usable speed (a few tok/s)
 CPU_MAX_ACTIVE_B = 1.0                # billions of parameters read per token, likewise
+# The row cache an n-gram table is read through (issue 29 item 1: bounded, RSS does not grow with the table). Each
+# token reads 16 rows of 160 values (under 3 KiB at 4-bit), so 1 GiB keeps the hot rows of a long session.
+TABLE_ROW_CACHE = 1 * GIB
+TABLE_TENSORS = {"qwen4exp": "per_layer_token_embd."}   # arch -> the table's tensor name prefix
 
 
 class CatalogError(ValueError):
@@ -75,6 +82,7 @@ class CatalogModel:
     size_exact: bool = False
     size_note: str = ""
     license: str = ""
+    table_share: float = 0.0           # bytes in a hashed n-gram table read by row from the file (qwen4exp's PLE)
 
     @property
     def size(self) -> int:
@@ -133,7 +141,7 @@ def model_from_gguf(path: Path) -> CatalogModel:
     import gguf  # imported here: `--check` must work before the packages step installed it
     path = Path(path)
     parts = split_parts(path)
-    total = expert = 0
+    total = expert = table = 0
     meta: dict = {}
     for i, p in enumerate(parts):
         try:
@@ -146,6 +154,8 @@ def model_from_gguf(path: Path) -> CatalogModel:
                     meta[k] = f.contents()
         total += p.stat().st_size
         expert += sum(int(t.n_bytes) for t in r.tensors if "_exps." in t.name)
+        prefix = TABLE_TENSORS.get(meta.get("general.architecture"))
+        table += sum(int(t.n_bytes) for t in r.tensors if prefix and t.name.startswith(prefix))
     arch = meta.get("general.architecture", "unknown")
     n_layer = int(meta.get(f"{arch}.block_count", 0))
     n_kv = int(meta.get(f"{arch}.attention.head_count_kv", meta.get(f"{arch}.attention.head_count", 0)))
@@ -163,7 +173,8 @@ def model_from_gguf(path: Path) -> CatalogModel:
         name=name, title=f"{path.name} (your file)", source="local", arch=arch, recipe="",
         files=[CatalogFile(str(p), p.stat().st_size, None) for p in parts], params_b=0.0, active_b=0.0,
         expert_share=expert / total if total else 0.0, kv_bytes_per_token=n_layer * n_kv * (k_len + v_len) * 2,
-        ctx_train=ctx_train, default_ctx=min(ctx_train, 32768), size_exact=True, size_note="measured from the file")
+        ctx_train=ctx_train, default_ctx=min(ctx_train, 32768), size_exact=True, size_note="measured from the file",
+        table_share=table / total if total else 0.0)
 
 
 def split_parts(path: Path) -> list[Path]:
@@ -193,7 +204,7 @@ class Needs:
     download: int                  # bytes still to fetch
     disk_ok: bool
     expert_bytes: int
-    dense_bytes: int
+    dense_bytes: int                # everything else but the n-gram table: on the GPU with the KV
     kv_bytes: int
     vram_need: int                 # bytes (0 on the CPU backend)
     vram_have: int
@@ -203,6 +214,7 @@ class Needs:
     fits: bool = False
     problems: list[str] = field(default_factory=list)   # plain reasons it does not fit
     warnings: list[str] = field(default_factory=list)   # it fits, but...
+    table_bytes: int = 0           # a hashed n-gram table, read by row from the file: disk only
 
     @property
     def supported(self) -> bool:
@@ -211,14 +223,15 @@ class Needs:
 
     @property
     def ram_need(self) -> int:
-        """RAM the chosen mode takes (what the table shows)."""
+        """RAM the chosen mode takes (what the table shows); an n-gram table adds its row cache, never itself."""
+        own = WORKER_OVERHEAD + (TABLE_ROW_CACHE if self.table_bytes else 0)
         if self.mode == "cpu":
-            return self.expert_bytes + self.dense_bytes + self.kv_bytes + WORKER_OVERHEAD
+            return self.expert_bytes + self.dense_bytes + self.kv_bytes + own
         if self.mode == "ram":
-            return self.expert_bytes + WORKER_OVERHEAD
+            return self.expert_bytes + own
         if self.mode == "budget":
-            return self.resident_gib * GIB + WORKER_OVERHEAD
-        return WORKER_OVERHEAD
+            return self.resident_gib * GIB + own
+        return own
 
 
 def unsupported_reason(arch: str, backend: str) -> str:
@@ -238,9 +251,10 @@ def ram_budget(m: Machine) -> int:
     return max(0, m.ram_total - max(4 * GIB, int(0.15 * m.ram_total)))
 
 
-def memory_mode(expert_bytes: int, budget: int) -> tuple[str, int]:
-    """('ram', 0) | ('budget', N GiB) | ('mmap', 0) for experts of expert_bytes and a RAM budget."""
-    room = budget - WORKER_OVERHEAD
+def memory_mode(expert_bytes: int, budget: int, reserved: int = 0) -> tuple[str, int]:
+    """('ram', 0) | ('budget', N GiB) | ('mmap', 0) for experts of expert_bytes and a RAM budget, `reserved`
+    bytes of which something else takes (an n-gram table's row cache)."""
+    room = budget - WORKER_OVERHEAD - reserved
     if expert_bytes <= room:
         return "ram", 0
     n = int(room // GIB)
@@ -256,14 +270,20 @@ def assess(model: CatalogModel, m: Machine, backend: str | None = None, ctx: int
     ctx = ctx or model.default_ctx
     size = model.size
     expert = int(size * model.expert_share)
-    dense = size - expert
+    table = int(size * model.table_share)
+    dense = size - expert - table
     kv = model.kv_bytes_per_token * ctx
     download = max(0, size - already)
     budget = ram_budget(m)
     n = Needs(model=model, backend=backend, ctx=ctx, download=download,
               disk_ok=download + DISK_MARGIN <= m.disk_free if download else True,
               expert_bytes=expert, dense_bytes=dense, kv_bytes=kv, vram_need=0, vram_have=0,
-              ram_budget=budget, mode="cpu")
+              ram_budget=budget, mode="cpu", table_bytes=table)
+    row_cache = TABLE_ROW_CACHE if table else 0
+    if table:
+        n.warnings.append(f"the {fmt_gb(table)} n-gram table stays on the disk: every token reads 16 of its rows "
+                          f"from the file (a {fmt_gib(row_cache)} row cache keeps the hot ones), so keep the model "
+                          f"on an SSD")
     if not n.disk_ok:
         n.problems.append(f"needs {download / 1e9:.1f} GB of disk, {m.disk_free / 1e9:.1f} GB free at {m.disk_path}")
     if ctx > model.ctx_train:
@@ -283,7 +303,7 @@ def assess(model: CatalogModel, m: Machine, backend: str | None = None, ctx: int
                               f"at context {ctx}; {card} has {n.vram_have / GIB:.1f} GiB (a smaller --ctx needs less"
                               f"{'; the worker uses one GPU, so cards do not add up' if len(m.gpus) > 1 else ''})")
         if model.is_moe:
-            n.mode, n.resident_gib = memory_mode(expert, budget)
+            n.mode, n.resident_gib = memory_mode(expert, budget, row_cache)
             if n.mode == "budget":
                 n.warnings.append(f"RAM holds {n.resident_gib} GiB of the {expert / GIB:.1f} GiB of experts; "
                                   f"the rest are read from the disk (slower)")
@@ -293,8 +313,8 @@ def assess(model: CatalogModel, m: Machine, backend: str | None = None, ctx: int
                                   f"(much slower)")
         else:
             n.mode = "ram"
-            if size + WORKER_OVERHEAD > budget:
-                n.problems.append(f"needs {(size + WORKER_OVERHEAD) / GIB:.1f} GiB of RAM, "
+            if size - table + WORKER_OVERHEAD + row_cache > budget:
+                n.problems.append(f"needs {(size - table + WORKER_OVERHEAD + row_cache) / GIB:.1f} GiB of RAM, "
                                   f"{budget / GIB:.1f} GiB usable")
     else:
         if size > CPU_MAX_BYTES or model.active_b > CPU_MAX_ACTIVE_B:
