@@ -174,13 +174,18 @@ def run_pass(be, rng, n_prompt: int, n_new: int, params=None):
     cfg = be.config
     be.truncate(0)
     prompt = rng.integers(0, cfg.n_vocab, size=n_prompt).tolist()
-    s = Sampler(params or {})
+    s = Sampler(params or {})      # no penalty history: the rows' settings have no penalties
+
+    def pick(toks):
+        tok = be.decode(toks, s.spec())[0].id
+        s.advance()
+        return tok
     t0 = time.perf_counter()
-    tok = be.next_token(prompt, s)
+    tok = pick(prompt)
     t1 = time.perf_counter()
     be.reset_stats()
     for _ in range(n_new - 1):
-        tok = be.next_token([tok], s)
+        tok = pick([tok])
     t2 = time.perf_counter()
     st = be.get_stats()
     return dict(prompt_s=t1 - t0, decode_s=t2 - t1, steps=n_new - 1, hits=st.hits, lookups=st.lookups,

@@ -92,7 +92,7 @@ def main(argv=None):
     from torch.profiler import ProfilerActivity, profile
 
     from engine.gguf_model import open_model
-    from engine.sampling import Sampler
+    from engine.sampling import PickSpec
 
     if not a.model.is_file():
         make_model(a.model)
@@ -112,15 +112,15 @@ def main(argv=None):
     be = fresh_backend(model, a.prompt + 512, str(a.budget), learned, **opts)
     run_pass(be, rng, a.prompt, 256)                      # and at this budget (the adaptive tier settles)
     be.truncate(0)
-    s = Sampler({})
-    tok = be.next_token(rng.integers(0, be.config.n_vocab, size=a.prompt).tolist(), s)
+    greedy = PickSpec()
+    tok = be.decode(rng.integers(0, be.config.n_vocab, size=a.prompt).tolist(), greedy)[0].id
     for _ in range(8):
-        tok = be.next_token([tok], s)
+        tok = be.decode([tok], greedy)[0].id
     torch.cuda.synchronize()
     be.reset_stats()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(a.steps):
-            tok = be.next_token([tok], s)
+            tok = be.decode([tok], greedy)[0].id
         torch.cuda.synchronize()
     st = be.get_stats()
     path = a.trace or Path("/tmp/decode_trace.json")

@@ -140,7 +140,7 @@ def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 
     """Decode n_new tokens greedily after the prompt, each step as the real graph and then once per q as the oracle
     graph (module docstring); the rows by name ('real', 'q=...'). The backend must have been built with an
     OracleReplays tracer. The adaptive tier runs as the backend's options say, counted in real steps."""
-    from engine.sampling import Sampler
+    from engine.sampling import PickSpec
 
     tracer = be.tracer
     if not isinstance(tracer, OracleReplays):
@@ -151,12 +151,12 @@ def oracle_pass(be, prompt: list[int], n_new: int, qs: list[float], seed: int = 
     if be.mem:
         raise SystemExit("bench.prefetch_oracle: the memory modes decode layer by layer, not in the one graph")
     be.truncate(0)
-    s = Sampler({})
-    tok = be.next_token(prompt, s)
+    greedy = PickSpec()
+    tok = be.decode(prompt, greedy)[0].id
     tracer.arm(be, qs, np.random.default_rng(seed))
     try:
         for _ in range(n_new - 1):
-            tok = be.next_token([tok], s)
+            tok = be.decode([tok], greedy)[0].id
     finally:
         rows = tracer.rows
         tracer.disarm()

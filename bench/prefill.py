@@ -41,13 +41,13 @@ def log(msg):
 
 
 def warm(be, rng, n_prompt=1024, n_new=64):
-    from engine.sampling import Sampler
+    from engine.sampling import PickSpec
     be.truncate(0)
-    s = Sampler({})
+    greedy = PickSpec()
     n_prompt = min(n_prompt, be.max_context - n_new)     # --prompts 1024 gives a context of 1040
-    tok = be.next_token(rng.integers(0, be.config.n_vocab, n_prompt).tolist(), s)
+    tok = be.decode(rng.integers(0, be.config.n_vocab, n_prompt).tolist(), greedy)[0].id
     for _ in range(n_new - 1):
-        tok = be.next_token([tok], s)
+        tok = be.decode([tok], greedy)[0].id
     be.cache.poll(be.stream, wait=True)
 
 

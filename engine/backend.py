@@ -16,12 +16,21 @@ up every position so far and cannot be rewound, so:
   what they held when the snapshot was taken: a session that rewinds to p drops its snapshots past p.
 A backend without recurrent state has `recurrent = False` and may still be driven through the same calls
 (snapshot_state() then holds only n_tokens), so a session can treat every model alike.
+
+The pick: decode(tokens, spec, all_positions=False) -> [Pick] runs tokens as forward() does and picks with the
+PickSpec (engine/sampling.py): one pick, after the last token, or with all_positions one after each token (a verify
+window), the pick after position i exactly what a one-token call with spec.after(tokens[:i]) would return. A grammar
+mask limits one pick, so a call with a mask returns one. The backend reads the spec and writes nothing back: the
+mask, the penalties and the NaN rule (engine/sampling.py refuse) are applied in one place on each backend. The
+default below is the reference (forward, then engine/sampling.py pick); the CUDA backend picks on the GPU.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+from engine.sampling import Pick, PickSpec, pick
 
 
 @dataclass
@@ -86,9 +95,14 @@ class Backend:
         """Largest number of prompt tokens forward() takes at once (the session splits prompts by this)."""
         return 256
 
-    def next_token(self, tokens, sampler) -> int:
-        """Feed tokens, sample the next id. The CUDA backend overrides this to sample on the GPU."""
-        return sampler.sample(self.forward(tokens))
+    def decode(self, tokens, spec: PickSpec, all_positions: bool = False) -> list[Pick]:
+        """Feed tokens (as forward), then pick with spec: [the pick after the last token], or with all_positions the
+        pick after each token (the module docstring's contract). Raises engine.sampling.SamplingError by its rule."""
+        tokens = decode_tokens(tokens, spec, all_positions)
+        logits = self.forward(tokens, all_logits=all_positions)
+        if not all_positions:
+            return [pick(logits, spec, tokens)]
+        return [pick(row, spec.after(tokens[:i]), tokens[i:i + 1]) for i, row in enumerate(logits)]
 
     def reset_stats(self) -> None:
         self.stats = ExpertStats()
@@ -106,3 +120,14 @@ class Backend:
 
     def close(self) -> None:
         """Save what must be saved (e.g. the learned expert profile), free memory."""
+
+
+def decode_tokens(tokens, spec: PickSpec, all_positions: bool) -> list[int]:
+    """decode()'s tokens as ints, after the contract's checks (a backend's decode starts here)."""
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+        raise ValueError("decode() needs at least one token")
+    if spec.mask is not None and all_positions and len(tokens) > 1:
+        raise ValueError("a grammar mask limits one pick: decode a window (all_positions) without a mask, or feed "
+                         "one token")
+    return tokens

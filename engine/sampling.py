@@ -1,51 +1,79 @@
-"""Choosing the next token from logits, with llama.cpp's semantics and order.
+"""Choosing the next token from logits, with llama.cpp's semantics and order: the reference every backend's pick keeps.
 
 The chain is llama.cpp's default: penalties, then top_k, top_p, min_p (all on the untempered distribution), then
-temperature, then a draw. Temperature 0 is greedy: the argmax of the penalized logits. Each request owns its
-Sampler (and its numpy Generator), so a `seed` makes a sampled run reproducible whatever ran before it.
+temperature, then a draw. Temperature 0 is greedy: the argmax of the penalized logits.
 
-Two per-pick extras the session sets (engine/grammar.py, GEN's grammar= and logprobs=): `mask`, the allowed tokens
-as bitmask words, applied to the logits before the chain (a disallowed token is -inf); and `top_logprobs`, which makes
-each pick record `picked` = (its log-probability, the top_logprobs most likely (id, log-probability)) of the
-masked, untempered, unpenalized distribution. A backend that picks on its own (the CUDA one) honours both the same.
+A backend picks with a PickSpec (engine/backend.py's `decode`): the request's SamplingParams, its seed and the draws
+it has made so far (its random source), the penalty history the pick sees, the grammar mask for the next pick
+(engine/grammar.py) and logprobs=K. It returns a Pick: the id, and with logprobs the id's log-probability and the K
+most likely (id, log-probability) of the masked, untempered, unpenalized distribution. The spec is a value: nothing
+the backend does writes into it or into the request's Sampler, which the session owns (the params, the seed, the
+count of draws) and from which it builds one spec per pick.
+
+The random source: draw number i of a request is `draw(seed, i)`, the i-th number of numpy's default_rng(seed), so a
+seeded request is reproducible whatever ran before it, and the pick after position i of a verify window uses draw
+spec.draws + i. The GPU sampler has its own counter-based source over the same (seed, draws) (engine/cuda/sampler.py).
+A request without a seed gets 64 bits of OS entropy, as llama.cpp's default does.
+
+The NaN rule, the same on every backend (`refuse`): NaN logits are the model's failure; no finite logit left after
+the grammar mask means the grammar allows nothing; no finite logit without a mask, nothing to sample.
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+import os
+from collections import Counter
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from engine.grammar import apply_mask
 from engine.protocol import GEN_KEYS
+
+NAN_LOGITS = "the model produced NaN logits"
+NO_TOKEN = "the grammar allows no token here"
+ALL_NEG_INF = "every logit is -inf: nothing to sample"
 
 
 class SamplingError(ValueError):
     """The logits cannot be sampled from (NaN, or every token masked)."""
 
 
-class Sampler:
-    def __init__(self, params: dict | None = None):
+def refuse(status: int, masked: bool) -> None:
+    """The NaN rule, from a pick's status: > 0 NaN logits were seen (before any mask), < 0 no finite logit was left
+    (after the mask when `masked`), 0 the pick stands."""
+    if status > 0:
+        raise SamplingError(NAN_LOGITS)
+    if status < 0:
+        raise SamplingError(NO_TOKEN if masked else ALL_NEG_INF)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A request's sampling keys (engine/protocol.py GEN_KEYS), and the chain as pure functions of them."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    penalty_repeat: float = 1.0
+    penalty_freq: float = 0.0
+    penalty_present: float = 0.0
+    penalty_last_n: int = 64        # -1: the whole context
+
+    @classmethod
+    def of(cls, params: dict | None = None) -> SamplingParams:
+        """From GEN's keys (None values take the defaults); an unknown key is a ValueError that names it."""
         params = dict(params or {})
         unknown = set(params) - set(GEN_KEYS)
         if unknown:
             raise ValueError(f"unknown sampling keys: {', '.join(sorted(unknown))}")
         p = {k: params.get(k, default) for k, (_, default) in GEN_KEYS.items()}
-        self.temperature = float(p["temperature"] or 0.0)
-        self.top_k = int(p["top_k"] or 0)
-        self.top_p = float(p["top_p"] if p["top_p"] is not None else 1.0)
-        self.min_p = float(p["min_p"] or 0.0)
-        self.seed = p["seed"]
-        self.penalty_repeat = float(p["penalty_repeat"] if p["penalty_repeat"] is not None else 1.0)
-        self.penalty_freq = float(p["penalty_freq"] or 0.0)
-        self.penalty_present = float(p["penalty_present"] or 0.0)
-        self.penalty_last_n = int(p["penalty_last_n"] if p["penalty_last_n"] is not None else 64)
-        # seed None: fresh OS entropy, so unseeded sampled runs differ, as in llama.cpp's default.
-        self.rng = np.random.default_rng(self.seed)
-        # -1 means the whole context; a deque with maxlen=None keeps everything.
-        maxlen = None if self.penalty_last_n < 0 else self.penalty_last_n
-        self.history: deque[int] = deque(maxlen=maxlen)
-        self.mask: np.ndarray | None = None            # bitmask words for the next pick (engine/grammar.py)
-        self.top_logprobs: int | None = None           # record log-probabilities with each pick
-        self.picked: tuple[float, list[tuple[int, float]]] | None = None
+        return cls(temperature=float(p["temperature"] or 0.0), top_k=int(p["top_k"] or 0),
+                   top_p=float(p["top_p"] if p["top_p"] is not None else 1.0), min_p=float(p["min_p"] or 0.0),
+                   seed=None if p["seed"] is None else int(p["seed"]),
+                   penalty_repeat=float(p["penalty_repeat"] if p["penalty_repeat"] is not None else 1.0),
+                   penalty_freq=float(p["penalty_freq"] or 0.0), penalty_present=float(p["penalty_present"] or 0.0),
+                   penalty_last_n=int(p["penalty_last_n"] if p["penalty_last_n"] is not None else 64))
 
     @property
     def greedy(self) -> bool:
@@ -56,21 +84,26 @@ class Sampler:
         return self.penalty_last_n != 0 and (
             self.penalty_repeat != 1.0 or self.penalty_freq != 0.0 or self.penalty_present != 0.0)
 
-    def accept(self, token: int) -> None:
-        """Record a token of the sequence (prompt or generated): the penalties look at these."""
-        if self.history.maxlen != 0:
-            self.history.append(int(token))
+    @property
+    def plain_greedy(self) -> bool:
+        """The pick is the argmax of the logits as they are: greedy without penalties."""
+        return self.greedy and not self.penalties_active
 
-    def accept_many(self, tokens) -> None:
-        for t in tokens:
-            self.accept(t)
+    def counted(self, ids) -> tuple[int, ...]:
+        """The ids of a history (a sequence, oldest first) that the penalties count: the last penalty_last_n, all
+        of them for -1, none without penalties."""
+        if not self.penalties_active:
+            return ()
+        n = self.penalty_last_n
+        return tuple(ids if n < 0 else ids[-n:])
 
     # --- the chain -------------------------------------------------------------------------------------------
-    def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
-        if not self.penalties_active or not self.history:
+    def apply_penalties(self, logits: np.ndarray, history=()) -> np.ndarray:
+        """The logits with the repeat, frequency and presence penalties of the ids in `history` (as counted())."""
+        if not self.penalties_active or not len(history):
             return logits
         logits = logits.copy()
-        counts = Counter(self.history)
+        counts = Counter(history)
         ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
         ids_ok = ids[(ids >= 0) & (ids < logits.shape[0])]
         c = np.array([counts[int(i)] for i in ids_ok], dtype=np.float32)
@@ -127,31 +160,98 @@ class Sampler:
         out[ids] = vals
         return out
 
-    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+    def probabilities(self, logits: np.ndarray, history=()) -> np.ndarray:
         """The distribution a sampled (temperature > 0) draw uses, after the whole chain."""
-        x = self.filter(self.apply_penalties(_checked(logits)))
+        x = self.filter(self.apply_penalties(_finite(logits, None), history))
         return _softmax(x / self.temperature)
 
-    def sample(self, logits: np.ndarray) -> int:
-        logits = _checked(logits)
-        if self.mask is not None:
-            from engine.grammar import apply_mask
-            logits = apply_mask(logits, self.mask)
-            if not np.isfinite(logits).any():
-                raise SamplingError("the grammar allows no token here")
-        tok = self._pick(logits)
-        if self.top_logprobs is not None:
-            self.picked = logprobs_of(logits, tok, self.top_logprobs)
-        return tok
-
-    def _pick(self, logits: np.ndarray) -> int:
+    def choose(self, logits: np.ndarray, history=(), u: float | None = None) -> int:
+        """The chain's pick from checked (and masked) logits: the argmax of the penalized logits when greedy, else
+        the id where u (a draw in [0, 1)) falls in the cumulative distribution of the candidates."""
+        x = self.apply_penalties(logits, history)
         if self.greedy:
-            return int(np.argmax(self.apply_penalties(logits)))
-        ids, vals = self.candidates(self.apply_penalties(logits))
-        probs = _softmax(vals / self.temperature)
-        cum = np.cumsum(probs)
-        r = self.rng.random() * cum[-1]
+            return int(np.argmax(x))
+        ids, vals = self.candidates(x)
+        cum = np.cumsum(_softmax(vals / self.temperature))
+        r = u * cum[-1]
         return int(ids[min(int(np.searchsorted(cum, r, side="right")), len(cum) - 1)])
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One picked token: its id and, when the spec asked for logprobs, its log-probability and the most likely
+    (id, log-probability), most likely first (engine/protocol.py format_token)."""
+    id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class PickSpec:
+    """What a backend picks with (engine/backend.py decode). `history` is the penalty history before the tokens a
+    decode call feeds (the ids SamplingParams.counted keeps): the pick after the call's position i counts history
+    plus the call's tokens up to i. `mask` limits one pick, so a call that returns several picks takes none."""
+    params: SamplingParams = SamplingParams()
+    seed: int = 0                       # the request's random source: draw i is draw(seed, i) (GPU: its own hash)
+    draws: int = 0                      # the draws the request has made: the next pick uses draw number `draws`
+    history: tuple[int, ...] = ()
+    mask: np.ndarray | None = None      # allowed tokens as bitmask words (engine/grammar.py), or None
+    logprobs: int | None = None         # K: return the pick's log-probability and the K most likely; None: neither
+
+    def __post_init__(self):
+        object.__setattr__(self, "history", tuple(self.history))
+
+    def counted(self, fed=()) -> tuple[int, ...]:
+        """The ids the penalties count for the pick after `fed` (the tokens of this call up to that position)."""
+        return self.params.counted(self.history + tuple(int(t) for t in fed))
+
+    def after(self, fed) -> PickSpec:
+        """The spec of the pick len(fed) positions further on, each of `fed` having had its own pick: the history
+        grows by them, and each of those picks used a draw when sampling. decode(tokens, spec, all_positions=True)
+        returns at position i what a one-token call with spec.after(tokens[:i]) would."""
+        if not len(fed):
+            return self
+        return replace(self, history=self.counted(fed), draws=self.draws + (0 if self.params.greedy else len(fed)))
+
+
+class Sampler:
+    """One request's sampling state, owned by the session: the params, the seed, the draws made so far. It builds
+    the spec of each pick; the backend never writes into it."""
+
+    def __init__(self, params: dict | SamplingParams | None = None):
+        self.params = params if isinstance(params, SamplingParams) else SamplingParams.of(params)
+        seed = self.params.seed
+        self.seed = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.draws = 0
+
+    def spec(self, history=(), mask=None, logprobs: int | None = None) -> PickSpec:
+        """The spec of the next pick; history: the sequence so far (oldest first) before the tokens the decode
+        call feeds."""
+        return PickSpec(self.params, self.seed, self.draws, self.params.counted(history), mask, logprobs)
+
+    def advance(self, picks: int = 1) -> None:
+        """`picks` picks were made (a window's included): each sampled one used a draw."""
+        if not self.params.greedy:
+            self.draws += picks
+
+
+def draw(seed: int, i: int) -> float:
+    """Draw number i (0-based) of the request with this seed, in [0, 1): the i-th random() of numpy's
+    default_rng(seed), reached by jumping PCG64 ahead i steps (one 64-bit output per double)."""
+    return float(np.random.Generator(np.random.PCG64(seed).advance(i)).random())
+
+
+def pick(logits: np.ndarray, spec: PickSpec, fed=()) -> Pick:
+    """The reference pick from one row of logits, the one after feeding `fed` (this call's tokens up to the row's
+    position): the NaN rule, the mask, the chain on the history spec.counted(fed) with draw spec.draws, and the
+    log-probabilities of the masked logits when asked."""
+    x = _finite(logits, spec.mask)
+    params = spec.params
+    tok = params.choose(x, spec.counted(fed), None if params.greedy else draw(spec.seed, spec.draws))
+    if spec.logprobs is None:
+        return Pick(tok)
+    lp, top = logprobs_of(x, tok, spec.logprobs)
+    return Pick(tok, lp, tuple(top))
 
 
 def logprobs_of(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -168,12 +268,14 @@ def logprobs_of(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tup
     return float(x[token] - lse), top
 
 
-def _checked(logits) -> np.ndarray:
+def _finite(logits, mask) -> np.ndarray:
+    """float32 logits, masked when there is a mask, after the NaN rule."""
     x = np.asarray(logits, dtype=np.float32).reshape(-1)
-    if np.isnan(x).any():
-        raise SamplingError("the model produced NaN logits")
+    refuse(int(np.isnan(x).sum()), mask is not None)
+    if mask is not None:
+        x = apply_mask(x, mask)
     if not np.isfinite(x).any():
-        raise SamplingError("every logit is -inf: nothing to sample")
+        refuse(-1, mask is not None)
     return x
 
 

@@ -13,8 +13,7 @@ import time
 from engine import protocol
 from engine.checkpoints import CHECKPOINT_TAIL, CheckpointStore
 from engine.protocol import CONTEXT_MARGIN, Done, GenRequest
-from engine.sampling import Sampler
-
+from engine.sampling import Pick, Sampler, SamplingParams
 
 
 class RequestError(ValueError):
@@ -60,7 +59,7 @@ class Session:
                 f"context of {self.max_context}: {hint}, or restart the worker with a larger --ctx "
                 f"(the model was trained on {getattr(self.backend.config, 'n_ctx_train', '?')})")
         try:
-            Sampler(req.params)
+            SamplingParams.of(req.params)
         except ValueError as e:
             raise RequestError(str(e)) from None
         if req.grammar is not None and self.grammars is None:
@@ -142,8 +141,6 @@ class Session:
         backend = self.backend
         prompt = req.prompt
         sampler = Sampler(req.params)
-        sampler.accept_many(prompt)
-        sampler.top_logprobs = req.logprobs
         backend.reset_stats()
 
         # Prefix reuse: the last prompt token is always run again, because its logits pick the first new token.
@@ -160,7 +157,7 @@ class Session:
         t0 = time.perf_counter()
         pos = reused
         read = 0
-        first_token = None
+        first = None
         cancelled = False
         while pos < len(prompt):
             if stop_event.is_set():
@@ -173,9 +170,7 @@ class Session:
                 part = prompt[pos:cut]
                 if cut == len(prompt) and req.max_new > 0:
                     # The backend picks the first new token with the prompt's last logits (on the GPU for cuda).
-                    sampler.mask = constraint.mask() if constraint is not None else None
-                    first_token = int(backend.next_token(part, sampler))
-                    picked = sampler.picked
+                    first = self._pick(part, sampler, constraint, req.logprobs)
                 else:
                     backend.forward(part)
                 self.tokens.extend(part)
@@ -193,23 +188,22 @@ class Session:
         t1 = time.perf_counter()
         generated: list[int] = []
         finish = "length"
-        tok = first_token
+        picked = first
         while len(generated) < req.max_new:
             if generated:
                 if stop_event.is_set():
                     finish = "cancel"
                     break
-                # The token fed is the one just sampled and emitted: its K/V go in, the next id comes out.
-                sampler.mask = constraint.mask() if constraint is not None else None
-                tok = int(backend.next_token([generated[-1]], sampler))
-                picked = sampler.picked
+                # The token fed is the one just picked and emitted: its K/V go in, the next pick comes out.
+                picked = self._pick([generated[-1]], sampler, constraint, req.logprobs)
                 self.tokens.append(generated[-1])
+            tok = picked.id
             if tok in self.eog_ids:
                 finish = "stop"
                 break
-            sampler.accept(tok)
             generated.append(tok)
-            emit(protocol.format_token(tok, *picked) if req.logprobs is not None else f"T {tok}")
+            emit(protocol.format_token(tok, picked.logprob, list(picked.top)) if req.logprobs is not None
+                 else f"T {tok}")
             if constraint is not None:
                 constraint.accept(tok)
                 if constraint.done:       # the grammar is complete: only the end of generation may follow
@@ -217,6 +211,15 @@ class Session:
                     break
         decode_ms = (time.perf_counter() - t1) * 1000.0
         return self._done(emit, req, generated, prompt_ms, decode_ms, finish, reused, read)
+
+    def _pick(self, part, sampler: Sampler, constraint, logprobs: int | None) -> Pick:
+        """Feed part and pick the next token. The penalty history is the sequence the backend holds before part
+        (self.tokens: the prompt so far, then the generated tokens fed back), so it is never kept twice."""
+        spec = sampler.spec(self.tokens, mask=constraint.mask() if constraint is not None else None,
+                            logprobs=logprobs)
+        picked = self.backend.decode(part, spec)[-1]
+        sampler.advance()
+        return picked
 
     def _done(self, emit, req, generated, prompt_ms, decode_ms, finish, reused, read) -> Done:
         if self.checkpoints is not None:

@@ -5,7 +5,7 @@ import numpy as np
 
 from engine.backend_cpu import CPUBackend
 from engine.gguf_model import open_model
-from engine.sampling import Sampler
+from engine.sampling import PickSpec
 from route_ties import Reference, greedy_reference, gpu_routes
 
 # A CPU top-1/top-2 margin below this is a near-tie: fp16 activations may pick the other token from there on.
@@ -23,10 +23,10 @@ def rel_rows(a, b):
 
 
 def greedy(be, prompt, n):
-    s = Sampler({})
-    toks = [be.next_token(prompt, s)]
+    spec = PickSpec()
+    toks = [be.decode(prompt, spec)[0].id]
     while len(toks) < n:
-        toks.append(be.next_token([toks[-1]], s))
+        toks.append(be.decode([toks[-1]], spec)[0].id)
     return toks
 
 

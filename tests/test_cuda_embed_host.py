@@ -276,7 +276,7 @@ def test_host_embedding_gives_the_same_numbers(model):
     assert rel_rows(dec_on, want).max() < 1e-2
     assert_same_greedy(toks_on, toks_off, sl_off)
     assert_same_greedy(g_on, toks_off, sl_off)
-    assert_same_greedy(g_off, toks_off, sl_off)     # next_token's graph path agrees with the step-by-step one too
+    assert_same_greedy(g_off, toks_off, sl_off)     # decode's graph path agrees with the step-by-step one too
 
 
 @gpu

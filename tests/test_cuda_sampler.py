@@ -4,7 +4,8 @@ Kernel tests: the penalized logits equal the host's bit for bit; the kept set eq
 the probabilities its probabilities (1e-5); the pick equals the NumPy draw with the same uniform (the GPU's u is
 uniform(seed, step), checked against the Python mirror); outputs poisoned first. End to end: seeded sampled tokens
 reproduce (graph and eager alike), top_k=1 equals greedy, greedy with penalties equals the host's pick on the same
-logits. The host-side pieces (the RNG mirror, the packed settings, the penalty window, the sync rule) run on CPU."""
+logits. The host-side pieces (the RNG mirror, the packed settings, the penalty window, keeping the device state in
+step with the specs) run on CPU."""
 from collections import deque
 
 import numpy as np
@@ -14,9 +15,11 @@ import re
 from pathlib import Path
 
 from engine.cuda import sampler as sampler_mod
-from engine.cuda.sampler import (ALL_TIES, CAND_CAP, HIST_BINS, PARAMS_DTYPE, STATE_DTYPE, GpuSampler, pack_params,
-                                 uniform, window_length, window_tokens)
-from engine.sampling import Sampler, SamplingError
+from engine.cuda.sampler import (ALL_TIES, CAND_CAP, HIST_BINS, PARAMS_DTYPE, STATE_DTYPE, GpuSampler, Held,
+                                 pack_params, uniform, window_ids, window_length)
+from engine.sampling import PickSpec, Sampler, SamplingParams, pick
+
+P = SamplingParams.of
 
 gpu = pytest.mark.gpu
 SIZES = (1000, 49152, 151936)
@@ -55,64 +58,108 @@ def test_launch_constants_match_the_kernel_defines():
 
 
 def test_pack_params():
-    s = Sampler({"temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "penalty_repeat": 1.1})
+    s = P({"temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "penalty_repeat": 1.1})
     p = pack_params(s, 1000, seed=-1)[0]
     assert p["seed"] == 2 ** 64 - 1 and p["top_k"] == 40 and p["penalties"] == 1 and p["window"] == 64
     assert p["top_p"] == 0.9 and p["log_min_p"] == np.log(0.05) and np.float32(p["temp"]) == np.float32(0.7)
-    g = pack_params(Sampler({}), 1000, seed=1)[0]
+    g = pack_params(P({}), 1000, seed=1)[0]
     assert g["temp"] == 0 and g["penalties"] == 0 and g["window"] == 0 and np.isneginf(g["log_min_p"])
 
 
 def test_penalty_window_length_and_tokens():
     ring = 100
-    assert window_length(Sampler({"penalty_repeat": 1.2}), ring) == 64
-    assert window_length(Sampler({"penalty_repeat": 1.2, "penalty_last_n": -1}), ring) == ring
-    assert window_length(Sampler({"penalty_repeat": 1.2, "penalty_last_n": 500}), ring) == ring
-    assert window_length(Sampler({"penalty_repeat": 1.2, "penalty_last_n": 0}), ring) == 0
-    assert window_length(Sampler({"temperature": 1.0}), ring) == 0
-    s = Sampler({"penalty_freq": 0.5, "penalty_last_n": 3})
-    s.accept_many([5, 6, 7, 2000, 8])
-    np.testing.assert_array_equal(window_tokens(s, 1000, ring), [7, -1, 8])
+    assert window_length(P({"penalty_repeat": 1.2}), ring) == 64
+    assert window_length(P({"penalty_repeat": 1.2, "penalty_last_n": -1}), ring) == ring
+    assert window_length(P({"penalty_repeat": 1.2, "penalty_last_n": 500}), ring) == ring
+    assert window_length(P({"penalty_repeat": 1.2, "penalty_last_n": 0}), ring) == 0
+    assert window_length(P({"temperature": 1.0}), ring) == 0
+    spec = Sampler({"penalty_freq": 0.5, "penalty_last_n": 3}).spec([5, 6, 7, 2000])
+    held = _Bookkeeping(1000, ring).state_for(spec, [8])
+    assert held.window == (7, 2000, 8)
+    np.testing.assert_array_equal(window_ids(held.window, 1000), [7, -1, 8])
 
 
-def _bare(sampler_obj=None) -> GpuSampler:
-    """The bookkeeping half of a GpuSampler, without device buffers."""
-    gs = GpuSampler.__new__(GpuSampler)
-    gs.owner, gs.draws, gs.last_pick, gs.expected_len = sampler_obj, 0, None, 0
-    return gs
+class _Bookkeeping(GpuSampler):
+    """GpuSampler's bookkeeping without device buffers: load() records what it would write."""
+
+    def __init__(self, n=1000, ring_cap=100):
+        self.n, self.ring_cap, self.held, self.loads = n, ring_cap, None, []
+
+    def load(self, held):
+        self.loads.append(held)
+        self.held = held
 
 
-def test_sync_rule_follows_the_sessions_loop():
-    s = Sampler({"temperature": 1.0, "penalty_repeat": 1.3, "penalty_last_n": 3})
-    s.accept_many([1, 2, 3, 4])
-    gs = _bare(s)
-    gs.expected_len = len(s.history)
-    assert gs.picked(s, 9, 0) == 9 and gs.draws == 1
-    s.accept(9)                                 # the session accepts the pick and feeds it back
-    assert gs.in_sync(s, [9])
-    assert not gs.in_sync(s, [8]) and not gs.in_sync(s, [9, 9]) and not gs.in_sync(Sampler({}), [9])
-    gs.picked(s, 5, 0)
-    s.accept(6)                                 # not the pick: the device window would be wrong
-    assert not gs.in_sync(s, [5])
-    with pytest.raises(SamplingError, match="NaN"):
-        gs.picked(s, 0, 3)
-    assert gs.owner is None                     # the next call reloads from the host Sampler
-    with pytest.raises(SamplingError, match="-inf"):
-        _bare(s).picked(s, -1, -1)
+def test_the_device_state_follows_the_sessions_loop_without_reloads():
+    """The session's loop: the prompt's pick, then each pick fed back with the history before it. One load, at the
+    prompt; after that the state picked() follows is what every spec asks for."""
+    s = Sampler({"temperature": 1.0, "penalty_repeat": 1.3, "penalty_last_n": 3, "seed": 5})
+    gs = _Bookkeeping()
+    prompt = [1, 2, 3, 4]
+    gs.prepare(s.spec([]), prompt)
+    assert gs.loads == [Held(s.params, 5, 0, (2, 3, 4))]
+    seq, tok = list(prompt), 9
+    gs.picked(tok, 0)
+    s.advance()
+    for nxt in (5, 9, 9, 7):
+        gs.prepare(s.spec(seq), [tok])
+        assert len(gs.loads) == 1 and gs.held == Held(s.params, 5, s.draws, tuple((seq + [tok])[-3:]))
+        seq.append(tok)
+        gs.picked(nxt, 0)
+        s.advance()
+        tok = nxt
+    assert gs.held.draws == s.draws == 5
 
 
-def test_sync_rule_counts_an_unbounded_window():
-    s = Sampler({"temperature": 1.0, "penalty_present": 0.5, "penalty_last_n": -1})
-    s.accept_many(range(10))
-    gs = _bare(s)
-    gs.expected_len = len(s.history)
-    gs.picked(s, 3, 0)
-    s.accept(3)
-    assert gs.in_sync(s, [3]) and gs.expected_len == 11
+def test_the_device_state_reloads_when_a_spec_asks_for_another():
+    s = Sampler({"temperature": 1.0, "penalty_repeat": 1.3, "penalty_last_n": 3, "seed": 5})
+    gs = _Bookkeeping()
+    gs.prepare(s.spec([]), [1, 2, 3])
+    gs.picked(9, 0)
+    s.advance()
+    gs.prepare(s.spec([1, 2, 3]), [8])            # not the pick fed back: the window differs
+    assert len(gs.loads) == 2 and gs.held.window == (2, 3, 8)
+    gs.picked(4, 0)
+    gs.prepare(s.spec([1, 2, 3]), [8])            # the same spec again (the pick was not counted): the counter differs
+    assert len(gs.loads) == 3 and gs.held.draws == 1
+    again = Sampler({"temperature": 1.0, "penalty_repeat": 1.3, "penalty_last_n": 3, "seed": 5})
+    gs.picked(4, 0)
+    gs.prepare(again.spec([1, 2]), [3, 4])        # a new request with the same settings and seed: from draw 0
+    assert len(gs.loads) == 4 and gs.held == Held(again.params, 5, 0, (2, 3, 4))
+    gs.picked(0, 3)                               # NaN: the kernels advanced nothing, the mirror is dropped
+    assert gs.held is None
+    gs.prepare(again.spec([1, 2]), [3, 4])
+    assert len(gs.loads) == 5
+    gs.picked(-1, -1)                             # every logit -inf: the same
+    assert gs.held is None
+    other = Sampler({"temperature": 0.5, "penalty_repeat": 1.3, "penalty_last_n": 3, "seed": 5})
+    gs.prepare(again.spec([1, 2]), [3, 4])
+    gs.prepare(other.spec([1, 2]), [3, 4])        # other settings
+    assert len(gs.loads) == 7
+
+
+def test_the_device_state_of_greedy_penalties_and_whole_context_windows():
     greedy_pen = Sampler({"penalty_repeat": 2.0})
-    gs2 = _bare(greedy_pen)
-    gs2.picked(greedy_pen, 4, 0)
-    assert gs2.draws == 0                       # greedy picks draw no random number
+    gs = _Bookkeeping()
+    gs.prepare(greedy_pen.spec([]), [1, 2])
+    gs.picked(4, 0)
+    greedy_pen.advance()
+    assert gs.held.draws == greedy_pen.draws == 0     # greedy picks draw no random number
+    gs.prepare(greedy_pen.spec([1, 2]), [4])
+    assert len(gs.loads) == 1
+    whole = Sampler({"temperature": 1.0, "penalty_present": 0.5, "penalty_last_n": -1, "seed": 1})
+    gs = _Bookkeeping(ring_cap=12)
+    seq = list(range(10))
+    gs.prepare(whole.spec([]), seq)
+    for t in (3, 4, 5, 6):                          # the ring (max_context + 1) keeps the last ring_cap
+        gs.picked(t, 0)
+        whole.advance()
+        gs.prepare(whole.spec(seq), [t])
+        seq.append(t)
+    assert len(gs.loads) == 1 and gs.held.window == tuple(seq[-12:])
+    plain = Sampler({"temperature": 1.0, "seed": 2})  # no penalties: no window at all
+    gs.prepare(plain.spec([1, 2, 3]), [4])
+    assert gs.held.window == ()
 
 
 # --- NumPy reference of the GPU's draw ---------------------------------------------------------------------------
@@ -201,7 +248,7 @@ def test_the_cut_holds_every_kept_key():
                   "top_k": int(rng.choice([0, 1, 5, 40, 300, 5000])),
                   "top_p": float(rng.choice([1.0, 1.0, 0.0, 0.3, 0.9, 0.99, 0.999999])),
                   "min_p": float(rng.choice([0.0, 0.0, 0.01, 0.05, 0.5]))}
-        s = Sampler(params)
+        s = P(params)
         z = float(np.exp((x[np.isfinite(x)] - x.max()).astype(np.float64)).sum())
         cut, mode = reference_cut(x, s, z)
         if mode < 0:
@@ -257,7 +304,7 @@ def lm_logits(rng, n):
 # --- kernels (GPU) -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kern():
-    cp = pytest.importorskip("cupy")
+    pytest.importorskip("cupy")
     from engine.cuda import kernels
     mod = kernels.load("sample")
     return lambda name, qt=None, tag=None: mod.get_function(name)
@@ -274,11 +321,11 @@ class Run:
         self.gs = GpuSampler(kern, n, ring_cap, self.stream)
         self.out = MappedInts(2)
 
-    def pick(self, sampler, logits, load=True):
+    def pick(self, spec, logits, load=True):
         cp, gs = self.cp, self.gs
         with self.stream:
             if load:
-                gs.load(sampler)
+                gs.load(gs.state_for(spec))
             for a in (gs.work, gs.pw, gs.qw):
                 a.fill(np.nan)
             gs.bitmap.fill(0xA5A5A5A5)
@@ -312,21 +359,22 @@ def test_pick_matches_the_host_sampler(kern, n, chain):
     rng = np.random.default_rng(n * 31 + chain)
     logits = lm_logits(rng, n)
     seed = int(rng.integers(0, 2 ** 63))
-    s = Sampler({"temperature": temp, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed, **pen})
     history = rng.integers(0, n, size=200).tolist()
     history[-5:] = [int(np.argmax(logits))] * 5         # the top token repeated: penalties move the top
-    s.accept_many(history)
+    spec = Sampler({"temperature": temp, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed,
+                    **pen}).spec(history)
+    s, counted = spec.params, spec.counted()
     r = Run(kern, n)
     try:
-        tok, err = r.pick(s, logits)
+        tok, err = r.pick(spec, logits)
         st = r.gs.read_state()
         work = r.gs.work.get()
-        np.testing.assert_array_equal(work, s.apply_penalties(logits))
+        np.testing.assert_array_equal(work, s.apply_penalties(logits, counted))
         assert err == 0 and st["step"] == 1 and st["u"] == uniform(seed, 0)
         kept = kept_from_state(work, st)
         np.testing.assert_array_equal(kept, np.isfinite(s.filter(work)))
         np.testing.assert_array_equal(kept, order_filter(work, top_k, top_p, min_p))
-        probs = s.probabilities(logits)
+        probs = s.probabilities(logits, counted)
         gpu_probs = np.where(kept, r.gs.qw.get(), 0.0) / st["total"]
         np.testing.assert_allclose(gpu_probs, probs, rtol=1e-5, atol=1e-9)
         assert tok == st["pick"] == reference_draw(probs, st["u"])
@@ -336,7 +384,8 @@ def test_pick_matches_the_host_sampler(kern, n, chain):
         if chain == 0:                            # temperature alone keeps every key: no candidates
             assert nc == -1
         if s.penalties_active:              # the pick entered the window (and the oldest left a full one)
-            win = list(deque(window_tokens(s, n, 4096).tolist() + [tok], maxlen=window_length(s, 4096)))
+            win = list(deque(window_ids(r.gs.state_for(spec).window, n).tolist() + [tok],
+                             maxlen=window_length(s, 4096)))
             np.testing.assert_array_equal(r.gs.counts.get(), np.bincount(win, minlength=n))
     finally:
         r.close()
@@ -350,8 +399,8 @@ def test_ties_keep_the_lowest_ids(kern, n):
     r = Run(kern, n)
     try:
         for top_k, top_p in ((37, 1.0), (0, 0.8), (500, 0.6)):
-            s = Sampler({"temperature": 1.0, "top_k": top_k, "top_p": top_p, "seed": 3})
-            r.pick(s, logits)
+            s = P({"temperature": 1.0, "top_k": top_k, "top_p": top_p, "seed": 3})
+            r.pick(PickSpec(s, seed=3), logits)
             st = r.gs.read_state()
             kept = kept_from_state(r.gs.work.get(), st)
             np.testing.assert_array_equal(kept, order_filter(logits, top_k, top_p, 0.0))
@@ -395,10 +444,10 @@ def test_candidates_or_the_whole_vocabulary_pick_the_same(kern, case):
         logits[rng.choice(n, 10, replace=False)] = 10 - 0.25 * np.arange(10)
         params.update(top_k=40, top_p=0.5, min_p=0.05)
         want = "candidates"
-    s = Sampler(params)
+    s = P(params)
     r = Run(kern, n)
     try:
-        tok, err = r.pick(s, logits)
+        tok, err = r.pick(PickSpec(s, seed=5), logits)
         st = r.gs.read_state()
         work = r.gs.work.get()
         kept = kept_from_state(work, st)
@@ -424,14 +473,13 @@ def test_greedy_with_penalties_and_top_k_1_are_the_argmax(kern, n):
     top = int(np.argmax(logits))
     r = Run(kern, n)
     try:
-        s = Sampler({"penalty_repeat": 50.0})            # temperature 0: the argmax of the penalized logits
-        s.accept_many([top, 1, 2])
+        s = Sampler({"penalty_repeat": 50.0}).spec([top, 1, 2])     # temperature 0: the penalized argmax
         tok, err = r.pick(s, logits)
-        assert err == 0 and tok == s.sample(logits) != top
+        assert err == 0 and tok == pick(logits, s).id != top
         assert r.gs.read_state()["step"] == 0            # greedy draws nothing
-        k1 = Sampler({"temperature": 0.9, "top_k": 1, "seed": 11})
+        k1 = Sampler({"temperature": 0.9, "top_k": 1, "seed": 11}).spec()
         assert r.pick(k1, logits) == (top, 0)
-        nearly = Sampler({"temperature": 1e-6, "seed": 11})
+        nearly = Sampler({"temperature": 1e-6, "seed": 11}).spec()
         assert r.pick(nearly, logits)[0] == top
     finally:
         r.close()
@@ -444,7 +492,7 @@ def test_seeded_draws_reproduce_and_advance(kern):
     r = Run(kern, n)
     try:
         def run(seed, k=12):
-            s = Sampler({"temperature": 1.0, "top_p": 0.95, "seed": seed})
+            s = Sampler({"temperature": 1.0, "top_p": 0.95, "seed": seed}).spec()
             toks = [r.pick(s, logits, load=(i == 0))[0] for i in range(k)]
             return toks, r.gs.read_state()
         a, st = run(99)
@@ -460,8 +508,8 @@ def test_sampled_frequencies_follow_the_probabilities(kern):
     n = 1000
     logits = np.full(n, -5.0, np.float32)
     logits[[10, 500, 999, 3, 77, 600]] = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5]
-    s = Sampler({"temperature": 0.8, "top_k": 5, "seed": 2024})
-    probs = s.probabilities(logits)
+    s = Sampler({"temperature": 0.8, "top_k": 5, "seed": 2024}).spec()
+    probs = s.params.probabilities(logits)
     r = Run(kern, n)
     try:
         draws = [r.pick(s, logits, load=(i == 0))[0] for i in range(3000)]
@@ -480,7 +528,7 @@ def test_nan_and_all_neg_inf_are_reported(kern):
     n = 1000
     r = Run(kern, n)
     try:
-        s = Sampler({"temperature": 1.0, "seed": 1})
+        s = Sampler({"temperature": 1.0, "seed": 1}).spec()
         x = lm_logits(np.random.default_rng(0), n)
         x[17] = np.nan
         assert r.pick(s, x)[1] > 0
@@ -495,12 +543,13 @@ E2E_MODELS = ("tiny-qwen3moe-q4k", "tiny-llama-legacy")
 
 
 def _sampled(be, prompt, params, n=32):
+    """n picks as the session makes them: each spec's history the sequence before the token fed."""
     s = Sampler(params)
-    s.accept_many(prompt)
-    toks = [be.next_token(prompt, s)]
+    toks = [be.decode(prompt, s.spec([]))[0].id]
+    s.advance()
     while len(toks) < n:
-        s.accept(toks[-1])
-        toks.append(be.next_token([toks[-1]], s))
+        toks.append(be.decode([toks[-1]], s.spec(prompt + toks[:-1]))[0].id)
+        s.advance()
     return toks
 
 
@@ -525,20 +574,19 @@ def test_backend_seeded_sampling_reproduces_and_top_k_1_is_greedy(fixtures_dir, 
         be.truncate(0)
         assert _sampled(be, prompt, {"temperature": 0.7, "top_k": 1, "seed": 5}) == g
         be.truncate(0)
-        # greedy with a repeat penalty (on the GPU) equals the host Sampler on the same step's logits
-        s_gpu, s_host = Sampler({"penalty_repeat": 1.5}), Sampler({"penalty_repeat": 1.5})
-        s_gpu.accept_many(prompt)
-        s_host.accept_many(prompt)
-        tok = be.next_token(prompt, s_gpu)
+        # greedy with a repeat penalty (on the GPU) equals the host's pick on the same step's logits
+        pen = Sampler({"penalty_repeat": 1.5})
+        seq = list(prompt)
+        tok = be.decode(prompt, pen.spec([]))[0].id
         for _ in range(8):
-            s_gpu.accept(tok)
-            s_host.accept(tok)
             lg = be.forward([tok])                   # the step's logits (greedy graph) ...
             be.truncate(be.n_cached - 1)
-            nxt = be.next_token([tok], s_gpu)        # ... and the same step again through the sampled graph
-            top2 = np.sort(s_host.apply_penalties(lg))[-2:]
+            spec = pen.spec(seq)
+            nxt = be.decode([tok], spec)[0].id       # ... and the same step again through the sampled graph
+            top2 = np.sort(spec.params.apply_penalties(lg, spec.counted([tok])))[-2:]
             if top2[1] - top2[0] > 1e-3:             # a near-tie may part on a last-bit difference of the logits
-                assert nxt == s_host.sample(lg)
+                assert nxt == pick(lg, spec, [tok]).id
+            seq.append(tok)
             tok = nxt
     finally:
         be.close()
@@ -547,6 +595,36 @@ def test_backend_seeded_sampling_reproduces_and_top_k_1_is_greedy(fixtures_dir, 
         assert _sampled(eager, prompt, params) == a
     finally:
         eager.close()
+
+
+@gpu
+@pytest.mark.parametrize("params", [{}, {"temperature": 1.1, "top_p": 0.95, "seed": 42, "penalty_repeat": 1.2,
+                                         "penalty_last_n": 8}])
+def test_backend_window_picks_equal_one_token_picks(fixtures_dir, params):
+    """decode(window, spec, all_positions=True) returns at position i what a one-token call with
+    spec.after(window[:i]) returns from the same cache: the device's counter and penalty window kept in step with
+    the specs across the window and after a rewind."""
+    import json
+
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.gguf_model import open_model
+    name = "tiny-qwen3moe-q4k"
+    model = open_model(fixtures_dir / "reference" / f"{name}.gguf")
+    prompt = list(json.loads((fixtures_dir / "reference" / f"{name}.json").read_text())["cases"][0]["prompt_ids"])
+    be = CUDABackend(model, 256, CudaOptions())
+    try:
+        s = Sampler(params)
+        first = be.decode(prompt, s.spec([]))[0].id
+        s.advance()
+        n0 = be.n_cached
+        for window in ([first, 5, 17, 99], [first, first, 3]):
+            spec = s.spec(prompt)
+            picks = [p.id for p in be.decode(window, spec, all_positions=True)]
+            be.truncate(n0)
+            assert picks == [be.decode([t], spec.after(window[:i]))[0].id for i, t in enumerate(window)]
+            be.truncate(n0)
+    finally:
+        be.close()
 
 
 @gpu

@@ -21,7 +21,7 @@ def test_cpu_runs_are_the_greedy_continuation_of_the_reference_prompt(fixtures_d
         assert prompt == list(case["prompt_ids"])
         assert logits.shape == (N, model.config.n_vocab) and np.isfinite(logits).all()
         assert toks == np.argmax(logits, axis=-1).tolist()
-        # the same tokens through the backend's own sampling path (Sampler({}) is greedy), from a fresh cache
+        # the same tokens through the backend's own pick (PickSpec() is greedy), from a fresh cache
         cpu = CPUBackend(model, CTX)
         try:
             assert greedy(cpu, prompt, N) == toks

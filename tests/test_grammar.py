@@ -12,7 +12,7 @@ import pytest
 from engine import protocol
 from engine.backend import Backend
 from engine.grammar import Grammars, apply_mask, encode, mask_words
-from engine.sampling import Sampler, logprobs_of
+from engine.sampling import PickSpec, logprobs_of, pick
 from engine.session import Session
 
 llguidance = pytest.importorskip("llguidance")
@@ -57,10 +57,9 @@ def test_logprobs_of_is_log_softmax_and_sorted():
     ref = x.astype(np.float64) - np.log(np.sum(np.exp(x.astype(np.float64))))
     assert lp == pytest.approx(ref[7])
     assert [i for i, _ in top] == list(np.argsort(-ref)[:5]) and [v for _, v in top] == pytest.approx(sorted(ref)[::-1][:5])
-    s = Sampler({})
-    s.top_logprobs = 3
-    tok = s.sample(x)
-    assert tok == top[0][0] and s.picked[0] == pytest.approx(top[0][1])     # greedy: the top entry is the pick
+    got = pick(x, PickSpec(logprobs=3))
+    assert got.id == top[0][0] and got.logprob == pytest.approx(top[0][1])   # greedy: the top entry is the pick
+    assert got.top == tuple(top[:3])
 
 
 @pytest.mark.parametrize("seed,temperature", [(0, 0.0), (1, 0.0), (2, 0.8), (3, 1.5), (4, 1.0)])

@@ -9,7 +9,7 @@ import time
 import cupy as cp
 import numpy as np
 
-from engine.backend import Backend, ExpertStats, RecurrentSnapshot
+from engine.backend import Backend, ExpertStats, RecurrentSnapshot, decode_tokens
 from engine.cuda import hybrid_layers
 from engine.cuda.arena import ExpertArena, blob_layout
 from engine.cuda.args import CudaOptions
@@ -24,12 +24,12 @@ from engine.cuda.prefetch import wanted as prefetch_wanted
 from engine.cuda.prefill import AUTO_TARGET, Prefill, parse_chunk, reserve_bytes
 from engine.cuda.kernels import Kernels
 from engine.cuda.rope import rope_table
-from engine.cuda.logits_mask import masked_next
+from engine.cuda.logits_mask import masked_copy, top_logprobs
 from engine.cuda.sampler import GpuSampler
 from engine.cuda.trace import Tracer
 from engine.cuda.weights import load_weights
 from engine.profile import from_flat, load_profile, save_profile
-from engine.sampling import SamplingError
+from engine.sampling import Pick, PickSpec, refuse
 
 MiB = 1 << 20
 STEP_HEADROOM = 64 * MiB        # the prompt pass's scratch beyond what is allocated at start is taken per chunk
@@ -306,7 +306,7 @@ class CUDABackend(Backend):
     def forward(self, tokens, all_logits: bool = False) -> np.ndarray:
         tokens = [int(t) for t in tokens]
         if len(tokens) == 1 and not all_logits:
-            self.decode(tokens[0])
+            self._step(tokens[0], "greedy")
             with self.stream:
                 return self.step.logits.get(stream=self.stream)
         lg = self._prefill(tokens, all_logits)
@@ -314,27 +314,64 @@ class CUDABackend(Backend):
             h = lg.get(stream=self.stream)
         return h if all_logits else h[-1]
 
-    def next_token(self, tokens, sampler) -> int:
-        """Every Sampler picks on the GPU; only the id comes back. Plain greedy (no penalties) is the step's argmax;
-        everything else (penalties, temperature, top_k/top_p/min_p, seeds) is engine/cuda/sampler.py, whose random
-        source is its own (seeded: reproducible on the same build) but whose chain and kept sets are
-        engine/sampling.py's. A grammar mask or logprobs go off the graphs (engine/cuda/logits_mask.py)."""
-        if getattr(sampler, "mask", None) is not None or getattr(sampler, "top_logprobs", None) is not None:
-            return masked_next(self, tokens, sampler)
-        tokens = [int(t) for t in tokens]
-        if len(tokens) > 1:
-            return self._pick_after_prompt(tokens, sampler)
-        return self._checked(sampler, *self.decode(tokens[0], sampler))
+    def decode(self, tokens, spec: PickSpec, all_positions: bool = False) -> list[Pick]:
+        """engine/backend.py's contract, every pick on the GPU: only the id (and the log-probabilities asked for)
+        comes back. After one token without a mask the pick is the step's own, in its graph: the argmax for plain
+        greedy, else engine/cuda/sampler.py's chain (engine/sampling.py's chain and kept sets, its own seeded random
+        source) from the state GpuSampler.prepare keeps in step with the spec. After a prompt chunk, or with a mask,
+        it is made from the logits left in VRAM (_pick_from_logits). Log-probabilities are read from the logits the
+        pick saw (masked when there was a mask). A window (all_positions) is one step a token for now."""
+        tokens = decode_tokens(tokens, spec, all_positions)
+        if all_positions and len(tokens) > 1:
+            return [self.decode([t], spec.after(tokens[:i]))[0] for i, t in enumerate(tokens)]
+        pick = "greedy" if spec.params.plain_greedy else "sampled"
+        if len(tokens) == 1 and spec.mask is None:
+            tok, status, logits = self._pick_in_step(tokens[0], spec, pick)
+        else:
+            tok, status, logits = self._pick_from_logits(tokens, spec, pick)
+        refuse(status, masked=spec.mask is not None)
+        if spec.logprobs is None:
+            return [Pick(tok)]
+        with self.stream:
+            lp, top = top_logprobs(logits, tok, spec.logprobs)
+        return [Pick(tok, lp, tuple(top))]
 
-    def decode(self, token: int, sampler=None) -> tuple[int, int]:
-        """One decode step: `token` at the next position through every layer, then the pick on the GPU (the argmax
-        when sampler is None or plain greedy, else the sampler's chain). Returns (id, NaN count) as the step wrote
-        them; next_token turns a NaN into an error."""
-        self._room(1)
-        pick = "greedy" if self._greedy(sampler) else "sampled"
-        if pick == "sampled" and not self.gpu_sampler.in_sync(sampler, [token]):
+    def _pick_in_step(self, token: int, spec: PickSpec, pick: str) -> tuple[int, int, cp.ndarray]:
+        """One step with its own pick; (id, status, the step's logits)."""
+        if pick == "sampled":
             with self.stream:
-                self.gpu_sampler.load(sampler)
+                self.gpu_sampler.prepare(spec, [token])
+        tok, status = self._step(token, pick)
+        if pick == "sampled":
+            self.gpu_sampler.picked(tok, status)
+        return tok, status, self.step.logits
+
+    def _pick_from_logits(self, tokens, spec: PickSpec, pick: str) -> tuple[int, int, cp.ndarray]:
+        """The prompt pass's last row, or a greedy step's logits (its own argmax unused), masked on a copy
+        (engine/cuda/logits_mask.py), then the argmax (the lowest id among equal maxima, as the step's) or the GPU
+        sampler's chain on the copy; (id, status, the copy)."""
+        if len(tokens) > 1:
+            lg = self._prefill(tokens, False)[-1]
+        else:
+            self._step(tokens[0], "greedy")
+            lg = self.step.logits
+        with self.stream:
+            lg, status = masked_copy(lg, spec.mask)
+            if status:
+                return -1, status, lg
+            if pick == "greedy":
+                return int(cp.argmax(lg)), 0, lg
+            self.gpu_sampler.prepare(spec, tokens)
+            self.gpu_sampler.enqueue(self.kernels, lg, self.step.out.dptr)
+        tok, status = self.step.result()
+        self.gpu_sampler.picked(tok, status)
+        return tok, status, lg
+
+    def _step(self, token: int, pick: str) -> tuple[int, int]:
+        """One decode step: `token` at the next position through every layer, then the step's pick ("greedy": the
+        argmax; "sampled": the GPU sampler's chain from the state it holds). Returns (id, status) as the step wrote
+        them (status: the NaN count, or -1 when every logit was -inf; engine/sampling.py refuse reads it)."""
+        self._room(1)
         if self.cache is not None:
             self.prefill.give_back(self.stream)     # the ring's lent cache slots back once the prompt is over
             self.cache.poll(self.stream)            # the adaptive tier's landed swaps into the table
@@ -347,29 +384,6 @@ class CUDABackend(Backend):
         self.n_cached += 1
         self._tick()
         return tok, nan
-
-    @staticmethod
-    def _greedy(sampler) -> bool:
-        return sampler is None or (sampler.greedy and not sampler.penalties_active)
-
-    def _checked(self, sampler, tok: int, nan: int) -> int:
-        if self._greedy(sampler):
-            if nan:
-                raise SamplingError("the model produced NaN logits")
-            return tok
-        return self.gpu_sampler.picked(sampler, tok, nan)
-
-    def _pick_after_prompt(self, tokens, sampler) -> int:
-        """The prompt pass, then the pick from its last logits row."""
-        lg = self._prefill(tokens, False)[-1]
-        with self.stream:
-            if self._greedy(sampler):
-                if bool(cp.isnan(lg).any()):
-                    raise SamplingError("the model produced NaN logits")
-                return int(cp.argmax(lg))
-            self.gpu_sampler.load(sampler)
-            self.gpu_sampler.enqueue(self.kernels, cp.ascontiguousarray(lg, dtype=cp.float32), self.step.out.dptr)
-        return self.gpu_sampler.picked(sampler, *self.step.result())
 
     def _tick(self):
         if self.cache is None:

@@ -1,18 +1,15 @@
-"""The grammar mask and log-probabilities on the GPU (cuda_src/logits_mask.cu), and the CUDA backend's pick for a
-request that needs either.
+"""The grammar mask and log-probabilities on the GPU (cuda_src/logits_mask.cu), for the CUDA backend's picks off the
+decode graphs (engine/cuda/backend.py decode).
 
 References: engine/grammar.py apply_mask (the mask) and engine/sampling.py logprobs_of (the log-probabilities).
-A pick with a mask or logprobs (`masked_next`) reads the logits the step (or the prompt pass) left in VRAM, masks
-them in place on a copy, picks on the GPU (the step's argmax rule for plain greedy, else engine/cuda/sampler.py on
-the masked logits), then asks for the log-probabilities of what was picked: only the id and k + 1 numbers come back.
-Plain requests never come here: the decode graphs stay as they are.
+A pick with a mask, or the one after a prompt chunk, reads the logits the prompt pass or the step left in VRAM and
+masks them on a copy (`masked_copy`, which also counts what the NaN rule needs); the GPU picks from that copy, and
+`top_logprobs` gives the log-probabilities of what was picked: only the id and k + 1 numbers come back.
 """
 from __future__ import annotations
 
 import cupy as cp
 import numpy as np
-
-from engine.sampling import SamplingError
 
 LP_THREADS = 1024      # top_logprobs' one block (cuda_src/logits_mask.cu LP_THREADS)
 LP_MAX_K = 20          # the most alternatives it returns (LP_MAX_K; the protocol's MAX_TOP_LOGPROBS)
@@ -49,34 +46,14 @@ def top_logprobs(logits: cp.ndarray, token: int, k: int) -> tuple[float, list[tu
     return float(tok_h[0]), top
 
 
-def masked_next(backend, tokens, sampler) -> int:
-    """CUDABackend.next_token for a sampler with a mask or top_logprobs: feed tokens, pick, record sampler.picked."""
-    tokens = [int(t) for t in tokens]
-    if len(tokens) > 1:
-        lg = backend._prefill(tokens, False)[-1]
-    else:
-        backend.decode(tokens[0])         # the plain step; its own argmax is ignored
-        lg = backend.step.logits
-    with backend.stream:
-        lg = cp.array(lg, dtype=cp.float32, copy=True).reshape(-1)
-        if bool(cp.isnan(lg).any()):
-            raise SamplingError("the model produced NaN logits")
-        if sampler.mask is not None:
-            apply_mask(lg, sampler.mask)
-            if not bool(cp.isfinite(lg).any()):
-                raise SamplingError("the grammar allows no token here")
-        gs = backend.gpu_sampler
-        plain = sampler.greedy and not sampler.penalties_active
-        if plain:
-            tok = int(cp.argmax(lg))       # the lowest id among equal maxima, as the step's argmax
-        elif gs is not None:
-            gs.load(sampler)
-            gs.enqueue(backend.kernels, lg, backend.step.out.dptr)
-        else:                              # no GPU sampler built: the host chain on the masked logits
-            tok = sampler._pick(lg.get(stream=backend.stream))
-    if not plain and gs is not None:
-        tok = gs.picked(sampler, *backend.step.result())
-    if sampler.top_logprobs is not None:
-        with backend.stream:
-            sampler.picked = top_logprobs(lg, tok, sampler.top_logprobs)
-    return tok
+def masked_copy(logits: cp.ndarray, words) -> tuple[cp.ndarray, int]:
+    """A float32 copy of logits (in VRAM) with the mask applied when there is one (words: bitmask words, or None),
+    and its status for the NaN rule (engine/sampling.py refuse): the NaN count of the logits as they came, else -1
+    when no finite logit is left, else 0. Waits for the current stream (for the two counts)."""
+    lg = cp.array(logits, dtype=cp.float32, copy=True).reshape(-1)
+    nan = int(cp.isnan(lg).sum())
+    if nan:
+        return lg, nan
+    if words is not None:
+        apply_mask(lg, words)
+    return lg, 0 if bool(cp.isfinite(lg).any()) else -1

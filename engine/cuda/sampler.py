@@ -1,16 +1,18 @@
 """Sampling on the GPU (cuda_src/sample.cu): penalties, top_k, top_p, min_p, temperature and a seeded draw from the
-logits in VRAM, so only the chosen id comes back to the host. engine/sampling.py's Sampler is the reference: the same
-chain in the same order with the same float32 penalty arithmetic; only the random source differs.
+logits in VRAM, so only the chosen id comes back to the host. engine/sampling.py's SamplingParams is the reference: the
+same chain in the same order with the same float32 penalty arithmetic; only the random source differs.
 
-The random source: u = uniform(seed, step), splitmix64 of the request's seed and the number of draws so far, as a
-double in [0, 1). The draw is the inverse CDF over the kept ids in id order: the first kept id whose cumulative
-tempered weight exceeds u * total. So a seeded request gives the same tokens on the same build, and uniform() below
-lets a test redo any draw in NumPy. A request without a seed gets 64 bits of OS entropy, as the host Sampler does.
+The random source: u = uniform(seed, step), splitmix64 of the request's seed and the number of draws so far (the
+spec's seed and draws), as a double in [0, 1). The draw is the inverse CDF over the kept ids in id order: the first
+kept id whose cumulative tempered weight exceeds u * total. So a seeded request gives the same tokens on the same
+build, and uniform() below lets a test redo any draw in NumPy.
 
-Settings live in device memory (PARAMS_DTYPE, written once per request by load()), the RNG counter and the penalty
-window (a ring of the last penalty_last_n ids plus a count per vocabulary id) in device memory that the select
-kernel updates when it picks. Nothing that changes between requests or steps is a kernel argument, so the launches
-are captured in the decode step's graph.
+Settings live in device memory (PARAMS_DTYPE), the RNG counter and the penalty window (a ring of the last
+penalty_last_n ids plus a count per vocabulary id) in device memory that the select kernel updates when it picks.
+Nothing that changes between requests or steps is a kernel argument, so the launches are captured in the decode
+step's graph. The request's state is the session's (engine/sampling.py PickSpec: params, seed, draws, history): the
+GpuSampler keeps `held`, what the device holds in the spec's terms, follows the kernels' update after each pick, and
+reloads only when a spec asks for another state (a new request, a rewind, a pick that was not fed back).
 
 The kept set is found without sorting (cuda_src/sample.cu has the radix select). One block does it, since it is a
 chain of small decisions, but over the whole vocabulary that is slow (docs/experiments.md). So the multi-block
@@ -29,12 +31,12 @@ launches (~8 us) into every greedy step as well.
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass, replace
 
 import cupy as cp
 import numpy as np
 
-from engine.sampling import SamplingError
+from engine.sampling import PickSpec, SamplingParams
 
 SAMPLE_GRID = 264          # blocks of sample_prep / sample_exp / sample_gather (cuda_src/sample.cu SAMPLE_GRID)
 SAMPLE_THREADS = 256       # their block size (SAMPLE_THREADS: their __launch_bounds__)
@@ -67,41 +69,48 @@ def uniform(seed: int, step: int) -> float:
     return (z >> 11) * (1.0 / 9007199254740992.0)
 
 
-def window_length(sampler, ring_cap: int) -> int:
+def window_length(params: SamplingParams, ring_cap: int) -> int:
     """Ring length on the device: 0 without penalties; -1 (the whole context) and anything longer than the ring
     (max_context + 1) become the ring, which no request can fill."""
-    if not sampler.penalties_active:
+    if not params.penalties_active:
         return 0
-    n = sampler.penalty_last_n
+    n = params.penalty_last_n
     return ring_cap if n < 0 or n > ring_cap else n
 
 
-def pack_params(sampler, ring_cap: int, seed: int) -> np.ndarray:
+def pack_params(params: SamplingParams, ring_cap: int, seed: int) -> np.ndarray:
     p = np.zeros(1, PARAMS_DTYPE)
-    p["top_p"] = sampler.top_p
-    p["log_min_p"] = np.log(sampler.min_p) if sampler.min_p > 0.0 else -np.inf
+    p["top_p"] = params.top_p
+    p["log_min_p"] = np.log(params.min_p) if params.min_p > 0.0 else -np.inf
     p["seed"] = int(seed) & MASK64
-    p["temp"] = sampler.temperature if sampler.temperature > 0.0 else 0.0
-    p["pen_repeat"], p["pen_freq"], p["pen_present"] = (sampler.penalty_repeat, sampler.penalty_freq,
-                                                        sampler.penalty_present)
-    p["top_k"] = sampler.top_k
-    p["penalties"] = 1 if sampler.penalties_active else 0
-    p["window"] = window_length(sampler, ring_cap)
+    p["temp"] = params.temperature if params.temperature > 0.0 else 0.0
+    p["pen_repeat"], p["pen_freq"], p["pen_present"] = (params.penalty_repeat, params.penalty_freq,
+                                                        params.penalty_present)
+    p["top_k"] = params.top_k
+    p["penalties"] = 1 if params.penalties_active else 0
+    p["window"] = window_length(params, ring_cap)
     return p
 
 
-def window_tokens(sampler, n_vocab: int, ring_cap: int) -> np.ndarray:
-    """The ids of the penalty window, oldest first (ids outside the vocabulary as -1: counted by neither side)."""
-    w = window_length(sampler, ring_cap)
-    if w == 0:
-        return np.zeros(0, np.int32)
-    hist = np.fromiter(sampler.history, dtype=np.int64, count=len(sampler.history))[-w:]
-    return np.where((hist >= 0) & (hist < n_vocab), hist, -1).astype(np.int32)
+def window_ids(window, n_vocab: int) -> np.ndarray:
+    """The penalty window as the ring holds it: int32 ids, oldest first, those outside the vocabulary as -1 (counted
+    by neither side)."""
+    w = np.asarray(window, dtype=np.int64).reshape(-1)
+    return np.where((w >= 0) & (w < n_vocab), w, -1).astype(np.int32)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A device state in a spec's terms: the settings, the seed, the RNG counter (the draws made) and the penalty
+    window (the last window_length ids the pick counts, oldest first)."""
+    params: SamplingParams
+    seed: int
+    draws: int
+    window: tuple[int, ...]
 
 
 class GpuSampler:
-    """The device buffers of cuda_src/sample.cu's kernels and the bookkeeping that keeps them in step with the
-    request's host Sampler (whose history stays the source of truth: any doubt reloads from it)."""
+    """The device buffers of cuda_src/sample.cu's kernels, and `held`: what they hold (None: unknown)."""
 
     def __init__(self, kernels, n_vocab: int, ring_cap: int, stream):
         self.n = int(n_vocab)
@@ -124,23 +133,29 @@ class GpuSampler:
         sel = kernels("sample_select")
         if getattr(sel, "max_dynamic_shared_size_bytes", 0) < CAND_SMEM:
             sel.max_dynamic_shared_size_bytes = CAND_SMEM
-        self.owner = None               # the host Sampler the device state belongs to
-        self.draws = 0                  # the device's RNG counter, mirrored
-        self.last_pick = None
-        self.expected_len = 0
+        self.held: Held | None = None
 
     # --- the request's state ---------------------------------------------------------------------------------
-    def load(self, sampler) -> None:
-        """Settings, penalty window and RNG counter from the host Sampler (stream-ordered before the next step). The
-        counter carries on when the same Sampler is reloaded, so a reload never repeats a draw."""
-        if sampler is not self.owner:
-            self.draws = 0
-            self.seed = sampler.seed if sampler.seed is not None else int.from_bytes(os.urandom(8), "little")
-        p = pack_params(sampler, self.ring_cap, self.seed)
-        toks = window_tokens(sampler, self.n, self.ring_cap)
+    def state_for(self, spec: PickSpec, fed=()) -> Held:
+        """The device state the pick after `fed` (the decode call's tokens up to it) under spec needs."""
+        w = window_length(spec.params, self.ring_cap)
+        return Held(spec.params, int(spec.seed) & MASK64, int(spec.draws), spec.counted(fed)[-w:] if w else ())
+
+    def prepare(self, spec: PickSpec, fed=()) -> None:
+        """Make the device state the one the pick after `fed` needs (stream-ordered before the pick). In the
+        session's loop (pick, feed the pick back) picked() has followed the kernels there already; anything else
+        compares unequal and loads."""
+        want = self.state_for(spec, fed)
+        if want != self.held:
+            self.load(want)
+
+    def load(self, held: Held) -> None:
+        """Write held's settings, penalty window and RNG counter (stream-ordered before the next pick)."""
+        p = pack_params(held.params, self.ring_cap, held.seed)
+        toks = window_ids(held.window, self.n)
         w = int(p["window"][0])
         st = np.zeros(1, STATE_DTYPE)
-        st["step"] = self.draws
+        st["step"] = held.draws
         st["ring_len"] = len(toks)
         st["ring_head"] = len(toks) % w if w else 0
         s = self.stream
@@ -151,34 +166,19 @@ class GpuSampler:
             self.counts.set(np.bincount(valid, minlength=self.n).astype(np.int32), stream=s)
             if len(toks):
                 self.ring[:len(toks)].set(toks, stream=s)
-        self.owner = sampler
-        self.last_pick = None
-        self.expected_len = len(sampler.history)
+        self.held = held
 
-    def in_sync(self, sampler, tokens) -> bool:
-        """Whether the device state is this Sampler's after the last pick was accepted and fed back (the session's
-        loop: pick, accept(pick), next_token([pick])). Anything else is reloaded from the host Sampler."""
-        if sampler is not self.owner or len(tokens) != 1 or tokens[0] != self.last_pick:
-            return False
-        if not sampler.penalties_active:
-            return True
-        h = sampler.history
-        return len(h) == self.expected_len and len(h) > 0 and h[-1] == self.last_pick
-
-    def picked(self, sampler, tok: int, nan: int) -> int:
-        """The pick the kernels wrote (out[0], out[1]); raises as the host Sampler would."""
-        if nan > 0:
-            self.owner = None
-            raise SamplingError("the model produced NaN logits")
-        if nan < 0:
-            self.owner = None
-            raise SamplingError("every logit is -inf: nothing to sample")
-        if not sampler.greedy:
-            self.draws += 1
-        self.last_pick = int(tok)
-        maxlen = sampler.history.maxlen
-        self.expected_len = len(sampler.history) + 1 if maxlen is None else min(len(sampler.history) + 1, maxlen)
-        return int(tok)
+    def picked(self, tok: int, status: int) -> None:
+        """Follow the select kernel's update after a pick from `held`: a temperature > 0 pick advanced the counter,
+        the pick entered the window. A failed pick (status != 0: NaN, or every logit -inf) advanced nothing there,
+        but `held` is dropped, so the next pick reloads from its spec."""
+        h = self.held
+        if h is None or status != 0:
+            self.held = None
+            return
+        w = window_length(h.params, self.ring_cap)
+        drew = 1 if np.float32(h.params.temperature) > 0 else 0     # the kernel tests its float32 temp
+        self.held = replace(h, draws=h.draws + drew, window=(h.window + (int(tok),))[-w:] if w else ())
 
     # --- launches --------------------------------------------------------------------------------------------
     def enqueue(self, kernels, logits, out_dptr) -> None:
@@ -202,6 +202,6 @@ class GpuSampler:
         return self.state.get(stream=self.stream).view(STATE_DTYPE)[0]
 
     def close(self) -> None:
-        self.owner = None
+        self.held = None
         self.params = self.state = self.counts = self.ring = self.work = self.pw = self.qw = self.zpart = None
         self.hist = self.bitmap = self.qpart = None
