@@ -219,3 +219,29 @@ def test_shapes_must_be_whole_blocks():
             quantize(np.zeros(QT_BLOCK[name] + 1, np.float32))
         with pytest.raises(ValueError, match="whole number"):
             dequantize(np.zeros(quant_types.SIZES[QT[name]][1] - 1, np.uint8))
+
+
+# --- files llama-quantize makes (the anchor wheel; skipped without it) ------------------------------------------
+
+def test_llama_quantize_files_hold_our_quantizers_bytes(tmp_path):
+    """llama_model_quantize with the Q2_0 and Q1_0 recipes (ftypes 41, 40), and NVFP4 through --tensor-type (its
+    ftype 39 is refused), writes every such tensor as our quantizer does from the F16 source's values."""
+    from engine.gguf_model import open_model
+    from tools import llama_ref as lr
+    why = lr.available()
+    if why:
+        pytest.skip(f"needs llama.cpp's CPU wheel: {why}")
+    src = lr.make_source(tmp_path / "f16.gguf", ["--preset", "tiny", "--n-layer", "1", "--n-expert", "4",
+                                                  "--n-expert-used", "2"])
+    runs = {"q2_0": [], "q1_0": [], "q8_0": [(r"ffn_(gate|up|down)_exps", "NVFP4"), (r"attn_q", "Q2_0")]}
+    f16 = open_model(src)
+    for recipe, overrides in runs.items():
+        m = open_model(lr.quantize(src, tmp_path / f"{recipe}.gguf", recipe, overrides=overrides))
+        checked = set()
+        for name in m.tensor_names():
+            t = m.tensor(name)
+            if t.qtype.name in CODEC:
+                want = quant_types.quantize(f16.dequant(name), t.qtype)
+                assert np.array_equal(np.asarray(t.data), want), f"{recipe}: {name} ({t.qtype.name})"
+                checked.add(t.qtype.name)
+        assert checked == {"q2_0": {"Q2_0"}, "q1_0": {"Q1_0"}, "q8_0": {"NVFP4", "Q2_0"}}[recipe]
