@@ -78,3 +78,25 @@ def _q4k(d):
     if not path.exists():
         make_moe.main(["--preset", "tiny", "--n-layer", "1", "--threads", "1", "--out", str(path)])
     return open_model(path)
+
+
+def test_setup_measures_their_experts(model):
+    """setup's own-file entry reads the tensor table through the engine (gguf.GGUFReader fails on Q2_0)."""
+    from setup.catalog import model_from_gguf
+    _, path = model
+    h = read_header(path)
+    experts = sum(row_bytes(QT(t.type_id), t.dims[0]) * int(np.prod(t.dims[1:])) for t in h.tensors
+                  if "_exps." in t.name)
+    m = model_from_gguf(path)
+    assert m.arch == "qwen2moe" and m.expert_share == pytest.approx(experts / path.stat().st_size, rel=1e-12)
+
+
+def test_fused_tensors_of_them_load_as_the_parts(model, tmp_path):
+    """tools.fuse_tensors writes them (attn_qkv, ffn_gate_up_exps) and the engine's views give the same logits."""
+    from tools.fuse_tensors import fuse
+    _, path = model
+    fused = fuse(path, tmp_path / "fused.gguf", qkv=True, gate_up=True)
+    names = {t.name: QT(t.type_id) for t in read_header(fused).tensors}
+    assert "blk.0.attn_qkv.weight" in names and "blk.0.ffn_gate_up_exps.weight" in names
+    want = CPUBackend(open_model(path), 64).forward(TOKENS, all_logits=True)
+    np.testing.assert_array_equal(CPUBackend(open_model(fused), 64).forward(TOKENS, all_logits=True), want)
