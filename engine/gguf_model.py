@@ -267,6 +267,19 @@ def _check_tensor(path: Path, t: RawTensor, data_offset: int, size: int) -> None
                          f"{size:,} bytes; download it again")
 
 
+def _refuse_nvfp4_scales(model: "GGUFModel") -> None:
+    """NVFP4 weights converted from NVIDIA ModelOpt checkpoints carry per-tensor F32 scales beside them (X.scale,
+    X.input_scale: llama-model.cpp's "NVFP4 scale2", applied after the product). No forward here applies them, so
+    such a file would run with every such product off by its scale: refused. llama-quantize's NVFP4 has none."""
+    for name in model._tensors:
+        stem, _, kind = name.rpartition(".")
+        w = model._tensors.get(f"{stem}.weight")
+        if kind in ("scale", "input_scale") and w is not None and w.qtype == QT.NVFP4:
+            raise ModelError(f"{model.path.name}: {name} scales the NVFP4 tensor {w.name} (an NVIDIA ModelOpt "
+                             f"conversion), which this engine does not apply yet; use a GGUF quantized by "
+                             f"llama-quantize")
+
+
 def _qtype_list() -> str:
     return ", ".join(q.name for q in sorted(SUPPORTED_QTYPES, key=lambda q: q.value))
 
@@ -323,6 +336,7 @@ class GGUFModel:
                 self._tensors[t.name] = TensorInfo(t.name, qt, shape, data, p, start)
         if not self._tensors:
             raise ModelError(f"{path.name} holds no tensors (a vocabulary-only GGUF?); point --model at a model")
+        _refuse_nvfp4_scales(self)
         _as_llama_cpp_loads(self)
         n_split = int(self.metadata.get("split.count", 1) or 1)
         if n_split != len(self.paths):

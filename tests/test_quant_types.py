@@ -122,3 +122,15 @@ def test_unknown_type_id_is_named(tmp_path):
     p.write_bytes(bytes(data))
     with pytest.raises(ModelError, match=r"blk\.0\.ffn_up\.weight has quant type id 43.*NVFP4, Q1_0, Q2_0"):
         open_model(p)
+
+
+def test_nvfp4_with_modelopt_scales_is_refused(tmp_path):
+    tensors, hp = tiny_tensors("llama")
+    w = tensors.pop("blk.0.ffn_up.weight")
+    raw = {"blk.0.ffn_up.weight": (quant_types.quantize(w, QT.NVFP4), QT.NVFP4)}
+    ok = write_gguf(tmp_path / "ok.gguf", "llama", dict(tensors), hp, raw=raw)
+    assert open_model(ok).tensor("blk.0.ffn_up.weight").qtype is QT.NVFP4     # llama-quantize's kind: no scales
+    tensors["blk.0.ffn_up.scale"] = np.ones(1, np.float32)
+    p = write_gguf(tmp_path / "modelopt.gguf", "llama", tensors, hp, raw=raw)
+    with pytest.raises(ModelError, match=r"blk\.0\.ffn_up\.scale scales the NVFP4 tensor blk\.0\.ffn_up\.weight"):
+        open_model(p)
