@@ -181,10 +181,10 @@ def test_edge_blocks():
     z = np.zeros((1, 128), np.float32)
     for name in NAMES:
         quantize, dequantize = CODEC[name]
-        blk = quantize(z[:, :QT_BLOCK[name]])
+        blk = quantize(z[:, :quant_types.block_size(QT[name])])
         assert not blk[:, :4 if name == "NVFP4" else 2].any()                   # a zero scale
         assert np.all(dequantize(blk) == 0)
-    # negative zero is >= 0: Q1_0 sets its bit; Q2_0 codes it as 0 (code 1); NVFP4 as code 0
+    # negative zero is >= 0: Q1_0 sets its bit; Q2_0 gives it code 1 (zero), NVFP4 code 0
     nz = -np.zeros((1, 128), np.float32)
     assert np.all(qb.quantize_q1_0(nz)[:, 2:] == 0xFF)
     assert np.all(qb.quantize_q2_0(nz[:, :64])[:, 2:] == 0x55)
@@ -209,14 +209,11 @@ def test_edge_blocks():
     assert qb.UE4M3[0x80 | 0x38] == qb.UE4M3[0x38] == 0.5 and qb.UE4M3[0x7F] == 0 and qb.UE4M3[0xFF] == 240.0
 
 
-QT_BLOCK = {"Q2_0": 64, "Q1_0": 128, "NVFP4": 64}
-
-
 def test_shapes_must_be_whole_blocks():
     for name in NAMES:
         quantize, dequantize = CODEC[name]
         with pytest.raises(ValueError, match="whole number"):
-            quantize(np.zeros(QT_BLOCK[name] + 1, np.float32))
+            quantize(np.zeros(quant_types.block_size(QT[name]) + 1, np.float32))
         with pytest.raises(ValueError, match="whole number"):
             dequantize(np.zeros(quant_types.SIZES[QT[name]][1] - 1, np.uint8))
 
