@@ -33,16 +33,15 @@ EXPS = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps")
 
 def expert_bytes(path: Path) -> list[int]:
     """Bytes of each layer's routed-expert tensors (weights and biases), in layer order."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     from engine.gguf_model import read_header
+    from engine.quant_types import SIZES     # every type the engine reads, Q2_0 too (gguf's enum stops at 41)
     h = read_header(path)
     n_layer = max((int(m.group(1)) for t in h.tensors if (m := EXPS.match(t.name))), default=-1) + 1
     per = [0] * n_layer
     for t in h.tensors:
         m = EXPS.match(t.name)
         if m:
-            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t.type_id)]
+            block, size = SIZES[t.type_id]
             per[int(m.group(1))] += t.dims[0] // block * size * int(np.prod(t.dims[1:], dtype=np.int64))
     return per
 

@@ -2,7 +2,7 @@
 
 The header is read by our own small bounds-checked reader, read_header (the tokenizer and tools.make_moe use it
 too), so that a text file, a truncated download or an unknown quant type gives one clear ModelError (and a 150k
-vocabulary loads in a quarter of a second); the tensor data is an np.memmap of the file, and the gguf package
+vocabulary loads in a quarter of a second); the tensor data is an np.memmap of the file, and engine.quant_types
 supplies the quant types, block sizes and the reference dequantizer.
 Names and metadata keys are llama.cpp's, so that one GGUF runs in both.
 """
@@ -15,18 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT, GGUFValueType
-from gguf.constants import GGML_QUANT_SIZES
-import gguf.quants
+from gguf import GGUFValueType
 
 from engine.arch import family
 from engine.model_config import ModelConfig, ModelError   # defined there, imported from here by most callers
+from engine.quant_types import QT, SIZES, dequantize  # noqa: F401  (dequantize: re-exported for engine.arch)
+from engine.quant_types import READ_NAMES as QTYPE_NAMES, READ_TYPES as SUPPORTED_QTYPES  # noqa: F401
 from engine.supported import SUPPORTED_ARCHS
-
-QTYPE_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-               "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "MXFP4")
-# An older gguf package may lack the newest types (MXFP4 came with gpt-oss): those are then refused by name.
-SUPPORTED_QTYPES = frozenset(QT[n] for n in QTYPE_NAMES if n in QT.__members__)
 EXPERT_KINDS = ("gate", "up", "down")
 GGUF_MAGIC = b"GGUF"
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -193,7 +188,7 @@ def _check_tensor(path: Path, t: RawTensor, data_offset: int, size: int) -> None
     if qt not in SUPPORTED_QTYPES:
         raise ModelError(f"{path}: tensor {t.name} is {qt.name}, a quant type this engine does not support; "
                          f"use a GGUF quantized to one of {_qtype_list()}")
-    block, type_size = GGML_QUANT_SIZES[qt]
+    block, type_size = SIZES[qt]
     if not t.dims or t.dims[0] % block:
         raise ModelError(f"{path}: tensor {t.name} has rows of {t.dims[0] if t.dims else 0} values, "
                          f"not a whole number of {qt.name} blocks of {block}; the file is damaged")
@@ -202,6 +197,19 @@ def _check_tensor(path: Path, t: RawTensor, data_offset: int, size: int) -> None
     if end > size:
         raise ModelError(f"{path} is truncated: tensor {t.name} ends at byte {end:,} but the file has "
                          f"{size:,} bytes; download it again")
+
+
+def _refuse_nvfp4_scales(model: "GGUFModel") -> None:
+    """NVFP4 weights converted from NVIDIA ModelOpt checkpoints carry per-tensor F32 scales beside them (X.scale,
+    X.input_scale: llama-model.cpp's "NVFP4 scale2", applied after the product). No forward here applies them, so
+    such a file would run with every such product off by its scale: refused. llama-quantize's NVFP4 has none."""
+    for name in model._tensors:
+        stem, _, kind = name.rpartition(".")
+        w = model._tensors.get(f"{stem}.weight")
+        if kind in ("scale", "input_scale") and w is not None and w.qtype == QT.NVFP4:
+            raise ModelError(f"{model.path.name}: {name} scales the NVFP4 tensor {w.name} (an NVIDIA ModelOpt "
+                             f"conversion), which this engine does not apply yet; use a GGUF quantized by "
+                             f"llama-quantize")
 
 
 def _qtype_list() -> str:
@@ -251,7 +259,7 @@ class GGUFModel:
                 if t.name in self._tensors:
                     raise ModelError(f"{p}: tensor {t.name} appears twice in the model; the file is damaged")
                 qt = QT(t.type_id)
-                block, type_size = GGML_QUANT_SIZES[qt]
+                block, type_size = SIZES[qt]
                 shape = tuple(reversed(t.dims))
                 start = data_offset + t.offset
                 row_bytes = shape[-1] // block * type_size
@@ -260,6 +268,7 @@ class GGUFModel:
                 self._tensors[t.name] = TensorInfo(t.name, qt, shape, data, p, start)
         if not self._tensors:
             raise ModelError(f"{path.name} holds no tensors (a vocabulary-only GGUF?); point --model at a model")
+        _refuse_nvfp4_scales(self)
         _as_llama_cpp_loads(self)
         n_split = int(self.metadata.get("split.count", 1) or 1)
         if n_split != len(self.paths):
@@ -353,7 +362,7 @@ def _as_llama_cpp_loads(model: "GGUFModel") -> None:
         stem, suffix = name.rsplit("qkv.", 1)     # "blk.3.attn_", "weight" or "bias"
         for part, width in zip("qkv", widths):
             if len(t.shape) == 1:   # a bias: float elements
-                size = GGML_QUANT_SIZES[t.qtype][1]
+                size = SIZES[t.qtype][1]
                 data = t.data[start * size:(start + width) * size]
                 ts[f"{stem}{part}.{suffix}"] = _view(t, f"{stem}{part}.{suffix}", (width,), data, start * size)
             else:
@@ -371,13 +380,6 @@ def _as_llama_cpp_loads(model: "GGUFModel") -> None:
         for part, lo in (("gate", 0), ("up", half)):
             ts[f"{stem}{part}_exps.weight"] = _view(t, f"{stem}{part}_exps.weight", (t.shape[0], half, t.shape[2]),
                                                     t.data[:, lo:lo + half], lo * t.data.shape[2])
-
-
-def dequantize(data: np.ndarray, qtype: QT) -> np.ndarray:
-    """Raw GGUF bytes (..., bytes per row) -> float32 (..., values per row), through gguf's reference code."""
-    if qtype == QT.F32:
-        return np.ascontiguousarray(data).view(np.float32).copy()
-    return np.asarray(gguf.quants.dequantize(np.ascontiguousarray(data), qtype), dtype=np.float32)
 
 
 # --- hyperparameters ---------------------------------------------------------------------------------------------

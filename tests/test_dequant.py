@@ -1,5 +1,7 @@
 """Every quant type the engine accepts dequantizes through our paths (whole tensor, embedding rows, one expert's
-slab, the CPU backend's expert cache) exactly as gguf.quants.dequantize does on the bytes that were written."""
+slab, the CPU backend's expert cache) exactly as the reference does on the bytes that were written: gguf.quants,
+or for Q2_0 and Q1_0 (which gguf cannot decode) engine.quant_blocks, itself checked against llama.cpp's floats in
+tests/test_quant_blocks.py."""
 from __future__ import annotations
 
 import gguf
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from engine import quant_blocks, quant_types
 from engine.arch.base import Weights
 from engine.gguf_model import QTYPE_NAMES, SUPPORTED_QTYPES, open_model
 from test_gguf_model import tiny_tensors, write_gguf
@@ -15,6 +18,17 @@ from test_gguf_model import tiny_tensors, write_gguf
 N_EMBD = N_FF = 256   # one 256-value super-block per row for the K and IQ types
 N_EXPERT = 3
 QUANTIZABLE = {QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0}
+Q = quant_types.QT
+# llama.cpp's reference quantizers (engine.quant_blocks) and the decoders gguf lacks
+OWN_QUANT = {Q.Q2_0, Q.Q1_0, Q.NVFP4}
+OWN_DEQUANT = {Q.Q2_0: quant_blocks.dequantize_q2_0, Q.Q1_0: quant_blocks.dequantize_q1_0}
+
+
+def reference(data: np.ndarray, qt) -> np.ndarray:
+    own = OWN_DEQUANT.get(qt)
+    if own is None:
+        return gguf.quants.dequantize(data, QT(int(qt))).astype(np.float32)
+    return own(data).reshape(quant_types.value_shape(data.shape, qt))
 
 
 def encode(values: np.ndarray, qt: QT, rng) -> np.ndarray:
@@ -26,7 +40,9 @@ def encode(values: np.ndarray, qt: QT, rng) -> np.ndarray:
         return values.astype(np.float16).view(np.uint8)
     if qt in QUANTIZABLE:
         return gguf.quants.quantize(values, qt)
-    block, size = gguf.GGML_QUANT_SIZES[qt]
+    if qt in OWN_QUANT:
+        return quant_types.quantize(values, qt)
+    block, size = quant_types.SIZES[qt]
     shape = (*values.shape[:-1], values.shape[-1] // block * size)
     return rng.integers(0, 256, size=shape, dtype=np.uint8)
 
@@ -46,7 +62,7 @@ def test_dequant_paths_match_gguf(tmp_path, qt):
     model = open_model(write_gguf(tmp_path / f"{qt.name}.gguf", "qwen3moe", tensors, hp, raw=raw))
     weights = Weights(model, expert_cache_mb=1)
     for name, (data, _) in raw.items():
-        want = gguf.quants.dequantize(data, qt).astype(np.float32)
+        want = reference(data, qt)
         t = model.tensor(name)
         assert t.qtype == qt and t.shape == want.shape and t.data.shape == data.shape
         got = model.dequant(name)
@@ -65,11 +81,12 @@ def test_dequant_paths_match_gguf(tmp_path, qt):
         gate, up, down = weights.expert(0, e, decoding=True)
         for mat, name in ((gate, "gate"), (up, "up"), (down, "down")):
             data = raw[f"blk.0.ffn_{name}_exps.weight"][0]
-            np.testing.assert_array_equal(mat, gguf.quants.dequantize(data[e], qt).astype(np.float32))
+            np.testing.assert_array_equal(mat, reference(data[e], qt))
     assert weights.stats.lookups == 4 and weights.stats.file_blobs >= 3
 
 
 def test_the_list_is_the_design_list():
-    assert {q.name for q in SUPPORTED_QTYPES} == {n for n in QTYPE_NAMES if n in QT.__members__}
+    assert {q.name for q in SUPPORTED_QTYPES} == set(QTYPE_NAMES)
     assert set(QTYPE_NAMES) == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                     "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "MXFP4"}
+                     "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "MXFP4", "Q2_0",
+                     "Q1_0", "NVFP4"}

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from engine import quant_types
 from engine.gguf_model import ModelError, open_model, read_header
 
 REF = "reference"
@@ -93,7 +94,7 @@ def write_gguf(path, arch: str, tensors: dict, hp: dict | None = None, extra_kv:
     for name, arr in tensors.items():
         w.add_tensor(name, arr)
     for name, (data, qt) in (raw or {}).items():
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qt)
+        quant_types.add_tensor(w, name, data, qt)   # every engine type, Q2_0 too (gguf's own table lacks it)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

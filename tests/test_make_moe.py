@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from engine import quant_types
 from tools import make_moe as mm
 
 TARGET = 0.03
@@ -24,7 +25,7 @@ def test_blocks_dequantize_finite_with_the_intended_rms(qtype):
     n_in = 2048
     raw = mm.random_rows(rng, qtype, 64, n_in, TARGET)
     assert raw.dtype == np.uint8 and raw.shape == (64, mm.row_bytes(qtype, n_in))
-    x = gguf.quants.dequantize(raw, qtype)
+    x = quant_types.dequantize(raw, qtype)     # gguf.quants, or engine.quant_blocks for Q2_0 / Q1_0
     assert x.shape == (64, n_in)
     assert np.isfinite(x).all()
     assert _rms(x) == pytest.approx(TARGET, rel=0.1)
@@ -282,6 +283,20 @@ def test_dry_run_qwen3_next_is_qwen2moe_with_a_shared_expert(capsys):
     assert re.search(r"^shexp\s+144 ", out, re.M)
     # 48 layers x 512 experts x 3 matrices of 512x2048 at 4.5 bits
     assert _experts_gb(out) == pytest.approx(48 * 512 * 3 * 512 * 2048 * 144 / 256 / 1e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("qtype, bits", [("Q2_0", 2.25), ("Q1_0", 1.125), ("NVFP4", 4.5)])
+def test_dry_run_sizes_the_new_types(capsys, qtype, bits):
+    # Qwen3-30B-A3B's 48 x 128 experts x 3 matrices of 768x2048, at the type's bits a weight
+    assert mm.main(["--preset", "qwen3-30b-a3b", "--experts", qtype, "--attn", qtype, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"^experts\s+144 {qtype}\s", out, re.M) and re.search(rf"^attn\s+192 {qtype}\s", out, re.M)
+    assert _experts_gb(out) == pytest.approx(48 * 128 * 3 * 768 * 2048 * bits / 8 / 1e9, rel=1e-3)
+
+
+def test_q1_0_needs_rows_of_128():
+    with pytest.raises(SystemExit, match="not a multiple of Q1_0's block of 128"):
+        mm.main(["--preset", "gpt-oss-20b", "--experts", "Q1_0", "--dry-run"])   # rows of 2880
 
 
 @pytest.mark.parametrize("argv, message", [

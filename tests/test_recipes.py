@@ -22,7 +22,8 @@ SHAPES = {
     "qwen3moe-8l-tied": ["--preset", "tiny", "--n-layer", "8", "--tied"],
     **lr.FIXTURE_MODELS,
 }
-RECIPES = ("q4_k_m", "q5_k_m", "q3_k_m", "q2_k", "q4_k_s", "iq4_xs", "q6_k", "q8_0", "iq2_xxs", "iq3_xxs")
+RECIPES = ("q4_k_m", "q5_k_m", "q3_k_m", "q2_k", "q4_k_s", "iq4_xs", "q6_k", "q8_0", "iq2_xxs", "iq3_xxs", "q2_0",
+           "q1_0")
 
 
 def source_tensors(path) -> tuple[dict, recipes.Hparams]:

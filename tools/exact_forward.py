@@ -1,19 +1,23 @@
-"""Exact arithmetic for a GGUF: a float64 forward over gguf.quants.dequantize'd weights (docs/design.md's yardstick).
+"""Exact arithmetic for a GGUF: a float64 forward over dequantized weights (docs/design.md's yardstick).
 
     logits = exact_logits(path, token_ids)          # (len(token_ids), n_vocab) float64, causal, all positions
 
-Written apart from the engine (its own reader, gguf.GGUFReader; its own loops) so that it checks the CPU
-backend rather than repeating it. It follows llama.cpp's graphs for the architectures the engine runs: llama
-(dense, or mixtral-style with experts), qwen2, qwen3, qwen2moe, qwen3moe; fused attn_qkv and ffn_gate_up_exps
-tensors and 1-D router rows load as llama.cpp loads them. Other architectures raise ExactError: add theirs here.
+Written apart from the engine (its own loops and tensor layouts) so that it checks the CPU backend rather than
+repeating it. It shares the engine's header reader and dequantizer (engine.quant_types: gguf.quants, and for Q2_0
+and Q1_0, which gguf.GGUFReader cannot even list, engine.quant_blocks, checked against llama.cpp's own floats).
+It follows llama.cpp's graphs for the architectures the engine runs: llama (dense, or mixtral-style with
+experts), qwen2, qwen3, qwen2moe, qwen3moe; fused attn_qkv and ffn_gate_up_exps tensors and 1-D router rows load
+as llama.cpp loads them. Other architectures raise ExactError: add theirs here.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import gguf
-from gguf import GGMLQuantizationType as Q
+
+from engine.gguf_model import read_header
+from engine.quant_types import QT, byte_shape, dequantize
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
@@ -22,18 +26,30 @@ class ExactError(Exception):
     pass
 
 
+@dataclass
+class _Tensor:
+    name: str
+    tensor_type: QT
+    shape: tuple[int, ...]     # ggml order (ne0 first), as gguf.GGUFReader gives it
+    data: np.ndarray           # raw bytes, (..., bytes a row)
+
+
 class _Weights:
     def __init__(self, path: Path):
-        self.reader = gguf.GGUFReader(path)
-        self.t = {t.name: t for t in self.reader.tensors}
+        h = read_header(path)
+        self.metadata = h.metadata
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        self.t = {}
+        for r in h.tensors:
+            q = QT(r.type_id)
+            shape = byte_shape(tuple(reversed(r.dims)), q)
+            start = h.data_offset + r.offset
+            data = mm[start:start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+            self.t[r.name] = _Tensor(r.name, q, r.dims, data)
         self.cache: dict[str, np.ndarray] = {}
 
     def meta(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        v = f.contents()
-        return v
+        return self.metadata.get(key, default)
 
     def has(self, name: str) -> bool:
         return name in self.t
@@ -42,7 +58,7 @@ class _Weights:
         """float64, numpy order (rows first), with llama.cpp's ggml shape (trailing unit dims dropped)."""
         if name not in self.cache:
             t = self.t[name]
-            x = gguf.quants.dequantize(np.asarray(t.data), Q(t.tensor_type))
+            x = dequantize(np.asarray(t.data), t.tensor_type)
             shape = tuple(int(d) for d in reversed(t.shape))
             self.cache[name] = np.asarray(x, dtype=np.float64).reshape(shape)
         return self.cache[name]

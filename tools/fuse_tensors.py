@@ -15,9 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import gguf
-from gguf import GGMLQuantizationType as Q, GGUFValueType
+from gguf import GGUFValueType
 
+from engine import quant_types
 from engine.gguf_model import read_header
+from engine.quant_types import QT as Q, SIZES
 
 
 def fuse(src: Path, dst: Path, qkv: bool = True, gate_up: bool = True, drop_unit_dims: bool = False) -> Path:
@@ -27,7 +29,7 @@ def fuse(src: Path, dst: Path, qkv: bool = True, gate_up: bool = True, drop_unit
     raw = {}
     for t in h.tensors:
         q = Q(t.type_id)
-        block, size = gguf.GGML_QUANT_SIZES[q]
+        block, size = SIZES[q]
         shape = tuple(reversed(t.dims))
         row = shape[-1] // block * size
         n = row * int(np.prod(shape[:-1], dtype=np.int64))
@@ -61,7 +63,7 @@ def fuse(src: Path, dst: Path, qkv: bool = True, gate_up: bool = True, drop_unit
         types = h.types[key]
         w.add_key_value(key, value, types[0], sub_type=types[1] if types[0] == GGUFValueType.ARRAY else None)
     for name, (q, _, data) in out.items():
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=q)
+        quant_types.add_tensor(w, name, data, q)     # GGUFWriter's own table lacks Q2_0
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -38,8 +38,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import numpy as np
+
+from engine.quant_types import QT
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEEL = ROOT.parent / "shared" / "anchors" / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
@@ -50,7 +51,7 @@ MADE_WITH = ("llama.cpp 0c1e570 as vendored by llama-cpp-python 0.3.36, CPU buil
 
 # llama_ftype of each recipe (include/llama.h), as llama-quantize's names map to them
 RECIPES = {"f16": 1, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q4_k_m": 15, "q4_k_s": 14, "q3_k_m": 12, "q2_k": 10,
-           "iq4_xs": 30, "iq3_xxs": 23, "iq2_xxs": 19}
+           "iq4_xs": 30, "iq3_xxs": 23, "iq2_xxs": 19, "q1_0": 40, "q2_0": 41}
 # llama.cpp refuses these without an importance matrix (llama-quant.cpp: "very low-bit quantization")
 NEEDS_IMATRIX = ("iq2_xxs", "iq3_xxs")
 # The "dynamic" community quants: a base recipe with per-tensor overrides (llama-quantize --tensor-type), gate and
@@ -164,7 +165,7 @@ def quantize(src: Path, dst: Path, recipe: str, imatrix: Path | None = None, nth
     tmp = dst.with_name(f"{dst.name}.{os.getpid()}.part")     # this process's own (make_source says why)
     _call({"op": "quantize", "src": str(src), "dst": str(tmp), "ftype": RECIPES[recipe], "nthread": nthread,
            "imatrix": str(imatrix) if imatrix else None,
-           "overrides": [(pattern, int(gguf.GGMLQuantizationType[t])) for pattern, t in overrides]})
+           "overrides": [(pattern, int(QT[t])) for pattern, t in overrides]})
     os.replace(tmp, dst)
     return dst
 
@@ -192,8 +193,7 @@ def header_only_source(out: Path, make_moe_args: list[str]) -> Path:
 def tensor_types(path: Path) -> dict[str, str]:
     """{tensor name: quant type name}, in file order."""
     from engine.gguf_model import read_header
-    from gguf import GGMLQuantizationType as Q
-    return {t.name: Q(t.type_id).name for t in read_header(path).tensors}
+    return {t.name: QT(t.type_id).name for t in read_header(path).tensors}
 
 
 def sha256(path: Path) -> str:

@@ -23,13 +23,16 @@ from pathlib import Path
 
 import numpy as np
 import gguf
-from gguf import GGMLQuantizationType as Q, GGUFValueType, MODEL_TENSOR as MT
+from gguf import GGUFValueType, MODEL_TENSOR as MT
 
+from engine import quant_types
 from engine.gguf_model import ModelError, read_header
+from engine.quant_blocks import UE4M3
+from engine.quant_types import QT as Q, SIZES
 from tools import gptoss_plan
 from tools import hybrid_plan
 from tools.hybrid_plan import Hybrid
-from tools.recipes import RECIPES, Hparams, apply_recipe
+from tools.recipes import RECIPES, Hparams, apply_recipe, ftype_id
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB_DIR = ROOT.parent / "shared" / "fixtures" / "vocab"
@@ -56,16 +59,19 @@ _F16_FIELDS: dict[Q, tuple[tuple[int, float], ...]] = {
     Q.IQ2_S: ((0, 1.0),),
     Q.IQ3_XXS: ((0, 1.0),),
     Q.IQ3_S: ((0, 1.0),),
+    Q.Q2_0: ((0, 1.0),),                  # x = (q - 1) d, q in 0..3
+    Q.Q1_0: ((0, 1.0),),                  # x = +-d
 }
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 # Types with one signed scale and no offset, whose random quants average off zero (see _quant_blocks).
-_SIGNED_SCALE = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS)
+_SIGNED_SCALE = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS, Q.Q2_0)
 # Every type the engine reads. In the quantized ones every byte pattern of the quants and packed sub-scales is a
-# valid block (grid indices cover their whole range), so only the fp16/E8M0 scales need choosing.
-QUANT_TYPES = tuple(_F16_FIELDS) + (Q.MXFP4,)
+# valid block (grid indices cover their whole range), so only the fp16/E8M0/UE4M3 scales need choosing.
+QUANT_TYPES = tuple(_F16_FIELDS) + (Q.MXFP4, Q.NVFP4)
 SUPPORTED_TYPES = FLOAT_TYPES + QUANT_TYPES
 
 _MXFP4_REF_E = 128          # E8M0 exponent whose half-scale is 1.0 (gguf.quants.MXFP4.e8m0_to_fp32_half)
+_UE4M3_UP = UE4M3[1:0x7F]   # NVFP4's positive scales (halved, as decoded), increasing with the byte 1..0x7E
 _CALIBRATION_BLOCKS = 8192
 
 
@@ -76,8 +82,18 @@ def _raw_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
 
 def _quant_blocks(rng: np.random.Generator, qtype: Q, n_blocks: int, d_base: float) -> np.ndarray:
     """n_blocks random blocks of qtype, shape (n_blocks, type_size), scales d_base times a per-block jitter."""
-    type_size = gguf.GGML_QUANT_SIZES[qtype][1]
+    type_size = SIZES[qtype][1]
     blocks = _raw_bytes(rng, n_blocks * type_size).reshape(n_blocks, type_size)
+    if qtype == Q.NVFP4:
+        # A scale byte per 16 values: of the two representable scales around d_base, the upper one with the
+        # probability that puts the mean square on d_base^2 exactly (as MXFP4's exponents below).
+        i = int(np.searchsorted(_UE4M3_UP, d_base, side="right")) - 1
+        if not 0 <= i < len(_UE4M3_UP) - 1:
+            raise ValueError(f"NVFP4 scale {d_base:g} is out of the UE4M3 range")
+        lo, hi = float(_UE4M3_UP[i]), float(_UE4M3_UP[i + 1])
+        p_up = (d_base * d_base - lo * lo) / (hi * hi - lo * lo)
+        blocks[:, :4] = (i + 1 + (rng.random((n_blocks, 4)) < p_up)).astype(np.uint8)
+        return blocks
     if qtype == Q.MXFP4:
         # The scale is a power of two: mix exponents k and k+1 so the mean square lands on d_base^2 exactly.
         k = int(np.floor(np.log2(d_base)))
@@ -101,10 +117,10 @@ def _quant_blocks(rng: np.random.Generator, qtype: Q, n_blocks: int, d_base: flo
 
 @cache
 def _unit_rms(qtype: Q) -> float:
-    """RMS of the dequantized weights when the block scale is 1, measured through gguf.quants (the reference)."""
+    """RMS of the dequantized weights when the block scale is 1, measured through the engine's reference decoder."""
     rng = np.random.Generator(np.random.SFC64(20260))
     blocks = _quant_blocks(rng, qtype, _CALIBRATION_BLOCKS, 1.0)
-    x = gguf.quants.dequantize(blocks, qtype).astype(np.float64)
+    x = quant_types.dequantize(blocks, qtype).astype(np.float64)
     return float(np.sqrt(np.mean(x * x)))
 
 
@@ -121,7 +137,7 @@ def random_rows(rng: np.random.Generator, qtype: Q, n_rows: int, n_in: int, rms:
         u = x.view(np.uint32)
         u = (u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16
         return u.astype("<u2").view(np.uint8)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    block_size, type_size = SIZES[qtype]
     if n_in % block_size:
         raise ValueError(f"{qtype.name} needs rows that are a multiple of {block_size} values, not {n_in}")
     per_row = n_in // block_size
@@ -130,7 +146,7 @@ def random_rows(rng: np.random.Generator, qtype: Q, n_rows: int, n_in: int, rms:
 
 
 def row_bytes(qtype: Q, n_in: int) -> int:
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    block_size, type_size = SIZES[qtype]
     return n_in // block_size * type_size
 
 
@@ -427,7 +443,8 @@ _FILE_TYPE = {Q.F32: "ALL_F32", Q.F16: "MOSTLY_F16", Q.BF16: "MOSTLY_BF16", Q.Q8
               Q.Q2_K: "MOSTLY_Q2_K", Q.Q3_K: "MOSTLY_Q3_K_M", Q.Q4_K: "MOSTLY_Q4_K_M", Q.Q5_K: "MOSTLY_Q5_K_M",
               Q.Q6_K: "MOSTLY_Q6_K", Q.IQ4_NL: "MOSTLY_IQ4_NL", Q.IQ4_XS: "MOSTLY_IQ4_XS",
               Q.IQ2_XXS: "MOSTLY_IQ2_XXS", Q.IQ2_XS: "MOSTLY_IQ2_XS", Q.IQ2_S: "MOSTLY_IQ2_S",
-              Q.IQ3_XXS: "MOSTLY_IQ3_XXS", Q.IQ3_S: "MOSTLY_IQ3_S", Q.MXFP4: "MOSTLY_MXFP4_MOE"}
+              Q.IQ3_XXS: "MOSTLY_IQ3_XXS", Q.IQ3_S: "MOSTLY_IQ3_S", Q.MXFP4: "MOSTLY_MXFP4_MOE",
+              Q.NVFP4: "MOSTLY_NVFP4", Q.Q1_0: "MOSTLY_Q1_0", Q.Q2_0: "MOSTLY_Q2_0"}
 
 
 # What GGUFWriter cannot write back: surrogateescape's stand-ins for bytes that are not UTF-8.
@@ -490,7 +507,7 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
     if s.arch == "llama":
         w.add_vocab_size(n_vocab)
     # file_qtype: a type (uniform files) or a llama_ftype name (a --recipe's, e.g. MOSTLY_Q4_K_M)
-    w.add_file_type(gguf.LlamaFileType[file_qtype if isinstance(file_qtype, str) else _FILE_TYPE[file_qtype]])
+    w.add_file_type(ftype_id(file_qtype if isinstance(file_qtype, str) else _FILE_TYPE[file_qtype]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, value, types in vocab:
         if key == "tokenizer.chat_template" and chat_template is not None:
@@ -538,8 +555,7 @@ def write_header_only(path: Path, shape: Shape, specs: list[TensorSpec], vocab, 
     w = gguf.GGUFWriter(Path(path), shape.arch)
     add_metadata(w, shape, name, file_qtype, vocab, None)
     for t in specs:
-        w.add_tensor_info(t.name, (*t.shape[:-1], row_bytes(t.qtype, t.shape[-1])), np.dtype(np.uint8),
-                          t.nbytes, raw_dtype=t.qtype)
+        quant_types.add_tensor_info(w, t.name, t.shape, t.qtype)   # GGUFWriter's own table lacks Q2_0
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -595,8 +611,7 @@ def write_model(path: Path, shape: Shape, specs: list[TensorSpec], vocab, name: 
     w = gguf.GGUFWriter(tmp, shape.arch)
     add_metadata(w, shape, name, file_qtype, vocab, chat_template)
     for t in specs:
-        w.add_tensor_info(t.name, (*t.shape[:-1], row_bytes(t.qtype, t.shape[-1])), np.dtype(np.uint8), t.nbytes,
-                          raw_dtype=t.qtype)
+        quant_types.add_tensor_info(w, t.name, t.shape, t.qtype)   # GGUFWriter's own table lacks Q2_0
     threads = threads or min(16, os.cpu_count() or 1)
     t0, done, last = time.monotonic(), 0, 0.0
     try:
@@ -786,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         n_all = shape.n_layer + (shape.hybrid.n_nextn if shape.hybrid else 0)
         specs = apply_recipe(specs, args.recipe, Hparams(n_all, shape.n_head, shape.n_head_kv, shape.n_expert))
     for t in specs:
-        block = gguf.GGML_QUANT_SIZES[t.qtype][0]
+        block = SIZES[t.qtype][0]
         if t.shape[-1] % block:
             raise SystemExit(f"make_moe: {t.name} has rows of {t.shape[-1]} values, not a multiple of "
                              f"{t.qtype.name}'s block of {block}; choose another --{t.group} type")

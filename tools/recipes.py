@@ -10,6 +10,7 @@ against llama_model_quantize on small models. The rules that make files non-unif
   ffn_down tensors counted in llama.cpp's order (two a layer where a shared expert has one too).
 - attn_v is counted the same way (i-th attn_v of n), and output.weight / tied token_embd get Q6_K (Q5_K for IQ2/3).
 - with 8 experts (Mixtral-like), attn_v and attn_k become Q8_0 and attn_output Q5_K in the low-bit recipes.
+- Q2_0 and Q1_0 put every other weight in their type, except an untied token_embd in Q2_0 (Q4_K there).
 llama.cpp walks tensors by layer number, then name (llama_model_loader's weight_name_comparer); counters follow it.
 """
 from __future__ import annotations
@@ -17,20 +18,32 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from gguf import GGMLQuantizationType as Q
-from gguf.constants import GGML_QUANT_SIZES
+import gguf
+
+from engine.quant_types import QT as Q, SIZES as GGML_QUANT_SIZES
 
 # recipe -> (llama.cpp's LlamaFileType name, the default type of a quantized tensor)
 RECIPES: dict[str, tuple[str, Q]] = {
     "q8_0": ("MOSTLY_Q8_0", Q.Q8_0), "q6_k": ("MOSTLY_Q6_K", Q.Q6_K), "q5_k_m": ("MOSTLY_Q5_K_M", Q.Q5_K),
     "q4_k_m": ("MOSTLY_Q4_K_M", Q.Q4_K), "q4_k_s": ("MOSTLY_Q4_K_S", Q.Q4_K), "q3_k_m": ("MOSTLY_Q3_K_M", Q.Q3_K),
     "q2_k": ("MOSTLY_Q2_K", Q.Q2_K), "iq4_xs": ("MOSTLY_IQ4_XS", Q.IQ4_XS), "iq3_xxs": ("MOSTLY_IQ3_XXS", Q.IQ3_XXS),
-    "iq2_xxs": ("MOSTLY_IQ2_XXS", Q.IQ2_XXS),
+    "iq2_xxs": ("MOSTLY_IQ2_XXS", Q.IQ2_XXS), "q2_0": ("MOSTLY_Q2_0", Q.Q2_0), "q1_0": ("MOSTLY_Q1_0", Q.Q1_0),
 }
+# llama.h's file types that gguf 0.19's LlamaFileType lacks. NVFP4 (39) has one but no recipe: llama-quantize
+# refuses it ("invalid output file type 39": llama_ftype_get_default_type has no case for it); NVFP4 tensors come
+# from --tensor-type overrides or converters only.
+_FTYPES = {"MOSTLY_Q2_0": 41}
+
+
+def ftype_id(name: str) -> int:
+    """llama.h's LLAMA_FTYPE_<name> (general.file_type), e.g. "MOSTLY_Q4_K_M" -> 15, "MOSTLY_Q2_0" -> 41."""
+    return _FTYPES[name] if name in _FTYPES else int(gguf.LlamaFileType[name])
 _LOW_IQ2 = ("iq2_xxs",)   # llama.cpp's IQ2_XXS / IQ2_XS / IQ2_S / IQ2_M / IQ1 branch; we port the recipe we offer
-# Where a type's block does not divide a row, llama.cpp falls back to one that does (tensor_type_fallback).
+# Where a type's block does not divide a row, llama.cpp falls back to one that does (tensor_type_fallback); it
+# has none for Q1_0 (block 128) and stops there.
 _FALLBACK = {Q.IQ2_XXS: Q.IQ4_NL, Q.IQ2_XS: Q.IQ4_NL, Q.IQ2_S: Q.IQ4_NL, Q.IQ3_XXS: Q.IQ4_NL, Q.IQ3_S: Q.IQ4_NL,
-             Q.IQ4_XS: Q.IQ4_NL, Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+             Q.IQ4_XS: Q.IQ4_NL, Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0,
+             Q.Q2_0: Q.Q4_0}
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,9 @@ def recipe_types(tensors: dict[str, tuple[tuple[int, ...], Q]], recipe: str, hp:
         t = _choose(name, shape, default, recipe, hp, tied, has_imatrix, count, n_attn_v)
         block = GGML_QUANT_SIZES[t][0]
         if shape[-1] % block:
+            if t == Q.Q1_0:
+                raise ValueError(f"llama-quantize cannot make {name} Q1_0: its rows of {shape[-1]} values are not "
+                                 f"whole blocks of 128, and it has no fallback type for Q1_0")
             t = _FALLBACK.get(t, t)
             if shape[-1] % GGML_QUANT_SIZES[t][0]:
                 t = Q.F16
@@ -119,7 +135,7 @@ def _choose(name, shape, t, recipe, hp, tied, has_imatrix, count, n_attn_v) -> Q
             return Q.Q5_K
         return t if t == Q.Q8_0 else Q.Q6_K
     if cat == "token_embd":
-        return {"iq2_xxs": Q.Q2_K, "iq3_xxs": Q.IQ3_S}.get(recipe, t)
+        return {"iq2_xxs": Q.Q2_K, "iq3_xxs": Q.IQ3_S, "q2_0": Q.Q4_K}.get(recipe, t)
     if recipe in _LOW_IQ2:
         if cat in ("attn_v", "attn_qkv", "attn_kv_b"):
             count["attn_v"] += 1

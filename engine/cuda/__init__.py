@@ -10,6 +10,7 @@ import signal
 from contextlib import contextmanager
 
 from engine.cuda.args import add_cuda_args
+from engine.cuda.quant_types import refuse_kernelless
 
 _SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 
@@ -41,6 +42,7 @@ def available() -> tuple[bool, str]:
 
 def create_backend(model, max_context: int, args=None, phase=None):
     """phase(name, done=, gib=, gib_s=): called as the start goes (engine/protocol.py's INFO phase lines)."""
+    refuse_kernelless(model)        # a ModelError, before CuPy or any VRAM: the worker prints it as one line
     with _signals_stay_with_python():
         from engine.cuda.backend import CUDABackend, CudaOptions
         return CUDABackend(model, max_context, CudaOptions.from_args(args) if args is not None else None,

@@ -2,7 +2,8 @@
 
 The kernels (cuda_src/quant.cuh) use the same ids as ggml; block sizes come from gguf's own table, except that
 F32/F16/BF16 (block size 1 in ggml) use pseudo-blocks of 8 elements in the kernels, so every row is a whole number of
-8-element chunks.
+8-element chunks. The engine reads more types than this (engine.quant_types.READ_TYPES: Q2_0, Q1_0 and NVFP4 have
+no kernels yet, issue 35); refuse_kernelless turns such a file away at load with one line.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from engine.gguf_model import ModelError
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,26 @@ BY_ID: dict[int, QType] = {q.id: q for q in QTYPES.values()}
 
 
 def qtype(t) -> QType:
-    """QType for a name ("Q4_K"), a ggml id (12) or a gguf.GGMLQuantizationType; ValueError names what is supported."""
-    if isinstance(t, T):
+    """QType for a name ("Q4_K"), a ggml id (12) or an enum member (gguf's or engine.quant_types.QT); ValueError
+    names what is supported."""
+    if not isinstance(t, str) and hasattr(t, "name"):
         t = t.name
     q = QTYPES.get(t) if isinstance(t, str) else BY_ID.get(int(t))
     if q is None:
         raise ValueError(f"quant type {t!r} has no CUDA kernel; supported: {', '.join(NAMES)}")
     return q
+
+
+def refuse_kernelless(model) -> None:
+    """ModelError naming the first tensor (in the model's order) whose quant type has no CUDA kernel, before any VRAM is
+    taken: the CPU backend reads every type the engine opens."""
+    missing = [(n, model.tensor(n).qtype) for n in model.tensor_names() if int(model.tensor(n).qtype) not in BY_ID]
+    if missing:
+        name, q = missing[0]
+        kinds = sorted({m.name for _, m in missing})
+        raise ModelError(f"{model.path.name}: tensor {name} is {q.name}, a quant type the CUDA backend has no kernels "
+                         f"for yet ({len(missing)} tensors of {', '.join(kinds)}); use --backend cpu until the CUDA "
+                         f"kernels for it land")
 
 
 def random_rows(t, n_rows: int, ncols: int, rng: np.random.Generator, scale: float = 0.02) -> np.ndarray:
