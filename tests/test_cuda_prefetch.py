@@ -495,7 +495,8 @@ def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_m
     p.f_predict = {0: rec("predict")}
     p.f_router_predict = {0: rec("router_predict")}
     p.f_predict_bias, p.f_router_predict_bias = {0: rec("predict_bias")}, {0: rec("router_predict_bias")}
-    from engine.cuda.decode import DecodeStep
+    from engine.cuda.families.gptoss import GptOssDecode
+    from engine.cuda.families.moe import MoeDecode
     layers = [NS(router=NS(qt=0, ptr=100 + i, row_bytes=8, cols=64), ffn_norm=_Buf(200 + i),
                  router_bias=_Buf(300 + i) if biased else None) for i in range(n_layer)]
     cfg = NS(rms_eps=1e-6, n_embd=64, expert_weights_norm=not biased, expert_weights_scale=1.0, n_expert=n_expert,
@@ -503,7 +504,10 @@ def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_m
     p.step = NS(tracer=None, keeps=lambda kind: True, weights=NS(layers=layers), cfg=cfg, x=_Buf(11), ids=_Buf(12),
                 rlogits=_Buf(13), wts=_Buf(14),
                 cache=NS(table=p.table, slot_lo=1, slot_hi=2, counts=_Buf(15), stats=_Buf(16)))
-    p.step.router_args = lambda li: DecodeStep.router_args(p.step, li)
+    # the family's decode program (its router_args / router_extra, no buffers): gpt-oss's when biased
+    prog = MoeDecode.__new__(GptOssDecode if biased else MoeDecode)
+    prog.step, prog.cfg = p.step, cfg
+    p.step.layers, p.biased = prog, prog.biased_router
     return p, calls
 
 
@@ -618,17 +622,6 @@ def test_launch_pointers_with_router_bias(depth):
     assert [c[0] for c in qcalls] == ["predict"] and qcalls == calls
 
 
-def test_mixed_router_biases_are_refused():
-    """Every router with a bias or none (weights.py loads gpt-oss's for every layer): a mix is refused by name."""
-    pytest.importorskip("cupy")
-    from types import SimpleNamespace as NS
-    st = _fake_step(16, 32, k=4, n_embd=256, arch="gpt-oss")
-    st.cfg.n_layer = 3
-    st.weights = NS(layers=[NS(router=NS(qt=0), router_bias=b) for b in (object(), None, object())])
-    with pytest.raises(ValueError, match="some layers' routers have a bias and others none"):
-        pf.Prefetcher(st, 2, True)
-
-
 def test_decode_step_takes_the_router_launch_from_the_prefetch():
     """DecodeStep.enqueue's hook: the step's own router runs only where the Prefetcher did not launch one."""
     pytest.importorskip("cupy")
@@ -638,11 +631,10 @@ def test_decode_step_takes_the_router_launch_from_the_prefetch():
     ops = []
     st = DecodeStep.__new__(DecodeStep)
     st.weights = NS(layers=[None] * 3)
-    for name in ("embed", "output", "pick"):
-        setattr(st, f"enqueue_{name}", lambda *a, name=name: ops.append(name))
-    st.enqueue_attention_block = lambda li: ops.append(("attn", li))
-    st.enqueue_router = lambda li: ops.append(("step router", li))
-    st.enqueue_experts = lambda li: ops.append(("experts", li))
+    st.enqueue_pick = lambda pick: ops.append("pick")
+    st.layers = NS(embed=lambda: ops.append("embed"), output=lambda: ops.append("output"),
+                   mixer=lambda li: ops.append(("attn", li)), router=lambda li: ops.append(("step router", li)),
+                   ffn=lambda li: ops.append(("experts", li)))
     st.prefetch = NS(enqueue_router=lambda li: li < 2 and not ops.append(("pf router", li)),
                      enqueue=lambda li: ops.append(("pf", li)), enqueue_finish=lambda: ops.append("finish"),
                      enqueue_join=lambda: ops.append("join"))

@@ -132,11 +132,6 @@ def attach(step, choice: bool | None, log, depth: int, fetch_misses: bool) -> "P
     return step.prefetch
 
 
-def router_bias(layer):
-    """A layer's router bias (gpt-oss's ffn_gate_inp.bias, weights.Layer.router_bias), None for the models without."""
-    return getattr(layer, "router_bias", None)
-
-
 def banks(depth: int) -> int:
     """Staging banks: a layer's bank is reused by the copy launched after the router of the layer `depth` before
     the next user's layer, so depth + 1 banks keep it until its experts ran (module docstring)."""
@@ -176,7 +171,8 @@ class PrefetchStats:
 
 
 class Prefetcher:
-    """Buffers, staging slots, kernels and events of the prefetch for one DecodeStep (MoE models only)."""
+    """Buffers, staging slots, kernels and events of the prefetch for one DecodeStep (MoE models only): it launches
+    the router of the step's family program (step.layers: router_args, router_extra, biased_router)."""
 
     def __init__(self, step, depth: int, fetch_misses: bool):
         import cupy as cp
@@ -189,12 +185,9 @@ class Prefetcher:
         why = unsupported(c, lay)
         if why:
             raise ValueError(f"expert prefetch cannot serve this model: {why}")
-        # gpt-oss: every router has a bias (weights.py), which the predictions add as the router does; the kernels'
-        # bias variants take the pointers (prefetch.cu predict_bias, router_predict_bias)
-        biased = {router_bias(layer) is not None for layer in step.weights.layers}
-        if len(biased) > 1:
-            raise ValueError("expert prefetch cannot serve this model: some layers' routers have a bias and others "
-                             "none; run with --tune prefetch=off")
+        # gpt-oss: every router has a bias (families/gptoss.py), which the predictions add as the router does; the
+        # kernels' bias variants take the family's router_extra (prefetch.cu predict_bias, router_predict_bias)
+        self.biased = step.layers.biased_router
         self.stride = lay.stride                      # a staging slot holds the largest blob
         # 16-byte units copied per expert of each layer (within the 256-aligned stride): the copy launches carry
         # their layer's count, so a recipe's larger layers copy their own bytes
@@ -208,7 +201,7 @@ class Prefetcher:
         fn = lambda name: {qt: mod.get_function(f"{name}<{qt}>") for qt in qts}
         self.f_predict, self.f_router_predict = fn("predict"), fn("router_predict")
         self.f_predict_bias, self.f_router_predict_bias = (fn("predict_bias"), fn("router_predict_bias")) \
-            if biased == {True} else ({}, {})
+            if self.biased else ({}, {})
         self.smem = staged_bytes(c.n_embd)
         if self.smem > SMEM_DEFAULT:
             for fs in (self.f_predict, self.f_router_predict, self.f_predict_bias, self.f_router_predict_bias):
@@ -294,11 +287,10 @@ class Prefetcher:
         predict = (U64(nxt.router.ptr), I64(nxt.router.row_bytes), self._ptr(nxt.ffn_norm), self._ptr(self.logits),
                    self._pred_out(m))
         # gpt-oss: layer li's router bias (its routing, as router_fused_bias) and layer m's (the prediction)
-        bias, bias2 = router_bias(st.weights.layers[li]), router_bias(nxt)
-        fs, biases = (self.f_router_predict, ()) if bias is None else \
-            (self.f_router_predict_bias, (self._ptr(bias), self._ptr(bias2)))
+        fs, biases = (self.f_router_predict_bias, (*st.layers.router_extra(li), *st.layers.router_extra(m))) \
+            if self.biased else (self.f_router_predict, ())
         self._fn("router", fs[int(R.qt)])(
-            (2 * nb,), (32 * warps,), (*st.router_args(li), *predict, *self._note(li, li > 0), *biases),
+            (2 * nb,), (32 * warps,), (*st.layers.router_args(li), *predict, *self._note(li, li > 0), *biases),
             shared_mem=self.smem)
         return True
 
@@ -372,8 +364,8 @@ class Prefetcher:
         ranked = (I32(self.n_expert), I32(self.top_k), self._ptr(self.logits), pred_out)
         qt = int(st.weights.layers[li if router is None else norm_layer].router.qt)
         # gpt-oss: the predicted layer's router bias on its logits (the bookkeeping mode ranks nothing: no bias)
-        bias = router_bias(st.weights.layers[norm_layer]) if router is not None else None
-        fs, biases = (self.f_predict, ()) if bias is None else (self.f_predict_bias, (self._ptr(bias),))
+        fs, biases = (self.f_predict_bias, st.layers.router_extra(norm_layer)) if self.biased and router is not None \
+            else (self.f_predict, ())
         self._fn("predict", fs[qt])(
             (grid,), (32 * PREDICT_WARPS,),
             (*normed_x, *rows, *ranked, self._ptr(st.ids), *self._note(li, check), *biases),
