@@ -46,14 +46,18 @@ def test_auto_declines_large_experts_and_says_why():
     assert pf.auto_declined(100, 100, big) is None           # all resident: nothing to decline
 
 
-def test_attach_logs_the_declined_prefetch():
+def _plan(st, choice, log, depth, fetch_misses):
+    return pf.plan(st.cfg, st.cache, st.layout, choice, log, depth, fetch_misses)
+
+
+def test_plan_logs_the_declined_prefetch():
     from types import SimpleNamespace as NS
-    step = NS(cache=NS(n_slots=16, n_total=100), layout=NS(stride=pf.AUTO_MAX_EXPERT_BYTES + 16))
+    step = NS(cfg=None, cache=NS(n_slots=16, n_total=100), layout=NS(stride=pf.AUTO_MAX_EXPERT_BYTES + 16))
     said = []
-    assert pf.attach(step, None, said.append, 2, True) is None
+    assert _plan(step, None, said.append, 2, True) is None
     assert len(said) == 1 and said[0].startswith("expert prefetch off: an expert is") and "prefetch=on" in said[0]
     said.clear()
-    assert pf.attach(step, False, said.append, 2, True) is None and not said     # asked off: nothing to say
+    assert _plan(step, False, said.append, 2, True) is None and not said     # asked off: nothing to say
 
 
 def test_prefetch_tune_keys():
@@ -105,50 +109,50 @@ def test_vram_staging_slots():
 
 def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_208, arch="qwen3moe"):
     from types import SimpleNamespace as NS
-    st = NS(cache=NS(n_slots=n_slots, n_total=n_total), prefetch=None,
-            cfg=NS(n_expert=n_expert, n_expert_used=k, n_embd=n_embd, arch=arch),
-            layout=NS(nbytes=nbytes, stride=2_654_208))
-    st.set_prefetch = lambda p: setattr(st, "prefetch", p)
-    return st
+    return NS(cache=NS(n_slots=n_slots, n_total=n_total),
+              cfg=NS(n_expert=n_expert, n_expert_used=k, n_embd=n_embd, arch=arch),
+              layout=NS(nbytes=nbytes, stride=2_654_208))
 
 
-def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
-    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth, fetch: f"PF{depth}{'f' if fetch else ''}")
+def test_plan_decides_and_refuses_what_the_kernels_cannot_serve():
     logs = []
     st = _fake_step(16, 32)
-    assert pf.attach(st, True, logs.append, depth=1, fetch_misses=False) == "PF1" and st.prefetch == "PF1"
+    assert _plan(st, True, logs.append, depth=1, fetch_misses=False) == pf.PrefetchPlan(1, False)
     assert "next-layer prediction, 2 x 8 staging slots, late misses read in place (40 MiB" in logs[-1]
-    st = _fake_step(16, 32)
-    assert pf.attach(st, True, logs.append, depth=2, fetch_misses=False) == "PF2" and st.prefetch == "PF2"
+    assert _plan(st, True, logs.append, depth=2, fetch_misses=False) == pf.PrefetchPlan(2, False)
     assert "prediction 2 layers ahead, 3 x 8 staging slots, late misses read in place (61 MiB" in logs[-1]
-    st = _fake_step(16, 32)
-    assert pf.attach(st, True, logs.append, depth=1, fetch_misses=True) == "PF1f"
+    assert _plan(st, True, logs.append, depth=1, fetch_misses=True) == pf.PrefetchPlan(1, True)
     assert "next-layer prediction, 2 x 8 staging slots + 2 x 8 for late misses (81 MiB" in logs[-1]
-    st = _fake_step(32, 32)
-    assert pf.attach(st, True, logs.append, 2, True) is None and st.prefetch is None
-    assert pf.attach(_fake_step(16, 32), False, logs.append, 2, True) is None
+    assert _plan(_fake_step(32, 32), True, logs.append, 2, True) is None
+    assert _plan(_fake_step(16, 32), False, logs.append, 2, True) is None
+    with pytest.raises(ValueError, match="prefetch depth 3"):
+        _plan(st, True, logs.append, 3, True)
     big = dict(n_expert=1024)
     with pytest.raises(ValueError, match="--tune prefetch=on cannot serve this model: .*1024.*--tune prefetch=off"):
-        pf.attach(_fake_step(16, 32, **big), True, logs.append, 2, True)
+        _plan(_fake_step(16, 32, **big), True, logs.append, 2, True)
     n = len(logs)
-    st = _fake_step(16, 32, **big)
-    assert pf.attach(st, None, logs.append, 2, True) is None and st.prefetch is None
+    assert _plan(_fake_step(16, 32, **big), None, logs.append, 2, True) is None
     assert len(logs) == n + 1 and logs[-1].startswith("expert prefetch off: ")
     assert pf.unsupported(_fake_step(0, 1, k=17).cfg, _fake_step(0, 1).layout)
     assert pf.unsupported(_fake_step(0, 1, n_embd=65536).cfg, _fake_step(0, 1).layout)
     assert pf.unsupported(_fake_step(0, 1, n_embd=16384).cfg, _fake_step(0, 1).layout) is None
 
 
-def test_gpt_oss_shapes_are_served(monkeypatch):
+def test_the_plan_builds_the_steps_prefetcher(monkeypatch):
+    """DecodeStep builds its Prefetcher from the plan, with itself (its buffers and family program exist by then)."""
+    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth, fetch: (step, depth, fetch))
+    assert pf.PrefetchPlan(2, True).build("step") == ("step", 2, True)
+
+
+def test_gpt_oss_shapes_are_served():
     """gpt-oss is no longer refused (the predictions add its router bias): the 20b and 120b shapes (hidden 2880, 32 or
     128 experts, top-4, MXFP4 blobs of 13.2 MB) and the tiny one attach; the limits that still hold refuse it too."""
     for n_expert, n_embd, nbytes in ((32, 2880, 13_271_040), (128, 2880, 13_271_040), (16, 256, 60_000)):
         st = _fake_step(16, 32, n_expert=n_expert, k=4, n_embd=n_embd, nbytes=nbytes, arch="gpt-oss")
         assert pf.unsupported(st.cfg, st.layout) is None
-    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth, fetch: f"PF{depth}")
     logs = []
     st = _fake_step(16, 32, n_expert=32, k=4, n_embd=2880, arch="gpt-oss")
-    assert pf.attach(st, True, logs.append, depth=2, fetch_misses=True) == "PF2" and st.prefetch == "PF2"
+    assert _plan(st, True, logs.append, depth=2, fetch_misses=True) == pf.PrefetchPlan(2, True)
     assert logs[-1].startswith("expert prefetch on: ")
     assert "1024" in pf.unsupported(_fake_step(0, 1, n_expert=1024, k=4, arch="gpt-oss").cfg, st.layout)
 

@@ -269,14 +269,11 @@ class FakeStep:
         self.stream = _Stream()
         self.ids = None
 
-    def launch_whole(self, token, pos, pick="greedy", use_graph=True):
+    def launch(self, token, pos, pick="greedy", use_graph=True):
         self.calls.append(("graph", token, pos))
 
     def set_inputs(self, token, pos):
         self.params.view[:] = [token, pos]
-
-    def set_paged(self, paged):
-        self.paged = paged
 
     def program(self, pick="greedy"):
         """DecodeStep.program's parts over the fake launches."""

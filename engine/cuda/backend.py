@@ -17,7 +17,7 @@ from engine.cuda.embed_place import embed_placement
 from engine.cuda.expert_cache import ExpertCache, SlotPools
 from engine.cuda.families.registry import family_for
 from engine.cuda.memory_mode import MemoryMode
-from engine.cuda.prefetch import attach as attach_prefetch
+from engine.cuda.prefetch import plan as prefetch_plan
 from engine.cuda.prefetch import vram_staging_slots
 from engine.cuda.prefetch import wanted as prefetch_wanted
 from engine.cuda.prefill import Prefill, reserve_bytes, target_chunk
@@ -58,6 +58,7 @@ class CUDABackend(Backend):
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.arena = None
         self.step = None
+        self.decoder = None         # what runs a decode step: the step, or the memory modes' PagedDecode over it
         self.gpu_sampler = None     # engine/cuda/sampler.py: every pick but plain greedy
         self.mem = None             # engine/cuda/memory_mode.py: --mmap-experts / --resident-budget-gib
         self.stats = ExpertStats()
@@ -169,15 +170,16 @@ class CUDABackend(Backend):
         return n
 
     def _build_step(self):
-        """The decode step over the cache, its prefetch and the prompt pass, handed to the memory mode when there is
-        one."""
+        """The decode step over the cache with its prefetch, the prompt pass, and what runs the step: the memory
+        mode's per-layer form when there is one."""
+        opts = self.opts
+        prefetch = prefetch_plan(self.config, self.cache, self.layout, opts.prefetch, self.log, opts.prefetch_depth,
+                                 opts.fetch_misses)
         self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache, self.layout,
-                               self.stream, self.family, self.recurrent_state, self.gpu_sampler)
-        attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth, self.opts.fetch_misses)
-        self.prefill = Prefill(self.step, self.opts, self.log, self.tracer)
-        if self.mem:
-            self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)
-            self.mem.attach_prefill(self.prefill)
+                               self.stream, self.family, self.recurrent_state, self.gpu_sampler, prefetch)
+        self.prefill = Prefill(self.step, opts, self.log, self.tracer,
+                               ring_device=self.mem.ring_device if self.mem else None)
+        self.decoder = self.mem.paged_decode(self.step, use_graphs=not opts.no_graph) if self.mem else self.step
 
     def _prefill_scratch_bytes(self) -> int:
         stride = self.layout.stride if self.layout else 0
@@ -315,11 +317,12 @@ class CUDABackend(Backend):
             with self.stream:
                 self.gpu_sampler.load(sampler)
         if self.cache is not None:
-            self.prefill.give_back(self.stream)     # the ring's lent cache slots back once the prompt is over
+            if self.prefill.lent:                   # the first step after a streamed prompt ends it: once
+                self.prefill.give_back(self.stream)     # the ring's lent cache slots back
             self.cache.poll(self.stream)            # the adaptive tier's landed swaps into the table
         pos = self.n_cached
         self.tracer.before_step(self)
-        self.step.launch(token, pos, pick, use_graph=not self.opts.no_graph)
+        self.decoder.launch(token, pos, pick, use_graph=not self.opts.no_graph)
         self.tracer.launched(self)
         tok, nan = self.step.result()
         self.tracer.after_step(self, token, pos)
@@ -432,7 +435,7 @@ class CUDABackend(Backend):
                 self.gpu_sampler = None
             if self.step is not None:
                 self.step.close()
-                self.step = None
+                self.step = self.decoder = None
             if self.mem is not None:
                 self.stream.synchronize()
                 self.mem.close()

@@ -3,13 +3,16 @@ launches, captured as CUDA graphs and replayed. Nothing that changes between ste
 position are read from mapped pinned memory by the first kernel, the experts through the pointer table, so the same
 graph serves every step and every cache state (docs/design.md, "Decode").
 
-The step owns one graph per pick mode (PICKS): "greedy" ends in the argmax, "sampled" in the GPU sampler's chain
-(engine/cuda/sampler.py). Its plug-ins are called through explicit hooks:
+The step is built with its collaborators (weights, KV cache, expert cache, family, prefetch plan) and changes none
+of them afterwards. What each layer launches is the family's decode program (engine/cuda/families/: `layers`); the
+step owns the buffers every part shares (the residual x, the routing ids / wts, the logits), the order of the parts
+(`program`) and one graph per pick mode (PICKS): "greedy" ends in the argmax, "sampled" in the GPU sampler's chain
+(engine/cuda/sampler.py). Around the family's launches:
   - the prefetch (engine/cuda/prefetch.py): `enqueue_router(li)` may take the router launch over,
     `enqueue(li)` runs between a layer's router and its experts, `enqueue_finish()` after the last layer,
     `enqueue_join()` at the end;
-  - the paged memory modes (engine/cuda/decode_paged.py): `launch` hands the step to them, and they drive it layer by
-    layer (the enqueue_* methods) while some expert is only in the file;
+  - the paged memory modes (engine/cuda/decode_paged.py) run `program()` part by part while some expert is only in
+    the file, and the whole step (`launch`) otherwise;
   - a tracer (engine/cuda/trace.py) passed to `record`/`enqueue`: `keeps(kind)` filters the launches by kind
     (bench.decode's per-kind profile), `pred_sink` redirects the prefetch's predictions (bench.prefetch_oracle).
 """
@@ -26,7 +29,7 @@ PICKS = ("greedy", "sampled")
 
 class DecodeStep:
     def __init__(self, kernels, cfg, weights, kv, rope_cs, cache, layout, stream, family, recurrent=None,
-                 sampler=None):
+                 sampler=None, prefetch=None):
         self.kernels = kernels          # the kernel table (engine/cuda/kernels.Kernels)
         self.launcher = Launcher(self.kernel, cfg)
         self.cfg = cfg
@@ -55,15 +58,8 @@ class DecodeStep:
         self.graphs: dict = {}          # pick mode -> captured graph
         self.tracer = None              # the tracer of the enqueue in progress (record / enqueue)
         self.layers = family.decode_layers(self, recurrent)    # its buffers, its kernels compiled now
-        self.prefetch = None            # plug-ins (set_prefetch, set_paged)
-        self.paged = None
-
-    # --- plug-ins --------------------------------------------------------------------------------------------
-    def set_prefetch(self, prefetch) -> None:
-        self.prefetch = prefetch
-
-    def set_paged(self, paged) -> None:
-        self.paged = paged
+        # prefetch: prefetch.PrefetchPlan (None: no prefetch); its Prefetcher reads the buffers above
+        self.prefetch = prefetch.build(self) if prefetch is not None else None
 
     def kernel(self, name: str, qt: int | None = None, kind: str | None = None):
         """The table's kernel, or a no-op when the tracer filters this kind (kind: the profile's name for the launch,
@@ -148,21 +144,15 @@ class DecodeStep:
         self.graphs = {}
         self.graphs = {pick: self.record(pick) for pick in self.picks()}
 
-    def launch(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True):
-        """Enqueue one step; result() waits for it. The memory modes take it over while some expert has no address
-        the GPU can read (decode_paged.py)."""
-        if self.paged is not None:
-            self.paged.launch(token, pos, pick, use_graph)
-        else:
-            self.launch_whole(token, pos, pick, use_graph)
-
     def set_inputs(self, token: int, pos: int) -> None:
         """The token and position the next launch reads (mapped host memory: no copy, read by the embed kernel and
         attention)."""
         self.params.view[0], self.params.view[1] = token, pos
 
-    def launch_whole(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True):
-        """The whole step: its graph for this pick mode, or the launches one by one."""
+    def launch(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True):
+        """Enqueue the whole step, its graph for this pick mode or the launches one by one; result() waits for it.
+        (The memory modes' PagedDecode.launch runs it part by part while some expert has no address the GPU can
+        read.)"""
         self.set_inputs(token, pos)
         graph = self.graphs.get(pick) if use_graph else None
         if graph is not None:
@@ -178,6 +168,6 @@ class DecodeStep:
 
     def close(self):
         self.graphs = {}
-        self.prefetch = self.paged = self.sampler = None
+        self.prefetch = self.sampler = None
         self.params.close()
         self.out.close()

@@ -51,11 +51,11 @@ class PagedDecode:
 
     # --- one step --------------------------------------------------------------------------------------------
     def launch(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True) -> str:
-        """Enqueue one step (DecodeStep.launch's hook); returns "graph" or "paged". The caller waits with
+        """Enqueue one step (in place of DecodeStep.launch); returns "graph" or "paged". The caller waits with
         step.result()."""
         st = self.step
         if self.cache.reachable():
-            st.launch_whole(token, pos, pick, use_graph)
+            st.launch(token, pos, pick, use_graph)
             self.source.note_table_reads(self.new_event())
             self.graph_steps += 1
             return "graph"

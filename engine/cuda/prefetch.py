@@ -107,29 +107,38 @@ def unsupported(cfg, layout) -> str | None:
     return None
 
 
-def attach(step, choice: bool | None, log, depth: int, fetch_misses: bool) -> "Prefetcher | None":
-    """Give the decode step a Prefetcher when wanted() says so (with the late-miss copy when fetch_misses). A model
-    the kernels cannot serve: refused when the prefetch was asked for (choice True), else said in the log."""
-    c = step.cache
-    if c is None or not wanted(choice, c.n_slots, c.n_total, step.layout.stride):
+@dataclass(frozen=True)
+class PrefetchPlan:
+    """The prefetch plan() decided on: DecodeStep builds its Prefetcher from it when it is built."""
+    depth: int
+    fetch_misses: bool
+
+    def build(self, step) -> "Prefetcher":
+        return Prefetcher(step, self.depth, self.fetch_misses)
+
+
+def plan(cfg, cache, layout, choice: bool | None, log, depth: int, fetch_misses: bool) -> PrefetchPlan | None:
+    """The decode step's prefetch when wanted() says so (with the late-miss copy when fetch_misses), else None. A
+    model the kernels cannot serve: refused when the prefetch was asked for (choice True), else said in the log."""
+    if cache is None or not wanted(choice, cache.n_slots, cache.n_total, layout.stride):
         # the automatic rule declined what prefetch=on would do: say so
-        why = auto_declined(c.n_slots, c.n_total, step.layout.stride) if c is not None and choice is None else None
+        why = auto_declined(cache.n_slots, cache.n_total, layout.stride) if cache is not None and choice is None \
+            else None
         if why:
             log(f"expert prefetch off: {why}; --tune prefetch=on overrides")
         return None
-    why = unsupported(step.cfg, step.layout)
+    why = unsupported(cfg, layout)
     if why:
         if choice:
             raise ValueError(f"--tune prefetch=on cannot serve this model: {why}; run with --tune prefetch=off")
         log(f"expert prefetch off: {why}")
         return None
-    step.set_prefetch(Prefetcher(step, depth, fetch_misses))
-    top_k, nb = step.cfg.n_expert_used, banks(depth)
+    top_k, nb = cfg.n_expert_used, banks(depth)
     what = "next-layer prediction" if depth == 1 else f"prediction {depth} layers ahead"
     late = f" + {MISS_BANKS} x {top_k} for late misses" if fetch_misses else ", late misses read in place"
     log(f"expert prefetch on: {what}, {nb} x {top_k} staging slots{late} "
-        f"({vram_staging_slots(top_k, depth, fetch_misses) * step.layout.stride / 2**20:.0f} MiB of VRAM)")
-    return step.prefetch
+        f"({vram_staging_slots(top_k, depth, fetch_misses) * layout.stride / 2**20:.0f} MiB of VRAM)")
+    return PrefetchPlan(depth, fetch_misses)
 
 
 def banks(depth: int) -> int:

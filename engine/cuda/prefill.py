@@ -159,7 +159,10 @@ class PhaseTimer:
 
 
 class Prefill:
-    def __init__(self, step, opts, log=lambda m: None, tracer=None):
+    """The prompt pass over a DecodeStep's weights, caches and family. ring_device(dev) -> dev: what the ring copies
+    through (the memory modes stage file-only experts: memory_mode.MemoryMode.ring_device); None: dev itself."""
+
+    def __init__(self, step, opts, log=lambda m: None, tracer=None, ring_device=None):
         self.step, self.opts, self.log = step, opts, log
         self.tracer = tracer or Tracer()
         self.kernels, self.cfg, self.weights, self.kv, self.cache, self.layout = (
@@ -188,7 +191,9 @@ class Prefill:
                     dt = cp.int32 if b.name in _INT else cp.float16 if b.name in _HALF else cp.float32
                     self.buf[b.name] = cp.empty(b.elems, dtype=dt)
             self.ring_mem = cp.empty(self.plan.ring * stride, dtype=cp.uint8)
-        self.dev = CupyDevice(step.stream) if blob else None
+        self.dev = CupyDevice(step.stream) if blob else None        # the ring's copy device
+        if self.dev is not None and ring_device is not None:
+            self.dev = ring_device(self.dev)
         self._tm = None
         self._groups_key = self._groups_val = None
         self.lent: list[int] = []    # expert-cache slots the ring holds now (given back by give_back)
@@ -199,10 +204,6 @@ class Prefill:
         log(f"streamed prompt pass: chunks of {self.chunk} tokens ({p.chunk_bytes / MiB:.0f} MiB), "
             f"ring of {p.ring} own slots ({p.ring_bytes / MiB:.0f} MiB) + {lend}; {free / MiB:.0f} MiB were left")
         self.layers = family.prompt_layers(self, step.recurrent)    # the family's layer program (its scratch)
-
-    def set_device(self, dev) -> None:
-        """The ring's copy device (ring.py CupyDevice; the memory modes' StagedCopies stages file-only experts)."""
-        self.dev = dev
 
     # --- lent expert-cache slots ------------------------------------------------------------------------------
     def borrow(self) -> list[int]:
