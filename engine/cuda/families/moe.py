@@ -214,10 +214,12 @@ class MoeDecode:
         table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
         return blob, table, ((blob.n_ff + MV_WARPS - 1) // MV_WARPS, c.n_expert_used, 1)
 
-    def experts(self, li, layer):
-        """The routed experts (gate/up then down, weighted, added to x) and the shared expert."""
+    def experts(self, li, layer, out=None):
+        """The routed experts of the FFN-normed x (gate/up then down, weighted) and the shared expert, added to out:
+        the residual x itself, unless a family whose residual is not x gives its own."""
         st, c, mv = self.step, self.cfg, self.step.launcher
         norm, x = layer.ffn_norm, st.x
+        out = x if out is None else out
         blob, table, grid = self.expert_launch(li)
         top_k = c.n_expert_used
         if blob.qt_up < 0:
@@ -242,11 +244,11 @@ class MoeDecode:
         f = st.kernel("moe_down", blob.qt_down)
         sm = mv.smem(f, top_k * blob.n_ff, False, optional_max=100 * 1024)   # e.g. 8 x 1536 (Qwen3-235B): 50 KiB
         f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,),
-          (table, ptr(st.ids), ptr(st.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(x),
+          (table, ptr(st.ids), ptr(st.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(out),
            I32(c.n_embd), I32(blob.n_ff), I32(top_k), I32(1 if sm else 0)),
           shared_mem=sm)
         if shared:
-            mv.mv(layer.sh_down, self.h2, x, gate_logit=self.sgate if layer.sh_gate_inp is not None else None,
+            mv.mv(layer.sh_down, self.h2, out, gate_logit=self.sgate if layer.sh_gate_inp is not None else None,
                   accumulate=True, tag="shexp")
 
     def output(self):
