@@ -198,6 +198,7 @@ class Prefill:
         self._groups_key = self._groups_val = None
         self.lent: list[int] = []    # expert-cache slots the ring holds now (given back by give_back)
         self._chunk = None           # the chunk's expert groups, ring runner and ring batches (experts())
+        self._views, self._views_T = {}, 0       # _view's, for chunks of _views_T tokens
         p = self.plan
         lend = (f"up to {p.lend} expert-cache slots lent per prompt (the coldest experts evicted for them)"
                 if p.lend_occupied else f"up to {p.lend} free expert-cache slots lent")
@@ -353,7 +354,13 @@ class Prefill:
             self._tm.mark(phase)
 
     def _view(self, name, T, width):
-        return self.buf[name][:T * width].reshape(T, width)
+        """Buffer `name` as (T, width); the chunk's views are made once (the families' layers ask per layer)."""
+        if T != self._views_T:
+            self._views, self._views_T = {}, T
+        v = self._views.get((name, width))
+        if v is None:
+            v = self._views[name, width] = self.buf[name][:T * width].reshape(T, width)
+        return v
 
     def forward(self, tokens, pos0: int, all_logits: bool) -> cp.ndarray:
         c, w, mv = self.cfg, self.weights, self.launcher
