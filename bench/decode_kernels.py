@@ -2,7 +2,7 @@
 
     python -m bench.decode_kernels [--before DIR] [--define NAME=VALUE ...] [--only mv_wo,mv3,router,head]
 
-Each case is the launch engine/cuda/decode.py makes for one layer of gpt-oss-20b (Q8_0 attention weights, the F32
+Each case is the launch the decode step makes for one layer of gpt-oss-20b (Q8_0 attention weights, the F32
 router): dense.cu's mv (attn_output, 4096 -> 2880, its bias added to x), mv3 (q/k/v 2880 -> 4096/512/512, biases,
 attn_norm fused), router.cu's router_fused_bias (32 x 2880, top 4) and mv on the output head (201088 x 2880, the
 output norm fused). Timed as bench/matvec.py times: a replayed CUDA graph cycling through copies of the weights

@@ -67,7 +67,7 @@ def main(argv=None):
     defs = dict(d.split("=", 1) for d in a.define)
     import cupy as cp
 
-    from engine.cuda.gdn import GdnKernels, GdnShape
+    from engine.cuda.families.gdn import GdnKernels, GdnShape
     from engine.cuda.launch import F32, I32
     from engine.cuda.prefill import attn_kernel, attn_module
 

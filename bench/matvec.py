@@ -195,7 +195,7 @@ def bench_experts(cp, name, n_embd, n_ff, n_expert, k, oss, rng, launches=64, re
     fg = mod.get_function(f"moe_gate_up_oai<{q.id}>" if oss else f"moe_gate_up<{q.id}>")
     fd = mod.get_function(f"moe_down_bias<{q.id}>" if oss else f"moe_down<{q.id}>")
     sm_g = Launcher.smem(fg, n_embd, True)
-    sm_d = Launcher.smem(fd, k * n_ff, False, optional_max=100 * 1024)   # as engine/cuda/decode.py launches them
+    sm_d = Launcher.smem(fd, k * n_ff, False, optional_max=100 * 1024)   # as families/moe.py launches them
     bias = [cp.asarray((rng.standard_normal((n_expert, n)) * 0.1).astype(np.float32)) for n in (n_ff, n_ff, n_embd)]
     grid_g = ((n_ff + MV_WARPS - 1) // MV_WARPS, k, 1)
     grid_d = ((n_embd + MV_WARPS - 1) // MV_WARPS, 1)

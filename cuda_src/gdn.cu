@@ -1,7 +1,8 @@
 // Gated DeltaNet (the qwen3next / qwen35moe linear-attention layers) for one layer: the decode step's conv and
 // delta-rule update of one token, and the prompt's conv and chunked delta rule over T tokens on tensor cores.
 // NumPy reference: engine/arch/qwen3next.py (causal_conv, l2_norm, delta_rule, delta_rule_chunk, Qwen3Next.gdn);
-// launch wrappers and every buffer's layout: engine/cuda/gdn.py. Head width (key = value) is compile-time, GDN_D.
+// launch wrappers and every buffer's layout: engine/cuda/families/gdn.py. Head width (key = value) is
+// compile-time, GDN_D.
 //
 // Decode (capture-safe: no allocation, every input from device memory): gdn_conv_decode then gdn_delta_decode; the
 // engine's decode step does the conv in its projection's launch instead (dense.cu mv4) and the l2 norms here.

@@ -212,3 +212,34 @@ def test_pools_keep_every_expert_in_a_slot_of_its_own_size(monkeypatch):
     c.poll(stream=None)
     assert pool_ok()
     check_books(c)
+
+
+def test_the_first_decode_step_after_a_prompt_gives_the_lent_slots_back_once():
+    """CUDABackend._step: the prompt pass's lent slots go back at the first decode step after the prompt, once; the
+    steps after it do not call the prompt pass (nor do the steps of a prompt that lent nothing)."""
+    from types import SimpleNamespace as NS
+
+    from engine.cuda.backend import CUDABackend
+    from engine.cuda.trace import Tracer
+    calls = []
+
+    class Prefill:
+        lent = []
+
+        def give_back(self, stream):
+            calls.append(("give_back", list(self.lent)))
+            self.lent = []
+
+    be = CUDABackend.__new__(CUDABackend)
+    be.n_cached, be.max_context, be.stream, be.tracer = 0, 64, None, Tracer()
+    be.opts = NS(no_graph=False, adapt_every=0, expert_profile_save=None, expert_profile_save_every=0)
+    be._tokens_since_adapt = 0
+    be.cache = NS(poll=lambda stream: calls.append("poll"))
+    be.prefill = Prefill()
+    be.decoder = NS(launch=lambda token, pos, pick, use_graph: calls.append(("launch", token, pos)))
+    be.step = NS(result=lambda: (7, 0))
+    be.prefill.lent = [3, 5]                 # a streamed prompt borrowed two slots
+    for t in range(3):
+        assert be._step(10 + t, "greedy") == (7, 0)
+    assert calls == [("give_back", [3, 5]), "poll", ("launch", 10, 0), "poll", ("launch", 11, 1), "poll",
+                     ("launch", 12, 2)]

@@ -1,5 +1,5 @@
 """DecodeStep's own structure on the CPU (its kernels faked): one graph per pick mode, launch() choosing the pick's
-graph or the eager launches, the paged memory mode taking the step over through its hook, and a tracer filtering
+graph or the eager launches, its program's parts around the family's layer program, and a tracer filtering
 launches by kind (bench.decode's per-kind profile) without touching the kept graphs."""
 from types import SimpleNamespace as NS
 
@@ -32,7 +32,7 @@ def _step(sampler=True):
     st = DecodeStep.__new__(DecodeStep)
     st.stream, st.sampler, st.tracer = _Stream(), (object() if sampler else None), None
     st.params = NS(view=[0, 0])
-    st.paged = st.prefetch = None
+    st.prefetch = None
     st.graphs = {}
     st.enqueue = lambda pick="greedy", tracer=None: log.append(("eager", pick))
     st.record = lambda pick="greedy", tracer=None: _Graph(pick, log)
@@ -63,12 +63,23 @@ def test_launch_takes_the_picks_graph_or_launches_eagerly():
     assert log == [("eager", "greedy")]
 
 
-def test_the_paged_mode_takes_the_step_over_through_its_hook():
-    st, log = _step()
-    seen = []
-    st.set_paged(NS(launch=lambda token, pos, pick, use_graph: seen.append((token, pos, pick, use_graph))))
-    st.launch(5, 6, "sampled")
-    assert seen == [(5, 6, "sampled", True)] and log == []
+def test_the_program_runs_the_familys_phases_in_order():
+    """program(): the embedding, per layer ("route") the family's mixer and router, ("ffn") its experts, then the
+    output and the pick; without a prefetch, only the family's launches (the paged modes' per-layer parts)."""
+    st = DecodeStep.__new__(DecodeStep)
+    ops = []
+    st.weights = NS(layers=[None] * 2)
+    st.enqueue_pick = lambda pick: ops.append(("pick", pick))
+    st.layers = NS(embed=lambda: ops.append("embed"), output=lambda: ops.append("output"),
+                   mixer=lambda li: ops.append(("mixer", li)), router=lambda li: ops.append(("router", li)),
+                   ffn=lambda li: ops.append(("ffn", li)))
+    parts = st.program("sampled")
+    assert [(k, li) for k, li, _ in parts] == [("head", -1), ("route", 0), ("ffn", 0), ("route", 1), ("ffn", 1),
+                                               ("tail", -1)]
+    for _, _, part in parts:
+        part()
+    assert ops == ["embed", ("mixer", 0), ("router", 0), ("ffn", 0), ("mixer", 1), ("router", 1), ("ffn", 1),
+                   "output", ("pick", "sampled")]
 
 
 def test_a_tracer_filters_launches_by_kind_and_records_the_kinds():

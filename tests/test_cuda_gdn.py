@@ -1,5 +1,6 @@
-"""Gated DeltaNet kernels (cuda_src/gdn.cu through engine/cuda/gdn.py) against the NumPy reference in float64, on fresh
-random data at the tiny test models' and the published models' head shapes, every output poisoned first.
+"""Gated DeltaNet kernels (cuda_src/gdn.cu through engine/cuda/families/gdn.py) against the NumPy reference in
+float64, on fresh random data at the tiny test models' and the published models' head shapes, every output poisoned
+first.
 
 Decode is fp32 throughout (tight tolerance); the prompt's chunked rule takes fp16 mma inputs with fp32 accumulators
 and state, so its outputs and state are held to a relative (Frobenius) error of PROMPT_TOL; the measured errors are
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-from engine.cuda.gdn import GdnKernels, GdnShape, ref_conv_act, ref_layer  # noqa: E402
+from engine.cuda.families.gdn import GdnKernels, GdnShape, ref_conv_act, ref_layer  # noqa: E402
 
 DECODE_TOL = 2e-5
 PROMPT_TOL = 3e-3      # measured up to 5.6e-4 (outputs) and 4.8e-4 (state): docs/experiments.md, the GDN kernels
@@ -231,7 +232,7 @@ def mv_table():
 @pytest.mark.parametrize("qts", [("Q8_0",) * 4, ("F16", "Q8_0", "Q8_0", "Q8_0")], ids=["one-type", "two-types"])
 @pytest.mark.parametrize("p", SHAPES, ids=IDS)
 def test_decode_in_the_engines_launches(mv_table, p, qts):
-    """The decode step's GDN mixer as engine/cuda/hybrid_layers.py launches it: the four projections of the normed x
+    """The decode step's GDN mixer as engine/cuda/families/hybrid.py launches it: the four projections of the normed x
     in one launch through Launcher.mv_many (two types: mv_mixed.cu) with the conv in attn_qkv's epilogue, then
     gdn_delta_decode with the q/k l2 norms (qk_norm), against the two-launch path (separate mat-vecs, conv_decode,
     delta_decode) on a copy of the state, and both against the float64 recurrence on the same projections; every

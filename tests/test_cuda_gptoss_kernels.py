@@ -47,8 +47,9 @@ gpu = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def K():  # noqa: N802
-    from engine.cuda.kernels import Kernels
-    return Kernels({qtype(t).id for t in ("F16", "F32", "Q8_0", "MXFP4")})
+    from engine.cuda.families.gptoss import GptOssFamily
+    from engine.cuda.kernels import ENGINE_FILES, Kernels
+    return Kernels({qtype(t).id for t in ("F16", "F32", "Q8_0", "MXFP4")}, ENGINE_FILES + GptOssFamily.kernel_files)
 
 
 def rope_table(n_pos, n_rot, rng):
@@ -94,6 +95,7 @@ def poison_kv(kv):
 def test_decode_attention_sinks_window_ring(K, dtype, n_kv, group, hd, n_swa, chunk, n_split):
     """Step after step (as decode does), each new K/V written at its ring row and the token's attention over the window
     (layer 1) or everything (layer 0), with sinks, against NumPy at every position; the ring wraps twice."""
+    from engine.cuda.families.gptoss import attn_variant
     from engine.cuda.kv import DecodeAttention
     rng = np.random.default_rng()
     c = Cfg(n_kv, group, hd, n_swa)
@@ -102,7 +104,7 @@ def test_decode_attention_sinks_window_ring(K, dtype, n_kv, group, hd, n_swa, ch
     kv = KVCache(c, max_ctx, dtype, rows)
     poison_kv(kv)
     sinks = [cp.asarray((rng.standard_normal(c.n_head) * 2).astype(np.float32)) for _ in range(2)]
-    att = DecodeAttention(K, c, kv, n_split=n_split, sinks=sinks)
+    att = DecodeAttention(K, c, kv, n_split=n_split, variant=attn_variant(c, sinks))
     cs = rope_table(max_ctx, hd, rng)
     rope_d = cp.asarray(cs)
     scale = 1.0 / np.sqrt(hd)

@@ -203,7 +203,7 @@ def test_decode_step_launches_of_the_mixers(cpu_runs, name):
     gdn_conv_decode), then one delta-rule launch and ssm_out; a gated attention layer's q/k/v/gate likewise, and its
     gate inside attn_output's launch (no sigmoid_gate_mul). The fixtures hold one-type layers and the Q4_K_M / Q3_K_M
     recipes' mixes (one matrix of another type: still one launch)."""
-    from engine.cuda.hybrid_layers import mixer_projections
+    from engine.cuda.families.hybrid import mixer_projections
     from engine.cuda.launch import plan_shared_input
     model = cpu_runs[name][0]
     be = cuda_backend(model, prefetch=False)
@@ -226,7 +226,7 @@ def test_decode_step_launches_of_the_mixers(cpu_runs, name):
 @pytest.mark.parametrize("n", [1, 255, 4096, 300_001])
 def test_sigmoid_gate_mul_kernel(n):
     """cuda_src/attn_gate.cu against NumPy on fresh random data; the values past n stay as they were."""
-    from engine.cuda.hybrid_layers import gate_kernel, gate_mul
+    from engine.cuda.families.hybrid import gate_kernel, gate_mul
     rng = np.random.default_rng(n)
     y = rng.standard_normal(n + 7).astype(np.float32) * 3
     g = rng.standard_normal(n + 7).astype(np.float32) * 4

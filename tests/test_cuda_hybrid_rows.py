@@ -1,4 +1,4 @@
-"""The CUDA backend's reordering of hybrid weight rows on loading (engine/cuda/hybrid_layers.py), on the CPU: the
+"""The CUDA backend's reordering of hybrid weight rows on loading (engine/cuda/families/hybrid.py), on the CPU: the
 rows it picks give what the NumPy reference computes from the whole tensor (attn_q's per-head [query | gate], legacy
 qwen3next ssm_in's per-key-head [q, k, v, z])."""
 from pathlib import Path
@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("cupy")
 
 from engine.backend_cpu import CPUBackend  # noqa: E402
-from engine.cuda import hybrid_layers as hl  # noqa: E402
+from engine.cuda.families import hybrid as hl  # noqa: E402
 from engine.gguf_model import open_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "fixtures" / "hybrid"

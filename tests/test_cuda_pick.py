@@ -180,7 +180,7 @@ def fake_cuda(monkeypatch, ring_cap=200):
     be.opts = SimpleNamespace(no_graph=False)
     be.cache = None
     be.mem = None
-    be.recurrent = False
+    be.recurrent_state = None
     be.kv = SimpleNamespace()
     be._kv_high = 0
     be.tracer = Tracer()
@@ -189,7 +189,7 @@ def fake_cuda(monkeypatch, ring_cap=200):
     be.held = []
     be.nan_at = None                    # a position whose logits come out NaN
     be.model_logits = lambda seq: np.full(V, np.nan, np.float32) if len(seq) == be.nan_at else logits_of(seq)
-    be.step = _FakeStep(be)
+    be.step = be.decoder = _FakeStep(be)
     be.prefill = _FakePrefill(be)
     be.gpu_sampler = _SimSampler(V, ring_cap, be.step.words)
     return be

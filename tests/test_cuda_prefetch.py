@@ -46,14 +46,18 @@ def test_auto_declines_large_experts_and_says_why():
     assert pf.auto_declined(100, 100, big) is None           # all resident: nothing to decline
 
 
-def test_attach_logs_the_declined_prefetch():
+def _plan(st, choice, log, depth, fetch_misses):
+    return pf.plan(st.cfg, st.cache, st.layout, choice, log, depth, fetch_misses)
+
+
+def test_plan_logs_the_declined_prefetch():
     from types import SimpleNamespace as NS
-    step = NS(cache=NS(n_slots=16, n_total=100), layout=NS(stride=pf.AUTO_MAX_EXPERT_BYTES + 16))
+    step = NS(cfg=None, cache=NS(n_slots=16, n_total=100), layout=NS(stride=pf.AUTO_MAX_EXPERT_BYTES + 16))
     said = []
-    assert pf.attach(step, None, said.append, 2, True) is None
+    assert _plan(step, None, said.append, 2, True) is None
     assert len(said) == 1 and said[0].startswith("expert prefetch off: an expert is") and "prefetch=on" in said[0]
     said.clear()
-    assert pf.attach(step, False, said.append, 2, True) is None and not said     # asked off: nothing to say
+    assert _plan(step, False, said.append, 2, True) is None and not said     # asked off: nothing to say
 
 
 def test_prefetch_tune_keys():
@@ -105,50 +109,50 @@ def test_vram_staging_slots():
 
 def _fake_step(n_slots, n_total, n_expert=128, k=8, n_embd=2048, nbytes=2_654_208, arch="qwen3moe"):
     from types import SimpleNamespace as NS
-    st = NS(cache=NS(n_slots=n_slots, n_total=n_total), prefetch=None,
-            cfg=NS(n_expert=n_expert, n_expert_used=k, n_embd=n_embd, arch=arch),
-            layout=NS(nbytes=nbytes, stride=2_654_208))
-    st.set_prefetch = lambda p: setattr(st, "prefetch", p)
-    return st
+    return NS(cache=NS(n_slots=n_slots, n_total=n_total),
+              cfg=NS(n_expert=n_expert, n_expert_used=k, n_embd=n_embd, arch=arch),
+              layout=NS(nbytes=nbytes, stride=2_654_208))
 
 
-def test_attach_decides_and_refuses_what_the_kernels_cannot_serve(monkeypatch):
-    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth, fetch: f"PF{depth}{'f' if fetch else ''}")
+def test_plan_decides_and_refuses_what_the_kernels_cannot_serve():
     logs = []
     st = _fake_step(16, 32)
-    assert pf.attach(st, True, logs.append, depth=1, fetch_misses=False) == "PF1" and st.prefetch == "PF1"
+    assert _plan(st, True, logs.append, depth=1, fetch_misses=False) == pf.PrefetchPlan(1, False)
     assert "next-layer prediction, 2 x 8 staging slots, late misses read in place (40 MiB" in logs[-1]
-    st = _fake_step(16, 32)
-    assert pf.attach(st, True, logs.append, depth=2, fetch_misses=False) == "PF2" and st.prefetch == "PF2"
+    assert _plan(st, True, logs.append, depth=2, fetch_misses=False) == pf.PrefetchPlan(2, False)
     assert "prediction 2 layers ahead, 3 x 8 staging slots, late misses read in place (61 MiB" in logs[-1]
-    st = _fake_step(16, 32)
-    assert pf.attach(st, True, logs.append, depth=1, fetch_misses=True) == "PF1f"
+    assert _plan(st, True, logs.append, depth=1, fetch_misses=True) == pf.PrefetchPlan(1, True)
     assert "next-layer prediction, 2 x 8 staging slots + 2 x 8 for late misses (81 MiB" in logs[-1]
-    st = _fake_step(32, 32)
-    assert pf.attach(st, True, logs.append, 2, True) is None and st.prefetch is None
-    assert pf.attach(_fake_step(16, 32), False, logs.append, 2, True) is None
+    assert _plan(_fake_step(32, 32), True, logs.append, 2, True) is None
+    assert _plan(_fake_step(16, 32), False, logs.append, 2, True) is None
+    with pytest.raises(ValueError, match="prefetch depth 3"):
+        _plan(st, True, logs.append, 3, True)
     big = dict(n_expert=1024)
     with pytest.raises(ValueError, match="--tune prefetch=on cannot serve this model: .*1024.*--tune prefetch=off"):
-        pf.attach(_fake_step(16, 32, **big), True, logs.append, 2, True)
+        _plan(_fake_step(16, 32, **big), True, logs.append, 2, True)
     n = len(logs)
-    st = _fake_step(16, 32, **big)
-    assert pf.attach(st, None, logs.append, 2, True) is None and st.prefetch is None
+    assert _plan(_fake_step(16, 32, **big), None, logs.append, 2, True) is None
     assert len(logs) == n + 1 and logs[-1].startswith("expert prefetch off: ")
     assert pf.unsupported(_fake_step(0, 1, k=17).cfg, _fake_step(0, 1).layout)
     assert pf.unsupported(_fake_step(0, 1, n_embd=65536).cfg, _fake_step(0, 1).layout)
     assert pf.unsupported(_fake_step(0, 1, n_embd=16384).cfg, _fake_step(0, 1).layout) is None
 
 
-def test_gpt_oss_shapes_are_served(monkeypatch):
+def test_the_plan_builds_the_steps_prefetcher(monkeypatch):
+    """DecodeStep builds its Prefetcher from the plan, with itself (its buffers and family program exist by then)."""
+    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth, fetch: (step, depth, fetch))
+    assert pf.PrefetchPlan(2, True).build("step") == ("step", 2, True)
+
+
+def test_gpt_oss_shapes_are_served():
     """gpt-oss is no longer refused (the predictions add its router bias): the 20b and 120b shapes (hidden 2880, 32 or
     128 experts, top-4, MXFP4 blobs of 13.2 MB) and the tiny one attach; the limits that still hold refuse it too."""
     for n_expert, n_embd, nbytes in ((32, 2880, 13_271_040), (128, 2880, 13_271_040), (16, 256, 60_000)):
         st = _fake_step(16, 32, n_expert=n_expert, k=4, n_embd=n_embd, nbytes=nbytes, arch="gpt-oss")
         assert pf.unsupported(st.cfg, st.layout) is None
-    monkeypatch.setattr(pf, "Prefetcher", lambda step, depth, fetch: f"PF{depth}")
     logs = []
     st = _fake_step(16, 32, n_expert=32, k=4, n_embd=2880, arch="gpt-oss")
-    assert pf.attach(st, True, logs.append, depth=2, fetch_misses=True) == "PF2" and st.prefetch == "PF2"
+    assert _plan(st, True, logs.append, depth=2, fetch_misses=True) == pf.PrefetchPlan(2, True)
     assert logs[-1].startswith("expert prefetch on: ")
     assert "1024" in pf.unsupported(_fake_step(0, 1, n_expert=1024, k=4, arch="gpt-oss").cfg, st.layout)
 
@@ -495,7 +499,8 @@ def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_m
     p.f_predict = {0: rec("predict")}
     p.f_router_predict = {0: rec("router_predict")}
     p.f_predict_bias, p.f_router_predict_bias = {0: rec("predict_bias")}, {0: rec("router_predict_bias")}
-    from engine.cuda.decode import DecodeStep
+    from engine.cuda.families.gptoss import GptOssDecode
+    from engine.cuda.families.moe import MoeDecode
     layers = [NS(router=NS(qt=0, ptr=100 + i, row_bytes=8, cols=64), ffn_norm=_Buf(200 + i),
                  router_bias=_Buf(300 + i) if biased else None) for i in range(n_layer)]
     cfg = NS(rms_eps=1e-6, n_embd=64, expert_weights_norm=not biased, expert_weights_scale=1.0, n_expert=n_expert,
@@ -503,7 +508,10 @@ def _pointer_prefetcher(depth, n_layer=6, k=4, n_expert=16, stride=1024, fetch_m
     p.step = NS(tracer=None, keeps=lambda kind: True, weights=NS(layers=layers), cfg=cfg, x=_Buf(11), ids=_Buf(12),
                 rlogits=_Buf(13), wts=_Buf(14),
                 cache=NS(table=p.table, slot_lo=1, slot_hi=2, counts=_Buf(15), stats=_Buf(16)))
-    p.step.router_args = lambda li: DecodeStep.router_args(p.step, li)
+    # the family's decode program (its router_args / router_extra, no buffers): gpt-oss's when biased
+    prog = MoeDecode.__new__(GptOssDecode if biased else MoeDecode)
+    prog.step, prog.cfg = p.step, cfg
+    p.step.layers, p.biased = prog, prog.biased_router
     return p, calls
 
 
@@ -618,17 +626,6 @@ def test_launch_pointers_with_router_bias(depth):
     assert [c[0] for c in qcalls] == ["predict"] and qcalls == calls
 
 
-def test_mixed_router_biases_are_refused():
-    """Every router with a bias or none (weights.py loads gpt-oss's for every layer): a mix is refused by name."""
-    pytest.importorskip("cupy")
-    from types import SimpleNamespace as NS
-    st = _fake_step(16, 32, k=4, n_embd=256, arch="gpt-oss")
-    st.cfg.n_layer = 3
-    st.weights = NS(layers=[NS(router=NS(qt=0), router_bias=b) for b in (object(), None, object())])
-    with pytest.raises(ValueError, match="some layers' routers have a bias and others none"):
-        pf.Prefetcher(st, 2, True)
-
-
 def test_decode_step_takes_the_router_launch_from_the_prefetch():
     """DecodeStep.enqueue's hook: the step's own router runs only where the Prefetcher did not launch one."""
     pytest.importorskip("cupy")
@@ -638,11 +635,10 @@ def test_decode_step_takes_the_router_launch_from_the_prefetch():
     ops = []
     st = DecodeStep.__new__(DecodeStep)
     st.weights = NS(layers=[None] * 3)
-    for name in ("embed", "output", "pick"):
-        setattr(st, f"enqueue_{name}", lambda *a, name=name: ops.append(name))
-    st.enqueue_attention_block = lambda li: ops.append(("attn", li))
-    st.enqueue_router = lambda li: ops.append(("step router", li))
-    st.enqueue_experts = lambda li: ops.append(("experts", li))
+    st.enqueue_pick = lambda pick: ops.append("pick")
+    st.layers = NS(embed=lambda: ops.append("embed"), output=lambda: ops.append("output"),
+                   mixer=lambda li: ops.append(("attn", li)), router=lambda li: ops.append(("step router", li)),
+                   ffn=lambda li: ops.append(("experts", li)))
     st.prefetch = NS(enqueue_router=lambda li: li < 2 and not ops.append(("pf router", li)),
                      enqueue=lambda li: ops.append(("pf", li)), enqueue_finish=lambda: ops.append("finish"),
                      enqueue_join=lambda: ops.append("join"))

@@ -1,6 +1,6 @@
-"""The buffer layouts engine/cuda/gdn.py documents (and tests/test_cuda_gdn.py holds the kernels to) are the model's:
-its NumPy reference (ref_layer), fed the projections as the docstring says the wiring makes them, equals the CPU
-backend's own GDN mixer (Qwen3Next.gdn) on the tiny fixture models of both architectures, prompt and decode, with
+"""The buffer layouts engine/cuda/families/gdn.py documents (and tests/test_cuda_gdn.py holds the kernels to) are the
+model's: its NumPy reference (ref_layer), fed the projections as the docstring says the wiring makes them, equals the
+CPU backend's own GDN mixer (Qwen3Next.gdn) on the tiny fixture models of both architectures, prompt and decode, with
 the conv and delta state carried in HybridCache's layout."""
 from pathlib import Path
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.backend_cpu import CPUBackend
-from engine.cuda.gdn import GdnShape, ref_layer
+from engine.cuda.families.gdn import GdnShape, ref_layer
 from engine.gguf_model import open_model
 
 HERE = Path(__file__).resolve().parent / "fixtures" / "hybrid"
@@ -43,7 +43,7 @@ def test_reference_in_the_kernels_layout_is_the_models_gdn(name):
 
 
 def test_scratch_and_state_sizes():
-    from engine.cuda.gdn import scratch_bytes, state_bytes
+    from engine.cuda.families.gdn import scratch_bytes, state_bytes
     sh = GdnShape(16, 32, 128, 4, True, 1e-6)            # Qwen3-Next-80B-A3B's GDN layers
     # act16 4096 x 8192 fp16 (64 MiB), gcum 32 x 4096 fp32, tcat 32 x 64 x 64 x 128 fp16, qkm half of tcat
     assert scratch_bytes(sh, 4096) == 4096 * 8192 * 2 + 32 * 4096 * 4 + 32 * 64 * 64 * 128 * 2 + 32 * 64 * 64 * 64 * 2

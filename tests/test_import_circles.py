@@ -12,12 +12,9 @@ import ast
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ROOTS = ("engine", "server", "setup", "bench", "tools")
-# Broken by the families branch (issue 28 item 1: engine/cuda/families/); delete this entry when it merges.
-WAITING = ("engine.cuda.hybrid_layers", "engine.cuda.weights")
 
 
 def modules(root: Path, packages=ROOTS) -> dict[str, Path]:
@@ -108,10 +105,7 @@ def project_graph() -> dict[str, set[str]]:
 
 def test_no_import_circle():
     found = circles(project_graph())
-    assert [c for c in found if c != WAITING] == [], "import circles: " + "; ".join(" <-> ".join(c) for c in found)
-    if WAITING in found:
-        pytest.skip(f"{' <-> '.join(WAITING)}: engine/cuda's own circle, which the families branch (issue 28 item 1) "
-                    f"breaks; WAITING goes at that merge")
+    assert found == [], "import circles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
 def test_the_registry_imports_are_seen():

@@ -269,14 +269,19 @@ class FakeStep:
         self.stream = _Stream()
         self.ids = None
 
-    def launch_whole(self, token, pos, pick="greedy", use_graph=True):
+    def launch(self, token, pos, pick="greedy", use_graph=True):
         self.calls.append(("graph", token, pos))
 
     def set_inputs(self, token, pos):
         self.params.view[:] = [token, pos]
 
-    def set_paged(self, paged):
-        self.paged = paged
+    def program(self, pick="greedy"):
+        """DecodeStep.program's parts over the fake launches."""
+        parts = [("head", -1, self.enqueue_embed)]
+        for li in range(self.cfg.n_layer):
+            parts.append(("route", li, lambda li=li: (self.enqueue_attention_block(li), self.enqueue_router(li))))
+            parts.append(("ffn", li, lambda li=li: self.enqueue_experts(li)))
+        return parts + [("tail", -1, lambda: (self.enqueue_output(), self.enqueue_pick(pick)))]
 
     def enqueue_embed(self):
         self.calls.append("embed")

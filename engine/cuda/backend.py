@@ -10,24 +10,21 @@ import cupy as cp
 import numpy as np
 
 from engine.backend import Backend, ExpertStats, RecurrentSnapshot, decode_tokens
-from engine.cuda import hybrid_layers
 from engine.cuda.arena import ExpertArena, blob_layout
 from engine.cuda.args import CudaOptions
 from engine.cuda.decode import DecodeStep
 from engine.cuda.embed_place import embed_placement
 from engine.cuda.expert_cache import ExpertCache, SlotPools
-from engine.cuda.kv import KVCache, ring_rows
+from engine.cuda.families.registry import family_for
 from engine.cuda.memory_mode import MemoryMode
-from engine.cuda.prefetch import attach as attach_prefetch
+from engine.cuda.prefetch import plan as prefetch_plan
 from engine.cuda.prefetch import vram_staging_slots
 from engine.cuda.prefetch import wanted as prefetch_wanted
-from engine.cuda.prefill import AUTO_TARGET, Prefill, parse_chunk, reserve_bytes
-from engine.cuda.kernels import Kernels
-from engine.cuda.rope import rope_table
+from engine.cuda.prefill import Prefill, reserve_bytes, target_chunk
+from engine.cuda.kernels import ENGINE_FILES, Kernels
 from engine.cuda.logits_mask import masked_copy, top_logprobs
 from engine.cuda.sampler import GpuSampler
 from engine.cuda.trace import Tracer
-from engine.cuda.weights import load_weights
 from engine.profile import from_flat, load_profile, save_profile
 from engine.sampling import Pick, PickSpec, refuse
 
@@ -53,14 +50,15 @@ class CUDABackend(Backend):
         if opts.mmap_experts and opts.resident_budget_gib is not None:
             raise ValueError("--mmap-experts pins no expert and --resident-budget-gib pins some: give one of them")
         cfg = self.config
-        self.recurrent = cfg.is_hybrid      # qwen3next / qwen35moe: engine/cuda/hybrid_layers.py
-        self.gdn_state = None
+        self.family = family_for(cfg)       # engine/cuda/families/: what runs this architecture
+        self.recurrent_state = None         # the family's state carried between tokens (the hybrids' GdnState)
         if cfg.head_dim_v != cfg.head_dim or cfg.head_dim % 32 or cfg.head_dim > 256:
             raise ValueError(f"the CUDA backend needs head_dim == head_dim_v, a multiple of 32 and <= 256 "
                              f"(this model: {cfg.head_dim}/{cfg.head_dim_v}); use --backend cpu")
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.arena = None
         self.step = None
+        self.decoder = None         # what runs a decode step: the step, or the memory modes' PagedDecode over it
         self.gpu_sampler = None     # engine/cuda/sampler.py: every pick but plain greedy
         self.mem = None             # engine/cuda/memory_mode.py: --mmap-experts / --resident-budget-gib
         self.stats = ExpertStats()
@@ -72,22 +70,18 @@ class CUDABackend(Backend):
         try:
             with self.stream:
                 t0 = time.perf_counter()
-                self.weights = load_weights(model)
-                if cfg.is_hybrid:
-                    self.kv = hybrid_layers.HybridKV(cfg, max_context, opts.kv)
-                    self.rope = cp.asarray(hybrid_layers.hybrid_rope_table(cfg, max_context))
-                    self.gdn_state = hybrid_layers.GdnState(cfg, self.stream)
-                else:
-                    self.kv = KVCache(cfg, max_context, opts.kv, self._kv_rows(max_context))
-                    self.rope = cp.asarray(rope_table(cfg, max_context))
+                fam = self.family
+                self.weights = fam.load_weights(model)
+                self.kv = fam.kv_cache(max_context, opts.kv, target_chunk(opts, max_context), log)
+                self.rope = cp.asarray(fam.rope_table(max_context))
+                self.recurrent_state = fam.recurrent_state(self.stream)
                 self.layout = blob_layout(model) if cfg.is_moe else None
-                if cfg.arch == "gpt-oss" and any(ly.qt_up >= 0 for ly in self.layout.layers):
-                    raise ValueError("this gpt-oss file has gate and up experts in different quant types, which the "
-                                     "CUDA gpt-oss expert kernels do not take; use --backend cpu or requantize")
+                if self.layout:
+                    fam.check_experts(self.layout)
                 qts = self.weights.qtype_ids()
                 if self.layout:
                     qts |= self.layout.qtype_ids()
-                self.kernels = Kernels(qts)
+                self.kernels = Kernels(qts, ENGINE_FILES + fam.kernel_files)
                 log(f"weights {pool.used_bytes() / MiB:.0f} MiB in VRAM, kernels ready "
                     f"({time.perf_counter() - t0:.1f} s)")
                 self.cache = None
@@ -121,20 +115,6 @@ class CUDABackend(Backend):
         self.pcie_gbps = self._calibrate() if opts.calibrate else None
 
     # --- set-up ----------------------------------------------------------------------------------------------
-    def _kv_rows(self, max_context: int) -> list[int] | None:
-        """Window layers (gpt-oss) keep a KV ring of the window plus the target prompt chunk (kv.py ring_rows), not
-        the whole context; None when every layer attends to all."""
-        cfg = self.config
-        if not (cfg.n_swa and any(cfg.swa_layers)):
-            return None
-        chunk = parse_chunk(self.opts.prefill_chunk)
-        rows = ring_rows(cfg, max_context, min(AUTO_TARGET if chunk == "auto" else chunk, max_context))
-        full = KVCache.nbytes(cfg, max_context, self.opts.kv)
-        saved = full - KVCache.nbytes(cfg, max_context, self.opts.kv, rows)
-        self.log(f"KV cache: {sum(cfg.swa_layers)} window layers keep {min(rows)} of {max_context} rows "
-                 f"({saved / MiB:.1f} of {full / MiB:.1f} MiB saved for expert slots)")
-        return rows
-
     def _expert_slots(self, pool) -> int:
         """The expert cache's slot count, the token embedding placed first: in mapped pinned host memory when the
         cache cannot hold every expert and the embedding's VRAM buys it slots (embed_place.py), else in VRAM. Both
@@ -190,24 +170,21 @@ class CUDABackend(Backend):
         return n
 
     def _build_step(self):
-        """The decode step over the cache, its prefetch and the prompt pass, handed to the memory mode when there is
-        one."""
+        """The decode step over the cache with its prefetch, the prompt pass, and what runs the step: the memory
+        mode's per-layer form when there is one."""
+        opts = self.opts
+        prefetch = prefetch_plan(self.config, self.cache, self.layout, opts.prefetch, self.log, opts.prefetch_depth,
+                                 opts.fetch_misses)
         self.step = DecodeStep(self.kernels, self.config, self.weights, self.kv, self.rope, self.cache, self.layout,
-                               self.stream, self.gpu_sampler)
-        if self.gdn_state is not None:
-            hybrid_layers.attach_decode(self.step, self.gdn_state)
-        attach_prefetch(self.step, self.opts.prefetch, self.log, self.opts.prefetch_depth, self.opts.fetch_misses)
-        self.prefill = Prefill(self.step, self.opts, self.log, self.tracer)
-        if self.gdn_state is not None:
-            hybrid_layers.attach_prefill(self.prefill, self.gdn_state)
-        if self.mem:
-            self.mem.attach_step(self.step, use_graphs=not self.opts.no_graph)
-            self.mem.attach_prefill(self.prefill)
+                               self.stream, self.family, self.recurrent_state, self.gpu_sampler, prefetch)
+        self.prefill = Prefill(self.step, opts, self.log, self.tracer,
+                               ring_device=self.mem.ring_device if self.mem else None)
+        self.decoder = self.mem.paged_decode(self.step, use_graphs=not opts.no_graph) if self.mem else self.step
 
     def _prefill_scratch_bytes(self) -> int:
         stride = self.layout.stride if self.layout else 0
         return reserve_bytes(self.config, stride, self.config.n_layer * self.config.n_expert,
-                             self.opts, self.max_context)
+                             self.opts, self.max_context, self.family.prompt_buffers)
 
     def _initial_fill(self):
         cache, opts = self.cache, self.opts
@@ -265,21 +242,25 @@ class CUDABackend(Backend):
         if self.n_cached == 0:
             self._kv_high = 0
             if self.recurrent:
-                self.gdn_state.zero()
+                self.recurrent_state.zero()
 
-    # --- the recurrent state (engine/backend.py's contract; hybrid_layers.GdnState) --------------------------
+    # --- the recurrent state (engine/backend.py's contract; the family's, e.g. families/hybrid.py GdnState) -----
+    @property
+    def recurrent(self) -> bool:
+        return self.recurrent_state is not None
+
     def state_bytes(self) -> int:
-        return self.gdn_state.nbytes if self.recurrent else 0
+        return self.recurrent_state.nbytes if self.recurrent else 0
 
     def snapshot_state(self) -> RecurrentSnapshot:
         if not self.recurrent:
             return super().snapshot_state()
-        return RecurrentSnapshot(self.n_cached, self.gdn_state.nbytes, self.gdn_state.snapshot())
+        return RecurrentSnapshot(self.n_cached, self.recurrent_state.nbytes, self.recurrent_state.snapshot())
 
     def restore_state(self, snap: RecurrentSnapshot) -> None:
         super().restore_state(snap)
         if self.recurrent:
-            self.gdn_state.restore(snap.data)
+            self.recurrent_state.restore(snap.data)
 
     def _room(self, n: int):
         if self.n_cached + n > self.max_context:
@@ -373,11 +354,12 @@ class CUDABackend(Backend):
         them (status: the NaN count, or -1 when every logit was -inf; engine/sampling.py refuse reads it)."""
         self._room(1)
         if self.cache is not None:
-            self.prefill.give_back(self.stream)     # the ring's lent cache slots back once the prompt is over
+            if self.prefill.lent:                   # the first step after a streamed prompt ends it: once
+                self.prefill.give_back(self.stream)     # the ring's lent cache slots back
             self.cache.poll(self.stream)            # the adaptive tier's landed swaps into the table
         pos = self.n_cached
         self.tracer.before_step(self)
-        self.step.launch(token, pos, pick, use_graph=not self.opts.no_graph)
+        self.decoder.launch(token, pos, pick, use_graph=not self.opts.no_graph)
         self.tracer.launched(self)
         tok, nan = self.step.result()
         self.tracer.after_step(self, token, pos)
@@ -444,8 +426,8 @@ class CUDABackend(Backend):
             out["expert_profile"] = self.opts.expert_profile      # the profile this start filled the cache from
         if self.pcie_gbps is not None:
             out["pcie_gbps"] = round(self.pcie_gbps, 1)
-        if self.gdn_state is not None:      # what one checkpoint takes (pinned host memory)
-            out["recurrent_state_mib"] = round(self.gdn_state.nbytes / MiB, 1)
+        if self.recurrent:                  # what one checkpoint takes (pinned host memory)
+            out["recurrent_state_mib"] = round(self.recurrent_state.nbytes / MiB, 1)
         if self.prefill is not None:
             out.update(prefill_chunk=self.prefill.chunk, ring=self.prefill.plan.ring,
                        ring_lend=self.prefill.plan.lend)
@@ -467,7 +449,7 @@ class CUDABackend(Backend):
                 self.gpu_sampler = None
             if self.step is not None:
                 self.step.close()
-                self.step = None
+                self.step = self.decoder = None
             if self.mem is not None:
                 self.stream.synchronize()
                 self.mem.close()

@@ -35,8 +35,13 @@ class Buffer:
         return self.elems * self.itemsize
 
 
-def buffers(cfg, T: int) -> list[Buffer]:
-    """Every buffer of a chunk of T tokens (the expert ring's slots excepted: ring_bytes)."""
+def no_buffers(T: int) -> list[Buffer]:
+    return []
+
+
+def buffers(cfg, T: int, extra=no_buffers) -> list[Buffer]:
+    """Every buffer of a chunk of T tokens (the expert ring's slots excepted: ring_bytes); extra(T): the family's
+    own (engine/cuda/families/: its prompt_buffers)."""
     c = cfg
     E, qw, kw = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     k = max(c.n_expert_used, 1)
@@ -56,19 +61,12 @@ def buffers(cfg, T: int) -> list[Buffer]:
             out += [Buffer("sh_tmp", 3 * T * c.n_ff_shexp, 4, False), Buffer("sh_gate", T, 4, False)]
     else:
         out += [Buffer("ffn_tmp", 3 * T * c.n_ff, 4, False)]   # gate, up and their product
+    out += extra(T)             # the family's (the hybrids' attention gate and GDN buffers)
     # What is dequantized to fp32 (prefill.py linear_into, linear, ffn): the routers and the shared
     # expert of an MoE model, the FFN of a dense one. Attention goes through the fp16 "wh"; the output head's logits
     # of the last row come from the decode mat-vec on the quantized rows, so no fp32 copy of the head (n_vocab x
     # n_embd: the cap, 128 MiB, for Qwen3) is held back from the expert cache; logits for every row (all_logits:
     # teacher forcing, tests) dequantize it in blocks of the cap beyond this plan, as their (T, n_vocab) output is.
-    if getattr(c, "recurrent_layers", ()):
-        # engine/cuda/hybrid_layers.py: the attention gate, a GDN layer's projections (beta: qwen3next's whole ssm_ba)
-        # and output; engine/cuda/gdn.py's GdnScratch for the chunk, allocated there
-        from engine.cuda.gdn import GdnShape, scratch_bytes
-        conv, inner, Hv = 2 * c.ssm_k_heads * c.ssm_state + c.ssm_inner, c.ssm_inner, c.ssm_v_heads
-        out += [Buffer("gate", T * qw, 4), Buffer("gdn_qkv", T * conv, 4), Buffer("gdn_z", T * inner, 4),
-                Buffer("gdn_beta", T * 2 * Hv, 4), Buffer("gdn_alpha", T * Hv, 4), Buffer("gdn_o", T * inner, 4),
-                Buffer("gdn_scratch", scratch_bytes(GdnShape.from_config(c), T), 1, False)]
     fp32 = max(c.n_expert * E, (c.n_ff_shexp or 0) * E) if c.n_expert else (c.n_ff or 0) * E
     out += [Buffer("dequant_scratch", max(1, min(fp32, DEQUANT_SCRATCH_ELEMS)), 4, False),
             Buffer("logits", c.n_vocab, 4, False),             # the last row's logits (the mat-vec norms x itself)
@@ -76,8 +74,8 @@ def buffers(cfg, T: int) -> list[Buffer]:
     return out
 
 
-def chunk_bytes(cfg, T: int) -> int:
-    return sum(b.nbytes for b in buffers(cfg, T))
+def chunk_bytes(cfg, T: int, extra=no_buffers) -> int:
+    return sum(b.nbytes for b in buffers(cfg, T, extra))
 
 
 def ring_bytes(depth: int, stride: int) -> int:
@@ -131,13 +129,13 @@ def _auto_sizes(cap: int) -> list[int]:
 
 
 def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_stream: int = 0,
-               max_tokens: int | None = None, lendable: int = 0) -> Plan:
+               max_tokens: int | None = None, lendable: int = 0, extra=no_buffers) -> Plan:
     """The chunk and ring for `free` bytes of VRAM.
 
     chunk: an int or "auto"; ring: an int (ring=N: the ring's own slots, exactly) or None (auto); stride: bytes per
     expert blob (0: no experts); n_stream: how many experts stream (the non-resident ones; 0 when everything is
     resident); max_tokens: the context (no chunk is longer); lendable: expert-cache slots the ring may borrow (the
-    cache's slot count).
+    cache's slot count); extra: the family's buffers (buffers()).
 
     Auto: the ring's own slots are whatever VRAM the chunk leaves (the backend reserves none for it, so the expert
     cache gets those bytes for decode), and per streamed prompt the ring borrows cache slots up to ring_target(),
@@ -159,7 +157,7 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
             raise ValueError(f"--prefill-chunk must be at least 1 (or auto), got {chunk}")
         if max_tokens is not None:
             T = min(T, int(max_tokens))
-        need = chunk_bytes(cfg, T) + ring_bytes(own_floor, stride)
+        need = chunk_bytes(cfg, T, extra) + ring_bytes(own_floor, stride)
         if need > free:
             raise _refuse(f"a prompt chunk of {T} tokens (with {own_floor} ring slots)", need, free,
                           ("lower --tune ring, " if ring is not None else "") + "lower --prefill-chunk (or use auto), "
@@ -171,13 +169,13 @@ def plan_chunk(cfg, free: int, chunk="auto", ring=None, stride: int = 0, n_strea
         if ring is None and streams:
             floor = max(own_floor, min(RING_AUTO_FLOOR, n_stream) - lendable)
         floor_bytes = ring_bytes(floor, stride)
-        T = next((T for T in _auto_sizes(cap) if chunk_bytes(cfg, T) + floor_bytes <= free), None)
+        T = next((T for T in _auto_sizes(cap) if chunk_bytes(cfg, T, extra) + floor_bytes <= free), None)
         if T is None:
             T = _auto_sizes(cap)[-1]
-            raise _refuse(f"the smallest prompt chunk ({T} tokens, {floor} ring slots)", chunk_bytes(cfg, T)
+            raise _refuse(f"the smallest prompt chunk ({T} tokens, {floor} ring slots)", chunk_bytes(cfg, T, extra)
                           + floor_bytes, free, ("lower --tune ring, " if ring is not None else "")
                           + "lower --ctx or --expert-slots, or raise --vram-budget-mib")
-    cb = chunk_bytes(cfg, T)
+    cb = chunk_bytes(cfg, T, extra)
     left = free - cb
     if not streams:
         return Plan(T, 0, cb, 0)

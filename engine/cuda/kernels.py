@@ -173,20 +173,22 @@ def quant_function(name: str, kernel: str, t, **defines):
     return function(name, kernel, {**defines, "STRATA_QT": qtype(t).id})
 
 
-# The engine's kernel table: these files' kernels, templated ones for the model's quant types.
-ENGINE_FILES = ("dense.cu", "norm_rope.cu", "attention.cu", "router.cu", "moe.cu", "sample.cu", "moe_oss.cu")
+# The engine's kernel table: these files' kernels, templated ones for the model's quant types; a family adds its own
+# (engine/cuda/families/: kernel_files, e.g. gpt-oss's moe_oss.cu).
+ENGINE_FILES = ("dense.cu", "norm_rope.cu", "attention.cu", "router.cu", "moe.cu", "sample.cu")
 _GLOBAL_RE = re.compile(_KERNEL)
 
 
 class Kernels:
     """kernels(name) for a plain kernel, kernels(name, qt) for a QT template (qt: ggml type id); `tag` names the
-    launch's kind for a tracer (decode.py) and is ignored here."""
+    launch's kind for a tracer (decode.py) and is ignored here. files: the cuda_src files of the table."""
 
-    def __init__(self, qtype_ids):
+    def __init__(self, qtype_ids, files=ENGINE_FILES):
         self.qtype_ids = sorted({int(q) for q in qtype_ids})
-        self.modules = {f: load(Path(f).stem, qtypes=self.qtype_ids) for f in ENGINE_FILES}
+        self.files = tuple(files)
+        self.modules = {f: load(Path(f).stem, qtypes=self.qtype_ids) for f in self.files}
         self.file_of: dict[str, str] = {}
-        for f in ENGINE_FILES:
+        for f in self.files:
             for name in _GLOBAL_RE.findall((CUDA_SRC / f).read_text()):
                 self.file_of.setdefault(name, f)
         self._fn: dict = {}
@@ -207,7 +209,7 @@ class Kernels:
         f = self._fn.get(key)
         if f is None:
             if name not in self.file_of:
-                raise KeyError(f"no kernel {name!r} in {', '.join(ENGINE_FILES)}")
+                raise KeyError(f"no kernel {name!r} in {', '.join(self.files)}")
             mod = self.modules[self.file_of[name]]
             f = mod.get_function(f"{name}<{int(qt)}>" if qt is not None else name)
             self._fn[key] = f

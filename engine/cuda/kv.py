@@ -14,6 +14,9 @@ rows as their max_ctx; `chunk_cap` is the longest chunk the rings allow.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 import cupy as cp
 import numpy as np
 
@@ -167,13 +170,26 @@ def attn_splits(n_head_kv: int, max_ctx: int, n_sm: int) -> int:
     return max(1, min(AT_MAX_SPLITS, n_sm // n_head_kv, -(-max_ctx // AT_T)))
 
 
+@dataclass(frozen=True)
+class AttnVariant:
+    """A family's variant of the fused decode attention: attn_gqa_rope<suffix>_<f16|i8>, always fused when
+    fused_only, its launch taking layer_args(li) after the shared arguments (gpt-oss: the layer's sinks and window,
+    engine/cuda/families/gptoss.py)."""
+    suffix: str = ""
+    fused_only: bool = False
+    layer_args: Callable[[int], tuple] = field(default=lambda li: ())
+
+
+PLAIN = AttnVariant()
+
+
 class DecodeAttention:
     """The decode step's attention over a KVCache, for one token at position state[1]: `step` norms and rotates q
     and k, writes K/V there and attends, in one launch (fused) or two (`store`, then `attend`). Buffers are sized
     once from max_ctx; the position is read on the device, so a captured graph serves every step."""
 
     def __init__(self, kernels, cfg, kv: KVCache, n_split: int | None = None, fused: bool | None = None,
-                 sinks=None):
+                 variant: AttnVariant = PLAIN):
         G = cfg.n_head // cfg.n_head_kv
         if cfg.n_head % cfg.n_head_kv or not 1 <= G <= AT_MAX_G:
             raise ValueError(f"the CUDA decode attention takes 1 to {AT_MAX_G} q heads per KV head "
@@ -190,14 +206,10 @@ class DecodeAttention:
         self.n_split = n_split
         self.block = attn_block(G)
         self.smem = attn_smem(kv.dtype, G, cfg.head_dim)
-        self.fused = FUSED_STORE if fused is None else fused
+        self.fused = variant.fused_only or (FUSED_STORE if fused is None else fused)
         self.name = "attn_gqa_f16" if kv.dtype == "f16" else "attn_gqa_i8"
-        self.name_fused = "attn_gqa_rope_f16" if kv.dtype == "f16" else "attn_gqa_rope_i8"
-        # gpt-oss: per layer its sink logits (n_head fp32 arrays); its launches add them, the window and the rings
-        self.sinks = sinks
-        if sinks is not None:
-            self.fused = True
-            self.name_fused = "attn_gqa_rope_oss_f16" if kv.dtype == "f16" else "attn_gqa_rope_oss_i8"
+        self.name_fused = f"attn_gqa_rope{variant.suffix}_{'f16' if kv.dtype == 'f16' else 'i8'}"
+        self.variant = variant
         self.part = cp.zeros(cfg.n_head * n_split * (cfg.head_dim + 2), dtype=cp.float32)
         self.counters = cp.zeros(cfg.n_head_kv, dtype=cp.int32)
         # past 48 KiB (head_dim 256) a block must opt in; set before any capture, harmless below
@@ -219,9 +231,9 @@ class DecodeAttention:
         cache = tuple(U64(a) for a in addrs)
         work = (_ptr(state), _ptr(self.part), _ptr(self.counters), _ptr(out))
         shape = (I32(c.n_head_kv), I32(self.group), I32(c.head_dim), I32(self.kv.rows[li]), F32(scale))
-        oss = () if self.sinks is None else (_ptr(self.sinks[li]), I32(c.n_swa if c.is_swa(li) else 0))
         kernels(self.name_fused)((c.n_head_kv, self.n_split), (self.block,),
-                                 (*rows, *rotary, *cache, *work, *shape, *oss), shared_mem=self.smem)
+                                 (*rows, *rotary, *cache, *work, *shape, *self.variant.layer_args(li)),
+                                 shared_mem=self.smem)
 
     def store(self, kernels, li, q, k_rows, v, q_norm, k_norm, rope, state) -> None:
         """K/V of this step's token at position state[1] (KVCache.store)."""

@@ -1,9 +1,10 @@
 """The CUDA backend's memory modes, wired together: --mmap-experts (no expert pinned up front) and
 --resident-budget-gib N (the hottest N GiB pinned, the profile order, docs/design.md "Files", else router-row norms).
 
-`MemoryMode.plan()` decides which experts the arena pins; `attach_*()` give the expert cache its source (the file
-through a pinned staging LRU, engine/cuda/expert_source.py), the decode step its per-layer form
-(engine/cuda/decode_paged.py), and the prompt passes a way to stage what they read. The backend only calls these.
+`MemoryMode.plan()` decides which experts the arena pins; `attach_cache()` gives the expert cache its source (the
+file through a pinned staging LRU, engine/cuda/expert_source.py), `paged_decode()` runs the decode step in its
+per-layer form (engine/cuda/decode_paged.py), and `ring_device()` lets the prompt pass's ring stage what it reads.
+The backend only calls these.
 """
 from __future__ import annotations
 
@@ -90,14 +91,15 @@ class MemoryMode:
         cache.set_source(self.source)
         log(f"expert staging ring: {n} slots ({self.source.nbytes / MiB:.0f} MiB pinned)")
 
-    def attach_step(self, step, use_graphs: bool):
+    def paged_decode(self, step, use_graphs: bool) -> PagedDecode:
+        """What runs the decode step (in place of step.launch): the whole step while every routed expert is
+        readable, else part by part with the file-only ones staged."""
         self.paged = PagedDecode(step, self.cache, self.source, lambda: _event(step.stream), use_graphs)
-        step.set_paged(self.paged)
+        return self.paged
 
-    def attach_prefill(self, prefill):
-        """The prompt pass's ring copies file-only experts from staging slots (StagedCopies)."""
-        if prefill.dev is not None:
-            prefill.set_device(StagedCopies(prefill.dev, self.cache))
+    def ring_device(self, dev) -> "StagedCopies":
+        """The prompt pass's ring device (ring.py CupyDevice dev), copying file-only experts from staging slots."""
+        return StagedCopies(dev, self.cache)
 
     # --- stats -----------------------------------------------------------------------------------------------
     def reset_stats(self):

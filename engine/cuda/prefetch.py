@@ -107,34 +107,38 @@ def unsupported(cfg, layout) -> str | None:
     return None
 
 
-def attach(step, choice: bool | None, log, depth: int, fetch_misses: bool) -> "Prefetcher | None":
-    """Give the decode step a Prefetcher when wanted() says so (with the late-miss copy when fetch_misses). A model
-    the kernels cannot serve: refused when the prefetch was asked for (choice True), else said in the log."""
-    c = step.cache
-    if c is None or not wanted(choice, c.n_slots, c.n_total, step.layout.stride):
+@dataclass(frozen=True)
+class PrefetchPlan:
+    """The prefetch plan() decided on: DecodeStep builds its Prefetcher from it when it is built."""
+    depth: int
+    fetch_misses: bool
+
+    def build(self, step) -> "Prefetcher":
+        return Prefetcher(step, self.depth, self.fetch_misses)
+
+
+def plan(cfg, cache, layout, choice: bool | None, log, depth: int, fetch_misses: bool) -> PrefetchPlan | None:
+    """The decode step's prefetch when wanted() says so (with the late-miss copy when fetch_misses), else None. A
+    model the kernels cannot serve: refused when the prefetch was asked for (choice True), else said in the log."""
+    if cache is None or not wanted(choice, cache.n_slots, cache.n_total, layout.stride):
         # the automatic rule declined what prefetch=on would do: say so
-        why = auto_declined(c.n_slots, c.n_total, step.layout.stride) if c is not None and choice is None else None
+        why = auto_declined(cache.n_slots, cache.n_total, layout.stride) if cache is not None and choice is None \
+            else None
         if why:
             log(f"expert prefetch off: {why}; --tune prefetch=on overrides")
         return None
-    why = unsupported(step.cfg, step.layout)
+    why = unsupported(cfg, layout)
     if why:
         if choice:
             raise ValueError(f"--tune prefetch=on cannot serve this model: {why}; run with --tune prefetch=off")
         log(f"expert prefetch off: {why}")
         return None
-    step.set_prefetch(Prefetcher(step, depth, fetch_misses))
-    top_k, nb = step.cfg.n_expert_used, banks(depth)
+    top_k, nb = cfg.n_expert_used, banks(depth)
     what = "next-layer prediction" if depth == 1 else f"prediction {depth} layers ahead"
     late = f" + {MISS_BANKS} x {top_k} for late misses" if fetch_misses else ", late misses read in place"
     log(f"expert prefetch on: {what}, {nb} x {top_k} staging slots{late} "
-        f"({vram_staging_slots(top_k, depth, fetch_misses) * step.layout.stride / 2**20:.0f} MiB of VRAM)")
-    return step.prefetch
-
-
-def router_bias(layer):
-    """A layer's router bias (gpt-oss's ffn_gate_inp.bias, weights.Layer.router_bias), None for the models without."""
-    return getattr(layer, "router_bias", None)
+        f"({vram_staging_slots(top_k, depth, fetch_misses) * layout.stride / 2**20:.0f} MiB of VRAM)")
+    return PrefetchPlan(depth, fetch_misses)
 
 
 def banks(depth: int) -> int:
@@ -176,7 +180,8 @@ class PrefetchStats:
 
 
 class Prefetcher:
-    """Buffers, staging slots, kernels and events of the prefetch for one DecodeStep (MoE models only)."""
+    """Buffers, staging slots, kernels and events of the prefetch for one DecodeStep (MoE models only): it launches
+    the router of the step's family program (step.layers: router_args, router_extra, biased_router)."""
 
     def __init__(self, step, depth: int, fetch_misses: bool):
         import cupy as cp
@@ -189,12 +194,9 @@ class Prefetcher:
         why = unsupported(c, lay)
         if why:
             raise ValueError(f"expert prefetch cannot serve this model: {why}")
-        # gpt-oss: every router has a bias (weights.py), which the predictions add as the router does; the kernels'
-        # bias variants take the pointers (prefetch.cu predict_bias, router_predict_bias)
-        biased = {router_bias(layer) is not None for layer in step.weights.layers}
-        if len(biased) > 1:
-            raise ValueError("expert prefetch cannot serve this model: some layers' routers have a bias and others "
-                             "none; run with --tune prefetch=off")
+        # gpt-oss: every router has a bias (families/gptoss.py), which the predictions add as the router does; the
+        # kernels' bias variants take the family's router_extra (prefetch.cu predict_bias, router_predict_bias)
+        self.biased = step.layers.biased_router
         self.stride = lay.stride                      # a staging slot holds the largest blob
         # 16-byte units copied per expert of each layer (within the 256-aligned stride): the copy launches carry
         # their layer's count, so a recipe's larger layers copy their own bytes
@@ -208,7 +210,7 @@ class Prefetcher:
         fn = lambda name: {qt: mod.get_function(f"{name}<{qt}>") for qt in qts}
         self.f_predict, self.f_router_predict = fn("predict"), fn("router_predict")
         self.f_predict_bias, self.f_router_predict_bias = (fn("predict_bias"), fn("router_predict_bias")) \
-            if biased == {True} else ({}, {})
+            if self.biased else ({}, {})
         self.smem = staged_bytes(c.n_embd)
         if self.smem > SMEM_DEFAULT:
             for fs in (self.f_predict, self.f_router_predict, self.f_predict_bias, self.f_router_predict_bias):
@@ -294,11 +296,10 @@ class Prefetcher:
         predict = (U64(nxt.router.ptr), I64(nxt.router.row_bytes), self._ptr(nxt.ffn_norm), self._ptr(self.logits),
                    self._pred_out(m))
         # gpt-oss: layer li's router bias (its routing, as router_fused_bias) and layer m's (the prediction)
-        bias, bias2 = router_bias(st.weights.layers[li]), router_bias(nxt)
-        fs, biases = (self.f_router_predict, ()) if bias is None else \
-            (self.f_router_predict_bias, (self._ptr(bias), self._ptr(bias2)))
+        fs, biases = (self.f_router_predict_bias, (*st.layers.router_extra(li), *st.layers.router_extra(m))) \
+            if self.biased else (self.f_router_predict, ())
         self._fn("router", fs[int(R.qt)])(
-            (2 * nb,), (32 * warps,), (*st.router_args(li), *predict, *self._note(li, li > 0), *biases),
+            (2 * nb,), (32 * warps,), (*st.layers.router_args(li), *predict, *self._note(li, li > 0), *biases),
             shared_mem=self.smem)
         return True
 
@@ -372,8 +373,8 @@ class Prefetcher:
         ranked = (I32(self.n_expert), I32(self.top_k), self._ptr(self.logits), pred_out)
         qt = int(st.weights.layers[li if router is None else norm_layer].router.qt)
         # gpt-oss: the predicted layer's router bias on its logits (the bookkeeping mode ranks nothing: no bias)
-        bias = router_bias(st.weights.layers[norm_layer]) if router is not None else None
-        fs, biases = (self.f_predict, ()) if bias is None else (self.f_predict_bias, (self._ptr(bias),))
+        fs, biases = (self.f_predict_bias, st.layers.router_extra(norm_layer)) if self.biased and router is not None \
+            else (self.f_predict, ())
         self._fn("predict", fs[qt])(
             (grid,), (32 * PREDICT_WARPS,),
             (*normed_x, *rows, *ranked, self._ptr(st.ids), *self._note(li, check), *biases),

@@ -26,7 +26,7 @@ import cupy as cp
 import numpy as np
 
 from engine.cuda import kernels
-from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS, MiB, RING_MIN, buffers, chunk_bytes, plan_chunk
+from engine.cuda.chunk_plan import DEQUANT_SCRATCH_ELEMS, MiB, RING_MIN, buffers, chunk_bytes, no_buffers, plan_chunk
 from engine.cuda.launch import F32, I32, I64, NULL, SMEM_DEFAULT, U64, Launcher, ptr
 from engine.cuda.ring import CupyDevice, RingRunner, schedule
 from engine.cuda.trace import Tracer
@@ -114,14 +114,18 @@ def vram_left(opts) -> int:
     return max(0, int(free))
 
 
-def reserve_bytes(cfg, stride: int, n_total: int, opts, max_ctx: int) -> int:
+def target_chunk(opts, max_ctx: int) -> int:
+    """The chunk the backend plans for: --prefill-chunk, or AUTO_TARGET for auto; at most the context."""
+    chunk = parse_chunk(opts.prefill_chunk)
+    return min(AUTO_TARGET if chunk == "auto" else chunk, max_ctx)
+
+
+def reserve_bytes(cfg, stride: int, n_total: int, opts, max_ctx: int, extra=no_buffers) -> int:
     """What the backend holds back for the streamed pass before sizing the expert cache: the target chunk, and the
     ring only when `ring=N` asks for its own slots (the auto ring borrows cache slots per prompt; when the cache
-    holds every expert nothing streams)."""
-    chunk = parse_chunk(opts.prefill_chunk)
-    T = min(AUTO_TARGET if chunk == "auto" else chunk, max_ctx)
+    holds every expert nothing streams). extra: the family's prompt buffers (chunk_plan.buffers)."""
     ring = opts.ring if (stride and n_total and opts.ring is not None) else 0
-    return chunk_bytes(cfg, T) + ring * stride
+    return chunk_bytes(cfg, target_chunk(opts, max_ctx), extra) + ring * stride
 
 
 class PhaseTimer:
@@ -155,16 +159,18 @@ class PhaseTimer:
 
 
 class Prefill:
-    def __init__(self, step, opts, log=lambda m: None, tracer=None):
+    """The prompt pass over a DecodeStep's weights, caches and family. ring_device(dev) -> dev: what the ring copies
+    through (the memory modes stage file-only experts: memory_mode.MemoryMode.ring_device); None: dev itself."""
+
+    def __init__(self, step, opts, log=lambda m: None, tracer=None, ring_device=None):
         self.step, self.opts, self.log = step, opts, log
         self.tracer = tracer or Tracer()
         self.kernels, self.cfg, self.weights, self.kv, self.cache, self.layout = (
             step.kernels, step.cfg, step.weights, step.kv, step.cache, step.layout)
         self.launcher = Launcher(self.kernels, self.cfg)
-        c = self.cfg
+        c, family = self.cfg, step.family
         self.att_mod = attn_module(c.head_dim)
-        self.oss = c.arch == "gpt-oss"      # sinks, windows and KV rings; biases and SWIGLU_OAI in the experts
-        self.attend = attn_kernel(self.att_mod, getattr(self.kv, "dtype", "f16") == "int8", self.oss)
+        self.attend = family.prompt_attention(self.att_mod, self.kv.dtype == "int8")     # the family's variant
         blob = self.layout
         qts = set(self.weights.qtype_ids()) | (blob.qtype_ids() if blob else set())
         pairs = {(ly.qt_gate_up, ly.qt_up) for ly in blob.layers if ly.qt_up >= 0} if blob else set()
@@ -175,35 +181,32 @@ class Prefill:
         free = vram_left(opts)
         self.plan = plan_chunk(c, free, chunk=parse_chunk(opts.prefill_chunk), ring=opts.ring, stride=stride,
                                n_stream=n_stream, max_tokens=getattr(self.kv, "chunk_cap", self.kv.max_ctx),
-                               lendable=self.cache.lendable if self.cache is not None else 0)
+                               lendable=self.cache.lendable if self.cache is not None else 0,
+                               extra=family.prompt_buffers)
         self.chunk = self.plan.chunk
         with step.stream:
             self.buf = {}
-            for b in buffers(c, self.chunk):
+            for b in buffers(c, self.chunk, family.prompt_buffers):
                 if b.keep:
                     dt = cp.int32 if b.name in _INT else cp.float16 if b.name in _HALF else cp.float32
                     self.buf[b.name] = cp.empty(b.elems, dtype=dt)
             self.ring_mem = cp.empty(self.plan.ring * stride, dtype=cp.uint8)
-        self.dev = CupyDevice(step.stream) if blob else None
+        self.dev = CupyDevice(step.stream) if blob else None        # the ring's copy device
+        if self.dev is not None and ring_device is not None:
+            self.dev = ring_device(self.dev)
         self._tm = None
         self._groups_key = self._groups_val = None
         self.lent: list[int] = []    # expert-cache slots the ring holds now (given back by give_back)
-        self.hybrid = None           # qwen3next / qwen35moe: engine/cuda/hybrid_layers.py HybridPrefill
+        self._chunk = None           # the chunk's expert groups, ring runner and ring batches (experts())
+        self._views, self._views_T = {}, 0       # _view's, for chunks of _views_T tokens
         p = self.plan
         lend = (f"up to {p.lend} expert-cache slots lent per prompt (the coldest experts evicted for them)"
                 if p.lend_occupied else f"up to {p.lend} free expert-cache slots lent")
         log(f"streamed prompt pass: chunks of {self.chunk} tokens ({p.chunk_bytes / MiB:.0f} MiB), "
             f"ring of {p.ring} own slots ({p.ring_bytes / MiB:.0f} MiB) + {lend}; {free / MiB:.0f} MiB were left")
-
-    def set_device(self, dev) -> None:
-        """The ring's copy device (ring.py CupyDevice; the memory modes' StagedCopies stages file-only experts)."""
-        self.dev = dev
+        self.layers = family.prompt_layers(self, step.recurrent)    # the family's layer program (its scratch)
 
     # --- lent expert-cache slots ------------------------------------------------------------------------------
-    def set_hybrid(self, hybrid) -> None:
-        """qwen3next / qwen35moe: the GDN mixers and the attention gate (hybrid_layers.HybridPrefill)."""
-        self.hybrid = hybrid
-
     def borrow(self) -> list[int]:
         """Top the ring's lent cache slots up to the plan's count (the first streamed chunk of a prompt borrows them,
         later chunks keep them); returns their addresses. The cache writes the evicted experts' entries on the
@@ -351,7 +354,13 @@ class Prefill:
             self._tm.mark(phase)
 
     def _view(self, name, T, width):
-        return self.buf[name][:T * width].reshape(T, width)
+        """Buffer `name` as (T, width); the chunk's views are made once (the families' layers ask per layer)."""
+        if T != self._views_T:
+            self._views, self._views_T = {}, T
+        v = self._views.get((name, width))
+        if v is None:
+            v = self._views[name, width] = self.buf[name][:T * width].reshape(T, width)
+        return v
 
     def forward(self, tokens, pos0: int, all_logits: bool) -> cp.ndarray:
         c, w, mv = self.cfg, self.weights, self.launcher
@@ -359,10 +368,7 @@ class Prefill:
         if T > self.chunk:
             raise ValueError(f"a chunk of {T} tokens is longer than the streamed pass's {self.chunk}")
         t0 = time.perf_counter()
-        qw, kw = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         x, xn = self._view("x", T, c.n_embd), self._view("xn", T, c.n_embd)
-        q, k, v = self._view("q", T, qw), self._view("k", T, kw), self._view("v", T, kw)
-        att = self._view("att", T, qw)
         self._tm = PhaseTimer(self.step.stream) if self.tracer.phase_timing else None
         tok = cp.asarray(np.asarray(tokens, dtype=np.int32))
         te = w.tok_embd
@@ -382,55 +388,19 @@ class Prefill:
                 # the memory modes' device stages file-only experts for the ring (engine/cuda/memory_mode.py)
                 src_of = getattr(self.dev, "source_of", None) or (lambda li, e: int(arena[li * c.n_expert + e]))
                 runner.begin_chunk(batches, src_of)
+        self._chunk = (groups, runner, ring_views)
         self._mark("other")
-        scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
-        int8 = getattr(self.kv, "dtype", "f16") == "int8"
         # bench: the link's busy share counts from the first layer that streams experts to the end of the last one
         streamed = [li for li in range(c.n_layer) if ring_views[li]] if window and self.tracer.copy_timing else []
         for li, layer in enumerate(w.layers):
             if streamed and li == streamed[0]:
                 window[1] = self._timing_event()
-            if layer.gdn is not None:       # a Gated DeltaNet layer (hybrid_layers.py): x += its mixer
-                self.hybrid.mixer(li, layer, x, xn, T)
-            else:
-                mv.rmsnorm(x, layer.attn_norm, xn, rows=T)
-                xh = self.to_half(xn, T, c.n_embd)
-                self.linear_f16(layer.wq, xh, q)
-                self.linear_f16(layer.wk, xh, k)
-                self.linear_f16(layer.wv, xh, v)
-                if layer.bq is not None:
-                    q += layer.bq
-                    k += layer.bk
-                    v += layer.bv
-                self._mark("dense")
-                # q/k norms, RoPE, and K/V into the cache in whatever layout kv.py allocated (--kv f16|int8)
-                self.kv.store(self.kernels, c, li, q, k, v, layer.q_norm, layer.k_norm, self.step.rope, None, pos0, T)
-                if int8:
-                    kq, ks, vq, vs = self.kv.layer_i8(li)
-                    kv_args = (U64(kq), U64(vq), U64(ks), U64(vs))
-                else:
-                    kv_args = tuple(U64(a) for a in self.kv.layer(li))
-                rows = self.kv.rows[li] if self.oss else self.kv.max_ctx
-                oss = (ptr(layer.sinks), I32(c.n_swa if c.is_swa(li) else 0)) if self.oss else ()
-                self.attend(T, c.n_head, c.n_head_kv, (q, *kv_args, att, I32(T), I32(pos0), I32(c.n_head),
-                                                       I32(c.n_head_kv), I32(c.head_dim), I32(rows), scale, *oss))
-                if layer.attn_gate is not None:     # a hybrid's gated attention: att *= sigmoid(xn @ gate^T)
-                    self.hybrid.gate(layer, xh, att, T)
-                self._mark("attention")
-                self.linear_f16(layer.wo, self.to_half(att, T, qw), x, accumulate=True)      # x += att @ wo^T
-                if layer.bo is not None:
-                    x += layer.bo
-                self._mark("dense")
-            mv.rmsnorm(x, layer.ffn_norm, xn, rows=T)
-            self._mark("other")
+            self.layers.layer(li, layer, x, xn, T, pos0)        # the family's: x through layer li
             if c.is_moe:
-                self.moe(li, layer, xn, x, T, groups[li], runner, ring_views)
                 self.tracer.prefill_routes(pos0, li, self._view("ids", T, c.n_expert_used))
                 if streamed and li == streamed[-1]:
                     window[2] = self._timing_event()
-            else:
-                x += self.ffn(layer.w_gate, layer.w_up, layer.w_down, xn)
-                self._mark("dense")
+        self._chunk = None
         if runner is not None:
             runner.end_chunk()
             facts = dict(ring=runner.depth, lent=len(self.lent), bytes=runner.bytes_copied, runner=runner,
@@ -451,47 +421,44 @@ class Prefill:
         self.tracer.prefill_chunk(facts)
         return out
 
-    def moe(self, li, layer, xn, x, T, group, runner, ring_views):
-        c, blob, cache, mod = self.cfg, self.layout.layer(li), self.cache, self.moe_mod
+    # --- the routed experts: the families' prompt layers compose these ---------------------------------------
+    def route(self, li: int, logits, T: int, renorm: bool) -> None:
+        """The top k of layer li's router logits (T, n_expert) into the "ids" / "wts" buffers, the routing counted."""
+        c, cache = self.cfg, self.cache
         top_k = c.n_expert_used
-        logits = self.linear_into(layer.router, xn, self._view("router_logits", T, c.n_expert))
-        if layer.router_bias is not None:       # gpt-oss: then the softmax over the chosen k (renormalized top k)
-            logits += layer.router_bias
-        renorm = c.expert_weights_norm or layer.router_bias is not None
         ids, wts = self._view("ids", T, top_k), self._view("wts", T, top_k)
         self.kernels("router_topk")((T,), (32,),
                               (ptr(logits), I32(c.n_expert), I32(top_k), I32(1 if renorm else 0),
                                F32(c.expert_weights_scale), ptr(ids), ptr(wts), NULL, U64(0), U64(0),
                                U64(cache.counts.data.ptr + 4 * li * c.n_expert), NULL))
         self._mark("router")
+
+    def experts(self, li: int, xn, x, T: int, gemms) -> None:
+        """x += layer li's routed experts of xn for the routing in "ids" / "wts": the (token, expert) pairs sorted by
+        expert, then gemms (the family's moe_gemm.cu kernels, families/moe.py ExpertGemms) over every expert in place
+        (or, in the memory modes, the routed ones with the file-only ones staged), then the ring's batches."""
+        c, blob, cache, mod = self.cfg, self.layout.layer(li), self.cache, self.moe_mod
+        groups, runner, ring_views = self._chunk
+        top_k = c.n_expert_used
+        ids, wts = self._view("ids", T, top_k), self._view("wts", T, top_k)
         xh = self.to_half(xn, T, c.n_embd)
         offsets, rows, row_w, h = self.buf["offsets"], self.buf["rows"], self.buf["row_w"], self.buf["h"]
         mod.get_function("moe_sort")((1,), (1024,), (ids, wts, I32(T * top_k), I32(top_k), I32(c.n_expert), offsets,
                                                      rows, row_w))
         self._mark("sort")
-        bias_gu = bias_dn = ()
-        if layer.exp_bias is not None:      # gpt-oss: biases, SWIGLU_OAI (moe_gemm.cu OAI / BIAS)
-            gu = mod.get_function(f"moe_gemm_gate_up_oai<{blob.qt_gate_up}>")
-            gu_rows = (I64(blob.rb_gate_up),)
-            bias_gu, bias_dn = tuple(ptr(b) for b in layer.exp_bias[:2]), (ptr(layer.exp_bias[2]),)
-        elif blob.qt_up < 0:
-            gu = mod.get_function(f"moe_gemm_gate_up<{blob.qt_gate_up}>")
-            gu_rows = (I64(blob.rb_gate_up),)
-        else:           # gate and up in different types (a community quant's layer)
-            gu = mod.get_function(f"moe_gemm_gate_up_mixed<{blob.qt_gate_up}, {blob.qt_up}>")
-            gu_rows = (I64(blob.rb_gate_up), I64(blob.rb_up))
-        dn = mod.get_function(f"moe_gemm_down{'_bias' if bias_dn else ''}<{blob.qt_down}>")
+        gu, dn = gemms.gate_up, gemms.down
         row_blocks = expert_row_blocks(T, top_k, c.n_expert)
 
         def run(sel, ptrs, n):
             if not n:
                 return
             gu(((blob.n_ff + GEMM_TILE - 1) // GEMM_TILE, row_blocks, n), (256,),
-               (sel, ptrs, offsets, rows, xh, h, I64(blob.up_off), *gu_rows, I32(blob.n_ff), I32(c.n_embd), *bias_gu))
+               (sel, ptrs, offsets, rows, xh, h, I64(blob.up_off), *gemms.gate_up_rows, I32(blob.n_ff),
+                I32(c.n_embd), *gemms.gate_up_extra))
             self._mark("gate_up")
             dn(((c.n_embd + GEMM_TILE - 1) // GEMM_TILE, row_blocks, n), (256,),
                (sel, ptrs, offsets, rows, row_w, h, x, I64(blob.down_off), I64(blob.rb_down), I32(c.n_embd),
-                I32(blob.n_ff), *bias_dn))
+                I32(blob.n_ff), *gemms.down_extra))
             self._mark("down")
 
         if runner is None and cache.source is not None:   # memory modes: the routed experts, file-only ones staged
@@ -501,17 +468,10 @@ class Prefill:
             run(*group)
             staged_done()
         else:
-            run(*group)
+            run(*groups[li])
         if runner is not None:
             for b, view in ring_views[li]:
                 runner.acquire(b)
                 self._mark("ring_wait")
                 run(*view)
                 runner.release(b)
-        if layer.sh_up is not None:
-            sh = self.ffn(layer.sh_gate, layer.sh_up, layer.sh_down, xn)
-            if layer.sh_gate_inp is not None:
-                sg = self.linear(layer.sh_gate_inp, xn)
-                sh *= 1.0 / (1.0 + cp.exp(-sg))
-            x += sh
-            self._mark("dense")

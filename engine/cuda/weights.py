@@ -1,6 +1,7 @@
 """The model's non-expert weights in VRAM, each matrix in its GGUF quant format (the kernels dequantize as they read);
 norm weights and biases as float32. The token embedding may instead live in mapped pinned host memory, read in place
-over PCIe (engine/cuda/embed_place.py decides when)."""
+over PCIe (engine/cuda/embed_place.py decides when). A layer's weights are its family's dataclass
+(engine/cuda/families/), loaded through Upload."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -69,47 +70,11 @@ def host_matrix(t) -> DevMatrix:
 
 
 @dataclass
-class Layer:
-    attn_norm: cp.ndarray
-    wq: DevMatrix
-    wk: DevMatrix
-    wv: DevMatrix
-    wo: DevMatrix
-    ffn_norm: cp.ndarray
-    q_norm: cp.ndarray | None = None
-    k_norm: cp.ndarray | None = None
-    bq: cp.ndarray | None = None
-    bk: cp.ndarray | None = None
-    bv: cp.ndarray | None = None
-    # dense FFN (no experts)
-    w_gate: DevMatrix | None = None
-    w_up: DevMatrix | None = None
-    w_down: DevMatrix | None = None
-    # MoE
-    router: DevMatrix | None = None
-    sh_gate: DevMatrix | None = None
-    sh_up: DevMatrix | None = None
-    sh_down: DevMatrix | None = None
-    sh_gate_inp: DevMatrix | None = None
-    # gpt-oss: the output projection's bias, the sink logit per q head, the router's bias, and every expert's
-    # gate/up/down biases ((n_expert, n_ff), (n_expert, n_ff), (n_expert, n_embd), flat): all experts' in VRAM, so a
-    # kernel reads the bias of whichever expert was routed wherever its weights are (cache slot, arena, ring)
-    bo: cp.ndarray | None = None
-    sinks: cp.ndarray | None = None
-    router_bias: cp.ndarray | None = None
-    exp_bias: tuple | None = None
-    # qwen3next / qwen35moe (engine/cuda/hybrid_layers.py): a gated attention layer's gate rows of attn_q (wq holds
-    # its query rows), or a Gated DeltaNet layer's weights (then wq, wk, wv, wo are None)
-    attn_gate: DevMatrix | None = None
-    gdn: object | None = None
-
-
-@dataclass
 class DeviceWeights:
     tok_embd: DevMatrix
     output: DevMatrix
     output_norm: cp.ndarray
-    layers: list[Layer] = field(default_factory=list)
+    layers: list = field(default_factory=list)      # the family's layer dataclasses (engine/cuda/families/)
 
     def place_embedding(self, model, where: str) -> str | None:
         """Moves token_embd to "host" (mapped pinned memory) or back to "vram"; None when done, else why it stayed
@@ -139,49 +104,49 @@ class DeviceWeights:
     def qtype_ids(self) -> set[int]:
         ids = {self.tok_embd.qt, self.output.qt}
         for L in self.layers:
-            for v in (*vars(L).values(), *(vars(L.gdn).values() if L.gdn is not None else ())):
-                if isinstance(v, DevMatrix):
-                    ids.add(v.qt)
+            ids |= {m.qt for m in L.matrices()}
         return ids
 
 
-def load_weights(model) -> DeviceWeights:
+class Upload:
+    """How a family's layer loader puts a model's tensors on the device, in the order it asks for them: f32 (norm
+    weights, biases: float32 arrays), mat (a matrix in its quant format), rows (some of a matrix's rows). asarray:
+    where the bytes go (cupy.asarray; the CPU tests pass numpy.asarray)."""
+
+    def __init__(self, model, asarray=None):
+        self.model = model
+        self.asarray = asarray or cp.asarray
+
+    def has(self, name: str) -> bool:
+        return self.model.has(name)
+
+    def f32(self, name: str, shape=(-1,)):
+        return self.asarray(self.model.dequant(name).reshape(shape).astype(np.float32))
+
+    def opt_f32(self, name: str):
+        return self.f32(name) if self.model.has(name) else None
+
+    def mat(self, name: str) -> DevMatrix:
+        t = self.model.tensor(name)
+        q, rows, cols, rb = _shape(t)
+        return DevMatrix(self.asarray(np.ascontiguousarray(t.data).reshape(rows, rb)), q.id, rows, cols, rb)
+
+    def rows(self, name: str, rows: np.ndarray) -> DevMatrix:
+        """Some rows of tensor `name` (in the given order), from its quantized bytes: rows are independent."""
+        t = self.model.tensor(name)
+        q, n, cols, rb = _shape(t)
+        data = np.ascontiguousarray(t.data).reshape(n, rb)[np.asarray(rows, dtype=np.int64)]
+        return DevMatrix(self.asarray(np.ascontiguousarray(data)), q.id, len(rows), cols, rb)
+
+
+def load_weights(model, load_layer, up: Upload | None = None) -> DeviceWeights:
+    """The token embedding, the output head and norm, then load_layer(up, i) for every layer (the family's loader,
+    engine/cuda/families/: a dataclass with a matrices() method)."""
     cfg = model.config
-
-    def f32(name):
-        return cp.asarray(model.dequant(name).reshape(-1).astype(np.float32))
-
-    def opt_f32(name):
-        return f32(name) if model.has(name) else None
-
-    def mat(name):
-        return upload_matrix(model.tensor(name))
-
-    tok = mat("token_embd.weight")
-    out = tok if cfg.tied_embeddings else mat("output.weight")
-    dw = DeviceWeights(tok_embd=tok, output=out, output_norm=f32("output_norm.weight"))
-    ffn_norm = "post_attention_norm.weight" if cfg.arch == "gpt-oss" else "ffn_norm.weight"    # llama.cpp's names
+    up = up or Upload(model)
+    tok = up.mat("token_embd.weight")
+    out = tok if cfg.tied_embeddings else up.mat("output.weight")
+    dw = DeviceWeights(tok_embd=tok, output=out, output_norm=up.f32("output_norm.weight"))
     for i in range(cfg.n_layer):
-        b = f"blk.{i}."
-        if cfg.is_hybrid:       # a gated attention or a Gated DeltaNet layer
-            from engine.cuda.hybrid_layers import hybrid_layer
-            L = hybrid_layer(model, i, f32)
-        else:
-            L = Layer(attn_norm=f32(b + "attn_norm.weight"), wq=mat(b + "attn_q.weight"), wk=mat(b + "attn_k.weight"),
-                      wv=mat(b + "attn_v.weight"), wo=mat(b + "attn_output.weight"), ffn_norm=f32(b + ffn_norm),
-                      q_norm=opt_f32(b + "attn_q_norm.weight"), k_norm=opt_f32(b + "attn_k_norm.weight"),
-                      bq=opt_f32(b + "attn_q.bias"), bk=opt_f32(b + "attn_k.bias"), bv=opt_f32(b + "attn_v.bias"))
-        if cfg.arch == "gpt-oss":
-            L.bo, L.sinks, L.router_bias = (f32(b + n) for n in ("attn_output.bias", "attn_sinks.weight",
-                                                                 "ffn_gate_inp.bias"))
-            L.exp_bias = tuple(f32(b + f"ffn_{k}_exps.bias") for k in ("gate", "up", "down"))
-        if cfg.is_moe:
-            L.router = mat(b + "ffn_gate_inp.weight")
-            if cfg.shared_expert:
-                L.sh_gate, L.sh_up, L.sh_down = (mat(b + f"ffn_{k}_shexp.weight") for k in ("gate", "up", "down"))
-            if cfg.shared_expert_gate:
-                L.sh_gate_inp = mat(b + "ffn_gate_inp_shexp.weight")
-        else:
-            L.w_gate, L.w_up, L.w_down = (mat(b + f"ffn_{k}.weight") for k in ("gate", "up", "down"))
-        dw.layers.append(L)
+        dw.layers.append(load_layer(up, i))
     return dw

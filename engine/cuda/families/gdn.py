@@ -234,7 +234,7 @@ class GdnKernels:
 
     def decode(self, qkv, z, b, a, dt_bias, ssm_a, conv_w, norm_w, conv_state, S, out, act) -> None:
         """The GDN mixer before ssm_out in two launches, conv_decode then delta_decode (act: (C,) fp32 scratch, or
-        qkv itself). The engine's decode step has the conv in its projection launch instead (hybrid_layers.py);
+        qkv itself). The engine's decode step has the conv in its projection launch instead (hybrid.py);
         this stays as the tests' reference for it."""
         self.conv_decode(qkv, conv_state, conv_w, act)
         self.delta_decode(act, b, a, dt_bias, ssm_a, S, z, norm_w, out)

@@ -1,6 +1,7 @@
-"""qwen3next / qwen35moe on the CUDA backend: what their layers add to the qwen3moe path (engine/arch/qwen3next.py is
-the reference). The expert path (router, cache, prefetch, ring, memory modes) is the qwen3moe one unchanged, with
-post_attention_norm as the FFN norm and the shared expert's sigmoid gate as qwen2moe's.
+"""The hybrid family: qwen3next / qwen35moe (engine/arch/qwen3next.py is the reference), the moe family's layer with
+its attention half a gated attention or a Gated DeltaNet layer. The expert path (router, cache, prefetch, ring,
+memory modes) is the moe one unchanged, with post_attention_norm as the FFN norm and the shared expert's sigmoid
+gate as qwen2moe's.
 
 - Gated attention: attn_q gives each head [query | gate]; its rows are split on loading into the query rows (wq, so
   the Q/K/V mat-vecs, q/k norms, partial RoPE and attention are the plain path's) and the gate rows (attn_gate); the
@@ -8,10 +9,11 @@ post_attention_norm as the FFN norm and the shared expert's sigmoid gate as qwen
   decode step: in attn_output's launch, dense.cu mv_gated). qwen35moe's IMRoPE
   is its rotary table with the still pairs kept at position 0's angle.
 - Gated DeltaNet: the projections (attn_qkv, attn_gate = z, beta, alpha) with the mat-vec / GEMM kernels, then
-  engine/cuda/gdn.py's kernels (conv, delta rule, gated norm) on the state in VRAM, then ssm_out. In the decode step
-  the four projections share one launch (Launcher.mv_many; one matrix in another quant type, as the Q4_K_M recipe's
-  Q6_K attn_qkv, joins through mv_mixed.cu) and the conv runs in attn_qkv's epilogue, so a GDN layer's mixer is 3
-  launches (was 7); a gated attention layer's is 3 likewise (q/k/v/gate, attention, gated attn_output; was 5 to 7).
+  engine/cuda/families/gdn.py's kernels (conv, delta rule, gated norm) on the state in VRAM, then ssm_out. In the
+  decode step the four projections share one launch (Launcher.mv_many; one matrix in another quant type, as the
+  Q4_K_M recipe's Q6_K attn_qkv, joins through mv_mixed.cu) and the conv runs in attn_qkv's epilogue, so a GDN
+  layer's mixer is 3 launches (was 7); a gated attention layer's is 3 likewise (q/k/v/gate, attention, gated
+  attn_output; was 5 to 7).
 - The recurrent state (GdnState): every GDN layer's conv window and delta matrices in one VRAM buffer, updated in
   place; checkpoints copy it whole to pinned host memory (VRAM is what the expert cache needs; the copy is one
   transfer of tens of MiB per checkpoint, docs/experiments.md).
@@ -26,10 +28,13 @@ import numpy as np
 
 from engine.arch.qwen3next import imrope_still
 from engine.cuda import kernels as kernel_loader
+from engine.cuda.chunk_plan import Buffer
+from engine.cuda.families.gdn import GdnKernels, GdnShape, scratch_bytes
+from engine.cuda.families.moe import MoeDecode, MoeFamily, MoeLayer, MoePrompt, load_ffn
 from engine.cuda.kv import KVCache
 from engine.cuda.launch import I64, load_mixed, mixed_pairs, ptr
 from engine.cuda.rope import rope_table
-from engine.cuda.weights import DevMatrix, Layer, _shape, upload_matrix
+from engine.cuda.weights import DevMatrix
 
 GATE_BLOCK = 256
 
@@ -38,10 +43,10 @@ GATE_BLOCK = 256
 
 @dataclass
 class GdnLayer:
-    """One Gated DeltaNet layer's weights, as engine/cuda/gdn.py reads their projections. qkv, z: attn_qkv (conv
-    channels: q of every key head, then k, then v) and attn_gate; beta, alpha: qwen35moe's ssm_beta and ssm_alpha, or
-    qwen3next's whole ssm_ba as beta (grouped per key head, which the kernels read) and alpha None; conv (conv_dim,
-    d_conv), dt_bias, a (= ssm_a, -exp(A_log)), norm (head width): float32; out: ssm_out."""
+    """One Gated DeltaNet layer's weights, as engine/cuda/families/gdn.py reads their projections. qkv, z: attn_qkv
+    (conv channels: q of every key head, then k, then v) and attn_gate; beta, alpha: qwen35moe's ssm_beta and
+    ssm_alpha, or qwen3next's whole ssm_ba as beta (grouped per key head, which the kernels read) and alpha None; conv
+    (conv_dim, d_conv), dt_bias, a (= ssm_a, -exp(A_log)), norm (head width): float32; out: ssm_out."""
     qkv: DevMatrix
     z: DevMatrix
     beta: DevMatrix
@@ -54,11 +59,16 @@ class GdnLayer:
     slot: int                   # its index in GdnState
 
 
-def rows_matrix(t, rows: np.ndarray) -> DevMatrix:
-    """A DevMatrix of some rows of tensor t (in the given order), from its quantized bytes: rows are independent."""
-    q, n, cols, rb = _shape(t)
-    data = np.ascontiguousarray(t.data).reshape(n, rb)[np.asarray(rows, dtype=np.int64)]
-    return DevMatrix(cp.asarray(np.ascontiguousarray(data)), q.id, len(rows), cols, rb)
+@dataclass(kw_only=True)
+class HybridLayer(MoeLayer):
+    """A gated attention layer (wq the query rows of attn_q, attn_gate its gate rows) or a Gated DeltaNet layer (gdn
+    set; wq, wk, wv, wo None), then the MoE FFN."""
+    attn_gate: DevMatrix | None = None
+    gdn: GdnLayer | None = None
+
+    def matrices(self) -> list[DevMatrix]:
+        mats = super().matrices()
+        return mats if self.gdn is None else mats + [v for v in vars(self.gdn).values() if isinstance(v, DevMatrix)]
 
 
 def attn_q_rows(cfg) -> tuple[np.ndarray, np.ndarray]:
@@ -81,35 +91,32 @@ def ssm_in_rows(cfg) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([q, k, v]), z
 
 
-def hybrid_layer(model, il: int, f32) -> Layer:
-    """Layer il of a hybrid: gated attention (wq the query rows, attn_gate the gate rows) or GDN (gdn set); the FFN
-    norm is post_attention_norm. The MoE part is load_weights' own."""
-    cfg, b = model.config, f"blk.{il}."
-    L = Layer(attn_norm=f32(b + "attn_norm.weight"), wq=None, wk=None, wv=None, wo=None,
-              ffn_norm=f32(b + "post_attention_norm.weight"))
+def hybrid_layer(up, cfg, il: int) -> HybridLayer:
+    """Layer il of a hybrid without its FFN: gated attention (wq the query rows, attn_gate the gate rows) or GDN (gdn
+    set); the FFN norm is post_attention_norm."""
+    b = f"blk.{il}."
+    L = HybridLayer(attn_norm=up.f32(b + "attn_norm.weight"), wq=None, wk=None, wv=None, wo=None,
+                    ffn_norm=up.f32(b + "post_attention_norm.weight"))
     if not cfg.recurrent_layers[il]:
         q_rows, g_rows = attn_q_rows(cfg)
-        t = model.tensor(b + "attn_q.weight")
-        L.wq, L.attn_gate = rows_matrix(t, q_rows), rows_matrix(t, g_rows)
-        L.wk, L.wv, L.wo = (upload_matrix(model.tensor(b + n)) for n in ("attn_k.weight", "attn_v.weight",
-                                                                          "attn_output.weight"))
-        L.q_norm, L.k_norm = f32(b + "attn_q_norm.weight"), f32(b + "attn_k_norm.weight")
+        L.wq, L.attn_gate = up.rows(b + "attn_q.weight", q_rows), up.rows(b + "attn_q.weight", g_rows)
+        L.wk, L.wv, L.wo = (up.mat(b + n) for n in ("attn_k.weight", "attn_v.weight", "attn_output.weight"))
+        L.q_norm, L.k_norm = up.f32(b + "attn_q_norm.weight"), up.f32(b + "attn_k_norm.weight")
         return L
-    if model.has(b + "ssm_in.weight"):
+    if up.has(b + "ssm_in.weight"):
         qkv_rows, z_rows = ssm_in_rows(cfg)
-        t = model.tensor(b + "ssm_in.weight")
-        qkv, z = rows_matrix(t, qkv_rows), rows_matrix(t, z_rows)
+        qkv, z = up.rows(b + "ssm_in.weight", qkv_rows), up.rows(b + "ssm_in.weight", z_rows)
     else:
-        qkv, z = upload_matrix(model.tensor(b + "attn_qkv.weight")), upload_matrix(model.tensor(b + "attn_gate.weight"))
+        qkv, z = up.mat(b + "attn_qkv.weight"), up.mat(b + "attn_gate.weight")
     if cfg.arch == "qwen3next":
-        beta, alpha = upload_matrix(model.tensor(b + "ssm_ba.weight")), None
+        beta, alpha = up.mat(b + "ssm_ba.weight"), None
     else:
-        beta, alpha = (upload_matrix(model.tensor(b + n)) for n in ("ssm_beta.weight", "ssm_alpha.weight"))
-    conv = cp.asarray(model.dequant(b + "ssm_conv1d.weight").reshape(-1, cfg.ssm_conv).astype(np.float32))
+        beta, alpha = (up.mat(b + n) for n in ("ssm_beta.weight", "ssm_alpha.weight"))
+    conv = up.f32(b + "ssm_conv1d.weight", (-1, cfg.ssm_conv))
     slot = sum(cfg.recurrent_layers[:il])
-    L.gdn = GdnLayer(qkv=qkv, z=z, beta=beta, alpha=alpha, conv=conv, dt_bias=f32(b + "ssm_dt.bias"),
-                     a=f32(b + "ssm_a"), norm=f32(b + "ssm_norm.weight"),
-                     out=upload_matrix(model.tensor(b + "ssm_out.weight")), slot=slot)
+    L.gdn = GdnLayer(qkv=qkv, z=z, beta=beta, alpha=alpha, conv=conv, dt_bias=up.f32(b + "ssm_dt.bias"),
+                     a=up.f32(b + "ssm_a"), norm=up.f32(b + "ssm_norm.weight"), out=up.mat(b + "ssm_out.weight"),
+                     slot=slot)
     return L
 
 
@@ -144,7 +151,7 @@ def hybrid_rope_table(cfg, n_pos: int) -> np.ndarray:
 
 class GdnState:
     """Every GDN layer's conv window (d_conv - 1, conv_dim) and delta matrices (n_v, S, S), float32, in one VRAM
-    buffer (one copy per checkpoint); conv(slot) and delta(slot) are views of it, in engine/cuda/gdn.py's layout."""
+    buffer (one copy per checkpoint); conv(slot) and delta(slot) are views of it, in engine/cuda/families/gdn.py's layout."""
 
     def __init__(self, cfg, stream):
         self.n = sum(cfg.recurrent_layers)
@@ -204,13 +211,50 @@ def gate_mul(fn, y, g, n: int) -> None:
     fn((max(1, min(1024, (n + GATE_BLOCK - 1) // GATE_BLOCK)),), (GATE_BLOCK,), (ptr(y), ptr(g), I64(n)))
 
 
-# --- the decode step's mixers -----------------------------------------------------------------------------------
+# --- the family -------------------------------------------------------------------------------------------------
 
-def gdn_kernels(cfg):
-    """engine/cuda/gdn.py's kernels for this model's GDN shape (compiled now, before any capture)."""
-    from engine.cuda.gdn import GdnKernels, GdnShape
+def gdn_kernels(cfg) -> GdnKernels:
+    """engine/cuda/families/gdn.py's kernels for this model's GDN shape (compiled now, before any capture)."""
     return GdnKernels(GdnShape.from_config(cfg))
 
+
+class HybridFamily(MoeFamily):
+    name = "hybrid"
+    archs = ("qwen3next", "qwen35moe")
+    ffn_norm = "post_attention_norm.weight"
+
+    def load_layer(self, up, i: int) -> HybridLayer:
+        L = hybrid_layer(up, self.cfg, i)
+        load_ffn(up, L, f"blk.{i}.", self.cfg)
+        return L
+
+    def kv_cache(self, max_ctx: int, dtype: str, chunk: int, log) -> KVCache:
+        return HybridKV(self.cfg, max_ctx, dtype)
+
+    def rope_table(self, n_pos: int) -> np.ndarray:
+        return hybrid_rope_table(self.cfg, n_pos)
+
+    def recurrent_state(self, stream) -> GdnState:
+        return GdnState(self.cfg, stream)
+
+    def prompt_buffers(self, T: int) -> list[Buffer]:
+        """The attention gate, a GDN layer's projections (beta: qwen3next's whole ssm_ba) and output, and
+        GdnScratch for the chunk (allocated by HybridPrompt)."""
+        c = self.cfg
+        qw = c.n_head * c.head_dim
+        conv, inner, Hv = 2 * c.ssm_k_heads * c.ssm_state + c.ssm_inner, c.ssm_inner, c.ssm_v_heads
+        return [Buffer("gate", T * qw, 4), Buffer("gdn_qkv", T * conv, 4), Buffer("gdn_z", T * inner, 4),
+                Buffer("gdn_beta", T * 2 * Hv, 4), Buffer("gdn_alpha", T * Hv, 4), Buffer("gdn_o", T * inner, 4),
+                Buffer("gdn_scratch", scratch_bytes(GdnShape.from_config(c), T), 1, False)]
+
+    def decode_layers(self, step, recurrent=None) -> "HybridDecode":
+        return HybridDecode(step, recurrent, gdn_kernels(self.cfg))
+
+    def prompt_layers(self, prefill, recurrent=None) -> "HybridPrompt":
+        return HybridPrompt(prefill, recurrent, gdn_kernels(self.cfg))
+
+
+# --- the decode layer -------------------------------------------------------------------------------------------
 
 def mixer_projections(layer) -> tuple:
     """The matrices a hybrid layer's decode mixer projects the normed x with, in HybridDecode's order (None: absent)."""
@@ -220,30 +264,31 @@ def mixer_projections(layer) -> tuple:
     return g.qkv, g.z, g.beta, g.alpha
 
 
-class HybridDecode:
-    """The decode step's attention block for a hybrid layer (DecodeStep.enqueue_attention_block hands it over):
-    gated attention, or GDN on the state in VRAM. Buffers sized once; nothing per step is an argument."""
+class HybridDecode(MoeDecode):
+    """The decode layer with a hybrid's mixer: gated attention, or GDN on the state in VRAM. Buffers sized once;
+    nothing per step is an argument."""
 
-    def __init__(self, step, state: GdnState, gdn):
-        self.step, self.state, self.gdn, c = step, state, gdn, step.cfg
+    def __init__(self, step, state: GdnState, gdn: GdnKernels):
+        super().__init__(step)
+        self.state, self.gdn, c = state, gdn, step.cfg
         # the two-type projection kernels this model's layers need, compiled now (before any capture)
         load_mixed(step.kernels, mixed_pairs(mixer_projections(L) for L in step.weights.layers))
-        f32 = lambda n: cp.zeros(n, dtype=cp.float32)
+        f32 = lambda n: cp.zeros(n, dtype=cp.float32)      # noqa: E731
         with step.stream:
             self.gate = f32(c.n_head * c.head_dim)
             self.qkv, self.z, self.o = f32(state.conv_dim), f32(c.ssm_inner), f32(c.ssm_inner)
             self.beta, self.alpha = f32(2 * c.ssm_v_heads), f32(c.ssm_v_heads)    # beta: qwen3next's whole ssm_ba
 
-    def enqueue_mixer(self, li: int) -> None:
+    def mixer(self, li: int) -> None:
         st, mv = self.step, self.step.launcher
         layer = st.weights.layers[li]
         if layer.gdn is None:
-            c = st.cfg
-            mv.mv_many(mixer_projections(layer), st.x, (st.q, st.k_new, st.v_new, self.gate), norm=layer.attn_norm,
-                       tag="qkv", mixed=True)
-            st.attn.step(st.kernel, li, st.q, st.k_new, st.v_new, layer.q_norm, layer.k_norm, st.rope, st.att,
-                         st.state, np.float32(c.attn_scale or 1.0 / np.sqrt(c.head_dim)))
-            mv.mv_gated(layer.wo, st.att, self.gate, st.x, tag="wo")     # x += wo @ (att * sigmoid(gate))
+            c = self.cfg
+            mv.mv_many(mixer_projections(layer), st.x, (self.q, self.k_new, self.v_new, self.gate),
+                       norm=layer.attn_norm, tag="qkv", mixed=True)
+            self.attn.step(st.kernel, li, self.q, self.k_new, self.v_new, layer.q_norm, layer.k_norm, st.rope,
+                           self.att, st.state, np.float32(c.attn_scale or 1.0 / np.sqrt(c.head_dim)))
+            mv.mv_gated(layer.wo, self.att, self.gate, st.x, tag="wo")     # x += wo @ (att * sigmoid(gate))
             return
         g = layer.gdn
         # the projections (one launch, or two for a 2 + 2 type split), the conv in qkv's epilogue, its state in place
@@ -255,31 +300,34 @@ class HybridDecode:
         mv.mv(g.out, self.o, st.x, accumulate=True, tag="gdn_out")
 
 
-def attach_decode(step, state: GdnState) -> None:
-    step.set_hybrid(HybridDecode(step, state, gdn_kernels(step.cfg)))
+# --- the prompt layer -------------------------------------------------------------------------------------------
 
+class HybridPrompt(MoePrompt):
+    """The prompt layer with a hybrid's mixer: the attention output gate, or a GDN layer's mixer for a chunk of T
+    tokens, the state carried from the chunk before."""
 
-# --- the prompt pass's mixers -----------------------------------------------------------------------------------
-
-class HybridPrefill:
-    """The prompt pass's hybrid parts (engine/cuda/prefill.py calls them): the attention output gate, and a GDN
-    layer's mixer for a chunk of T tokens, the state carried from the chunk before."""
-
-    def __init__(self, prefill, state: GdnState, gdn):
-        self.p, self.state, self.gdn = prefill, state, gdn
+    def __init__(self, prefill, state: GdnState, gdn: GdnKernels):
+        super().__init__(prefill)
+        self.state, self.gdn = state, gdn
         self.gate_fn = gate_kernel()
         with prefill.step.stream:
             self.scratch = gdn.scratch(prefill.chunk)     # chunk_plan's "gdn_scratch"
 
+    def mixer(self, li, layer, x, xn, T, pos0):
+        if layer.gdn is None:
+            self.attention(li, layer, x, xn, T, pos0, gate=lambda xh, att: self.gate(layer, xh, att, T))
+        else:
+            self.gdn_mixer(li, layer, x, xn, T)
+
     def gate(self, layer, xh, att, T: int) -> None:
         """att (T, n_head * head_dim) *= sigmoid(xn @ attn_gate^T); xh: the layer's normed input in fp16."""
-        c, p = self.p.cfg, self.p
+        c, p = self.cfg, self.p
         g = p.linear_f16(layer.attn_gate, xh, p._view("gate", T, c.n_head * c.head_dim))
         gate_mul(self.gate_fn, att, g, T * c.n_head * c.head_dim)
 
-    def mixer(self, li: int, layer, x, xn, T: int) -> None:
+    def gdn_mixer(self, li: int, layer, x, xn, T: int) -> None:
         """x += the GDN mixer of rmsnorm(x) * attn_norm for T tokens."""
-        c, p, g = self.p.cfg, self.p, layer.gdn
+        c, p, g = self.cfg, self.p, layer.gdn
         p.launcher.rmsnorm(x, layer.attn_norm, xn, rows=T)
         xh = p.to_half(xn, T, c.n_embd)
         qkv = p.linear_f16(g.qkv, xh, p._view("gdn_qkv", T, self.state.conv_dim))
@@ -294,7 +342,3 @@ class HybridPrefill:
         p._mark("gdn")
         p.linear_f16(g.out, p.to_half(o, T, c.ssm_inner), x, accumulate=True)
         p._mark("dense")
-
-
-def attach_prefill(prefill, state: GdnState) -> None:
-    prefill.set_hybrid(HybridPrefill(prefill, state, gdn_kernels(prefill.cfg)))
