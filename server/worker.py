@@ -190,8 +190,14 @@ class Worker:
     def _pump(self, proc, q) -> None:
         # INFO and CACHE are state, kept as they arrive (between requests too); every line still goes to the queue
         # because any line counts as a sign of life.
-        for raw in proc.stdout:
-            line = raw.rstrip("\r\n")
+        # Bytes, not the text wrapper: its universal newlines would turn a lone "\r" at EOF into a line's end.
+        for raw in proc.stdout.buffer:
+            if not raw.endswith(b"\n"):
+                # Only the last read can lack its newline: the worker died while writing that line. Half a line is
+                # not a protocol line ("T 12" may be the start of "T 1234"), so it never reaches a request.
+                self.note(f"the worker's output ended inside a line, which was ignored: {raw[:80]!r}")
+                break
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
             k = protocol.kind(line)
             if k == "INFO":
                 info = protocol.parse_info(line)
