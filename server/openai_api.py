@@ -309,8 +309,8 @@ class Handler(BaseHTTPRequestHandler):
 
     # --- simple endpoints -----------------------------------------------------------------------------------------
     def get_health(self, q):
-        svc = self.server.service
-        self.send_json(200, {"status": "ok", "phase": svc.phase, "model": self.server.cfg.model_name})
+        status, body = self.server.service.health()
+        self.send_json(status, body, headers={"Retry-After": "1"} if body["status"] == "loading" else None)
 
     def get_models(self, q):
         self.send_json(200, {"object": "list", "data": [self._model_entry()]})
