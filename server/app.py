@@ -1,4 +1,4 @@
-"""Wiring: config -> text codec -> service -> HTTP server."""
+"""Wiring: config -> text codec -> service -> HTTP server, then the model's load (unless the config says lazy)."""
 from __future__ import annotations
 
 from server.openai_api import StrataServer
@@ -10,7 +10,10 @@ def build(cfg, codec: TextCodec | None = None) -> StrataServer:
     codec = codec or TextCodec.from_gguf(cfg.model)
     service = Service(cfg, codec)
     try:
-        return StrataServer(cfg, service, codec)
+        httpd = StrataServer(cfg, service, codec)
     except Exception:
         service.close()
         raise
+    if cfg.load_at_start:   # after the port is bound: a port in use fails the start before a model loads
+        service.preload()
+    return httpd

@@ -38,6 +38,7 @@ class ServerConfig:
     gpus: list | None = None
     layer_split: list | None = None              # docs/design.md: files; refused while the worker has no --layer-split
     idle_unload_s: float = 0.0                   # 0 = never unload
+    load_at_start: bool = True                   # false: the worker starts at the first request (a shared GPU)
     sampling: dict = field(default_factory=dict)  # defaults for GEN keys (engine.protocol.GEN_KEYS)
     reasoning_budget_tokens: int | None = None   # None or -1 = unlimited
 
@@ -61,7 +62,8 @@ class ServerConfig:
         return {}
 
 
-# key -> (accepted JSON types, description for the message). bool is excluded from numbers explicitly below.
+# key -> (accepted JSON types, description for the message). bool is excluded from numbers explicitly below
+# (JSON's true is Python's 1), so only a key whose types are exactly (bool,) takes true/false.
 _TYPES = {
     "model": ((str,), "a path to a .gguf file"),
     "model_name": ((str,), "a string"),
@@ -80,6 +82,7 @@ _TYPES = {
     "gpus": ((list, type(None)), "a list of GPU indices or null"),
     "layer_split": ((list, type(None)), "a list of integers (layers per GPU) or null"),
     "idle_unload_s": ((int, float), "a number of seconds >= 0 (0 = never)"),
+    "load_at_start": ((bool,), "true (load the model when the service starts) or false (at the first request)"),
     "sampling": ((dict,), f"an object with keys among {', '.join(GEN_KEYS)}"),
     "reasoning_budget_tokens": ((int, type(None)), "an integer (-1 or null = unlimited)"),
 }
@@ -112,7 +115,7 @@ def validate(raw: dict, base_dir: Path | None = None) -> ServerConfig:
         raise ConfigError("config key 'model' is missing: give the path of the .gguf file")
     for key, value in raw.items():
         types, what = _TYPES[key]
-        if isinstance(value, bool) or not isinstance(value, types):
+        if (isinstance(value, bool) and types != (bool,)) or not isinstance(value, types):
             raise _bad(key, value, what)
     for key in ("worker", "args", "cors_origins"):
         if key in raw and not all(isinstance(x, str) for x in raw[key]):

@@ -87,13 +87,59 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # quiet: the Monitor and /metrics are the record
         pass
 
+    def handle_one_request(self):
+        """http.server's request loop, after a look at the connection's first byte: a TLS ClientHello (a client set
+        up for https) has no line end to wait for, so it would hold the connection until the timeout."""
+        try:
+            first = self.rfile.peek(1)[:1]
+        except (OSError, ValueError):
+            self.close_connection = True
+            return
+        if first and (first[0] == 0x16 or first[0] >= 0x80):    # a TLS handshake record, or any binary protocol
+            self.command, self.requestline, self.request_version = "", "", "HTTP/1.1"
+            self.send_error(400, "this port speaks plain HTTP, not TLS: use http:// in the client's base URL")
+        else:
+            super().handle_one_request()
+        if getattr(self, "_refused", False):
+            self._lingering_close()
+
+    def parse_request(self) -> bool:
+        # A request line without a version (HTTP/0.9): http.server would read headers that never come, then
+        # answer with no status line.
+        if len(self.raw_requestline.split()) == 2:
+            self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"
+            self.send_error(400, "send an HTTP/1.1 request line: METHOD /path HTTP/1.1")
+            return False
+        return super().parse_request()
+
+    def _lingering_close(self) -> None:
+        """After a refusal, send our end (FIN) and read what the client still sends for a moment before the close:
+        closing a socket with unread bytes resets it, and a reset can destroy the answer before the client reads."""
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(0.5)
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end and self.connection.recv(65536):
+                pass
+        except OSError:
+            pass
+
     def send_error(self, code, message=None, explain=None):
-        """http.server's own refusals (a request line or headers too long, bad syntax) as JSON, like ours."""
+        """http.server's own refusals (a request line or headers too long, bad syntax, HTTP/2) as JSON, like ours,
+        always behind an HTTP/1.1 status line."""
         self.close_connection = True
+        self._refused = True
+        if self.request_version == "HTTP/0.9":
+            # parse_request refuses a request line before it records its version; http.server would then answer
+            # as HTTP/0.9 does: the body alone, with no status line.
+            self.request_version = "HTTP/1.1"
         try:
             text = {414: "the request line is too long (at most 65,536 bytes)",
                     431: "the request headers are too long or too many (at most 100 headers of 65,536 bytes)",
-                    501: f"the method {self.command!r} is not supported: use GET or POST"}.get(code, message)
+                    501: f"the method {self.command!r} is not supported: use GET, HEAD or POST",
+                    505: "this server speaks HTTP/1.1 (an HTTP/2 request arrived): use HTTP/1.1 (curl: --http1.1)",
+                    }.get(code, message)
             body = json.dumps({"error": {"message": text or f"HTTP {code}", "type": "invalid_request_error",
                                          "param": None, "code": code}}).encode()
             self.send_response(code, message)
@@ -124,7 +170,12 @@ class Handler(BaseHTTPRequestHandler):
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        self.write_body(data)
+
+    def write_body(self, data: bytes) -> None:
+        """The body, except for HEAD: the same status and headers as GET, no body."""
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def send_error_json(self, e: ApiError) -> None:
         if self.command == "POST" and not getattr(self, "_body_read", False):
@@ -227,7 +278,7 @@ class Handler(BaseHTTPRequestHandler):
                                                  kind="permission_error"))
         self.send_response(204)
         self._cors_headers()
-        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Methods", "GET, HEAD, POST, OPTIONS")
         self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type, x-api-key, anthropic-version")
         self.send_header("Access-Control-Max-Age", "600")
         self.send_header("Content-Length", "0")
@@ -236,15 +287,18 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         self._dispatch("GET")
 
+    def do_HEAD(self):
+        self._dispatch("HEAD")
+
     def do_POST(self):
         self._dispatch("POST")
 
     def _method_not_allowed(self):
         self._body_read = False
         self.close_connection = True         # any body is left unread
-        self.send_json(405, {"error": {"message": f"the method {self.command} is not allowed here: the API takes GET "
-                                                  "and POST", "type": "invalid_request_error", "param": None,
-                                       "code": 405}}, headers={"Allow": "GET, POST, OPTIONS"})
+        self.send_json(405, {"error": {"message": f"the method {self.command} is not allowed here: the API takes GET, "
+                                                  "HEAD and POST", "type": "invalid_request_error", "param": None,
+                                       "code": 405}}, headers={"Allow": "GET, HEAD, POST, OPTIONS"})
 
     do_PUT = do_DELETE = do_PATCH = do_TRACE = do_CONNECT = _method_not_allowed
 
@@ -261,11 +315,12 @@ class Handler(BaseHTTPRequestHandler):
             self.check_host_origin()
             self.check_key(path)
             self._path = path
-            route = ROUTES.get((method, path))
-            if route is None and method == "GET" and path.startswith("/v1/models/"):
+            reads = method in ("GET", "HEAD")       # HEAD: GET's answer without its body (write_body)
+            route = ROUTES.get(("GET" if reads else method, path))
+            if route is None and reads and path.startswith("/v1/models/"):
                 route = Handler.get_model
             if route is None:
-                if method == "GET" and self.is_static(path):
+                if reads and self.is_static(path):
                     return self.send_static(path)
                 if method == "POST":
                     self.read_json()   # drain the body so the connection stays in step
@@ -293,24 +348,30 @@ class Handler(BaseHTTPRequestHandler):
 
     # --- the web app ----------------------------------------------------------------------------------------------
     @staticmethod
-    def is_static(path: str) -> bool:
-        name = "index.html" if path == "/" else path.lstrip("/")
+    def static_name(path: str) -> str:
+        # The page declares favicon.svg; /favicon.ico is what browsers ask for on pages that declare none (a JSON
+        # endpoint opened in a tab).
+        return {"/": "index.html", "/favicon.ico": "favicon.svg"}.get(path, path.lstrip("/"))
+
+    @classmethod
+    def is_static(cls, path: str) -> bool:
+        name = cls.static_name(path)
         return "/" not in name and (STATIC_DIR / name).is_file()
 
     def send_static(self, path: str) -> None:
-        name = "index.html" if path == "/" else path.lstrip("/")
+        name = self.static_name(path)
         data = (STATIC_DIR / name).read_bytes()
         self.send_response(200)
         self.send_header("Content-Type", (mimetypes.guess_type(name)[0] or "application/octet-stream") + "; charset=utf-8")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
-        self.wfile.write(data)
+        self.write_body(data)
 
     # --- simple endpoints -----------------------------------------------------------------------------------------
     def get_health(self, q):
-        svc = self.server.service
-        self.send_json(200, {"status": "ok", "phase": svc.phase, "model": self.server.cfg.model_name})
+        status, body = self.server.service.health()
+        self.send_json(status, body, headers={"Retry-After": "1"} if body["status"] == "loading" else None)
 
     def get_models(self, q):
         self.send_json(200, {"object": "list", "data": [self._model_entry()]})
@@ -330,7 +391,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(data)))
             self._cors_headers()
             self.end_headers()
-            self.wfile.write(data)
+            self.write_body(data)
         else:
             self.send_json(200, snap)
 

@@ -97,6 +97,7 @@ class Service:
         self._pending: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
         self._closing = False
+        self._shutdown = threading.Event()     # set by close(): a load in progress is abandoned at once
         self._last_activity = time.monotonic()
         # Live state for /metrics (written by the engine thread, read under the lock).
         self.phase = "unloaded"
@@ -114,10 +115,21 @@ class Service:
         self._thread.start()
 
     # --- the handlers' side -----------------------------------------------------------------------------------
+    def preload(self) -> None:
+        """Load the worker now (the config's load_at_start, or --preload): a job at the head of the FIFO, so the
+        requests that arrive meanwhile wait for it, and the phase says "loading" from this moment on."""
+        with self._cv:      # before the job is queued: the engine thread then owns the phase
+            if self._running is None and not self._pending and not (self.worker is not None and self.worker.alive):
+                self.phase = "loading"
+        self.submit(Job("load", endpoint="start"))
+
     def submit(self, job: Job) -> Job:
         with self._cv:
             if self._closing:
                 raise ServiceError(503, "the server is shutting down")
+            if job.kind == "unload" and self.phase == "loading":
+                raise ServiceError(409, "the model is loading; unload when it is ready (GET /health says when)",
+                                   "invalid_request_error")
             if job.kind == "unload" and (self._running is not None or self._waiting_locked()):
                 raise ServiceError(409, "requests are running or waiting; unload when they are done",
                                    "invalid_request_error")
@@ -136,6 +148,7 @@ class Service:
     def close(self, timeout_s: float = 60.0) -> None:
         with self._cv:
             self._closing = True
+            self._shutdown.set()
             for j in self._pending:
                 j.cancel.set()
             if self._running is not None:
@@ -188,7 +201,9 @@ class Service:
                 self._ensure_worker()
                 job.emit("done", None)
             except WorkerError as e:
-                log.warning("%s%s", e, f"\nthe worker's last log lines:\n{e.detail}" if e.detail else "")
+                if not self._shutdown.is_set():
+                    what = "the model could not be loaded at start: " if job.endpoint == "start" else ""
+                    log.warning("%s%s%s", what, e, f"\nthe worker's last log lines:\n{e.detail}" if e.detail else "")
                 job.emit("error", 503, str(e))
         elif job.kind == "unload":
             self._unload("asked to by /unload")
@@ -210,7 +225,7 @@ class Service:
         self._set(phase="loading")
         self.worker_starts += 1
         try:
-            self.worker.start()
+            self.worker.start(abort=self._shutdown)
         except WorkerError as e:
             self.worker_failures += 1
             self._set(phase="failed", last_error=str(e))
@@ -391,7 +406,22 @@ class Service:
             for k in TOTAL_SUMS:
                 t[k] += entry[k]
 
-    # --- /metrics ---------------------------------------------------------------------------------------------
+    # --- /health and /metrics ---------------------------------------------------------------------------------
+    def health(self) -> tuple[int, dict]:
+        """GET /health: 200 while the service can answer (the worker loaded, or loaded by the next request), 503
+        while the model loads and after a failed start or a dead worker (the error says what the next request
+        does), as llama.cpp's server answers, so a readiness probe waits for the load."""
+        w = self.worker
+        with self._cv:
+            body = dict(status="ok", phase=self._phase_text(w), model=self.cfg.model_name)
+            if self.phase == "loading":
+                body["status"] = "loading"
+                return 503, body
+            if self.phase == "failed" and not (w is not None and w.alive):
+                body.update(status="error", error=self.last_error)
+                return 503, body
+        return 200, body
+
     def _phase_text(self, w) -> str:
         """While a worker loads, its narrated start ("loading: pinning experts in RAM: 45% of 16.0 GiB at 12.3
         GiB/s"), which the Monitor shows as the phase; otherwise the service's own phase."""

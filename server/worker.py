@@ -26,6 +26,7 @@ CHUNK_SLACK = 3.0          # after a PP, the next chunk may take this many times
 TAIL_LINES = 20
 START_SILENCE_MIN_S = 30.0  # loading may be silent for this long even under a small engine_silence_s
 _EOF = object()
+_ABORT = object()
 _STAGES = {"sent": "before RESUME", "prompt": "while the prompt is read", "tokens": "after the prompt"}
 
 
@@ -134,8 +135,9 @@ class Worker:
             f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} strata server: {message}\n")
 
     # --- start ------------------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Spawn the worker and wait for READY (each line restarts the silence allowance)."""
+    def start(self, abort: threading.Event | None = None) -> None:
+        """Spawn the worker and wait for READY (each line restarts the silence allowance). abort: set by another
+        thread (the server shutting down) to end a load at once: the half-loaded worker is killed."""
         if self.alive:
             return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +162,11 @@ class Worker:
         last = time.monotonic()
         allowance = max(self.silence_s, START_SILENCE_MIN_S)
         while True:
-            line = self._get(last + allowance if self.silence_s else None)
+            line = self._get(last + allowance if self.silence_s else None, abort)
+            if line is _ABORT:
+                # Nothing is learned before READY, so there is nothing for a QUIT to save.
+                self.kill("the server is shutting down")
+                raise WorkerStartError("the server is shutting down; the model's load was abandoned")
             if line is None:
                 self.kill(f"it printed nothing for {allowance:g} s while loading")
                 raise WorkerStartError(
@@ -190,8 +196,14 @@ class Worker:
     def _pump(self, proc, q) -> None:
         # INFO and CACHE are state, kept as they arrive (between requests too); every line still goes to the queue
         # because any line counts as a sign of life.
-        for raw in proc.stdout:
-            line = raw.rstrip("\r\n")
+        # Bytes, not the text wrapper: its universal newlines would turn a lone "\r" at EOF into a line's end.
+        for raw in proc.stdout.buffer:
+            if not raw.endswith(b"\n"):
+                # Only the last read can lack its newline: the worker died while writing that line. Half a line is
+                # not a protocol line ("T 12" may be the start of "T 1234"), so it never reaches a request.
+                self.note(f"the worker's output ended inside a line, which was ignored: {raw[:80]!r}")
+                break
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
             k = protocol.kind(line)
             if k == "INFO":
                 info = protocol.parse_info(line)
@@ -213,9 +225,12 @@ class Worker:
         proc.stdout.close()
         q.put(_EOF)
 
-    def _get(self, deadline: float | None):
-        """The next line, _EOF, or None at the deadline (None deadline: wait in ticks, forever)."""
+    def _get(self, deadline: float | None, abort: threading.Event | None = None):
+        """The next line, _EOF, None at the deadline (None deadline: wait in ticks, forever), or _ABORT once abort
+        is set."""
         while True:
+            if abort is not None and abort.is_set():
+                return _ABORT
             now = time.monotonic()
             timeout = self.tick_s if deadline is None else min(self.tick_s, deadline - now)
             if timeout <= 0:

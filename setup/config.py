@@ -98,12 +98,13 @@ def build(model_name: str, model_path: Path, choices: Choices, config_dir: Path,
         "gpu": gpu if choices.backend == "cuda" else None,
         "gpus": None,
         "idle_unload_s": 0,
+        "load_at_start": True,
         "sampling": {},
         "reasoning_budget_tokens": None,
     }
     if previous:
         for key in ("cors_origins", "engine_silence_s", "expert_profile_save_every", "idle_unload_s",
-                    "sampling", "reasoning_budget_tokens"):
+                    "load_at_start", "sampling", "reasoning_budget_tokens"):
             if key in previous:
                 cfg[key] = previous[key]
     return cfg

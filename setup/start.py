@@ -51,14 +51,13 @@ def running_pid(config_path: Path) -> int | None:
 
 
 def start(config_path: Path, cfg: dict, wait_s: float = 180) -> int:
-    """Start `python -m server --config ... --preload` detached (it outlives the wizard); return its pid once it
-    answers."""
+    """Start `python -m server --config ...` detached (it outlives the wizard); return its pid once it answers.
+    The server loads the model as it starts (unless the config says "load_at_start": false): wait_ready follows."""
     # The server's own lines go beside the worker's log (cfg["log"], which the server appends the worker's stderr to).
     log = Path(cfg["log"]).with_suffix(".server.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
-        # --preload: the model loads now (its start narrated in the log and the Monitor), not at the first request.
-        proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(config_path), "--preload"], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(config_path)], cwd=ROOT,
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     pid_path(config_path).write_text(f"{proc.pid}\n")
@@ -73,6 +72,30 @@ def start(config_path: Path, cfg: dict, wait_s: float = 180) -> int:
         time.sleep(0.5)
     raise StartError(f"the server (pid {proc.pid}) did not answer at {url} within {wait_s:.0f} s; it is left "
                      f"running; see {log}")
+
+
+def wait_ready(url: str, wait_s: float = 600, on_phase=None) -> tuple[str, str | None]:
+    """Follow GET /health while the model loads: ("ready", None), ("failed", the server's error) or ("loading",
+    None) when wait_s passes first. on_phase(text) is called with each new phase ("loading: pinning experts ...")."""
+    deadline = time.monotonic() + wait_s
+    seen = None
+    while time.monotonic() < deadline:
+        try:
+            body = requests.get(url + "health", timeout=5).json()
+        except (requests.RequestException, ValueError):
+            body = {}
+        status, phase = body.get("status"), body.get("phase")
+        # One line a step ("loading: pinning experts in RAM"), not one for each percent of it.
+        step = ":".join(phase.split(":")[:2]) if isinstance(phase, str) else None
+        if step and step != seen and on_phase is not None:
+            on_phase(phase)
+        seen = step or seen
+        if status == "ok":
+            return "ready", None
+        if status == "error":
+            return "failed", body.get("error") or "the server reports an error without a message"
+        time.sleep(0.5)
+    return "loading", None
 
 
 def tail(path: Path, n: int = 20) -> str:

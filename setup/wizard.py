@@ -649,7 +649,7 @@ def step_config_and_start(ui: UI, a, p: Paths, n: Needs, model_path: Path, c: cf
         ui.ok(f"wrote {path}")
     if c.backend == "cpu":
         ui.warn("the service runs on the CPU backend" + ("" if m.has_gpu else " (no NVIDIA GPU on this PC)"))
-    start_cmd = f"{sys.executable} -m server --config {path} --preload"
+    start_cmd = f"{sys.executable} -m server --config {path}"
     if a.no_start:
         ui.ok(f"not started (--no-start). Start it with: {start_cmd}")
         return 0
@@ -672,6 +672,13 @@ def step_config_and_start(ui: UI, a, p: Paths, n: Needs, model_path: Path, c: cf
     except srv.StartError as e:
         ui.fail(str(e))
         return 1
+    state, err = srv.wait_ready(url, on_phase=lambda phase: ui.say(f"  {phase}"))
+    if state == "failed":
+        ui.fail(f"the server (pid {pid}) runs but could not load the model: {err} (the end of "
+                f"{Path(cfg['log']).with_suffix('.server.log')} says why; stop it with: kill {pid})")
+        return 1
+    if state == "loading":
+        ui.warn("the model is still loading; the Monitor tab (or GET /health) shows how far it is")
     ui.ok(f"Strata is running (pid {pid}): open {url}")
     can, why = srv.can_open_browser()
     if can and srv.open_browser(url):

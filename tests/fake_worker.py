@@ -43,7 +43,7 @@ FAULTS = {
     "t-not-a-number": "T abc", "bare-t": "T", "short-pp": "PP 1 2", "short-done": "DONE 1 2", "oov": "T 999999",
     "garbage": "HELLO world", "ready-again": "READY 4096 stop", "early-done": None, "wrong-req-done": None,
     "no-req": None, "tokens-after-done": None, "bad-cache": None, "bad-info": None, "count-mismatch": None,
-    "resume-twice": None, "nan-logprob": None,
+    "resume-twice": None, "nan-logprob": None, "truncated-t": None,
 }
 
 
@@ -260,6 +260,11 @@ def main() -> int:
                     out("CACHE 4 16 zz 00")
                 elif fault == "bad-info":
                     out("INFO prompt_chunk=abc n_vocab= =x")
+                elif fault == "truncated-t":
+                    # dies while writing the third token's line: the line without its newline, then EOF
+                    sys.stdout.write(tline(answer[generated % len(answer)]))
+                    sys.stdout.flush()
+                    os._exit(1)
             out(tline(answer[generated % len(answer)]))
             generated += 1
         decode_ms = (time.monotonic() - t1) * 1000

@@ -19,6 +19,7 @@ def test_defaults(tmp_path, fixtures_dir):
     assert cfg.model_name == "tiny-bpe-1024" and cfg.engine_silence_s == 300 and cfg.api_key is None
     assert cfg.log == str(tmp_path / "strata-tiny-bpe-1024.log")
     assert cfg.worker_command()[-2:] == ["--model", cfg.model]
+    assert cfg.load_at_start is True and validate(base(fixtures_dir, load_at_start=False), tmp_path).load_at_start is False
 
 
 @pytest.mark.parametrize("key, value", [
@@ -26,7 +27,8 @@ def test_defaults(tmp_path, fixtures_dir):
     ("idle_unload_s", None), ("api_key", 123), ("cors_origins", "http://a"), ("cors_origins", ["http://a/"]),
     ("worker", []), ("worker", ["python", 3]), ("args", "--ctx 8"), ("gpus", [0, "1"]), ("gpu", 1.5),
     ("sampling", {"temperature": "hot"}), ("sampling", {"top_k": 1.5}), ("reasoning_budget_tokens", 1.0),
-    ("layer_split", [24, -1]), ("expert_profile_save_every", -2),
+    ("layer_split", [24, -1]), ("expert_profile_save_every", -2), ("load_at_start", "yes"), ("load_at_start", 1),
+    ("load_at_start", None),
 ])
 def test_ill_typed_values_name_the_key(tmp_path, fixtures_dir, key, value):
     with pytest.raises(ConfigError, match=key):

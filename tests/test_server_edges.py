@@ -4,6 +4,7 @@ import io
 import json
 import socket
 import sys
+import time
 
 import pytest
 import requests
@@ -114,3 +115,108 @@ def test_a_bug_in_a_handler_is_a_json_500_and_a_logged_traceback(server, caplog)
     r = requests.get(base + "/metrics", timeout=10)
     assert r.status_code == 500 and "ZeroDivisionError" in json_error(r.content)
     assert "Traceback" in caplog.text and "internal error answering GET /metrics" in caplog.text
+
+
+def _loaded(base):
+    deadline = time.monotonic() + 30
+    while requests.get(base + "/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the model did not load"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("path", ["/", "/health", "/v1/models", "/metrics", "/favicon.ico"])
+def test_head_answers_as_get_without_a_body(server, path):
+    httpd, base = server
+    _loaded(base)
+    get = requests.get(base + path, timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=10)
+    try:
+        conn.request("HEAD", path)
+        r = conn.getresponse()
+        assert r.status == get.status_code == 200 and r.read() == b""
+        assert r.getheader("Content-Type") == get.headers["Content-Type"]
+        if path not in ("/metrics",):        # /metrics' body changes from call to call
+            assert int(r.getheader("Content-Length")) == len(get.content)
+        # the connection stays in step: no body bytes were sent after the headers
+        conn.request("GET", "/health")
+        r2 = conn.getresponse()
+        assert r2.status == 200 and json.loads(r2.read())["status"] == "ok"
+    finally:
+        conn.close()
+
+
+def test_the_web_app_declares_an_icon_that_is_served(server):
+    _, base = server
+    page = requests.get(base + "/", timeout=10).text
+    assert '<link rel="icon" href="favicon.svg"' in page
+    for path in ("/favicon.svg", "/favicon.ico"):
+        r = requests.get(base + path, timeout=10)
+        assert r.status_code == 200 and r.headers["Content-Type"].startswith("image/svg+xml")
+        assert r.text.startswith("<svg") and len(r.content) < 2048
+
+
+def _client_hello() -> bytes:
+    """The first bytes a TLS client sends (a real ClientHello, from Python's own ssl module)."""
+    import ssl
+    ctx = ssl.create_default_context()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def _answer_until_close(httpd, data: bytes, wait_s: float = 10.0) -> tuple[bytes, float]:
+    t0 = time.monotonic()
+    got = b""
+    with socket.create_connection(("127.0.0.1", httpd.server_address[1]), timeout=wait_s) as s:
+        s.sendall(data)
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        except socket.timeout:
+            pytest.fail(f"no answer and no close within {wait_s:g} s (got {got[:60]!r})")
+        except ConnectionResetError:
+            pass
+    return got, time.monotonic() - t0
+
+
+def test_a_tls_hello_on_the_plain_port_is_answered_at_once(server):
+    httpd, _ = server
+    hello = _client_hello()
+    assert hello[:1] == b"\x16"
+    got, took = _answer_until_close(httpd, hello)
+    assert took < 5.0
+    assert got == b"" or got.startswith(b"HTTP/1.1 400 "), got[:80]
+    if got:
+        assert b"plain HTTP, not TLS" in got
+    # a TLS client sees a prompt failure (not a timeout)
+    import ssl
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", httpd.server_address[1]), timeout=10) as s:
+        with pytest.raises((ssl.SSLError, ConnectionResetError, OSError)) as e:
+            ctx.wrap_socket(s, server_hostname="localhost")
+    assert not isinstance(e.value, socket.timeout) and time.monotonic() - t0 < 5.0
+
+
+def test_an_http2_preface_gets_an_http11_505_with_a_status_line(server):
+    httpd, _ = server
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"   # + an empty SETTINGS
+    got, took = _answer_until_close(httpd, preface)
+    assert took < 5.0 and got.startswith(b"HTTP/1.1 505 "), got[:80]
+    status, headers, body = raw(httpd, preface)
+    assert status == 505 and headers["Content-Type"] == "application/json" and "HTTP/1.1" in json_error(body)
+
+
+@pytest.mark.parametrize("line, status", [(b"GET /\r\n", 400), (b"GET / HTTP/1.1 x\r\n\r\n", 400),
+                                          (b"GET / FTP/1.0\r\n\r\n", 400), (b"GET / HTTP/3.0\r\n\r\n", 505)])
+def test_a_malformed_request_line_gets_a_status_line(server, line, status):
+    httpd, _ = server
+    got, took = _answer_until_close(httpd, line)
+    assert took < 5.0 and got.startswith(f"HTTP/1.1 {status} ".encode()), got[:80]
+    assert raw(httpd, line)[0] == status

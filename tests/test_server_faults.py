@@ -72,6 +72,37 @@ def test_tokens_after_done_never_reach_the_next_request(tmp_path, fixtures_dir, 
         assert metrics(base)["worker"]["starts"] == 2
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_line_cut_short_by_the_workers_death_delivers_nothing(tmp_path, fixtures_dir, stream):
+    # The worker dies while writing its third `T <id>` (no newline, then EOF): the two whole tokens are all the
+    # client sees, and the request fails as a dead worker's does; the next request gets a fresh worker.
+    codec = tiny_codec(fixtures_dir)
+    cfg = make_config(tmp_path, fixtures_dir / VOCAB, plan(tmp_path, "--fault truncated-t --fault-gen 1", ""))
+    prompt = "hello there my friend"
+    ids = codec.completion_prompt(prompt)
+    with running_server(cfg, codec) as (httpd, base):
+        if stream:
+            with requests.post(base + "/v1/completions", stream=True, timeout=60,
+                               json={"prompt": prompt, "max_tokens": 64, "stream": True}) as r:
+                assert r.status_code == 200
+                text, errors = "", []
+                for ev in sse_events(r):
+                    if "error" in ev:
+                        errors.append(ev["error"]["message"])
+                        break
+                    text += ev["choices"][0]["text"] if ev["choices"] else ""
+            assert text == codec.tok.decode(ids[:2]) and len(errors) == 1, (text, errors)
+            assert "the worker exited mid-request" in errors[0]
+        else:
+            r = complete(base, prompt)
+            assert r.status_code == 503 and "the worker exited mid-request" in r.json()["error"]["message"]
+        assert metrics(base)["history"][-1]["generated"] == 2
+        assert "ended inside a line, which was ignored" in (tmp_path / "worker.log").read_text()
+        r = complete(base, prompt_of(1))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == prompt_of(1)
+        assert metrics(base)["worker"]["starts"] == 2
+
+
 @pytest.mark.parametrize("fault", ["bad-cache", "bad-info"])
 def test_a_bad_stats_line_leaves_metrics_and_the_answer_alone(tmp_path, fixtures_dir, fault):
     cfg = make_config(tmp_path, fixtures_dir / VOCAB, ["--moe", "--fault", fault])

@@ -110,7 +110,9 @@ def test_no_gpu_yes_takes_the_default_model_on_the_cpu(env):
     assert cfg["host"] == "127.0.0.1" and cfg["port"] == 8080 and cfg["gpu"] is None
     assert set(cfg) == {"model_name", "model", "worker", "args", "cwd", "log", "host", "port", "api_key",
                         "cors_origins", "engine_silence_s", "expert_profile_save", "expert_profile_save_every", "gpu",
-                        "gpus", "idle_unload_s", "sampling", "reasoning_budget_tokens"}     # no layer_split
+                        "gpus", "idle_unload_s", "load_at_start", "sampling",
+                        "reasoning_budget_tokens"}     # no layer_split
+    assert cfg["load_at_start"] is True
     assert "not started (--no-start)" in out
 
 
@@ -423,3 +425,32 @@ def test_a_default_model_of_the_right_size_but_other_bytes_is_refused(env):
     (env / "data" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF" + b"x" * 996)
     rc, out, _ = go(env, "--yes", "--no-start", machine_=machine((), 16))
     assert rc != 0 and "SHA-256" in out and "delete it" in out
+
+
+@pytest.mark.parametrize("state, err", [("ready", None), ("failed", "the worker exited (status 2) before it was ready"),
+                                        ("loading", None)])
+def test_the_wizard_waits_for_the_model_the_server_loads_at_start(env, monkeypatch, state, err):
+    started = []
+    monkeypatch.setattr(srv, "start", lambda path, cfg: started.append(path) or 4242)
+    monkeypatch.setattr(srv, "answering", lambda url, timeout=2.0: False)
+
+    def wait_ready(url, wait_s=600, on_phase=None):
+        on_phase("loading: loading the model")
+        return state, err
+    monkeypatch.setattr(srv, "wait_ready", wait_ready)
+    rc, out, _ = go(env, "--yes", machine_=machine((), 16))
+    assert started and "  loading: loading the model" in out
+    if state == "failed":
+        assert rc == 1 and "could not load the model: the worker exited (status 2)" in out and "kill 4242" in out
+    else:
+        assert rc == 0 and "Strata is running (pid 4242)" in out
+        assert ("the model is still loading" in out) == (state == "loading")
+
+
+def test_a_lazy_load_chosen_in_the_config_survives_a_rerun(env):
+    go(env, "--yes", "--no-start", machine_=machine((), 16))
+    path = env / "data" / "strata-smollm2-135m.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "load_at_start": False}))
+    rc, out, _ = go(env, "--yes", "--no-start", machine_=machine((), 16))
+    assert rc == 0 and config_of(env, "smollm2-135m")["load_at_start"] is False
