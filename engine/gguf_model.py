@@ -85,6 +85,7 @@ class ModelConfig:
     ssm_v_heads: int = 0         # ssm.time_step_rank
     ssm_k_heads: int = 0         # ssm.group_count
     rope_sections: tuple = ()    # IMRoPE sections (qwen35moe)
+    family_params: object = None # what a family reads beyond these fields (engine/arch/qwen4exp.py: Qwen4ExpParams)
 
     @property
     def norm_topk_prob(self) -> bool:   # the Hugging Face name for the same switch
@@ -535,6 +536,8 @@ def read_config(md: dict, model: GGUFModel) -> ModelConfig:
     if arch == "gpt-oss":
         from engine.arch.gptoss import read_gptoss_config
         read_gptoss_config(cfg, md, model)
+    import engine.arch                   # the families that declare their own config rules (qwen4exp)
+    engine.arch.read_family_config(cfg, md, model)
     if n_head_kv <= 0 or head_dim <= 0 or n_head % n_head_kv:
         raise ModelError(f"{model.path.name}: {n_head} heads do not share {n_head_kv} KV heads evenly; damaged?")
     if emb.shape[-1] != n_embd:
@@ -587,6 +590,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _check_required(model: GGUFModel) -> None:
     cfg = model.config
+    import engine.arch
+    if engine.arch.check_family_tensors(model):
+        return
     if cfg.is_hybrid:
         from engine.arch.qwen3next import check_tensors
         check_tensors(model)
