@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     # A Qwen3-Next-80B checkpoint in float32 is ~75 MiB (36 GDN layers, each 32 value heads of 128x128 and a conv
     # window of 3 x 8192): the default budget keeps about 13.
     p.add_argument("--checkpoint-every", type=int, default=1024, metavar="N",
-                   help="models with recurrent layers (qwen3next, qwen35moe): snapshot their state every N prompt "
-                        "tokens for prefix reuse, besides near each prompt's end and at each request's end "
+                   help="models with recurrent layers (qwen3next, qwen35moe, qwen4exp): snapshot their state every N "
+                        "prompt tokens for prefix reuse, besides near each prompt's end and at each request's end "
                         "(0: only those two; default 1024)")
     p.add_argument("--checkpoint-mib", type=float, default=1024.0, metavar="M",
                    help="host memory for those snapshots; the least useful go first (0: none, so a conversation "
@@ -328,8 +328,16 @@ def main(argv=None) -> int:
 
     try:
         model = open_model(args.model)
-        phase("loading")    # after the header checks: a file refused at once leaves stdout empty
         cfg = model.config
+        from engine.supported import runs_on
+        if backend_name == "cuda" and not runs_on(cfg.arch, "cuda"):
+            if args.backend == "cuda":
+                print(f"strata_worker: the CUDA backend does not run {cfg.arch} yet; use --backend cpu",
+                      file=sys.stderr, flush=True)
+                return 2
+            backend_name, reason_short = "cpu", "arch_cpu_only"
+            reason_long = f"auto: a GPU is here, but the CUDA backend does not run {cfg.arch} yet"
+        phase("loading")    # after the header checks: a file refused at once leaves stdout empty
         n_ctx_train = int(getattr(cfg, "n_ctx_train", 0) or 0)
         ctx = args.ctx if args.ctx is not None else min(n_ctx_train or 4096, 4096)
         if n_ctx_train and ctx > n_ctx_train:

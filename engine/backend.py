@@ -114,6 +114,10 @@ class Backend:
         """Facts for INFO lines (key -> value without spaces)."""
         return {}
 
+    def request_info(self) -> dict:
+        """Facts about the last request for the INFO line before its DONE (counters since reset_stats())."""
+        return {}
+
     def cache_picture(self):
         """(n_layer, n_expert, resident bool array, heat uint8 array) or None: for the CACHE line."""
         return None

@@ -56,7 +56,7 @@ class CPUBackend(Backend):
             raise ValueError(f"context must be at least 1 token, not {max_context}")
         self.weights = Weights(model, expert_cache_mb)
         self.net = build(model, self.weights, max_context, observer)    # observer: arch/base.Observer
-        # The hybrids' cache (engine/arch/qwen3next.py) also holds each GDN layer's conv and delta state.
+        # The hybrids' caches (engine/arch/qwen3next.py, qwen4exp.py) also hold the recurrent state.
         self.kv = self.net.new_cache(max_context)
         self.recurrent = self.net.recurrent
         self.chunk = chunk
@@ -112,15 +112,20 @@ class CPUBackend(Backend):
 
     def reset_stats(self) -> None:
         self.weights.stats = ExpertStats()
+        self.net.reset_stats()
+
+    def request_info(self) -> dict:
+        return self.net.request_info()
 
     def get_stats(self) -> ExpertStats:
         return self.weights.stats
 
     def info(self) -> dict:
         # The worker's own INFO line already names the backend, arch and shapes: only what the backend adds.
+        facts = self.net.info()
         if self.config.is_moe:
-            return {"expert_cache_mib": round(self.weights.expert_cache_bytes / 2**20)}
-        return {}
+            facts = {"expert_cache_mib": round(self.weights.expert_cache_bytes / 2**20), **facts}
+        return facts
 
     def close(self) -> None:
         self.weights = None

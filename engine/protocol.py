@@ -141,13 +141,15 @@ def _check_params(p: dict) -> None:
         bad("penalty_last_n must be >= -1 (-1 = the whole context)")
 
 
-# Models with recurrent layers (qwen3next, qwen35moe; engine/checkpoints.py): their state cannot be cut back to a
-# shorter prefix, so the worker resumes from its latest checkpoint at or before the common prefix. RESUME <n> and
-# DONE's `reused` say where that checkpoint is (n <= the common prefix; 0 when none fits), and `prompt_read` counts
-# everything read again after it. Just before each DONE such a worker sends
-#     INFO checkpoints=<count> checkpoint_mib=<MiB held>
-# The drafts fields stay speculative-decoding counters (0 until a draft/MTP path exists): the original Strata put
-# checkpoint counts there; this protocol keeps them on that INFO line instead.
+# Models with recurrent layers (qwen3next, qwen35moe, qwen4exp; engine/checkpoints.py): their state cannot be cut
+# back to a shorter prefix, so the worker resumes from its latest checkpoint at or before the common prefix. RESUME
+# <n> and DONE's `reused` say where that checkpoint is (n <= the common prefix; 0 when none fits), and `prompt_read`
+# counts everything read again after it. Just before each DONE such a worker sends
+#     INFO checkpoints=<count> checkpoint_mib=<MiB held>[ <backend's request facts>]
+# (the facts: Backend.request_info(), e.g. qwen4exp's ple_row_lookups=<n> ple_row_hits=<n>, its n-gram table's
+# rows read in that request and how many came from the row cache). The drafts fields stay speculative-decoding
+# counters (0 until a draft/MTP path exists): the original Strata put checkpoint counts there; this protocol keeps
+# them on that INFO line instead.
 @dataclass
 class Done:
     generated: int

@@ -222,11 +222,14 @@ class Session:
         return picked
 
     def _done(self, emit, req, generated, prompt_ms, decode_ms, finish, reused, read) -> Done:
+        facts = {}
         if self.checkpoints is not None:
             # The next turn usually extends this one: a checkpoint where the request ended (cancelled ones too).
             self._checkpoint()
-            emit(protocol.format_info(checkpoints=len(self.checkpoints),
-                                      checkpoint_mib=self.checkpoints.nbytes / 2**20))
+            facts.update(checkpoints=len(self.checkpoints), checkpoint_mib=self.checkpoints.nbytes / 2**20)
+        facts.update(self.backend.request_info())    # e.g. qwen4exp's n-gram row-cache hits
+        if facts:
+            emit(protocol.format_info(**facts))
         st = self.backend.get_stats()
         done = Done(generated=len(generated), prompt=len(req.prompt), prompt_ms=prompt_ms, decode_ms=decode_ms,
                     finish=finish, reused=reused, hits=st.hits, lookups=st.lookups, ram_blobs=st.ram_blobs,

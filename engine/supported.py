@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-FAMILIES = ("dense", "qwen2moe", "qwen3moe", "gptoss", "qwen3next")
+FAMILIES = ("dense", "qwen2moe", "qwen3moe", "gptoss", "qwen3next", "qwen4exp")
 
 
 def declared_archs(module: Path) -> tuple[str, ...]:

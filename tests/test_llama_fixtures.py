@@ -26,12 +26,13 @@ REFS = {p.stem: json.loads(p.read_text()) for p in sorted(REF_DIR.glob("*.json")
 ENGINE_ARCHS = {"llama": ("llama", "mixtral"), "qwen2": ("qwen2",), "qwen3": ("qwen3",), "qwen2moe": ("qwen2moe",),
                 "qwen3moe": ("qwen3moe",)}
 MODELS_DIR = lr.CACHE / "fixture-models"
-# The families with fixtures of their own (made through tools.llama_ref by tools/hybrid_refs.py and
-# tools/gptoss_ref.py, and checked by tests/test_hybrid.py and tests/test_gptoss.py): llama_ref's exact forward has
+# The families with fixtures of their own (made through tools.llama_ref by tools/hybrid_refs.py,
+# tools/gptoss_ref.py and tools/qwen4exp_refs.py, and checked by tests/test_hybrid.py, tests/test_gptoss.py and
+# tests/test_qwen4exp_refs.py; qwen4exp's come with branch s6/q4refs): llama_ref's exact forward has
 # no graph for them, so they record F16 and the recipes their issue names (Q4_K_M among them) beside their own exact
 # arithmetic, not llama_ref's whole recipe list.
 FAMILY_FIXTURES = {"gpt-oss": ("gptoss", "gpt-oss-tiny"), "qwen3next": ("hybrid", "tiny-qwen3next"),
-                   "qwen35moe": ("hybrid", "tiny-qwen35moe")}
+                   "qwen35moe": ("hybrid", "tiny-qwen35moe"), "qwen4exp": ("qwen4exp", "tiny-qwen4exp")}
 
 
 def test_every_engine_architecture_has_recipe_fixtures():

@@ -38,8 +38,12 @@ def test_not_supported_yet_and_never_recommended_today(catalog):
     for profile, m in GOLDEN.items():
         for model in flash(catalog):
             n = assess(model, m)
-            assert not n.fits and not n.supported
-            assert any(p.startswith("not supported yet") for p in n.problems), (profile, n.problems)
+            assert not n.fits
+            if m.gpus:      # the CUDA backend does not run qwen4exp yet
+                assert not n.supported
+                assert any(p.startswith("not supported yet") for p in n.problems), (profile, n.problems)
+            else:           # the CPU backend runs it, but not at this size
+                assert any(p.startswith("too large for the CPU backend") for p in n.problems), (profile, n.problems)
         assert recommend([assess(model, m) for model in catalog]).model.arch != "qwen4exp"
 
 

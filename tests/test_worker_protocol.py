@@ -1,7 +1,8 @@
 """The real worker as a subprocess, driven through its pipes (issue 2's protocol checks), on the CPU backend.
 
-The protocol checks run on a dense model and on a tiny model of each hybrid architecture (qwen3next, qwen35moe:
-recurrent layers, so prefix reuse goes through checkpoints), made by tools/make_moe.py once per test session.
+The protocol checks run on a dense model and on a tiny model of each hybrid architecture (qwen3next, qwen35moe,
+qwen4exp: recurrent layers, so prefix reuse goes through checkpoints), made by tools/make_moe.py once per test
+session.
 Every read has a deadline, so a worker that hangs fails the test instead of hanging the suite.
 """
 import os
@@ -25,10 +26,18 @@ WORKER = [sys.executable, str(ROOT / "strata_worker.py")]
 TIMEOUT = 120.0
 MODEL = "tiny-llama-legacy.gguf"
 # The model fixture's files: llama.cpp's reference model, and the hybrids' make_moe presets.
-ARCH = {"tiny-llama-legacy": "llama", "tiny-qwen3next": "qwen3next", "tiny-qwen35moe": "qwen35moe"}
-HYBRIDS = ("tiny-qwen3next", "tiny-qwen35moe")
+ARCH = {"tiny-llama-legacy": "llama", "tiny-qwen3next": "qwen3next", "tiny-qwen35moe": "qwen35moe",
+        "tiny-qwen4exp": "qwen4exp"}
+HYBRIDS = ("tiny-qwen3next", "tiny-qwen35moe", "tiny-qwen4exp")
 # The same protocol checks run against the CUDA backend on the GPU machine: STRATA_TEST_BACKEND=cuda.
 BACKEND = os.environ.get("STRATA_TEST_BACKEND", "cpu")
+
+
+def skip_unless_backend_runs(stem: str) -> None:
+    from engine.supported import runs_on
+    arch = ARCH.get(stem.removesuffix(".gguf"))
+    if arch is not None and not runs_on(arch, BACKEND):
+        pytest.skip(f"the {BACKEND} backend does not run {arch} (engine/supported.py)")
 
 
 class Worker:
@@ -113,6 +122,7 @@ def llama_model(fixtures_dir):
 
 @pytest.fixture(params=sorted(ARCH))
 def model(request, fixtures_dir):
+    skip_unless_backend_runs(request.param)
     if request.param in HYBRIDS:
         return request.getfixturevalue("hybrid_models") / f"{request.param}.gguf"
     return fixtures_dir / "reference" / f"{request.param}.gguf"
@@ -164,6 +174,7 @@ def test_ready_info_and_one_request_in_order(worker, model):
 
 @pytest.fixture(params=["tiny-llama-legacy.gguf", "tiny-qwen3moe-q4k.gguf", *HYBRIDS])
 def any_worker(request, fixtures_dir):
+    skip_unless_backend_runs(request.param)
     if request.param in HYBRIDS:
         path = request.getfixturevalue("hybrid_models") / f"{request.param}.gguf"
     else:
@@ -203,6 +214,7 @@ def _lines_to_done(w, line, until=("DONE", "ERR")):
 
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_hybrid_second_turn_resumes_from_a_checkpoint_like_a_cold_run(hybrid_models, name):
+    skip_unless_backend_runs(name)
     model = hybrid_models / f"{name}.gguf"
     long_prompt = [(i * 37 + 11) % 1000 for i in range(70)]
     w = Worker(model, "--prompt-chunk", "8", "--checkpoint-every", "32")
@@ -236,6 +248,26 @@ def test_hybrid_second_turn_resumes_from_a_checkpoint_like_a_cold_run(hybrid_mod
     finally:
         w.kill()
         cold.kill()
+
+
+def test_qwen4exp_info_before_done_counts_the_n_gram_rows(hybrid_models):
+    skip_unless_backend_runs("tiny-qwen4exp")
+    # the PLE table is read by rows through a bounded cache: each request's INFO says how often it hit
+    w = Worker(hybrid_models / "tiny-qwen4exp.gguf", "--prompt-chunk", "8")
+    try:
+        assert int(w.info["ple_row_cache_mib"]) > 0
+        first = _lines_to_done(w, gen(5, PROMPT))
+        info = protocol.parse_info(first[-2])
+        fed = len(PROMPT) + len(tokens(first)) - 1        # the last token sampled is not run
+        assert int(info["ple_row_lookups"]) == 16 * fed and 0 <= int(info["ple_row_hits"]) < 16 * fed
+        # another first token: read from nothing; the n-grams ending at 1022 and 87 are the first request's
+        # (1021 is this vocabulary's PLE EOS, which blanks what comes before it)
+        again = _lines_to_done(w, gen(1, [2, *PROMPT[:3]]))
+        assert again[0] == "RESUME 0"
+        info = protocol.parse_info(again[-2])
+        assert int(info["ple_row_lookups"]) == 16 * 4 and int(info["ple_row_hits"]) >= 16 * 2
+    finally:
+        w.kill()
 
 
 @pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])

@@ -31,8 +31,10 @@ from engine.quant_blocks import UE4M3
 from engine.quant_types import QT as Q, SIZES
 from tools import gptoss_plan
 from tools import hybrid_plan
+from tools import qwen4exp_plan
 from tools.hybrid_plan import Hybrid
 from tools.recipes import RECIPES, Hparams, apply_recipe, ftype_id
+from tools.qwen4exp_plan import Qwen4ExpShape
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB_DIR = ROOT.parent / "shared" / "fixtures" / "vocab"
@@ -171,6 +173,7 @@ class Shape:
     tied: bool                # no output.weight: token_embd is the output head
     vocab: str                # file name in the fixtures' vocab/ directory, or a path
     hybrid: Hybrid | None = None   # qwen3next / qwen35moe: the GDN layers and MTP blocks (tools/hybrid_plan.py)
+    q4exp: Qwen4ExpShape | None = None   # qwen4exp: HC, QSA, PLE and the rest (tools/qwen4exp_plan.py)
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,7 @@ class Preset:
     note: str
     zipf_s: float             # router norm exponent that puts this shape's routing on bench.routing's TARGET
     types: dict | None = None  # default quant type per size class where not make_moe's (the real files' types)
+    packs: bool = False        # --pack picks the types of one of the published files (tools/qwen4exp_plan.py)
 
 
 PRESETS: dict[str, Preset] = {
@@ -242,6 +246,26 @@ PRESETS: dict[str, Preset] = {
                                    Hybrid(4, 64, 2, 4, 16, n_nextn=1, rope_sections=(1, 1, 1, 1), pre="qwen35")),
                              "a few MB for tests: qwen35moe, as tiny-qwen3next with IMRoPE sections 1/1/1/1 and "
                              "the pre-tokenizer qwen35", 1.0),
+    # qwen4exp (tools/qwen4exp_plan.py). The tiny one: widths multiples of 256 but the HC rank (64: hc_*_up's rows
+    # take no K-quant, as the real rank 320's do not), GDN value heads 3 per key head as the real model's, a QSA
+    # budget of 32 tokens (8 blocks: prompts of a few dozen tokens cross into the sparse regime; --qsa-budget N), a
+    # 4096-row n-gram table, PLE's EOS the vocabulary's <|endoftext|>.
+    "tiny-qwen4exp": Preset(Shape("qwen4exp", 4, 256, 4, 2, 64, 0, 4, 2, 256, 256, 4096, 1e4, 1e-6, False,
+                                  "tiny-bpe-1024.gguf",
+                                  q4exp=Qwen4ExpShape(64, 128, 2, 6, 16, 4, 32, 32, 1021, ple_rows=4096,
+                                                      rope_sections=(3, 3, 2, 0))),
+                            "a few MB for tests: qwen4exp, 3 GDN layers (2/6 heads of 128) + 1 QSA layer (4/2 heads "
+                            "of 64, indexer 4 heads of 32, budget 32 tokens), 4 HC streams, PLE on layer 1 from a "
+                            "4096-row table, 4 experts (2 used) of 256 + a shared one", 1.0),
+    "qwen3.8-flash-next": Preset(Shape("qwen4exp", 48, 2560, 24, 2, 256, 0, 512, 10, 640, 640, 262144, 1e7, 1e-6,
+                                       False, "ggml-vocab-qwen2.gguf",
+                                       q4exp=Qwen4ExpShape(320, 128, 16, 48, 64, 4, 128, 2048, 248044,
+                                                           ple_image=248056, n_vocab=248320, pre="qwen35")),
+                                 "Qwen3.8-Flash-Next (qwen4exp): 48 layers (36 GDN of 16/48 heads of 128, 12 QSA "
+                                 "of 24/2 heads of 256 with a 2048-token indexer budget), 4 HC streams of 2560, 512 "
+                                 "experts (10 used) of 640 + a shared one, a 320M-row n-gram table; --pack picks a "
+                                 "published file's types (default q2_0)", 0.12,
+                                 qwen4exp_plan.pack_types(qwen4exp_plan.DEFAULT_PACK), packs=True),
 }
 ARCHES = ("llama", "qwen3moe", "qwen2moe", "qwen3", "qwen2", "gpt-oss")   # qwen3/qwen2: dense
 
@@ -321,6 +345,8 @@ def plan(shape: Shape, types: dict[str, Q], n_vocab: int) -> list[TensorSpec]:
     s = shape
     if s.hybrid:
         return hybrid_plan.plan(s, types, n_vocab, TensorSpec)
+    if s.q4exp:
+        return qwen4exp_plan.plan(s, types, n_vocab, TensorSpec)
     q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
     specs = [TensorSpec(_name(MT.TOKEN_EMBD), (n_vocab, s.n_embd), types["embd"], "embd", "head"),
              TensorSpec(_name(MT.OUTPUT_NORM), (s.n_embd,), types["norm"], "norm", "norm")]
@@ -367,6 +393,23 @@ def plan(shape: Shape, types: dict[str, Q], n_vocab: int) -> list[TensorSpec]:
 # --- tensor data ------------------------------------------------------------------------------------------------
 
 _CHUNK_BYTES = 32 << 20     # rows are generated in chunks of about this size, one random stream per chunk
+# A tensor bigger than this (qwen4exp's n-gram table: 29 GB in Q4_0) is made chunk by chunk as it is written.
+STREAM_BYTES = 2 << 30
+
+
+class Streamed:
+    """A tensor's bytes made as GGUFWriter.write_tensor_data writes them (its tofile), a batch of chunks at a time,
+    never whole in memory; the bytes are those tensor_bytes would return in one array."""
+
+    def __init__(self, nbytes: int, n_chunks: int, make, pool: ThreadPoolExecutor | None):
+        self.nbytes, self.n_chunks, self.make, self.pool = nbytes, n_chunks, make, pool
+
+    def tofile(self, f) -> None:
+        batch = 16
+        for lo in range(0, self.n_chunks, batch):
+            cs = range(lo, min(self.n_chunks, lo + batch))
+            for part in (self.pool.map(self.make, cs) if self.pool is not None else map(self.make, cs)):
+                part.tofile(f)
 
 
 def _router_norms(shape: Shape, layer: int, seed: int, zipf_s: float) -> np.ndarray:
@@ -376,7 +419,7 @@ def _router_norms(shape: Shape, layer: int, seed: int, zipf_s: float) -> np.ndar
 
 def _attn_gain(spec: TensorSpec, shape: Shape, attn_gain: float) -> float:
     """What --attn-gain multiplies this tensor by: qwen3moe's q/k norms, or the other archs' q/k projections."""
-    if shape.arch in ("qwen3moe", "qwen3") + hybrid_plan.HYBRID_ARCHS:
+    if shape.arch in ("qwen3moe", "qwen3", qwen4exp_plan.ARCH) + hybrid_plan.HYBRID_ARCHS:
         kinds = (MT.ATTN_Q_NORM, MT.ATTN_K_NORM)
     else:
         kinds = (MT.ATTN_Q, MT.ATTN_K)
@@ -384,8 +427,10 @@ def _attn_gain(spec: TensorSpec, shape: Shape, attn_gain: float) -> float:
 
 
 def tensor_bytes(spec: TensorSpec, index: int, shape: Shape, seed: int, zipf_s: float,
-                 pool: ThreadPoolExecutor | None = None, attn_gain: float = 1.0) -> np.ndarray:
-    """The raw bytes of one tensor, shape (rows, row_bytes). Depends only on (seed, index, spec), not on threads."""
+                 pool: ThreadPoolExecutor | None = None, attn_gain: float = 1.0,
+                 stream_bytes: int = STREAM_BYTES) -> np.ndarray | Streamed:
+    """The raw bytes of one tensor, shape (rows, row_bytes), or past stream_bytes a Streamed that writes the same
+    bytes. Depends only on (seed, index, spec), not on threads."""
     n_in = spec.shape[-1]
     n_rows = int(np.prod(spec.shape[:-1], dtype=np.int64)) if len(spec.shape) > 1 else 1
     gain = _attn_gain(spec, shape, attn_gain) if spec.layer >= 0 else 1.0
@@ -408,13 +453,21 @@ def tensor_bytes(spec: TensorSpec, index: int, shape: Shape, seed: int, zipf_s: 
     if spec.init == "shexp_gate":
         return random_rows(rng(0), spec.qtype, 1, n_in, 1.0 / np.sqrt(n_in))
     rms = HEAD_GAIN / np.sqrt(n_in) if spec.init == "head" else gain / np.sqrt(n_in)
-    out = np.empty((n_rows, row_bytes(spec.qtype, n_in)), np.uint8)
-    step = max(1, _CHUNK_BYTES // out.shape[1])
+    if spec.init == "ple_rows":   # 16 rows make one token's n-gram embedding: the token embedding's spread
+        rms = HEAD_GAIN / np.sqrt(shape.n_embd)
+    width = row_bytes(spec.qtype, n_in)
+    step = max(1, _CHUNK_BYTES // width)
+
+    def chunk(c: int) -> np.ndarray:
+        lo = c * step
+        return random_rows(rng(c), spec.qtype, min(n_rows, lo + step) - lo, n_in, rms)
+
+    if n_rows * width > stream_bytes:
+        return Streamed(n_rows * width, (n_rows + step - 1) // step, chunk, pool)
+    out = np.empty((n_rows, width), np.uint8)
 
     def fill(c: int) -> None:
-        lo = c * step
-        hi = min(n_rows, lo + step)
-        out[lo:hi] = random_rows(rng(c), spec.qtype, hi - lo, n_in, rms)
+        out[c * step:c * step + step] = chunk(c)
 
     chunks = range((n_rows + step - 1) // step)
     if pool is None or len(chunks) == 1:
@@ -483,7 +536,8 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
     w.add_context_length(s.n_ctx_train)
     w.add_embedding_length(s.n_embd)
     # mixtral-style llama MoE: feed_forward_length is the expert width (llama.cpp sizes *_exps by n_ff)
-    w.add_feed_forward_length(s.n_ff_exp if s.arch == "llama" and s.n_expert else s.n_ff)
+    if not s.q4exp:    # qwen4exp has no such key (its config has no intermediate_size)
+        w.add_feed_forward_length(s.n_ff_exp if s.arch == "llama" and s.n_expert else s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
     if s.arch != "llama" or s.head_dim * s.n_head != s.n_embd:
@@ -491,7 +545,7 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
         w.add_value_length(s.head_dim)
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.rms_eps)
-    w.add_rope_dimension_count(s.hybrid.n_rot if s.hybrid else s.head_dim)
+    w.add_rope_dimension_count(s.hybrid.n_rot if s.hybrid else s.q4exp.n_rot if s.q4exp else s.head_dim)
     if s.arch == "gpt-oss":
         gptoss_plan.add_metadata(w, shape)
     if s.n_expert:
@@ -499,11 +553,13 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
         w.add_expert_used_count(s.n_expert_used)
         if s.arch != "llama":
             w.add_expert_feed_forward_length(s.n_ff_exp)
-        if s.arch == "qwen2moe" or s.hybrid:
+        if s.arch == "qwen2moe" or s.hybrid or s.q4exp:
             w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
     if s.hybrid:
         hybrid_plan.metadata(w, s)
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
+    if s.q4exp:
+        qwen4exp_plan.metadata(w, s, n_vocab)
     if s.arch == "llama":
         w.add_vocab_size(n_vocab)
     # file_qtype: a type (uniform files) or a llama_ftype name (a --recipe's, e.g. MOSTLY_Q4_K_M)
@@ -520,7 +576,7 @@ def add_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, file_qtype: Q,
 
 # --- sizes, writing, CLI ----------------------------------------------------------------------------------------
 
-GROUPS = ("embd", "output", "attn", "ssm", "norm", "bias", "router", "ffn", "experts", "shexp", "mtp")
+GROUPS = ("embd", "output", "hc", "attn", "ssm", "norm", "bias", "router", "ffn", "experts", "shexp", "mtp", "ple")
 
 
 def size_table(specs: list[TensorSpec]) -> str:
@@ -574,8 +630,8 @@ def shape_vocab(shape: Shape) -> list:
         vocab = gptoss_plan.harmony_vocab(shape, read_vocab(_resolve_vocab(gptoss_plan.BASE_VOCAB)))
     else:
         vocab = read_vocab(_resolve_vocab(shape.vocab))
-    if shape.hybrid:
-        vocab = hybrid_plan.adjust_vocab(vocab, shape.hybrid)
+    if shape.hybrid or shape.q4exp:
+        vocab = hybrid_plan.adjust_vocab(vocab, shape.hybrid or shape.q4exp)
     return vocab
 
 
@@ -716,9 +772,24 @@ def build_parser() -> argparse.ArgumentParser:
                                  ("attn", "Q4_K", "attn_q/k/v/output"),
                                  ("ffn", "Q4_K", "a dense llama's ffn_gate/up/down"),
                                  ("embd", "Q4_K", "token_embd"), ("output", "Q4_K", "output (the head)"),
-                                 ("norm", "F32", "the RMSNorm weights: F32, F16 or BF16; llama.cpp expects F32")):
+                                 ("norm", "F32", "the RMSNorm weights: F32, F16 or BF16; llama.cpp expects F32"),
+                                 ("hc", "BF16", "qwen4exp's hyper-connection matrices, hc_* and output_hc_*"),
+                                 ("ple", "BF16", "qwen4exp's n-gram table, per_layer_token_embd")):
         ap.add_argument(f"--{group}", type=_qtype, default=_qtype(default), metavar="TYPE",
                         help=f"{what} (default {default})")
+    q4 = ap.add_argument_group("qwen4exp")
+    q4.add_argument("--pack", choices=sorted(qwen4exp_plan.PACKS),
+                    help="qwen3.8-flash-next: every tensor's type as in that published file (default "
+                         f"{qwen4exp_plan.DEFAULT_PACK}; the flags above override a class); Q2_0 is sized by "
+                         "--dry-run but cannot be written until the engine's quant-type table has it")
+    q4.add_argument("--qsa-budget", type=int, metavar="N",
+                    help="the QSA indexer budget in tokens (attention.indexer.top_k, a multiple of the block of 4): "
+                         "prompts longer than it leave dense attention")
+    q4.add_argument("--ple-rows", type=int, metavar="N",
+                    help="an n-gram table of at most N rows (the 16 hash heads' primes from the largest base that "
+                         "fits) instead of the published 320,001,536: every n-gram then hashes to other rows of a "
+                         "table as random as the full one, more n-grams share a row, each token still reads 16 rows, "
+                         "no other tensor changes; a run sees a smaller file and a higher row-cache hit rate")
     return ap
 
 
@@ -730,6 +801,15 @@ def resolve_shape(args: argparse.Namespace) -> Shape:
             s = replace(s, n_expert=0, n_expert_used=0, rope_base=10000.0)   # llama means dense unless asked
         if args.arch in ("qwen3", "qwen2"):
             s = replace(s, n_expert=0, n_expert_used=0)
+    if (args.qsa_budget is not None or args.ple_rows is not None) and not s.q4exp:
+        raise SystemExit("make_moe: --qsa-budget and --ple-rows go with the qwen4exp presets")
+    if args.qsa_budget is not None:
+        if args.qsa_budget <= 0 or args.qsa_budget % s.q4exp.compress_ratio:
+            raise SystemExit(f"make_moe: --qsa-budget must be a positive multiple of {s.q4exp.compress_ratio} "
+                             f"tokens (whole indexer blocks), not {args.qsa_budget}")
+        s = replace(s, q4exp=replace(s.q4exp, qsa_budget=args.qsa_budget))
+    if args.ple_rows is not None:
+        s = replace(s, q4exp=replace(s.q4exp, ple_rows=args.ple_rows))
     if args.n_layer is not None:
         s = replace(s, n_layer=args.n_layer)
     if args.n_expert is not None:
@@ -773,8 +853,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The arguments, a preset's own default types (gpt-oss: the published files') under the flags given."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    if PRESETS[args.preset].types:
-        ap.set_defaults(**PRESETS[args.preset].types)
+    p = PRESETS[args.preset]
+    types = p.types
+    if args.pack and not p.packs:
+        raise SystemExit(f"make_moe: --pack goes with {', '.join(k for k, v in PRESETS.items() if v.packs)}")
+    if args.pack and args.recipe:
+        raise SystemExit("make_moe: pass --pack (a published file's types) or --recipe (llama-quantize's), not both")
+    if p.packs:
+        # --recipe starts, as llama-quantize does, from the converter's file: BF16, the routers F32
+        types = qwen4exp_plan.pack_types(args.pack or qwen4exp_plan.DEFAULT_PACK) if not args.recipe else \
+            {g: Q.BF16 for g in ("experts", "shexp", "attn", "embd", "output", "hc", "ple")}
+    if types:
+        ap.set_defaults(**types)
         args = ap.parse_args(argv)
     return args
 
@@ -792,7 +882,9 @@ def main(argv: list[str] | None = None) -> int:
         args.attn_gain = routing_gain(args.routing, shape.arch)
     vocab = shape_vocab(shape)
     n_vocab = next(len(v) for k, v, _ in vocab if k == "tokenizer.ggml.tokens")
-    types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm")}
+    types = {g: getattr(args, g) for g in ("experts", "shexp", "attn", "ffn", "embd", "output", "norm", "hc", "ple")}
+    # a pack's classes that no flag sets (qwen4exp_plan.plan's experts_down, router, ...)
+    types |= {g: getattr(args, g) for g in qwen4exp_plan.PACK_ONLY if hasattr(args, g)}
     if types["norm"] not in FLOAT_TYPES:
         raise SystemExit(f"make_moe: --norm must be F32, F16 or BF16 (norms are 1-D), not {types['norm'].name}")
     specs = shape_plan(shape, types, n_vocab)

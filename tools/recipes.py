@@ -64,10 +64,10 @@ def more_bits(i: int, n: int) -> bool:
 
 
 def quantizable(name: str, n_dims: int) -> bool:
-    """What llama-quantize quantizes at all: 2-D and 3-D weights, except norms, expert routers and the hybrids'
-    short conv1d kernels (ssm_conv1d)."""
+    """What llama-quantize quantizes at all: 2-D and 3-D weights, except norms, expert routers, the hybrids'
+    short conv1d kernels (ssm_conv1d) and qwen4exp's QSA indexer projections."""
     return (n_dims >= 2 and name.endswith("weight") and "_norm.weight" not in name
-            and "ffn_gate_inp.weight" not in name and "ssm_conv1d" not in name)
+            and "ffn_gate_inp.weight" not in name and "ssm_conv1d" not in name and ".indexer." not in name)
 
 
 def category(name: str) -> str:

@@ -197,6 +197,16 @@ class Transformer:
     def new_cache(self, max_context: int) -> KVCache:
         return KVCache(self.cfg, max_context)
 
+    # What a family counts beyond the experts (qwen4exp: its n-gram row cache), for the backend's INFO lines.
+    def info(self) -> dict:
+        return {}
+
+    def request_info(self) -> dict:
+        return {}
+
+    def reset_stats(self) -> None:
+        pass
+
     def warm(self) -> None:
         """Dequantize every dense weight now, so that the first request does not pay for it."""
         for name in self.model.tensor_names():
