@@ -3,12 +3,12 @@
 // Contract (cuda-engine codes against this; owner: cuda-kernels)
 // ---------------------------------------------------------------
 // For every supported ggml type T with ggml type id Q (STRATA_Q_* below: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, MXFP4):
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, MXFP4, Q2_0, Q1_0, NVFP4):
 //
 //   template <int Q> struct QTraits { static constexpr int QK; static constexpr int BYTES; };  // elements/bytes per block
 //   template <int Q> QFN void dequant8(const uint8_t* __restrict__ block, int j, float (&v)[8]);
-//       elements j*8 .. j*8+7 of one block (0 <= j < QK/8), as gguf.quants.dequantize computes them (up to fp32
-//       rounding: nvcc may fuse a*b+c into one fma).
+//       elements j*8 .. j*8+7 of one block (0 <= j < QK/8), as engine.quant_types.dequantize computes them (up to
+//       fp32 rounding: nvcc may fuse a*b+c into one fma; Q2_0, Q1_0 and NVFP4 have no such sum and are bit-exact).
 //   template <int Q> QFN float dot_row(const uint8_t* __restrict__ row, const float* __restrict__ x, int ncols, int lane);
 //       THIS LANE's partial of dot(row, x); the caller sums the 32 lanes (strata_warp_sum) to get the row's dot.
 //   template <int Q, int NV> QFN void dot_row_nv(const uint8_t* row, const float* x, int ldx, int ncols, int lane,
@@ -18,6 +18,8 @@
 // Layout and alignment: a row is ncols/QK blocks back to back (ggml layout: weight rows = output features, contiguous
 // along the input dimension); ncols must be a multiple of QK. Row pointers must be 16-byte aligned (GGUF aligns tensor
 // data to 32 bytes and every K-quant row is a multiple of 16 bytes; expert slabs must keep that), x 16-byte aligned.
+// The blocks of the 18-byte types (Q4_0, IQ4_NL, Q2_0, Q1_0) and NVFP4's may sit at any even address, MXFP4's at any
+// address (an expert blob's up and down start after gate's rows, whose bytes need not be a multiple of 4).
 // F32/F16/BF16 have no blocks in ggml (block size 1); here they use pseudo-blocks of 8 elements (QK=8) so every type
 // has the same shape; a float row is still just ncols values.
 //
@@ -78,6 +80,9 @@ typedef signed char int8_t;
 #define STRATA_Q_IQ4_XS 23
 #define STRATA_Q_BF16 30
 #define STRATA_Q_MXFP4 39
+#define STRATA_Q_NVFP4 40
+#define STRATA_Q_Q1_0 41
+#define STRATA_Q_Q2_0 42
 
 template <int Q> struct QTraits;
 #define STRATA_TRAITS(T, qk, bytes) \
@@ -103,6 +108,9 @@ STRATA_TRAITS(IQ3_S, 256, 110)
 STRATA_TRAITS(IQ4_NL, 32, 18)
 STRATA_TRAITS(IQ4_XS, 256, 136)
 STRATA_TRAITS(MXFP4, 32, 17)
+STRATA_TRAITS(Q2_0, 64, 18)
+STRATA_TRAITS(Q1_0, 128, 18)
+STRATA_TRAITS(NVFP4, 64, 36)
 #undef STRATA_TRAITS
 
 // ---- scalar helpers -------------------------------------------------------------------------------------------------
@@ -124,6 +132,14 @@ QFN float strata_h2f(uint16_t h) {
     float f; memcpy(&f, &bits, 4); return f;
 #else
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+#endif
+}
+
+QFN uint32_t strata_f2u(float f) {
+#if defined(STRATA_HOST)
+    uint32_t u; memcpy(&u, &f, 4); return u;
+#else
+    return __float_as_uint(f);
 #endif
 }
 
@@ -204,7 +220,8 @@ QFN void ld8_a1(const uint8_t* p, uint32_t& a, uint32_t& b) {
 QFN float h2f_at(const uint8_t* p) { return strata_h2f(ld2(p)); }
 
 // 8 bytes at a 2-byte-aligned address in two or three loads, never past p+8. For 256-element blocks every lane of a
-// step reads the same block, so the branch is uniform across the warp.
+// step reads the same block, and NVFP4's 36-byte blocks of a row are all alike mod 4, so the branch is uniform across
+// the warp.
 QFN void ld8_blk(const uint8_t* p, uint32_t& a, uint32_t& b) {
 #if defined(STRATA_HOST)
     ld8_a2(p, a, b);
@@ -392,6 +409,65 @@ template <> QFN void dequant8<STRATA_Q_MXFP4>(const uint8_t* __restrict__ b, int
     uint32_t h[4];
     strata_e2m1x4(q0 >> sh, h[0], h[1]);
     strata_e2m1x4(q1 >> sh, h[2], h[3]);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        v[2 * k] = d * strata_h2f((uint16_t)(h[k] & 0xffff));
+        v[2 * k + 1] = d * strata_h2f((uint16_t)(h[k] >> 16));
+    }
+}
+
+// ---- Q2_0, Q1_0, NVFP4 (llama.cpp 0c1e570; engine/quant_blocks.py is the reference) ---------------------------------
+
+// Q2_0: d @0, qs[16] @2, 64 elements; element i is bits 2(i%4) of qs[i/4], w = (q - 1) d. Chunk j is the 16 bits at
+// 2 + 2j. Element k is read in place as the float 2^23 + q 4^(k%4) (one and-or: the chunk's high byte shifted down
+// once), so (f - 2^23 - 4^(k%4)) * (d / 4^(k%4)) = (q - 1) d: both factors exact (d / 64 is a normal float even for
+// a subnormal fp16 d), hence the reference's one rounding, with no conversion and no per-element shift.
+template <> QFN void dequant8<STRATA_Q_Q2_0>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    const float d = h2f_at(b);
+    const uint32_t u = ld2(b + 2 + 2 * j);
+    const float dk[4] = {d, d * 0.25f, d * 0.0625f, d * 0.015625f};
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int s = 2 * (k & 3);
+        const uint32_t q = (k < 4 ? u : u >> 8) & (3u << s);
+        v[k] = (strata_u2f(0x4B000000u | q) - (8388608.f + (float)(1 << s))) * dk[k & 3];
+    }
+}
+
+// Q1_0: d @0, qs[16] @2, 128 elements; element i is bit i%8 of qs[i/8], w = bit ? d : -d. Chunk j is byte 2 + j; a
+// clear bit flips d's sign bit (the reference's -d, NaN included).
+template <> QFN void dequant8<STRATA_Q_Q1_0>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    const uint32_t d = strata_f2u(h2f_at(b)), neg = ~(uint32_t)b[2 + j];
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = strata_u2f(d ^ ((neg << (31 - k)) & 0x80000000u));
+}
+
+// UE4M3 (NVFP4's scale: 4 exponent bits, bias 7, 3 mantissa bits) to float, halved as ggml_ue4m3_to_fp32's E2M1
+// values are doubled. Its low 7 bits moved up to fp16's exponent and mantissa are the same number times 2^-8,
+// subnormals included, so one fp16 conversion and an exact scaling decode it; ggml ignores the top bit and reads 0x7F
+// (E4M3's NaN) as zero.
+QFN float strata_ue4m3_half(uint32_t x) {
+    return x == 0x7Fu ? 0.f : strata_h2f((uint16_t)((x & 0x7Fu) << 7)) * 128.f;
+}
+
+// strata_e2m1x4 with code 8 (E2M1's -0) as +0: ggml's table has one zero, and the NVFP4 reference's floats carry its
+// sign. A byte's sign bit is kept where its magnitude m is not 0 (m + 0x7F reaches bit 7; no carry leaves the byte).
+QFN void strata_e2m1x4_pz(uint32_t q, uint32_t& lo, uint32_t& hi) {
+    const uint32_t m = q & 0x07070707u, s = ((q & 0x08080808u) << 4) & (m + 0x7F7F7F7Fu);
+    lo = strata_prmt(STRATA_E2M1_F16HI_0_3, STRATA_E2M1_F16HI_4_7, m << 4) | strata_prmt(s, 0u, 0x1404u);
+    hi = strata_prmt(STRATA_E2M1_F16HI_0_3, STRATA_E2M1_F16HI_4_7, m >> 12) | strata_prmt(s, 0u, 0x3424u);
+}
+
+// NVFP4: 4 UE4M3 scales @0 (one per 16 elements), qs[32] @4, 64 elements; sub-block s: element i < 8 is the low
+// nibble of qs[8s + i], i + 8 its high nibble. Chunk j: the 8 bytes at 4 + 8(j/2), nibble shift (j%2)*4. The codes
+// are MXFP4's; scale times code is exact (4 significant bits each), as in the reference.
+template <> QFN void dequant8<STRATA_Q_NVFP4>(const uint8_t* __restrict__ b, int j, float (&v)[8]) {
+    const float d = strata_ue4m3_half(b[j >> 1]);
+    uint32_t q0, q1; ld8_blk(b + 4 + (j >> 1) * 8, q0, q1);
+    const int sh = (j & 1) * 4;
+    uint32_t h[4];
+    strata_e2m1x4_pz(q0 >> sh, h[0], h[1]);
+    strata_e2m1x4_pz(q1 >> sh, h[2], h[3]);
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         v[2 * k] = d * strata_h2f((uint16_t)(h[k] & 0xffff));
@@ -636,4 +712,4 @@ QFN float strata_warp_sum(float v) {
 // Every type id above, for X-macro instantiation: STRATA_FOR_EACH_QTYPE(M) expands M(NAME) for each.
 #define STRATA_FOR_EACH_QTYPE(M) \
     M(F32) M(F16) M(BF16) M(Q4_0) M(Q4_1) M(Q5_0) M(Q5_1) M(Q8_0) M(Q2_K) M(Q3_K) M(Q4_K) M(Q5_K) M(Q6_K) \
-    M(IQ4_NL) M(IQ4_XS) M(IQ2_XXS) M(IQ2_XS) M(IQ2_S) M(IQ3_XXS) M(IQ3_S) M(MXFP4)
+    M(IQ4_NL) M(IQ4_XS) M(IQ2_XXS) M(IQ2_XS) M(IQ2_S) M(IQ3_XXS) M(IQ3_S) M(MXFP4) M(Q2_0) M(Q1_0) M(NVFP4)

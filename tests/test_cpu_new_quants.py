@@ -58,19 +58,26 @@ def test_cpu_backend_equals_exact_arithmetic(model):
     assert np.std(want) > 0.5                       # logits that say something (HEAD_GAIN spreads them)
 
 
-def test_cuda_backend_refuses_them_at_load(model):
-    """Before CuPy is imported or VRAM taken: the one line the worker prints (issue 35 brings the kernels)."""
-    import engine.cuda
+def test_cuda_backend_takes_them_and_still_refuses_a_type_without_kernels(model, tmp_path):
+    """The CUDA kernels read all three (issue 35): their files pass the load-time check. A type that still had no
+    kernel would be turned away before CuPy is imported or VRAM taken, with the one line the worker prints."""
+    from types import SimpleNamespace
+
     from engine.cuda.quant_types import refuse_kernelless
     from engine.gguf_model import ModelError
-    name, path = model
+    _, path = model
     m = open_model(path)
-    first = next(t.name for t in read_header(path).tensors if QT(t.type_id).name in MODELS)
-    with pytest.raises(ModelError, match=rf"tensor {first} is {m.tensor(first).qtype.name}, a quant type the CUDA "
-                                         rf"backend has no kernels for yet \(\d+ tensors of NVFP4, Q1_0, Q2_0\); "
-                                         rf"use --backend cpu until the CUDA kernels for it land$"):
-        engine.cuda.create_backend(m, 16)
-    refuse_kernelless(_q4k(path.parent))      # a file of kernel types passes
+    refuse_kernelless(m)
+    refuse_kernelless(_q4k(path.parent))
+    types = {n: m.tensor(n).qtype for n in m.tensor_names()}
+    first = next(n for n in types if "_exps." in n)
+    types[first] = QT.TQ1_0          # a ggml type the engine has no kernel for
+    fake = SimpleNamespace(path=tmp_path / "x.gguf", tensor_names=lambda: list(types),
+                           tensor=lambda n: SimpleNamespace(qtype=types[n]))
+    with pytest.raises(ModelError, match=rf"^x.gguf: tensor {first} is TQ1_0, a quant type the CUDA backend has no "
+                                         rf"kernels for yet \(1 tensors of TQ1_0\); use --backend cpu until the "
+                                         rf"CUDA kernels for it land$"):
+        refuse_kernelless(fake)
 
 
 def _q4k(d):

@@ -150,7 +150,7 @@ def tensor(name, rows, cols, rng):
             dequantize(raw, qtype(name).ggml).reshape(rows, cols))
 
 
-QTS = ("Q4_K", "Q8_0", "Q6_K", "F16")
+QTS = ("Q4_K", "Q8_0", "Q6_K", "F16", "Q2_0", "Q1_0", "NVFP4")
 
 
 @pytest.fixture(scope="module")

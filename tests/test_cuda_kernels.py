@@ -14,8 +14,10 @@ from engine.gguf_model import dequantize  # noqa: E402
 from gpu_compare import rel  # noqa: E402
 
 # Types whose blocks keep the loads quant.cuh makes aligned at any row length; every type's dot product and
-# dequantization is tests/test_cuda_quant.py's subject, these tests are about the kernels around them.
-QTS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_K", "Q4_K", "Q6_K")
+# dequantization is tests/test_cuda_quant.py's subject, these tests are about the kernels around them. NEW: issue 35's
+# types (64- and 128-value blocks, 18 and 36 bytes), in every kernel that reads a quantized row.
+NEW = ("Q2_0", "Q1_0", "NVFP4")
+QTS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_K", "Q4_K", "Q6_K", *NEW)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def test_mv_epilogues(K, name, rows, cols, rpw):
         assert rel_to(y.get(), y0 + (ref + bias) * gate, np.abs(y0) + (scale + np.abs(bias)) * gate) < 1e-5
 
 
-@pytest.mark.parametrize("name", ("Q4_K", "Q8_0", "Q6_K"))
+@pytest.mark.parametrize("name", ("Q4_K", "Q8_0", "Q6_K", *NEW))
 @pytest.mark.parametrize("rows,cols,norm", [(5, 256, False), (200, 1024, True), (9, 4096, True)])
 def test_swiglu_mv(K, name, rows, cols, norm):
     rng = np.random.default_rng()
@@ -217,7 +219,8 @@ def test_router_topk(K, n_expert, k, renorm, spread):
     assert int(stats.get()[1]) == T * k
 
 
-@pytest.mark.parametrize("qg,qd", [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q8_0", "Q5_K")])
+@pytest.mark.parametrize("qg,qd", [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q8_0", "Q5_K"), ("Q2_0", "Q2_0"),
+                                   ("Q1_0", "Q1_0"), ("NVFP4", "NVFP4"), ("Q2_0", "Q4_K")])
 @pytest.mark.parametrize("n_embd,n_ff,k,T", [(256, 256, 2, 1), (512, 768, 8, 1), (256, 512, 4, 3),
                                              (4096, 256, 2, 1), (256, 1024, 8, 1)])
 def test_moe_through_table(K, qg, qd, n_embd, n_ff, k, T):
@@ -291,7 +294,8 @@ def test_moe_through_table(K, qg, qd, n_embd, n_ff, k, T):
         cp.cuda.runtime.freeHost(hp)
 
 
-@pytest.mark.parametrize("qg,qu", [("Q4_K", "Q5_K"), ("Q6_K", "Q4_K"), ("F16", "Q6_K"), ("Q8_0", "Q4_K")])
+@pytest.mark.parametrize("qg,qu", [("Q4_K", "Q5_K"), ("Q6_K", "Q4_K"), ("F16", "Q6_K"), ("Q8_0", "Q4_K"),
+                                   ("Q2_0", "NVFP4"), ("Q1_0", "Q2_0")])
 @pytest.mark.parametrize("n_embd,n_ff,k,T", [(256, 256, 2, 1), (512, 768, 8, 1), (256, 512, 4, 3)])
 def test_moe_proj_gate_and_up_of_two_types(K, qg, qu, n_embd, n_ff, k, T):
     """moe_proj's two launches (gate: h = g, then up: h = silu(h) * u) for a layer whose gate and up differ in quant
@@ -355,7 +359,7 @@ def test_argmax(K, n):
     out.close()
 
 
-@pytest.mark.parametrize("name", ("Q4_K", "Q8_0", "Q5_K"))
+@pytest.mark.parametrize("name", ("Q4_K", "Q8_0", "Q5_K", *NEW))
 @pytest.mark.parametrize("n0,n1,n2,bias,cols", [(256, 64, 64, False, 512), (4096, 512, 512, True, 2048),
                                                 (33, 7, 5, True, 512)])
 @pytest.mark.parametrize("norm", [False, True])
@@ -379,7 +383,7 @@ def test_mv3(K, name, n0, n1, n2, bias, cols, norm):
         assert rel_to(y.get(), ref, np.abs(Wd) @ np.abs(xin) + (np.abs(b.get()) if bias else 0)) < 1e-5
 
 
-@pytest.mark.parametrize("name", ("F32", "Q8_0", "Q4_K"))
+@pytest.mark.parametrize("name", ("F32", "Q8_0", "Q4_K", *NEW))
 @pytest.mark.parametrize("n_expert,k,ncols,renorm", [(8, 2, 256, 1), (128, 8, 2048, 1), (60, 4, 512, 0),
                                                      (512, 16, 1024, 1), (128, 8, 4608, 0)])
 def test_router_fused(K, name, n_expert, k, ncols, renorm):
@@ -442,7 +446,11 @@ MANY = [(("Q4_K",) * 4, (4096, 512, 512, 4096), 2048, 0),
         (("Q8_0", "F16", "Q8_0", "Q8_0"), (33, 7, 5, 3), 512, 2),
         (("Q4_K", "Q6_K", "Q4_K", "Q4_K"), (130, 6, 64, 3), 256, 4),      # mixed: the conv's matrix second
         (("Q4_K", "Q4_K", "Q6_K", "Q4_K"), (8192, 4096, 32, 32), 2048, 4),
-        (("F32", "F32", "F32", "F32"), (1, 130, 2, 9), 256, 8)]
+        (("F32", "F32", "F32", "F32"), (1, 130, 2, 9), 256, 8),
+        (("Q2_0", "Q8_0", "Q2_0", "Q2_0"), (4096, 512, 512, 4096), 2048, 0),    # the q2_0 recipe's attention
+        (("Q8_0", "Q2_0", "Q2_0", "Q2_0"), (130, 6, 64, 3), 256, 4),
+        (("NVFP4", "Q1_0", "Q1_0", None), (33, 7, 5, 0), 1024, 2),
+        (("Q1_0", "NVFP4", "NVFP4", "NVFP4"), (8192, 4096, 32, 32), 2048, 4)]
 
 
 @pytest.mark.parametrize("names,rows,cols,d_conv", MANY)

@@ -699,7 +699,7 @@ def _top_k(logits, k):
 
 
 @gpu
-@pytest.mark.parametrize("name", ["F32", "F16", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("name", ["F32", "F16", "Q8_0", "Q4_K", "Q2_0", "Q1_0", "NVFP4"])
 @pytest.mark.parametrize("n_embd,n_expert,k", [(256, 8, 2), (2048, 128, 8), (1024, 512, 16), (768, 60, 4),
                                                (4608, 128, 8)])
 def test_predict_matches_numpy(name, n_embd, n_expert, k):
@@ -785,7 +785,7 @@ def test_predict_ranks_logits_far_below_the_max():
 
 
 @gpu
-@pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_K", "Q2_0", "Q1_0", "NVFP4"])
 @pytest.mark.parametrize("n_embd,n_expert,k,renorm", [(2048, 128, 8, 1), (768, 60, 4, 0), (1024, 512, 16, 1),
                                                       (4608, 128, 8, 0), (256, 8, 2, 1)])
 def test_router_predict_matches_router_and_predict(name, n_embd, n_expert, k, renorm):

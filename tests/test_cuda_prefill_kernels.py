@@ -11,9 +11,10 @@ from engine.cuda import kernels  # noqa: E402
 from engine.cuda.launch import F32, I32, I64, NULL  # noqa: E402
 from engine.cuda.quant_types import NAMES, qtype, random_rows  # noqa: E402
 from engine.gguf_model import dequantize  # noqa: E402
+from engine.quant_blocks import UE4M3, fp32_to_ue4m3  # noqa: E402
 from gpu_compare import rel  # noqa: E402
 
-QTS = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+QTS = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q2_0", "Q1_0", "NVFP4")
 ALIGN = 256
 
 
@@ -71,7 +72,8 @@ def test_moe_sort(moe_mod, T, k, E):
 
 def scaled_rows(name, n_rows, ncols, rng, rms):
     """Random valid rows of type `name` whose dequantized values have about this root mean square: random_rows' fp16
-    block scales (or float values, or MXFP4's power-of-two exponents) rescaled after measuring. Raw random K-quant
+    block scales (or float values, MXFP4's power-of-two exponents, NVFP4's UE4M3 scales) rescaled after measuring.
+    Raw random K-quant
     blocks reach |w| ~ 50 (6-bit sub-scales times 4-bit quants), which no real model has and which overflows the fp16
     SwiGLU output; real expert weights have an RMS near 1/sqrt(n_in)."""
     q = qtype(name)
@@ -89,12 +91,14 @@ def scaled_rows(name, n_rows, ncols, rng, rms):
         if name == "MXFP4":
             shift = int(np.round(np.log2(s)))
             blocks[:, 0] = np.clip(blocks[:, 0].astype(np.int64) + shift, 1, 254).astype(np.uint8)
+        if name == "NVFP4":     # UE4M3 holds the raw scale, UE4M3 (the table) its half: 3 mantissa bits, rounded
+            blocks[:, :4] = fp32_to_ue4m3(2 * UE4M3[blocks[:, :4]] * np.float32(s))
         for off in q.f16_offsets:
             d = blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32) * s
             blocks[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
         raw = blocks.reshape(raw.shape)
     got = float(np.sqrt(np.mean(dequantize(raw, q.ggml).astype(np.float64) ** 2)))
-    assert abs(got / rms - 1) < (0.5 if name == "MXFP4" else 0.05), (name, got, rms)
+    assert abs(got / rms - 1) < {"MXFP4": 0.5, "NVFP4": 0.1}.get(name, 0.05), (name, got, rms)
     return raw
 
 
@@ -165,7 +169,8 @@ def test_grouped_expert_gemms_one_row_tile_per_pass(name):
     test_grouped_expert_gemms(moe_module([name], row_tiles=1), name, 300, 4, 8, 256, 768)
 
 
-MIXED = (("Q4_K", "Q5_K", "Q4_K"), ("Q6_K", "Q4_K", "Q6_K"), ("F16", "Q6_K", "F16"), ("Q8_0", "Q4_0", "Q4_K"))
+MIXED = (("Q4_K", "Q5_K", "Q4_K"), ("Q6_K", "Q4_K", "Q6_K"), ("F16", "Q6_K", "F16"), ("Q8_0", "Q4_0", "Q4_K"),
+         ("Q2_0", "NVFP4", "Q1_0"), ("Q1_0", "Q2_0", "Q2_0"))
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
-"""cuda_src/quant.cuh against gguf.quants.dequantize, for every quant type.
+"""cuda_src/quant.cuh against engine.quant_types.dequantize (gguf.quants, engine.quant_blocks), for every quant type.
 
 Host tests (no GPU): quant.cuh compiled for the CPU (STRATA_HOST) with g++/nvcc runs dequant8 and dot_row on fresh
 random blocks. GPU tests (marked gpu): dequant.cu (fp32 and fp16 outputs) and matvec.cu (1..8 vectors) on the device,
-outputs poisoned with NaN first, against gguf's dequantize and NumPy's matrix product.
+outputs poisoned with NaN first, against engine.quant_types' dequantize and NumPy's matrix product; Q2_0, Q1_0 and
+NVFP4 also against llama.cpp's own floats of its blocks (tests/fixtures/quants), bit for bit.
 """
 import os
 import shutil
@@ -11,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf.quants import dequantize
 
 from engine.cuda.kernels import CUDA_SRC
 from engine.cuda.quant_types import NAMES, qtype, random_rows
+from engine.quant_types import dequantize
 
 HOST_MAIN = r"""
 #define STRATA_HOST
@@ -95,6 +96,9 @@ def host_bin(tmp_path_factory):
     return _build_host(tmp_path_factory)
 
 
+NEW = ("Q2_0", "Q1_0", "NVFP4")       # issue 35's types
+
+
 def _sizes(name: str) -> list[tuple[int, int]]:
     qk = qtype(name).qk
     return [(1, qk), (3, 4 * qk), (5, 1024 if qk < 256 else 2048)]
@@ -104,26 +108,59 @@ def _ref(rows: np.ndarray, name: str) -> np.ndarray:
     return dequantize(rows, qtype(name).ggml).astype(np.float32).reshape(rows.shape[0], -1)
 
 
+def _run_host(exe, tmp_path, name, rows, x):
+    """The host build on rows (n_rows, row bytes) and x: every block's dequant8 as (n_rows, ncols), then each row's
+    dot_row and dot_rows with x."""
+    n_rows, ncols = rows.shape[0], x.size
+    rows.tofile(tmp_path / "in.bin")
+    x.tofile(tmp_path / "x.bin")
+    (tmp_path / "out.bin").write_bytes(b"\xff" * 8)  # stale bytes must be overwritten
+    subprocess.run([str(exe), str(qtype(name).id), str(ncols), str(tmp_path / "in.bin"), str(tmp_path / "x.bin"),
+                    str(tmp_path / "out.bin")], check=True)
+    out = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
+    assert out.size == n_rows * ncols + 2 * n_rows
+    n = n_rows * ncols
+    return out[:n].reshape(n_rows, ncols), out[n:n + n_rows], out[n + n_rows:]
+
+
 def _check_host(exe, tmp_path, name, sizes, rng):
-    q = qtype(name)
     for n_rows, ncols in sizes:
         rows = random_rows(name, n_rows, ncols, rng)
         x = rng.standard_normal(ncols, dtype=np.float32)
-        rows.tofile(tmp_path / "in.bin")
-        x.tofile(tmp_path / "x.bin")
-        (tmp_path / "out.bin").write_bytes(b"\xff" * 8)  # stale bytes must be overwritten
-        subprocess.run([str(exe), str(q.id), str(ncols), str(tmp_path / "in.bin"), str(tmp_path / "x.bin"),
-                        str(tmp_path / "out.bin")], check=True)
-        out = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
+        got, dots, dots2 = _run_host(exe, tmp_path, name, rows, x)
         ref = _ref(rows, name)
-        assert out.size == ref.size + 2 * n_rows
-        np.testing.assert_allclose(out[:ref.size].reshape(ref.shape), ref, rtol=1e-6, atol=0,
-                                   err_msg=f"{name} dequant8 {n_rows}x{ncols}")
+        if name in NEW:     # no sum in their decoding: the reference's float32 bits
+            np.testing.assert_array_equal(got, ref, err_msg=f"{name} dequant8 {n_rows}x{ncols}")
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=0, err_msg=f"{name} dequant8 {n_rows}x{ncols}")
         want = ref.astype(np.float64) @ x
         scale = np.abs(ref).astype(np.float64) @ np.abs(x)
-        dots, dots2 = out[ref.size:ref.size + n_rows], out[ref.size + n_rows:]
         assert np.all(np.abs(dots - want) <= 1e-5 * scale), f"{name} dot_row {n_rows}x{ncols}"
         assert np.all(np.abs(dots2 - want) <= 1e-5 * scale), f"{name} dot_rows {n_rows}x{ncols}"
+
+
+def _llama_blocks(name):
+    """llama.cpp's floats of blocks (tests/fixtures/quants, python -m tools.quant_fixtures): its random-block set
+    (fp16 scales of zero, subnormal, inf and NaN; every UE4M3 byte) and its blocks of float rows, one block a row."""
+    q = qtype(name)
+    f = np.load(Path(__file__).parent / "fixtures" / "quants" / "llama_blocks.npz")
+    blocks = np.concatenate([f[f"{name}_dequant_blocks"].reshape(-1), f[f"{name}_blocks"]]).reshape(-1, q.block_bytes)
+    y = np.concatenate([f[f"{name}_dequant_y"].reshape(-1), f[f"{name}_y"]]).reshape(-1, q.qk)
+    return blocks, y
+
+
+def _assert_llama_bits(got, want, what):
+    """NaN where llama.cpp has NaN (its payload may differ: fp16 conversions quiet a signalling NaN or not), the same
+    float32 bits everywhere else."""
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan, err_msg=f"{what}: NaN elsewhere than llama.cpp's")
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32), err_msg=what)
+
+
+@pytest.mark.parametrize("name", ["Q2_0", "Q1_0", "NVFP4"])
+def test_host_new_types_give_llamas_floats_bit_for_bit(host_bin, tmp_path, name):
+    blocks, want = _llama_blocks(name)
+    got, _, _ = _run_host(host_bin, tmp_path, name, blocks, np.ones(qtype(name).qk, np.float32))
+    _assert_llama_bits(got, want, f"{name} dequant8 of llama.cpp's blocks")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -254,7 +291,7 @@ def test_gpu_matvec_matches_numpy(cp, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "F16"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "F16", *NEW])
 def test_gpu_matvec_every_kernel_variant(cp, name):
     # every (rows per warp, vectors) kernel, with row counts that leave a partial block and a partial warp
     from bench.matvec import MATVEC_ROWS
@@ -269,7 +306,7 @@ def test_gpu_matvec_every_kernel_variant(cp, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "F16", "IQ2_XS"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "F16", "IQ2_XS", *NEW])
 def test_gpu_matvec_row_stride_skips_padding(cp, name):
     # rows inside a wider buffer (a slab with padding): bytes past each row are garbage the kernel must not read
     q = qtype(name)
@@ -319,3 +356,42 @@ def test_gpu_mxfp4_at_every_byte_offset(cp, n_rows, ncols):
         np.testing.assert_allclose(got[:-64], ref.reshape(-1), rtol=1e-6, atol=1e-6 * float(np.abs(ref).max()),
                                    err_msg=f"MXFP4 dequant at offset {off}, {n_rows}x{ncols}")
         assert np.isnan(got[-64:]).all(), "dequant_f32 wrote past its output"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NEW)
+def test_gpu_new_types_give_llamas_floats_at_even_offsets(cp, name):
+    # Q2_0's and Q1_0's 18-byte blocks and NVFP4's 36-byte ones start at any even address (a blob's up after an
+    # 18-byte type's gate rows: quant.cuh's contract): the blocks at buffer offsets 0 and 2 (NVFP4's 8-byte loads
+    # take ld8_blk's unaligned branch at 2). dequant_f32 of llama.cpp's own blocks (zero, subnormal, inf and NaN fp16
+    # scales; every UE4M3 byte) bit for bit; then mat-vecs of random rows, every rows-per-warp kernel.
+    from bench.matvec import MATVEC_ROWS, matvec_plan
+    from engine.cuda.kernels import quant_function
+    q = qtype(name)
+    blocks, want = _llama_blocks(name)
+    rng = np.random.default_rng()
+    n_rows, ncols = 45, 9 * q.qk          # rows of 9 blocks: every other row starts 2 bytes off a word for 18
+    rows = random_rows(name, n_rows, ncols, rng)
+    for off in (0, 2):
+        buf = np.full(blocks.size + 8, 0xFF, np.uint8)
+        buf[off:off + blocks.size] = blocks.reshape(-1)
+        src = cp.asarray(buf)[off:]
+        dst = cp.full(want.size + 64, np.nan, dtype=cp.float32)
+        quant_function("dequant", "dequant_f32", name)((max(1, want.size // 8 // 256 + 1),), (256,),
+                                                       (src, dst, np.int64(len(blocks))))
+        got = cp.asnumpy(dst)
+        _assert_llama_bits(got[:-64].reshape(want.shape), want, f"{name} dequant_f32 at offset {off}")
+        assert np.isnan(got[-64:]).all(), "dequant_f32 wrote past its output"
+        buf = np.full(rows.size + 8, 0xFF, np.uint8)
+        buf[off:off + rows.size] = rows.reshape(-1)
+        src = cp.asarray(buf)[off:]
+        for nv in (1, 2):
+            x = rng.standard_normal((nv, ncols), dtype=np.float32)
+            for r in MATVEC_ROWS[nv]:
+                kernel, grid, block, _ = matvec_plan(n_rows, nv, r)
+                yd = cp.full((nv, n_rows + 3), np.nan, dtype=cp.float32)
+                quant_function("matvec", kernel, name)(
+                    grid, block, (src, np.int64(rows.shape[1]), cp.asarray(x), np.int32(ncols), yd,
+                                  np.int32(n_rows + 3), np.int32(n_rows), np.int32(ncols)))
+                y = cp.asnumpy(yd)
+                _check_matvec(name, rows, x, y[:, :n_rows], y[:, n_rows:], f"offset {off} nv={nv} rows/warp={r}")

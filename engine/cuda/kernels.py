@@ -68,8 +68,10 @@ def _norm_defines(defines) -> tuple[tuple[str, str], ...]:
 
 
 # The compile test's pairs: the one-type kernels already compile every type's code, so these check the mixing itself
-# (Q4_K's own tile path on either side, a float type, an i-quant, a legacy quant).
-CHECK_PAIRS = (("Q4_K", "Q5_K"), ("Q6_K", "Q4_K"), ("BF16", "Q6_K"), ("IQ4_XS", "Q8_0"))
+# (Q4_K's own tile path on either side, a float type, an i-quant, a legacy quant, llama-quantize's q2_0 recipe's
+# attention, the 18- and 36-byte blocks of the newest types side by side).
+CHECK_PAIRS = (("Q4_K", "Q5_K"), ("Q6_K", "Q4_K"), ("BF16", "Q6_K"), ("IQ4_XS", "Q8_0"), ("Q2_0", "Q8_0"),
+               ("NVFP4", "Q1_0"))
 
 
 def type_pairs(qtypes=None, pairs=None) -> list[tuple[int, int]]:

@@ -1,18 +1,20 @@
 """The GGUF quant types the CUDA kernels handle: ids, block shapes, and valid random blocks for tests and generators.
 
-The kernels (cuda_src/quant.cuh) use the same ids as ggml; block sizes come from gguf's own table, except that
-F32/F16/BF16 (block size 1 in ggml) use pseudo-blocks of 8 elements in the kernels, so every row is a whole number of
-8-element chunks. The engine reads more types than this (engine.quant_types.READ_TYPES: Q2_0, Q1_0 and NVFP4 have
-no kernels yet, issue 35); refuse_kernelless turns such a file away at load with one line.
+The kernels (cuda_src/quant.cuh) use the same ids as ggml; block sizes come from engine.quant_types.SIZES (gguf's
+table plus Q2_0), except that F32/F16/BF16 (block size 1 in ggml) use pseudo-blocks of 8 elements in the kernels, so
+every row is a whole number of 8-element chunks. Every type the engine reads (engine.quant_types.READ_TYPES) has
+kernels, Q2_0, Q1_0 and NVFP4 included; refuse_kernelless still turns away, at load and with one line, a file holding
+a type that would have none.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from engine.gguf_model import ModelError
+from engine.quant_blocks import fp32_to_ue4m3
+from engine.quant_types import QT, SIZES
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,9 @@ class QType:
     f16_offsets: tuple     # byte offsets of the fp16 scales inside a block (kept sane in random blocks)
 
     @property
-    def ggml(self) -> T:
-        return T[self.name]
+    def ggml(self) -> QT:
+        """The engine's enum member (gguf's by value; Q2_0 only there): what engine.quant_types.dequantize takes."""
+        return QT[self.name]
 
     def row_bytes(self, ncols: int) -> int:
         if ncols % self.qk:
@@ -37,7 +40,7 @@ class QType:
 _F16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
-    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
+    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "Q2_0": (0,), "Q1_0": (0,),
 }
 
 _FLOAT_QK = 8
@@ -45,14 +48,14 @@ _FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 
 # The order here is the order of the kernels' instantiation lists.
 NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-         "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "MXFP4")
+         "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "MXFP4", "Q2_0", "Q1_0", "NVFP4")
 
 
 def _make(name: str) -> QType:
     if name in _FLOAT_BYTES:
-        return QType(name, int(T[name]), _FLOAT_QK, _FLOAT_QK * _FLOAT_BYTES[name], ())
-    qk, nbytes = GGML_QUANT_SIZES[T[name]]
-    return QType(name, int(T[name]), qk, nbytes, _F16_FIELDS.get(name, ()))
+        return QType(name, int(QT[name]), _FLOAT_QK, _FLOAT_QK * _FLOAT_BYTES[name], ())
+    qk, nbytes = SIZES[QT[name]]
+    return QType(name, int(QT[name]), qk, nbytes, _F16_FIELDS.get(name, ()))
 
 
 QTYPES: dict[str, QType] = {n: _make(n) for n in NAMES}
@@ -84,7 +87,8 @@ def refuse_kernelless(model) -> None:
 
 def random_rows(t, n_rows: int, ncols: int, rng: np.random.Generator, scale: float = 0.02) -> np.ndarray:
     """Random valid quantized rows, shape (n_rows, row_bytes) uint8: random bytes with finite fp16 scales of about
-    `scale` (positive and negative), random e8m0 exponents near 2^-6 for MXFP4, normal values for the float types."""
+    `scale` (positive and negative), random e8m0 exponents near 2^-6 for MXFP4, UE4M3 scales of about `scale` for
+    NVFP4 (halved as decoded; at 0.02 normal and subnormal ones), normal values for the float types."""
     q = qtype(t)
     nb = q.row_bytes(ncols)
     if q.name == "F32":
@@ -97,6 +101,8 @@ def random_rows(t, n_rows: int, ncols: int, rng: np.random.Generator, scale: flo
     blocks = rng.integers(0, 256, size=(n_rows * ncols // q.qk, q.block_bytes), dtype=np.uint8)
     if q.name == "MXFP4":
         blocks[:, 0] = rng.integers(118, 126, size=blocks.shape[0], dtype=np.uint8)
+    if q.name == "NVFP4":
+        blocks[:, :4] = fp32_to_ue4m3(rng.uniform(0.5, 2.0, (blocks.shape[0], 4)) * scale)
     for off in q.f16_offsets:
         d = (rng.uniform(0.25, 1.0, blocks.shape[0]) * scale * rng.choice([-1.0, 1.0], blocks.shape[0]))
         blocks[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
