@@ -143,7 +143,7 @@ class Session:
         if d is not None:
             t0 = time.perf_counter()
             d.observe(tokens, (hidden if hidden is not None else self.backend.hidden()) if d.needs_hidden else None)
-            self.spec_stats.draft_s += time.perf_counter() - t0
+            self.spec_stats.observe_s += time.perf_counter() - t0
 
     def _checkpoint(self) -> None:
         store = self.checkpoints
@@ -263,7 +263,7 @@ class Session:
                 break
         win.keep(a + 1)
         sampler.advance(a + 1)
-        st.draft_s += t_draft
+        st.propose_s += t_draft
         self._fed(win.tokens[:a + 1], win.hidden[:a + 1] if win.hidden is not None else None)
         if d is not None:
             st.windows += 1

@@ -131,7 +131,8 @@ class SpecStats:
     offered: int = 0
     accepted: int = 0
     windows: int = 0
-    draft_s: float = 0.0            # seconds in the drafter (proposing and observing)
+    propose_s: float = 0.0          # seconds the drafter spent proposing the offered drafts
+    observe_s: float = 0.0          # and following the tokens the backend read
 
 
 class FixedWindow(WindowRule):
