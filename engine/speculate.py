@@ -8,11 +8,12 @@ that holds for sampled picks too: a pick is judged with draw spec.draws + i, and
 
 Rollback: the backend keeps window[:a + 1]. Without recurrent state, or with `rewinds_windows` (the backend kept the
 state after each position: engine/backend.py), that is truncate(). Otherwise the state was snapshotted before the
-window; it is restored and the a + 1 kept tokens are fed again. On cost: per-position states cost a state copy a
-position (the 80B shape's 75 MiB, about 0.02 ms of HBM writes on the GPU), a replay costs a second pass over the
-kept tokens (a whole step of weights read again, on the GPU and on the CPU alike), and only after a rejection. So the
-backends keep per-position states where the family's cache can (CPU: qwen3next.HybridCache), and the replay is the
-fallback for any family's snapshot/restore (the CUDA backend until its kernels keep them, and any other family).
+window; it is restored and the a + 1 kept tokens are fed again, one at a time (Window.keep says why). On cost:
+per-position states cost a state copy a position (the 80B shape's 75 MiB, about 0.02 ms of HBM writes on the GPU),
+a replay costs a second pass over the kept tokens (their weights read again, on the GPU and on the CPU alike), and
+only after a rejection. So the backends keep per-position states where the family's cache can (CPU:
+qwen3next.HybridCache), and the replay is the fallback for any family's snapshot/restore (the CUDA backend until its
+kernels keep them, and any other family).
 
 The rule (WindowRule): alpha, the chance that a draft is accepted when the ones before it were, from decayed counts
 of accepted drafts and of first rejections (prior one of each, decay 0.9 a window). A window with k drafts then
@@ -60,8 +61,11 @@ class Window:
         if self.snap is None:
             be.truncate(self.start + n)
         else:
+            # one token at a time: one-token decoding's arithmetic, so the state is the one plain decoding holds
+            # (a chunk would run the prompt pass: on CUDA fp16 GEMMs, whose state parts from it at near-ties)
             be.restore_state(self.snap)
-            be.forward(self.tokens[:n])
+            for t in self.tokens[:n]:
+                be.forward([t])
         if be.n_cached != self.start + n:
             raise RuntimeError(f"cutting a window back to {self.start + n} tokens left {be.n_cached}")
 
