@@ -1,5 +1,5 @@
-"""The MTP drafter (engine/drafters/mtp.py) against llama.cpp's draft-mtp (tests/fixtures/hybrid/*-f16-mtp.json, made
-by python -m tools.mtp_ref), and its own bookkeeping: a batch and single tokens agree, a cut back and a re-read agree
+"""The MTP drafter (engine/drafters/mtp.py) against llama.cpp's draft-mtp (tests/fixtures/mtp/*.json, made by
+python -m tools.mtp_ref), and its own bookkeeping: a batch and single tokens agree, a cut back and a re-read agree
 with a fresh read, a draft leaves the cache as the trunk's rows would have.
 
 On the F16 files llama.cpp's MTP logits were measured within 0.035 of ours at every one of the 340 prompt
@@ -18,7 +18,7 @@ from engine.gguf_model import open_model
 from engine.sampling import PickSpec
 from tools.mtp_ref import ARCHS, make_f16
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hybrid"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "mtp"
 MAX_DIFF = 0.1      # measured 0.035 (qwen3next) and 0.031; llama.cpp's F16 matmuls round activations
 
 

@@ -1,6 +1,6 @@
-"""Reference outputs of llama.cpp's MTP draft head for the hybrids' tiny models (tests/fixtures/hybrid/*-mtp.json).
+"""Reference outputs of llama.cpp's MTP draft head for the hybrids' tiny models (tests/fixtures/mtp/*.json).
 
-    python -m tools.mtp_ref [--out tests/fixtures/hybrid]
+    python -m tools.mtp_ref [--out tests/fixtures/mtp]
 
 For tiny-qwen3next and tiny-qwen35moe at F16 (written again by make_moe with the arguments of
 tests/fixtures/hybrid/tiny-<arch>-f16.json, whose prompts it reuses), tools/llama_mtp_worker.py runs llama.cpp
@@ -21,7 +21,8 @@ from pathlib import Path
 from tools import llama_ref, make_moe
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures" / "hybrid"
+FIXTURES = ROOT / "tests" / "fixtures" / "hybrid"       # the F16 references whose models and prompts it reuses
+OUT = ROOT / "tests" / "fixtures" / "mtp"
 WORKER = Path(__file__).resolve().parent / "llama_mtp_worker.py"
 ARCHS = ("qwen3next", "qwen35moe")
 N_DRAFT = 4
@@ -54,7 +55,7 @@ def record(model: Path, prompts: list[list[int]], n_draft: int = N_DRAFT) -> dic
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=FIXTURES)
+    ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--workdir", type=Path, default=ROOT / "data" / "cache" / "mtp_ref")
     args = ap.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
