@@ -45,12 +45,14 @@ class Session:
         self.checkpoints = (CheckpointStore(int(checkpoint_mib * 2**20))
                             if getattr(backend, "recurrent", False) else None)
         self.checkpoint_every = max(0, int(checkpoint_every))
-        # Speculation: the drafter follows self.tokens (observe/rewind); the rule sizes each window from the
-        # acceptance measured over the session's requests (a fixed rule: benches and tests).
+        # Speculation: the drafter follows self.tokens (observe/rewind); each request gets a fresh window rule that
+        # sizes its windows from the acceptance it measures (a given rule, e.g. FixedWindow, serves every request).
         self.drafter = drafter
         if drafter is not None and drafter.needs_hidden and not backend.keep_hidden(True):
             raise ValueError(f"the {drafter.name} drafter reads hidden rows, which the {backend.name} backend "
                              f"does not give")
+        self.fixed_rule = rule
+        self.max_window = max_window
         self.rule = rule or WindowRule(backend.window_cost, max_window)
         self.spec_stats = SpecStats()
 
@@ -168,6 +170,7 @@ class Session:
         sampler = Sampler(req.params)
         backend.reset_stats()
         self.spec_stats = SpecStats()
+        self.rule = self.fixed_rule or WindowRule(backend.window_cost, self.max_window)
 
         # Prefix reuse: the last prompt token is always run again, because its logits pick the first new token.
         common = _common_prefix(self.tokens, prompt, limit=len(prompt) - 1)
@@ -246,10 +249,10 @@ class Session:
         """Feed last and the drafts proposed after it (at most room of them), keep what the picks accept: the
         final picks, the accepted drafts' and the target's next one. A grammar takes one pick at a time."""
         d, st, rule = self.drafter, self.spec_stats, self.rule
-        t0 = time.perf_counter()
         k = 0 if d is None or constraint is not None else rule.drafts(room)
+        t0 = time.perf_counter()
         draft = d.propose(last, k, sampler) if k else None
-        t_draft = time.perf_counter() - t0
+        st.propose_s += time.perf_counter() - t0
         drafts = draft.tokens[:k] if draft is not None else []
         probs = tuple(zip(drafts, draft.probs)) if drafts and draft.probs is not None \
             and self.backend.judges_drafts else ()
@@ -263,13 +266,12 @@ class Session:
                 break
         win.keep(a + 1)
         sampler.advance(a + 1)
-        st.propose_s += t_draft
         self._fed(win.tokens[:a + 1], win.hidden[:a + 1] if win.hidden is not None else None)
         if d is not None:
             st.windows += 1
             st.offered += len(drafts)
             st.accepted += a
-            rule.record(len(drafts), win.accepted, time.perf_counter() - t0)
+            rule.record(len(drafts), win.accepted)
         return win.picks[:a + 1]
 
     def _pick(self, part, sampler: Sampler, constraint, logprobs: int | None) -> Pick:

@@ -15,17 +15,18 @@ only after a rejection. So the backends keep per-position states where the famil
 qwen3next.HybridCache), and the replay is the fallback for any family's snapshot/restore (the CUDA backend until its
 kernels keep them, and any other family).
 
-The rule (WindowRule): alpha, the chance that a draft is accepted when the ones before it were, from decayed counts
-of accepted drafts and of first rejections (prior one of each, decay 0.9 a window). A window with k drafts then
-yields E(k) = 1 + alpha + ... + alpha^k tokens and costs c(k): the measured seconds of an iteration with k drafts
-(drafting, the window, the rollback) over those of one without, once both were measured, else the backend's
-window_cost(k + 1). The next window takes the k (0..max_window - 1, and within what the request still needs) with
-the most tokens per cost, E(k) / c(k). When that is 0 but some window could pay at perfect acceptance, every 16th
-window still offers one draft, so a drafter that improves is noticed.
+The rule (WindowRule, one per request): alpha, the chance that a draft is accepted when the ones before it were,
+from decayed counts of accepted drafts and of first rejections (prior one of each, decay 0.9 a window). A window with
+k drafts then yields E(k) = 1 + alpha + ... + alpha^k tokens and costs c(k) = the backend's window_cost(k + 1) steps.
+The next window takes the k (0..max_window - 1, and within what the request still needs) with the most tokens per
+cost, E(k) / c(k). When that is 0 but some window could pay at perfect acceptance, every 16th window still offers one
+draft, so a drafter that improves is noticed. The rule reads acceptance only, never the clock, so a request's windows
+are a function of its tokens: with drafts drawn from a distribution (engine/sampling.py) a seeded request then
+still draws the same tokens every time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.backend import MAX_WINDOW, Backend
 from engine.sampling import Pick, PickSpec
@@ -82,13 +83,12 @@ def verify(backend: Backend, tokens: list[int], spec: PickSpec, hidden: bool = F
 
 @dataclass
 class WindowRule:
-    """The module docstring's rule. cost(n): a window of n tokens in one-token steps, before measurements."""
+    """The module docstring's rule. cost(n): a window of n tokens in one-token steps (None: n)."""
     cost: object = None             # callable n_tokens -> steps (Backend.window_cost)
     max_window: int = MAX_WINDOW
     decay: float = 0.9
     acc: float = 1.0                # decayed accepted drafts
     rej: float = 1.0                # decayed windows that ended in a rejection
-    seconds: dict = field(default_factory=dict)     # drafts offered -> EMA of an iteration's seconds
     _since_probe: int = 0
 
     def __post_init__(self):
@@ -100,9 +100,7 @@ class WindowRule:
         return self.acc / (self.acc + self.rej)
 
     def steps(self, k: int) -> float:
-        """What an iteration with k drafts costs in iterations without: measured, else the prior."""
-        if k in self.seconds and 0 in self.seconds and self.seconds[0] > 0:
-            return self.seconds[k] / self.seconds[0]
+        """What a window with k drafts costs in one-token steps."""
         return float(self.cost(k + 1)) if self.cost is not None else float(k + 1)
 
     def gain(self, k: int, alpha: float | None = None) -> float:
@@ -120,13 +118,11 @@ class WindowRule:
                 return 1
         return best
 
-    def record(self, offered: int, accepted_: int, seconds: float) -> None:
-        """One iteration: drafts offered and accepted, and its wall time."""
+    def record(self, offered: int, accepted_: int) -> None:
+        """One window: drafts offered and accepted."""
         if offered:
             self.acc = self.decay * self.acc + accepted_
             self.rej = self.decay * self.rej + (1.0 if accepted_ < offered else 0.0)
-        old = self.seconds.get(offered)
-        self.seconds[offered] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
 
 @dataclass

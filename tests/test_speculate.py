@@ -293,10 +293,10 @@ def test_accepted_counts_the_run_of_agreeing_picks():
 def test_the_rule_follows_acceptance_and_cost():
     rule = WindowRule(lambda n: 1.0 + 0.2 * (n - 1), 8)
     for _ in range(30):
-        rule.record(7, 7, 1.0)
+        rule.record(7, 7)
     assert rule.alpha > 0.95 and rule.drafts(100) == 7 and rule.drafts(3) == 3 and rule.drafts(0) == 0
     for _ in range(40):
-        rule.record(3, 0, 1.0)
+        rule.record(3, 0)
     assert rule.alpha < 0.1 and rule.drafts(100) == 0
     # at no acceptance it still offers one draft every 16th window, to notice a drafter that improves
     picks = [rule.drafts(100) for _ in range(32)]
@@ -304,20 +304,35 @@ def test_the_rule_follows_acceptance_and_cost():
     # one step a token (the default cost): no window can pay, so nothing is offered, not even a probe
     flat = WindowRule(None, 8)
     for _ in range(10):
-        flat.record(4, 4, 1.0)
+        flat.record(4, 4)
     assert [flat.drafts(100) for _ in range(40)] == [0] * 40
-
-
-def test_the_rule_prefers_measured_seconds():
-    rule = WindowRule(lambda n: 1.0, 8)         # the prior says windows are free
-    for _ in range(20):
-        rule.record(3, 1, 3.0)                   # they are not: a window of 3 drafts costs 3 plain steps
-        rule.record(0, 0, 1.0)
-    assert rule.steps(3) == pytest.approx(3.0) and rule.steps(5) == 1.0
-    a = rule.alpha
-    assert rule.gain(3) == pytest.approx((1 + a + a * a + a ** 3) / 3.0)
     with pytest.raises(ValueError):
         WindowRule(None, 9)
+
+
+def test_the_rule_takes_the_most_tokens_per_cost():
+    rule = WindowRule(lambda n: 1.0 + 0.5 * (n - 1), 8)
+    for _ in range(12):
+        rule.record(4, 3)                        # 3 of 4 accepted, then a rejection: alpha about 0.75
+    a = rule.alpha
+    gains = [sum(a ** i for i in range(k + 1)) / (1.0 + 0.5 * k) for k in range(8)]
+    assert rule.drafts(100) == int(np.argmax(gains)) and rule.gain(3) == pytest.approx(gains[3])
+    assert rule.steps(3) == 2.5
+
+
+def test_each_request_starts_its_own_rule(fixtures_dir):
+    """The rule reads acceptance only, from a fresh prior each request: a request's windows are a function of its
+    tokens, whatever ran before."""
+    model = open_model(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf")
+    be = CPUBackend(model, 256)
+    s = Session(be, eog_ids=(), drafter=NgramDrafter())
+    first = s.run(GenRequest(30, list(range(5, 25))), lambda ln: None)
+    r1 = s.rule
+    s.run(GenRequest(30, list(range(40, 70))), lambda ln: None)
+    again = s.run(GenRequest(30, list(range(5, 25))), lambda ln: None)
+    assert s.rule is not r1 and (again.drafts_offered, again.drafts_accepted) == \
+        (first.drafts_offered, first.drafts_accepted)
+    be.close()
 
 
 # --- drafters -------------------------------------------------------------------------------------------------
