@@ -12,7 +12,7 @@ Then each real drafter (n-gram; the MTP block where the model has one and the ba
 windows of 4: its own cost per draft token (proposing) and per token followed (observing), its acceptance noted as
 what it is on random weights. Where the backend can tell (CPU, through the forward's observer) each window's union
 of routed experts: summed over layers, and per token of the window (k per layer without any sharing).
-Makes the Qwen3-30B-A3B-shaped model with bench.decode's maker when --model is missing (CUDA).
+Makes --model with bench.decode's maker (--make-preset/-recipe/-routing) when it is missing (CUDA).
 """
 from __future__ import annotations
 
@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--model", type=Path, default=None,
-                    help="GGUF (default: bench.decode's Qwen3-30B-A3B-shaped model, made when missing; cpu: required)")
+                    help="GGUF, made with the --make-* settings when missing (default: bench.decode's "
+                         "Qwen3-30B-A3B-shaped model; cpu: an existing file)")
     ap.add_argument("--make-recipe", help="when --model is missing, make it in this llama-quantize recipe")
     ap.add_argument("--make-preset", default="qwen3-30b-a3b")
     ap.add_argument("--make-routing", choices=("trained", "spread"), default="trained")
@@ -167,11 +168,11 @@ def main(argv=None) -> int:
     log = lambda m: print(f"bench.spec: {m}", file=sys.stderr, flush=True)
     from engine.gguf_model import open_model
     path = a.model
-    if path is None:
-        if a.backend == "cpu":
-            raise SystemExit("bench.spec: --backend cpu needs --model (a tiny one: make_moe --preset tiny)")
+    if a.backend == "cpu" and (path is None or not path.is_file()):
+        raise SystemExit("bench.spec: --backend cpu needs an existing --model (a tiny one: make_moe --preset tiny)")
+    if path is None or not path.is_file():
         from bench.decode import DEFAULT_MODEL, make_model
-        path = DEFAULT_MODEL
+        path = path or DEFAULT_MODEL
         if not path.is_file():
             make_model(path, recipe=a.make_recipe, routing=a.make_routing, preset=a.make_preset)
     model = open_model(path)
