@@ -1,7 +1,8 @@
 """The engine as a subprocess speaking the line protocol of docs/design.md (engine/protocol.py has the formats).
 
     python strata_worker.py --model M.gguf [--ctx N] [--backend cpu|cuda|auto] [--prompt-chunk N]
-        [--checkpoint-every N] [--checkpoint-mib M] [cuda flags]
+        [--checkpoint-every N] [--checkpoint-mib M] [--draft off|ngram|mtp|auto] [--draft-window N]
+        [--draft-sampled] [cuda flags]
 
 stdout carries protocol lines only; everything a person reads goes to stderr. Exit status: 0 after QUIT or the end
 of stdin, 2 for a bad model or a bad flag (one line on stderr), 1 when the engine breaks (the reason on stderr).
@@ -63,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-mib", type=float, default=1024.0, metavar="M",
                    help="host memory for those snapshots; the least useful go first (0: none, so a conversation "
                         "resumes only where the previous request ended; default 1024)")
+    p.add_argument("--draft", choices=("off", "ngram", "mtp", "auto"), default="off",
+                   help="speculative decoding (engine/speculate.py): verify windows of draft tokens from the prompt "
+                        "and the answer so far (ngram), from the model's MTP block (mtp: qwen3next / qwen35moe "
+                        "files, cpu backend), or mtp where it runs, else ngram (auto); the output is the same "
+                        "token for token (default off)")
+    p.add_argument("--draft-sampled", action="store_true",
+                   help="with mtp drafts on the cpu backend: a request that samples gets drafts drawn from the MTP "
+                        "block's distribution, judged by the speculative rule (more accepted; the output follows "
+                        "the model's distribution, but a seed draws other tokens than without drafts)")
+    p.add_argument("--draft-window", type=int, default=8, metavar="N",
+                   help="the longest verify window, in tokens (2..8; the window rule picks each one's length from "
+                        "the measured acceptance; default 8)")
     cuda, _ = _cuda_module()
     if cuda is not None:
         cuda.add_cuda_args(p.add_argument_group("CUDA backend"))
@@ -305,6 +318,9 @@ def main(argv=None) -> int:
     if args.prompt_chunk is not None and args.prompt_chunk < 1:
         print(f"strata_worker: --prompt-chunk must be at least 1, got {args.prompt_chunk}", file=sys.stderr)
         return 2
+    if not 2 <= args.draft_window <= 8:
+        print(f"strata_worker: --draft-window must be 2 to 8 tokens, got {args.draft_window}", file=sys.stderr)
+        return 2
     if args.checkpoint_every < 0 or not args.checkpoint_mib >= 0:
         print(f"strata_worker: --checkpoint-every and --checkpoint-mib must be 0 or more, got "
               f"{args.checkpoint_every} and {args.checkpoint_mib}", file=sys.stderr)
@@ -373,8 +389,17 @@ def main(argv=None) -> int:
     from engine.grammar import Grammars
     from engine.tokenizer import Tokenizer
     grammars = Grammars(lambda: Tokenizer.from_metadata(model.metadata), eog)   # llguidance's vocabulary, on first use
+    from engine.drafters import DraftError, make_drafter
+    try:
+        drafter = make_drafter(args.draft, backend, model, sampled=args.draft_sampled)
+    except DraftError as e:
+        print(f"strata_worker: {e}", file=sys.stderr, flush=True)
+        backend.close()
+        return 2
     session = Session(backend, eog, prompt_chunk=chunk, grammars=grammars, checkpoint_every=args.checkpoint_every,
-                      checkpoint_mib=args.checkpoint_mib)
+                      checkpoint_mib=args.checkpoint_mib, drafter=drafter, max_window=args.draft_window)
+    if drafter is not None:
+        log(f"speculative decoding: {drafter.name} drafts, windows of up to {args.draft_window} tokens")
     if session.checkpoints is not None:
         log(f"recurrent state: {backend.state_bytes() / 2**20:.1f} MiB a checkpoint, every "
             f"{args.checkpoint_every or '-'} prompt tokens, within {args.checkpoint_mib:g} MiB")
@@ -387,7 +412,7 @@ def main(argv=None) -> int:
         n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, n_vocab=cfg.n_vocab,
         n_ctx_train=n_ctx_train, ctx=ctx, n_expert=getattr(cfg, "n_expert", 0) or 0,
         n_expert_used=getattr(cfg, "n_expert_used", 0) or 0, prompt_chunk=chunk,
-        eog=",".join(str(i) for i in sorted(eog)) or "-"))
+        eog=",".join(str(i) for i in sorted(eog)) or "-", draft=drafter.name if drafter is not None else "off"))
     extra = backend.info()
     if extra:
         out.emit("INFO " + " ".join(f"{k}={_info_value(v)}" for k, v in extra.items()))

@@ -23,6 +23,16 @@ window), the pick after position i exactly what a one-token call with spec.after
 mask limits one pick, so a call with a mask returns one. The backend reads the spec and writes nothing back: the
 mask, the penalties and the NaN rule (engine/sampling.py refuse) are applied in one place on each backend. The
 default below is the reference (forward, then engine/sampling.py pick); the CUDA backend picks on the GPU.
+
+Verify windows (engine/speculate.py). A window is decode([last, d1..dk], spec, all_positions=True); the session then
+keeps the accepted prefix and cuts the rest. Without recurrent state that is truncate(n). With it, a backend that has
+`rewinds_windows = True` keeps the recurrent state after each position of its last all_positions call (at most
+MAX_WINDOW tokens), so truncate(n) also works for any n from that call's first position to n_cached, until the next
+call that feeds tokens (the CPU backend: its family cache's per-position states; the CUDA backend can write them into
+per-position state buffers inside the window). Otherwise the session snapshots the state before the window and, when
+a draft is rejected, restores it and feeds the accepted prefix again. window_cost(n) is what a window of n tokens costs
+in one-token steps (the prior of the session's window rule). An MTP drafter reads the output-normed hidden rows of
+the tokens a call fed (hidden(), after keep_hidden(True)).
 """
 from __future__ import annotations
 
@@ -51,9 +61,15 @@ class ExpertStats:
     file_mb: float = 0.0
 
 
+# The longest verify window in tokens (the CUDA decode kernels' windows, issue 34, take 1 to 8 tokens a step).
+MAX_WINDOW = 8
+
+
 class Backend:
     name = "base"
     recurrent = False               # True: the model has per-layer recurrent state (see the module docstring)
+    rewinds_windows = False         # True: truncate(n) works inside the last window, recurrent state included
+    judges_drafts = False           # True: decode() applies the spec's draft distributions (the reference pick)
 
     def __init__(self, model, max_context: int):
         self.model = model              # engine.gguf_model.GGUFModel
@@ -104,6 +120,20 @@ class Backend:
             return [pick(logits, spec, tokens)]
         return [pick(row, spec.after(tokens[:i]), tokens[i:i + 1]) for i, row in enumerate(logits)]
 
+    # --- speculation (the module docstring's verify windows) --------------------------------------------------
+    def window_cost(self, n_tokens: int) -> float:
+        """One window of n tokens in one-token steps: here one step a token (the CUDA backend's windows for now)."""
+        return float(n_tokens)
+
+    def keep_hidden(self, on: bool) -> bool:
+        """From now on keep the hidden rows of each call's tokens for hidden(); False: this backend cannot."""
+        return False
+
+    def hidden(self) -> np.ndarray:
+        """(tokens of the last forward/decode call, n_embd) float32: the last layer's output after the output norm
+        (what the vocabulary projection reads; llama.cpp's h_nextn), for an MTP drafter."""
+        raise NotImplementedError(f"the {self.name} backend keeps no hidden rows")
+
     def reset_stats(self) -> None:
         self.stats = ExpertStats()
 
@@ -134,4 +164,10 @@ def decode_tokens(tokens, spec: PickSpec, all_positions: bool) -> list[int]:
     if spec.mask is not None and all_positions and len(tokens) > 1:
         raise ValueError("a grammar mask limits one pick: decode a window (all_positions) without a mask, or feed "
                          "one token")
+    if spec.drafts and all_positions:
+        # the pick after position i judges drafts[i], the window's next token (the last pick may judge one more)
+        drafted = [int(t) for t, _ in spec.drafts]
+        if len(drafted) > len(tokens) or drafted[:len(tokens) - 1] != tokens[1:len(drafted) + 1]:
+            raise ValueError(f"the spec's drafts {drafted} are not the window's tokens after the first "
+                             f"{tokens[1:]}")
     return tokens

@@ -147,9 +147,13 @@ def _check_params(p: dict) -> None:
 # counts everything read again after it. Just before each DONE such a worker sends
 #     INFO checkpoints=<count> checkpoint_mib=<MiB held>[ <backend's request facts>]
 # (the facts: Backend.request_info(), e.g. qwen4exp's ple_row_lookups=<n> ple_row_hits=<n>, its n-gram table's
-# rows read in that request and how many came from the row cache). The drafts fields stay speculative-decoding
-# counters (0 until a draft/MTP path exists): the original Strata put checkpoint counts there; this protocol keeps
-# them on that INFO line instead.
+# rows read in that request and how many came from the row cache).
+# The drafts fields count speculative decoding (engine/speculate.py, the worker's --draft): drafts_offered, the draft
+# tokens the request's verify windows checked, drafts_accepted, those the target confirmed and the request emitted;
+# both 0 without a drafter. Every other emitted token is a window's own pick, one a window (the prompt's first
+# pick counting as one): so generated / (generated - drafts_accepted) is the tokens per window, within the last
+# window of a request that ended on an end-of-generation token. The original Strata put checkpoint counts in these
+# fields; this protocol keeps those on the INFO line above.
 @dataclass
 class Done:
     generated: int

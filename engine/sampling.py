@@ -15,6 +15,15 @@ seeded request is reproducible whatever ran before it, and the pick after positi
 spec.draws + i. The GPU sampler has its own counter-based source over the same (seed, draws) (engine/cuda/sampler.py).
 A request without a seed gets 64 bits of OS entropy, as llama.cpp's default does.
 
+Verify windows (engine/speculate.py): the pick after window position i is the target's token there, and the session
+accepts draft tokens[i+1] when the two agree. For a drafter that proposes one token for sure (n-gram, greedy MTP) that
+is already the standard speculative rule: a sampled pick equals the draft with probability p(d), and otherwise is p's
+draw conditioned on not being d, which is what "accept with p(d)/q(d), else draw from max(0, p - q)" gives for a
+one-hot q, and it is the same token plain sampling draws with that seed. A drafter that samples its drafts from a
+distribution q passes it in spec.drafts; the pick then follows that rule with its own draw u: accept d when
+u < p(d)/q(d), else the residual max(0, p - q), normalized, at (u - p(d)/q(d)) / (1 - p(d)/q(d)), a uniform again
+given the rejection (so a pick still uses one draw). The emitted token is then p-distributed whatever q is.
+
 The NaN rule, the same on every backend (`refuse`): NaN logits are the model's failure; no finite logit left after
 the grammar mask means the grammar allows nothing; no finite logit without a mask, nothing to sample.
 """
@@ -197,6 +206,9 @@ class PickSpec:
     history: tuple[int, ...] = ()
     mask: np.ndarray | None = None      # allowed tokens as bitmask words (engine/grammar.py), or None
     logprobs: int | None = None         # K: return the pick's log-probability and the K most likely; None: neither
+    # A window's sampled drafts: (token, q) for each fed token after the first, q the distribution it was drawn from
+    # (float64 over the vocabulary); the pick after position i judges drafts[i]. Empty: no draft distribution.
+    drafts: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "history", tuple(self.history))
@@ -211,7 +223,8 @@ class PickSpec:
         returns at position i what a one-token call with spec.after(tokens[:i]) would."""
         if not len(fed):
             return self
-        return replace(self, history=self.counted(fed), draws=self.draws + (0 if self.params.greedy else len(fed)))
+        return replace(self, history=self.counted(fed), draws=self.draws + (0 if self.params.greedy else len(fed)),
+                       drafts=self.drafts[len(fed):])
 
 
 class Sampler:
@@ -224,10 +237,11 @@ class Sampler:
         self.seed = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
         self.draws = 0
 
-    def spec(self, history=(), mask=None, logprobs: int | None = None) -> PickSpec:
+    def spec(self, history=(), mask=None, logprobs: int | None = None, drafts=()) -> PickSpec:
         """The spec of the next pick; history: the sequence so far (oldest first) before the tokens the decode
-        call feeds."""
-        return PickSpec(self.params, self.seed, self.draws, self.params.counted(history), mask, logprobs)
+        call feeds; drafts: a window's sampled drafts (PickSpec.drafts)."""
+        return PickSpec(self.params, self.seed, self.draws, self.params.counted(history), mask, logprobs,
+                        tuple(drafts))
 
     def advance(self, picks: int = 1) -> None:
         """`picks` picks were made (a window's included): each sampled one used a draw."""
@@ -247,11 +261,33 @@ def pick(logits: np.ndarray, spec: PickSpec, fed=()) -> Pick:
     log-probabilities of the masked logits when asked."""
     x = _finite(logits, spec.mask)
     params = spec.params
-    tok = params.choose(x, spec.counted(fed), None if params.greedy else draw(spec.seed, spec.draws))
+    if spec.drafts and not params.greedy:
+        tok = judge_draft(params.probabilities(x, spec.counted(fed)), *spec.drafts[0], draw(spec.seed, spec.draws))
+    else:
+        tok = params.choose(x, spec.counted(fed), None if params.greedy else draw(spec.seed, spec.draws))
     if spec.logprobs is None:
         return Pick(tok)
     lp, top = logprobs_of(x, tok, spec.logprobs)
     return Pick(tok, lp, tuple(top))
+
+
+def judge_draft(p: np.ndarray, token: int, q: np.ndarray, u: float) -> int:
+    """The speculative rule for a draft drawn from q (the module docstring): token itself with probability
+    min(1, p/q) at the draw u, else the residual max(0, p - q)'s token at the rescaled draw. Both distributions over
+    the whole vocabulary; the result is p-distributed."""
+    token = int(token)
+    q_d = float(q[token])
+    if not q_d > 0.0:
+        raise ValueError(f"draft token {token} has no probability in the distribution it was drawn from")
+    ratio = float(p[token]) / q_d
+    if u < ratio:
+        return token
+    residual = np.maximum(np.asarray(p, np.float64) - np.asarray(q, np.float64), 0.0)
+    if not residual.sum() > 0.0:     # p == q up to rounding: the rejection had no probability; p's own draw
+        residual = np.asarray(p, np.float64)
+    cum = np.cumsum(residual)
+    r = (u - ratio) / (1.0 - ratio) * cum[-1]
+    return int(min(int(np.searchsorted(cum, r, side="right")), len(cum) - 1))
 
 
 def logprobs_of(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -2,8 +2,9 @@
 
 The session remembers which tokens the backend's KV cache holds, so the next request (which carries the whole
 conversation again) only reads what is new. A backend with recurrent state (the hybrids) cannot be rewound: there the
-session resumes from checkpoints (engine/checkpoints.py). It emits protocol lines through `emit` and never writes
-anywhere else.
+session resumes from checkpoints (engine/checkpoints.py). With a drafter (engine/drafters) the decode loop verifies
+windows of drafts (engine/speculate.py): each window's final picks are emitted in order, and DONE counts the drafts
+offered and accepted. It emits protocol lines through `emit` and never writes anywhere else.
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import threading
 import time
 
 from engine import protocol
+from engine.backend import MAX_WINDOW
 from engine.checkpoints import CHECKPOINT_TAIL, CheckpointStore
 from engine.protocol import CONTEXT_MARGIN, Done, GenRequest
 from engine.sampling import Pick, Sampler, SamplingParams
+from engine.speculate import SpecStats, WindowRule, verify
 
 
 class RequestError(ValueError):
@@ -26,7 +29,8 @@ class BackendBroken(RuntimeError):
 
 class Session:
     def __init__(self, backend, eog_ids, prompt_chunk: int | None = None, grammars=None,
-                 checkpoint_every: int = 1024, checkpoint_mib: float = 1024.0):
+                 checkpoint_every: int = 1024, checkpoint_mib: float = 1024.0, drafter=None,
+                 max_window: int = MAX_WINDOW, rule: WindowRule | None = None):
         self.backend = backend
         self.grammars = grammars        # grammar= value -> engine.grammar.Constraint (None: no grammar support)
         # None: the backend's own size; the worker's --prompt-chunk can only lower it.
@@ -41,6 +45,16 @@ class Session:
         self.checkpoints = (CheckpointStore(int(checkpoint_mib * 2**20))
                             if getattr(backend, "recurrent", False) else None)
         self.checkpoint_every = max(0, int(checkpoint_every))
+        # Speculation: the drafter follows self.tokens (observe/rewind); each request gets a fresh window rule that
+        # sizes its windows from the acceptance it measures (a given rule, e.g. FixedWindow, serves every request).
+        self.drafter = drafter
+        if drafter is not None and drafter.needs_hidden and not backend.keep_hidden(True):
+            raise ValueError(f"the {drafter.name} drafter reads hidden rows, which the {backend.name} backend "
+                             f"does not give")
+        self.fixed_rule = rule
+        self.max_window = max_window
+        self.rule = rule or WindowRule(backend.window_cost, max_window)
+        self.spec_stats = SpecStats()
 
     # --- validation ------------------------------------------------------------------------------------------
     def validate(self, req: GenRequest) -> None:
@@ -98,6 +112,8 @@ class Session:
         self.tokens = []
         if self.checkpoints is not None:
             self.checkpoints.clear()
+        if self.drafter is not None:
+            self.drafter.rewind(0)
         self.backend.truncate(0)
 
     def _rewind(self, common: int) -> int:
@@ -118,7 +134,18 @@ class Session:
         del self.tokens[keep:]
         if store is not None:
             store.drop_after(keep)
+        if self.drafter is not None:
+            self.drafter.rewind(keep)
         return keep
+
+    def _fed(self, tokens, hidden=None) -> None:
+        """The backend read these tokens after self.tokens: record them, and let the drafter read them too."""
+        self.tokens.extend(tokens)
+        d = self.drafter
+        if d is not None:
+            t0 = time.perf_counter()
+            d.observe(tokens, (hidden if hidden is not None else self.backend.hidden()) if d.needs_hidden else None)
+            self.spec_stats.observe_s += time.perf_counter() - t0
 
     def _checkpoint(self) -> None:
         store = self.checkpoints
@@ -142,6 +169,8 @@ class Session:
         prompt = req.prompt
         sampler = Sampler(req.params)
         backend.reset_stats()
+        self.spec_stats = SpecStats()
+        self.rule = self.fixed_rule or WindowRule(backend.window_cost, self.max_window)
 
         # Prefix reuse: the last prompt token is always run again, because its logits pick the first new token.
         common = _common_prefix(self.tokens, prompt, limit=len(prompt) - 1)
@@ -173,7 +202,7 @@ class Session:
                     first = self._pick(part, sampler, constraint, req.logprobs)
                 else:
                     backend.forward(part)
-                self.tokens.extend(part)
+                self._fed(part)
                 pos = cut
                 read += len(part)
                 if pos in marks:
@@ -187,30 +216,63 @@ class Session:
 
         t1 = time.perf_counter()
         generated: list[int] = []
-        finish = "length"
-        picked = first
-        while len(generated) < req.max_new:
-            if generated:
-                if stop_event.is_set():
-                    finish = "cancel"
-                    break
-                # The token fed is the one just picked and emitted: its K/V go in, the next pick comes out.
-                picked = self._pick([generated[-1]], sampler, constraint, req.logprobs)
-                self.tokens.append(generated[-1])
-            tok = picked.id
-            if tok in self.eog_ids:
-                finish = "stop"
-                break
-            generated.append(tok)
-            emit(protocol.format_token(tok, picked.logprob, list(picked.top)) if req.logprobs is not None
-                 else f"T {tok}")
-            if constraint is not None:
-                constraint.accept(tok)
-                if constraint.done:       # the grammar is complete: only the end of generation may follow
+        finish = None
+        picks = [first] if req.max_new > 0 else []
+        while True:
+            for picked in picks:        # the last window's final picks, in order
+                tok = picked.id
+                if tok in self.eog_ids:
                     finish = "stop"
                     break
+                generated.append(tok)
+                emit(protocol.format_token(tok, picked.logprob, list(picked.top)) if req.logprobs is not None
+                     else f"T {tok}")
+                if constraint is not None:
+                    constraint.accept(tok)
+                    if constraint.done:       # the grammar is complete: only the end of generation may follow
+                        finish = "stop"
+                        break
+            if finish is not None:
+                break
+            if len(generated) >= req.max_new:
+                finish = "length"
+                break
+            if stop_event.is_set():
+                finish = "cancel"
+                break
+            # The token fed is the one just picked and emitted: its K/V go in, the next picks come out.
+            picks = self._window(generated[-1], sampler, constraint, req.logprobs, req.max_new - len(generated) - 1)
         decode_ms = (time.perf_counter() - t1) * 1000.0
         return self._done(emit, req, generated, prompt_ms, decode_ms, finish, reused, read)
+
+    def _window(self, last: int, sampler: Sampler, constraint, logprobs: int | None, room: int) -> list[Pick]:
+        """Feed last and the drafts proposed after it (at most room of them), keep what the picks accept: the
+        final picks, the accepted drafts' and the target's next one. A grammar takes one pick at a time."""
+        d, st, rule = self.drafter, self.spec_stats, self.rule
+        k = 0 if d is None or constraint is not None else rule.drafts(room)
+        t0 = time.perf_counter()
+        draft = d.propose(last, k, sampler) if k else None
+        st.propose_s += time.perf_counter() - t0
+        drafts = draft.tokens[:k] if draft is not None else []
+        probs = tuple(zip(drafts, draft.probs)) if drafts and draft.probs is not None \
+            and self.backend.judges_drafts else ()
+        spec = sampler.spec(self.tokens, mask=constraint.mask() if constraint is not None else None,
+                            logprobs=logprobs, drafts=probs)
+        win = verify(self.backend, [last] + drafts, spec, hidden=d is not None and d.needs_hidden)
+        a = win.accepted
+        for j in range(a):              # an end of generation among the accepted picks ends the request there
+            if win.picks[j].id in self.eog_ids:
+                a = j
+                break
+        win.keep(a + 1)
+        sampler.advance(a + 1)
+        self._fed(win.tokens[:a + 1], win.hidden[:a + 1] if win.hidden is not None else None)
+        if d is not None:
+            st.windows += 1
+            st.offered += len(drafts)
+            st.accepted += a
+            rule.record(len(drafts), win.accepted)
+        return win.picks[:a + 1]
 
     def _pick(self, part, sampler: Sampler, constraint, logprobs: int | None) -> Pick:
         """Feed part and pick the next token. The penalty history is the sequence the backend holds before part
@@ -231,8 +293,10 @@ class Session:
         if facts:
             emit(protocol.format_info(**facts))
         st = self.backend.get_stats()
+        sp = self.spec_stats
         done = Done(generated=len(generated), prompt=len(req.prompt), prompt_ms=prompt_ms, decode_ms=decode_ms,
-                    finish=finish, reused=reused, hits=st.hits, lookups=st.lookups, ram_blobs=st.ram_blobs,
+                    finish=finish, drafts_accepted=sp.accepted, drafts_offered=sp.offered,
+                    reused=reused, hits=st.hits, lookups=st.lookups, ram_blobs=st.ram_blobs,
                     file_blobs=st.file_blobs, file_mb=float(st.file_mb), prompt_read=read)
         emit(protocol.format_done(done))
         return done

@@ -35,6 +35,15 @@ def prometheus(snap: dict) -> str:
            "--resident-budget-gib).", t["file_blobs"])
     metric("expert_file_read_megabytes_total", "counter", "MB of experts read from the model file.",
            round(t["file_mb"], 1))
+    metric("drafts_offered_total", "counter", "Draft tokens verify windows checked (speculative decoding, --draft).",
+           t["drafts_offered"])
+    metric("drafts_accepted_total", "counter", "Draft tokens the model confirmed.", t["drafts_accepted"])
+    if t.get("draft_acceptance") is not None:
+        metric("draft_acceptance", "gauge", "Drafts accepted over drafts offered, since the start.",
+               t["draft_acceptance"])
+    if t.get("tokens_per_window") is not None:
+        metric("tokens_per_window", "gauge", "Generated tokens per decode window (1 without speculation).",
+               t["tokens_per_window"])
     metric("queue_waiting", "gauge", "Requests waiting for the engine.", snap["queue"]["waiting"])
     metric("requests_running", "gauge", "Requests the engine is running (0 or 1).",
            int(snap["queue"]["running"] is not None))

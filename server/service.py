@@ -25,7 +25,8 @@ HISTORY_LEN = 500
 RATE_WINDOW_S = 2.0
 SERIES_S = 300              # the Monitor's tok/s chart: generated tokens per second over the last 5 minutes
 # DONE's counters, summed over a request's passes into its Result and over requests into the totals.
-PASS_SUMS = ("prompt_read", "prompt_ms", "decode_ms", "hits", "lookups", "ram_blobs", "file_blobs", "file_mb")
+PASS_SUMS = ("prompt_read", "prompt_ms", "decode_ms", "hits", "lookups", "ram_blobs", "file_blobs", "file_mb",
+             "drafts_offered", "drafts_accepted")
 TOTAL_SUMS = ("prompt_tokens", "cached_tokens", "generated") + PASS_SUMS
 
 
@@ -50,6 +51,8 @@ class Result:
     ram_blobs: int = 0              # experts read from pinned RAM (decode misses), from the file (memory modes)
     file_blobs: int = 0
     file_mb: float = 0.0
+    drafts_offered: int = 0         # speculative decoding: draft tokens checked, and confirmed (engine/protocol.py Done)
+    drafts_accepted: int = 0
     passes: int = 0
 
 
@@ -397,7 +400,8 @@ class Service:
                      prompt_tok_s=round(res.prompt_read / res.prompt_ms * 1000, 1) if res.prompt_ms else None,
                      decode_tok_s=round(res.generated / res.decode_ms * 1000, 1) if res.decode_ms else None,
                      hits=res.hits, lookups=res.lookups, ram_blobs=res.ram_blobs, file_blobs=res.file_blobs,
-                     file_mb=round(res.file_mb, 1), passes=res.passes)
+                     file_mb=round(res.file_mb, 1), drafts_offered=res.drafts_offered,
+                     drafts_accepted=res.drafts_accepted, passes=res.passes)
         with self._cv:
             self.history.append(entry)
             t = self.totals
@@ -458,12 +462,23 @@ class Service:
             )
         t = snap["totals"]
         snap["totals"]["hit_rate"] = round(t["hits"] / t["lookups"], 4) if t["lookups"] else None
+        t.update(speculation(t))
         try:
             snap["cache"] = cache_picture(w.cache_line if w else None)
         except Exception as e:      # the worker checks each CACHE line; this guards /metrics against a bug
             log.warning("the expert-cache picture failed: %s", e)
             snap["cache"] = None
         return snap
+
+
+def speculation(t: dict) -> dict:
+    """Acceptance (drafts confirmed over drafts checked) and tokens per window: every emitted token is a confirmed
+    draft or a window's own pick (engine/protocol.py, the note above Done). None without drafts."""
+    if not t.get("drafts_offered"):
+        return dict(draft_acceptance=None, tokens_per_window=None)
+    windows = t["generated"] - t["drafts_accepted"]
+    return dict(draft_acceptance=round(t["drafts_accepted"] / t["drafts_offered"], 4),
+                tokens_per_window=round(t["generated"] / windows, 3) if windows > 0 else None)
 
 
 def cache_picture(line: str | None) -> dict | None:

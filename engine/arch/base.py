@@ -182,6 +182,7 @@ class Transformer:
     """A pre-norm decoder: attention then a feed-forward block per layer. Families override ffn()."""
 
     recurrent = False    # True: the cache also holds a recurrent state (engine/backend.py says what follows)
+    last_hidden = None   # head()'s normed rows of the last forward (None: a family whose head keeps none)
     ffn_norm = "ffn_norm.weight"   # the norm before the feed-forward block (llama.cpp's name, without blk.N.)
 
     def __init__(self, model, weights: Weights, max_context: int, observer: Observer | None = None):
@@ -231,11 +232,11 @@ class Transformer:
         return self.head(x, all_logits)
 
     def head(self, x: np.ndarray, all_logits: bool) -> np.ndarray:
-        """The output norm and the vocabulary projection: logits of every row, or of the last one."""
-        if not all_logits:
-            x = x[-1:]
-        x = rms_norm(x, self.w.get("output_norm.weight"), self.cfg.rms_eps)
-        logits = x @ self.w.get(self.output_name).T
+        """The output norm and the vocabulary projection: logits of every row, or of the last one. The normed rows of
+        every token stay in last_hidden (what an MTP drafter reads: engine/backend.py hidden())."""
+        h = rms_norm(x, self.w.get("output_norm.weight"), self.cfg.rms_eps)
+        self.last_hidden = h
+        logits = (h if all_logits else h[-1:]) @ self.w.get(self.output_name).T
         return logits if all_logits else logits[0]
 
     def attention(self, il: int, x: np.ndarray, pos0: int, kv: KVCache) -> np.ndarray:

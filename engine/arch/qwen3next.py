@@ -19,8 +19,10 @@ The two differ in three places, each where llama.cpp's converter put them:
 - qwen35moe's RoPE is IMRoPE (rope_multi, sections s): text positions are (p, p, p, 0), so a rotary pair whose
   sector falls in the fourth section stays still; with the published sections every pair turns as in neox.
 The recurrent state (each GDN layer's last d_conv-1 conv inputs and its n_v x S x S delta matrices) lives in
-HybridCache beside the attention layers' K/V; engine/backend.py says how the session snapshots and restores it.
-MTP (nextn) blocks after the trunk are checked for nothing and never run: llama.cpp's main pass skips them too.
+HybridCache beside the attention layers' K/V; engine/backend.py says how the session snapshots and restores it, and
+how a verify window is cut back (HybridCache.track / rewind: the state after each of the window's positions).
+MTP (nextn) blocks after the trunk are not run by the main pass (nor by llama.cpp's): engine/drafters/mtp.py drafts
+with them.
 """
 from __future__ import annotations
 
@@ -150,13 +152,30 @@ def check_tensors(model) -> None:
 # --- the cache: K/V of the attention layers, conv and delta state of the GDN layers ------------------------------
 
 class HybridCache:
+    # A verify window (engine/backend.py): while tracking, each GDN layer keeps its conv inputs and its delta state
+    # after every position of the forward, so rewind(n) finds the state after any of them without reading it again.
+    per_position = True
+
     def __init__(self, cfg, max_context: int, dtype=np.float32):
         self.cfg = cfg
         self.dtype = dtype
         self.gdn_layers = [i for i, r in enumerate(cfg.recurrent_layers) if r]
         self.kv = KVCache(cfg, max_context, [i for i, r in enumerate(cfg.recurrent_layers) if not r], dtype)
         self.conv_dim = 2 * cfg.ssm_k_heads * cfg.ssm_state + cfg.ssm_inner
+        self.window = None      # while tracking: layer -> (past + the forward's conv inputs, [delta after 0..T])
         self.reset_state()
+
+    def track(self, on: bool) -> None:
+        """Keep every position's state during the next forward (on), or nothing (off)."""
+        self.window = {} if on else None
+
+    def rewind(self, n: int) -> None:
+        """The state after the first n positions of the tracked forward (0: the state before it)."""
+        d = self.cfg.ssm_conv - 1
+        for il, (seq, states) in self.window.items():
+            self.conv[il] = seq[n:n + d].copy()
+            self.delta[il] = states[n].copy()
+        self.window = None
 
     def ensure(self, n: int) -> None:
         self.kv.ensure(n)
@@ -177,6 +196,7 @@ class HybridCache:
         conv, delta = state
         self.conv = {i: a.copy() for i, a in conv.items()}
         self.delta = {i: a.copy() for i, a in delta.items()}
+        self.window = None
 
 
 # --- the forward pass --------------------------------------------------------------------------------------------
@@ -207,11 +227,11 @@ def causal_conv(x: np.ndarray, past: np.ndarray, w: np.ndarray) -> tuple[np.ndar
     return out, seq[len(seq) - (d_conv - 1):].copy()
 
 
-def delta_rule(q, k, v, g, beta, S):
+def delta_rule(q, k, v, g, beta, S, states=None):
     """The gated delta rule, token by token. q, k, v (T, H, D) (q already scaled), g, beta (T, H), S (H, D, D).
 
     S maps keys to values (o = S q); each step decays it by exp(g), then moves its answer for k toward v by beta.
-    Returns (o (T, H, D), the new S).
+    Returns (o (T, H, D), the new S); a list `states` gets a copy of S after each token.
     """
     S = S.copy()
     o = np.empty_like(v)
@@ -220,6 +240,8 @@ def delta_rule(q, k, v, g, beta, S):
         err = v[t] - np.einsum("hij,hj->hi", S, k[t])
         S += (beta[t][:, None] * err)[:, :, None] * k[t][:, None, :]
         o[t] = np.einsum("hij,hj->hi", S, q[t])
+        if states is not None:
+            states.append(S.copy())
     return o, S
 
 
@@ -326,6 +348,10 @@ class Qwen3Next(Transformer):
         pre_b, pre_a = self.beta_alpha(il, x)
         beta = sigmoid(pre_b)
         g = softplus(pre_a + w.get(b + "ssm_dt.bias")) * w.get(b + "ssm_a")   # ssm_a = -exp(A_log): g < 0
+        states = None
+        if cache.window is not None:        # a verify window: the state after each position (HybridCache.rewind)
+            states = [cache.delta[il]]
+            cache.window[il] = (np.concatenate([cache.conv[il], qkv]), states)
         qkv, cache.conv[il] = causal_conv(qkv, cache.conv[il], w.get(b + "ssm_conv1d.weight"))
         qkv = silu(qkv)
         q = l2_norm(qkv[:, :Hk * D].reshape(T, Hk, D), cfg.rms_eps)
@@ -337,8 +363,8 @@ class Qwen3Next(Transformer):
         else:                         # value head h reads key head h // r
             q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)
         q = q * np.float32(1.0 / math.sqrt(D))
-        if T == 1:
-            o, cache.delta[il] = delta_rule(q, k, v, g, beta, cache.delta[il])
+        if T == 1 or states is not None:
+            o, cache.delta[il] = delta_rule(q, k, v, g, beta, cache.delta[il], states)
         else:   # prompts: chunks of CHUNK tokens (llama.cpp's own size), each a few matrix products
             outs = []
             for s in range(0, T, CHUNK):

@@ -221,6 +221,7 @@ function showMetrics(m) {
   $("toks").textContent = m.tok_s.toFixed(1);
   $("queue").textContent = (m.queue.running ? "1 running" : "idle") + ", " + m.queue.waiting + " waiting";
   $("hitrate").textContent = t.hit_rate === null ? "n/a" : (100 * t.hit_rate).toFixed(1) + " %";
+  $("spec").textContent = speculationText(t, info);
   $("requests").textContent = t.requests + " (" + t.cancel + " cancelled, " + t.error + " failed)";
   $("engine").textContent = [info.backend, info.arch, m.worker.max_context ? "ctx " + m.worker.max_context : ""]
                               .filter(Boolean).join(" · ") || (m.worker.alive ? "-" : "not loaded");
@@ -239,6 +240,7 @@ function showMetrics(m) {
     const tr = document.createElement("tr");
     const cells = [h.id, h.endpoint, h.finish, h.prompt_tokens, h.cached_tokens, h.prompt_read, h.generated,
                    h.prompt_tok_s ?? "", h.decode_tok_s ?? "", h.lookups ? h.hits + "/" + h.lookups : "",
+                   h.drafts_offered ? h.drafts_accepted + "/" + h.drafts_offered : "",
                    new Date(h.ended * 1000).toLocaleTimeString()];
     for (const c of cells) {
       const td = document.createElement("td");
@@ -249,6 +251,15 @@ function showMetrics(m) {
     return tr;
   });
   $("history").tBodies[0].replaceChildren(...rows);
+}
+
+// Speculative decoding's figures (server/service.py speculation): acceptance and tokens per window, or why none.
+function speculationText(t, info) {
+  if (t.draft_acceptance === null || t.draft_acceptance === undefined) {
+    return !info.draft || info.draft === "off" ? "off" : info.draft + " drafts: none offered yet";
+  }
+  return (info.draft ? info.draft + ": " : "") + (100 * t.draft_acceptance).toFixed(0) + " % accepted, " +
+         (t.tokens_per_window === null ? "-" : t.tokens_per_window.toFixed(2)) + " tokens/window";
 }
 
 function drawCache(cache, info) {
