@@ -5,7 +5,7 @@ then float32 BLAS):
 - fused (dot_X, for the types the benchmarked models' experts use): each block's codes dotted with x in float32
   (engine/cpu_simd.py's intrinsics), then scaled by the block's scales, with its offset times the sum of x over it
   subtracted: the same sum as dequantizing first, factored, so it differs from that only by float32 rounding,
-  bounded by eps times the terms' magnitudes (Q4_K: ~1.5x the decode-then-dot rate);
+  bounded by eps times the terms' magnitudes (Q4_K: ~2x the decode-then-dot rate);
 - decoded (every type decode_row reads): the row to float32 in an L1 buffer, bit for bit as the reference
   dequantizes it (engine/cpu_decode.py), then vdot.
 llama.cpp's CPU path rounds x to 8 bits instead (its q8_K / q8_0 vec_dot): docs/experiments.md has how far that is.
@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import gguf.quants
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange
 
-from engine.cpu_decode import (GRID_IQ2_S, GRID_IQ2_XS, GRID_IQ2_XXS, KSIGNS, UE4M3_HALF, _e8m0_half, _f32, _half,
-                               _k4_scale_min, _u8, _u32, decode_row)
-from engine.cpu_simd import (HAS_PSHUFB, _lut16, band, bits_dot, bor, crumbs_dot, grid_rows_dot, i8_dot, isub,
-                             nibbles_dot, prefetch_rows, shl, shr, vdot)
+from engine.cpu_decode import GRID_IQ2_S, GRID_IQ2_XS, GRID_IQ2_XXS, KSIGNS, UE4M3_HALF, _e8m0_half, _half, _u8, _u32, \
+    decode_row
+from engine.cpu_simd import (HAS_PSHUFB, _lut16_blocks, _nvfp4_block, band, bits_dot, bor, crumbs_dot, grid_rows_dot,
+                             i8_dot, isub, prefetch_rows, ptr_i8, q4k_block_dot, q6_half_dot, shl, shr, vdot)
 
-lut_fp4, lut_fp4_nv = _lut16(gguf.quants.MXFP4.kvalues, False), _lut16(gguf.quants.MXFP4.kvalues, True)
-lut_iq4 = _lut16(gguf.quants.IQ4_NL.kvalues, False)
-lut_q4_0 = _lut16([c - 8 for c in range(16)], False)
+FP4, IQ4, Q4_0 = gguf.quants.MXFP4.kvalues, gguf.quants.IQ4_NL.kvalues, [c - 8 for c in range(16)]
+nvfp4_block = _nvfp4_block(FP4)
+pair_fp4, pair_iq4, pair_q4_0 = _lut16_blocks(FP4, 2, 17), _lut16_blocks(IQ4, 2, 18), _lut16_blocks(Q4_0, 2, 18)
+one_fp4, one_iq4, one_q4_0 = _lut16_blocks(FP4, 1, 17), _lut16_blocks(IQ4, 1, 18), _lut16_blocks(Q4_0, 1, 18)
+iq4_xs_block = _lut16_blocks(IQ4, 8, 16)
 
 
 # Each fused dot is its type's block function summed over a row's blocks in two running sums, the even blocks' and
@@ -43,57 +45,27 @@ def _q8_0(a, ib, xa, sa):
 
 
 @njit(inline="always")
-def _q4_0(a, ib, xa, sa):
-    return _half(_u8(a + ib * 18, 2), 0) * lut_q4_0(a + ib * 18 + 2, xa + ib * 128, np.float32(1), np.float32(1))
-
-
-@njit(inline="always")
 def _q4_k(a, ib, xa, sa):
-    b = _u8(a + ib * 144, 16)
-    xs = _f32(sa + ib * 32, 8)
-    q, x = a + ib * 144 + 16, xa + ib * 1024
-    s0, m0 = _k4_scale_min(b, 0)
-    s1, m1 = _k4_scale_min(b, 1)
-    s2, m2 = _k4_scale_min(b, 2)
-    s3, m3 = _k4_scale_min(b, 3)
-    s4, m4 = _k4_scale_min(b, 4)
-    s5, m5 = _k4_scale_min(b, 5)
-    s6, m6 = _k4_scale_min(b, 6)
-    s7, m7 = _k4_scale_min(b, 7)
+    return q4k_block_dot(a + ib * 144, xa + ib * 1024, sa + ib * 32)
+
+
+@njit(inline="always")
+def _q6_k(a, ib, xa, sa):
+    b = a + ib * 210
+    sc = carray(ptr_i8(b + 192), 16)
     f = np.float32
-    ts = ((nibbles_dot(q, x, f(s0), f(s1)) + nibbles_dot(q + 32, x + 256, f(s2), f(s3)))
-          + (nibbles_dot(q + 64, x + 512, f(s4), f(s5)) + nibbles_dot(q + 96, x + 768, f(s6), f(s7))))
-    tm = ((f(m0) * xs[0] + f(m1) * xs[1]) + (f(m2) * xs[2] + f(m3) * xs[3])) + \
-        ((f(m4) * xs[4] + f(m5) * xs[5]) + (f(m6) * xs[6] + f(m7) * xs[7]))
-    return _half(b, 0) * ts - _half(b, 2) * tm
-
-
-@njit(inline="always")
-def _iq4_nl(a, ib, xa, sa):
-    return _half(_u8(a + ib * 18, 2), 0) * lut_iq4(a + ib * 18 + 2, xa + ib * 128, np.float32(1), np.float32(1))
-
-
-@njit(inline="always")
-def _iq4_xs(a, ib, xa, sa):
-    b = _u8(a + ib * 136, 8)
-    sh = bor(b[2], shl(b[3], 8))
-    ts = np.float32(0)
-    for k in range(8):
-        dl = np.float32(isub(bor(band(shr(b[4 + k // 2], 4 * (k % 2)), 15), shl(band(shr(sh, 2 * k), 3), 4)), 32))
-        ts += lut_iq4(a + ib * 136 + 8 + k * 16, xa + (ib * 256 + k * 32) * 4, dl, dl)
-    return _half(b, 0) * ts
-
-
-@njit(inline="always")
-def _mxfp4(a, ib, xa, sa):
-    return _e8m0_half(_u8(a + ib * 17, 1)[0]) * lut_fp4(a + ib * 17 + 1, xa + ib * 128, np.float32(1), np.float32(1))
+    h0 = q6_half_dot(b, b + 128, xa + ib * 1024, f(sc[0]), f(sc[1]), f(sc[2]), f(sc[3]), f(sc[4]), f(sc[5]),
+                     f(sc[6]), f(sc[7]))
+    h1 = q6_half_dot(b + 64, b + 160, xa + ib * 1024 + 512, f(sc[8]), f(sc[9]), f(sc[10]), f(sc[11]), f(sc[12]),
+                     f(sc[13]), f(sc[14]), f(sc[15]))
+    return _half(_u8(b + 208, 2), 0) * (h0 + h1)
 
 
 @njit(inline="always")
 def _nvfp4(a, ib, xa, sa):
     b = _u8(a + ib * 36, 4)
-    return (lut_fp4_nv(a + ib * 36 + 4, xa + ib * 256, UE4M3_HALF[b[0]], UE4M3_HALF[b[1]])
-            + lut_fp4_nv(a + ib * 36 + 20, xa + ib * 256 + 128, UE4M3_HALF[b[2]], UE4M3_HALF[b[3]]))
+    return nvfp4_block(a + ib * 36 + 4, xa + ib * 256, UE4M3_HALF[b[0]], UE4M3_HALF[b[1]], UE4M3_HALF[b[2]],
+                       UE4M3_HALF[b[3]])
 
 
 @njit(inline="always")
@@ -149,6 +121,51 @@ def _q1_0(a, ib, xa, sa):
     return _half(_u8(a + ib * 18, 2), 0) * bits_dot(a + ib * 18 + 2, xa + ib * 512)
 
 
+@njit(inline="always")
+def _f16_scale(a, ib):      # Q4_0's and IQ4_NL's 18-byte blocks: fp16 d, then 16 bytes of codes
+    return _half(_u8(a + ib * 18, 2), 0)
+
+
+@njit(inline="always")
+def _e8m0_scale(a, ib):     # MXFP4's 17-byte blocks: one E8M0 exponent, then 16 bytes of codes
+    return _e8m0_half(_u8(a + ib * 17, 1)[0])
+
+
+def _fused_pairs(pair, one, scale, nbytes: int, codes: int):
+    """The row dot over nb 32-value blocks of nbytes, codes at byte `codes`, dotted two at a time (one tree for 64
+    values) into two running sums."""
+    @njit(nogil=True, cache=True)
+    def dot(a, nb, xa, sa):
+        t0, t1 = np.float32(0), np.float32(0)
+        ib = 0
+        while ib + 3 < nb:
+            t0 += pair(a + ib * nbytes + codes, xa + ib * 128, scale(a, ib), scale(a, ib + 1))
+            t1 += pair(a + (ib + 2) * nbytes + codes, xa + (ib + 2) * 128, scale(a, ib + 2), scale(a, ib + 3))
+            ib += 4
+        if ib + 1 < nb:
+            t0 += pair(a + ib * nbytes + codes, xa + ib * 128, scale(a, ib), scale(a, ib + 1))
+            ib += 2
+        if ib < nb:
+            t1 += one(a + ib * nbytes + codes, xa + ib * 128, scale(a, ib))
+        return t0 + t1
+    return dot
+
+
+@njit(inline="always")
+def _xs_scale(b, sh, k):
+    """IQ4_XS sub-block k's 6-bit scale minus 32."""
+    return np.float32(isub(bor(band(shr(b[4 + k // 2], 4 * (k % 2)), 15), shl(band(shr(sh, 2 * k), 3), 4)), 32))
+
+
+@njit(inline="always")
+def _iq4_xs(a, ib, xa, sa):
+    b = _u8(a + ib * 136, 8)
+    sh = bor(b[2], shl(b[3], 8))
+    return _half(b, 0) * iq4_xs_block(a + ib * 136 + 8, xa + ib * 1024, _xs_scale(b, sh, 0), _xs_scale(b, sh, 1),
+                                      _xs_scale(b, sh, 2), _xs_scale(b, sh, 3), _xs_scale(b, sh, 4),
+                                      _xs_scale(b, sh, 5), _xs_scale(b, sh, 6), _xs_scale(b, sh, 7))
+
+
 def _fused(block):
     """The row dot over nb blocks of `block`'s type: even blocks into one sum, odd ones into another."""
     @njit(nogil=True, cache=True)
@@ -163,14 +180,16 @@ def _fused(block):
     return dot
 
 
-dot_q8_0, dot_q4_0, dot_q4_k, dot_iq4_nl, dot_iq4_xs = (_fused(f) for f in (_q8_0, _q4_0, _q4_k, _iq4_nl, _iq4_xs))
-dot_mxfp4, dot_nvfp4, dot_iq2_xxs, dot_iq2_xs, dot_iq2_s = (_fused(f) for f in (_mxfp4, _nvfp4, _iq2_xxs, _iq2_xs,
-                                                                                 _iq2_s))
+dot_q8_0, dot_q4_k, dot_q6_k, dot_iq4_xs = (_fused(f) for f in (_q8_0, _q4_k, _q6_k, _iq4_xs))
+dot_nvfp4, dot_iq2_xxs, dot_iq2_xs, dot_iq2_s = (_fused(f) for f in (_nvfp4, _iq2_xxs, _iq2_xs, _iq2_s))
+dot_q4_0 = _fused_pairs(pair_q4_0, one_q4_0, _f16_scale, 18, 2)
+dot_iq4_nl = _fused_pairs(pair_iq4, one_iq4, _f16_scale, 18, 2)
+dot_mxfp4 = _fused_pairs(pair_fp4, one_fp4, _e8m0_scale, 17, 1)
 dot_q2_0, dot_q1_0 = _fused(_q2_0), _fused(_q1_0)
 
 
 LUT_TYPES = frozenset((2, 20, 23, 39, 40))          # fused through pshufb (x86 CPUs since 2006)
-FUSED_TYPES = frozenset((8, 12, 16, 17, 22, 41, 42)) | (LUT_TYPES if HAS_PSHUFB else frozenset())
+FUSED_TYPES = frozenset((8, 12, 14, 16, 17, 22, 41, 42)) | (LUT_TYPES if HAS_PSHUFB else frozenset())
 
 
 @njit(nogil=True, cache=True)
@@ -181,6 +200,8 @@ def dot_row(qt, a, n, xa, sa, ya):
         return dot_q4_k(a, n // 256, xa, sa)
     if qt == 39 and HAS_PSHUFB:
         return dot_mxfp4(a, n // 32, xa, sa)
+    if qt == 14:
+        return dot_q6_k(a, n // 256, xa, sa)
     if qt == 8:
         return dot_q8_0(a, n // 32, xa, sa)
     if qt == 17:

@@ -8,9 +8,12 @@ accumulated in a loop, and one fixed halving tree at the end, with strict IEEE o
 reorder. The result is the same bits whatever is inlined, cached or threaded (tests/test_cpu_experts.py).
 
 vdot is the plain float32 dot; the others dot x with a block's codes without a float32 copy of the weights:
-lut16_dot (4-bit codes through a 16-entry table, SSSE3 pshufb: MXFP4, NVFP4, IQ4_NL, IQ4_XS, Q4_0), nibbles_dot
-(Q4_K's 4-bit integers), i8_dot (Q8_0), grid_rows_dot (the i-quants' 8-value grid rows with sign bits), crumbs_dot
-(Q2_0's 2-bit codes) and bits_dot (Q1_0's signs). The callers (engine/cpu_expert_kernels.py) apply the scales.
+_lut16_blocks and _nvfp4_block (4-bit codes through a 16-entry table, SSSE3 pshufb: MXFP4, NVFP4, IQ4_NL, IQ4_XS,
+Q4_0), q4k_block_dot and q6_half_dot (Q4_K's and Q6_K's integer codes, sub-block scales applied lane by lane),
+i8_dot (Q8_0), grid_rows_dot (the i-quants' 8-value grid rows with sign bits), crumbs_dot (Q2_0's 2-bit codes) and
+bits_dot (Q1_0's signs). Accumulating a whole block in one vector before its one tree is what makes them fast (Q6_K
+2.2 -> 7.5 GB/s a thread against decoding the row first); the callers (engine/cpu_expert_kernels.py) apply the
+blocks' own scales.
 """
 from __future__ import annotations
 
@@ -203,49 +206,130 @@ def vdot(a, b, n):
     return s
 
 
-def _lut16(table, interleaved: bool):
-    """f(qa, xa, d0, d1) -> float32 over 16 bytes of 4-bit codes at qa and 32 float32 at xa. Low nibbles are values
-    0..15 and high ones 16..31, all scaled by d0 (MXFP4, IQ4_NL, IQ4_XS, Q4_0: d1 unused); or, interleaved, each 8
-    bytes hold 16 values, low nibbles first, values 0..15 scaled by d0 and 16..31 by d1 (NVFP4's sub-blocks)."""
+def _lut16_blocks(table, n_sub: int, stride: int):
+    """f(qa, xa, s_0 .. s_{n_sub-1}) -> float32 for n_sub in 1, 2, 8: n_sub groups of 16 bytes of 4-bit codes, group
+    i at qa + i * stride (low nibbles its values 0..15, high ones 16..31), through the 16-entry table, dotted with
+    32 * n_sub float32 at xa, group i scaled by s_i; one tree for all (MXFP4 and IQ4_NL two blocks a call, IQ4_XS a
+    block's 8 groups)."""
+    codes = [int(v) & 0xFF for v in table]
+
+    def codegen(context, builder, sig, args):
+        v16b, v32f = _vec(I8, 16), _vec(F, 32)
+        pshufb = builder.module.declare_intrinsic("llvm.x86.ssse3.pshuf.b.128",
+                                                  fnty=ir.FunctionType(v16b, [v16b, v16b]))
+        nib, tab = _const(I8, [15] * 16), _const(I8, codes)
+        acc = None
+        for i in range(n_sub):
+            q = _load(builder, args[0], v16b, i * stride)
+            lo = builder.call(pshufb, [tab, builder.and_(q, nib)])
+            hi = builder.call(pshufb, [tab, builder.and_(builder.lshr(q, _const(I8, [4] * 16)), nib)])
+            w = builder.sitofp(_cat(builder, lo, hi), v32f)
+            p = builder.fmul(builder.fmul(w, _load(builder, args[1], v32f, 128 * i)), _splat(builder, args[2 + i], 32))
+            acc = p if acc is None else builder.fadd(acc, p)
+        return _tree_sum(builder, acc)
+
+    f32 = types.float32
+    if n_sub == 1:
+        @intrinsic
+        def f(typingctx, qa, xa, s0):
+            return f32(qa, xa, f32), codegen
+    elif n_sub == 2:
+        @intrinsic
+        def f(typingctx, qa, xa, s0, s1):
+            return f32(qa, xa, f32, f32), codegen
+    elif n_sub == 8:
+        @intrinsic
+        def f(typingctx, qa, xa, s0, s1, s2, s3, s4, s5, s6, s7):
+            return f32(qa, xa, *(f32,) * 8), codegen
+    else:
+        raise ValueError(f"groups a call: 1, 2 or 8, not {n_sub}")
+    return f
+
+
+def _nvfp4_block(table):
+    """f(qa, xa, d0, d1, d2, d3) -> float32: an NVFP4 block's 32 bytes of E2M1 codes at qa (16-value sub-block s in
+    bytes 8s..8s+7: low nibbles its values 0..7, high ones 8..15) dotted with 64 float32 at xa, sub-block s scaled
+    by d_s; one tree for the block."""
     codes = [int(v) & 0xFF for v in table]
 
     @intrinsic
-    def f(typingctx, qa, xa, d0, d1):
+    def f(typingctx, qa, xa, d0, d1, d2, d3):
         def codegen(context, builder, sig, args):
-            v16b, v16f = _vec(I8, 16), _vec(F, 16)
+            v16b, v64f = _vec(I8, 16), _vec(F, 64)
             pshufb = builder.module.declare_intrinsic("llvm.x86.ssse3.pshuf.b.128",
                                                       fnty=ir.FunctionType(v16b, [v16b, v16b]))
-            q = _load(builder, args[0], v16b)
-            nib = _const(I8, [15] * 16)
-            lo = builder.call(pshufb, [_const(I8, codes), builder.and_(q, nib)])
-            hi = builder.call(pshufb, [_const(I8, codes), builder.and_(builder.lshr(q, _const(I8, [4] * 16)), nib)])
-            if interleaved:
-                both = _cat(builder, lo, hi)
-                lo = _take(builder, both, (*range(8), *range(16, 24)))
-                hi = _take(builder, both, (*range(8, 16), *range(24, 32)))
-            p0 = builder.fmul(builder.sitofp(lo, v16f), _load(builder, args[1], v16f))
-            p1 = builder.fmul(builder.sitofp(hi, v16f), _load(builder, args[1], v16f, 64))
-            if not interleaved:         # one scale for all 32: one tree (d1 is not read)
-                return builder.fmul(args[2], _tree_sum(builder, builder.fadd(p0, p1)))
-            s0, s1 = _tree_sum(builder, p0), _tree_sum(builder, p1)
-            return builder.fadd(builder.fmul(args[2], s0), builder.fmul(args[3], s1))
-        return types.float32(qa, xa, types.float32, types.float32), codegen
+            nib, tab = _const(I8, [15] * 16), _const(I8, codes)
+            parts = []
+            for h in range(2):                  # bytes 16h..16h+15: sub-blocks 2h and 2h+1
+                q = _load(builder, args[0], v16b, 16 * h)
+                lo = builder.call(pshufb, [tab, builder.and_(q, nib)])
+                hi = builder.call(pshufb, [tab, builder.and_(builder.lshr(q, _const(I8, [4] * 16)), nib)])
+                parts.append(_take(builder, _cat(builder, lo, hi), (*range(8), *range(16, 24), *range(8, 16),
+                                                                    *range(24, 32))))
+            w = builder.sitofp(_cat(builder, parts[0], parts[1]), v64f)
+            sv = _cat(builder, _cat(builder, _splat(builder, args[2], 16), _splat(builder, args[3], 16)),
+                      _cat(builder, _splat(builder, args[4], 16), _splat(builder, args[5], 16)))
+            return _tree_sum(builder, builder.fmul(builder.fmul(w, _load(builder, args[1], v64f)), sv))
+        return types.float32(qa, xa, *(types.float32,) * 4), codegen
     return f
 
 
 @intrinsic
-def nibbles_dot(typingctx, qa, xa, s0, s1):
-    """f(qa, xa, s0, s1) -> float32 over 32 bytes at qa and 64 float32 at xa: s0 * (the low nibbles . x[0:32]) +
-    s1 * (the high nibbles . x[32:64]): a Q4_K 64-value chunk."""
+def q4k_block_dot(typingctx, ba, xa, sa):
+    """A whole Q4_K block at ba (fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit codes)
+    dotted with 256 float32 at xa: d * sum_j scale_j * (codes_j . x_j) - dmin * sum_j min_j * xsum_j over its eight
+    32-value sub-blocks, xsum_j the 8 float32 at sa (x's sums over each 32 values). Scales unpacked in vectors, the
+    codes' products in one vector, one tree."""
     def codegen(context, builder, sig, args):
+        v4b, v8b, v8f = _vec(I8, 4), _vec(I8, 8), _vec(F, 8)
         v32b, v32i, v32f = _vec(I8, 32), _vec(I32, 32), _vec(F, 32)
-        q = builder.zext(_load(builder, args[0], v32b), v32i)
-        lo = builder.sitofp(builder.and_(q, _const(I32, [15] * 32)), v32f)
-        hi = builder.sitofp(builder.lshr(q, _const(I32, [4] * 32)), v32f)
-        t0 = _tree_sum(builder, builder.fmul(lo, _load(builder, args[1], v32f)))
-        t1 = _tree_sum(builder, builder.fmul(hi, _load(builder, args[1], v32f, 128)))
-        return builder.fadd(builder.fmul(args[2], t0), builder.fmul(args[3], t1))
-    return types.float32(qa, xa, types.float32, types.float32), codegen
+        i16 = ir.IntType(16)
+        d, dmin = (builder.fpext(builder.bitcast(builder.load(builder.inttoptr(builder.add(args[0], ir.Constant(
+            args[0].type, o)), i16.as_pointer()), align=1), ir.HalfType()), F) for o in (0, 2))
+        sm = _load(builder, args[0], v8b, 4)                     # bytes 4..11: scales 0..3, mins 0..3 (low 6 bits)
+        hi = _load(builder, args[0], v4b, 12)                    # bytes 12..15: the high sub-blocks' low bits
+        c63, c15, c4, c6 = (_const(I8, [v] * 4) for v in (63, 15, 4, 6))
+        s_lo, m_lo = _take(builder, sm, range(4)), _take(builder, sm, range(4, 8))
+        sc = _cat(builder, builder.and_(s_lo, c63), builder.or_(builder.and_(hi, c15),
+                                                                builder.shl(builder.lshr(s_lo, c6), c4)))
+        mn = _cat(builder, builder.and_(m_lo, c63), builder.or_(builder.lshr(hi, c4),
+                                                                builder.shl(builder.lshr(m_lo, c6), c4)))
+        scf, mnf = builder.uitofp(sc, v8f), builder.uitofp(mn, v8f)
+        acc = None
+        for j in range(4):
+            q = builder.zext(_load(builder, args[0], v32b, 16 + 32 * j), v32i)
+            for part, codes in enumerate((builder.and_(q, _const(I32, [15] * 32)),
+                                          builder.lshr(q, _const(I32, [4] * 32)))):
+                x = _load(builder, args[1], v32f, 256 * j + 128 * part)
+                scale = builder.shuffle_vector(scf, ir.Constant(v8f, ir.Undefined), _const(I32, [2 * j + part] * 32))
+                p = builder.fmul(builder.fmul(builder.sitofp(codes, v32f), x), scale)
+                acc = p if acc is None else builder.fadd(acc, p)
+        ts = _tree_sum(builder, acc)
+        tm = _tree_sum(builder, builder.fmul(mnf, _load(builder, args[2], v8f)))
+        return builder.fsub(builder.fmul(d, ts), builder.fmul(dmin, tm))
+    return types.float32(ba, xa, sa), codegen
+
+
+@intrinsic
+def q6_half_dot(typingctx, qla, qha, xa, s0, s1, s2, s3, s4, s5, s6, s7):
+    """One 128-value half of a Q6_K block: its 64 bytes of low nibbles at qla and 32 bytes of high pairs at qha,
+    dotted with 128 float32 at xa, the codes minus 32, each 16 values scaled by s0..s7 in order."""
+    def codegen(context, builder, sig, args):
+        v32b, v32f = _vec(I8, 32), _vec(F, 32)
+        ql0, ql1 = _load(builder, args[0], v32b), _load(builder, args[0], v32b, 32)
+        qh = _load(builder, args[1], v32b)
+        c15, c3, c32 = _const(I8, [15] * 32), _const(I8, [3] * 32), _const(I8, [32] * 32)
+        lows = (builder.and_(ql0, c15), builder.and_(ql1, c15), builder.lshr(ql0, _const(I8, [4] * 32)),
+                builder.lshr(ql1, _const(I8, [4] * 32)))
+        acc = None
+        for s, low in enumerate(lows):      # values 32 s .. 32 s + 31: low nibbles, qh pair s
+            high = builder.shl(builder.and_(builder.lshr(qh, _const(I8, [2 * s] * 32)), c3), _const(I8, [4] * 32))
+            q = builder.sitofp(builder.sub(builder.or_(low, high), c32), v32f)
+            sv = _cat(builder, _splat(builder, args[3 + 2 * s], 16), _splat(builder, args[4 + 2 * s], 16))
+            p = builder.fmul(builder.fmul(q, _load(builder, args[2], v32f, 128 * s)), sv)
+            acc = p if acc is None else builder.fadd(acc, p)
+        return _tree_sum(builder, acc)
+    return types.float32(qla, qha, xa, *(types.float32,) * 8), codegen
 
 
 @intrinsic
