@@ -13,6 +13,9 @@ until the job is done. `ready` runs on the worker before x is read (a wait for t
 is written (setting the flag the GPU waits on); an exception in either, or in the kernel, fails that job alone:
 wait() raises it. submit() checks its arguments at once and raises ValueError for bad ones.
 
+measure_gbps(table, threads) times the CPU's rate on the table's own experts through a pool: what calibration writes
+beside pcie_gbps for engine/cpu_share.py's rule.
+
 numba's threads are per process: run one pool (and no other numba-parallel work) at a time unless numba's threading
 layer is omp or tbb (numba -s says which it found); workqueue, its fallback, aborts on concurrent launches.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -108,3 +112,28 @@ class CpuExpertPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def measure_gbps(table: ExpertTable, threads: int, k: int = 4, calls: int = 12, backend: str = "auto",
+                 seed: int = 0) -> float:
+    """The CPU's rate on these experts, GB/s of expert bytes: the median of `calls` jobs of k random experts of
+    random layers (those with addresses) through a pool of `threads` (what --calibrate writes beside pcie_gbps)."""
+    rng = np.random.default_rng(seed)
+    layers = [il for il in range(table.n_layer) if table.types[il] is not None]
+    have = {il: np.flatnonzero((table.gate[il] != 0) & (table.down[il] != 0)) for il in layers}
+    layers = [il for il in layers if len(have[il]) >= k]
+    if not layers:
+        raise ValueError(f"no layer has {k} experts in host memory to time")
+    x = rng.standard_normal(table.n_embd).astype(np.float32)
+    out = np.empty(table.n_embd, np.float32)
+    w = np.full(k, 1.0 / k, np.float32)
+    rates = []
+    with CpuExpertPool(table, threads, backend) as pool:
+        for i in range(calls + 1):
+            il = layers[rng.integers(len(layers))]
+            ids = rng.choice(have[il], k, replace=False)
+            t0 = time.perf_counter()
+            pool.submit(il, ids, w, x, out).wait()
+            if i:                                   # the first call warms the threads (and numba's cache)
+                rates.append(k * table.expert_bytes(il) / (time.perf_counter() - t0) / 1e9)
+    return float(np.median(rates))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine import cpu_experts as ce
-from engine.cpu_expert_pool import CpuExpertPool, max_threads
+from engine.cpu_expert_pool import CpuExpertPool, max_threads, measure_gbps
 from test_cpu_experts import assert_exact_to_f32, blob_table, exact_ffn, needs_numba, numba
 
 
@@ -126,3 +126,10 @@ def test_the_numpy_backend_pool(layer):
     with CpuExpertPool(table, backend="numpy") as pool:
         pool.submit(0, [0, 6], [0.4, 0.6], x, out).wait(60)
     assert_exact_to_f32(out, exact_ffn(table, mats, [0, 6], [0.4, 0.6], x), "numpy pool")
+
+
+def test_measuring_the_cpu_rate(layer):
+    table, _, _ = layer
+    assert measure_gbps(table, threads=1, k=3, calls=3) > 0
+    with pytest.raises(ValueError, match="no layer has 9 experts"):
+        measure_gbps(table, threads=1, k=9)
