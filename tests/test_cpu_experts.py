@@ -326,14 +326,17 @@ def tiny_models(tmp_path_factory):
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-2000:]
         out[name] = path
+    from tools.fuse_tensors import fuse         # ffn_gate_up_exps: gate and up rows, views of one tensor
+    out["fused"] = fuse(out["qwen3moe"], d / "fused.gguf", qkv=True, gate_up=True)
     return out
 
 
 @pytest.mark.parametrize("backend", [pytest.param("numba", marks=needs_numba), "numpy"])
-@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "mixtral", "gpt-oss", "q4_k_m"])
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "mixtral", "gpt-oss", "q4_k_m", "fused"])
 def test_gguf_experts_match_the_cpu_backend(tiny_models, name, backend):
     model = open_model(tiny_models[name])
     cfg = model.config
+    assert (name == "fused") == bool(model.tensor("blk.0.ffn_up_exps.weight").fused_from)
     weights = base.Weights(model)
     fam = __import__("engine.arch", fromlist=["build"]).build(model, weights, 64)
     rng = np.random.default_rng(6)
