@@ -50,13 +50,13 @@ def preset_shape(name: str) -> tuple[int, int, int, tuple[int, int, int], str]:
 
 def random_expert(rng, types, n_ff: int, n_embd: int) -> list[np.ndarray]:
     """gate, up, down rows of one expert with valid blocks (tools.make_moe's, unit-RMS outputs)."""
-    from gguf import GGMLQuantizationType as Q
     from tools import make_moe as mm
     out = []
     for qt, rows, cols in zip(types, (n_ff, n_ff, n_embd), (n_embd, n_embd, n_ff)):
-        try:
-            out.append(mm.random_rows(rng, Q(qt), rows, cols, 1.0 / np.sqrt(cols)))
-        except (KeyError, ValueError):      # a type make_moe cannot make here: random bytes, sane fp16 scales
+        made = [t for t in mm.SUPPORTED_TYPES if int(t) == qt]      # make_moe's enum member (gguf's or engine's)
+        if made:
+            out.append(mm.random_rows(rng, made[0], rows, cols, 1.0 / np.sqrt(cols)))
+        else:                               # a type make_moe cannot make here: random bytes, sane fp16 scales
             raw = rng.integers(0, 256, (rows, ce.row_bytes(qt, cols)), dtype=np.uint8)
             blocks = raw.reshape(-1, ce.QUANT_BLOCKS[qt][1])
             blocks[:, :2] = np.float16(0.01 / np.sqrt(cols)).reshape(1).view(np.uint8)

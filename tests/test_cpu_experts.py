@@ -55,10 +55,10 @@ def random_rows(qt: int, n_rows: int, n: int, rng, scale: float | None = None) -
     """Valid rows (n_rows, row bytes) of type qt with weights of RMS ~ scale (default 1/sqrt(n)): tools.make_moe's
     where it makes the type, else random codes under finite scales of either sign."""
     scale = scale if scale is not None else 1.0 / np.sqrt(n)
-    from gguf import GGMLQuantizationType as Q
     from tools import make_moe
-    if qt in {int(t) for t in make_moe.SUPPORTED_TYPES}:
-        return make_moe.random_rows(rng, Q(qt), n_rows, n, scale)
+    made = [t for t in make_moe.SUPPORTED_TYPES if int(t) == qt]       # its enum member (gguf's or engine's)
+    if made:
+        return make_moe.random_rows(rng, made[0], n_rows, n, scale)
     if qt == 0:
         return (rng.standard_normal((n_rows, n)) * scale).astype(np.float32).view(np.uint8)
     if qt == 1:
