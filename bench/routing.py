@@ -4,6 +4,7 @@
     python -m bench.routing --model data/models/qwen3-30b-a3b-q4k.gguf       # routers read from a GGUF
     python -m bench.routing --model small.gguf --forward                     # the model's own hidden states
     python -m bench.routing --model 48-layers-8-experts.gguf --forward --route-preset qwen3-30b-a3b
+    python -m bench.routing --model small.gguf --forward --trace-out trace.json     # + the routing, for bench.plan
 
 The router input is the layer's RMS-normed hidden state. By default it is random (a unit-RMS Gaussian times the
 layer's ffn_norm weight, optionally with a direction shared by each prompt's tokens: --common); --forward runs the
@@ -355,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="cache sizes to measure, as fractions of each layer's experts (default: "
                          + ",".join(f"{f:g}" for f in FRACTIONS) + ")")
     ap.add_argument("--layers", action="store_true", help="print every layer, not just the summary")
+    ap.add_argument("--trace-out", type=Path, metavar="PATH",
+                    help="also write every prompt's routing (the top k per token and layer) as a routing trace "
+                         "(bench/routing_trace.py; .gz compresses) for python -m bench.plan")
     a = ap.parse_args(argv)
 
     if (a.forward or a.route_preset) and a.model is None:
@@ -407,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     print("ranking learnt on each prompt's first half, measured on its second (an adaptive cache); LRU: the mean "
           "of an LRU cache per layer warmed on the first half:")
     print(table(within, None, a.layers, n_expert, fs, {"LRU": lru_curve(routers, k, prompts, fs).mean(0)}))
+    if a.trace_out is not None:
+        from bench import routing_trace
+        ids = [np.stack([route(r, p, k).reshape(p.shape[0], k) for p in x]) for r, x in zip(routers, prompts)]
+        routing_trace.write(routing_trace.from_layers(ids, n_expert, f"bench.routing: {name}; {inputs}"),
+                            a.trace_out)
+        print(f"bench.routing: wrote the routing of {a.prompts} prompts of {a.prompt_len} tokens to {a.trace_out}")
     tt = temporal_table(routers, k, prompts)
     print("over time (mean of layers and prompts; a trained Qwen3-30B-A3B's in brackets): " + ", ".join(
         f"{key} {v:.3f} ({TEMPORAL_TARGET[key]:.3f})" for key, v in tt.items()))

@@ -1,0 +1,390 @@
+"""numba intrinsics for the CPU expert kernels: 32-bit integer ops, raw pointers, and the SIMD dot products.
+
+numba widens integer arithmetic to 64 bits (half the SIMD lanes) and has no vector types, and a float sum it may
+vectorize only under fast-math, whose order then depends on what LLVM inlines: a kernel compiled in a fresh
+process (callees inlined) and one loaded from numba's cache (callees called) summed in different orders, so their
+results differed in the last bits. So every sum here is written out in LLVM IR: products in vectors, lanes
+accumulated in a loop, and one fixed halving tree at the end, with strict IEEE operations that no optimization may
+reorder. The result is the same bits whatever is inlined, cached or threaded (tests/test_cpu_experts.py).
+
+vdot is the plain float32 dot; the others dot x with a block's codes without a float32 copy of the weights:
+_lut16_blocks and _nvfp4_block (4-bit codes through a 16-entry table, SSSE3 pshufb: MXFP4, NVFP4, IQ4_NL, IQ4_XS,
+Q4_0), q4k_block_dot and q6_half_dot (Q4_K's and Q6_K's integer codes, sub-block scales applied lane by lane),
+i8_dot (Q8_0), grid_rows_dot (the i-quants' 8-value grid rows with sign bits), crumbs_dot (Q2_0's 2-bit codes) and
+bits_dot (Q1_0's signs). Accumulating a whole block in one vector before its one tree is what makes them fast (Q6_K
+2.2 -> 7.5 GB/s a thread against decoding the row first); the callers (engine/cpu_expert_kernels.py) apply the
+blocks' own scales.
+"""
+from __future__ import annotations
+
+from llvmlite import binding as llvm_binding, ir
+from numba import carray, njit, types
+from numba.extending import intrinsic
+
+HAS_PSHUFB = bool(llvm_binding.get_host_cpu_features().get("ssse3", False))   # x86 CPUs since 2006
+
+I8, I32, F = ir.IntType(8), ir.IntType(32), ir.FloatType()
+
+
+def _as_i32(builder, val, ty):
+    if ty.bitwidth == 32:
+        return val
+    if ty.bitwidth < 32:
+        return builder.sext(val, I32) if ty.signed else builder.zext(val, I32)
+    return builder.trunc(val, I32)
+
+
+def _i32_op(op):
+    @intrinsic
+    def f(typingctx, a, b):
+        if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return getattr(builder, op)(_as_i32(builder, args[0], a), _as_i32(builder, args[1], b))
+        return types.int32(a, b), codegen
+    return f
+
+
+band, bor, shr, shl, isub = (_i32_op(op) for op in ("and_", "or_", "lshr", "shl", "sub"))
+
+
+@intrinsic
+def i32(typingctx, a):
+    """An integer as int32 (sign- or zero-extended, or truncated)."""
+    if not isinstance(a, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _as_i32(builder, args[0], a)
+    return types.int32(a), codegen
+
+
+@intrinsic
+def f32_bits(typingctx, bits):
+    """The float32 whose bits are the low 32 of an integer."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(_as_i32(builder, args[0], bits), F)
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def f16_to_f32(typingctx, bits):
+    """IEEE half (the low 16 bits) to float32, exactly (fpext: F16C's vcvtph2ps)."""
+    def codegen(context, builder, sig, args):
+        h = builder.bitcast(builder.trunc(_as_i32(builder, args[0], bits), ir.IntType(16)), ir.HalfType())
+        return builder.fpext(h, F)
+    return types.float32(bits), codegen
+
+
+def _ptr(numba_type):
+    @intrinsic
+    def f(typingctx, addr):
+        if not isinstance(addr, types.Integer):
+            return None
+        ptr_type = types.CPointer(numba_type)
+
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(ptr_type))
+        return ptr_type(addr), codegen
+    return f
+
+
+ptr_u8, ptr_i8, ptr_u16, ptr_f32, ptr_u64 = (_ptr(t) for t in (types.uint8, types.int8, types.uint16,
+                                                                types.float32, types.uint64))
+
+
+@intrinsic
+def prefetch(typingctx, addr):
+    """Ask for the cache line at an address (llvm.prefetch: read, keep in all levels)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i8p = I8.as_pointer()
+        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [i8p] + [I32] * 3))
+        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(I32, 0), ir.Constant(I32, 3),
+                          ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+    return types.none(addr), codegen
+
+
+@njit(inline="always")
+def prefetch_rows(a, nbytes):
+    for o in range(0, nbytes, 64):
+        prefetch(a + o)
+
+
+# --- IR helpers ---------------------------------------------------------------------------------------------------
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _const(t, values):
+    return ir.Constant(_vec(t, len(values)), [ir.Constant(t, int(v) if isinstance(t, ir.IntType) else v)
+                                              for v in values])
+
+
+def _load(builder, addr, vtype, offset=0):
+    a = builder.add(addr, ir.Constant(addr.type, offset)) if offset else addr
+    return builder.load(builder.inttoptr(a, vtype.as_pointer()), align=1)
+
+
+def _splat(builder, v, n):
+    one = builder.insert_element(ir.Constant(_vec(v.type, n), ir.Undefined), v, ir.Constant(I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(_vec(v.type, n), ir.Undefined), _const(I32, [0] * n))
+
+
+def _take(builder, v, idx):
+    """The lanes idx of v (a shufflevector of one vector)."""
+    return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), _const(I32, idx))
+
+
+def _cat(builder, a, b):
+    n = a.type.count
+    return builder.shuffle_vector(a, b, _const(I32, range(2 * n)))
+
+
+def _tree_sum(builder, v):
+    """The lanes of a float vector summed by halving: lanes i and i + n/2 first. A fixed order."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = builder.fadd(_take(builder, v, range(n)), _take(builder, v, range(n, 2 * n)))
+    return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+def _fmuladd(builder, acc, a, b):
+    """acc + a * b, rounded twice (no fusing: the same bits on every CPU)."""
+    return builder.fadd(acc, builder.fmul(a, b))
+
+
+# --- the dots -----------------------------------------------------------------------------------------------------
+
+LANES = 16
+
+
+@intrinsic
+def vdot_blocks(typingctx, a, b, n16):
+    """The dot of n16 * 16 float32 at addresses a and b: 16 lane accumulators over the chunks, then _tree_sum."""
+    def codegen(context, builder, sig, args):
+        vf = _vec(F, LANES)
+        a0, b0, n = args
+        pre = builder.block
+        loop = builder.append_basic_block("vdot.loop")
+        done = builder.append_basic_block("vdot.done")
+        zero = ir.Constant(vf, [ir.Constant(F, 0.0)] * LANES)
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(n.type, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(n.type)
+        acc = builder.phi(vf)
+        off = builder.mul(i, ir.Constant(n.type, 4 * LANES))
+        nxt = _fmuladd(builder, acc, _load(builder, builder.add(a0, off), vf), _load(builder, builder.add(b0, off), vf))
+        i1 = builder.add(i, ir.Constant(n.type, 1))
+        i.add_incoming(ir.Constant(n.type, 0), pre)
+        i.add_incoming(i1, loop)
+        acc.add_incoming(zero, pre)
+        acc.add_incoming(nxt, loop)
+        builder.cbranch(builder.icmp_signed("<", i1, n), loop, done)
+        builder.position_at_end(done)
+        res = builder.phi(vf)
+        res.add_incoming(zero, pre)
+        res.add_incoming(nxt, loop)
+        return _tree_sum(builder, res)
+    return types.float32(a, b, n16), codegen
+
+
+@njit(inline="always")
+def vdot(a, b, n):
+    """float32 dot of n values at addresses a and b: 16-lane chunks (vdot_blocks), then the tail in order."""
+    m = n // LANES
+    s = vdot_blocks(a, b, m)
+    u, v = carray(ptr_f32(a), n), carray(ptr_f32(b), n)
+    for i in range(m * LANES, n):
+        s += u[i] * v[i]
+    return s
+
+
+def _lut16_blocks(table, n_sub: int, stride: int):
+    """f(qa, xa, s_0 .. s_{n_sub-1}) -> float32 for n_sub in 1, 2, 8: n_sub groups of 16 bytes of 4-bit codes, group
+    i at qa + i * stride (low nibbles its values 0..15, high ones 16..31), through the 16-entry table, dotted with
+    32 * n_sub float32 at xa, group i scaled by s_i; one tree for all (MXFP4 and IQ4_NL two blocks a call, IQ4_XS a
+    block's 8 groups)."""
+    codes = [int(v) & 0xFF for v in table]
+
+    def codegen(context, builder, sig, args):
+        v16b, v32f = _vec(I8, 16), _vec(F, 32)
+        pshufb = builder.module.declare_intrinsic("llvm.x86.ssse3.pshuf.b.128",
+                                                  fnty=ir.FunctionType(v16b, [v16b, v16b]))
+        nib, tab = _const(I8, [15] * 16), _const(I8, codes)
+        acc = None
+        for i in range(n_sub):
+            q = _load(builder, args[0], v16b, i * stride)
+            lo = builder.call(pshufb, [tab, builder.and_(q, nib)])
+            hi = builder.call(pshufb, [tab, builder.and_(builder.lshr(q, _const(I8, [4] * 16)), nib)])
+            w = builder.sitofp(_cat(builder, lo, hi), v32f)
+            p = builder.fmul(builder.fmul(w, _load(builder, args[1], v32f, 128 * i)), _splat(builder, args[2 + i], 32))
+            acc = p if acc is None else builder.fadd(acc, p)
+        return _tree_sum(builder, acc)
+
+    f32 = types.float32
+    if n_sub == 1:
+        @intrinsic
+        def f(typingctx, qa, xa, s0):
+            return f32(qa, xa, f32), codegen
+    elif n_sub == 2:
+        @intrinsic
+        def f(typingctx, qa, xa, s0, s1):
+            return f32(qa, xa, f32, f32), codegen
+    elif n_sub == 8:
+        @intrinsic
+        def f(typingctx, qa, xa, s0, s1, s2, s3, s4, s5, s6, s7):
+            return f32(qa, xa, *(f32,) * 8), codegen
+    else:
+        raise ValueError(f"groups a call: 1, 2 or 8, not {n_sub}")
+    return f
+
+
+def _nvfp4_block(table):
+    """f(qa, xa, d0, d1, d2, d3) -> float32: an NVFP4 block's 32 bytes of E2M1 codes at qa (16-value sub-block s in
+    bytes 8s..8s+7: low nibbles its values 0..7, high ones 8..15) dotted with 64 float32 at xa, sub-block s scaled
+    by d_s; one tree for the block."""
+    codes = [int(v) & 0xFF for v in table]
+
+    @intrinsic
+    def f(typingctx, qa, xa, d0, d1, d2, d3):
+        def codegen(context, builder, sig, args):
+            v16b, v64f = _vec(I8, 16), _vec(F, 64)
+            pshufb = builder.module.declare_intrinsic("llvm.x86.ssse3.pshuf.b.128",
+                                                      fnty=ir.FunctionType(v16b, [v16b, v16b]))
+            nib, tab = _const(I8, [15] * 16), _const(I8, codes)
+            parts = []
+            for h in range(2):                  # bytes 16h..16h+15: sub-blocks 2h and 2h+1
+                q = _load(builder, args[0], v16b, 16 * h)
+                lo = builder.call(pshufb, [tab, builder.and_(q, nib)])
+                hi = builder.call(pshufb, [tab, builder.and_(builder.lshr(q, _const(I8, [4] * 16)), nib)])
+                parts.append(_take(builder, _cat(builder, lo, hi), (*range(8), *range(16, 24), *range(8, 16),
+                                                                    *range(24, 32))))
+            w = builder.sitofp(_cat(builder, parts[0], parts[1]), v64f)
+            sv = _cat(builder, _cat(builder, _splat(builder, args[2], 16), _splat(builder, args[3], 16)),
+                      _cat(builder, _splat(builder, args[4], 16), _splat(builder, args[5], 16)))
+            return _tree_sum(builder, builder.fmul(builder.fmul(w, _load(builder, args[1], v64f)), sv))
+        return types.float32(qa, xa, *(types.float32,) * 4), codegen
+    return f
+
+
+@intrinsic
+def q4k_block_dot(typingctx, ba, xa, sa):
+    """A whole Q4_K block at ba (fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit codes)
+    dotted with 256 float32 at xa: d * sum_j scale_j * (codes_j . x_j) - dmin * sum_j min_j * xsum_j over its eight
+    32-value sub-blocks, xsum_j the 8 float32 at sa (x's sums over each 32 values). Scales unpacked in vectors, the
+    codes' products in one vector, one tree."""
+    def codegen(context, builder, sig, args):
+        v4b, v8b, v8f = _vec(I8, 4), _vec(I8, 8), _vec(F, 8)
+        v32b, v32i, v32f = _vec(I8, 32), _vec(I32, 32), _vec(F, 32)
+        i16 = ir.IntType(16)
+        d, dmin = (builder.fpext(builder.bitcast(builder.load(builder.inttoptr(builder.add(args[0], ir.Constant(
+            args[0].type, o)), i16.as_pointer()), align=1), ir.HalfType()), F) for o in (0, 2))
+        sm = _load(builder, args[0], v8b, 4)                     # bytes 4..11: scales 0..3, mins 0..3 (low 6 bits)
+        hi = _load(builder, args[0], v4b, 12)                    # bytes 12..15: the high sub-blocks' low bits
+        c63, c15, c4, c6 = (_const(I8, [v] * 4) for v in (63, 15, 4, 6))
+        s_lo, m_lo = _take(builder, sm, range(4)), _take(builder, sm, range(4, 8))
+        sc = _cat(builder, builder.and_(s_lo, c63), builder.or_(builder.and_(hi, c15),
+                                                                builder.shl(builder.lshr(s_lo, c6), c4)))
+        mn = _cat(builder, builder.and_(m_lo, c63), builder.or_(builder.lshr(hi, c4),
+                                                                builder.shl(builder.lshr(m_lo, c6), c4)))
+        scf, mnf = builder.uitofp(sc, v8f), builder.uitofp(mn, v8f)
+        acc = None
+        for j in range(4):
+            q = builder.zext(_load(builder, args[0], v32b, 16 + 32 * j), v32i)
+            for part, codes in enumerate((builder.and_(q, _const(I32, [15] * 32)),
+                                          builder.lshr(q, _const(I32, [4] * 32)))):
+                x = _load(builder, args[1], v32f, 256 * j + 128 * part)
+                scale = builder.shuffle_vector(scf, ir.Constant(v8f, ir.Undefined), _const(I32, [2 * j + part] * 32))
+                p = builder.fmul(builder.fmul(builder.sitofp(codes, v32f), x), scale)
+                acc = p if acc is None else builder.fadd(acc, p)
+        ts = _tree_sum(builder, acc)
+        tm = _tree_sum(builder, builder.fmul(mnf, _load(builder, args[2], v8f)))
+        return builder.fsub(builder.fmul(d, ts), builder.fmul(dmin, tm))
+    return types.float32(ba, xa, sa), codegen
+
+
+@intrinsic
+def q6_half_dot(typingctx, qla, qha, xa, s0, s1, s2, s3, s4, s5, s6, s7):
+    """One 128-value half of a Q6_K block: its 64 bytes of low nibbles at qla and 32 bytes of high pairs at qha,
+    dotted with 128 float32 at xa, the codes minus 32, each 16 values scaled by s0..s7 in order."""
+    def codegen(context, builder, sig, args):
+        v32b, v32f = _vec(I8, 32), _vec(F, 32)
+        ql0, ql1 = _load(builder, args[0], v32b), _load(builder, args[0], v32b, 32)
+        qh = _load(builder, args[1], v32b)
+        c15, c3, c32 = _const(I8, [15] * 32), _const(I8, [3] * 32), _const(I8, [32] * 32)
+        lows = (builder.and_(ql0, c15), builder.and_(ql1, c15), builder.lshr(ql0, _const(I8, [4] * 32)),
+                builder.lshr(ql1, _const(I8, [4] * 32)))
+        acc = None
+        for s, low in enumerate(lows):      # values 32 s .. 32 s + 31: low nibbles, qh pair s
+            high = builder.shl(builder.and_(builder.lshr(qh, _const(I8, [2 * s] * 32)), c3), _const(I8, [4] * 32))
+            q = builder.sitofp(builder.sub(builder.or_(low, high), c32), v32f)
+            sv = _cat(builder, _splat(builder, args[3 + 2 * s], 16), _splat(builder, args[4 + 2 * s], 16))
+            p = builder.fmul(builder.fmul(q, _load(builder, args[2], v32f, 128 * s)), sv)
+            acc = p if acc is None else builder.fadd(acc, p)
+        return _tree_sum(builder, acc)
+    return types.float32(qla, qha, xa, *(types.float32,) * 8), codegen
+
+
+@intrinsic
+def i8_dot(typingctx, qa, xa):
+    """32 int8 at qa dotted with 32 float32 at xa (a Q8_0 block's codes)."""
+    def codegen(context, builder, sig, args):
+        v32f = _vec(F, 32)
+        q = builder.sitofp(_load(builder, args[0], _vec(I8, 32)), v32f)
+        return _tree_sum(builder, builder.fmul(q, _load(builder, args[1], v32f)))
+    return types.float32(qa, xa), codegen
+
+
+@intrinsic
+def crumbs_dot(typingctx, qa, xa):
+    """16 bytes of 2-bit codes at qa (value 4i + k: bits 2k of byte i), each minus 1, dotted with 64 float32 at xa
+    (a Q2_0 block)."""
+    def codegen(context, builder, sig, args):
+        v64f = _vec(F, 64)
+        q = _load(builder, args[0], _vec(I8, 16))
+        spread = _take(builder, q, [j // 4 for j in range(64)])           # lane j holds byte j // 4
+        c = builder.and_(builder.lshr(spread, _const(I8, [2 * (j % 4) for j in range(64)])), _const(I8, [3] * 64))
+        w = builder.sitofp(builder.sub(c, _const(I8, [1] * 64)), v64f)
+        return _tree_sum(builder, builder.fmul(w, _load(builder, args[1], v64f)))
+    return types.float32(qa, xa), codegen
+
+
+@intrinsic
+def bits_dot(typingctx, qa, xa):
+    """16 bytes of sign bits at qa (value j: bit j % 8 of byte j // 8; set: +x, clear: -x) summed with 128 float32
+    at xa (a Q1_0 block, before its scale)."""
+    def codegen(context, builder, sig, args):
+        n = 128
+        v128i, v128f = _vec(I32, n), _vec(F, n)
+        q = _load(builder, args[0], _vec(I8, 16))
+        spread = _take(builder, q, [j // 8 for j in range(n)])
+        bit = builder.and_(builder.lshr(spread, _const(I8, [j % 8 for j in range(n)])), _const(I8, [1] * n))
+        sign = builder.shl(builder.zext(builder.xor(bit, _const(I8, [1] * n)), v128i), _const(I32, [31] * n))
+        x = builder.bitcast(_load(builder, args[1], v128f), v128i)
+        return _tree_sum(builder, builder.bitcast(builder.xor(x, sign), v128f))
+    return types.float32(qa, xa), codegen
+
+
+@intrinsic
+def grid_rows_dot(typingctx, g0, g1, s0, s1, xa):
+    """Two 8-float grid rows at addresses g0, g1, each value negated where its bit of the sign byte (s0, s1) is set,
+    dotted with the 16 float32 at xa (IQ2_XXS / IQ2_XS / IQ2_S: one vector load a row, not eight table reads)."""
+    def codegen(context, builder, sig, args):
+        v8i, v8f = _vec(I32, 8), _vec(F, 8)
+        parts = []
+        for r, (g, sg) in enumerate(((args[0], args[2]), (args[1], args[3]))):
+            row = builder.bitcast(_load(builder, g, v8f), v8i)
+            sv = _splat(builder, _as_i32(builder, sg, sig.args[2 + r]), 8)
+            bit = builder.shl(builder.and_(builder.lshr(sv, _const(I32, range(8))), _const(I32, [1] * 8)),
+                              _const(I32, [31] * 8))
+            parts.append(builder.bitcast(builder.xor(row, bit), v8f))
+        both = _cat(builder, parts[0], parts[1])
+        return _tree_sum(builder, builder.fmul(both, _load(builder, args[4], _vec(F, 16))))
+    return types.float32(g0, g1, s0, s1, xa), codegen
