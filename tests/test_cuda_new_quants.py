@@ -61,6 +61,10 @@ def backend(model, share):
     return CUDABackend(model, CTX, CudaOptions(**opts), tracer=RouteRecorder())
 
 
+# Measured on the H200 (docs/experiments.md, 2026-12-02): 0.073-0.096 relative on the prompt pass's rows for all
+# nine cases, where the bound is 1e-2, while every kernel matched its NumPy reference. The backend refuses these
+# types at load (engine/cuda/quant_types.py NOT_VALIDATED) until this passes; strict, so that a fix shows here.
+@pytest.mark.xfail(strict=True, reason="the new types' whole models part from the CPU backend by 7-10% (issue 35)")
 @pytest.mark.parametrize("share", ["all", "some", "none"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_new_quant_types_match_cpu(runs, name, share):
