@@ -268,6 +268,39 @@ def delta_rule_chunk(q, k, v, g, beta, S):
     return o.transpose(1, 0, 2).astype(v.dtype), S.astype(v.dtype)
 
 
+def gated_delta_net(w, b: str, cfg, qkv, z, pre_b, pre_a, conv, delta, tiled: bool, gate, states=None):
+    """A Gated DeltaNet layer after its projections (qwen3next, qwen35moe, qwen4exp's spec 4.5 steps 2-7): the causal
+    conv and SiLU over qkv (T, channels), per-head L2-normed q and k, beta = sigmoid(pre_b), g = softplus(pre_a +
+    dt) * ssm_a, the delta rule (one token at a time, per position into `states` for a verify window, else in
+    chunks of CHUNK), the gated RMS norm with gate(z) (z: (T, n_v, D)) and ssm_out. Value head h reads key head
+    h % n_k when `tiled` (the GGUF order of qwen35moe and qwen4exp), else h // r. Returns (out, conv, delta)."""
+    T, Hk, Hv, D = len(qkv), cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
+    beta = sigmoid(pre_b)
+    g = softplus(pre_a + w.get(b + "ssm_dt.bias")) * w.get(b + "ssm_a")   # ssm_a = -exp(A_log): g < 0
+    qkv, conv = causal_conv(qkv, conv, w.get(b + "ssm_conv1d.weight"))
+    qkv = silu(qkv)
+    q = l2_norm(qkv[:, :Hk * D].reshape(T, Hk, D), cfg.rms_eps)
+    k = l2_norm(qkv[:, Hk * D:2 * Hk * D].reshape(T, Hk, D), cfg.rms_eps)
+    v = qkv[:, 2 * Hk * D:].reshape(T, Hv, D)
+    r = Hv // Hk
+    if tiled:
+        q, k = np.tile(q, (1, r, 1)), np.tile(k, (1, r, 1))
+    else:
+        q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)
+    q = q * np.asarray(1.0 / math.sqrt(D), q.dtype)
+    if T == 1 or states is not None:
+        o, delta = delta_rule(q, k, v, g, beta, delta, states)
+    else:   # prompts: chunks of CHUNK tokens (llama.cpp's own size), each a few matrix products
+        outs = []
+        for s in range(0, T, CHUNK):
+            part, delta = delta_rule_chunk(q[s:s + CHUNK], k[s:s + CHUNK], v[s:s + CHUNK], g[s:s + CHUNK],
+                                           beta[s:s + CHUNK], delta)
+            outs.append(part)
+        o = np.concatenate(outs)
+    o = rms_norm(o, w.get(b + "ssm_norm.weight"), cfg.rms_eps) * gate(z)
+    return o.reshape(T, Hv * D) @ w.get(b + "ssm_out.weight").T, conv, delta
+
+
 def imrope_still(cfg) -> np.ndarray | None:
     """qwen35moe's IMRoPE for text: which rotary pairs (n_rot/2 bools) stay at position 0's angle. Sectors of the
     t/h/w sections turn with p; the fourth section's position is 0. None for plain neox RoPE (qwen3next)."""
@@ -342,38 +375,16 @@ class Qwen3Next(Transformer):
         return ba[:, :, :r].reshape(len(x), -1), ba[:, :, r:].reshape(len(x), -1)
 
     def gdn(self, il, x, cache: HybridCache):
-        cfg, w, b = self.cfg, self.w, f"blk.{il}."
-        T, Hk, Hv, D = len(x), cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
         qkv, z = self.qkv_z(il, x)
         pre_b, pre_a = self.beta_alpha(il, x)
-        beta = sigmoid(pre_b)
-        g = softplus(pre_a + w.get(b + "ssm_dt.bias")) * w.get(b + "ssm_a")   # ssm_a = -exp(A_log): g < 0
         states = None
         if cache.window is not None:        # a verify window: the state after each position (HybridCache.rewind)
             states = [cache.delta[il]]
             cache.window[il] = (np.concatenate([cache.conv[il], qkv]), states)
-        qkv, cache.conv[il] = causal_conv(qkv, cache.conv[il], w.get(b + "ssm_conv1d.weight"))
-        qkv = silu(qkv)
-        q = l2_norm(qkv[:, :Hk * D].reshape(T, Hk, D), cfg.rms_eps)
-        k = l2_norm(qkv[:, Hk * D:2 * Hk * D].reshape(T, Hk, D), cfg.rms_eps)
-        v = qkv[:, 2 * Hk * D:].reshape(T, Hv, D)
-        r = Hv // Hk
-        if cfg.family_params.tiled_heads:   # value head h reads key head h % Hk
-            q, k = np.tile(q, (1, r, 1)), np.tile(k, (1, r, 1))
-        else:                         # value head h reads key head h // r
-            q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)
-        q = q * np.float32(1.0 / math.sqrt(D))
-        if T == 1 or states is not None:
-            o, cache.delta[il] = delta_rule(q, k, v, g, beta, cache.delta[il], states)
-        else:   # prompts: chunks of CHUNK tokens (llama.cpp's own size), each a few matrix products
-            outs = []
-            for s in range(0, T, CHUNK):
-                part, cache.delta[il] = delta_rule_chunk(q[s:s + CHUNK], k[s:s + CHUNK], v[s:s + CHUNK],
-                                                         g[s:s + CHUNK], beta[s:s + CHUNK], cache.delta[il])
-                outs.append(part)
-            o = np.concatenate(outs)
-        o = rms_norm(o, w.get(b + "ssm_norm.weight"), cfg.rms_eps) * silu(z)
-        return o.reshape(T, Hv * D) @ w.get(b + "ssm_out.weight").T
+        out, cache.conv[il], cache.delta[il] = gated_delta_net(
+            self.w, f"blk.{il}.", self.cfg, qkv, z, pre_b, pre_a, cache.conv[il], cache.delta[il],
+            self.cfg.family_params.tiled_heads, silu, states)
+        return out
 
     # --- gated full attention ---
     def gated_attention(self, il, x, pos0, kv: KVCache):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.arch.base import KVCache, Transformer, apply_rope, moe_ffn, rms_norm, route, silu, swiglu
-from engine.arch.qwen3next import CHUNK, causal_conv, delta_rule, delta_rule_chunk, l2_norm, sigmoid, softplus
+from engine.arch.qwen3next import gated_delta_net, sigmoid
 from engine.model_config import ModelConfig, ModelError
 from engine.row_cache import RowCache
 
@@ -556,29 +556,11 @@ class Qwen4Exp(Transformer):
         """4.5: qwen35moe's Gated DeltaNet (separate projections, value head h reads key head h % n_k in the GGUF's
         tiled order) with a sigmoid output gate."""
         cfg, w, b = self.cfg, self.w, f"blk.{il}."
-        T, Hk, Hv, S = len(x), cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
-        z = (x @ w.get(b + "attn_gate.weight").T).reshape(T, Hv, S)
-        beta = sigmoid(x @ w.get(b + "ssm_beta.weight").T)
-        g = softplus(x @ w.get(b + "ssm_alpha.weight").T + w.get(b + "ssm_dt.bias")) * w.get(b + "ssm_a")
-        qkv, cache.conv[il] = causal_conv(x @ w.get(b + "attn_qkv.weight").T, cache.conv[il],
-                                          w.get(b + "ssm_conv1d.weight"))
-        qkv = silu(qkv)
-        q = l2_norm(qkv[:, :Hk * S].reshape(T, Hk, S), cfg.rms_eps)
-        k = l2_norm(qkv[:, Hk * S:2 * Hk * S].reshape(T, Hk, S), cfg.rms_eps)
-        v = qkv[:, 2 * Hk * S:].reshape(T, Hv, S)
-        q, k = np.tile(q, (1, Hv // Hk, 1)), np.tile(k, (1, Hv // Hk, 1))
-        q = q * np.asarray(1.0 / math.sqrt(S), q.dtype)
-        if T == 1:
-            o, cache.delta[il] = delta_rule(q, k, v, g, beta, cache.delta[il])
-        else:
-            parts = []
-            for s in range(0, T, CHUNK):
-                part, cache.delta[il] = delta_rule_chunk(q[s:s + CHUNK], k[s:s + CHUNK], v[s:s + CHUNK],
-                                                         g[s:s + CHUNK], beta[s:s + CHUNK], cache.delta[il])
-                parts.append(part)
-            o = np.concatenate(parts)
-        o = rms_norm(o, w.get(b + "ssm_norm.weight"), cfg.rms_eps) * sigmoid(z)
-        return o.reshape(T, Hv * S) @ w.get(b + "ssm_out.weight").T
+        z = (x @ w.get(b + "attn_gate.weight").T).reshape(len(x), cfg.ssm_v_heads, cfg.ssm_state)
+        out, cache.conv[il], cache.delta[il] = gated_delta_net(
+            w, b, cfg, x @ w.get(b + "attn_qkv.weight").T, z, x @ w.get(b + "ssm_beta.weight").T,
+            x @ w.get(b + "ssm_alpha.weight").T, cache.conv[il], cache.delta[il], True, sigmoid)
+        return out
 
     def qsa(self, il, x, pos0, cache: Qwen4ExpCache):
         """4.6: gated attention over each query's selected tokens."""
