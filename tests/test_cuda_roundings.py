@@ -10,7 +10,7 @@ import pytest
 from engine.backend_cpu import CPUBackend
 from engine.gguf_model import open_model
 from gpu_compare import cpu_teacher_run, rel_rows
-from new_quant_models import CHUNK, CTX, MODELS, N_GREEDY, N_PROMPT, make
+from new_quant_models import ATTN_GAIN, CHUNK, CTX, MODELS, N_GREEDY, N_PROMPT, make
 from route_ties import Reference
 from tools import make_moe
 from tools.cuda_roundings import DECODE, PASS, RoundedModel, main
@@ -77,3 +77,11 @@ def test_cli_prints_the_figures_and_refuses_other_families(capsys, tmp_path, fix
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not qwen3next" in err[0]
 
+
+def test_new_quant_diag_prints_the_models_columns_without_a_gpu(capsys):
+    from tools import new_quant_diag
+    assert new_quant_diag.main(["--model-only", "q1_0_exp"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert new_quant_diag.ATTN_GAIN == ATTN_GAIN        # the diag's default files are the GPU test's gain
+    assert lines[0] == f"attention gain {ATTN_GAIN}; the rounding model"
+    assert len(lines) == 2 and lines[1].startswith("q1_0_exp") and "decode routed" in lines[1]
