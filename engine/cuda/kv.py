@@ -211,10 +211,19 @@ def split_warps(group: int, n_q: int, head_dim: int) -> tuple[int, int]:
     return mt, ks
 
 
-def split_chunks(n_head_kv: int, max_ctx: int, n_sm: int) -> int:
+def split_chunks(n_head_kv: int, max_ctx: int, n_sm: int, per_sm: int = 2) -> int:
     """Most chunks per KV head (the grid's second dimension; the device uses as many as the position needs, each at
-    least AS_CMIN keys): about two blocks an SM at long contexts, never more than the context has AS_CMIN spans."""
-    return max(1, min(AS_MAX_CHUNKS, -(-2 * n_sm // n_head_kv), -(-max_ctx // AS_CMIN)))
+    least AS_CMIN keys): one wave of blocks at long contexts (per_sm blocks an SM fit), never more than the context
+    has AS_CMIN spans."""
+    return max(1, min(AS_MAX_CHUNKS, -(-per_sm * n_sm // n_head_kv), -(-max_ctx // AS_CMIN)))
+
+
+SM_SMEM = 233472          # shared memory an H100 / H200 SM holds (228 KiB), of which 1 KiB a block is reserved
+
+
+def split_per_sm(smem: int) -> int:
+    """attn_split blocks an SM holds by shared memory (registers and threads allow 4 at 4 warps a block)."""
+    return max(1, min(4, SM_SMEM // (smem + 1024)))
 
 
 def split_range(P0: int, n_q: int, n_swa: int, max_chunks: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -284,12 +293,6 @@ class DecodeAttention:
         if not 1 <= n_q_max <= AS_MAX_NQ:
             raise ValueError(f"n_q_max must be 1..{AS_MAX_NQ}, got {n_q_max}")
         split_warps(self.group, n_q_max, cfg.head_dim)           # the widest window fits (or a clear error)
-        if n_split is None:
-            n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-            n_split = split_chunks(cfg.n_head_kv, kv.max_ctx, n_sm)
-        if not 1 <= n_split <= AS_MAX_CHUNKS:
-            raise ValueError(f"n_split (chunks) must be 1..{AS_MAX_CHUNKS}, got {n_split}")
-        self.n_split = n_split
         mod = split_module(cfg.head_dim)
         sfx, hd = self.variant.suffix, cfg.head_dim
         self.fn = mod.get_function(f"attn_split{sfx}_{dt}")
@@ -314,9 +317,18 @@ class DecodeAttention:
         bn, cmin, max_chunks, max_rows = (int(x) for x in shape.get()[1:])
         if (bn, cmin, max_chunks, max_rows) != (split_tile(cfg.head_dim), AS_CMIN, AS_MAX_CHUNKS, AS_MAX_ROWS):
             raise RuntimeError(f"attn_split.cu's constants {bn, cmin, max_chunks, max_rows} differ from kv.py's")
-        # past 48 KiB a block must opt in; set before any capture
+        if n_split is None:       # one wave of the one-token step's blocks
+            n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+            n_split = split_chunks(cfg.n_head_kv, kv.max_ctx, n_sm, split_per_sm(max(self.shapes[1][2:])))
+        if not 1 <= n_split <= AS_MAX_CHUNKS:
+            raise ValueError(f"n_split (chunks) must be 1..{AS_MAX_CHUNKS}, got {n_split}")
+        self.n_split = n_split
+        # past 48 KiB a block must opt in; set before any capture, never lowered (the function is the module's,
+        # shared with any other DecodeAttention of this head dim, e.g. a verify window's wider one)
         for fn, i in ((self.fn, 2), (self.fn_fused, 3)):
-            fn.max_dynamic_shared_size_bytes = max(s[i] for s in self.shapes.values())
+            need = max(s[i] for s in self.shapes.values())
+            if getattr(fn, "max_dynamic_shared_size_bytes", 0) < need:
+                fn.max_dynamic_shared_size_bytes = need
         rows = n_q_max * self.group
         self.part = cp.zeros(n_split * cfg.n_head_kv * rows * cfg.head_dim, dtype=cp.float32)
         self.part_ml = cp.zeros(n_split * cfg.n_head_kv * rows * 2, dtype=cp.float32)
