@@ -290,3 +290,47 @@ def test_graph_replayed_at_increasing_positions(K, dtype, n_kv, group, hd, neox,
         assert np.isfinite(got).all(), pos
         err = rel(got, ref_window(qr.reshape(1, -1), Kc, Vc, group, scale, pos, 1))
         assert err < 1e-3, (pos, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f16", "int8"])
+@pytest.mark.parametrize("n_q,P0", [(1, 0), (4, 0), (8, 13), (5, 1000)])
+def test_verify_window_store_then_attend(K, dtype, n_q, P0):
+    """A speculative verify window as the step would run it: store() of n_q tokens at state[1] + t (qk_rope_store),
+    then one attend(n_q) over the cache, each token seeing the window's earlier tokens and not its later ones."""
+    rng = np.random.default_rng()
+    n_kv, G, hd = 4, 8, 128
+    cfg = cfg_of(n_kv, G, hd)
+    max_ctx, li = P0 + n_q + 3, 1
+    kv = KVCache(cfg, max_ctx, dtype)
+    if P0:
+        fill_cache(kv, li, P0, rng)                   # the earlier positions; the rest NaN until stored
+    att = DecodeAttention(K, cfg, kv, n_q_max=8, split=True)
+    nq, nk = cfg.n_head * hd, n_kv * hd
+    hq = rng.standard_normal((n_q, nq)).astype(np.float32)
+    hk = rng.standard_normal((n_q, nk)).astype(np.float32)
+    hv = rng.standard_normal((n_q, nk)).astype(np.float32)
+    qn, kn = (rng.standard_normal(hd).astype(np.float32) for _ in range(2))
+    ang = rng.uniform(0, 6, size=(max_ctx, hd // 2))
+    cs = np.stack([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    q = cp.asarray(hq)
+    state = cp.asarray(np.array([0, P0, 0, 0, 0, 0, 0, 0], np.int32))
+    att.store(K, li, q, cp.asarray(hk), cp.asarray(hv), cp.asarray(qn), cp.asarray(kn), cp.asarray(cs), state, T=n_q)
+    out = cp.full((n_q, nq), np.nan, dtype=cp.float32)
+    att.part.fill(np.nan)
+    att.part_ml.fill(np.nan)
+    scale = 1.0 / np.sqrt(hd)
+    att.attend(K, li, q, out, state, scale, n_q=n_q)
+    # the cache as the store left it (the int8 rounding included), then the reference over it
+    lv = lambda a: layer_view(kv, a, li)[:, :P0 + n_q].get()       # noqa: E731
+    if dtype == "f16":
+        Kall, Vall = lv(kv.k).astype(np.float64), lv(kv.v).astype(np.float64)
+    else:
+        Kall, Vall = dequant_i8(lv(kv.k), lv(kv.k_scale)), dequant_i8(lv(kv.v), lv(kv.v_scale))
+    for t in range(n_q):
+        kr = _norm_rope(hk[t].reshape(-1, hd), kn, cs[P0 + t], hd, 1)
+        assert rel(Kall[:, P0 + t], kr) < (2e-3 if dtype == "f16" else 1.5e-2)
+    qr = np.stack([_norm_rope(hq[t].reshape(-1, hd), qn, cs[P0 + t], hd, 1).reshape(-1) for t in range(n_q)])
+    got = out.get()
+    assert np.isfinite(got).all()
+    assert rel(got, ref_window(qr, Kall, Vall, G, scale, P0, n_q)) < 1e-3
