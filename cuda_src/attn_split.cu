@@ -17,7 +17,7 @@
 // Work split: grid (n_head_kv, max_chunks). The key range the window needs, kb .. kend - 1 (kend = P0 + n_q; kb = 0, or
 // the first query's window start), is cut into n chunks of at least AS_CMIN keys (whole tiles), n <= max_chunks, on
 // the device from the position P0 = pos0 + state[1] (a replayed CUDA graph serves every step): blocks past n exit at
-// once. A block streams its chunk in tiles of AS_BN keys (cp.async ring of AS_NST stages; int8: raw bytes, then each
+// once. A block streams its chunk in tiles of AS_BN keys (a cp.async ring; int8: raw bytes, then each
 // thread dequantizes the chunks it copied itself). Its warps are (m-tile, key slice) pairs: m-tile mt holds query rows
 // 8 mt .. 8 mt + 7 (row r: token r / G, head kvh * G + r % G), and the ks warps of an m-tile take 16-key slices of
 // each tile in turn, each with its own online softmax. At the chunk's end the block merges its warps in shared memory
@@ -44,7 +44,10 @@
 #error "AS_HD must be a multiple of 32 and at most 256"
 #endif
 #define AS_BN (AS_HD > 128 ? 32 : 64)    // keys per tile
-#define AS_NST 3                          // stages: tiles t + 1 and t + 2 load while t is multiplied
+#define AS_NST 3                          // fp16 stages: tiles t + 1 and t + 2 load while t is multiplied
+// int8 raw stages: three tiles in flight (its tiles are half the bytes, and its shared memory allows one block an SM
+// at head_dim 128, so one block must keep ~50 KB in flight by itself)
+#define AS_NST_I8 4
 #define AS_CMIN 128                       // fewest keys a chunk (two tiles load at once: no slower than one)
 #define AS_MAX_CHUNKS 128
 #define AS_MAX_ROWS 64                    // query rows per KV head (n_q * G): 8 m-tiles, a warp each
@@ -79,7 +82,7 @@ __device__ __forceinline__ AsRange as_range(int P0, int n_q, int n_swa, int max_
 // Dynamic shared memory of a block: fp16 stages, (int8) raw stages, q (hi/lo rows per m-tile), (FUSE) the new K and
 // V rows and a row of scratch a warp. attn_split_shape reports it, so the host never disagrees.
 __device__ __forceinline__ int as_off_raw(bool i8) { return (i8 ? 2 : AS_NST) * AS_STAGE_B; }
-__device__ __forceinline__ int as_off_q(bool i8) { return as_off_raw(i8) + (i8 ? AS_NST * AS_RAW_B : 0); }
+__device__ __forceinline__ int as_off_q(bool i8) { return as_off_raw(i8) + (i8 ? AS_NST_I8 * AS_RAW_B : 0); }
 __device__ __forceinline__ int as_off_new(bool i8, int mt) { return as_off_q(i8) + mt * 16 * AS_LD * 2; }
 __device__ __forceinline__ int as_smem(bool i8, bool fuse, int mt, int nw) {
     return as_off_new(i8, mt) + (fuse ? (2 + nw) * AS_HD * 4 : 0);
@@ -361,6 +364,7 @@ __device__ __forceinline__ void as_body(const float* __restrict__ q, const void*
     const long long head0 = (long long)kvh * rows;
     const uint32_t sm0 = smem_u32(as_sm);
     const int raw0 = as_off_raw(I8), q0 = as_off_q(I8), x0 = as_off_new(I8, MT);
+    constexpr int NST = I8 ? AS_NST_I8 : AS_NST;              // ring stages (int8: raw ones)
 
     auto issue = [&](int stage, int p) {
         if (I8)
@@ -371,7 +375,7 @@ __device__ __forceinline__ void as_body(const float* __restrict__ q, const void*
                               p, load_end, rows);
     };
 #pragma unroll
-    for (int t = 0; t < AS_NST - 1; ++t) {                    // one commit group a tile, empty past the chunk
+    for (int t = 0; t < NST - 1; ++t) {                       // one commit group a tile, empty past the chunk
         if (t < n_tiles) issue(t, c0 + t * AS_BN);
         as_commit();
     }
@@ -428,18 +432,18 @@ __device__ __forceinline__ void as_body(const float* __restrict__ q, const void*
         const int p = c0 + t * AS_BN;
         int cur;
         if (!I8) {
-            as_wait<AS_NST - 2>();                            // this thread's part of tile t is in
+            as_wait<NST - 2>();                               // this thread's part of tile t is in
             __syncthreads();                                  // everyone's; everyone is done with tile t - 1
-            if (t + AS_NST - 1 < n_tiles) issue((t + AS_NST - 1) % AS_NST, p + (AS_NST - 1) * AS_BN);
+            if (t + NST - 1 < n_tiles) issue((t + NST - 1) % NST, p + (NST - 1) * AS_BN);
             as_commit();
-            cur = t % AS_NST;
+            cur = t % NST;
         } else {
             // this thread's raw chunks of tile t into fp16 stage t % 2, which tile t - 2 used: every warp finished
             // that before the previous barrier
-            as_wait<AS_NST - 2>();
-            as_dequant(as_sm + raw0 + (t % AS_NST) * AS_RAW_B, as_sm + (t & 1) * AS_STAGE_B);
+            as_wait<NST - 2>();
+            as_dequant(as_sm + raw0 + (t % NST) * AS_RAW_B, as_sm + (t & 1) * AS_STAGE_B);
             __syncthreads();
-            if (t + AS_NST - 1 < n_tiles) issue((t + AS_NST - 1) % AS_NST, p + (AS_NST - 1) * AS_BN);
+            if (t + NST - 1 < n_tiles) issue((t + NST - 1) % NST, p + (NST - 1) * AS_BN);
             as_commit();
             cur = t & 1;
         }

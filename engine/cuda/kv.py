@@ -305,28 +305,28 @@ class DecodeAttention:
             kernels.register(name, None, fn)
         # launch shapes per window size, shared memory asked of the build (attn_split_shape)
         shape = cp.zeros(5, cp.int32)
-        self.shapes = {}
+
+        def smem(fuse, mt, nw):
+            mod.get_function("attn_split_shape")((1,), (1,), (shape, I32(dt == "i8"), I32(fuse), I32(mt), I32(nw)))
+            return int(shape.get()[0])
+        self.shapes = {}              # n_q -> (warps an m-tile, threads, shared memory); the fused launch: n_q 1
         for n_q in range(1, n_q_max + 1):
             mt, ks = split_warps(self.group, n_q, cfg.head_dim)
-            got = []
-            for fuse in (0, 1):
-                mod.get_function("attn_split_shape")((1,), (1,), (shape, I32(dt == "i8"), I32(fuse), I32(mt),
-                                                                  I32(mt * ks)))
-                got.append(int(shape.get()[0]))
-            self.shapes[n_q] = (ks, 32 * mt * ks, got[0], got[1])
+            self.shapes[n_q] = (ks, 32 * mt * ks, smem(0, mt, mt * ks))
+        mt, ks = split_warps(self.group, 1, cfg.head_dim)
+        self.smem_fused = smem(1, mt, mt * ks)
         bn, cmin, max_chunks, max_rows = (int(x) for x in shape.get()[1:])
         if (bn, cmin, max_chunks, max_rows) != (split_tile(cfg.head_dim), AS_CMIN, AS_MAX_CHUNKS, AS_MAX_ROWS):
             raise RuntimeError(f"attn_split.cu's constants {bn, cmin, max_chunks, max_rows} differ from kv.py's")
         if n_split is None:       # one wave of the one-token step's blocks
             n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-            n_split = split_chunks(cfg.n_head_kv, kv.max_ctx, n_sm, split_per_sm(max(self.shapes[1][2:])))
+            n_split = split_chunks(cfg.n_head_kv, kv.max_ctx, n_sm, split_per_sm(self.smem_fused))
         if not 1 <= n_split <= AS_MAX_CHUNKS:
             raise ValueError(f"n_split (chunks) must be 1..{AS_MAX_CHUNKS}, got {n_split}")
         self.n_split = n_split
         # past 48 KiB a block must opt in; set before any capture, never lowered (the function is the module's,
         # shared with any other DecodeAttention of this head dim, e.g. a verify window's wider one)
-        for fn, i in ((self.fn, 2), (self.fn_fused, 3)):
-            need = max(s[i] for s in self.shapes.values())
+        for fn, need in ((self.fn, max(s[2] for s in self.shapes.values())), (self.fn_fused, self.smem_fused)):
             if getattr(fn, "max_dynamic_shared_size_bytes", 0) < need:
                 fn.max_dynamic_shared_size_bytes = need
         rows = n_q_max * self.group
@@ -351,7 +351,7 @@ class DecodeAttention:
         c = self.cfg
         if not 1 <= n_q <= self.n_q_max:
             raise ValueError(f"n_q must be 1..{self.n_q_max} (this DecodeAttention's n_q_max), got {n_q}")
-        ks, block, smem, smem_fused = self.shapes[n_q]
+        ks, block, smem = self.shapes[n_q]
         sinks, n_swa = self._layer_extra(li)
         args = (_ptr(q), *self._cache(li), _ptr(state), I32(pos0), I32(n_q), _ptr(self.part), _ptr(self.part_ml),
                 _ptr(out), I32(c.n_head_kv), I32(self.group), I32(self.kv.rows[li]), F32(scale), I32(self.n_split),
@@ -359,10 +359,11 @@ class DecodeAttention:
         if fused_args is None:
             kernels(self.names[0])((c.n_head_kv, self.n_split), (block,), args, shared_mem=smem)
         else:
-            kernels(self.names[1])((c.n_head_kv, self.n_split), (block,), args + fused_args, shared_mem=smem_fused)
+            kernels(self.names[1])((c.n_head_kv, self.n_split), (block,), args + fused_args,
+                                   shared_mem=self.smem_fused)
         kernels(self.names[2])((n_q * self.group, c.n_head_kv), (512,),
-                       (_ptr(self.part), _ptr(self.part_ml), _ptr(state), I32(pos0), I32(n_q), I32(self.n_split),
-                        _ptr(out), I32(c.n_head_kv), I32(self.group), sinks, n_swa))
+                               (_ptr(self.part), _ptr(self.part_ml), _ptr(state), I32(pos0), I32(n_q),
+                                I32(self.n_split), _ptr(out), I32(c.n_head_kv), I32(self.group), sinks, n_swa))
 
     def step(self, kernels, li, q, k_rows, v, q_norm, k_norm, rope, out, state, scale) -> None:
         """This step's attention block between the Q/K/V projections (q, k_rows, v: raw, fp32) and wo: out gets the
