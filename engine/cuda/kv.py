@@ -361,6 +361,8 @@ class DecodeAttention:
         else:
             kernels(self.names[1])((c.n_head_kv, self.n_split), (block,), args + fused_args,
                                    shared_mem=self.smem_fused)
+        if self.n_split == 1:         # never more than one chunk (a fixed bound, not the position): no merge
+            return
         kernels(self.names[2])((n_q * self.group, c.n_head_kv), (512,),
                                (_ptr(self.part), _ptr(self.part_ml), _ptr(state), I32(pos0), I32(n_q),
                                 I32(self.n_split), _ptr(out), I32(c.n_head_kv), I32(self.group), sinks, n_swa))
