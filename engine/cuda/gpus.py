@@ -14,6 +14,9 @@ import time
 from engine.cuda import layer_split as ls
 
 MiB = 2 ** 20
+# The CUDA backend runs one stage. When the stages are built this turns True, and setup then asks whether to use
+# several GPUs (setup/gpus.py).
+STAGES_BUILT = False
 PROBE_BYTES = 64 * MiB      # a probe copy: large enough that the link's rate, not the copy's latency, is timed
 PROBE_REPEATS = 4
 NOT_BUILT = ("the multi-GPU stages are not built yet (issue 32): the worker runs on one GPU. The split above is what "
@@ -113,7 +116,7 @@ def before_start(args, model, ctx: int, log) -> int | None:
         return 2
     if show:
         return 0
-    if several:
+    if several:     # the stages start here once built (and STAGES_BUILT turns True with them)
         print(f"strata_worker: {NOT_BUILT}", flush=True, file=_stderr())
         return 2
     import cupy as cp
