@@ -323,7 +323,7 @@ def format_plan(plan: SplitPlan) -> list[str]:
              f"{plan.handoff_us * (len(plan.stages) - 1) / 1e3:.2f} ms"]
     for s in plan.stages:
         lines.append(f"  GPU {s.card.index} ({s.card.name}): layers {s.first}-{s.end - 1} ({s.n_layers}), "
-                     f"{s.fixed_bytes / GiB:.2f} GiB weights+KV, cache {s.slots}/{s.experts} experts "
+                     f"{s.fixed_bytes / GiB:.2f} GiB weights/KV/workspace, cache {s.slots}/{s.experts} experts "
                      f"({s.cache_bytes / GiB:.2f} GiB of {s.card.free_bytes / GiB:.2f} GiB free), hit {s.hit:.0%}, "
                      f"{s.compute_us / 1e3:.2f} ms compute + {s.miss_us / 1e3:.2f} ms misses at "
                      f"{s.card.link_gbps:.1f} GB/s")
