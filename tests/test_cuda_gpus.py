@@ -35,7 +35,7 @@ def test_a_worker_on_the_one_gpu_named_serves_and_show_split_prints_its_plan(fix
                        timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     assert any(line.startswith("DONE") for line in p.stdout.splitlines())
-    assert "strata_worker: GPU 0" in p.stderr
+    assert "strata_worker: GPU 0 (--gpus)" in p.stderr
     p = subprocess.run(base + ["--gpus", "0", "--show-split"], capture_output=True, text=True, timeout=600,
                        cwd=ROOT, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -99,6 +99,12 @@ def before_start(args, model, ctx: int, log) -> int | None:
     show = bool(getattr(args, "show_split", False))
     if gpus is None and split is None and not show:
         return None
+    from engine.cuda import _signals_stay_with_python
+    with _signals_stay_with_python():       # a context on another card starts driver threads too
+        return _before_start(args, model, ctx, log, gpus, split, show)
+
+
+def _before_start(args, model, ctx, log, gpus, split, show) -> int | None:
     try:
         ids = resolve(gpus, device_count())
         if isinstance(split, tuple) and len(split) != len(ids):
@@ -106,8 +112,10 @@ def before_start(args, model, ctx: int, log) -> int | None:
                            f"GPU(s) ({','.join(map(str, ids))}): give one count a GPU")
         several = len(ids) > 1
         if several or show:
+            from engine.cuda.args import CudaOptions
             reserve = getattr(args, "vram_reserve_mib", None)
-            cards = probe_cards(ids, 700 if reserve is None else reserve, getattr(args, "vram_budget_mib", None))
+            reserve = CudaOptions().vram_reserve_mib if reserve is None else reserve
+            cards = probe_cards(ids, reserve, getattr(args, "vram_budget_mib", None))
             plan = plan_for(args, model, ctx, cards)
             for line in ls.format_plan(plan):
                 log(line)
@@ -121,7 +129,7 @@ def before_start(args, model, ctx: int, log) -> int | None:
         return 2
     import cupy as cp
     cp.cuda.Device(ids[0]).use()
-    log(f"GPU {ids[0]}")
+    log(f"GPU {ids[0]} (--gpus)")
     return None
 
 
