@@ -337,3 +337,51 @@ def test_gpu_decode_loop_run_ahead_then_discarded(family, tmp_path, fixtures_dir
     assert err < 1e-4, f"the next step's logits differ by {err:.2e}"
     if sb is not None:
         assert float(np.max(np.abs(sa - sb)) / max(float(np.max(np.abs(sb))), 1e-30)) < 1e-4
+
+
+def test_the_adaptive_tier_waits_for_nothing_while_decoding(monkeypatch):
+    """Every adapt_every tokens the counts are taken without a wait (adapt_start); the round is made at a later
+    token, once their copy has landed (adapt_finish), and the next round starts adapt_every tokens after the last
+    started."""
+    be = backend(monkeypatch)
+    log = []
+
+    class Cache:
+        counts_taken = False
+        landed = False
+
+        def poll(self, stream):
+            pass
+
+        def adapt(self, stream):                    # the prompt pass's round, at its end
+            log.append(("adapt", be.n_cached))
+
+        def adapt_start(self, stream):
+            log.append(("start", be.n_cached))
+            self.counts_taken = True
+
+        def counts_landed(self):
+            return self.counts_taken and self.landed
+
+        def adapt_finish(self, stream):
+            log.append(("finish", be.n_cached))
+            self.counts_taken = False
+    be.cache = Cache()
+    be.prefill.lent = False
+    be._tokens_since_adapt = 0
+    be.opts = SimpleNamespace(no_graph=False, adapt_every=4, expert_profile_save=None, expert_profile_save_every=0)
+    be.decode([1, 2, 3], PickSpec())
+    tok = 1
+    for i in range(12):
+        be.cache.landed = i not in (4, 5)           # one copy still on its way for two tokens
+        tok = be.decode([tok], PickSpec())[0].id
+    assert log == [("adapt", 3), ("start", 7), ("finish", 10), ("start", 11), ("finish", 12), ("start", 15)]
+
+
+def test_decode_trace_host_gaps():
+    """bench.decode_trace's host gap: the main stream's idle before each step's embed, the first step's excepted."""
+    from bench.decode_trace import host_gaps
+    k = lambda name, ts, dur: {"name": name, "ts": ts, "dur": dur}      # noqa: E731
+    ms = [k("embed", 0, 5), k("mv", 6, 10), k("argmax", 16, 2), k("embed", 418, 5), k("mv", 423, 10),
+          k("_Z5embedv", 434, 1)]
+    assert host_gaps(ms) == [400.0, 1.0]

@@ -470,9 +470,14 @@ class CUDABackend(Backend):
         if self.cache is None:
             return
         self._tokens_since_adapt += 1
-        if self.opts.adapt_every and self._tokens_since_adapt >= self.opts.adapt_every:
-            self._tokens_since_adapt = 0
-            self.cache.adapt(self.stream)
+        cache = self.cache
+        if self.opts.adapt_every:       # a round in two halves that wait for nothing (expert_cache.py)
+            if cache.counts_taken:
+                if cache.counts_landed():
+                    cache.adapt_finish(self.stream)
+            elif self._tokens_since_adapt >= self.opts.adapt_every:
+                self._tokens_since_adapt = 0
+                cache.adapt_start(self.stream)
         every = self.opts.expert_profile_save_every
         if self.opts.expert_profile_save and every and time.monotonic() - self._last_save > every * 60:
             self.save_profile()
