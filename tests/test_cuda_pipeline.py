@@ -385,3 +385,46 @@ def test_decode_trace_host_gaps():
     ms = [k("embed", 0, 5), k("mv", 6, 10), k("argmax", 16, 2), k("embed", 418, 5), k("mv", 423, 10),
           k("_Z5embedv", 434, 1)]
     assert host_gaps(ms) == [400.0, 1.0]
+
+
+def advance_ref(pos, pick, ring, n_slots, n_vocab):
+    """cuda_src/sample.cu step_advance in NumPy: the pick into ring slot pos % n_slots, and the next step's params
+    (token 0 for a failed pick or an id outside the vocabulary)."""
+    ring = ring.copy()
+    i, status = int(pick[0]), int(pick[1])
+    ring[2 * (pos % n_slots):2 * (pos % n_slots) + 2] = [i, status]
+    return ring, np.array([i if status == 0 and 0 <= i < n_vocab else 0, pos + 1], np.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_slots,n_vocab", [(4, 64), (8, 151936), (1, 1000)])
+def test_gpu_step_advance_kernel(n_slots, n_vocab):
+    import cupy as cp
+    from engine.cuda.kernels import function
+    from engine.cuda.launch import I32, MappedInts, ptr
+    f = function("sample", "step_advance")
+    rng = np.random.default_rng()
+    ring = MappedInts(2 * n_slots)
+    try:
+        for _ in range(16):
+            pos = int(rng.integers(0, 100_000))
+            pick = np.array([int(rng.integers(-2, n_vocab + 2)), int(rng.choice([0, 0, 3, -1]))], np.int32)
+            state = cp.asarray(np.array([-9, pos, -9, -9, -9, -9, -9, -9], np.int32))
+            params = cp.full(2, -7, dtype=cp.int32)                     # poisoned
+            ring.view[:] = rng.integers(-100, -50, size=2 * n_slots)    # poisoned
+            want_ring, want_params = advance_ref(pos, pick, np.array(ring.view), n_slots, n_vocab)
+            f((1,), (1,), (ptr(state), ptr(cp.asarray(pick)), ptr(params), ring.dptr, I32(n_slots), I32(n_vocab)))
+            cp.cuda.runtime.deviceSynchronize()
+            np.testing.assert_array_equal(np.array(ring.view), want_ring)
+            np.testing.assert_array_equal(params.get(), want_params)
+            assert int(state[1]) == pos                                 # the step's state is left as it was
+    finally:
+        ring.close()
+
+
+def test_step_advance_reference():
+    ring, params = advance_ref(9, np.array([5, 0]), np.full(8, -1, np.int32), 4, 64)
+    assert ring.tolist() == [-1, -1, 5, 0, -1, -1, -1, -1] and params.tolist() == [5, 10]
+    ring, params = advance_ref(3, np.array([70, 0]), ring, 4, 64)
+    assert ring.tolist() == [-1, -1, 5, 0, -1, -1, 70, 0] and params.tolist() == [0, 4]
+    assert advance_ref(0, np.array([5, 2]), ring, 4, 64)[1].tolist() == [0, 1]

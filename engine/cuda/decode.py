@@ -27,7 +27,6 @@ from __future__ import annotations
 from functools import partial
 
 import cupy as cp
-
 import numpy as np
 
 from engine.cuda.launch import I32, Launcher, MappedInts, ptr, skipped
@@ -92,7 +91,7 @@ class DecodeStep:
             self.counter = cp.zeros(1, dtype=cp.int32)          # router_fused's "last block" counter
             self.pick = cp.zeros(2, dtype=cp.int32)            # the step's pick: id, NaN count (or -1: all -inf)
         self.params = StepInputs(stream)    # token, position: read by the embed kernel (then from state)
-        self.picks = MappedInts(2 * RING)   # the picks by position mod RING (step_advance), read by pick_at
+        self.pick_ring = MappedInts(2 * RING)   # the picks by position mod RING (step_advance), read by pick_at
         self.events = [cp.cuda.Event(disable_timing=True) for _ in range(RING)]    # recorded after each step
         self.last_pos = -1                  # the position of the step launched last
         self.out = MappedInts(2)        # a pick made outside the step (the masked pick's sampler chain): read_out
@@ -164,8 +163,8 @@ class DecodeStep:
         else:
             self.kernel("argmax_word")((264,), (256,), (ptr(self.logits), I32(self.cfg.n_vocab), ptr(self.state)))
             self.kernel("argmax_finish")((1,), (1,), (ptr(self.state), ptr(self.pick)))
-        self.kernel("step_advance")((1,), (1,), (ptr(self.state), ptr(self.pick), self.params.dptr, self.picks.dptr,
-                                                 I32(RING), I32(self.cfg.n_vocab)))
+        self.kernel("step_advance")((1,), (1,), (ptr(self.state), ptr(self.pick), self.params.dptr,
+                                                 self.pick_ring.dptr, I32(RING), I32(self.cfg.n_vocab)))
 
     # --- running ---------------------------------------------------------------------------------------------
     def picks(self) -> tuple[str, ...]:
@@ -227,13 +226,13 @@ class DecodeStep:
     def pick_at(self, pos: int) -> tuple[int, int]:
         """(picked id, NaN count) of the step at pos, one of the last RING launched; waits for that step only."""
         self.events[pos % RING].synchronize()
-        v, i = self.picks.view, 2 * (pos % RING)
+        v, i = self.pick_ring.view, 2 * (pos % RING)
         return int(v[i]), int(v[i + 1])
 
     def result(self) -> tuple[int, int]:
         """(picked id, NaN count) of the last launched step; waits for everything enqueued."""
         self.stream.synchronize()
-        v, i = self.picks.view, 2 * (self.last_pos % RING)
+        v, i = self.pick_ring.view, 2 * (self.last_pos % RING)
         return int(v[i]), int(v[i + 1])
 
     def read_out(self) -> tuple[int, int]:
@@ -245,5 +244,5 @@ class DecodeStep:
         self.graphs = {}
         self.prefetch = self.sampler = None
         self.params.close()
-        self.picks.close()
+        self.pick_ring.close()
         self.out.close()
