@@ -309,7 +309,7 @@ def test_gpu_pipelined_conversation_equals_unpipelined(family, params, tmp_path,
             err = float(np.max(np.abs(gs - rs)) / max(float(np.max(np.abs(rs))), 1e-30))
             assert err < 1e-4, f"request {i}: the recurrent state differs by {err:.2e} of its largest value"
     assert got[0][1] == "stop" and got[1][1] == "cancel" and got[2][1] == "length"
-    assert counts.kept > 20 and counts.discarded >= 2
+    assert counts.kept > 15 and counts.discarded >= 2
 
 
 @pytest.mark.gpu
