@@ -428,3 +428,18 @@ def test_step_advance_reference():
     ring, params = advance_ref(3, np.array([70, 0]), ring, 4, 64)
     assert ring.tolist() == [-1, -1, 5, 0, -1, -1, 70, 0] and params.tolist() == [0, 4]
     assert advance_ref(0, np.array([5, 2]), ring, 4, 64)[1].tolist() == [0, 1]
+
+
+def test_families_with_host_inputs_run_nothing_ahead():
+    """A family whose decode layers compute a step's inputs on the host from its token (set_inputs of their own)
+    cannot have a step fed on the GPU; the plain layers (and a subclass that keeps their set_inputs) can."""
+    from engine.cuda.backend import _host_inputs
+    from engine.cuda.families.moe import MoeDecode
+
+    class Plain(MoeDecode):
+        pass
+
+    class HostRows(MoeDecode):
+        def set_inputs(self, token, pos):
+            pass
+    assert not _host_inputs(Plain.__new__(Plain)) and _host_inputs(HostRows.__new__(HostRows))

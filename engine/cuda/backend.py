@@ -39,6 +39,14 @@ def _log(msg: str) -> None:
     print(f"strata cuda: {msg}", file=sys.stderr, flush=True)
 
 
+def _host_inputs(layers) -> bool:
+    """Whether a family's decode layers compute a step's inputs on the host from its token (they override the
+    plain layers' set_inputs, e.g. qwen4exp's n-gram rows): such a step cannot be launched before the pick is read."""
+    from engine.cuda.families.moe import MoeDecode
+    own = getattr(type(layers), "set_inputs", None)
+    return own is not None and own is not getattr(MoeDecode, "set_inputs", None)
+
+
 class CUDABackend(Backend):
     name = "cuda"
 
@@ -82,11 +90,13 @@ class CUDABackend(Backend):
                 self.kv = fam.kv_cache(max_context, opts.kv, target_chunk(opts, max_context), log)
                 self.rope = cp.asarray(fam.rope_table(max_context))
                 self.recurrent_state = fam.recurrent_state(self.stream)
-                # a step run ahead must leave the recurrent state restorable: its spare, allocated before the expert
-                # cache takes the free VRAM (the memory modes never pipeline)
-                state_copy = (DeviceCopy(self.recurrent_state.mem, self.stream) if self.recurrent_state is not None
-                              and opts.pipeline and not opts.mmap_experts and opts.resident_budget_gib is None
-                              else None)
+                # a step run ahead must leave the recurrent state restorable: a spare of its one device buffer
+                # (`mem`), allocated before the expert cache takes the free VRAM (the memory modes never pipeline)
+                state_copy = None
+                if self.recurrent_state is not None and opts.pipeline and not opts.mmap_experts \
+                        and opts.resident_budget_gib is None:
+                    mem = getattr(self.recurrent_state, "mem", None)
+                    state_copy = DeviceCopy(mem, self.stream) if mem is not None else False
                 self.layout = blob_layout(model) if cfg.is_moe else None
                 if self.layout:
                     fam.check_experts(self.layout)
@@ -196,8 +206,17 @@ class CUDABackend(Backend):
 
     def _plan_pipeline(self, state_copy):
         """Pipelined decode unless --tune pipeline=off, a memory mode (its per-layer path waits on the host for each
-        layer's routing) or a tracer that follows each step's launch and read in turn."""
+        layer's routing), a tracer that follows each step's launch and read in turn, or a recurrent state that cannot
+        be restored (state_copy False; None: no recurrent state)."""
         self.pipelined = bool(self.opts.pipeline) and self.mem is None and not watches_steps(self.tracer)
+        if self.pipelined and state_copy is False:
+            self.pipelined = False
+            self.log(f"decode pipeline off: {type(self.recurrent_state).__name__} keeps its state in no single "
+                     f"device buffer (`mem`) that a discarded step could be undone from")
+        if self.pipelined and _host_inputs(self.step.layers):
+            self.pipelined = False
+            self.log(f"decode pipeline off: {type(self.step.layers).__name__} gives each step host-side inputs from "
+                     f"its token (set_inputs), which a step fed on the GPU cannot have")
         if not self.pipelined:
             return
         keep = [state_copy] if state_copy is not None else []
