@@ -354,6 +354,7 @@ class CUDABackend(Backend):
         ahead (the next one is fed a draft, not the pick)."""
         tokens = decode_tokens(tokens, spec, all_positions)
         if all_positions and len(tokens) > 1:
+            self._settle()          # a window runs nothing ahead, and whatever runs it starts from n_cached
             return [self.decode([t], replace(spec.after(tokens[:i]), more=False))[0] for i, t in enumerate(tokens)]
         pick = "greedy" if spec.params.plain_greedy else "sampled"
         if len(tokens) == 1 and spec.mask is None:
