@@ -27,7 +27,6 @@ from __future__ import annotations
 from functools import partial
 
 import cupy as cp
-import numpy as np
 
 from engine.cuda.launch import I32, Launcher, MappedInts, ptr, skipped
 
