@@ -173,10 +173,7 @@ class _FakeStep:
     def pick_at(self, pos):
         return self.ring[pos]
 
-    def result(self):
-        return self.ring[self.last_pos]
-
-    def read_out(self):
+    def result(self):                   # `out`: the last pick made, the step's or a sampler chain's after it
         return tuple(self.words)
 
 

@@ -388,8 +388,8 @@ def test_decode_trace_host_gaps():
 
 
 def advance_ref(pos, pick, ring, n_slots, n_vocab):
-    """cuda_src/sample.cu step_advance in NumPy: the pick into ring slot pos % n_slots, and the next step's params
-    (token 0 for a failed pick or an id outside the vocabulary)."""
+    """cuda_src/sample.cu step_advance in NumPy: the pick into ring slot pos % n_slots (and `out`, the pick itself),
+    and the next step's params (token 0 for a failed pick or an id outside the vocabulary)."""
     ring = ring.copy()
     i, status = int(pick[0]), int(pick[1])
     ring[2 * (pos % n_slots):2 * (pos % n_slots) + 2] = [i, status]
@@ -404,7 +404,7 @@ def test_gpu_step_advance_kernel(n_slots, n_vocab):
     from engine.cuda.launch import I32, MappedInts, ptr
     f = function("sample", "step_advance")
     rng = np.random.default_rng()
-    ring = MappedInts(2 * n_slots)
+    ring, out = MappedInts(2 * n_slots), MappedInts(2)
     try:
         for _ in range(16):
             pos = int(rng.integers(0, 100_000))
@@ -412,14 +412,18 @@ def test_gpu_step_advance_kernel(n_slots, n_vocab):
             state = cp.asarray(np.array([-9, pos, -9, -9, -9, -9, -9, -9], np.int32))
             params = cp.full(2, -7, dtype=cp.int32)                     # poisoned
             ring.view[:] = rng.integers(-100, -50, size=2 * n_slots)    # poisoned
+            out.view[:] = -3
             want_ring, want_params = advance_ref(pos, pick, np.array(ring.view), n_slots, n_vocab)
-            f((1,), (1,), (ptr(state), ptr(cp.asarray(pick)), ptr(params), ring.dptr, I32(n_slots), I32(n_vocab)))
+            f((1,), (1,), (ptr(state), ptr(cp.asarray(pick)), ptr(params), ring.dptr, out.dptr, I32(n_slots),
+                           I32(n_vocab)))
             cp.cuda.runtime.deviceSynchronize()
             np.testing.assert_array_equal(np.array(ring.view), want_ring)
+            np.testing.assert_array_equal(np.array(out.view), pick)
             np.testing.assert_array_equal(params.get(), want_params)
             assert int(state[1]) == pos                                 # the step's state is left as it was
     finally:
         ring.close()
+        out.close()
 
 
 def test_step_advance_reference():

@@ -450,7 +450,7 @@ class CUDABackend(Backend):
                 return int(cp.argmax(lg)), 0, lg
             self.gpu_sampler.prepare(spec, tokens)
             self.gpu_sampler.enqueue(self.kernels, lg, self.step.out.dptr)
-        tok, status = self.step.read_out()
+        tok, status = self.step.result()
         self.gpu_sampler.picked(tok, status)
         return tok, status, lg
 

@@ -93,7 +93,8 @@ class DecodeStep:
         self.pick_ring = MappedInts(2 * RING)   # the picks by position mod RING (step_advance), read by pick_at
         self.events = [cp.cuda.Event(disable_timing=True) for _ in range(RING)]    # recorded after each step
         self.last_pos = -1                  # the position of the step launched last
-        self.out = MappedInts(2)        # a pick made outside the step (the masked pick's sampler chain): read_out
+        self.out = MappedInts(2)        # the last pick made: the last step's (step_advance), or a sampler chain's
+                                        # on other logits (the masked pick's) written there: result() reads it
         self.graphs: dict = {}          # pick mode -> captured graph
         self.tracer = None              # the tracer of the enqueue in progress (record / enqueue)
         self.layers = family.decode_layers(self, recurrent)    # its buffers, its kernels compiled now
@@ -163,7 +164,7 @@ class DecodeStep:
             self.kernel("argmax_word")((264,), (256,), (ptr(self.logits), I32(self.cfg.n_vocab), ptr(self.state)))
             self.kernel("argmax_finish")((1,), (1,), (ptr(self.state), ptr(self.pick)))
         self.kernel("step_advance")((1,), (1,), (ptr(self.state), ptr(self.pick), self.params.dptr,
-                                                 self.pick_ring.dptr, I32(RING), I32(self.cfg.n_vocab)))
+                                                 self.pick_ring.dptr, self.out.dptr, I32(RING), I32(self.cfg.n_vocab)))
 
     # --- running ---------------------------------------------------------------------------------------------
     def picks(self) -> tuple[str, ...]:
@@ -229,13 +230,8 @@ class DecodeStep:
         return int(v[i]), int(v[i + 1])
 
     def result(self) -> tuple[int, int]:
-        """(picked id, NaN count) of the last launched step; waits for everything enqueued."""
-        self.stream.synchronize()
-        v, i = self.pick_ring.view, 2 * (self.last_pos % RING)
-        return int(v[i]), int(v[i + 1])
-
-    def read_out(self) -> tuple[int, int]:
-        """(id, NaN count) of a pick made into `out` (the masked pick's sampler chain); waits for it."""
+        """(picked id, NaN count) of the last pick enqueued (the last launched step's, or a sampler chain's into
+        `out` after it); waits for everything enqueued."""
         self.stream.synchronize()
         return int(self.out.view[0]), int(self.out.view[1])
 
