@@ -36,6 +36,7 @@ class CudaOptions:
     adapt_every: int = 32                   # decode tokens between rounds of the adaptive expert tier (0: off)
     ring: int | None = None                 # the prompt pass's own ring slots (None: borrow expert-cache slots)
     stream_min: int = 1024                  # chunks of at least this many tokens stream experts through the ring
+    pipeline: bool = True                   # launch the next decode step before reading this one's pick
     # --- tests only ---------------------------------------------------------------------------------------------
     staging_slots: int | None = None        # memory modes: staging LRU slots (None: sized from the model)
 
@@ -140,6 +141,9 @@ TUNING = {
     "ring": (_at_least(2), "N: the prompt pass's own expert ring slots (default: borrow the coldest cache slots)"),
     "stream_min": (_at_least(1), "N: prompt chunks of at least N tokens stream experts through the ring; shorter "
                                  "ones read them in place (default 1024)"),
+    "pipeline": (_switch, "on|off: decode launches the next step, fed on the GPU by this step's pick, before the "
+                          "host reads and prints the pick; not with a grammar, logprobs, drafts or the memory modes, "
+                          "nor at a request's last token (default on)"),
 }
 
 
