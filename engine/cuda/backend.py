@@ -209,6 +209,10 @@ class CUDABackend(Backend):
         layer's routing), a tracer that follows each step's launch and read in turn, or a recurrent state that cannot
         be restored (state_copy False; None: no recurrent state)."""
         self.pipelined = bool(self.opts.pipeline) and self.mem is None and not watches_steps(self.tracer)
+        if self.pipelined and not self.family.run_ahead:
+            self.pipelined = False
+            self.log(f"decode pipeline off: the {self.family.name} family's steps are not yet held to the "
+                     f"unpipelined ones on a GPU (engine/cuda/families/{self.family.name}.py run_ahead)")
         if self.pipelined and state_copy is False:
             self.pipelined = False
             self.log(f"decode pipeline off: {type(self.recurrent_state).__name__} keeps its state in no single "
