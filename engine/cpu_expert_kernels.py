@@ -2,10 +2,10 @@
 
 A row's dot with x takes one of two ways, both exact to float32 rounding against the NumPy backend (dequantize,
 then float32 BLAS):
-- fused (dot_X, for the types the benchmarked models' experts use): each block's codes dotted with x in float32
-  (engine/cpu_simd.py's intrinsics), then scaled by the block's scales, with its offset times the sum of x over it
-  subtracted: the same sum as dequantizing first, factored, so it differs from that only by float32 rounding,
-  bounded by eps times the terms' magnitudes (Q4_K: ~2x the decode-then-dot rate);
+- fused (row_X of engine/cpu_rows.py, dot_X here): each block's codes dotted with x in float32, then scaled by the
+  block's scales, with its offset times the sum of x over it subtracted: the same sum as dequantizing first,
+  factored, so it differs from that only by float32 rounding, bounded by eps times the terms' magnitudes (Q4_K,
+  Q6_K, Q8_0 and, on AVX-512, the 4-bit table types as whole rows in IR; the rest a block at a time here);
 - decoded (every type decode_row reads): the row to float32 in an L1 buffer, bit for bit as the reference
   dequantizes it (engine/cpu_decode.py), then vdot.
 llama.cpp's CPU path rounds x to 8 bits instead (its q8_K / q8_0 vec_dot): docs/experiments.md has how far that is.
@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import gguf.quants
 import numpy as np
-from numba import carray, njit, prange
+from numba import njit, prange
 
 from engine.cpu_decode import GRID_IQ2_S, GRID_IQ2_XS, GRID_IQ2_XXS, KSIGNS, UE4M3_HALF, _e8m0_half, _half, _u8, _u32, \
     decode_row
+from engine.cpu_rows import (HAS_AVX512, row_iq4_nl, row_iq4_xs, row_mxfp4, row_nvfp4, row_q4_0, row_q4_k,
+                             row_q6_k, row_q8_0)
 from engine.cpu_simd import (HAS_PSHUFB, _lut16_blocks, _nvfp4_block, band, bits_dot, bor, crumbs_dot, grid_rows_dot,
-                             i8_dot, isub, prefetch_rows, ptr_i8, q4k_block_dot, q6_half_dot, shl, shr, vdot)
+                             isub, prefetch_rows, shl, shr, vdot)
 
 FP4, IQ4, Q4_0 = gguf.quants.MXFP4.kvalues, gguf.quants.IQ4_NL.kvalues, [c - 8 for c in range(16)]
 nvfp4_block = _nvfp4_block(FP4)
@@ -38,28 +40,6 @@ iq4_xs_block = _lut16_blocks(IQ4, 8, 16)
 
 # Each fused dot is its type's block function summed over a row's blocks in two running sums, the even blocks' and
 # the odd ones': one sum would make every block's addition wait for the last (MXFP4: 3.1 -> 4.4 GB/s a thread).
-
-@njit(inline="always")
-def _q8_0(a, ib, xa, sa):
-    return _half(_u8(a + ib * 34, 2), 0) * i8_dot(a + ib * 34 + 2, xa + ib * 128)
-
-
-@njit(inline="always")
-def _q4_k(a, ib, xa, sa):
-    return q4k_block_dot(a + ib * 144, xa + ib * 1024, sa + ib * 32)
-
-
-@njit(inline="always")
-def _q6_k(a, ib, xa, sa):
-    b = a + ib * 210
-    sc = carray(ptr_i8(b + 192), 16)
-    f = np.float32
-    h0 = q6_half_dot(b, b + 128, xa + ib * 1024, f(sc[0]), f(sc[1]), f(sc[2]), f(sc[3]), f(sc[4]), f(sc[5]),
-                     f(sc[6]), f(sc[7]))
-    h1 = q6_half_dot(b + 64, b + 160, xa + ib * 1024 + 512, f(sc[8]), f(sc[9]), f(sc[10]), f(sc[11]), f(sc[12]),
-                     f(sc[13]), f(sc[14]), f(sc[15]))
-    return _half(_u8(b + 208, 2), 0) * (h0 + h1)
-
 
 @njit(inline="always")
 def _nvfp4(a, ib, xa, sa):
@@ -180,7 +160,7 @@ def _fused(block):
     return dot
 
 
-dot_q8_0, dot_q4_k, dot_q6_k, dot_iq4_xs = (_fused(f) for f in (_q8_0, _q4_k, _q6_k, _iq4_xs))
+dot_iq4_xs = _fused(_iq4_xs)
 dot_nvfp4, dot_iq2_xxs, dot_iq2_xs, dot_iq2_s = (_fused(f) for f in (_nvfp4, _iq2_xxs, _iq2_xs, _iq2_s))
 dot_q4_0 = _fused_pairs(pair_q4_0, one_q4_0, _f16_scale, 18, 2)
 dot_iq4_nl = _fused_pairs(pair_iq4, one_iq4, _f16_scale, 18, 2)
@@ -188,40 +168,56 @@ dot_mxfp4 = _fused_pairs(pair_fp4, one_fp4, _e8m0_scale, 17, 1)
 dot_q2_0, dot_q1_0 = _fused(_q2_0), _fused(_q1_0)
 
 
-LUT_TYPES = frozenset((2, 20, 23, 39, 40))          # fused through pshufb (x86 CPUs since 2006)
-FUSED_TYPES = frozenset((8, 12, 14, 16, 17, 22, 41, 42)) | (LUT_TYPES if HAS_PSHUFB else frozenset())
+LUT_TYPES = frozenset((2, 20, 23, 39, 40))          # through vpermps (AVX-512) or else pshufb (x86 since 2006)
+FUSED_TYPES = frozenset((8, 12, 14, 16, 17, 22, 41, 42)) | (LUT_TYPES if HAS_PSHUFB or HAS_AVX512 else frozenset())
 
 
 @njit(nogil=True, cache=True)
 def dot_row(qt, a, n, xa, sa, ya):
     """The row of n values of type qt at address a dotted with x (n float32 at xa; sa: x's sums over every 32
-    values): a fused dot where the type has one, else decoded into ya (n float32 of scratch) and dotted."""
+    values): a whole-row dot (engine/cpu_rows.py) or a fused one where the type has one, else decoded into ya (n
+    float32 of scratch) and dotted."""
     if qt == 12:
-        return dot_q4_k(a, n // 256, xa, sa)
-    if qt == 39 and HAS_PSHUFB:
-        return dot_mxfp4(a, n // 32, xa, sa)
+        return row_q4_k(a, n // 256, xa, sa)
+    if qt == 39:
+        if HAS_AVX512:
+            return row_mxfp4(a, n // 32, xa, sa)
+        if HAS_PSHUFB:
+            return dot_mxfp4(a, n // 32, xa, sa)
     if qt == 14:
-        return dot_q6_k(a, n // 256, xa, sa)
+        return row_q6_k(a, n // 256, xa, sa)
     if qt == 8:
-        return dot_q8_0(a, n // 32, xa, sa)
+        return row_q8_0(a, n // 32, xa, sa)
     if qt == 17:
         return dot_iq2_xs(a, n // 256, xa, sa)
-    if qt == 20 and HAS_PSHUFB:
-        return dot_iq4_nl(a, n // 32, xa, sa)
+    if qt == 20:
+        if HAS_AVX512:
+            return row_iq4_nl(a, n // 32, xa, sa)
+        if HAS_PSHUFB:
+            return dot_iq4_nl(a, n // 32, xa, sa)
     if qt == 42:
         return dot_q2_0(a, n // 64, xa, sa)
     if qt == 41:
         return dot_q1_0(a, n // 128, xa, sa)
-    if qt == 23 and HAS_PSHUFB:
-        return dot_iq4_xs(a, n // 256, xa, sa)
+    if qt == 23:
+        if HAS_AVX512:
+            return row_iq4_xs(a, n // 256, xa, sa)
+        if HAS_PSHUFB:
+            return dot_iq4_xs(a, n // 256, xa, sa)
     if qt == 22:
         return dot_iq2_s(a, n // 256, xa, sa)
     if qt == 16:
         return dot_iq2_xxs(a, n // 256, xa, sa)
-    if qt == 40 and HAS_PSHUFB:
-        return dot_nvfp4(a, n // 64, xa, sa)
-    if qt == 2 and HAS_PSHUFB:
-        return dot_q4_0(a, n // 32, xa, sa)
+    if qt == 40:
+        if HAS_AVX512:
+            return row_nvfp4(a, n // 64, xa, sa)
+        if HAS_PSHUFB:
+            return dot_nvfp4(a, n // 64, xa, sa)
+    if qt == 2:
+        if HAS_AVX512:
+            return row_q4_0(a, n // 32, xa, sa)
+        if HAS_PSHUFB:
+            return dot_q4_0(a, n // 32, xa, sa)
     decode_row(qt, a, n, ya)
     return vdot(ya, xa, n)
 
