@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from engine.cpu_share import CPU_SHARE_TUNE
+
 
 @dataclass
 class CudaOptions:
@@ -33,6 +35,13 @@ class CudaOptions:
     adapt_every: int = 32                   # decode tokens between rounds of the adaptive expert tier (0: off)
     ring: int | None = None                 # the prompt pass's own ring slots (None: borrow expert-cache slots)
     stream_min: int = 1024                  # chunks of at least this many tokens stream experts through the ring
+    # the CPU's share of a decode layer's VRAM misses (engine/cpu_share.py ShareRule): None = auto (the cost model,
+    # from the two rates below; without a measured CPU rate, none), 0 = off, else that share; the rates are what
+    # --calibrate measured (setup writes them into the config's args)
+    cpu_share: float | None = None
+    cpu_gbps: float | None = None           # CPU experts' GB/s of expert bytes at cpu_threads
+    link_gbps: float | None = None          # the host-to-device link's GB/s (None: the start's own pcie_gbps)
+    cpu_threads: int | None = None          # CPU expert threads (None: every core but the decode loop's)
     # --- tests only ---------------------------------------------------------------------------------------------
     staging_slots: int | None = None        # memory modes: staging LRU slots (None: sized from the model)
 
@@ -84,6 +93,16 @@ def _chunk(v: str) -> int | None:
     return n
 
 
+def _rate(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        x = -1.0
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a rate in GB/s (> 0), got {v!r}")
+    return x
+
+
 def _gib(v: str) -> float:
     try:
         x = float(v)
@@ -108,6 +127,10 @@ TUNING = {
     "ring": (_at_least(2), "N: the prompt pass's own expert ring slots (default: borrow the coldest cache slots)"),
     "stream_min": (_at_least(1), "N: prompt chunks of at least N tokens stream experts through the ring; shorter "
                                  "ones read them in place (default 1024)"),
+    "cpu_share": CPU_SHARE_TUNE,
+    "cpu_gbps": (_rate, "GB/s: the CPU experts' measured rate (--calibrate's cpu_gbps), cpu_share=auto's input"),
+    "link_gbps": (_rate, "GB/s: the link's measured rate for cpu_share=auto (default: the start's own pcie_gbps)"),
+    "cpu_threads": (_at_least(1), "N: threads computing CPU experts (default: every core but one)"),
 }
 
 
