@@ -26,8 +26,8 @@ from numba import njit, prange
 
 from engine.cpu_decode import GRID_IQ2_S, GRID_IQ2_XS, GRID_IQ2_XXS, KSIGNS, UE4M3_HALF, _e8m0_half, _half, _u8, _u32, \
     decode_row
-from engine.cpu_rows import (HAS_AVX512, row_iq4_nl, row_iq4_xs, row_mxfp4, row_nvfp4, row_q4_0, row_q4_k,
-                             row_q6_k, row_q8_0)
+from engine.cpu_rows import (HAS_AVX512, row_iq4_nl, row_iq4_xs, row_mxfp4, row_nvfp4, row_q2_k, row_q3_k, row_q4_0,
+                             row_q4_1, row_q4_k, row_q5_0, row_q5_1, row_q5_k, row_q6_k, row_q8_0)
 from engine.cpu_simd import (HAS_PSHUFB, _lut16_blocks, _nvfp4_block, band, bits_dot, bor, crumbs_dot, grid_rows_dot,
                              isub, prefetch_rows, shl, shr, vdot)
 
@@ -169,7 +169,7 @@ dot_q2_0, dot_q1_0 = _fused(_q2_0), _fused(_q1_0)
 
 
 LUT_TYPES = frozenset((2, 20, 23, 39, 40))          # through vpermps (AVX-512) or else pshufb (x86 since 2006)
-FUSED_TYPES = frozenset((8, 12, 14, 16, 17, 22, 41, 42)) | (LUT_TYPES if HAS_PSHUFB or HAS_AVX512 else frozenset())
+FUSED_TYPES = frozenset((3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 22, 41, 42)) | (LUT_TYPES if HAS_PSHUFB or HAS_AVX512 else frozenset())
 
 
 @njit(nogil=True, cache=True)
@@ -218,6 +218,18 @@ def dot_row(qt, a, n, xa, sa, ya):
             return row_q4_0(a, n // 32, xa, sa)
         if HAS_PSHUFB:
             return dot_q4_0(a, n // 32, xa, sa)
+    if qt == 13:
+        return row_q5_k(a, n // 256, xa, sa)
+    if qt == 6:
+        return row_q5_0(a, n // 32, xa, sa)
+    if qt == 3:
+        return row_q4_1(a, n // 32, xa, sa)
+    if qt == 7:
+        return row_q5_1(a, n // 32, xa, sa)
+    if qt == 11:
+        return row_q3_k(a, n // 256, xa, sa)
+    if qt == 10:
+        return row_q2_k(a, n // 256, xa, sa)
     decode_row(qt, a, n, ya)
     return vdot(ya, xa, n)
 

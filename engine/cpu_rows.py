@@ -38,6 +38,8 @@ def _splat_lane(builder, v, lane, n):
 
 
 def _zero(t):
+    if not isinstance(t, ir.VectorType):
+        return ir.Constant(t, 0.0)
     return ir.Constant(t, [ir.Constant(t.element, 0.0)] * t.count)
 
 
@@ -365,3 +367,156 @@ def _q6k_body(builder, a, ib, xa, sa, accs):
 
 
 row_q6_k = _row_intrinsic(_q6k_body, [lambda: _vec(F, 16)], lambda b, accs: _tree_sum(b, accs[0]), unroll=2)
+
+
+# --- the types without a fused dot before: each chunk's weights formed in registers as the decoder forms them
+# (engine/cpu_decode.py), or factored as Q4_K's are, then one fused multiply-add with x: no float32 row in L1.
+
+def _u16x(builder, addr, off=0):
+    """16 bytes at addr + off widened to v16 i32."""
+    return builder.zext(_load(builder, addr, _vec(I8, 16), off), _vec(I32, 16))
+
+
+def _ci(v):
+    return _const(I32, [v] * 16)
+
+
+def _bits16(builder, word, first):
+    """Bits first .. first + 15 of an i32 as v16 i32 of 0 / 1."""
+    return builder.and_(builder.lshr(_splat_lane(builder, builder.insert_element(
+        ir.Constant(_vec(I32, 16), ir.Undefined), word, ir.Constant(I32, 0)), 0, 16),
+        _const(I32, range(first, first + 16))), _ci(1))
+
+
+def _u32_at(builder, addr, off):
+    return builder.load(builder.inttoptr(builder.add(addr, ir.Constant(I64, off)), I32.as_pointer()), align=1)
+
+
+def _legacy_body(nbytes, has_min, has_qh):
+    """Q4_1 (20 bytes: d, m, 16 of codes), Q5_0 (22: d, qh, codes), Q5_1 (24: d, m, qh, codes): 32-value blocks,
+    value j (j < 16) the low nibble of byte j, j + 16 its high one, Q5's fifth bits qh bits j and j + 16;
+    w = d * q + m (Q4_1, Q5_1), d * (q - 16) (Q5_0), summed as d * (q . x) + (m or -16 d) * sum x."""
+    def body(builder, a, ib, xa, sa, accs):
+        v16f = _vec(F, 16)
+        blk = _at(builder, a, ib, nbytes)
+        xb = _at(builder, xa, ib, 128)
+        d = _half_at(builder, blk, 0)
+        codes = 4 + 4 * has_qh if has_min else 2 + 4 * has_qh
+        q = _u16x(builder, blk, codes)
+        lo, hi = builder.and_(q, _ci(15)), builder.lshr(q, _ci(4))
+        if has_qh:
+            qh = _u32_at(builder, blk, 4 if has_min else 2)
+            lo = builder.or_(lo, builder.shl(_bits16(builder, qh, 0), _ci(4)))
+            hi = builder.or_(hi, builder.shl(_bits16(builder, qh, 16), _ci(4)))
+        acc = _fma(builder, builder.sitofp(hi, v16f), _load(builder, xb, v16f, 64),
+                   builder.fmul(builder.sitofp(lo, v16f), _load(builder, xb, v16f)))
+        off = _half_at(builder, blk, 2) if has_min else builder.fmul(d, ir.Constant(F, -16.0))
+        xs = builder.load(builder.inttoptr(_at(builder, sa, ib, 4), F.as_pointer()))
+        return [_fma(builder, _f32_splat(builder, d, 16), acc, accs[0]), builder.fadd(accs[1],
+                                                                                    builder.fmul(off, xs))]
+    return body
+
+
+def _vec_scalar_finish(builder, accs):
+    return builder.fadd(_tree_sum(builder, accs[0]), accs[1])
+
+
+_VS = [lambda: _vec(F, 16), lambda: F]
+row_q4_1 = _row_intrinsic(_legacy_body(20, True, False), _VS, _vec_scalar_finish, unroll=4)
+row_q5_0 = _row_intrinsic(_legacy_body(22, False, True), _VS, _vec_scalar_finish, unroll=4)
+row_q5_1 = _row_intrinsic(_legacy_body(24, True, True), _VS, _vec_scalar_finish, unroll=4)
+
+
+def _q5k_body(builder, a, ib, xa, sa, accs):
+    """176-byte blocks of 256: Q4_K's d, dmin, scales, then qh[32] (value 64 j + l's fifth bit: bit 2 j of qh[l],
+    64 j + 32 + l's: bit 2 j + 1) and 128 bytes of codes as Q4_K's."""
+    v16f, v8f = _vec(F, 16), _vec(F, 8)
+    blk = _at(builder, a, ib, 176)
+    xb = _at(builder, xa, ib, 1024)
+    d, dmin = _half_at(builder, blk, 0), _half_at(builder, blk, 2)
+    sc, mn = _q4k_scales(builder, blk)
+    dsc = builder.fmul(sc, _f32_splat(builder, d, 8))
+    qh = [_u16x(builder, blk, 16 + 16 * h) for h in range(2)]
+    r = list(accs[:4])
+    for j in range(4):
+        parts = []
+        for h in range(2):                          # l in 16 h .. 16 h + 15
+            q = _u16x(builder, blk, 48 + 32 * j + 16 * h)
+            b0 = builder.and_(builder.lshr(qh[h], _ci(2 * j)), _ci(1))
+            b1 = builder.and_(builder.lshr(qh[h], _ci(2 * j + 1)), _ci(1))
+            parts.append((builder.or_(builder.and_(q, _ci(15)), builder.shl(b0, _ci(4))),
+                          builder.or_(builder.lshr(q, _ci(4)), builder.shl(b1, _ci(4)))))
+        for part in range(2):
+            s = 2 * j + part
+            xo = 256 * j + 128 * part
+            acc = builder.fmul(builder.sitofp(parts[0][part], v16f), _load(builder, xb, v16f, xo))
+            acc = _fma(builder, builder.sitofp(parts[1][part], v16f), _load(builder, xb, v16f, xo + 64), acc)
+            r[s % 4] = _fma(builder, _splat_lane(builder, dsc, s, 16), acc, r[s % 4])
+    mv = builder.fmul(builder.fmul(_f32_splat(builder, dmin, 8), mn), _load(builder, _at(builder, sa, ib, 32), v8f))
+    return r + [builder.fadd(mv, accs[4])]
+
+
+row_q5_k = _row_intrinsic(_q5k_body, [lambda: _vec(F, 16)] * 4 + [lambda: _vec(F, 8)], _q4k_finish)
+
+
+def _q2k_body(builder, a, ib, xa, sa, accs):
+    """84-byte blocks of 256: scales[16] (low nibble a scale, high a min), qs[64], fp16 d and dmin at 80, 82. Value
+    128 h + 32 j + l: bits 2 j of qs[32 h + l], its 16-value group's scale and min sc[8 h + 2 j + l // 16];
+    w = d * sc * q - dmin * m, as the decoder forms it."""
+    v16f = _vec(F, 16)
+    blk = _at(builder, a, ib, 84)
+    xb = _at(builder, xa, ib, 1024)
+    d, dmin = _half_at(builder, blk, 80), _half_at(builder, blk, 82)
+    sc = _u16x(builder, blk, 0)
+    dl = builder.fmul(builder.uitofp(builder.and_(sc, _ci(15)), v16f), _f32_splat(builder, d, 16))
+    ml = builder.fmul(builder.uitofp(builder.lshr(sc, _ci(4)), v16f), _f32_splat(builder, dmin, 16))
+    r = list(accs)
+    for h in range(2):
+        for part in range(2):
+            q = _u16x(builder, blk, 16 + 32 * h + 16 * part)
+            for j in range(4):
+                g = 8 * h + 2 * j + part
+                c = builder.uitofp(builder.and_(builder.lshr(q, _ci(2 * j)), _ci(3)), v16f)
+                w = builder.fsub(builder.fmul(_splat_lane(builder, dl, g, 16), c), _splat_lane(builder, ml, g, 16))
+                x = _load(builder, xb, v16f, 4 * (128 * h + 32 * j + 16 * part))
+                r[j] = _fma(builder, w, x, r[j])
+    return r
+
+
+row_q2_k = _row_intrinsic(_q2k_body, [lambda: _vec(F, 16)] * 4, _sum4_finish)
+
+
+def _q3k_body(builder, a, ib, xa, sa, accs):
+    """110-byte blocks of 256: hmask[32], qs[64], 12 bytes of 6-bit scales, fp16 d at 108. Value 128 h + 32 j + l:
+    bits 2 j of qs[32 h + l], minus 4 where bit 4 h + j of hmask[l] is clear; its 16-value group's scale
+    d * (s_k - 32), k = 8 h + 2 j + l // 16, s_k's low 4 bits from byte 96 + k % 8 (nibble k // 8), high 2 from
+    byte 104 + k % 4 (pair k // 4)."""
+    v16f = _vec(F, 16)
+    blk = _at(builder, a, ib, 110)
+    xb = _at(builder, xa, ib, 1024)
+    d = _half_at(builder, blk, 108)
+    b8 = builder.zext(_load(builder, blk, _vec(I8, 8), 96), _vec(I32, 8))
+    b4 = builder.zext(_load(builder, blk, _vec(I8, 4), 104), _vec(I32, 4))
+    lo = builder.and_(builder.lshr(_take(builder, b8, [k % 8 for k in range(16)]),
+                                   _const(I32, [4 * (k // 8) for k in range(16)])), _ci(15))
+    hi = builder.and_(builder.lshr(_take(builder, b4, [k % 4 for k in range(16)]),
+                                   _const(I32, [2 * (k // 4) for k in range(16)])), _ci(3))
+    s = builder.sub(builder.or_(lo, builder.shl(hi, _ci(4))), _ci(32))
+    dl = builder.fmul(builder.sitofp(s, v16f), _f32_splat(builder, d, 16))
+    r = list(accs)
+    for part in range(2):
+        hm = _u16x(builder, blk, 16 * part)
+        for h in range(2):
+            q = _u16x(builder, blk, 32 + 32 * h + 16 * part)
+            for j in range(4):
+                k = 8 * h + 2 * j + part
+                c = builder.and_(builder.lshr(q, _ci(2 * j)), _ci(3))
+                off = builder.shl(builder.xor(builder.and_(builder.lshr(hm, _ci(4 * h + j)), _ci(1)), _ci(1)),
+                                  _ci(2))
+                w = builder.fmul(_splat_lane(builder, dl, k, 16), builder.sitofp(builder.sub(c, off), v16f))
+                x = _load(builder, xb, v16f, 4 * (128 * h + 32 * j + 16 * part))
+                r[j] = _fma(builder, w, x, r[j])
+    return r
+
+
+row_q3_k = _row_intrinsic(_q3k_body, [lambda: _vec(F, 16)] * 4, _sum4_finish)
