@@ -24,11 +24,11 @@ import gguf.quants
 import numpy as np
 from numba import njit, prange
 
-from engine.cpu_decode import GRID_IQ2_S, GRID_IQ2_XS, GRID_IQ2_XXS, KSIGNS, UE4M3_HALF, _e8m0_half, _half, _u8, _u32, \
-    decode_row
-from engine.cpu_rows import (HAS_AVX512, row_iq4_nl, row_iq4_xs, row_mxfp4, row_nvfp4, row_q2_k, row_q3_k, row_q4_0,
-                             row_q4_1, row_q4_k, row_q5_0, row_q5_1, row_q5_k, row_q6_k, row_q8_0)
-from engine.cpu_simd import (HAS_PSHUFB, _lut16_blocks, _nvfp4_block, band, bits_dot, bor, crumbs_dot, grid_rows_dot,
+from engine.cpu_decode import UE4M3_HALF, _e8m0_half, _half, _u8, decode_row
+from engine.cpu_rows import (HAS_AVX512, row_iq2_s, row_iq2_xs, row_iq2_xxs, row_iq3_s, row_iq3_xxs, row_iq4_nl,
+                             row_iq4_xs, row_mxfp4, row_nvfp4, row_q2_k, row_q3_k, row_q4_0, row_q4_1, row_q4_k,
+                             row_q5_0, row_q5_1, row_q5_k, row_q6_k, row_q8_0)
+from engine.cpu_simd import (HAS_PSHUFB, _lut16_blocks, _nvfp4_block, band, bits_dot, bor, crumbs_dot,
                              isub, prefetch_rows, shl, shr, vdot)
 
 FP4, IQ4, Q4_0 = gguf.quants.MXFP4.kvalues, gguf.quants.IQ4_NL.kvalues, [c - 8 for c in range(16)]
@@ -46,49 +46,6 @@ def _nvfp4(a, ib, xa, sa):
     b = _u8(a + ib * 36, 4)
     return nvfp4_block(a + ib * 36 + 4, xa + ib * 256, UE4M3_HALF[b[0]], UE4M3_HALF[b[1]], UE4M3_HALF[b[2]],
                        UE4M3_HALF[b[3]])
-
-
-@njit(inline="always")
-def _iq2_xxs(a, ib, xa, sa):
-    ga = GRID_IQ2_XXS.ctypes.data
-    b = _u8(a + ib * 66, 66)
-    ts = np.float32(0)
-    for g in range(8):                  # 32 values a scale: four grid rows of 8
-        aux1 = _u32(b, 2 + g * 8 + 4)
-        o = xa + (ib * 256 + g * 32) * 4
-        t = grid_rows_dot(ga + b[2 + g * 8] * 32, ga + b[3 + g * 8] * 32, KSIGNS[band(aux1, 127)],
-                          KSIGNS[band(shr(aux1, 7), 127)], o)
-        t += grid_rows_dot(ga + b[4 + g * 8] * 32, ga + b[5 + g * 8] * 32, KSIGNS[band(shr(aux1, 14), 127)],
-                           KSIGNS[band(shr(aux1, 21), 127)], o + 64)
-        ts += (np.float32(0.5) + np.float32(shr(aux1, 28))) * t
-    return _half(b, 0) * ts * np.float32(0.25)
-
-
-@njit(inline="always")
-def _iq2_xs(a, ib, xa, sa):
-    ga = GRID_IQ2_XS.ctypes.data
-    b = _u8(a + ib * 74, 74)
-    ts = np.float32(0)
-    for g2 in range(16):                # 16 values a scale nibble: two grid rows of 8
-        q0, q1 = bor(b[2 + 4 * g2], shl(b[3 + 4 * g2], 8)), bor(b[4 + 4 * g2], shl(b[5 + 4 * g2], 8))
-        t = grid_rows_dot(ga + band(q0, 511) * 32, ga + band(q1, 511) * 32, KSIGNS[shr(q0, 9)],
-                          KSIGNS[shr(q1, 9)], xa + (ib * 256 + g2 * 16) * 4)
-        ts += (np.float32(0.5) + np.float32(band(shr(b[66 + g2 // 2], 4 * (g2 % 2)), 15))) * t
-    return _half(b, 0) * ts * np.float32(0.25)
-
-
-@njit(inline="always")
-def _iq2_s(a, ib, xa, sa):
-    ga = GRID_IQ2_S.ctypes.data
-    b = _u8(a + ib * 82, 82)
-    ts = np.float32(0)
-    for g2 in range(16):
-        g = 2 * g2
-        gi0 = bor(b[2 + g], shl(band(shr(b[66 + g // 4], 2 * (g % 4)), 3), 8))
-        gi1 = bor(b[3 + g], shl(band(shr(b[66 + g // 4], 2 * (g % 4) + 2), 3), 8))
-        t = grid_rows_dot(ga + gi0 * 32, ga + gi1 * 32, b[34 + g], b[35 + g], xa + (ib * 256 + g * 8) * 4)
-        ts += (np.float32(0.5) + np.float32(band(shr(b[74 + g2 // 2], 4 * (g2 % 2)), 15))) * t
-    return _half(b, 0) * ts * np.float32(0.25)
 
 
 @njit(inline="always")
@@ -161,7 +118,7 @@ def _fused(block):
 
 
 dot_iq4_xs = _fused(_iq4_xs)
-dot_nvfp4, dot_iq2_xxs, dot_iq2_xs, dot_iq2_s = (_fused(f) for f in (_nvfp4, _iq2_xxs, _iq2_xs, _iq2_s))
+dot_nvfp4 = _fused(_nvfp4)
 dot_q4_0 = _fused_pairs(pair_q4_0, one_q4_0, _f16_scale, 18, 2)
 dot_iq4_nl = _fused_pairs(pair_iq4, one_iq4, _f16_scale, 18, 2)
 dot_mxfp4 = _fused_pairs(pair_fp4, one_fp4, _e8m0_scale, 17, 1)
@@ -169,7 +126,7 @@ dot_q2_0, dot_q1_0 = _fused(_q2_0), _fused(_q1_0)
 
 
 LUT_TYPES = frozenset((2, 20, 23, 39, 40))          # through vpermps (AVX-512) or else pshufb (x86 since 2006)
-FUSED_TYPES = frozenset((3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 22, 41, 42)) | (LUT_TYPES if HAS_PSHUFB or HAS_AVX512 else frozenset())
+FUSED_TYPES = frozenset((3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 21, 22, 41, 42)) | (LUT_TYPES if HAS_PSHUFB or HAS_AVX512 else frozenset())
 
 
 @njit(nogil=True, cache=True)
@@ -189,7 +146,7 @@ def dot_row(qt, a, n, xa, sa, ya):
     if qt == 8:
         return row_q8_0(a, n // 32, xa, sa)
     if qt == 17:
-        return dot_iq2_xs(a, n // 256, xa, sa)
+        return row_iq2_xs(a, n // 256, xa, sa)
     if qt == 20:
         if HAS_AVX512:
             return row_iq4_nl(a, n // 32, xa, sa)
@@ -205,9 +162,13 @@ def dot_row(qt, a, n, xa, sa, ya):
         if HAS_PSHUFB:
             return dot_iq4_xs(a, n // 256, xa, sa)
     if qt == 22:
-        return dot_iq2_s(a, n // 256, xa, sa)
+        return row_iq2_s(a, n // 256, xa, sa)
     if qt == 16:
-        return dot_iq2_xxs(a, n // 256, xa, sa)
+        return row_iq2_xxs(a, n // 256, xa, sa)
+    if qt == 18:
+        return row_iq3_xxs(a, n // 256, xa, sa)
+    if qt == 21:
+        return row_iq3_s(a, n // 256, xa, sa)
     if qt == 40:
         if HAS_AVX512:
             return row_nvfp4(a, n // 64, xa, sa)

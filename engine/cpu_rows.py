@@ -520,3 +520,229 @@ def _q3k_body(builder, a, ib, xa, sa, accs):
 
 
 row_q3_k = _row_intrinsic(_q3k_body, [lambda: _vec(F, 16)] * 4, _sum4_finish)
+
+
+# --- IQ3_XXS, IQ3_S: 4-value grid rows, one 16-byte load each, signs from bits ------------------------------------
+
+def _table_global(builder, name, values, t=F):
+    """A constant table (numpy values) as an internal global of the module, made once per module."""
+    mod = builder.module
+    if name in mod.globals:
+        return mod.globals[name]
+    at = ir.ArrayType(t, len(values))
+    g = ir.GlobalVariable(mod, at, name)
+    conv = float if t is F else int
+    g.initializer = ir.Constant(at, [ir.Constant(t, conv(v)) for v in values])
+    g.global_constant = True
+    g.linkage = "internal"
+    return g
+
+
+def _spread(builder, vals, each):
+    """The i32 values vals[0], vals[1], .. each repeated `each` times in order: one vector of 16 lanes."""
+    v = ir.Constant(_vec(I32, len(vals)), ir.Undefined)
+    for i, x in enumerate(vals):
+        v = builder.insert_element(v, x, ir.Constant(I32, i))
+    return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
+                                  _const(I32, [i for i in range(len(vals)) for _ in range(each)]))
+
+
+def _grid_rows16(builder, grid, idx, signs, shifts):
+    """16 float32: the four 4-value grid rows idx[0..3] (i32) of the global `grid`, lane j of row r negated where
+    bit shifts[r] + j of the i32 signs[r] is set."""
+    v4f, v16i = _vec(F, 4), _vec(I32, 16)
+    base = builder.bitcast(grid, F.as_pointer())
+    rows = [builder.load(builder.bitcast(builder.gep(base, [builder.shl(i, ir.Constant(I32, 2))]),
+                                         v4f.as_pointer()), align=4) for i in idx]
+    w = _cat(builder, _cat(builder, rows[0], rows[1]), _cat(builder, rows[2], rows[3]))
+    sv = _spread(builder, signs, 4)
+    bit = builder.shl(builder.and_(builder.lshr(sv, _const(I32, [shifts[r] + j for r in range(4) for j in range(4)])),
+                                   _ci(1)), _ci(31))
+    return builder.bitcast(builder.xor(builder.bitcast(w, v16i), bit), _vec(F, 16))
+
+
+def _byte(builder, addr, off):
+    return builder.zext(builder.load(builder.inttoptr(builder.add(addr, ir.Constant(I64, off)), I8.as_pointer())),
+                        I32)
+
+
+def _iq3_xxs_body(builder, a, ib, xa, sa, accs):
+    """98-byte blocks of 256: fp16 d, 64 grid indices, 8 u32 of scale (top 4 bits) and 4 x 7-bit sign indices into
+    KSIGNS. Group g's 32 values: 8 rows, row 2l + h the grid entry of byte 2 + 8 g + 2 l + h, signs
+    KSIGNS[(aux_g >> 7 l) & 127] bits 4 h ..; scale d * (0.5 + (aux_g >> 28)) * 0.5."""
+    from engine.cpu_decode import GRID_IQ3_XXS, KSIGNS
+    v16f = _vec(F, 16)
+    blk = _at(builder, a, ib, 98)
+    xb = _at(builder, xa, ib, 1024)
+    grid = _table_global(builder, "strata_grid_iq3_xxs", GRID_IQ3_XXS)
+    ks = builder.bitcast(_table_global(builder, "strata_ksigns", KSIGNS, I8), I8.as_pointer())
+    d = _half_at(builder, blk, 0)
+    r = list(accs)
+    for g in range(8):
+        aux = _u32_at(builder, blk, 66 + 4 * g)
+        db = builder.fmul(builder.fmul(d, builder.fadd(ir.Constant(F, 0.5), builder.uitofp(
+            builder.lshr(aux, ir.Constant(I32, 28)), F))), ir.Constant(F, 0.5))
+        acc = None
+        for half in range(2):               # l in 2 half, 2 half + 1: 16 values
+            idx, signs, shifts = [], [], []
+            for l in (2 * half, 2 * half + 1):
+                sg = builder.zext(builder.load(builder.gep(ks, [builder.and_(builder.lshr(
+                    aux, ir.Constant(I32, 7 * l)), ir.Constant(I32, 127))])), I32)
+                for h in range(2):
+                    idx.append(_byte(builder, blk, 2 + 8 * g + 2 * l + h))
+                    signs.append(sg)
+                    shifts.append(4 * h)
+            w = _grid_rows16(builder, grid, idx, signs, shifts)
+            x = _load(builder, xb, v16f, 4 * (32 * g + 16 * half))
+            acc = builder.fmul(w, x) if acc is None else _fma(builder, w, x, acc)
+        r[g % 4] = _fma(builder, _f32_splat(builder, db, 16), acc, r[g % 4])
+    return r
+
+
+row_iq3_xxs = _row_intrinsic(_iq3_xxs_body, [lambda: _vec(F, 16)] * 4, _sum4_finish)
+
+
+def _iq3_s_body(builder, a, ib, xa, sa, accs):
+    """110-byte blocks of 256: fp16 d, qs[64] at 2, qh[8] at 66, signs[32] at 74, scales[4] at 106. Row g (4
+    values): grid entry qs[g] | bit g % 8 of qh[g // 8] << 8, signs byte 74 + g // 2 bits 4 (g % 2) ..; group s
+    (32 values, rows 8 s ..) scaled by d * (1 + 2 * nibble s % 2 of scales[s // 2])."""
+    from engine.cpu_decode import GRID_IQ3_S
+    v16f = _vec(F, 16)
+    blk = _at(builder, a, ib, 110)
+    xb = _at(builder, xa, ib, 1024)
+    grid = _table_global(builder, "strata_grid_iq3_s", GRID_IQ3_S)
+    d = _half_at(builder, blk, 0)
+    r = list(accs)
+    for s in range(8):
+        sc = builder.and_(builder.lshr(_byte(builder, blk, 106 + s // 2), ir.Constant(I32, 4 * (s % 2))),
+                          ir.Constant(I32, 15))
+        db = builder.fmul(d, builder.uitofp(builder.or_(builder.shl(sc, ir.Constant(I32, 1)), ir.Constant(I32, 1)),
+                                            F))
+        qh = _byte(builder, blk, 66 + s)
+        acc = None
+        for half in range(2):
+            idx, signs, shifts = [], [], []
+            for t in range(4):
+                g = 8 * s + 4 * half + t
+                hb = builder.and_(builder.lshr(qh, ir.Constant(I32, g % 8)), ir.Constant(I32, 1))
+                idx.append(builder.or_(_byte(builder, blk, 2 + g), builder.shl(hb, ir.Constant(I32, 8))))
+                signs.append(_byte(builder, blk, 74 + g // 2))
+                shifts.append(4 * (g % 2))
+            w = _grid_rows16(builder, grid, idx, signs, shifts)
+            x = _load(builder, xb, v16f, 4 * (32 * s + 16 * half))
+            acc = builder.fmul(w, x) if acc is None else _fma(builder, w, x, acc)
+        r[s % 4] = _fma(builder, _f32_splat(builder, db, 16), acc, r[s % 4])
+    return r
+
+
+row_iq3_s = _row_intrinsic(_iq3_s_body, [lambda: _vec(F, 16)] * 4, _sum4_finish)
+
+
+# --- IQ2_XXS, IQ2_XS, IQ2_S: 8-value grid rows (engine/cpu_expert_kernels.py's _iq2_* block dots, as rows) --------
+
+def _grid8_rows16(builder, grid, idx, signs):
+    """16 float32: grid rows idx[0], idx[1] (8 values each) of the global `grid`, value j of row r negated where
+    bit j of the i32 signs[r] is set."""
+    v8f, v16i = _vec(F, 8), _vec(I32, 16)
+    base = builder.bitcast(grid, F.as_pointer())
+    rows = [builder.load(builder.bitcast(builder.gep(base, [builder.shl(i, ir.Constant(I32, 3))]),
+                                         v8f.as_pointer()), align=4) for i in idx]
+    w = _cat(builder, rows[0], rows[1])
+    sv = _spread(builder, signs, 8)
+    bit = builder.shl(builder.and_(builder.lshr(sv, _const(I32, [j for _ in range(2) for j in range(8)])), _ci(1)),
+                      _ci(31))
+    return builder.bitcast(builder.xor(builder.bitcast(w, v16i), bit), _vec(F, 16))
+
+
+def _ksign(builder, ks, v):
+    return builder.zext(builder.load(builder.gep(ks, [v])), I32)
+
+
+def _u16_at(builder, addr, off):
+    return builder.zext(builder.load(builder.inttoptr(builder.add(addr, ir.Constant(I64, off)), I16.as_pointer()),
+                                     align=1), I32)
+
+
+def _iq2_row(nbytes, table, rows16):
+    """A row of 256-value i-quant blocks: rows16(builder, blk, grid, ks) -> 16 (scale (float), [(idx0, idx1,
+    sign0, sign1)]) pairs, one per 16 values in order; the block's sum times d * 0.25."""
+    def body(builder, a, ib, xa, sa, accs):
+        v16f = _vec(F, 16)
+        blk = _at(builder, a, ib, nbytes)
+        xb = _at(builder, xa, ib, 1024)
+        grid = _table_global(builder, f"strata_grid_{table[0]}", table[1])
+        from engine.cpu_decode import KSIGNS
+        ks = builder.bitcast(_table_global(builder, "strata_ksigns", KSIGNS, I8), I8.as_pointer())
+        r = list(accs)
+        for k, (scale, (i0, i1, s0, s1)) in enumerate(rows16(builder, blk, ks)):
+            w = _grid8_rows16(builder, grid, (i0, i1), (s0, s1))
+            p = builder.fmul(w, _load(builder, xb, v16f, 64 * k))
+            r[k % 4] = _fma(builder, _f32_splat(builder, scale, 16), p, r[k % 4])
+        d = builder.fmul(_half_at(builder, blk, 0), ir.Constant(F, 0.25))
+        return [builder.fmul(_f32_splat(builder, d, 16), v) for v in r]
+
+    def block_sum(builder, a, ib, xa, sa, accs):
+        part = body(builder, a, ib, xa, sa, [_zero(_vec(F, 16))] * 4)
+        return [builder.fadd(x, y) for x, y in zip(accs, part)]
+    return _row_intrinsic(block_sum, [lambda: _vec(F, 16)] * 4, _sum4_finish)
+
+
+def _half_scale(builder, v):
+    return builder.fadd(ir.Constant(F, 0.5), builder.uitofp(v, F))
+
+
+def _iq2_xxs_rows(builder, blk, ks):
+    """66 bytes: group g (32 values) rows bytes 2 + 8 g + l (l < 4), aux = u32 at 6 + 8 g: row l's signs
+    KSIGNS[(aux >> 7 l) & 127], scale 0.5 + aux >> 28."""
+    out = []
+    for g in range(8):
+        aux = _u32_at(builder, blk, 6 + 8 * g)
+        sc = _half_scale(builder, builder.lshr(aux, ir.Constant(I32, 28)))
+        sg = [_ksign(builder, ks, builder.and_(builder.lshr(aux, ir.Constant(I32, 7 * l)), ir.Constant(I32, 127)))
+              for l in range(4)]
+        for h in range(2):
+            out.append((sc, (_byte(builder, blk, 2 + 8 * g + 2 * h), _byte(builder, blk, 3 + 8 * g + 2 * h),
+                             sg[2 * h], sg[2 * h + 1])))
+    return out
+
+
+def _iq2_xs_rows(builder, blk, ks):
+    """74 bytes: 16-value group g2's rows the u16s at 2 + 4 g2 and 4 + 4 g2 (grid index the low 9 bits, signs
+    KSIGNS[the top 7]), scale 0.5 + nibble g2 % 2 of byte 66 + g2 // 2."""
+    out = []
+    for g2 in range(16):
+        q0, q1 = _u16_at(builder, blk, 2 + 4 * g2), _u16_at(builder, blk, 4 + 4 * g2)
+        sc = _half_scale(builder, builder.and_(builder.lshr(_byte(builder, blk, 66 + g2 // 2),
+                                                            ir.Constant(I32, 4 * (g2 % 2))), ir.Constant(I32, 15)))
+        m, n9 = ir.Constant(I32, 511), ir.Constant(I32, 9)
+        out.append((sc, (builder.and_(q0, m), builder.and_(q1, m), _ksign(builder, ks, builder.lshr(q0, n9)),
+                         _ksign(builder, ks, builder.lshr(q1, n9)))))
+    return out
+
+
+def _iq2_s_rows(builder, blk, ks):
+    """82 bytes: rows g = 2 g2, 2 g2 + 1: index byte 2 + g | 2 bits (2 (g % 4)) of byte 66 + g // 4 << 8, signs the
+    bytes 34 + g; scale 0.5 + nibble g2 % 2 of byte 74 + g2 // 2."""
+    out = []
+    for g2 in range(16):
+        g = 2 * g2
+        hb = _byte(builder, blk, 66 + g // 4)
+        i0 = builder.or_(_byte(builder, blk, 2 + g), builder.shl(builder.and_(builder.lshr(
+            hb, ir.Constant(I32, 2 * (g % 4))), ir.Constant(I32, 3)), ir.Constant(I32, 8)))
+        i1 = builder.or_(_byte(builder, blk, 3 + g), builder.shl(builder.and_(builder.lshr(
+            hb, ir.Constant(I32, 2 * (g % 4) + 2)), ir.Constant(I32, 3)), ir.Constant(I32, 8)))
+        sc = _half_scale(builder, builder.and_(builder.lshr(_byte(builder, blk, 74 + g2 // 2),
+                                                            ir.Constant(I32, 4 * (g2 % 2))), ir.Constant(I32, 15)))
+        out.append((sc, (i0, i1, _byte(builder, blk, 34 + g), _byte(builder, blk, 35 + g))))
+    return out
+
+
+def _grids():
+    from engine.cpu_decode import GRID_IQ2_S, GRID_IQ2_XS, GRID_IQ2_XXS
+    return GRID_IQ2_XXS, GRID_IQ2_XS, GRID_IQ2_S
+
+
+_G2 = _grids()
+row_iq2_xxs = _iq2_row(66, ("iq2_xxs", _G2[0]), _iq2_xxs_rows)
+row_iq2_xs = _iq2_row(74, ("iq2_xs", _G2[1]), _iq2_xs_rows)
+row_iq2_s = _iq2_row(82, ("iq2_s", _G2[2]), _iq2_s_rows)

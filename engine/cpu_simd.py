@@ -9,11 +9,10 @@ reorder. The result is the same bits whatever is inlined, cached or threaded (te
 
 vdot is the plain float32 dot; the others dot x with a block's codes without a float32 copy of the weights:
 _lut16_blocks and _nvfp4_block (4-bit codes through a 16-entry table, SSSE3 pshufb: MXFP4, NVFP4, IQ4_NL, IQ4_XS,
-Q4_0; without AVX-512, where engine/cpu_rows.py's vpermps rows cannot run), grid_rows_dot (the i-quants' 8-value
-grid rows with sign bits), crumbs_dot (Q2_0's 2-bit codes) and bits_dot (Q1_0's signs). Accumulating a whole block in
-one vector before its one tree is what made them fast (Q6_K 2.2 -> 7.5 GB/s a thread against decoding the row
-first); engine/cpu_rows.py goes further (a row's sums in vectors, one tree a row). The callers
-(engine/cpu_expert_kernels.py) apply the blocks' own scales.
+Q4_0; without AVX-512, where engine/cpu_rows.py's vpermps rows cannot run), crumbs_dot (Q2_0's 2-bit codes) and
+bits_dot (Q1_0's signs). Accumulating a whole block in one vector before its one tree is what made them fast (Q6_K
+2.2 -> 7.5 GB/s a thread against decoding the row first); engine/cpu_rows.py goes further (a row's sums in vectors,
+one tree a row). The callers (engine/cpu_expert_kernels.py) apply the blocks' own scales.
 """
 from __future__ import annotations
 
@@ -302,21 +301,3 @@ def bits_dot(typingctx, qa, xa):
         x = builder.bitcast(_load(builder, args[1], v128f), v128i)
         return _tree_sum(builder, builder.bitcast(builder.xor(x, sign), v128f))
     return types.float32(qa, xa), codegen
-
-
-@intrinsic
-def grid_rows_dot(typingctx, g0, g1, s0, s1, xa):
-    """Two 8-float grid rows at addresses g0, g1, each value negated where its bit of the sign byte (s0, s1) is set,
-    dotted with the 16 float32 at xa (IQ2_XXS / IQ2_XS / IQ2_S: one vector load a row, not eight table reads)."""
-    def codegen(context, builder, sig, args):
-        v8i, v8f = _vec(I32, 8), _vec(F, 8)
-        parts = []
-        for r, (g, sg) in enumerate(((args[0], args[2]), (args[1], args[3]))):
-            row = builder.bitcast(_load(builder, g, v8f), v8i)
-            sv = _splat(builder, _as_i32(builder, sg, sig.args[2 + r]), 8)
-            bit = builder.shl(builder.and_(builder.lshr(sv, _const(I32, range(8))), _const(I32, [1] * 8)),
-                              _const(I32, [31] * 8))
-            parts.append(builder.bitcast(builder.xor(row, bit), v8f))
-        both = _cat(builder, parts[0], parts[1])
-        return _tree_sum(builder, builder.fmul(both, _load(builder, args[4], _vec(F, 16))))
-    return types.float32(g0, g1, s0, s1, xa), codegen
