@@ -126,7 +126,8 @@ dot_q2_0, dot_q1_0 = _fused(_q2_0), _fused(_q1_0)
 
 
 LUT_TYPES = frozenset((2, 20, 23, 39, 40))          # through vpermps (AVX-512) or else pshufb (x86 since 2006)
-FUSED_TYPES = frozenset((3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 21, 22, 41, 42)) | (LUT_TYPES if HAS_PSHUFB or HAS_AVX512 else frozenset())
+FUSED_TYPES = frozenset((3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 21, 22, 41, 42)) | (
+    LUT_TYPES if HAS_PSHUFB or HAS_AVX512 else frozenset())
 
 
 @njit(nogil=True, cache=True)
@@ -195,6 +196,18 @@ def dot_row(qt, a, n, xa, sa, ya):
     return vdot(ya, xa, n)
 
 
+FUSED_IDS = np.array(sorted(FUSED_TYPES), np.int64)
+
+
+@njit(nogil=True, cache=True)
+def is_fused(qt):
+    """Whether dot_row dots type qt without decoding it (FUSED_TYPES)."""
+    for f in FUSED_IDS:
+        if f == qt:
+            return True
+    return False
+
+
 @njit(nogil=True, cache=True)
 def sums32(v, out):
     """out[i] = v[32 i: 32 i + 32].sum(), in order (the fused dots' offsets)."""
@@ -252,10 +265,13 @@ def ffn_experts(gate, up, down, qg, qu, qd, rbg, rbu, rbd, n_ff, n_embd, x, w, a
     sums32(x, xs)
     xa, sa = x.ctypes.data, xs.ctypes.data
     per = (n_ff + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    # decode buffers, one a task, made here and only for types without a fused dot: an allocation in each task is a
+    # malloc and the runtime's atomic counters, from every thread at once
+    dec_gu = not (is_fused(qg) and is_fused(qu))
+    gscr = np.empty((k * per if dec_gu else 1, n_embd), np.float32)
     for t in prange(k * per):
         e, r0 = t // per, (t % per) * ROWS_PER_TASK
-        buf = np.empty(n_embd, np.float32)
-        ya = buf.ctypes.data
+        ya = gscr.ctypes.data + np.int64(t) * np.int64(dec_gu) * n_embd * 4
         for r in range(r0, min(n_ff, r0 + ROWS_PER_TASK)):
             if r + AHEAD < n_ff:
                 prefetch_rows(gate[e] + (r + AHEAD) * rbg, rbg)
@@ -270,9 +286,10 @@ def ffn_experts(gate, up, down, qg, qu, qd, rbg, rbu, rbd, n_ff, n_embd, x, w, a
     for e in range(k):
         sums32(h[e], hs[e])
     per = (n_embd + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    dec_d = not is_fused(qd)
+    dscr = np.empty((per if dec_d else 1, n_ff), np.float32)
     for t in prange(per):
-        buf = np.empty(n_ff, np.float32)
-        ya = buf.ctypes.data
+        ya = dscr.ctypes.data + np.int64(t) * np.int64(dec_d) * n_ff * 4
         for r in range(t * ROWS_PER_TASK, min(n_embd, (t + 1) * ROWS_PER_TASK)):
             acc = np.float32(0)
             for e in range(k):
