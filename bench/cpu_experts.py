@@ -214,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-gib", type=float, default=1.5, help="GiB of blobs to pick from (default 1.5)")
     ap.add_argument("--reps", type=int, default=30, help="timed calls per thread count (default 30)")
     ap.add_argument("--backend", default="auto", choices=("auto",) + ce.BACKENDS)
+    ap.add_argument("--ahead", help="software prefetch distances in rows to time, comma-separated (0: none; "
+                                    "default: the kernels' own, engine/cpu_expert_kernels.py AHEAD)")
     ap.add_argument("--ggml", action="store_true", help="also time llama.cpp's CPU path (the anchor wheel)")
     ap.add_argument("--ggml-lib", type=Path, help="directory of libggml-base.so and libggml-cpu.so "
                                                    "(default: tools.llama_ref's venv of the anchor wheel)")
@@ -230,6 +232,12 @@ def main(argv=None) -> int:
     except ValueError:
         raise SystemExit(f"bench.cpu_experts: --threads {a.threads!r} is not a list of counts") from None
     backend = ce.check_backend(a.backend)
+    try:
+        aheads = [None] if not a.ahead else [int(v) for v in a.ahead.split(",")]
+    except ValueError:
+        raise SystemExit(f"bench.cpu_experts: --ahead {a.ahead!r} is not a list of row counts") from None
+    if any(v is not None and v < 0 for v in aheads):
+        raise SystemExit("bench.cpu_experts: --ahead takes counts >= 0")
     pool = Pool(types, n_ff, n_embd, a.pool_gib)
     if pool.n < 2 * k:
         raise SystemExit(f"bench.cpu_experts: --pool-gib {a.pool_gib} holds {pool.n} experts; give at least {2 * k}")
@@ -264,12 +272,12 @@ def main(argv=None) -> int:
               f"rms {np.sqrt(np.mean((out - ref) ** 2)) / scale:.2e}; llama.cpp's max "
               f"{np.max(np.abs(g_out - ref)) / scale:.2e} rms {np.sqrt(np.mean((g_out - ref) ** 2)) / scale:.2e} "
               f"(of the output's rms)")
-    cols = ["threads", "ms a call", "GB/s (best)", "plain read GB/s (best)", "of read"]
+    cols = ["threads"] + (["ahead"] if a.ahead else []) + ["ms a call", "GB/s (best)", "plain read GB/s (best)", "of read"]
     if ggml is not None:
         cols += ["llama.cpp GB/s (best)", "ours / llama.cpp"]
     print("| " + " | ".join(cols) + " |")
     print("| " + " | ".join("---:" for _ in cols) + " |")
-    for nt in threads:
+    for nt, ahead in ((nt, ahead) for nt in threads for ahead in aheads):
         if nt > top or nt < 1:
             print(f"| {nt} | skipped: numba allows 1..{top} threads here (NUMBA_NUM_THREADS) |")
             continue
@@ -282,14 +290,14 @@ def main(argv=None) -> int:
                 ids = rng.choice(pool.n, k, replace=False)
                 t0 = time.perf_counter()
                 if name == "ours":
-                    ce.experts_ffn(table, 0, ids, w, x, out, backend)
+                    ce.experts_ffn(table, 0, ids, w, x, out, backend, ahead)
                 elif name == "read":
                     read(ptrs[ids], pool.nbytes)
                 else:
                     ggml(table.gate[0, ids], table.up[0, ids], table.down[0, ids], w, x, out)
                 times[name].append(time.perf_counter() - t0)
         rate = {n: (call_bytes / np.median(v) / GB, call_bytes / min(v) / GB) for n, v in times.items() if v}
-        row = [str(nt), f"{np.median(times['ours']) * 1e3:.3f}", "%.2f (%.2f)" % rate["ours"],
+        row = [str(nt)] + ([str(ahead)] if a.ahead else []) + [f"{np.median(times['ours']) * 1e3:.3f}", "%.2f (%.2f)" % rate["ours"],
                "%.2f (%.2f)" % rate["read"], f"{rate['ours'][0] / rate['read'][0]:.2f}"]
         if ggml is not None:
             row += ["%.2f (%.2f)" % rate["ggml"], f"{rate['ours'][0] / rate['ggml'][0]:.2f}"]

@@ -253,12 +253,13 @@ ROWS_PER_TASK = 32      # rows a parallel task takes: small enough to spread k *
 
 @njit(parallel=True, nogil=True, cache=True)
 def ffn_experts(gate, up, down, qg, qu, qd, rbg, rbu, rbd, n_ff, n_embd, x, w, act, alpha, limit,
-                bg, bu, bd, h, out):
+                bg, bu, bd, h, out, ahead=AHEAD):
     """out[:] = sum_e w[e] * (down_e @ act(gate_e @ x + bg[e], up_e @ x + bu[e]) + bd[e]) over the k experts whose
     rows start at addresses gate[e], up[e], down[e] (rows of rbg, rbu, rbd bytes; types qg, qu, qd).
 
     x (n_embd,) and out (n_embd,) float32; h (k, n_ff) float32 scratch; bg, bu (k, n_ff) and bd (k, n_embd) the
-    experts' biases, or arrays of size 0 for none."""
+    experts' biases, or arrays of size 0 for none; ahead: rows prefetched ahead of the one read (0: none, the
+    hardware's streams alone)."""
     k = len(gate)
     has_bias = bg.size > 0
     xs = np.empty((n_embd + 31) // 32, np.float32)
@@ -273,9 +274,9 @@ def ffn_experts(gate, up, down, qg, qu, qd, rbg, rbu, rbd, n_ff, n_embd, x, w, a
         e, r0 = t // per, (t % per) * ROWS_PER_TASK
         ya = gscr.ctypes.data + np.int64(t) * np.int64(dec_gu) * n_embd * 4
         for r in range(r0, min(n_ff, r0 + ROWS_PER_TASK)):
-            if r + AHEAD < n_ff:
-                prefetch_rows(gate[e] + (r + AHEAD) * rbg, rbg)
-                prefetch_rows(up[e] + (r + AHEAD) * rbu, rbu)
+            if ahead and r + ahead < n_ff:
+                prefetch_rows(gate[e] + (r + ahead) * rbg, rbg)
+                prefetch_rows(up[e] + (r + ahead) * rbu, rbu)
             g = dot_row(qg, gate[e] + r * rbg, n_embd, xa, sa, ya)
             u = dot_row(qu, up[e] + r * rbu, n_embd, xa, sa, ya)
             if has_bias:
@@ -293,8 +294,8 @@ def ffn_experts(gate, up, down, qg, qu, qd, rbg, rbu, rbd, n_ff, n_embd, x, w, a
         for r in range(t * ROWS_PER_TASK, min(n_embd, (t + 1) * ROWS_PER_TASK)):
             acc = np.float32(0)
             for e in range(k):
-                if r + AHEAD < n_embd:
-                    prefetch_rows(down[e] + (r + AHEAD) * rbd, rbd)
+                if ahead and r + ahead < n_embd:
+                    prefetch_rows(down[e] + (r + ahead) * rbd, rbd)
                 v = dot_row(qd, down[e] + r * rbd, n_ff, h[e].ctypes.data, hs[e].ctypes.data, ya)
                 if has_bias:
                     v += bd[e, r]

@@ -284,10 +284,11 @@ def _checked(table, layer, ids, weights, x, out):
 
 
 def experts_ffn(table: ExpertTable, layer: int, ids, weights, x: np.ndarray, out: np.ndarray,
-                backend: str = "auto") -> np.ndarray:
+                backend: str = "auto", ahead: int | None = None) -> np.ndarray:
     """out[:] = sum over e of weights[e] * expert ids[e] of `layer` applied to x; returns out.
 
-    The numba backend uses numba's thread count (numba.set_num_threads, per calling thread)."""
+    The numba backend uses numba's thread count (numba.set_num_threads, per calling thread); ahead: its software
+    prefetch distance in rows (None: engine/cpu_expert_kernels.py AHEAD; 0: none), for bench.cpu_experts' A/B."""
     ids, weights, (g, u, d) = _checked(table, layer, ids, weights, x, out)
     backend = check_backend(backend)
     if ids.size == 0:
@@ -304,7 +305,8 @@ def experts_ffn(table: ExpertTable, layer: int, ids, weights, x: np.ndarray, out
     h = np.empty((ids.size, table.n_ff), np.float32)
     act = K.ACT_SWIGLU_OAI if table.activation == "swiglu_oai" else K.ACT_SWIGLU
     K.ffn_experts(g, u, d, t.gate, t.up, t.down, t.rb_gate, t.rb_up, t.rb_down, table.n_ff, table.n_embd, x, weights,
-                  act, gptoss.SWIGLU_ALPHA, gptoss.SWIGLU_LIMIT, bg, bu, bd, h, out)
+                  act, gptoss.SWIGLU_ALPHA, gptoss.SWIGLU_LIMIT, bg, bu, bd, h, out,
+                  K.AHEAD if ahead is None else int(ahead))
     return out
 
 
