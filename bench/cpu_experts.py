@@ -2,6 +2,7 @@
 
     python -m bench.cpu_experts [--preset qwen3-30b-a3b] [--types Q4_K,Q4_K,Q6_K] [--threads 1,2,4,8,16]
     python -m bench.cpu_experts --preset gpt-oss-120b --ggml      # + llama.cpp's own CPU expert arithmetic
+    python -m bench.cpu_experts --row-dots Q4_K,Q6_K,MXFP4         # one thread's row dots from cache, per type
 
 One call is one token's routed experts of one layer (--experts, default the preset's top k), a fresh random choice
 from a pool of blobs in the pinned arena's layout (--pool-gib, larger than the caches) every call, as a decode
@@ -48,11 +49,12 @@ def preset_shape(name: str) -> tuple[int, int, int, tuple[int, int, int], str]:
     return s.n_embd, s.n_ff_exp, s.n_expert_used, (qt, qt, qt), "swiglu_oai" if s.arch == "gpt-oss" else "swiglu"
 
 
-def random_expert(rng, types, n_ff: int, n_embd: int) -> list[np.ndarray]:
-    """gate, up, down rows of one expert with valid blocks (tools.make_moe's, unit-RMS outputs)."""
+def random_expert(rng, types, n_ff: int, n_embd: int, gate_only: bool = False) -> list[np.ndarray]:
+    """gate, up, down rows of one expert with valid blocks (tools.make_moe's, unit-RMS outputs); gate_only: gate's."""
     from tools import make_moe as mm
     out = []
-    for qt, rows, cols in zip(types, (n_ff, n_ff, n_embd), (n_embd, n_embd, n_ff)):
+    shapes = list(zip(types, (n_ff, n_ff, n_embd), (n_embd, n_embd, n_ff)))
+    for qt, rows, cols in shapes[:1] if gate_only else shapes:
         made = [t for t in mm.SUPPORTED_TYPES if int(t) == qt]      # make_moe's enum member (gguf's or engine's)
         if made:
             out.append(mm.random_rows(rng, made[0], rows, cols, 1.0 / np.sqrt(cols)))
@@ -203,6 +205,34 @@ def exact(table: ce.ExpertTable, ids, w, x) -> np.ndarray:
     return out
 
 
+def row_dots(names: str, n: int = 2048, rows: int = 128, reps: int = 20) -> int:
+    """GB/s of one thread's row dots from cache (engine/cpu_expert_kernels.py dot_rows over `rows` rows of n values,
+    or 2880 where n is no whole number of the type's blocks), best of `reps` rounds of 20 calls: the kernels' own
+    rate, without DRAM."""
+    import numba
+
+    from engine import cpu_expert_kernels as kern
+    numba.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    print("| type | values a row | GB/s from cache (best) |")
+    print("| --- | ---: | ---: |")
+    for name in names.split(","):
+        qt = _qtype(name)
+        cols = n if n % ce.QUANT_BLOCKS[qt][0] == 0 else 2880
+        data = random_expert(rng, (qt, qt, qt), rows, cols, gate_only=True)[0]
+        x = rng.standard_normal(cols).astype(np.float32)
+        out = np.zeros(rows, np.float32)
+        kern.dot_rows(qt, data.ctypes.data, data.shape[1], rows, cols, x, out)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                kern.dot_rows(qt, data.ctypes.data, data.shape[1], rows, cols, x, out)
+            best = min(best, (time.perf_counter() - t0) / 20)
+        print(f"| {name.upper()} | {cols} | {data.nbytes / best / GB:.2f} |", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_experts", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -219,7 +249,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ggml", action="store_true", help="also time llama.cpp's CPU path (the anchor wheel)")
     ap.add_argument("--ggml-lib", type=Path, help="directory of libggml-base.so and libggml-cpu.so "
                                                    "(default: tools.llama_ref's venv of the anchor wheel)")
+    ap.add_argument("--row-dots", metavar="TYPES", help="only time one thread's row dots from cache for these types "
+                                                         "(comma-separated), then exit")
     a = ap.parse_args(argv)
+    if a.row_dots:
+        return row_dots(a.row_dots)
     n_embd, n_ff, k, types, act = preset_shape(a.preset)
     if a.types:
         names = a.types.split(",")

@@ -34,3 +34,9 @@ def test_prefetch_distances(capsys):
     for bad in ("x", "-1"):
         with pytest.raises(SystemExit, match="--ahead"):
             cpu_experts.main(["--preset", "tiny", "--ahead", bad])
+
+
+def test_row_dots(capsys):
+    assert cpu_experts.main(["--row-dots", "q4_k,mxfp4"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| Q4_K") or ln.startswith("| MXFP4")]
+    assert len(rows) == 2 and all(float(r.split("|")[3]) > 0 for r in rows)
