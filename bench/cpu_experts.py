@@ -2,7 +2,7 @@
 
     python -m bench.cpu_experts [--preset qwen3-30b-a3b] [--types Q4_K,Q4_K,Q6_K] [--threads 1,2,4,8,16]
     python -m bench.cpu_experts --preset gpt-oss-120b --ggml      # + llama.cpp's own CPU expert arithmetic
-    python -m bench.cpu_experts --row-dots Q4_K,Q6_K,MXFP4         # one thread's row dots from cache, per type
+    python -m bench.cpu_experts --row-dots Q4_K,Q6_K,MXFP4 [--ggml] # one thread's row dots from cache, per type
 
 One call is one token's routed experts of one layer (--experts, default the preset's top k), a fresh random choice
 from a pool of blobs in the pinned arena's layout (--pool-gib, larger than the caches) every call, as a decode
@@ -205,31 +205,73 @@ def exact(table: ce.ExpertTable, ids, w, x) -> np.ndarray:
     return out
 
 
-def row_dots(names: str, n: int = 2048, rows: int = 128, reps: int = 20) -> int:
+def ggml_row_dot(lib_dir: Path, qt: int, n: int, row_bytes: int):
+    """f(address, n_rows, x, out): llama.cpp's vec_dot of each row against x rounded to the type's vec_dot_type
+    (x rounded once a call, as a layer rounds it once), from numba as ggml_path calls it."""
+    from numba import njit
+    base = ctypes.CDLL(str(lib_dir / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu.ggml_cpu_init()
+
+    class TraitsCPU(ctypes.Structure):     # ggml-cpu.h, struct ggml_type_traits_cpu
+        _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                    ("nrows", ctypes.c_int64)]
+    cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(TraitsCPU)
+    base.ggml_row_size.restype, base.ggml_row_size.argtypes = ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]
+    U, I = ctypes.c_uint64, ctypes.c_int
+    t = cpu.ggml_get_type_traits_cpu(qt).contents
+    q = cpu.ggml_get_type_traits_cpu(t.vec_dot_type).contents
+    vd = ctypes.CFUNCTYPE(None, I, U, ctypes.c_size_t, U, ctypes.c_size_t, U, ctypes.c_size_t, I)(t.vec_dot)
+    ff = ctypes.CFUNCTYPE(None, U, U, ctypes.c_int64)(q.from_float)
+    xq_bytes = base.ggml_row_size(t.vec_dot_type, n)
+
+    @njit
+    def rows(a, n_rows, x, out):
+        xq = np.empty(xq_bytes, np.uint8)
+        ff(x.ctypes.data, xq.ctypes.data, n)
+        s = np.zeros(1, np.float32)
+        for r in range(n_rows):
+            vd(n, s.ctypes.data, 0, a + r * row_bytes, 0, xq.ctypes.data, 0, 1)
+            out[r] = s[0]
+    return rows
+
+
+def row_dots(names: str, ggml_lib: Path | None = None, n: int = 2048, rows: int = 128, reps: int = 20) -> int:
     """GB/s of one thread's row dots from cache (engine/cpu_expert_kernels.py dot_rows over `rows` rows of n values,
     or 2880 where n is no whole number of the type's blocks), best of `reps` rounds of 20 calls: the kernels' own
-    rate, without DRAM."""
+    rate, without DRAM; with ggml_lib, llama.cpp's vec_dot on the same rows beside it."""
     import numba
 
     from engine import cpu_expert_kernels as kern
     numba.set_num_threads(1)
     rng = np.random.default_rng(0)
-    print("| type | values a row | GB/s from cache (best) |")
-    print("| --- | ---: | ---: |")
+    cols_ = ["type", "values a row", "GB/s from cache (best)"] + (["llama.cpp's vec_dot", "ours / llama.cpp"]
+                                                               if ggml_lib else [])
+    print("| " + " | ".join(cols_) + " |")
+    print("| --- |" + " ---: |" * (len(cols_) - 1))
+
+    def best_of(f):
+        f()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                f()
+            best = min(best, (time.perf_counter() - t0) / 20)
+        return best
     for name in names.split(","):
         qt = _qtype(name)
         cols = n if n % ce.QUANT_BLOCKS[qt][0] == 0 else 2880
         data = random_expert(rng, (qt, qt, qt), rows, cols, gate_only=True)[0]
         x = rng.standard_normal(cols).astype(np.float32)
         out = np.zeros(rows, np.float32)
-        kern.dot_rows(qt, data.ctypes.data, data.shape[1], rows, cols, x, out)
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(20):
-                kern.dot_rows(qt, data.ctypes.data, data.shape[1], rows, cols, x, out)
-            best = min(best, (time.perf_counter() - t0) / 20)
-        print(f"| {name.upper()} | {cols} | {data.nbytes / best / GB:.2f} |", flush=True)
+        ours = data.nbytes / best_of(lambda: kern.dot_rows(qt, data.ctypes.data, data.shape[1], rows, cols, x, out))
+        row = [name.upper(), str(cols), f"{ours / GB:.2f}"]
+        if ggml_lib:
+            g = ggml_row_dot(ggml_lib, qt, cols, data.shape[1])
+            theirs = data.nbytes / best_of(lambda: g(data.ctypes.data, rows, x, out))
+            row += [f"{theirs / GB:.2f}", f"{ours / theirs:.2f}"]
+        print("| " + " | ".join(row) + " |", flush=True)
     return 0
 
 
@@ -253,7 +295,7 @@ def main(argv=None) -> int:
                                                          "(comma-separated), then exit")
     a = ap.parse_args(argv)
     if a.row_dots:
-        return row_dots(a.row_dots)
+        return row_dots(a.row_dots, (a.ggml_lib or default_ggml_lib()) if a.ggml else None)
     n_embd, n_ff, k, types, act = preset_shape(a.preset)
     if a.types:
         names = a.types.split(",")
