@@ -77,3 +77,28 @@ def test_the_worker_takes_the_hit_rate_it_measured(tiny, monkeypatch):
     assert seen == {"link": 49.5, "arena": None, "threads": 3, "hit": 0.8}
     strata_worker.calibrate_cpu(backend, {"pcie_gbps": 49.5, "expert_slots": 30, "experts_total": 120})
     assert seen["hit"] == 0.25
+
+
+@pytest.mark.gpu
+def test_the_pinned_arenas_blobs_give_the_mapped_files_results(tiny):
+    """On the GPU machine: the table over a real ExpertArena (mapped pinned memory, host_ptr) computes what the
+    mapped GGUF's does, bit for bit, and calibration measures through it."""
+    import numpy as np
+    pytest.importorskip("cupy")
+    from engine.cuda.arena import ExpertArena
+    arena = ExpertArena(tiny, log=lambda m: None)
+    try:
+        by_arena, by_file = cpu_calibrate.host_table(tiny, arena), cpu_calibrate.host_table(tiny)
+        rng = np.random.default_rng(2)
+        x = rng.standard_normal(tiny.config.n_embd).astype(np.float32)
+        k = tiny.config.n_expert_used
+        for il in range(tiny.config.n_layer):
+            ids = rng.choice(tiny.config.n_expert, k, replace=False)
+            w = rng.uniform(0.1, 0.5, k).astype(np.float32)
+            outs = [ce.experts_ffn(t, il, ids, w, x, np.full(tiny.config.n_embd, np.nan, np.float32))
+                    for t in (by_arena, by_file)]
+            assert np.array_equal(outs[0], outs[1]), il
+        facts = cpu_calibrate.cpu_facts(tiny, 50.0, arena, threads=1, calls=2)
+        assert facts["cpu_gbps"] > 0
+    finally:
+        arena.close()
