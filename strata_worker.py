@@ -222,11 +222,35 @@ def run_calibration(backend, ctx: int, out, info: dict, chats_path: str | None =
                   f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
             backend.close()
             return 1
+    if facts.get("pcie_gbps") and getattr(backend.config, "is_moe", False):
+        try:
+            facts.update(calibrate_cpu(backend, facts))
+        except Exception as e:
+            print(f"strata_worker: calibration failed while timing the CPU experts: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            backend.close()
+            return 1
     out.emit("CALIBRATE " + " ".join(f"{k}={shlex.quote(_calib_value(v))}" for k, v in facts.items()))
     log(f"calibration: prompt {prompt_tok_s:.1f} tok/s ({d.prompt_read} tokens), decode {decode_tok_s:.1f} tok/s "
         f"({d.generated} tokens)")
     backend.close()
     return 0
+
+
+def calibrate_cpu(backend, facts: dict) -> dict:
+    """The CPU experts' rate beside the link's and the split they give (engine/cpu_calibrate.py), on the experts
+    where the backend keeps them; the hit rate is the chats' when they ran, else the share of experts cached."""
+    from engine.cpu_calibrate import cpu_facts
+    hit = facts.get("chat_hit_pct")
+    if hit is not None:
+        hit = float(hit) / 100.0
+    elif facts.get("experts_total"):
+        hit = min(1.0, float(facts.get("expert_slots", 0)) / float(facts["experts_total"]))
+    else:
+        hit = 0.0
+    opts = getattr(backend, "opts", None)
+    return cpu_facts(backend.model, float(facts["pcie_gbps"]), getattr(backend, "arena", None),
+                     getattr(opts, "cpu_threads", None), hit)
 
 
 def decode_chats(session, backend, path: str, ctx: int) -> dict:

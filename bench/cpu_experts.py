@@ -2,6 +2,7 @@
 
     python -m bench.cpu_experts [--preset qwen3-30b-a3b] [--types Q4_K,Q4_K,Q6_K] [--threads 1,2,4,8,16]
     python -m bench.cpu_experts --preset gpt-oss-120b --ggml      # + llama.cpp's own CPU expert arithmetic
+    python -m bench.cpu_experts --row-dots Q4_K,Q6_K,MXFP4 [--ggml] # one thread's row dots from cache, per type
 
 One call is one token's routed experts of one layer (--experts, default the preset's top k), a fresh random choice
 from a pool of blobs in the pinned arena's layout (--pool-gib, larger than the caches) every call, as a decode
@@ -48,11 +49,12 @@ def preset_shape(name: str) -> tuple[int, int, int, tuple[int, int, int], str]:
     return s.n_embd, s.n_ff_exp, s.n_expert_used, (qt, qt, qt), "swiglu_oai" if s.arch == "gpt-oss" else "swiglu"
 
 
-def random_expert(rng, types, n_ff: int, n_embd: int) -> list[np.ndarray]:
-    """gate, up, down rows of one expert with valid blocks (tools.make_moe's, unit-RMS outputs)."""
+def random_expert(rng, types, n_ff: int, n_embd: int, gate_only: bool = False) -> list[np.ndarray]:
+    """gate, up, down rows of one expert with valid blocks (tools.make_moe's, unit-RMS outputs); gate_only: gate's."""
     from tools import make_moe as mm
     out = []
-    for qt, rows, cols in zip(types, (n_ff, n_ff, n_embd), (n_embd, n_embd, n_ff)):
+    shapes = list(zip(types, (n_ff, n_ff, n_embd), (n_embd, n_embd, n_ff)))
+    for qt, rows, cols in shapes[:1] if gate_only else shapes:
         made = [t for t in mm.SUPPORTED_TYPES if int(t) == qt]      # make_moe's enum member (gguf's or engine's)
         if made:
             out.append(mm.random_rows(rng, made[0], rows, cols, 1.0 / np.sqrt(cols)))
@@ -203,6 +205,76 @@ def exact(table: ce.ExpertTable, ids, w, x) -> np.ndarray:
     return out
 
 
+def ggml_row_dot(lib_dir: Path, qt: int, n: int, row_bytes: int):
+    """f(address, n_rows, x, out): llama.cpp's vec_dot of each row against x rounded to the type's vec_dot_type
+    (x rounded once a call, as a layer rounds it once), from numba as ggml_path calls it."""
+    from numba import njit
+    base = ctypes.CDLL(str(lib_dir / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu.ggml_cpu_init()
+
+    class TraitsCPU(ctypes.Structure):     # ggml-cpu.h, struct ggml_type_traits_cpu
+        _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                    ("nrows", ctypes.c_int64)]
+    cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(TraitsCPU)
+    base.ggml_row_size.restype, base.ggml_row_size.argtypes = ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]
+    U, I = ctypes.c_uint64, ctypes.c_int
+    t = cpu.ggml_get_type_traits_cpu(qt).contents
+    q = cpu.ggml_get_type_traits_cpu(t.vec_dot_type).contents
+    vd = ctypes.CFUNCTYPE(None, I, U, ctypes.c_size_t, U, ctypes.c_size_t, U, ctypes.c_size_t, I)(t.vec_dot)
+    ff = ctypes.CFUNCTYPE(None, U, U, ctypes.c_int64)(q.from_float)
+    xq_bytes = base.ggml_row_size(t.vec_dot_type, n)
+
+    @njit
+    def rows(a, n_rows, x, out):
+        xq = np.empty(xq_bytes, np.uint8)
+        ff(x.ctypes.data, xq.ctypes.data, n)
+        s = np.zeros(1, np.float32)
+        for r in range(n_rows):
+            vd(n, s.ctypes.data, 0, a + r * row_bytes, 0, xq.ctypes.data, 0, 1)
+            out[r] = s[0]
+    return rows
+
+
+def row_dots(names: str, ggml_lib: Path | None = None, n: int = 2048, rows: int = 128, reps: int = 20) -> int:
+    """GB/s of one thread's row dots from cache (engine/cpu_expert_kernels.py dot_rows over `rows` rows of n values,
+    or 2880 where n is no whole number of the type's blocks), best of `reps` rounds of 20 calls: the kernels' own
+    rate, without DRAM; with ggml_lib, llama.cpp's vec_dot on the same rows beside it."""
+    import numba
+
+    from engine import cpu_expert_kernels as kern
+    numba.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    cols_ = ["type", "values a row", "GB/s from cache (best)"] + (["llama.cpp's vec_dot", "ours / llama.cpp"]
+                                                               if ggml_lib else [])
+    print("| " + " | ".join(cols_) + " |")
+    print("| --- |" + " ---: |" * (len(cols_) - 1))
+
+    def best_of(f):
+        f()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                f()
+            best = min(best, (time.perf_counter() - t0) / 20)
+        return best
+    for name in names.split(","):
+        qt = _qtype(name)
+        cols = n if n % ce.QUANT_BLOCKS[qt][0] == 0 else 2880
+        data = random_expert(rng, (qt, qt, qt), rows, cols, gate_only=True)[0]
+        x = rng.standard_normal(cols).astype(np.float32)
+        out = np.zeros(rows, np.float32)
+        ours = data.nbytes / best_of(lambda: kern.dot_rows(qt, data.ctypes.data, data.shape[1], rows, cols, x, out))
+        row = [name.upper(), str(cols), f"{ours / GB:.2f}"]
+        if ggml_lib:
+            g = ggml_row_dot(ggml_lib, qt, cols, data.shape[1])
+            theirs = data.nbytes / best_of(lambda: g(data.ctypes.data, rows, x, out))
+            row += [f"{theirs / GB:.2f}", f"{ours / theirs:.2f}"]
+        print("| " + " | ".join(row) + " |", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_experts", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -214,10 +286,16 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-gib", type=float, default=1.5, help="GiB of blobs to pick from (default 1.5)")
     ap.add_argument("--reps", type=int, default=30, help="timed calls per thread count (default 30)")
     ap.add_argument("--backend", default="auto", choices=("auto",) + ce.BACKENDS)
+    ap.add_argument("--ahead", help="software prefetch distances in rows to time, comma-separated (0: none; "
+                                    "default: the kernels' own, engine/cpu_expert_kernels.py AHEAD)")
     ap.add_argument("--ggml", action="store_true", help="also time llama.cpp's CPU path (the anchor wheel)")
     ap.add_argument("--ggml-lib", type=Path, help="directory of libggml-base.so and libggml-cpu.so "
                                                    "(default: tools.llama_ref's venv of the anchor wheel)")
+    ap.add_argument("--row-dots", metavar="TYPES", help="only time one thread's row dots from cache for these types "
+                                                         "(comma-separated), then exit")
     a = ap.parse_args(argv)
+    if a.row_dots:
+        return row_dots(a.row_dots, (a.ggml_lib or default_ggml_lib()) if a.ggml else None)
     n_embd, n_ff, k, types, act = preset_shape(a.preset)
     if a.types:
         names = a.types.split(",")
@@ -230,6 +308,12 @@ def main(argv=None) -> int:
     except ValueError:
         raise SystemExit(f"bench.cpu_experts: --threads {a.threads!r} is not a list of counts") from None
     backend = ce.check_backend(a.backend)
+    try:
+        aheads = [None] if not a.ahead else [int(v) for v in a.ahead.split(",")]
+    except ValueError:
+        raise SystemExit(f"bench.cpu_experts: --ahead {a.ahead!r} is not a list of row counts") from None
+    if any(v is not None and v < 0 for v in aheads):
+        raise SystemExit("bench.cpu_experts: --ahead takes counts >= 0")
     pool = Pool(types, n_ff, n_embd, a.pool_gib)
     if pool.n < 2 * k:
         raise SystemExit(f"bench.cpu_experts: --pool-gib {a.pool_gib} holds {pool.n} experts; give at least {2 * k}")
@@ -264,12 +348,12 @@ def main(argv=None) -> int:
               f"rms {np.sqrt(np.mean((out - ref) ** 2)) / scale:.2e}; llama.cpp's max "
               f"{np.max(np.abs(g_out - ref)) / scale:.2e} rms {np.sqrt(np.mean((g_out - ref) ** 2)) / scale:.2e} "
               f"(of the output's rms)")
-    cols = ["threads", "ms a call", "GB/s (best)", "plain read GB/s (best)", "of read"]
+    cols = ["threads"] + (["ahead"] if a.ahead else []) + ["ms a call", "GB/s (best)", "plain read GB/s (best)", "of read"]
     if ggml is not None:
         cols += ["llama.cpp GB/s (best)", "ours / llama.cpp"]
     print("| " + " | ".join(cols) + " |")
     print("| " + " | ".join("---:" for _ in cols) + " |")
-    for nt in threads:
+    for nt, ahead in ((nt, ahead) for nt in threads for ahead in aheads):
         if nt > top or nt < 1:
             print(f"| {nt} | skipped: numba allows 1..{top} threads here (NUMBA_NUM_THREADS) |")
             continue
@@ -282,14 +366,14 @@ def main(argv=None) -> int:
                 ids = rng.choice(pool.n, k, replace=False)
                 t0 = time.perf_counter()
                 if name == "ours":
-                    ce.experts_ffn(table, 0, ids, w, x, out, backend)
+                    ce.experts_ffn(table, 0, ids, w, x, out, backend, ahead)
                 elif name == "read":
                     read(ptrs[ids], pool.nbytes)
                 else:
                     ggml(table.gate[0, ids], table.up[0, ids], table.down[0, ids], w, x, out)
                 times[name].append(time.perf_counter() - t0)
         rate = {n: (call_bytes / np.median(v) / GB, call_bytes / min(v) / GB) for n, v in times.items() if v}
-        row = [str(nt), f"{np.median(times['ours']) * 1e3:.3f}", "%.2f (%.2f)" % rate["ours"],
+        row = [str(nt)] + ([str(ahead)] if a.ahead else []) + [f"{np.median(times['ours']) * 1e3:.3f}", "%.2f (%.2f)" % rate["ours"],
                "%.2f (%.2f)" % rate["read"], f"{rate['ours'][0] / rate['read'][0]:.2f}"]
         if ggml is not None:
             row += ["%.2f (%.2f)" % rate["ggml"], f"{rate['ours'][0] / rate['ggml'][0]:.2f}"]

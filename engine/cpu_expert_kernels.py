@@ -2,10 +2,10 @@
 
 A row's dot with x takes one of two ways, both exact to float32 rounding against the NumPy backend (dequantize,
 then float32 BLAS):
-- fused (dot_X, for the types the benchmarked models' experts use): each block's codes dotted with x in float32
-  (engine/cpu_simd.py's intrinsics), then scaled by the block's scales, with its offset times the sum of x over it
-  subtracted: the same sum as dequantizing first, factored, so it differs from that only by float32 rounding,
-  bounded by eps times the terms' magnitudes (Q4_K: ~2x the decode-then-dot rate);
+- fused (row_X of engine/cpu_rows.py, dot_X here): each block's codes dotted with x in float32, then scaled by the
+  block's scales, with its offset times the sum of x over it subtracted: the same sum as dequantizing first,
+  factored, so it differs from that only by float32 rounding, bounded by eps times the terms' magnitudes (Q4_K,
+  Q6_K, Q8_0 and, on AVX-512, the 4-bit table types as whole rows in IR; the rest a block at a time here);
 - decoded (every type decode_row reads): the row to float32 in an L1 buffer, bit for bit as the reference
   dequantizes it (engine/cpu_decode.py), then vdot.
 llama.cpp's CPU path rounds x to 8 bits instead (its q8_K / q8_0 vec_dot): docs/experiments.md has how far that is.
@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import gguf.quants
 import numpy as np
-from numba import carray, njit, prange
+from numba import njit, prange
 
-from engine.cpu_decode import GRID_IQ2_S, GRID_IQ2_XS, GRID_IQ2_XXS, KSIGNS, UE4M3_HALF, _e8m0_half, _half, _u8, _u32, \
-    decode_row
-from engine.cpu_simd import (HAS_PSHUFB, _lut16_blocks, _nvfp4_block, band, bits_dot, bor, crumbs_dot, grid_rows_dot,
-                             i8_dot, isub, prefetch_rows, ptr_i8, q4k_block_dot, q6_half_dot, shl, shr, vdot)
+from engine.cpu_decode import UE4M3_HALF, _e8m0_half, _half, _u8, decode_row
+from engine.cpu_rows import (HAS_AVX512, row_iq2_s, row_iq2_xs, row_iq2_xxs, row_iq3_s, row_iq3_xxs, row_iq4_nl,
+                             row_iq4_xs, row_mxfp4, row_nvfp4, row_q2_k, row_q3_k, row_q4_0, row_q4_1, row_q4_k,
+                             row_q5_0, row_q5_1, row_q5_k, row_q6_k, row_q8_0)
+from engine.cpu_simd import (HAS_PSHUFB, _lut16_blocks, _nvfp4_block, band, bits_dot, bor, crumbs_dot,
+                             isub, prefetch_rows, shl, shr, vdot)
 
 FP4, IQ4, Q4_0 = gguf.quants.MXFP4.kvalues, gguf.quants.IQ4_NL.kvalues, [c - 8 for c in range(16)]
 nvfp4_block = _nvfp4_block(FP4)
@@ -40,75 +42,10 @@ iq4_xs_block = _lut16_blocks(IQ4, 8, 16)
 # the odd ones': one sum would make every block's addition wait for the last (MXFP4: 3.1 -> 4.4 GB/s a thread).
 
 @njit(inline="always")
-def _q8_0(a, ib, xa, sa):
-    return _half(_u8(a + ib * 34, 2), 0) * i8_dot(a + ib * 34 + 2, xa + ib * 128)
-
-
-@njit(inline="always")
-def _q4_k(a, ib, xa, sa):
-    return q4k_block_dot(a + ib * 144, xa + ib * 1024, sa + ib * 32)
-
-
-@njit(inline="always")
-def _q6_k(a, ib, xa, sa):
-    b = a + ib * 210
-    sc = carray(ptr_i8(b + 192), 16)
-    f = np.float32
-    h0 = q6_half_dot(b, b + 128, xa + ib * 1024, f(sc[0]), f(sc[1]), f(sc[2]), f(sc[3]), f(sc[4]), f(sc[5]),
-                     f(sc[6]), f(sc[7]))
-    h1 = q6_half_dot(b + 64, b + 160, xa + ib * 1024 + 512, f(sc[8]), f(sc[9]), f(sc[10]), f(sc[11]), f(sc[12]),
-                     f(sc[13]), f(sc[14]), f(sc[15]))
-    return _half(_u8(b + 208, 2), 0) * (h0 + h1)
-
-
-@njit(inline="always")
 def _nvfp4(a, ib, xa, sa):
     b = _u8(a + ib * 36, 4)
     return nvfp4_block(a + ib * 36 + 4, xa + ib * 256, UE4M3_HALF[b[0]], UE4M3_HALF[b[1]], UE4M3_HALF[b[2]],
                        UE4M3_HALF[b[3]])
-
-
-@njit(inline="always")
-def _iq2_xxs(a, ib, xa, sa):
-    ga = GRID_IQ2_XXS.ctypes.data
-    b = _u8(a + ib * 66, 66)
-    ts = np.float32(0)
-    for g in range(8):                  # 32 values a scale: four grid rows of 8
-        aux1 = _u32(b, 2 + g * 8 + 4)
-        o = xa + (ib * 256 + g * 32) * 4
-        t = grid_rows_dot(ga + b[2 + g * 8] * 32, ga + b[3 + g * 8] * 32, KSIGNS[band(aux1, 127)],
-                          KSIGNS[band(shr(aux1, 7), 127)], o)
-        t += grid_rows_dot(ga + b[4 + g * 8] * 32, ga + b[5 + g * 8] * 32, KSIGNS[band(shr(aux1, 14), 127)],
-                           KSIGNS[band(shr(aux1, 21), 127)], o + 64)
-        ts += (np.float32(0.5) + np.float32(shr(aux1, 28))) * t
-    return _half(b, 0) * ts * np.float32(0.25)
-
-
-@njit(inline="always")
-def _iq2_xs(a, ib, xa, sa):
-    ga = GRID_IQ2_XS.ctypes.data
-    b = _u8(a + ib * 74, 74)
-    ts = np.float32(0)
-    for g2 in range(16):                # 16 values a scale nibble: two grid rows of 8
-        q0, q1 = bor(b[2 + 4 * g2], shl(b[3 + 4 * g2], 8)), bor(b[4 + 4 * g2], shl(b[5 + 4 * g2], 8))
-        t = grid_rows_dot(ga + band(q0, 511) * 32, ga + band(q1, 511) * 32, KSIGNS[shr(q0, 9)],
-                          KSIGNS[shr(q1, 9)], xa + (ib * 256 + g2 * 16) * 4)
-        ts += (np.float32(0.5) + np.float32(band(shr(b[66 + g2 // 2], 4 * (g2 % 2)), 15))) * t
-    return _half(b, 0) * ts * np.float32(0.25)
-
-
-@njit(inline="always")
-def _iq2_s(a, ib, xa, sa):
-    ga = GRID_IQ2_S.ctypes.data
-    b = _u8(a + ib * 82, 82)
-    ts = np.float32(0)
-    for g2 in range(16):
-        g = 2 * g2
-        gi0 = bor(b[2 + g], shl(band(shr(b[66 + g // 4], 2 * (g % 4)), 3), 8))
-        gi1 = bor(b[3 + g], shl(band(shr(b[66 + g // 4], 2 * (g % 4) + 2), 3), 8))
-        t = grid_rows_dot(ga + gi0 * 32, ga + gi1 * 32, b[34 + g], b[35 + g], xa + (ib * 256 + g * 8) * 4)
-        ts += (np.float32(0.5) + np.float32(band(shr(b[74 + g2 // 2], 4 * (g2 % 2)), 15))) * t
-    return _half(b, 0) * ts * np.float32(0.25)
 
 
 @njit(inline="always")
@@ -180,50 +117,95 @@ def _fused(block):
     return dot
 
 
-dot_q8_0, dot_q4_k, dot_q6_k, dot_iq4_xs = (_fused(f) for f in (_q8_0, _q4_k, _q6_k, _iq4_xs))
-dot_nvfp4, dot_iq2_xxs, dot_iq2_xs, dot_iq2_s = (_fused(f) for f in (_nvfp4, _iq2_xxs, _iq2_xs, _iq2_s))
+dot_iq4_xs = _fused(_iq4_xs)
+dot_nvfp4 = _fused(_nvfp4)
 dot_q4_0 = _fused_pairs(pair_q4_0, one_q4_0, _f16_scale, 18, 2)
 dot_iq4_nl = _fused_pairs(pair_iq4, one_iq4, _f16_scale, 18, 2)
 dot_mxfp4 = _fused_pairs(pair_fp4, one_fp4, _e8m0_scale, 17, 1)
 dot_q2_0, dot_q1_0 = _fused(_q2_0), _fused(_q1_0)
 
 
-LUT_TYPES = frozenset((2, 20, 23, 39, 40))          # fused through pshufb (x86 CPUs since 2006)
-FUSED_TYPES = frozenset((8, 12, 14, 16, 17, 22, 41, 42)) | (LUT_TYPES if HAS_PSHUFB else frozenset())
+LUT_TYPES = frozenset((2, 20, 23, 39, 40))          # through vpermps (AVX-512) or else pshufb (x86 since 2006)
+FUSED_TYPES = frozenset((3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 21, 22, 41, 42)) | (
+    LUT_TYPES if HAS_PSHUFB or HAS_AVX512 else frozenset())
 
 
 @njit(nogil=True, cache=True)
 def dot_row(qt, a, n, xa, sa, ya):
     """The row of n values of type qt at address a dotted with x (n float32 at xa; sa: x's sums over every 32
-    values): a fused dot where the type has one, else decoded into ya (n float32 of scratch) and dotted."""
+    values): a whole-row dot (engine/cpu_rows.py) or a fused one where the type has one, else decoded into ya (n
+    float32 of scratch) and dotted."""
     if qt == 12:
-        return dot_q4_k(a, n // 256, xa, sa)
-    if qt == 39 and HAS_PSHUFB:
-        return dot_mxfp4(a, n // 32, xa, sa)
+        return row_q4_k(a, n // 256, xa, sa)
+    if qt == 39:
+        if HAS_AVX512:
+            return row_mxfp4(a, n // 32, xa, sa)
+        if HAS_PSHUFB:
+            return dot_mxfp4(a, n // 32, xa, sa)
     if qt == 14:
-        return dot_q6_k(a, n // 256, xa, sa)
+        return row_q6_k(a, n // 256, xa, sa)
     if qt == 8:
-        return dot_q8_0(a, n // 32, xa, sa)
+        return row_q8_0(a, n // 32, xa, sa)
     if qt == 17:
-        return dot_iq2_xs(a, n // 256, xa, sa)
-    if qt == 20 and HAS_PSHUFB:
-        return dot_iq4_nl(a, n // 32, xa, sa)
+        return row_iq2_xs(a, n // 256, xa, sa)
+    if qt == 20:
+        if HAS_AVX512:
+            return row_iq4_nl(a, n // 32, xa, sa)
+        if HAS_PSHUFB:
+            return dot_iq4_nl(a, n // 32, xa, sa)
     if qt == 42:
         return dot_q2_0(a, n // 64, xa, sa)
     if qt == 41:
         return dot_q1_0(a, n // 128, xa, sa)
-    if qt == 23 and HAS_PSHUFB:
-        return dot_iq4_xs(a, n // 256, xa, sa)
+    if qt == 23:
+        if HAS_AVX512:
+            return row_iq4_xs(a, n // 256, xa, sa)
+        if HAS_PSHUFB:
+            return dot_iq4_xs(a, n // 256, xa, sa)
     if qt == 22:
-        return dot_iq2_s(a, n // 256, xa, sa)
+        return row_iq2_s(a, n // 256, xa, sa)
     if qt == 16:
-        return dot_iq2_xxs(a, n // 256, xa, sa)
-    if qt == 40 and HAS_PSHUFB:
-        return dot_nvfp4(a, n // 64, xa, sa)
-    if qt == 2 and HAS_PSHUFB:
-        return dot_q4_0(a, n // 32, xa, sa)
+        return row_iq2_xxs(a, n // 256, xa, sa)
+    if qt == 18:
+        return row_iq3_xxs(a, n // 256, xa, sa)
+    if qt == 21:
+        return row_iq3_s(a, n // 256, xa, sa)
+    if qt == 40:
+        if HAS_AVX512:
+            return row_nvfp4(a, n // 64, xa, sa)
+        if HAS_PSHUFB:
+            return dot_nvfp4(a, n // 64, xa, sa)
+    if qt == 2:
+        if HAS_AVX512:
+            return row_q4_0(a, n // 32, xa, sa)
+        if HAS_PSHUFB:
+            return dot_q4_0(a, n // 32, xa, sa)
+    if qt == 13:
+        return row_q5_k(a, n // 256, xa, sa)
+    if qt == 6:
+        return row_q5_0(a, n // 32, xa, sa)
+    if qt == 3:
+        return row_q4_1(a, n // 32, xa, sa)
+    if qt == 7:
+        return row_q5_1(a, n // 32, xa, sa)
+    if qt == 11:
+        return row_q3_k(a, n // 256, xa, sa)
+    if qt == 10:
+        return row_q2_k(a, n // 256, xa, sa)
     decode_row(qt, a, n, ya)
     return vdot(ya, xa, n)
+
+
+FUSED_IDS = np.array(sorted(FUSED_TYPES), np.int64)
+
+
+@njit(nogil=True, cache=True)
+def is_fused(qt):
+    """Whether dot_row dots type qt without decoding it (FUSED_TYPES)."""
+    for f in FUSED_IDS:
+        if f == qt:
+            return True
+    return False
 
 
 @njit(nogil=True, cache=True)
@@ -271,26 +253,30 @@ ROWS_PER_TASK = 32      # rows a parallel task takes: small enough to spread k *
 
 @njit(parallel=True, nogil=True, cache=True)
 def ffn_experts(gate, up, down, qg, qu, qd, rbg, rbu, rbd, n_ff, n_embd, x, w, act, alpha, limit,
-                bg, bu, bd, h, out):
+                bg, bu, bd, h, out, ahead=AHEAD):
     """out[:] = sum_e w[e] * (down_e @ act(gate_e @ x + bg[e], up_e @ x + bu[e]) + bd[e]) over the k experts whose
     rows start at addresses gate[e], up[e], down[e] (rows of rbg, rbu, rbd bytes; types qg, qu, qd).
 
     x (n_embd,) and out (n_embd,) float32; h (k, n_ff) float32 scratch; bg, bu (k, n_ff) and bd (k, n_embd) the
-    experts' biases, or arrays of size 0 for none."""
+    experts' biases, or arrays of size 0 for none; ahead: rows prefetched ahead of the one read (0: none, the
+    hardware's streams alone)."""
     k = len(gate)
     has_bias = bg.size > 0
     xs = np.empty((n_embd + 31) // 32, np.float32)
     sums32(x, xs)
     xa, sa = x.ctypes.data, xs.ctypes.data
     per = (n_ff + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    # decode buffers, one a task, made here and only for types without a fused dot: an allocation in each task is a
+    # malloc and the runtime's atomic counters, from every thread at once
+    dec_gu = not (is_fused(qg) and is_fused(qu))
+    gscr = np.empty((k * per if dec_gu else 1, n_embd), np.float32)
     for t in prange(k * per):
         e, r0 = t // per, (t % per) * ROWS_PER_TASK
-        buf = np.empty(n_embd, np.float32)
-        ya = buf.ctypes.data
+        ya = gscr.ctypes.data + np.int64(t) * np.int64(dec_gu) * n_embd * 4
         for r in range(r0, min(n_ff, r0 + ROWS_PER_TASK)):
-            if r + AHEAD < n_ff:
-                prefetch_rows(gate[e] + (r + AHEAD) * rbg, rbg)
-                prefetch_rows(up[e] + (r + AHEAD) * rbu, rbu)
+            if ahead and r + ahead < n_ff:
+                prefetch_rows(gate[e] + (r + ahead) * rbg, rbg)
+                prefetch_rows(up[e] + (r + ahead) * rbu, rbu)
             g = dot_row(qg, gate[e] + r * rbg, n_embd, xa, sa, ya)
             u = dot_row(qu, up[e] + r * rbu, n_embd, xa, sa, ya)
             if has_bias:
@@ -301,14 +287,15 @@ def ffn_experts(gate, up, down, qg, qu, qd, rbg, rbu, rbd, n_ff, n_embd, x, w, a
     for e in range(k):
         sums32(h[e], hs[e])
     per = (n_embd + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    dec_d = not is_fused(qd)
+    dscr = np.empty((per if dec_d else 1, n_ff), np.float32)
     for t in prange(per):
-        buf = np.empty(n_ff, np.float32)
-        ya = buf.ctypes.data
+        ya = dscr.ctypes.data + np.int64(t) * np.int64(dec_d) * n_ff * 4
         for r in range(t * ROWS_PER_TASK, min(n_embd, (t + 1) * ROWS_PER_TASK)):
             acc = np.float32(0)
             for e in range(k):
-                if r + AHEAD < n_embd:
-                    prefetch_rows(down[e] + (r + AHEAD) * rbd, rbd)
+                if ahead and r + ahead < n_embd:
+                    prefetch_rows(down[e] + (r + ahead) * rbd, rbd)
                 v = dot_row(qd, down[e] + r * rbd, n_ff, h[e].ctypes.data, hs[e].ctypes.data, ya)
                 if has_bias:
                     v += bd[e, r]

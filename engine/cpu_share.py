@@ -19,7 +19,9 @@ the layer slower than the link alone. The rule here uses the measured rates and 
 nothing to a slow CPU and nearly everything away from a slow link (tests/test_cpu_share.py, the hand-made cases).
 
 `--tune cpu_share=auto|off|F` (parse_cpu_share): auto is split_layer's choice, off none, F the share F of each
-layer's unstaged misses (rounded) whatever the rates.
+layer's unstaged misses (rounded) whatever the rates. ShareRule.from_options makes the rule of a worker's options
+(engine/cuda/args.py CudaOptions: cpu_share and the measured cpu_gbps / link_gbps, which --calibrate writes:
+engine/cpu_calibrate.py); typical_split is what calibration shows for a typical layer.
 """
 from __future__ import annotations
 
@@ -132,3 +134,50 @@ def parse_cpu_share(v: str) -> float | None:
 
 
 CPU_SHARE_TUNE = (parse_cpu_share, CPU_SHARE_HELP)      # engine/cuda/args.py TUNING's entry for cpu_share
+
+
+# --- the rule the decode step asks, from CudaOptions ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShareRule:
+    """What `--tune cpu_share` and the measured rates make of a layer's misses: share None (auto) is split_layer's
+    cost model on `rates`, a number that fixed share; rates None (no measured CPU rate) leaves every miss to the
+    link, whatever the share, since the CPU's cost is unknown."""
+    share: float | None
+    rates: Rates | None
+    why: str
+
+    @classmethod
+    def from_options(cls, opts, pcie_gbps: float | None = None) -> "ShareRule":
+        """opts: engine.cuda.args.CudaOptions (cpu_share, cpu_gbps, link_gbps); pcie_gbps: the link rate measured
+        at start, used when opts.link_gbps is None."""
+        share = opts.cpu_share
+        link = opts.link_gbps if opts.link_gbps is not None else pcie_gbps
+        if share == 0.0:
+            return cls(0.0, None, "cpu_share=off")
+        if not opts.cpu_gbps:
+            return cls(0.0, None, "no CPU expert rate measured (--calibrate, or --tune cpu_gbps=): the link takes "
+                                  "every miss")
+        if share is None and not link:
+            return cls(0.0, None, "cpu_share=auto needs the link's rate (--calibrate, or --tune link_gbps=): the "
+                                  "link takes every miss")
+        rates = Rates(link if link else 1.0, opts.cpu_gbps)     # a fixed share never reads the link rate
+        said = "auto" if share is None else f"{share:g}"
+        return cls(share, rates, f"cpu_share={said}: CPU {opts.cpu_gbps:g} GB/s" +
+                   (f", link {link:g} GB/s" if link else ""))
+
+    def split(self, missing, staged, expert_bytes: float, **kw) -> LayerSplit:
+        """split_layer with this rule's share and rates (kw: gpu_us, link_busy_us, overlapped, cpu_bytes)."""
+        if self.rates is None:
+            return split_layer(missing, staged, expert_bytes, Rates(1.0, 0.0), share=0.0, **kw)
+        return split_layer(missing, staged, expert_bytes, self.rates, share=self.share, **kw)
+
+
+def typical_split(rates: Rates, expert_bytes: float, k: int, hit_rate: float) -> tuple[int, int]:
+    """(experts on the CPU, unstaged misses) split_layer chooses for a layer of k routed experts of which a share
+    hit_rate is in VRAM (no prefetch, no GPU time counted: the link alone beside the CPU): what calibration shows as
+    its chosen split."""
+    if not 0 <= hit_rate <= 1 or k < 1:
+        raise ValueError(f"a hit rate in 0..1 and k >= 1, not {hit_rate}, {k}")
+    n = max(1, int(round(k * (1 - hit_rate)))) if hit_rate < 1 else 0
+    return best_count(n, expert_bytes, rates), n

@@ -9,11 +9,10 @@ reorder. The result is the same bits whatever is inlined, cached or threaded (te
 
 vdot is the plain float32 dot; the others dot x with a block's codes without a float32 copy of the weights:
 _lut16_blocks and _nvfp4_block (4-bit codes through a 16-entry table, SSSE3 pshufb: MXFP4, NVFP4, IQ4_NL, IQ4_XS,
-Q4_0), q4k_block_dot and q6_half_dot (Q4_K's and Q6_K's integer codes, sub-block scales applied lane by lane),
-i8_dot (Q8_0), grid_rows_dot (the i-quants' 8-value grid rows with sign bits), crumbs_dot (Q2_0's 2-bit codes) and
-bits_dot (Q1_0's signs). Accumulating a whole block in one vector before its one tree is what makes them fast (Q6_K
-2.2 -> 7.5 GB/s a thread against decoding the row first); the callers (engine/cpu_expert_kernels.py) apply the
-blocks' own scales.
+Q4_0; without AVX-512, where engine/cpu_rows.py's vpermps rows cannot run), crumbs_dot (Q2_0's 2-bit codes) and
+bits_dot (Q1_0's signs). Accumulating a whole block in one vector before its one tree is what made them fast (Q6_K
+2.2 -> 7.5 GB/s a thread against decoding the row first); engine/cpu_rows.py goes further (a row's sums in vectors,
+one tree a row). The callers (engine/cpu_expert_kernels.py) apply the blocks' own scales.
 """
 from __future__ import annotations
 
@@ -275,74 +274,6 @@ def _nvfp4_block(table):
 
 
 @intrinsic
-def q4k_block_dot(typingctx, ba, xa, sa):
-    """A whole Q4_K block at ba (fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit codes)
-    dotted with 256 float32 at xa: d * sum_j scale_j * (codes_j . x_j) - dmin * sum_j min_j * xsum_j over its eight
-    32-value sub-blocks, xsum_j the 8 float32 at sa (x's sums over each 32 values). Scales unpacked in vectors, the
-    codes' products in one vector, one tree."""
-    def codegen(context, builder, sig, args):
-        v4b, v8b, v8f = _vec(I8, 4), _vec(I8, 8), _vec(F, 8)
-        v32b, v32i, v32f = _vec(I8, 32), _vec(I32, 32), _vec(F, 32)
-        i16 = ir.IntType(16)
-        d, dmin = (builder.fpext(builder.bitcast(builder.load(builder.inttoptr(builder.add(args[0], ir.Constant(
-            args[0].type, o)), i16.as_pointer()), align=1), ir.HalfType()), F) for o in (0, 2))
-        sm = _load(builder, args[0], v8b, 4)                     # bytes 4..11: scales 0..3, mins 0..3 (low 6 bits)
-        hi = _load(builder, args[0], v4b, 12)                    # bytes 12..15: the high sub-blocks' low bits
-        c63, c15, c4, c6 = (_const(I8, [v] * 4) for v in (63, 15, 4, 6))
-        s_lo, m_lo = _take(builder, sm, range(4)), _take(builder, sm, range(4, 8))
-        sc = _cat(builder, builder.and_(s_lo, c63), builder.or_(builder.and_(hi, c15),
-                                                                builder.shl(builder.lshr(s_lo, c6), c4)))
-        mn = _cat(builder, builder.and_(m_lo, c63), builder.or_(builder.lshr(hi, c4),
-                                                                builder.shl(builder.lshr(m_lo, c6), c4)))
-        scf, mnf = builder.uitofp(sc, v8f), builder.uitofp(mn, v8f)
-        acc = None
-        for j in range(4):
-            q = builder.zext(_load(builder, args[0], v32b, 16 + 32 * j), v32i)
-            for part, codes in enumerate((builder.and_(q, _const(I32, [15] * 32)),
-                                          builder.lshr(q, _const(I32, [4] * 32)))):
-                x = _load(builder, args[1], v32f, 256 * j + 128 * part)
-                scale = builder.shuffle_vector(scf, ir.Constant(v8f, ir.Undefined), _const(I32, [2 * j + part] * 32))
-                p = builder.fmul(builder.fmul(builder.sitofp(codes, v32f), x), scale)
-                acc = p if acc is None else builder.fadd(acc, p)
-        ts = _tree_sum(builder, acc)
-        tm = _tree_sum(builder, builder.fmul(mnf, _load(builder, args[2], v8f)))
-        return builder.fsub(builder.fmul(d, ts), builder.fmul(dmin, tm))
-    return types.float32(ba, xa, sa), codegen
-
-
-@intrinsic
-def q6_half_dot(typingctx, qla, qha, xa, s0, s1, s2, s3, s4, s5, s6, s7):
-    """One 128-value half of a Q6_K block: its 64 bytes of low nibbles at qla and 32 bytes of high pairs at qha,
-    dotted with 128 float32 at xa, the codes minus 32, each 16 values scaled by s0..s7 in order."""
-    def codegen(context, builder, sig, args):
-        v32b, v32f = _vec(I8, 32), _vec(F, 32)
-        ql0, ql1 = _load(builder, args[0], v32b), _load(builder, args[0], v32b, 32)
-        qh = _load(builder, args[1], v32b)
-        c15, c3, c32 = _const(I8, [15] * 32), _const(I8, [3] * 32), _const(I8, [32] * 32)
-        lows = (builder.and_(ql0, c15), builder.and_(ql1, c15), builder.lshr(ql0, _const(I8, [4] * 32)),
-                builder.lshr(ql1, _const(I8, [4] * 32)))
-        acc = None
-        for s, low in enumerate(lows):      # values 32 s .. 32 s + 31: low nibbles, qh pair s
-            high = builder.shl(builder.and_(builder.lshr(qh, _const(I8, [2 * s] * 32)), c3), _const(I8, [4] * 32))
-            q = builder.sitofp(builder.sub(builder.or_(low, high), c32), v32f)
-            sv = _cat(builder, _splat(builder, args[3 + 2 * s], 16), _splat(builder, args[4 + 2 * s], 16))
-            p = builder.fmul(builder.fmul(q, _load(builder, args[2], v32f, 128 * s)), sv)
-            acc = p if acc is None else builder.fadd(acc, p)
-        return _tree_sum(builder, acc)
-    return types.float32(qla, qha, xa, *(types.float32,) * 8), codegen
-
-
-@intrinsic
-def i8_dot(typingctx, qa, xa):
-    """32 int8 at qa dotted with 32 float32 at xa (a Q8_0 block's codes)."""
-    def codegen(context, builder, sig, args):
-        v32f = _vec(F, 32)
-        q = builder.sitofp(_load(builder, args[0], _vec(I8, 32)), v32f)
-        return _tree_sum(builder, builder.fmul(q, _load(builder, args[1], v32f)))
-    return types.float32(qa, xa), codegen
-
-
-@intrinsic
 def crumbs_dot(typingctx, qa, xa):
     """16 bytes of 2-bit codes at qa (value 4i + k: bits 2k of byte i), each minus 1, dotted with 64 float32 at xa
     (a Q2_0 block)."""
@@ -370,21 +301,3 @@ def bits_dot(typingctx, qa, xa):
         x = builder.bitcast(_load(builder, args[1], v128f), v128i)
         return _tree_sum(builder, builder.bitcast(builder.xor(x, sign), v128f))
     return types.float32(qa, xa), codegen
-
-
-@intrinsic
-def grid_rows_dot(typingctx, g0, g1, s0, s1, xa):
-    """Two 8-float grid rows at addresses g0, g1, each value negated where its bit of the sign byte (s0, s1) is set,
-    dotted with the 16 float32 at xa (IQ2_XXS / IQ2_XS / IQ2_S: one vector load a row, not eight table reads)."""
-    def codegen(context, builder, sig, args):
-        v8i, v8f = _vec(I32, 8), _vec(F, 8)
-        parts = []
-        for r, (g, sg) in enumerate(((args[0], args[2]), (args[1], args[3]))):
-            row = builder.bitcast(_load(builder, g, v8f), v8i)
-            sv = _splat(builder, _as_i32(builder, sg, sig.args[2 + r]), 8)
-            bit = builder.shl(builder.and_(builder.lshr(sv, _const(I32, range(8))), _const(I32, [1] * 8)),
-                              _const(I32, [31] * 8))
-            parts.append(builder.bitcast(builder.xor(row, bit), v8f))
-        both = _cat(builder, parts[0], parts[1])
-        return _tree_sum(builder, builder.fmul(both, _load(builder, args[4], _vec(F, 16))))
-    return types.float32(g0, g1, s0, s1, xa), codegen

@@ -64,10 +64,14 @@ def parse(stdout: str) -> dict:
 
 
 def chosen_args(result: dict) -> list[str]:
-    """The worker flags the calibration chose (`arg.*` keys), in the order they came."""
+    """The worker flags the calibration chose (`arg.*` keys), in the order they came; `arg.tune.KEY=V` is one
+    `--tune KEY=V` (several of them can stand beside `arg.tune`)."""
     args: list[str] = []
     for key, val in result.items():
         if not key.startswith("arg."):
+            continue
+        if key.startswith("arg.tune."):
+            args += ["--tune", f"{key[9:]}={val}"]
             continue
         flag = "--" + key[4:]
         if val is True or (isinstance(val, str) and val.lower() == "true"):

@@ -615,6 +615,10 @@ def step_calibrate(ui: UI, a, p: Paths, name: str, model_path: Path, c: cfgmod.C
               + (f", {result['chat_hit_pct']}% of expert reads from VRAM" if "chat_hit_pct" in result else ""))
     if profile.is_file():
         ui.ok(f"learned expert profile saved to {profile.name}: the service's first start fills VRAM from it")
+    if "cpu_gbps" in result:
+        ui.ok(f"CPU experts {result['cpu_gbps']} GB/s on {result.get('cpu_threads')} threads beside PCIe "
+              f"{result['pcie_gbps']} GB/s: a typical layer's misses split {result.get('cpu_share_typical')} to the "
+              f"CPU")
     if "why" in result:
         ui.ok(f"chose: {result['why']}")
     if c.calibrated_args:

@@ -24,3 +24,19 @@ def test_types_and_bad_arguments(capsys):
                       (["--pool-gib", "0.000001"], "holds")):
         with pytest.raises(SystemExit, match=msg):
             cpu_experts.main(argv)
+
+
+def test_prefetch_distances(capsys):
+    assert cpu_experts.main(["--preset", "tiny", "--pool-gib", "0.02", "--reps", "1", "--threads", "1",
+                             "--ahead", "0,8"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 1 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["0", "8"]
+    for bad in ("x", "-1"):
+        with pytest.raises(SystemExit, match="--ahead"):
+            cpu_experts.main(["--preset", "tiny", "--ahead", bad])
+
+
+def test_row_dots(capsys):
+    assert cpu_experts.main(["--row-dots", "q4_k,mxfp4"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| Q4_K") or ln.startswith("| MXFP4")]
+    assert len(rows) == 2 and all(float(r.split("|")[3]) > 0 for r in rows)

@@ -282,6 +282,19 @@ def test_bits_do_not_depend_on_the_thread_count():
     assert all(np.array_equal(outs[0], o) for o in outs)
 
 
+@needs_numba
+def test_the_prefetch_distance_does_not_change_the_bits():
+    rng = np.random.default_rng(9)
+    table, _ = blob_table((12, 12, 14), 256, 512, 6, rng)
+    x = rng.standard_normal(512).astype(np.float32)
+    w = rng.uniform(0.1, 0.6, 4).astype(np.float32)
+    outs = []
+    for ahead in (None, 0, 1, 8):
+        out = np.full(512, np.nan, np.float32)
+        outs.append(ce.experts_ffn(table, 0, [5, 0, 3, 1], w, x, out, "numba", ahead))
+    assert all(np.array_equal(outs[0], o) for o in outs)
+
+
 _FRESH = """
 import numpy as np, sys
 sys.path.insert(0, {root!r})

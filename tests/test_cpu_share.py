@@ -107,3 +107,59 @@ def test_the_tune_entry_fits_the_cuda_args_table():
     parse, help_text = cs.CPU_SHARE_TUNE
     assert parse is cs.parse_cpu_share and help_text.startswith("auto|off|F")
     assert all(len(entry) == 2 and callable(entry[0]) for entry in args.TUNING.values())
+
+
+# --- the rule from the worker's options (--tune cpu_share / cpu_gbps / link_gbps) --------------------------------
+
+def _opts(*tune):
+    from engine.cuda.args import CudaOptions, add_cuda_args
+    p = argparse.ArgumentParser()
+    add_cuda_args(p)
+    return CudaOptions.from_args(p.parse_args([a for t in tune for a in ("--tune", t)]))
+
+
+def test_tune_keys_reach_the_options():
+    o = _opts("cpu_share=0.25", "cpu_gbps=25.5", "link_gbps=49", "cpu_threads=15")
+    assert (o.cpu_share, o.cpu_gbps, o.link_gbps, o.cpu_threads) == (0.25, 25.5, 49.0, 15)
+    d = _opts()
+    assert (d.cpu_share, d.cpu_gbps, d.link_gbps, d.cpu_threads) == (None, None, None, None)
+    assert _opts("cpu_share=off").cpu_share == 0.0 and _opts("cpu_share=auto").cpu_share is None
+
+
+@pytest.mark.parametrize("tune,msg", [("cpu_share=2", "cpu_share takes auto, off or a share"),
+                                      ("cpu_gbps=0", "a rate in GB/s"), ("link_gbps=fast", "a rate in GB/s"),
+                                      ("cpu_threads=0", ">= 1")])
+def test_bad_tune_values_say_what_is_wrong(tune, msg, capsys):
+    with pytest.raises(SystemExit):
+        _opts(tune)
+    assert msg in capsys.readouterr().err
+
+
+def test_the_rule_from_options():
+    # auto with both rates: split_layer's choice (test_comparable_rates_share's case: 3 of 8 to a 40 GB/s CPU)
+    r = cs.ShareRule.from_options(_opts("cpu_gbps=40"), pcie_gbps=50)
+    assert r.share is None and r.rates == cs.Rates(50, 40)
+    assert r.split(range(8), (), QWEN).cpu == (5, 6, 7)
+    # link_gbps wins over the start's own measurement
+    assert cs.ShareRule.from_options(_opts("cpu_gbps=40", "link_gbps=2"), pcie_gbps=50).rates.link_gbps == 2
+    # a fixed share takes its rounded part whatever the rates; the staged ones never move
+    sp = cs.ShareRule.from_options(_opts("cpu_share=0.5", "cpu_gbps=1"), pcie_gbps=50).split(range(6), (0, 1), QWEN)
+    assert sp.cpu == (4, 5) and sp.link == (2, 3)
+    # off, or no measured CPU rate, or auto without a link rate: the link takes everything
+    for o, pcie, why in ((_opts("cpu_share=off", "cpu_gbps=40"), 50, "off"), (_opts(), 50, "no CPU expert rate"),
+                         (_opts("cpu_share=0.5"), 50, "no CPU expert rate"), (_opts("cpu_gbps=40"), None, "link")):
+        r = cs.ShareRule.from_options(o, pcie_gbps=pcie)
+        assert why in r.why
+        sp = r.split(range(8), (), QWEN)
+        assert sp.cpu == () and len(sp.link) == 8
+
+
+def test_typical_split():
+    # a 40 GB/s CPU beside a 50 GB/s link, 8 routed, none in VRAM: test_comparable_rates_share's 3 of 8
+    assert cs.typical_split(cs.Rates(50, 40), QWEN, 8, 0.0) == (3, 8)
+    # 80% in VRAM: 2 misses, one each way: max(53.1, 30 + 66.4) = 96.4 us against 106.2 over the link alone
+    assert cs.typical_split(cs.Rates(50, 40), QWEN, 8, 0.8) == (1, 2)
+    assert cs.typical_split(cs.Rates(50, 1), QWEN, 8, 0.8) == (0, 2)
+    assert cs.typical_split(cs.Rates(50, 40), QWEN, 8, 1.0) == (0, 0)
+    with pytest.raises(ValueError, match="hit rate"):
+        cs.typical_split(cs.Rates(50, 40), QWEN, 8, 1.5)

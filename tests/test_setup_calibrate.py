@@ -85,3 +85,9 @@ def test_prefetch_choice_keeps_the_default_unless_the_other_is_clearly_faster():
     assert cal.prefetch_matters({"prefetch": "on", "expert_slots": 10, "experts_total": 32})
     assert not cal.prefetch_matters({"prefetch": "off", "expert_slots": 32, "experts_total": 32})
     assert not cal.prefetch_matters({"expert_slots": 10, "experts_total": 32})     # a worker that does not say
+
+
+def test_tune_keys_become_one_tune_flag_each():
+    r = cal.parse("CALIBRATE pcie_gbps=50 vram_free_mib=2 decode_tok_s=3 prompt_tok_s=4 arg.tune=prefetch=off "
+                  "arg.tune.cpu_share=auto arg.tune.cpu_gbps=25.5\n")
+    assert cal.chosen_args(r) == ["--tune", "prefetch=off", "--tune", "cpu_share=auto", "--tune", "cpu_gbps=25.5"]

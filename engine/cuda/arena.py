@@ -125,6 +125,12 @@ class ExpertArena:
                         progress(done[0], total, now - t0)
         self.fill_seconds = time.perf_counter() - t0
 
+    @property
+    def host_ptr(self) -> np.ndarray:
+        """Each expert's blob's host address (layer * n_expert + e; 0: not pinned here), for the CPU experts
+        (engine/cpu_calibrate.py)."""
+        return self._host_ptr
+
     def close(self):
         self.views.clear()
         for hp in self.chunks:

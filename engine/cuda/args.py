@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from engine.cpu_share import CPU_SHARE_TUNE
+
 
 @dataclass
 class CudaOptions:
@@ -37,6 +39,13 @@ class CudaOptions:
     ring: int | None = None                 # the prompt pass's own ring slots (None: borrow expert-cache slots)
     stream_min: int = 1024                  # chunks of at least this many tokens stream experts through the ring
     pipeline: bool = True                   # launch the next decode step before reading this one's pick
+    # the CPU's share of a decode layer's VRAM misses (engine/cpu_share.py ShareRule): None = auto (the cost model,
+    # from the two rates below; without a measured CPU rate, none), 0 = off, else that share; the rates are what
+    # --calibrate measured (setup writes them into the config's args)
+    cpu_share: float | None = None
+    cpu_gbps: float | None = None           # CPU experts' GB/s of expert bytes at cpu_threads
+    link_gbps: float | None = None          # the host-to-device link's GB/s (None: the start's own pcie_gbps)
+    cpu_threads: int | None = None          # CPU expert threads (None: every core but the decode loop's)
     # --- tests only ---------------------------------------------------------------------------------------------
     staging_slots: int | None = None        # memory modes: staging LRU slots (None: sized from the model)
 
@@ -86,6 +95,16 @@ def _chunk(v: str) -> int | None:
     if n < 1:
         raise argparse.ArgumentTypeError(f"--prefill-chunk takes a number of tokens (>= 1) or auto, got {v!r}")
     return n
+
+
+def _rate(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        x = -1.0
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a rate in GB/s (> 0), got {v!r}")
+    return x
 
 
 def _gib(v: str) -> float:
@@ -144,6 +163,10 @@ TUNING = {
     "pipeline": (_switch, "on|off: decode launches the next step, fed on the GPU by this step's pick, before the "
                           "host reads and prints the pick; not with a grammar, logprobs, drafts or the memory modes, "
                           "nor at a request's last token (default on)"),
+    "cpu_share": CPU_SHARE_TUNE,
+    "cpu_gbps": (_rate, "GB/s: the CPU experts' measured rate (--calibrate's cpu_gbps), cpu_share=auto's input"),
+    "link_gbps": (_rate, "GB/s: the link's measured rate for cpu_share=auto (default: the start's own pcie_gbps)"),
+    "cpu_threads": (_at_least(1), "N: threads computing CPU experts (default: every core but one)"),
 }
 
 
