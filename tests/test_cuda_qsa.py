@@ -181,7 +181,7 @@ def test_decode_at_128k():
     """The published shape at a 131,072-cell cache, context 131,000: 32,750 blocks for the radix select, the
     attention still over 2,048 + tail cells."""
     rng = np.random.default_rng()
-    p = 131_000 + 1          # (p + 1) % 4 = 3: a tail of 2 cells
+    p = 131_000 + 1          # (p + 1) % 4 = 2: the tail is cells 131,000 and 131,001
     lay = Layer("published", 131_072, p, rng)
     out, want, sc = decode_case(lay, p, rng)
     assert int(sc.n_units.get()[0]) == SHAPES["published"].budget_blocks + 1
