@@ -260,7 +260,8 @@ def test_select_ties_exactly(name, n_b_over):
     Bb = s.budget_blocks
     n_b = Bb + n_b_over
     T = 6
-    pos = np.array([max(0, (n_b + dt) * s.r - 1 + off) for dt, off in ((0, 0), (0, 1), (0, 3), (1, 2), (-1, 2), (0, 2))])
+    offsets = ((0, 0), (0, 1), (0, 3), (1, 2), (-1, 2), (0, 2))         # (blocks, cells) around n_b complete blocks
+    pos = np.array([max(0, (n_b + dt) * s.r - 1 + off) for dt, off in offsets])
     nmax = int((pos.max() + 1) // s.r) + 1
     vals = rng.choice(np.array([0.0, -0.0, 0.5, 1.0, 1.5, 2.0], np.float32), size=(T, nmax))
     vals[:, ::7] = rng.standard_normal((T, len(range(0, nmax, 7)))).astype(np.float32) ** 2

@@ -222,7 +222,8 @@ class HcKernels:
 
     def mix_rows(self, s, u, y, T: int | None = None, inj=None, iota=None) -> None:
         """Rows 0..T-1: y (T, >= N) = (1/H) sum_c sigmoid(s_c) u_c from s (T, >= D) (the W_up GEMM) and u (T, D); with
-        inj (T, >= H) (the W_inj GEMM, e.g. a column view of the down GEMM's output), iota (T, H) = 2 sigmoid(inj / H)."""
+        inj (T, >= H) (the W_inj GEMM, e.g. a column view of the down GEMM's output), iota (T, H) = 2 sigmoid(inj /
+        H)."""
         from engine.cuda.launch import I32, I64, ptr
         sh = self.shape
         T = _rows_of(s) if T is None else T

@@ -165,7 +165,8 @@ class QsaNorms:
 
 @dataclass
 class QsaCache:
-    """One QSA layer's cache (module docstring)."""
+    """One QSA layer's cache (module docstring). Each of kc, vc, kraw, kbar is a CuPy array or a device address (an
+    int: e.g. kv.py KVCache.layer(li)'s K and V of a layer whose max_ctx is kv.rows[li])."""
     max_ctx: int
     kc: object
     vc: object
@@ -181,7 +182,8 @@ class QsaCache:
                    cp.zeros((max_ctx, s.idx_dim), cp.float32), cp.zeros((s.n_blocks(max_ctx), s.idx_dim), cp.float32))
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.kc, self.vc, self.kraw, self.kbar))
+        """The arrays' bytes (addresses count nothing)."""
+        return sum(getattr(a, "nbytes", 0) for a in (self.kc, self.vc, self.kraw, self.kbar))
 
 
 @dataclass
@@ -209,6 +211,12 @@ class QsaPromptScratch:
     scores: object
     units: object
     n_units: object
+
+
+def _addr(a):
+    """A kernel's pointer argument for a CuPy array or a device address."""
+    from engine.cuda.launch import U64, ptr
+    return U64(a) if isinstance(a, (int, np.integer)) else ptr(a)
 
 
 def _ld(a, width: int, name: str, dtype="float32") -> int:
@@ -250,7 +258,8 @@ class QsaKernels:
         s = self.shape
         n_split, ups = decode_splits(s, units_per_split)
         return QsaDecodeScratch(n_split, ups, cp.zeros((s.n_head, s.head_dim), cp.float32),
-                                cp.zeros((s.idx_heads, s.idx_dim), cp.float32), cp.zeros(s.n_blocks(max_ctx), cp.float32),
+                                cp.zeros((s.idx_heads, s.idx_dim), cp.float32),
+                                cp.zeros(s.n_blocks(max_ctx), cp.float32),
                                 cp.zeros(s.max_units, cp.int32), cp.zeros(1, cp.int32),
                                 cp.zeros((n_split, s.n_head, s.head_dim + 2), cp.float32) if n_split > 1 else None)
 
@@ -290,8 +299,8 @@ class QsaKernels:
                            (ptr(q), I64(lds[0]), I32(q_hs), ptr(k), I64(lds[1]), ptr(v), I64(lds[2]), ptr(qi),
                             I64(lds[3]), ptr(ki), I64(lds[4]), ptr(norms.q_norm), ptr(norms.k_norm),
                             ptr(norms.iq_norm), ptr(norms.ik_norm), ptr(rope), I32(s.n_rot), F32(s.eps), ptr(state),
-                            I32(pos0), ptr(q_out), ptr(qi_out), ptr(cache.kc), ptr(cache.vc), I32(cache.max_ctx),
-                            ptr(cache.kraw), ptr(cache.kbar), I32(s.n_head), I32(s.n_head_kv), I32(s.idx_heads),
+                            I32(pos0), ptr(q_out), ptr(qi_out), _addr(cache.kc), _addr(cache.vc), I32(cache.max_ctx),
+                            _addr(cache.kraw), _addr(cache.kbar), I32(s.n_head), I32(s.n_head_kv), I32(s.idx_heads),
                             I32(s.idx_dim), I32(s.r), I32(1 if pool else 0)))
 
     def pool(self, cache: QsaCache, norms: QsaNorms, rope, b0: int, nb: int) -> None:
@@ -303,7 +312,7 @@ class QsaKernels:
         if (b0 + nb) * s.r > cache.max_ctx:
             raise ValueError(f"blocks {b0}..{b0 + nb - 1} past the cache's {cache.max_ctx} cells")
         self.f["qsa_pool"]((nb,), (PREP_THREADS,),
-                           (ptr(cache.kraw), ptr(cache.kbar), ptr(norms.ik_norm), ptr(rope), I32(s.n_rot),
+                           (_addr(cache.kraw), _addr(cache.kbar), ptr(norms.ik_norm), ptr(rope), I32(s.n_rot),
                             F32(s.eps), I32(b0), I32(s.idx_dim), I32(s.r)))
 
     def scores_decode(self, qi_out, cache: QsaCache, scores, state, pos0: int = 0) -> None:
@@ -313,7 +322,7 @@ class QsaKernels:
         if scores.size < s.n_blocks(cache.max_ctx):
             raise ValueError(f"scores holds {scores.size} blocks, the cache {s.n_blocks(cache.max_ctx)}")
         self.f["qsa_scores_dec"]((2 * self.n_sm,), (32 * WARPS,),
-                                 (ptr(qi_out), ptr(cache.kbar), ptr(scores), ptr(state), I32(pos0),
+                                 (ptr(qi_out), _addr(cache.kbar), ptr(scores), ptr(state), I32(pos0),
                                   I32(s.idx_heads), I32(s.idx_dim), I32(s.r), I32(s.budget_blocks)))
 
     def scores_rows(self, qi_out, t0: int, Tq: int, cache: QsaCache, scores, pos0: int) -> None:
@@ -325,7 +334,7 @@ class QsaKernels:
         if nb_max > scores.shape[-1] or Tq > _rows(scores):
             raise ValueError(f"scores ({scores.shape}) too small for {Tq} queries of {nb_max} blocks")
         self.f["qsa_scores_rows"](((nb_max + TILE_B - 1) // TILE_B, (Tq + TILE_Q - 1) // TILE_Q), (256,),
-                                  (ptr(qi_out), I32(t0), I32(Tq), ptr(cache.kbar), ptr(scores), I64(ld), I32(pos0),
+                                  (ptr(qi_out), I32(t0), I32(Tq), _addr(cache.kbar), ptr(scores), I64(ld), I32(pos0),
                                    I32(s.idx_heads), I32(s.idx_dim), I32(s.r), I32(s.budget_blocks)))
 
     def select(self, scores, t0: int, Tq: int, units, n_units, state=None, pos0: int = 0) -> None:
@@ -357,7 +366,7 @@ class QsaKernels:
         ld_out = _ld(out, s.n_head * s.head_dim, "out") if part is None else 0
         ld_g, gate_hs = self._gate(gate, gate_hs)
         self.f["qsa_attn"]((n_split, s.n_head_kv, T), (32 * WARPS,),
-                           (ptr(q_out), ptr(cache.kc), ptr(cache.vc), I32(cache.max_ctx), ptr(units), I32(ld_u),
+                           (ptr(q_out), _addr(cache.kc), _addr(cache.vc), I32(cache.max_ctx), ptr(units), I32(ld_u),
                             ptr(n_units), ptr(state), I32(pos0), I32(s.r), I32(ups), ptr(gate), I64(ld_g),
                             I32(gate_hs), ptr(out if part is None else None), I64(ld_out), ptr(part),
                             I32(s.n_head_kv), F32(s.scale)))
