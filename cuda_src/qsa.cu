@@ -278,10 +278,10 @@ __device__ __forceinline__ int qsa_scan(int v, int* wsum, int& total) {
 //   dense (n_b <= nb_budget): 0, 1, .., ceil((p+1)/r) - 1 (the last one partial when (p+1) % r)
 //   sparse: the nb_budget blocks of the highest scores in increasing block order (ties to the lower block), then
 //           the tail block n_b when (p+1) % r (its cells r n_b .. p)
-// ld_u >= nb_budget + 1.
+// ld_u >= nb_budget + 1. Dynamic shared memory: 4 smem_keys bytes (0: none).
 extern "C" __global__ void __launch_bounds__(QSA_SEL_THREADS)
 qsa_select(const float* __restrict__ scores, long long ld_s, int t0, const int* __restrict__ state, int pos0, int r,
-           int nb_budget, int* __restrict__ units, int ld_u, int* __restrict__ n_units) {
+           int nb_budget, int* __restrict__ units, int ld_u, int* __restrict__ n_units, int smem_keys) {
     __shared__ int hist[256];
     __shared__ int wsum[32];
     __shared__ unsigned int s_prefix;
@@ -295,6 +295,10 @@ qsa_select(const float* __restrict__ scores, long long ld_s, int t0, const int* 
         if (threadIdx.x == 0) n_units[t] = n;
         return;
     }
+    // The row's keys are read 5 times (4 radix passes, then the ordered pass): from dynamic shared memory when the
+    // launch gave room for n_b of them (copied in the first pass), else from global memory (L2) each time.
+    unsigned int* keys_sm = reinterpret_cast<unsigned int*>(strata_smem4);
+    const bool in_sm = n_b <= smem_keys;          // block-uniform
     const float* s = scores + (long long)blockIdx.x * ld_s;
     // radix select, 8 bits a pass from the top: the nb_budget-th largest key, and how many of its equals to take
     unsigned int prefix = 0u, mask = 0u;
@@ -303,7 +307,13 @@ qsa_select(const float* __restrict__ scores, long long ld_s, int t0, const int* 
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
         for (int b = threadIdx.x; b < n_b; b += blockDim.x) {
-            const unsigned int key = qsa_key(s[b]);
+            unsigned int key;
+            if (in_sm && shift < 24) {
+                key = keys_sm[b];
+            } else {
+                key = qsa_key(s[b]);
+                if (in_sm) keys_sm[b] = key;          // each thread re-reads only its own entries
+            }
             if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
         }
         __syncthreads();
@@ -324,7 +334,7 @@ qsa_select(const float* __restrict__ scores, long long ld_s, int t0, const int* 
     int taken = 0, eq_seen = 0;
     for (int base = 0; base < n_b; base += blockDim.x) {
         const int b = base + threadIdx.x;
-        const unsigned int key = b < n_b ? qsa_key(s[b]) : 0u;
+        const unsigned int key = b < n_b ? (in_sm ? keys_sm[b] : qsa_key(s[b])) : 0u;
         const int eq = b < n_b && key == prefix, gt = b < n_b && key > prefix;
         int eq_total, take_total;
         const int eq_rank = qsa_scan(eq, wsum, eq_total) - eq;            // equals before this one in this pass

@@ -49,6 +49,7 @@ MAX_IDX_DIM, MAX_IDX_HEADS = 256, 8           # qsa.cu QSA_MAXDI, QSA_MAXHI
 PREP_THREADS = 256                             # QSA_PREP_THREADS: max(head_dim, QSA_MAXDI) for every build
 WARPS = 8                                     # QSA_WARPS
 SEL_THREADS = 1024                            # QSA_SEL_THREADS
+SEL_SMEM_KEYS = 56 * 1024                     # qsa_select's keys in shared memory (224 KiB of the 227 an SM lends)
 TILE_B, TILE_Q = 64, 16                       # QSA_TB, QSA_TQ
 UNITS_PER_SPLIT = 16                          # decode: 64 keys a split at r = 4 (33 splits at the published budget)
 
@@ -247,6 +248,9 @@ class QsaKernels:
         self.shape = shape
         mod = kernels.load("qsa", {"QSA_HD": shape.head_dim, "QSA_G": shape.group})
         self.f = {n: mod.get_function(n) for n in self.NAMES}
+        # qsa_select keeps a row's keys in shared memory (up to SEL_SMEM_KEYS: 224K cells at r = 4); set before any
+        # capture
+        self.f["qsa_select"].max_dynamic_shared_size_bytes = 4 * SEL_SMEM_KEYS
         self.n_sm = n_sm or cp.cuda.Device().attributes["MultiProcessorCount"]
 
     # --- buffers ---
@@ -345,9 +349,11 @@ class QsaKernels:
         ld_u = _ld(units, s.max_units, "units", "int32")
         if _rows(units) < t0 + Tq or n_units.size < t0 + Tq:
             raise ValueError(f"units / n_units too small for queries up to {t0 + Tq}")
+        keys = min(scores.shape[-1], SEL_SMEM_KEYS)
         self.f["qsa_select"]((Tq,), (SEL_THREADS,),
                              (ptr(scores), I64(ld_s), I32(t0), ptr(state), I32(pos0), I32(s.r), I32(s.budget_blocks),
-                              ptr(units), I32(ld_u), ptr(n_units)))
+                              ptr(units), I32(ld_u), ptr(n_units), I32(keys)),
+                             shared_mem=4 * keys)
 
     def attend(self, T: int, q_out, cache: QsaCache, units, n_units, out, state=None, pos0: int = 0, gate=None,
                gate_hs: int | None = None, part=None, n_split: int = 1, ups: int | None = None) -> None:
