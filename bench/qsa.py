@@ -72,10 +72,11 @@ def main(argv=None):
     stream = cp.cuda.Stream(non_blocking=True)
     print(f"QSA decode, one layer ({sc.n_split} splits of {sc.ups} units), graph of 10 steps replayed:")
     print(f"{'context':>8} {'block us':>9} {'prep':>7} {'scores':>7} {'select':>7} {'attn':>7} {'combine':>8}")
+    cp.cuda.Device().synchronize()          # the fills ran on the legacy stream, which `stream` does not wait on
     for p in contexts:
-        state[1] = p
         args = (state, q, kk, v, qi, ki, norms, rope, cache, sc, out)
         with stream:
+            state[1] = p
             k.decode(*args, gate=q[s.head_dim:])
             stream.begin_capture()
             for _ in range(10):

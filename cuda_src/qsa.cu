@@ -144,7 +144,7 @@ qsa_prep(const float* __restrict__ q, long long ld_q, int q_hs, const float* __r
     }
 }
 
-// Prompt: grid nb, block di rounded up to 32 (<= QSA_PREP_THREADS). Pools blocks b0 .. b0 + nb - 1 from kraw.
+// Prompt: grid nb, block QSA_PREP_THREADS (>= di). Pools blocks b0 .. b0 + nb - 1 from kraw.
 extern "C" __global__ void __launch_bounds__(QSA_PREP_THREADS)
 qsa_pool(const float* __restrict__ kraw, float* __restrict__ kbar, const float* __restrict__ ik_norm,
          const float2* __restrict__ rope, int n_rot, float eps, int b0, int di, int r) {
