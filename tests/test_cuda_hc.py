@@ -209,3 +209,37 @@ def test_read_prompt(p, T):
     Yh = nan(T, N)                                  # the head: no inject
     k.mix_rows(S, U, Yh)
     close(Yh, want_y, "the head's y")
+
+
+def test_read_decode_replays_in_a_captured_graph():
+    """The decode read (write fused in) captured once and replayed equals the eager launches, bitwise, step after
+    step, with the residual carried in place."""
+    N, H, R, _ = SHAPES[2]
+    sh = HcShape(N, H, R, EPS)
+    rng = np.random.default_rng()
+    mv, k = launcher(), kern(sh)
+    down, _ = matrix("Q8_0", R, sh.D, rng, 1.0 / np.sqrt(sh.D))
+    inj, _ = matrix("Q8_0", H, sh.D, rng, 1.0 / np.sqrt(sh.D))
+    up, _ = matrix("Q8_0", sh.D, R, rng, 2.0 / np.sqrt(R))
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with stream:
+        w = HcWeights(cp.asarray(1.0 + 0.2 * rng.standard_normal(sh.D), cp.float32), down, up, inj)
+        x1 = cp.asarray(rng.standard_normal(sh.D), cp.float32)
+        x2 = x1.copy()
+        o = cp.zeros(N, cp.float32)
+        ip1, ip2 = cp.ones(H, cp.float32), cp.ones(H, cp.float32)
+        y1, y2, i1, i2 = nan(N), nan(N), nan(H), nan(H)
+        s1, s2 = k.scratch(), k.scratch()
+        stream.begin_capture()
+        k.read_decode(mv, x2, w, s2, y2, i2, o=o, iota_prev=ip2)
+        graph = stream.end_capture()
+        for step in range(4):
+            o[...] = cp.asarray(rng.standard_normal(N), cp.float32)
+            k.read_decode(mv, x1, w, s1, y1, i1, o=o, iota_prev=ip1)
+            graph.launch()
+            stream.synchronize()
+            assert bool(cp.isfinite(y1).all())
+            assert bool((y1 == y2).all() and (i1 == i2).all() and (x1 == x2).all()), f"step {step}"
+            ip1[...] = i1
+            ip2[...] = i2

@@ -280,3 +280,41 @@ def test_select_ties_exactly(name, n_b_over):
     u1, n1 = cp.full(s.max_units, -7, cp.int32), cp.full(1, -7, cp.int32)
     k.select(scores[2], 0, 1, u1, n1, state=st)
     np.testing.assert_array_equal(u1[:int(n1.get()[0])].get(), want[2])
+
+
+@pytest.mark.parametrize("name", ["tiny-preset", "published"])
+def test_decode_replays_in_a_captured_graph(name):
+    """The decode block captured once in a CUDA graph (the position only in state[1], the projections in fixed
+    buffers) and replayed step after step across the budget equals the eager launches on a copy of the cache,
+    bitwise, and the eager ones the reference (test_decode_steps_chain)."""
+    from engine.cuda.qsa import QsaCache
+    s = SHAPES[name]
+    rng = np.random.default_rng()
+    p0 = s.budget - 3
+    lay = Layer(name, p0 + 16, p0, rng)
+    k, c1 = lay.k, lay.cache
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with stream:
+        c2 = QsaCache(lay.max_ctx, c1.kc.copy(), c1.vc.copy(), c1.kraw.copy(), c1.kbar.copy())
+        sc1, sc2 = k.decode_scratch(lay.max_ctx), k.decode_scratch(lay.max_ctx)
+        _, dev = lay.inputs(1, rng)
+        fixed = [a[0].copy() for a in dev]                 # the graph's input buffers
+        out1 = cp.full(s.n_head * s.head_dim, cp.nan, cp.float32)
+        out2 = cp.full(s.n_head * s.head_dim, cp.nan, cp.float32)
+        state = cp.zeros(8, cp.int32)
+        stream.begin_capture()
+        k.decode(state, *fixed, lay.norms, lay.rope, c2, sc2, out2, gate=fixed[0][s.head_dim:])
+        graph = stream.end_capture()
+        for p in range(p0, p0 + 9):
+            _, dev = lay.inputs(1, rng)
+            for f, a in zip(fixed, dev):
+                f[...] = a[0]
+            state[1] = p
+            k.decode(state, *fixed, lay.norms, lay.rope, c1, sc1, out1, gate=fixed[0][s.head_dim:])
+            graph.launch()
+            stream.synchronize()
+            assert bool(cp.isfinite(out1).all()), f"p={p}"
+            assert bool((out1 == out2).all()), f"p={p}: the graph's output differs from the eager launches'"
+    for a, b in ((c1.kc, c2.kc), (c1.vc, c2.vc), (c1.kbar, c2.kbar)):
+        assert bool(cp.array_equal(a, b, equal_nan=True))
