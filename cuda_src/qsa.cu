@@ -46,6 +46,7 @@
 #define QSA_SEL_THREADS 1024        // qsa_select
 #define QSA_TB 64                   // qsa_scores_rows: blocks (of cells) a tile
 #define QSA_TQ 16                   // qsa_scores_rows: queries a tile
+#define QSA_SC_U 4                  // qsa_scores_dec: pooled keys a warp loads at once
 #define QSA_PREP_THREADS (QSA_HD > QSA_MAXDI ? QSA_HD : QSA_MAXDI)
 
 __device__ __forceinline__ float qsa_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
@@ -168,23 +169,33 @@ qsa_scores_dec(const float* __restrict__ qi, const float* __restrict__ kbar, flo
     if (n_b <= nb_budget) return;                 // dense: every block is attended
     for (int i = threadIdx.x; i < Hi * di; i += blockDim.x) qs[i] = qi[i];
     __syncthreads();
-    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5, stride = gridDim.x * nw;
     const float sq = sqrtf((float)di);
-    for (int b = blockIdx.x * nw + (threadIdx.x >> 5); b < n_b; b += gridDim.x * nw) {
-        float kv[E];
+    // QSA_SC_U pooled keys a warp and round, all their loads issued before the arithmetic (one memory latency a
+    // round instead of one a key: at 128K a warp takes ~16 keys)
+    for (int b0 = blockIdx.x * nw + (threadIdx.x >> 5); b0 < n_b; b0 += QSA_SC_U * stride) {
+        float kv[QSA_SC_U][E];
 #pragma unroll
-        for (int e = 0; e < E; ++e) kv[e] = lane + 32 * e < di ? kbar[(long long)b * di + lane + 32 * e] : 0.f;
-        float acc = 0.f;
-#pragma unroll
-        for (int h = 0; h < QSA_MAXHI; ++h) {
-            if (h >= Hi) break;
-            float dot = 0.f;
+        for (int u = 0; u < QSA_SC_U; ++u) {
+            const int b = b0 + u * stride;
 #pragma unroll
             for (int e = 0; e < E; ++e)
-                if (lane + 32 * e < di) dot += kv[e] * qs[h * di + lane + 32 * e];
-            acc += fmaxf(warp_sum(dot), 0.f);
+                kv[u][e] = b < n_b && lane + 32 * e < di ? kbar[(long long)b * di + lane + 32 * e] : 0.f;
         }
-        if (lane == 0) scores[b] = acc / sq;
+#pragma unroll
+        for (int u = 0; u < QSA_SC_U; ++u) {
+            const int b = b0 + u * stride;
+            float acc = 0.f;
+#pragma unroll
+            for (int h = 0; h < QSA_MAXHI; ++h) {
+                float dot = 0.f;
+#pragma unroll
+                for (int e = 0; e < E; ++e)
+                    if (h < Hi && lane + 32 * e < di) dot += kv[u][e] * qs[h * di + lane + 32 * e];
+                if (h < Hi) acc += fmaxf(warp_sum(dot), 0.f);     // warp-uniform
+            }
+            if (lane == 0 && b < n_b) scores[b] = acc / sq;
+        }
     }
 }
 
