@@ -148,6 +148,7 @@ class DecodeStep:
         """The token and position the next launch reads (mapped host memory: no copy, read by the embed kernel and
         attention)."""
         self.params.view[0], self.params.view[1] = token, pos
+        self.layers.set_inputs(token, pos)      # the family's host-side inputs of the step (qwen4exp: its PLE rows)
 
     def launch(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True):
         """Enqueue the whole step, its graph for this pick mode or the launches one by one; result() waits for it.
