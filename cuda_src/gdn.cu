@@ -12,8 +12,11 @@
 //   u = T beta V - T beta G K S^T,   o = G Q S^T + (decay . Q K^T) u,   S^T <- G_C S^T + (G_C/G_s K)^T u
 // with the state in fp32 accumulators), then gdn_gated_norm. mma inputs are fp16 (|q|, |k| <= 1 after the l2 norm,
 // every decay factor <= 1), accumulators fp32; tests/test_cuda_gdn.py bounds the error against float64.
+// The output gate is silu(z) (qwen3next, qwen35moe), or sigmoid(z) with GDN_GATE_SIGMOID=1 (qwen4exp, spec 4.5
+// step 6).
 // @build GDN_D=128
 // @build GDN_D=64
+// @build GDN_D=128 GDN_GATE_SIGMOID=1
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -38,6 +41,10 @@
 
 __device__ __forceinline__ float gdn_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float gdn_softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+#ifndef GDN_GATE_SIGMOID
+#define GDN_GATE_SIGMOID 0
+#endif
+__device__ __forceinline__ float gdn_gate(float z) { return GDN_GATE_SIGMOID ? gdn_sigmoid(z) : silu(z); }
 
 // beta and g of value head h for one token: b, a point at the token's row; value head h's entry sits at
 // (h / r) * grp + h % r (qwen3next's ssm_ba groups [b x r, a x r] per key head: grp 2r; apart: grp r)
@@ -82,7 +89,7 @@ extern "C" __global__ void gdn_conv_decode(const float* qkv, float* __restrict__
 
 // Grid n_v, block 32 GDN_DEC_WARPS: value head h. Row i of S_h (S[h, i, :], keys along j) is independent of the
 // others: decay, err = v_i - S_i.k, S_i += beta err k, o_i = S_i.q; a warp takes GDN_D / GDN_DEC_WARPS rows, each lane
-// GDN_D / 32 consecutive keys. Then out = rms_norm(o) * norm_w * silu(z) over the head.
+// GDN_D / 32 consecutive keys. Then out = rms_norm(o) * norm_w * gate(z) over the head (gdn_gate).
 // act: (2 n_k + n_v) D floats [q | k | v], q and k l2-normed (q scaled) by gdn_conv_decode, or with qk_norm not yet
 // (dense.cu mv4's conv epilogue): then here, as gdn_conv_decode would; b, a: this token's beta/alpha projections
 // (see gdn_beta_g).
@@ -160,7 +167,7 @@ gdn_delta_decode(const float* __restrict__ act, const float* __restrict__ b, con
     const float ss = block_sum(ov * ov, buf);
     if (threadIdx.x < GDN_D) {
         const int i = h * GDN_D + threadIdx.x;
-        out[i] = ov * rsqrtf(ss / GDN_D + eps) * norm_w[threadIdx.x] * silu(z[i]);
+        out[i] = ov * rsqrtf(ss / GDN_D + eps) * norm_w[threadIdx.x] * gdn_gate(z[i]);
     }
 }
 
@@ -609,7 +616,7 @@ gdn_chunk_scan(const unsigned short* __restrict__ act16, int T, int C, const flo
 
 // ---- prompt: gated norm -------------------------------------------------------------------------------------------
 
-// Grid ceil(T n_v / 8), block 256: one warp per (token, value head) row of D. out = rms_norm(o) * norm_w * silu(z);
+// Grid ceil(T n_v / 8), block 256: one warp per (token, value head) row of D. out = rms_norm(o) * norm_w * gate(z);
 // z rows of ld_z floats (head h at h D), out may be o.
 extern "C" __global__ void gdn_gated_norm(const float* o, const float* __restrict__ z, long long ld_z,
                                           const float* __restrict__ norm_w, float* out, int T, int n_v, float eps) {
@@ -629,6 +636,6 @@ extern "C" __global__ void gdn_gated_norm(const float* o, const float* __restric
 #pragma unroll
     for (int e = 0; e < L; ++e) {
         const int i = lane + 32 * e;
-        out[(long long)row * GDN_D + i] = x[e] * sc * norm_w[i] * silu(zr[i]);
+        out[(long long)row * GDN_D + i] = x[e] * sc * norm_w[i] * gdn_gate(zr[i]);
     }
 }

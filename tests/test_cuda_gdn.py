@@ -18,9 +18,11 @@ from engine.cuda.families.gdn import GdnKernels, GdnShape, ref_conv_act, ref_lay
 DECODE_TOL = 2e-5
 PROMPT_TOL = 3e-3      # measured up to 5.6e-4 (outputs) and 4.8e-4 (state): docs/experiments.md, the GDN kernels
 
-# (n_k, n_v, D, grouped): the tiny models', Qwen3-Next-80B-A3B's (grouped) and Qwen3.5-35B-A3B's (tiled) heads
-SHAPES = [(2, 4, 64, True), (2, 4, 64, False), (4, 4, 128, False), (16, 32, 128, True), (16, 32, 128, False)]
-IDS = ["tiny-next", "tiny-35", "r1-128", "next-80b", "q35-35b"]
+# (n_k, n_v, D, grouped[, sigmoid gate]): the tiny models', Qwen3-Next-80B-A3B's (grouped), Qwen3.5-35B-A3B's
+# (tiled) heads, and Qwen3.8-Flash-Next's (qwen4exp: tiled, 3 value heads a key head, the sigmoid output gate)
+SHAPES = [(2, 4, 64, True), (2, 4, 64, False), (4, 4, 128, False), (16, 32, 128, True), (16, 32, 128, False),
+          (16, 48, 128, False, True)]
+IDS = ["tiny-next", "tiny-35", "r1-128", "next-80b", "q35-35b", "q38-flash-sigmoid"]
 
 _kernels = {}
 
@@ -75,8 +77,8 @@ class Layer:
 
 
 def shape_of(p) -> GdnShape:
-    n_k, n_v, D, grouped = p
-    return GdnShape(n_k, n_v, D, 4, grouped, 1e-6)
+    n_k, n_v, D, grouped, *sig = p
+    return GdnShape(n_k, n_v, D, 4, grouped, 1e-6, bool(sig and sig[0]))
 
 
 def as64(lay: Layer):

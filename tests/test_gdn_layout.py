@@ -52,3 +52,43 @@ def test_scratch_and_state_sizes():
     be = CPUBackend(open_model(HERE / "tiny-qwen3next-q4_k_m.gguf"), 64)
     n_gdn = sum(be.net.cfg.recurrent_layers)
     assert n_gdn * state_bytes(GdnShape.from_config(be.net.cfg)) == be.kv.state_bytes()
+
+
+def test_sigmoid_gate_reference_is_qwen4exps_gdn():
+    """qwen4exp's GDN (spec 4.5: tiled value heads, the sigmoid output gate) in the kernels' layout: ref_layer with
+    GdnShape.sigmoid_gate equals engine/arch/qwen3next.py gated_delta_net as Qwen4Exp.gdn calls it (gate=sigmoid),
+    prompt then decode, on random weights; the silu shape's output differs."""
+    from types import SimpleNamespace
+
+    from engine.arch.qwen3next import gated_delta_net, sigmoid
+    rng = np.random.default_rng()
+    n_k, n_v, D, K, n_embd = 2, 6, 128, 4, 32
+    sh = GdnShape(n_k, n_v, D, K, False, 1e-6, sigmoid_gate=True)
+    C = sh.channels
+    w = {"ssm_dt.bias": rng.uniform(-3, -1, n_v), "ssm_a": -rng.uniform(1, 16, n_v),
+         "ssm_conv1d.weight": rng.standard_normal((C, K)) * 0.5, "ssm_norm.weight": 1 + 0.1 * rng.standard_normal(D),
+         "ssm_out.weight": rng.standard_normal((n_embd, n_v * D)) * 0.1}
+    W = SimpleNamespace(get=lambda name: w[name[len("blk.0."):]])
+    cfg = SimpleNamespace(ssm_k_heads=n_k, ssm_v_heads=n_v, ssm_state=D, rms_eps=1e-6)
+    conv, S = np.zeros((K - 1, C)), np.zeros((n_v, D, D))
+    mine_conv, mine_S = conv.copy(), S.copy()
+    for T in (70, 1, 1):
+        qkv, z = rng.standard_normal((T, C)), rng.standard_normal((T, n_v * D))
+        b, a = rng.standard_normal((T, n_v)), rng.standard_normal((T, n_v))
+        args = (qkv, z, b, a, w["ssm_dt.bias"], w["ssm_a"], w["ssm_conv1d.weight"], w["ssm_norm.weight"])
+        silu_out, _, _ = ref_layer(GdnShape(n_k, n_v, D, K, False, 1e-6), *args, mine_conv, mine_S, chunked=T > 1)
+        want, conv, S = gated_delta_net(W, "blk.0.", cfg, qkv, z.reshape(T, n_v, D), b, a, conv, S, True, sigmoid)
+        out, mine_conv, mine_S = ref_layer(sh, *args, mine_conv, mine_S, chunked=T > 1)
+        got = out @ w["ssm_out.weight"].T
+        assert np.abs(got - want).max() < 1e-9 * max(1.0, np.abs(want).max())
+        assert np.abs(silu_out @ w["ssm_out.weight"].T - want).max() > 1e-3
+        assert np.array_equal(mine_conv, conv)
+        assert np.abs(mine_S - S).max() < 1e-9 * max(1.0, np.abs(S).max())
+
+
+def test_sigmoid_gate_shape():
+    """gdn.cu builds the sigmoid gate for heads of 128 (qwen4exp's); another width is refused with the fix named."""
+    assert GdnShape(16, 48, 128, 4, False, 1e-6, True).sigmoid_gate
+    assert not GdnShape(16, 48, 128, 4, False, 1e-6).sigmoid_gate
+    with pytest.raises(ValueError, match="GDN_GATE_SIGMOID"):
+        GdnShape(2, 4, 64, 4, False, 1e-6, True)

@@ -15,7 +15,8 @@ Buffers (fp32 unless said; C = 2 n_k D + n_v D conv channels, rows contiguous, e
     dt_bias, ssm_a  (n_v,)  ssm_dt.bias and ssm_a (= -exp(A_log)); g = softplus(alpha + dt_bias) * ssm_a.
     z          (T, n_v D)  attn_gate's projection (row stride from the array, as qkv).
     norm_w     (D,)  ssm_norm.weight.
-    out        (T, n_v D)  rms_norm(o) * norm_w * silu(z) per head: the input of ssm_out.
+    out        (T, n_v D)  rms_norm(o) * norm_w * gate(z) per head: the input of ssm_out; gate is silu, or sigmoid
+               with GdnShape.sigmoid_gate (qwen4exp, spec 4.5 step 6: gdn.cu's GDN_GATE_SIGMOID build).
 Value head h reads key head h // r (qwen3next) or h % n_k (qwen35moe), r = n_v / n_k. Launches go on the current
 CuPy stream (`with stream:`); the decode ones allocate nothing and read every per-step value from device memory, so
 they can be captured in the decode step's graph. The prompt needs a GdnScratch sized for its longest chunk
@@ -43,6 +44,7 @@ class GdnShape:
     conv_kernel: int          # ssm.conv_kernel
     grouped: bool
     eps: float                # rms_eps: the l2 norms' and the gated norm's epsilon
+    sigmoid_gate: bool = False  # the output gate sigmoid(z) (qwen4exp), else silu(z)
 
     def __post_init__(self):
         if self.head_dim not in (64, 128):
@@ -51,11 +53,14 @@ class GdnShape:
             raise ValueError(f"{self.n_v_heads} value heads do not group over {self.n_k_heads} key heads")
         if not 2 <= self.conv_kernel <= 8:
             raise ValueError(f"conv kernel width {self.conv_kernel}: the CUDA kernels take 2 to 8")
+        if self.sigmoid_gate and self.head_dim != 128:
+            raise ValueError(f"GDN head width {self.head_dim} with the sigmoid gate: gdn.cu builds it for 128 "
+                             f"(add a '@build GDN_D={self.head_dim} GDN_GATE_SIGMOID=1' line)")
 
     @classmethod
     def from_config(cls, cfg) -> "GdnShape":
         return cls(cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_conv, cfg.arch == "qwen3next",
-                   cfg.rms_eps)
+                   cfg.rms_eps, cfg.arch == "qwen4exp")
 
     @property
     def channels(self) -> int:
@@ -143,8 +148,13 @@ def ref_layer(shape: GdnShape, qkv, z, b, a, dt_bias, ssm_a, conv_w, norm_w, con
         o = np.concatenate(outs)
     else:
         o, S = delta_rule(q, k, v, g, beta, S)
-    out = rms_norm(o, norm_w, shape.eps) * silu(np.asarray(z).reshape(T, Hv, D))
+    out = rms_norm(o, norm_w, shape.eps) * gate_fn(shape)(np.asarray(z).reshape(T, Hv, D))
     return out.reshape(T, Hv * D), conv_state, S
+
+
+def gate_fn(shape: GdnShape):
+    """The output gate's activation: sigmoid (qwen4exp) or silu."""
+    return sigmoid if shape.sigmoid_gate else silu
 
 
 # --- the kernels ---------------------------------------------------------------------------------------------------
@@ -186,7 +196,8 @@ class GdnKernels:
         from engine.cuda import kernels
 
         self.shape = shape
-        mod = kernels.load("gdn", {**(defines or {}), "GDN_D": shape.head_dim})
+        gate = {"GDN_GATE_SIGMOID": 1} if shape.sigmoid_gate else {}
+        mod = kernels.load("gdn", {**(defines or {}), "GDN_D": shape.head_dim, **gate})
         self.f = {n: mod.get_function(n) for n in ("gdn_conv_decode", "gdn_delta_decode", "gdn_conv_prefill",
                                                    "gdn_chunk_prep", "gdn_chunk_scan", "gdn_gated_norm")}
         out = cp.zeros(8, cp.int32)
@@ -282,7 +293,7 @@ class GdnKernels:
                                  shared_mem=self.scan_smem)
 
     def gated_norm(self, o, z, norm_w, out, T: int) -> None:
-        """out[:T] = rms_norm(o) * norm_w * silu(z) per (token, value head); out may be o."""
+        """out[:T] = rms_norm(o) * norm_w * gate(z) per (token, value head); out may be o."""
         from engine.cuda.launch import F32, I32, I64, ptr
         sh = self.shape
         ld = _rows(z, sh.n_v_heads * sh.head_dim, "z")
