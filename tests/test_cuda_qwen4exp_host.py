@@ -95,6 +95,12 @@ def test_layers_hold_the_files_bytes(loaded):
     assert {m.qt for m in w.hc_out.matrices()} <= w.qtype_ids()
 
 
+def test_the_parts_are_named_and_an_unknown_kind_is_refused():
+    assert Qwen4ExpFamily.parts in q4ops.KINDS == ("q4kern", "own")
+    with pytest.raises(ValueError, match="one of q4kern, own"):
+        q4ops.make_parts("fast", None, None, None, None, set())
+
+
 def test_attn_q_rows_split_the_head_interleave():
     cfg = NS(n_head=3, head_dim=4)
     q, g = attn_q_rows(cfg)

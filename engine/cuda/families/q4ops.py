@@ -259,6 +259,8 @@ class Qsa:
         self.Hi, self.di, self.n_rot = p.indexer_heads, p.indexer_dim, c.n_rot
         self.budget = p.qsa_budget
         self.scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
+        from engine.cuda.families.hybrid import gate_kernel
+        self.gate_fn = gate_kernel()
         if c.head_dim % 32 or c.head_dim > 256 or self.di > 512:
             raise ValueError(f"QSA heads of {c.head_dim} (a multiple of 32 up to 256) and indexer heads of {self.di} "
                              f"(up to 512): cuda_src/qwen4exp.cu is built for those")
@@ -294,8 +296,12 @@ class Qsa:
                                  I64(qw), I32(c.n_head), I32(c.n_head_kv), I32(c.head_dim), F32(self.scale), I32(r),
                                  I32(self.budget // r), ptr(state), I32(pos0)))
 
-    def decode(self, li, w, y, q, kv, rope, state, att, sc: QsaScratch) -> None:
-        """att (n_head head_dim,) for the step's token at state[1] (q: its normed, turned query)."""
+    def decode(self, li, L, q, k, v, gate, y, kv, rope, state, att, sc: QsaScratch) -> None:
+        """att (n_head head_dim,) = the attention of the step's token at state[1] times sigmoid(gate), from its raw
+        projections q, k, v, gate (each head's q and gate apart) and its block input y (the indexer's input); K/V
+        stored (q/k normed and turned: qk_rope_store, q written back)."""
+        w = L.qsa
+        kv.store(self.k, self.sh.cfg, li, q, k, v, L.q_norm, L.k_norm, rope, state)
         self.mv.mv(w.idx_q, y, sc.qi, tag="qsa")
         self._index_query(w, sc.qi, rope, state, 0, 1)
         self.mv.mv(w.idx_k, y, sc.kraw, tag="qsa")
@@ -305,11 +311,18 @@ class Qsa:
                                             ptr(w.idx_k_norm), ptr(rope), I32(self.n_rot), F32(self.sh.eps),
                                             ptr(state), I32(0)))
         self._select_attend(li, w, q, sc.qi, kv, sc.scores, sc.sel, sc.n_cols, att, state, 0, 1)
+        self._gate(att, gate, att.size)
 
-    def prompt(self, li, w, y, q, kv, rope, T: int, pos0: int, proj):
-        """att (T, n_head head_dim) for the chunk's T queries at pos0.. (q: normed and turned, its K/V stored)."""
+    def _gate(self, att, gate, n: int) -> None:
+        from engine.cuda.families.hybrid import gate_mul
+        gate_mul(self.gate_fn, att, gate, n)
+
+    def prompt(self, li, L, q, k, v, gate, y, kv, rope, T: int, pos0: int, proj):
+        """att (T, n_head head_dim) for the chunk's T queries at pos0.., as decode (q, k, v, gate: (T, width))."""
         import cupy as cp
-        c, r = self.sh.cfg, w.ratio
+        c, w = self.sh.cfg, L.qsa
+        r = w.ratio
+        kv.store(self.k, c, li, q, k, v, L.q_norm, L.k_norm, rope, None, pos0, T)
         qi = proj(w.idx_q, y)
         self._index_query(w, qi, rope, None, pos0, T)
         keys = kv.index_keys[li]
@@ -329,7 +342,125 @@ class Qsa:
             sel = cp.empty((n, n_cols), dtype=cp.uint8)
             self._select_attend(li, w, q[t0:t0 + n], qi[t0:t0 + n], kv, scores, sel, n_cols, att[t0:t0 + n], None,
                                 pos0 + t0, n)
+        self._gate(att, gate, att.size)
         return att
+
+
+# --- the same parts on q4kern's kernels (engine/cuda/hc.py, engine/cuda/qsa.py) --------------------------------
+
+class HcQ4kern(Hc):
+    """Hc on cuda_src/hc.cu (engine/cuda/hc.py): the norm, the up projection and the mix fused (hc_up_mix, decode;
+    hc_mix_rows, prompt), the prompt's GEMMs fp16 (prefill.linear_f16). inj holds iota = 2 sigmoid(W_inj u / H)
+    itself here (hc.py's write takes it), not its logits: only this class's read fills what its write reads."""
+
+    def __init__(self, kern, launcher, shape: Q4Shape, up_types, prefill=None):
+        super().__init__(kern, launcher, shape)
+        from engine.cuda.hc import HcKernels, HcShape
+        self.hs = HcShape(shape.N, shape.H, shape.R, shape.eps)
+        self.hk = HcKernels(self.hs, up_types)
+        self.prefill = prefill
+
+    def scratch(self, rows: int):
+        if rows != 1:
+            raise ValueError("HcQ4kern.scratch serves the decode step (one row)")
+        return self.hk.scratch()
+
+    def read(self, x, w: HcWeights, y, inj, sc, rows: int = 1) -> None:
+        self.hk.write_norm(x, w.gamma, u=sc.u)
+        self.mv.mv(w.down, sc.u, sc.d, tag="hc")
+        if w.inject is None:
+            self.hk.up_mix(w.up, sc.d, sc.u, y)
+            return
+        self.mv.mv(w.inject, sc.u, sc.e, tag="hc")
+        self.hk.up_mix(w.up, sc.d, sc.u, y, inj=sc.e, iota=inj)
+
+    def read_rows(self, x, w: HcWeights, inj, T: int, proj):
+        import cupy as cp
+        sh, p = self.sh, self.prefill
+        U = cp.empty((T, sh.D), dtype=cp.float32)
+        U16 = cp.empty((T, sh.D), dtype=cp.float16)
+        self.hk.write_norm(x, w.gamma, u=U, u16=U16, T=T)
+        d = p.linear_f16(w.down, U16, cp.empty((T, sh.R), dtype=cp.float32))
+        A16 = cp.empty((T, sh.R), dtype=cp.float16)
+        self.hk.act_rows(d, T, out16=A16)
+        S = p.linear_f16(w.up, A16, cp.empty((T, sh.D), dtype=cp.float32))
+        y = cp.empty((T, sh.N), dtype=cp.float32)
+        if w.inject is None:
+            self.hk.mix_rows(S, U, y, T)
+        else:
+            e = p.linear_f16(w.inject, U16, cp.empty((T, sh.H), dtype=cp.float32))
+            self.hk.mix_rows(S, U, y, T, inj=e, iota=inj)
+        return y
+
+    def write(self, x, o, inj, rows: int) -> None:
+        self.hk.write_norm(x, o=o, iota=inj, T=rows)
+
+
+class QsaQ4kern(Qsa):
+    """Qsa on cuda_src/qsa.cu (engine/cuda/qsa.py): prep (norms, RoPE, K/V and the raw indexer key stored, the
+    decode's pooling), scores, the radix select, the split attention with the gate; over Q4KV's arrays (K/V as
+    kv.py's layer addresses)."""
+
+    def __init__(self, kern, launcher, shape: Q4Shape, kv, chunk: int = 0):
+        super().__init__(kern, launcher, shape)
+        from engine.cuda.qsa import QsaKernels, QsaShape
+        c = shape.cfg
+        self.kv = kv
+        self.qk = {}            # per QSA layer, one QsaKernels per distinct shape
+        built = {}
+        for li in kv.qsa_layers:
+            qs = QsaShape.from_config(c, li)
+            if qs not in built:
+                built[qs] = QsaKernels(qs)
+            self.qk[li] = built[qs]
+        self.hd = c.head_dim
+        self.dsc = self.psc = None
+        if chunk:
+            qk = next(iter(built.values()))
+            n_blocks = qk.shape.n_blocks(kv.max_ctx)
+            q_rows = max(1, min(chunk, self.PROMPT_SCORE_BYTES // (4 * max(n_blocks, 1))))
+            self.psc = qk.prompt_scratch(chunk, kv.max_ctx, q_rows=q_rows)
+        else:
+            self.dsc = next(iter(built.values())).decode_scratch(kv.max_ctx)
+
+    def cache(self, li):
+        from engine.cuda.qsa import QsaCache
+        kc, vc = self.kv.layer(li)
+        return QsaCache(self.kv.rows[li], int(kc), int(vc), self.kv.index_keys[li], self.kv.pooled[li])
+
+    def norms(self, L):
+        from engine.cuda.qsa import QsaNorms
+        return QsaNorms(L.q_norm, L.k_norm, L.qsa.idx_q_norm, L.qsa.idx_k_norm)
+
+    def decode(self, li, L, q, k, v, gate, y, kv, rope, state, att, sc: QsaScratch) -> None:
+        self.mv.mv(L.qsa.idx_q, y, sc.qi, tag="qsa")
+        self.mv.mv(L.qsa.idx_k, y, sc.kraw, tag="qsa")
+        self.qk[li].decode(state, q, k, v, sc.qi, sc.kraw, self.norms(L), rope, self.cache(li), self.dsc, att,
+                           gate=gate, gate_hs=self.hd, q_hs=self.hd)
+
+    def prompt(self, li, L, q, k, v, gate, y, kv, rope, T: int, pos0: int, proj):
+        import cupy as cp
+        c = self.sh.cfg
+        qi, ki = proj(L.qsa.idx_q, y), proj(L.qsa.idx_k, y)
+        att = cp.empty((T, c.n_head * c.head_dim), dtype=cp.float32)
+        self.qk[li].prompt(pos0, T, q, k, v, qi, ki, self.norms(L), rope, self.cache(li), self.psc, att,
+                           gate=gate, gate_hs=self.hd, q_hs=self.hd)
+        return att
+
+
+KINDS = ("q4kern", "own")
+
+
+def make_parts(kind: str, kern, launcher, shape: Q4Shape, kv, hc_up_types, prefill=None):
+    """(Hc, Qsa) of this kind: "q4kern" (cuda_src/hc.cu, qsa.cu) or "own" (cuda_src/qwen4exp.cu's first versions);
+    prefill: the prompt pass the parts serve (None: the decode step)."""
+    if kind not in KINDS:
+        raise ValueError(f"qwen4exp kernels {kind!r}: one of {', '.join(KINDS)}")
+    if kind == "own":
+        return Hc(kern, launcher, shape), Qsa(kern, launcher, shape)
+    chunk = prefill.chunk if prefill is not None else 0
+    return (HcQ4kern(kern, launcher, shape, hc_up_types, prefill),
+            QsaQ4kern(kern, launcher, shape, kv, chunk))
 
 
 # --- NumPy references of the kernels (their layouts; float64 in gives float64 out) ------------------------------

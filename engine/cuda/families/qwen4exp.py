@@ -20,8 +20,10 @@ modes) with
   the PLE token context (host), snapshot and restored whole by the worker's checkpoints. QSA's indexer keys and
   pooled keys are per position like K/V: a rewind keeps the positions before it, and the blocks they complete.
 
-Each part is one call into engine/cuda/families/q4ops.py (Hc, Gdn, Ple, Qsa), whose kernels are cuda_src/qwen4exp.cu
-(first versions: plain loops, beside their NumPy references). Only f16 K/V (--kv f16).
+Each part is one call into engine/cuda/families/q4ops.py (Hc, Gdn, Ple, Qsa). HC and QSA run on cuda_src/hc.cu and
+qsa.cu (engine/cuda/hc.py, qsa.py: Qwen4ExpFamily.parts "q4kern"), or on cuda_src/qwen4exp.cu's first versions
+("own": plain loops beside their NumPy references, which the tests run too); GDN and PLE on qwen4exp.cu (its GDN
+takes any head width, the tiny fixtures' 16 included). Only f16 K/V (--kv f16).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from engine.arch import qwen4exp as ref
 from engine.cuda.chunk_plan import Buffer
 from engine.cuda.families.hybrid import GdnLayer, HybridKV, attn_q_rows
 from engine.cuda.families.moe import MoeDecode, MoeFamily, MoeLayer, MoePrompt, load_ffn
-from engine.cuda.families.q4ops import Gdn, Hc, HcWeights, Ple, Qsa, q4_shape
+from engine.cuda.families.q4ops import Gdn, HcWeights, Ple, Qsa, make_parts, q4_shape
 from engine.cuda.weights import DeviceWeights, DevMatrix, Upload
 from engine.row_cache import RowCache
 
@@ -239,6 +241,9 @@ class Qwen4ExpFamily(MoeFamily):
     archs = ("qwen4exp",)
     kernel_files = ("qwen4exp.cu",)
     ffn_norm = None
+    # whose kernels run the HC reads / writes and QSA (q4ops.make_parts): "q4kern" (cuda_src/hc.cu, qsa.cu) or "own"
+    # (cuda_src/qwen4exp.cu); the GPU tests run both
+    parts = "q4kern"
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -306,6 +311,12 @@ class Qwen4ExpFamily(MoeFamily):
 
 # --- the decode layer -------------------------------------------------------------------------------------------
 
+def hc_up_types(weights) -> set[int]:
+    """The quant types of every HC up projection (hc.cu's hc_up_mix is built per type)."""
+    ups = [weights.hc_out.up] + [hc.up for L in weights.layers for hc in (L.hc_attn, L.hc_ffn)]
+    return {int(m.qt) for m in ups}
+
+
 def _zero(a) -> None:
     """a = 0 on the current stream (a memset node in a captured graph)."""
     cp.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, cp.cuda.get_current_stream().ptr)
@@ -323,10 +334,9 @@ class Q4Decode(MoeDecode):
         c, p = self.cfg, self.cfg.family_params
         self.shape = q4_shape(c)
         kern = step.kernel
-        self.hc = Hc(kern, step.launcher, self.shape)
+        self.hc, self.qsa = make_parts(fam.parts, kern, step.launcher, self.shape, step.kv, hc_up_types(step.weights))
         self.gdn = Gdn(kern, step.launcher, self.shape)
         self.ple_op = Ple(kern, step.launcher, self.shape)
-        self.qsa = Qsa(kern, step.launcher, self.shape)
         N, D, H = c.n_embd, self.shape.D, self.shape.H
         f32 = lambda n: cp.zeros(n, dtype=cp.float32)      # noqa: E731
         with step.stream:
@@ -335,7 +345,7 @@ class Q4Decode(MoeDecode):
             self.inj_attn, self.inj_ffn = f32(H), f32(H)
             self.hc_sc = self.hc.scratch(1)
             self.gdn_sc = self.gdn.scratch(1)
-            self.qsa_sc = self.qsa.decode_scratch(step.kv)
+            self.qsa_sc = Qsa.decode_scratch(self.qsa, step.kv)
             self.gate = f32(c.n_head * c.head_dim)
             self.ple_layer = next((L.ple for L in step.weights.layers if L.ple is not None), None)
             if self.ple_layer is not None:
@@ -376,14 +386,13 @@ class Q4Decode(MoeDecode):
         self.hc.read(self.xs, L.hc_ffn, st.x, self.inj_ffn, self.hc_sc, rows=1)    # the FFN input, in st.x
 
     def attention_qsa(self, li, L) -> None:
-        st, c, mv = self.step, self.cfg, self.step.launcher
+        st, mv = self.step, self.step.launcher
         for W, y in ((L.wq, self.q), (L.qsa.gate, self.gate), (L.wk, self.k_new), (L.wv, self.v_new)):
             mv.mv(W, st.x, y, tag="qkv")
-        # q/k norms, RoPE at state[1], K/V stored there; the turned q written back into q
-        st.kv.store(st.kernel, c, li, self.q, self.k_new, self.v_new, L.q_norm, L.k_norm, st.rope, st.state)
-        self.qsa.decode(li, L.qsa, st.x, self.q, st.kv, st.rope, st.state, self.att, self.qsa_sc)
-        _zero(self.o)
-        mv.mv_gated(L.wo, self.att, self.gate, self.o, tag="wo")     # o = wo @ (att * sigmoid(gate))
+        # K/V stored at state[1], att = the attention over the kept positions * sigmoid(gate)
+        self.qsa.decode(li, L, self.q, self.k_new, self.v_new, self.gate, st.x, st.kv, st.rope, st.state, self.att,
+                        self.qsa_sc)
+        mv.mv(L.wo, self.att, self.o, tag="wo")
 
     def ffn(self, li):
         L = self.step.weights.layers[li]
@@ -410,10 +419,10 @@ class Q4Prompt(MoePrompt):
         self.state, self.fam = state, fam
         self.shape = q4_shape(self.cfg)
         kern = prefill.kernels
-        self.hc = Hc(kern, prefill.launcher, self.shape)
+        self.hc, self.qsa = make_parts(fam.parts, kern, prefill.launcher, self.shape, prefill.kv,
+                                       hc_up_types(prefill.weights), prefill)
         self.gdn = Gdn(kern, prefill.launcher, self.shape)
         self.ple_op = Ple(kern, prefill.launcher, self.shape)
-        self.qsa = Qsa(kern, prefill.launcher, self.shape)
         self.xs = self.eta = None
 
     def begin_chunk(self, tokens, pos0: int) -> None:
@@ -453,12 +462,10 @@ class Q4Prompt(MoePrompt):
             p._mark("other")
 
     def attention_qsa(self, li, L, y, T: int, pos0: int, proj):
-        p, c = self.p, self.cfg
+        p = self.p
         q, gate, k, v = (proj(W, y) for W in (L.wq, L.qsa.gate, L.wk, L.wv))
         p._mark("dense")
-        p.kv.store(p.kernels, c, li, q, k, v, L.q_norm, L.k_norm, p.step.rope, None, pos0, T)
-        att = self.qsa.prompt(li, L.qsa, y, q, p.kv, p.step.rope, T, pos0, proj)
-        att *= 1.0 / (1.0 + cp.exp(-gate))
+        att = self.qsa.prompt(li, L, q, k, v, gate, y, p.kv, p.step.rope, T, pos0, proj)     # gated
         p._mark("attention")
         o = proj(L.wo, att)
         p._mark("dense")
