@@ -37,6 +37,7 @@ from engine.cuda.chunk_plan import Buffer
 from engine.cuda.families.hybrid import GdnLayer, HybridKV, attn_q_rows
 from engine.cuda.families.moe import MoeDecode, MoeFamily, MoeLayer, MoePrompt, load_ffn
 from engine.cuda.families.q4ops import Gdn, HcWeights, Ple, Qsa, make_parts, q4_shape
+from engine.cuda.launch import ptr
 from engine.cuda.weights import DeviceWeights, DevMatrix, Upload
 from engine.row_cache import RowCache
 
@@ -319,7 +320,7 @@ def hc_up_types(weights) -> set[int]:
 
 def _zero(a) -> None:
     """a = 0 on the current stream (a memset node in a captured graph)."""
-    cp.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, cp.cuda.get_current_stream().ptr)
+    cp.cuda.runtime.memsetAsync(int(ptr(a)), 0, a.nbytes, cp.cuda.get_current_stream().ptr)
 
 
 class Q4Decode(MoeDecode):
@@ -367,7 +368,7 @@ class Q4Decode(MoeDecode):
         super().embed()                                        # st.x = the token's embedding row
         self.hc.broadcast(self.step.x, self.xs, 1)             # every stream a copy
         if self.ple_layer is not None:
-            cp.cuda.runtime.memcpyAsync(self.eta.data.ptr, self.eta_host.ctypes.data, self.eta.nbytes,
+            cp.cuda.runtime.memcpyAsync(int(ptr(self.eta)), self.eta_host.ctypes.data, self.eta.nbytes,
                                         cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
 
     def mixer(self, li):
