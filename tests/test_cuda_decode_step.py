@@ -32,6 +32,8 @@ def _step(sampler=True):
     st = DecodeStep.__new__(DecodeStep)
     st.stream, st.sampler, st.tracer = _Stream(), (object() if sampler else None), None
     st.params = NS(view=[0, 0])
+    st.inputs = []                  # the family's host-side inputs (set_inputs) of each launch
+    st.layers = NS(set_inputs=lambda token, pos: st.inputs.append((token, pos)))
     st.prefetch = None
     st.graphs = {}
     st.enqueue = lambda pick="greedy", tracer=None: log.append(("eager", pick))
@@ -54,6 +56,7 @@ def test_launch_takes_the_picks_graph_or_launches_eagerly():
     st.launch(7, 3, "sampled")
     st.launch(8, 4)
     assert log == [("graph", "sampled"), ("graph", "greedy")] and st.params.view == [8, 4]
+    assert st.inputs == [(7, 3), (8, 4)]        # the family's host inputs before each launch (qwen4exp's PLE)
     log.clear()
     st.launch(9, 5, "sampled", use_graph=False)
     assert log == [("eager", "sampled")]
