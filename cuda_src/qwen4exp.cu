@@ -8,7 +8,7 @@
 // (head, query) for the attention, an O(n_blocks^2) rank for the selection (ties to the lower block). Every kernel
 // takes T rows; where it takes `state`, a decode step reads its position from state[1] (the embed kernel wrote it),
 // so one captured graph serves every step, and pos0 is then ignored. fp32 throughout, K/V fp16 (kv.py's layout).
-#include <cuda_fp16.h>
+#include "common.cuh"     // h2f, NEG_INF (NVRTC builds see no CUDA or system headers)
 
 #define Q4_MAX_LANE 8          // head width / 32 held per lane (head width <= 256)
 
@@ -297,7 +297,7 @@ extern "C" __global__ void q4_qsa_scores(const float* __restrict__ q, long long 
     const int t = blockIdx.y, b = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (b >= n_cols) return;
     const int nb = (q4_pos(state, pos0, t) + 1) / r;
-    float out = -INFINITY;
+    float out = NEG_INF;
     if (b < nb) {
         const float* qt = q + (long long)t * ld_q;
         const float* kb = pooled + (long long)b * d;
@@ -343,8 +343,9 @@ extern "C" __global__ void q4_qsa_select(const float* __restrict__ scores, long 
 // weighted V over the positions query t (at position p) keeps: the tail r nb .. p always, and the positions of the
 // blocks sel marks (every one before the tail while nb <= B). q (T, n_head hd) normed and turned (row stride ld_q);
 // K, V: one layer's fp16 cache (n_head_kv, rows, hd); query head i reads KV head i / (n_head / n_head_kv).
-extern "C" __global__ void q4_qsa_attend(const float* __restrict__ q, long long ld_q, const __half* __restrict__ K,
-                                         const __half* __restrict__ V, int rows,
+extern "C" __global__ void q4_qsa_attend(const float* __restrict__ q, long long ld_q,
+                                         const unsigned short* __restrict__ K, const unsigned short* __restrict__ V,
+                                         int rows,
                                          const unsigned char* __restrict__ sel, long long ld_sel,
                                          float* __restrict__ out, long long ld_out, int n_head, int n_head_kv, int hd,
                                          float scale, int r, int B, const int* state, int pos0) {
@@ -359,19 +360,19 @@ extern "C" __global__ void q4_qsa_attend(const float* __restrict__ q, long long 
         qv[e] = e < L ? qt[lane + 32 * e] : 0.f;
         acc[e] = 0.f;
     }
-    float m = -INFINITY, l = 0.f;
-    const __half* kh = K + (long long)kvh * rows * hd;
-    const __half* vh = V + (long long)kvh * rows * hd;
+    float m = NEG_INF, l = 0.f;
+    const unsigned short* kh = K + (long long)kvh * rows * hd;      // fp16 bits
+    const unsigned short* vh = V + (long long)kvh * rows * hd;
     for (int pos = 0; pos <= p; ++pos) {
         if (!dense && pos < tail && !st[pos / r]) continue;
-        const __half* kr = kh + (long long)pos * hd;
+        const unsigned short* kr = kh + (long long)pos * hd;
         float s = 0.f;
-        for (int e = 0; e < L; ++e) s += qv[e] * __half2float(kr[lane + 32 * e]);
+        for (int e = 0; e < L; ++e) s += qv[e] * h2f(kr[lane + 32 * e]);
         s = q4_warp_sum(s) * scale;
         const float mn = fmaxf(m, s), corr = expf(m - mn), w = expf(s - mn);
         l = l * corr + w;
-        const __half* vr = vh + (long long)pos * hd;
-        for (int e = 0; e < L; ++e) acc[e] = acc[e] * corr + w * __half2float(vr[lane + 32 * e]);
+        const unsigned short* vr = vh + (long long)pos * hd;
+        for (int e = 0; e < L; ++e) acc[e] = acc[e] * corr + w * h2f(vr[lane + 32 * e]);
         m = mn;
     }
     float* ot = out + (long long)t * ld_out + (long long)head * hd;
