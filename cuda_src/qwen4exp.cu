@@ -1,16 +1,11 @@
 // qwen4exp's own pieces on the GPU (engine/cuda/families/q4ops.py launches them; its NumPy references are the ground
-// truth, engine/arch/qwen4exp.py the model's): the hyper-connection read / write around every half-layer (spec 4.2,
-// 4.3), a Gated DeltaNet with a sigmoid output gate and any head width (4.5; cuda_src/gdn.cu is built for widths 64
-// and 128 with a SiLU gate), the PLE gate and dilated conv (4.8), and QSA (4.6): indexer keys, pooled block keys,
-// block scores, the top-budget selection and attention over the selected positions.
+// truth, engine/arch/qwen4exp.py the model's): the streams' grouped RMSNorm (GroupNorm_H, spec section 3: the PLE's
+// three norms) and the embedding's broadcast to the H streams (4.1), a Gated DeltaNet with a sigmoid output gate and
+// any head width (4.5; cuda_src/gdn.cu is built for widths 64 and 128), the PLE gate and dilated conv (4.8). The HC
+// reads / writes and QSA are cuda_src/hc.cu and qsa.cu.
 //
-// These are the plain first versions: one thread per channel where a recurrence runs along the tokens, a warp per
-// (head, query) for the attention, an O(n_blocks^2) rank for the selection (ties to the lower block). Every kernel
-// takes T rows; where it takes `state`, a decode step reads its position from state[1] (the embed kernel wrote it),
-// so one captured graph serves every step, and pos0 is then ignored. fp32 throughout, K/V fp16 (kv.py's layout).
-#include "common.cuh"     // h2f, NEG_INF (NVRTC builds see no CUDA or system headers)
-
-#define Q4_MAX_LANE 8          // head width / 32 held per lane (head width <= 256)
+// Plain first versions: one thread per channel where a recurrence runs along the tokens. Every kernel takes T rows;
+// fp32 throughout.
 
 __device__ __forceinline__ float q4_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float q4_silu(float x) { return x / (1.f + expf(-x)); }
@@ -33,9 +28,7 @@ __device__ __forceinline__ float q4_block_sum(float v, float* red) {
     return s;
 }
 
-__device__ __forceinline__ int q4_pos(const int* state, int pos0, int t) { return state ? state[1] : pos0 + t; }
-
-// --- hyper-connections -------------------------------------------------------------------------------------------
+// --- the residual streams -------------------------------------------------------------------------------------------
 
 // Grid rows * H, block 256: out[r, c N + i] = x[r, c N + i] / sqrt(mean_i x[r, c N + i]^2 + eps) * gamma[c N + i]
 // (GroupNorm_H: each stream normed alone with its slice of gamma). out may be x.
@@ -51,36 +44,6 @@ extern "C" __global__ void q4_group_rmsnorm(const float* __restrict__ x, const f
     }
     const float inv = rsqrtf(q4_block_sum(s, red) / N + eps);
     for (int i = threadIdx.x; i < N; i += blockDim.x) out[base + i] = x[base + i] * inv * gamma[c * N + i];
-}
-
-// a[i] = silu(a[i] * scale): the HC read's SiLU(W_down u / H).
-extern "C" __global__ void q4_silu_scale(float* __restrict__ a, long long n, float scale) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        a[i] = q4_silu(a[i] * scale);
-}
-
-// y[r, i] = (1/H) sum_c sigmoid(s[r, c N + i]) u[r, c N + i]: the block input from the normalised streams u and the
-// up projection's logits s (both rows of H N).
-extern "C" __global__ void q4_hc_mix(const float* __restrict__ u, const float* __restrict__ s, float* __restrict__ y,
-                                     int N, int H, long long rows) {
-    const long long n = rows * N;
-    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (long long)gridDim.x * blockDim.x) {
-        const long long r = k / N, i = k % N, base = r * H * N + i;
-        float acc = 0.f;
-        for (int c = 0; c < H; ++c) acc += q4_sigmoid(s[base + c * N]) * u[base + c * N];
-        y[k] = acc / H;
-    }
-}
-
-// x[r, c N + i] += 2 sigmoid(inj[r, c] * inv_h) * o[r, i]: the HC write (inj: the inject projection's logits, H a row).
-extern "C" __global__ void q4_hc_write(float* __restrict__ x, const float* __restrict__ o,
-                                       const float* __restrict__ inj, int N, int H, long long rows, float inv_h) {
-    const long long D = (long long)H * N, n = rows * D;
-    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (long long)gridDim.x * blockDim.x) {
-        const long long r = k / D, j = k % D;
-        const int c = (int)(j / N), i = (int)(j % N);
-        x[k] += 2.f * q4_sigmoid(inj[r * H + c] * inv_h) * o[r * N + i];
-    }
 }
 
 // x[r, c N + i] = e[r, i] for every stream c: the residual's four copies of the embedding.
@@ -218,163 +181,4 @@ extern "C" __global__ void q4_ple_conv(const float* __restrict__ gn, float* __re
         const int s = T + j;
         hist[(long long)j * D + c] = s < L ? hist[(long long)s * D + c] : gn[(long long)(s - L) * D + c];
     }
-}
-
-// --- QSA ---------------------------------------------------------------------------------------------------------
-
-// A warp's RMSNorm (gamma) and NeoX RoPE (the first n_rot dims, pairs (i, i + n_rot/2), at position p of rope's
-// (cos, sin) table of n_rot/2 pairs a position) of the d values in buf (shared memory), written to out.
-__device__ __forceinline__ void q4_warp_norm_rope(float* buf, float* __restrict__ out, int d,
-                                                  const float* __restrict__ gamma, const float* __restrict__ rope,
-                                                  int n_rot, float eps, int p) {
-    float s = 0.f;
-    for (int i = threadIdx.x; i < d; i += 32) s += buf[i] * buf[i];
-    const float inv = rsqrtf(q4_warp_sum(s) / d + eps);
-    for (int i = threadIdx.x; i < d; i += 32) buf[i] *= inv * gamma[i];
-    __syncwarp();
-    const int half = n_rot / 2;
-    for (int i = threadIdx.x; i < d; i += 32) {
-        float v = buf[i];
-        if (i < n_rot) {
-            const int pi = i < half ? i : i - half;
-            const float cs = rope[((long long)p * half + pi) * 2], sn = rope[((long long)p * half + pi) * 2 + 1];
-            v = i < half ? buf[i] * cs - buf[i + half] * sn : buf[i - half] * sn + buf[i] * cs;
-        }
-        out[i] = v;
-    }
-    __syncwarp();
-}
-
-// Grid (heads, T), block 32, head width d <= 512: each head of row t (row stride ld) RMS-normed with gamma and
-// turned at its position in place (the indexer queries).
-extern "C" __global__ void q4_norm_rope(float* __restrict__ x, long long ld, int d, const float* __restrict__ gamma,
-                                        const float* __restrict__ rope, int n_rot, float eps, const int* state,
-                                        int pos0) {
-    __shared__ float buf[512];
-    float* h = x + (long long)blockIdx.y * ld + (long long)blockIdx.x * d;
-    for (int i = threadIdx.x; i < d; i += 32) buf[i] = h[i];
-    __syncwarp();
-    q4_warp_norm_rope(buf, h, d, gamma, rope, n_rot, eps, q4_pos(state, pos0, blockIdx.y));
-}
-
-// Grid T, block 128: the raw indexer keys kraw (T, d) into keys at their positions.
-extern "C" __global__ void q4_qsa_store_keys(const float* __restrict__ kraw, float* __restrict__ keys, int d,
-                                             const int* state, int pos0) {
-    const int p = q4_pos(state, pos0, blockIdx.x);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) keys[(long long)p * d + i] = kraw[(long long)blockIdx.x * d + i];
-}
-
-// Grid n, block 32, d <= 512: pooled block keys, K-bar_b = RoPE(RMSNorm(mean of keys' r rows of block b; gamma), at
-// position r b). The prompt: blocks lo + blockIdx.x (n = hi - lo). A decode step (state): the block its token
-// completes, if it completes one (grid 1).
-extern "C" __global__ void q4_qsa_pool(const float* __restrict__ keys, float* __restrict__ pooled, int d, int r,
-                                       const float* __restrict__ gamma, const float* __restrict__ rope, int n_rot,
-                                       float eps, const int* state, int lo) {
-    __shared__ float buf[512];
-    int blk;
-    if (state) {
-        const int p = state[1];
-        if ((p + 1) % r) return;
-        blk = p / r;
-    } else {
-        blk = lo + blockIdx.x;
-    }
-    for (int i = threadIdx.x; i < d; i += 32) {
-        float s = 0.f;
-        for (int j = 0; j < r; ++j) s += keys[((long long)blk * r + j) * d + i];
-        buf[i] = s / r;
-    }
-    __syncwarp();
-    q4_warp_norm_rope(buf, pooled + (long long)blk * d, d, gamma, rope, n_rot, eps, blk * r);
-}
-
-// Grid (ceil(n_cols / 4), T), block 128 (a warp a block b): scores[t, b] = sum_h relu(q_h . K-bar_b) / sqrt(d) for
-// the blocks complete at query t's position p (b < (p + 1) / r), -inf for the others up to n_cols. q: (T, heads d),
-// row stride ld_q, already normed and turned.
-extern "C" __global__ void q4_qsa_scores(const float* __restrict__ q, long long ld_q, int heads, int d,
-                                         const float* __restrict__ pooled, float* __restrict__ scores, long long ld_s,
-                                         int n_cols, int r, const int* state, int pos0) {
-    const int t = blockIdx.y, b = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (b >= n_cols) return;
-    const int nb = (q4_pos(state, pos0, t) + 1) / r;
-    float out = NEG_INF;
-    if (b < nb) {
-        const float* qt = q + (long long)t * ld_q;
-        const float* kb = pooled + (long long)b * d;
-        float tot = 0.f;
-        for (int h = 0; h < heads; ++h) {
-            float s = 0.f;
-            for (int i = lane; i < d; i += 32) s += qt[h * d + i] * kb[i];
-            tot += fmaxf(q4_warp_sum(s), 0.f);
-        }
-        out = tot / sqrtf((float)d);
-    }
-    if (lane == 0) scores[(long long)t * ld_s + b] = out;
-}
-
-// Grid (ceil(n_cols / 256), T), block 256: sel[t, b] = 1 where query t keeps block b: every complete block while
-// there are at most B of them (dense), else the B best by score, ties to the lower block (a block's rank: the
-// blocks scoring higher, or equal and lower); 0 for the incomplete and the unseen ones.
-extern "C" __global__ void q4_qsa_select(const float* __restrict__ scores, long long ld_s,
-                                         unsigned char* __restrict__ sel, long long ld_sel, int n_cols, int B, int r,
-                                         const int* state, int pos0) {
-    const int t = blockIdx.y, b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= n_cols) return;
-    const int nb = (q4_pos(state, pos0, t) + 1) / r;
-    unsigned char keep = 0;
-    if (b < nb) {
-        if (nb <= B) {
-            keep = 1;
-        } else {
-            const float* st = scores + (long long)t * ld_s;
-            const float sb = st[b];
-            int rank = 0;
-            for (int j = 0; j < nb && rank < B; ++j) {
-                const float sj = st[j];
-                rank += (sj > sb || (sj == sb && j < b)) ? 1 : 0;
-            }
-            keep = rank < B;
-        }
-    }
-    sel[(long long)t * ld_sel + b] = keep;
-}
-
-// Grid (n_head, T), block 32, head width hd a multiple of 32 up to 256: out[t, head] = the softmax(q k / scale)
-// weighted V over the positions query t (at position p) keeps: the tail r nb .. p always, and the positions of the
-// blocks sel marks (every one before the tail while nb <= B). q (T, n_head hd) normed and turned (row stride ld_q);
-// K, V: one layer's fp16 cache (n_head_kv, rows, hd); query head i reads KV head i / (n_head / n_head_kv).
-extern "C" __global__ void q4_qsa_attend(const float* __restrict__ q, long long ld_q,
-                                         const unsigned short* __restrict__ K, const unsigned short* __restrict__ V,
-                                         int rows,
-                                         const unsigned char* __restrict__ sel, long long ld_sel,
-                                         float* __restrict__ out, long long ld_out, int n_head, int n_head_kv, int hd,
-                                         float scale, int r, int B, const int* state, int pos0) {
-    const int head = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
-    const int p = q4_pos(state, pos0, t), nb = (p + 1) / r, tail = r * nb;
-    const bool dense = nb <= B;
-    const int kvh = head / (n_head / n_head_kv), L = hd / 32;
-    const float* qt = q + (long long)t * ld_q + (long long)head * hd;
-    const unsigned char* st = sel + (long long)t * ld_sel;
-    float qv[Q4_MAX_LANE], acc[Q4_MAX_LANE];
-    for (int e = 0; e < Q4_MAX_LANE; ++e) {
-        qv[e] = e < L ? qt[lane + 32 * e] : 0.f;
-        acc[e] = 0.f;
-    }
-    float m = NEG_INF, l = 0.f;
-    const unsigned short* kh = K + (long long)kvh * rows * hd;      // fp16 bits
-    const unsigned short* vh = V + (long long)kvh * rows * hd;
-    for (int pos = 0; pos <= p; ++pos) {
-        if (!dense && pos < tail && !st[pos / r]) continue;
-        const unsigned short* kr = kh + (long long)pos * hd;
-        float s = 0.f;
-        for (int e = 0; e < L; ++e) s += qv[e] * h2f(kr[lane + 32 * e]);
-        s = q4_warp_sum(s) * scale;
-        const float mn = fmaxf(m, s), corr = expf(m - mn), w = expf(s - mn);
-        l = l * corr + w;
-        const unsigned short* vr = vh + (long long)pos * hd;
-        for (int e = 0; e < L; ++e) acc[e] = acc[e] * corr + w * h2f(vr[lane + 32 * e]);
-        m = mn;
-    }
-    float* ot = out + (long long)t * ld_out + (long long)head * hd;
-    for (int e = 0; e < L; ++e) ot[lane + 32 * e] = acc[e] / l;
 }

@@ -1,8 +1,7 @@
 """qwen4exp on the CUDA backend (engine/cuda/families/qwen4exp.py) against the NumPy backend (DESIGN section 7), on
 tests/fixtures/qwen4exp's tiny files (F16, IQ2_XS; Q2_0 once engine/cuda/quant_types.py validates it) with their
 reference prompts: 8 tokens (dense), 16 (at the QSA budget), 40 (the prompt crosses it), 24 with EOS inside (the
-n-gram reset), each with the HC / QSA parts on q4kern's kernels (cuda_src/hc.cu, qsa.cu) and on the family's
-own first versions (cuda_src/qwen4exp.cu): Qwen4ExpFamily.parts. Teacher-forced logits within 1e-2 relative (2e-2 for the prompt pass, as the hybrids': the recurrent
+n-gram reset). Teacher-forced logits within 1e-2 relative (2e-2 for the prompt pass, as the hybrids': the recurrent
 state carries the chunk GEMMs' fp16 roundings) across prompt chunks of 8 and then through the decode graph, greedy
 tokens equal with the expert cache holding all, some and none of the experts, a resume from a checkpoint equal to a
 cold run, the n-gram row counts as the CPU backend's. The worker-protocol suite's qwen4exp cases run on CUDA too:
@@ -17,8 +16,6 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-from engine.cuda.families.q4ops import KINDS  # noqa: E402
-from engine.cuda.families.qwen4exp import Qwen4ExpFamily  # noqa: E402
 from engine.gguf_model import open_model  # noqa: E402
 from gpu_compare import assert_same_greedy, greedy, rel_rows  # noqa: E402
 from route_ties import Reference, RouteRecorder, greedy_reference, gpu_routes  # noqa: E402
@@ -31,13 +28,6 @@ FILES = ("f16", "iq2_xs", "q2_0")
 CASES = ("short", "at_budget", "long", "ple_eos")
 REL, REL_PROMPT = 1e-2, 2e-2
 SAME = 1e-5
-
-
-@pytest.fixture(params=KINDS)
-def parts(request, monkeypatch):
-    """Whose kernels run the HC reads / writes and QSA (both are tested: q4ops.make_parts)."""
-    monkeypatch.setattr(Qwen4ExpFamily, "parts", request.param)
-    return request.param
 
 
 def model_of(recipe: str):
@@ -92,7 +82,7 @@ def cpu_continuation(model, prompt, n):
     return toks, np.concatenate(lg[:-1], axis=0)
 
 
-def test_the_backend_takes_qwen4exp(parts):
+def test_the_backend_takes_qwen4exp():
     model = model_of("iq2_xs")
     be = cuda_backend(model)
     try:
@@ -110,7 +100,7 @@ def test_int8_kv_is_refused_by_name():
 
 @pytest.mark.parametrize("recipe", FILES)
 @pytest.mark.parametrize("case", CASES)
-def test_teacher_forced_logits_match_cpu(parts, recipe, case):
+def test_teacher_forced_logits_match_cpu(recipe, case):
     model = model_of(recipe)
     prompt = prompts(recipe)[case]
     toks, cpu_logits = cpu_continuation(model, prompt, N_GREEDY)
@@ -139,7 +129,7 @@ def test_teacher_forced_logits_match_cpu(parts, recipe, case):
 
 @pytest.mark.parametrize("recipe", ("iq2_xs", "f16"))
 @pytest.mark.parametrize("share", ["none", "half", "all"])
-def test_greedy_whatever_part_of_the_experts_sits_in_vram(parts, recipe, share):
+def test_greedy_whatever_part_of_the_experts_sits_in_vram(recipe, share):
     model = model_of(recipe)
     prompt = prompts(recipe)["long"]
     cfg = model.config
@@ -160,7 +150,7 @@ def test_greedy_whatever_part_of_the_experts_sits_in_vram(parts, recipe, share):
 
 
 @pytest.mark.parametrize("recipe", ("iq2_xs", "f16"))
-def test_snapshot_decode_restore_decode_equals_and_a_resume_is_a_cold_run(parts, recipe):
+def test_snapshot_decode_restore_decode_equals_and_a_resume_is_a_cold_run(recipe):
     model = model_of(recipe)
     prompt = prompts(recipe)["long"]
     be = cuda_backend(model)
@@ -188,7 +178,7 @@ def test_snapshot_decode_restore_decode_equals_and_a_resume_is_a_cold_run(parts,
         be.close()
 
 
-def test_truncate_only_to_zero_or_the_end(parts):
+def test_truncate_only_to_zero_or_the_end():
     model = model_of("iq2_xs")
     prompt = prompts("iq2_xs")["long"]
     be = cuda_backend(model)
@@ -202,7 +192,7 @@ def test_truncate_only_to_zero_or_the_end(parts):
         be.close()
 
 
-def test_ple_row_counts_are_the_cpu_backends(parts):
+def test_ple_row_counts_are_the_cpu_backends():
     from engine.backend_cpu import CPUBackend
     model = model_of("iq2_xs")
     prompt = prompts("iq2_xs")["ple_eos"]

@@ -95,12 +95,6 @@ def test_layers_hold_the_files_bytes(loaded):
     assert {m.qt for m in w.hc_out.matrices()} <= w.qtype_ids()
 
 
-def test_the_parts_are_named_and_an_unknown_kind_is_refused():
-    assert Qwen4ExpFamily.parts in q4ops.KINDS == ("q4kern", "own")
-    with pytest.raises(ValueError, match="one of q4kern, own"):
-        q4ops.make_parts("fast", None, None, None, None, set())
-
-
 def test_attn_q_rows_split_the_head_interleave():
     cfg = NS(n_head=3, head_dim=4)
     q, g = attn_q_rows(cfg)
@@ -171,22 +165,6 @@ def test_int8_kv_is_refused_before_any_vram():
 
 # --- the kernels' NumPy references against the model's ---------------------------------------------------------
 
-def test_hc_references_make_the_models_read_and_write():
-    rng = np.random.default_rng(0)
-    T, N, H, R = 3, 16, 4, 8
-    D = N * H
-    x = rng.standard_normal((T, D))
-    gamma, wd, wu, wi = (1 + 0.1 * rng.standard_normal(D)), rng.standard_normal((R, D)), rng.standard_normal((D, R)), \
-        rng.standard_normal((H, D))
-    y, iota = ref.hc_read(x, gamma, wd, wu, wi, H, 1e-6)
-    u = q4ops.ref_group_rmsnorm(x, gamma, H, 1e-6)
-    a = (u @ wd.T) / H
-    a = a * sigmoid(a)
-    np.testing.assert_allclose(q4ops.ref_hc_mix(u, a @ wu.T, H), y, rtol=1e-12)
-    o = rng.standard_normal((T, N))
-    np.testing.assert_allclose(q4ops.ref_hc_write(x, o, u @ wi.T, H), ref.hc_write(x, o, iota), rtol=1e-12)
-
-
 def test_gdn_reference_is_the_models_with_the_sigmoid_gate():
     rng = np.random.default_rng(1)
     T, n_k, n_v, D, K = 5, 2, 4, 16, 4
@@ -220,20 +198,3 @@ def test_ple_reference_is_the_models_mix():
     got, ghist = q4ops.ref_ple(x, eta @ wk.T, eta @ wv.T, gk, gq, gc, conv, hist, H, 3, 1e-6)
     np.testing.assert_allclose(got, x + add, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(ghist, hist1, rtol=1e-12)
-
-
-@pytest.mark.parametrize("pos0,T,B", [(0, 8, 4), (10, 9, 4), (30, 12, 2), (3, 1, 1)])
-def test_qsa_references_are_the_models_selection_and_attention(pos0, T, B):
-    rng = np.random.default_rng(pos0 + T)
-    r, Hq, Hkv, d = 4, 4, 2, 8
-    S = pos0 + T
-    n_cols = max(S // r, 1)
-    scores = np.round(rng.standard_normal((T, n_cols)), 1)      # ties, which go to the lower block
-    pos = pos0 + np.arange(T)
-    for t, p in enumerate(pos):
-        scores[t, (p + 1) // r:] = -np.inf
-    sel = q4ops.ref_qsa_select(scores, pos, r, B, n_cols)
-    mask = ref.select_tokens(scores, pos, S, r, B)
-    q, K, V = rng.standard_normal((T, Hq, d)), rng.standard_normal((Hkv, S, d)), rng.standard_normal((Hkv, S, d))
-    want = ref.masked_attention(q, K, V, mask, 0.3)
-    np.testing.assert_allclose(q4ops.ref_qsa_attend(q, K, V, sel, pos, r, B, 0.3), want, rtol=1e-12)

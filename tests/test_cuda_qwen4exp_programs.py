@@ -1,8 +1,8 @@
 """The qwen4exp family's decode and prompt layer programs run on the CPU against fakes (no GPU): CuPy's arrays are
 NumPy's, every kernel launch is recorded and checked against its cuda_src signature (the argument count), every
 mat-vec and projection against its matrix's shape. What this catches is the host side's own errors (a buffer of the
-wrong size, a launch with an argument too many, an attribute that is not there) for both kinds of parts, on the tiny
-fixture's layers (GDN, QSA, PLE); the arithmetic is the GPU tests' (tests/test_cuda_qwen4exp*.py)."""
+wrong size, a launch with an argument too many, an attribute that is not there) on the tiny fixture's layers (GDN,
+QSA, PLE); the arithmetic is the GPU tests' (tests/test_cuda_qwen4exp*.py, test_cuda_hc.py, test_cuda_qsa.py)."""
 import re
 import sys
 from pathlib import Path
@@ -30,7 +30,7 @@ _SIG = re.compile(r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(?:
 def signatures() -> dict[str, int]:
     """Kernel name -> parameter count, from the .cu files the family launches."""
     out = {}
-    for f in ("qwen4exp.cu", "hc.cu", "qsa.cu", "attn_gate.cu"):
+    for f in ("qwen4exp.cu", "hc.cu", "qsa.cu"):
         for name, params in _SIG.findall((ROOT / "cuda_src" / f).read_text()):
             out[name] = len([p for p in params.split(",") if p.strip()])
     return out
@@ -115,8 +115,8 @@ class FakeKV:
         self.stored.append((li, pos0, T))
 
 
-@pytest.fixture(params=q4ops.KINDS)
-def faked(request, monkeypatch):
+@pytest.fixture()
+def faked(monkeypatch):
     rec = Launches()
     fcp = fake_cupy(rec)
     monkeypatch.setitem(sys.modules, "cupy", fcp)
@@ -131,11 +131,10 @@ def faked(request, monkeypatch):
     monkeypatch.setattr(kernel_loader, "load", lambda name, defines=None, qtypes=None, pairs=None: NS(
         get_function=rec.fn))
     monkeypatch.setattr(kernel_loader, "function", lambda name, kernel, defines=None: rec.fn(kernel))
-    monkeypatch.setattr(fam_mod.Qwen4ExpFamily, "parts", request.param)
     model = open_model(FIXTURE)
     fam = family_for(model.config)
     w = fam.load_weights(model, Upload(model, np.asarray))
-    yield NS(rec=rec, model=model, fam=fam, w=w, kind=request.param)
+    yield NS(rec=rec, model=model, fam=fam, w=w)
     fam.close()
 
 
@@ -170,14 +169,9 @@ def test_the_decode_program_launches_what_the_sources_declare(faked, monkeypatch
     n_gdn, n_qsa = sum(cfg.recurrent_layers), cfg.n_layer - sum(cfg.recurrent_layers)
     assert calls.count("q4_gdn_delta") == n_gdn and calls.count("q4_ple_conv") == 1
     assert calls.count("mv:wo") == n_qsa and calls[-1] == "mv:output"
-    if faked.kind == "own":
-        assert calls.count("q4_qsa_attend") == n_qsa and calls.count("sigmoid_gate_mul") == n_qsa
-        assert [s[0] for s in st.kv.stored] == [li for li in range(cfg.n_layer) if not cfg.recurrent_layers[li]]
-        assert calls.count("q4_hc_write") == 2 * cfg.n_layer
-    else:
-        assert calls.count("qsa_attn") == n_qsa and calls.count("qsa_prep") == n_qsa
-        assert calls.count("hc_write_norm") == 4 * cfg.n_layer + 1     # per half-layer a write and a read's norm
-        assert calls.count("hc_up_mix") == 2 * cfg.n_layer + 1
+    assert calls.count("qsa_attn") == n_qsa and calls.count("qsa_prep") == n_qsa
+    assert calls.count("hc_write_norm") == 4 * cfg.n_layer + 1     # per half-layer a write and a read's norm
+    assert calls.count("hc_up_mix") == 2 * cfg.n_layer + 1
 
 
 @pytest.mark.parametrize("T,pos0", [(8, 0), (8, 16), (5, 3)])
@@ -217,10 +211,7 @@ def test_the_prompt_program_runs_a_chunk(faked, monkeypatch, T, pos0):
     assert prog.xs is None                          # the chunk's streams let go after the final read
     assert [r[0] for r in routed if len(r) == 3 and r[2] is True] == list(range(cfg.n_layer))
     assert all(r[1] == (T, N) and r[2] == (T, N) for r in routed if len(r) == 3 and r[2] is not True)
-    if faked.kind == "own":
-        assert st.kv.stored == [(li, pos0, T) for li in range(cfg.n_layer) if not cfg.recurrent_layers[li]]
-        r = cfg.family_params.compress_ratios[3]
-        assert rec.calls.count("q4_qsa_pool") == (1 if (pos0 + T) // r > pos0 // r else 0)
-    else:
-        assert rec.calls.count("qsa_prep") == 1 and rec.calls.count("hc_mix_rows") == 2 * cfg.n_layer + 1
+    r = cfg.family_params.compress_ratios[3]
+    assert rec.calls.count("qsa_prep") == 1 and rec.calls.count("hc_mix_rows") == 2 * cfg.n_layer + 1
+    assert rec.calls.count("qsa_pool") == (1 if (pos0 + T) // r > pos0 // r else 0)
     assert rec.calls.count("q4_gdn_conv") == sum(cfg.recurrent_layers) and D == 4 * N

@@ -5,7 +5,7 @@ general.architecture to its family (registry.py). Importing this package needs n
     hybrid.py   qwen3next, qwen35moe: gated attention and Gated DeltaNet layers (gdn.py: the GDN kernels)
     gptoss.py   gpt-oss: sinks, window rings, biases, SWIGLU_OAI experts
     qwen4exp.py qwen4exp: hyper-connection streams, GDN with a sigmoid gate, QSA sparse attention, the PLE n-gram
-                embedding (q4ops.py: its parts, cuda_src/qwen4exp.cu their kernels)
+                embedding (q4ops.py: its parts over cuda_src/hc.cu, qsa.cu and qwen4exp.cu)
 
 A family is a class the backend builds with the model's config (moe.MoeFamily, which the others extend). The shared
 engine asks it, and never tests the architecture:

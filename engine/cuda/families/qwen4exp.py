@@ -20,10 +20,9 @@ modes) with
   the PLE token context (host), snapshot and restored whole by the worker's checkpoints. QSA's indexer keys and
   pooled keys are per position like K/V: a rewind keeps the positions before it, and the blocks they complete.
 
-Each part is one call into engine/cuda/families/q4ops.py (Hc, Gdn, Ple, Qsa). HC and QSA run on cuda_src/hc.cu and
-qsa.cu (engine/cuda/hc.py, qsa.py: Qwen4ExpFamily.parts "q4kern"), or on cuda_src/qwen4exp.cu's first versions
-("own": plain loops beside their NumPy references, which the tests run too); GDN and PLE on qwen4exp.cu (its GDN
-takes any head width, the tiny fixtures' 16 included). Only f16 K/V (--kv f16).
+Each part is one call into engine/cuda/families/q4ops.py: Hc and Qsa on cuda_src/hc.cu and qsa.cu (engine/cuda/hc.py,
+qsa.py), Gdn and Ple on cuda_src/qwen4exp.cu (its GDN takes any head width, the tiny fixtures' 16 included). Only
+f16 K/V (--kv f16).
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ from engine.arch import qwen4exp as ref
 from engine.cuda.chunk_plan import Buffer
 from engine.cuda.families.hybrid import GdnLayer, HybridKV, attn_q_rows
 from engine.cuda.families.moe import MoeDecode, MoeFamily, MoeLayer, MoePrompt, load_ffn
-from engine.cuda.families.q4ops import Gdn, HcWeights, Ple, Qsa, make_parts, q4_shape
+from engine.cuda.families.q4ops import Gdn, Hc, HcWeights, Ple, Qsa, q4_shape
 from engine.cuda.launch import ptr
 from engine.cuda.weights import DeviceWeights, DevMatrix, Upload
 from engine.row_cache import RowCache
@@ -242,9 +241,6 @@ class Qwen4ExpFamily(MoeFamily):
     archs = ("qwen4exp",)
     kernel_files = ("qwen4exp.cu",)
     ffn_norm = None
-    # whose kernels run the HC reads / writes and QSA (q4ops.make_parts): "q4kern" (cuda_src/hc.cu, qsa.cu) or "own"
-    # (cuda_src/qwen4exp.cu); the GPU tests run both
-    parts = "q4kern"
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -276,14 +272,15 @@ class Qwen4ExpFamily(MoeFamily):
 
     def prompt_buffers(self, T: int) -> list[Buffer]:
         """The prompt layer's CuPy temporaries (transient): a few (T, H N) arrays for the HC reads and the PLE, the
-        GDN projections and outputs, the QSA scores and selections of up to Qsa.PROMPT_ROWS queries at a time."""
+        GDN projections and outputs, the QSA projections and qsa.py's prompt scratch (its block scores of a sub-batch
+        of queries: Qsa.PROMPT_SCORE_BYTES at most)."""
         c, p = self.cfg, self.cfg.family_params
         D = c.n_embd * p.hc_count
         conv = 2 * c.ssm_k_heads * c.ssm_state + c.ssm_inner
         gdn = 2 * conv + 2 * c.ssm_inner + 2 * c.ssm_v_heads
-        qsa = 2 * c.n_head * c.head_dim + p.indexer_heads * p.indexer_dim + p.indexer_dim
+        qsa = 3 * c.n_head * c.head_dim + 2 * (p.indexer_heads * p.indexer_dim + p.indexer_dim)
         per_token = 4 * (5 * D + max(gdn, qsa) + 4 * c.n_embd)
-        return [Buffer("q4_prompt", T * per_token + Qsa.prompt_score_bytes(c, p), 1, False)]
+        return [Buffer("q4_prompt", T * per_token + Qsa.PROMPT_SCORE_BYTES, 1, False)]
 
     def decode_layers(self, step, recurrent=None) -> "Q4Decode":
         return Q4Decode(step, recurrent, self)
@@ -335,7 +332,8 @@ class Q4Decode(MoeDecode):
         c, p = self.cfg, self.cfg.family_params
         self.shape = q4_shape(c)
         kern = step.kernel
-        self.hc, self.qsa = make_parts(fam.parts, kern, step.launcher, self.shape, step.kv, hc_up_types(step.weights))
+        self.hc = Hc(kern, step.launcher, self.shape, hc_up_types(step.weights))
+        self.qsa = Qsa(step.launcher, self.shape, step.kv)
         self.gdn = Gdn(kern, step.launcher, self.shape)
         self.ple_op = Ple(kern, step.launcher, self.shape)
         N, D, H = c.n_embd, self.shape.D, self.shape.H
@@ -344,9 +342,9 @@ class Q4Decode(MoeDecode):
             self.xs = f32(D)
             self.o = f32(N)
             self.inj_attn, self.inj_ffn = f32(H), f32(H)
-            self.hc_sc = self.hc.scratch(1)
+            self.hc_sc = self.hc.scratch()
             self.gdn_sc = self.gdn.scratch(1)
-            self.qsa_sc = Qsa.decode_scratch(self.qsa, step.kv)
+            self.qsa_sc = self.qsa.decode_scratch()
             self.gate = f32(c.n_head * c.head_dim)
             self.ple_layer = next((L.ple for L in step.weights.layers if L.ple is not None), None)
             if self.ple_layer is not None:
@@ -376,7 +374,7 @@ class Q4Decode(MoeDecode):
         L = st.weights.layers[li]
         if L.ple is not None:
             self.ple_op.decode(L.ple, self.eta, self.xs, self.state.ple_conv, self.ple_sc)
-        self.hc.read(self.xs, L.hc_attn, st.x, self.inj_attn, self.hc_sc, rows=1)
+        self.hc.read(self.xs, L.hc_attn, st.x, self.inj_attn, self.hc_sc)
         if L.gdn is not None:
             g = L.gdn
             self.gdn.decode(g, st.x, self.state.conv(g.slot), self.state.delta(g.slot), self.gdn_sc)
@@ -384,14 +382,14 @@ class Q4Decode(MoeDecode):
         else:
             self.attention_qsa(li, L)
         self.hc.write(self.xs, self.o, self.inj_attn, rows=1)
-        self.hc.read(self.xs, L.hc_ffn, st.x, self.inj_ffn, self.hc_sc, rows=1)    # the FFN input, in st.x
+        self.hc.read(self.xs, L.hc_ffn, st.x, self.inj_ffn, self.hc_sc)    # the FFN input, in st.x
 
     def attention_qsa(self, li, L) -> None:
         st, mv = self.step, self.step.launcher
         for W, y in ((L.wq, self.q), (L.qsa.gate, self.gate), (L.wk, self.k_new), (L.wv, self.v_new)):
             mv.mv(W, st.x, y, tag="qkv")
         # K/V stored at state[1], att = the attention over the kept positions * sigmoid(gate)
-        self.qsa.decode(li, L, self.q, self.k_new, self.v_new, self.gate, st.x, st.kv, st.rope, st.state, self.att,
+        self.qsa.decode(li, L, self.q, self.k_new, self.v_new, self.gate, st.x, st.rope, st.state, self.att,
                         self.qsa_sc)
         mv.mv(L.wo, self.att, self.o, tag="wo")
 
@@ -404,7 +402,7 @@ class Q4Decode(MoeDecode):
     def output(self):
         """The final HC read (no inject) is the output norm: its y into st.x, then the head's mat-vec."""
         st = self.step
-        self.hc.read(self.xs, st.weights.hc_out, st.x, None, self.hc_sc, rows=1)
+        self.hc.read(self.xs, st.weights.hc_out, st.x, None, self.hc_sc)
         st.launcher.mv(st.weights.output, st.x, st.logits, tag="output")
 
 
@@ -420,8 +418,8 @@ class Q4Prompt(MoePrompt):
         self.state, self.fam = state, fam
         self.shape = q4_shape(self.cfg)
         kern = prefill.kernels
-        self.hc, self.qsa = make_parts(fam.parts, kern, prefill.launcher, self.shape, prefill.kv,
-                                       hc_up_types(prefill.weights), prefill)
+        self.hc = Hc(kern, prefill.launcher, self.shape, hc_up_types(prefill.weights), prefill)
+        self.qsa = Qsa(prefill.launcher, self.shape, prefill.kv, prefill.chunk)
         self.gdn = Gdn(kern, prefill.launcher, self.shape)
         self.ple_op = Ple(kern, prefill.launcher, self.shape)
         self.xs = self.eta = None
@@ -443,7 +441,7 @@ class Q4Prompt(MoePrompt):
             self.ple_op.prompt(L.ple, self.eta, xs, self.state.ple_conv, T, proj)
             p._mark("other")
         inj = cp.empty((T, H), dtype=cp.float32)
-        y = self.hc.read_rows(xs, L.hc_attn, inj, T, proj)
+        y = self.hc.read_rows(xs, L.hc_attn, inj, T)
         p._mark("other")
         if L.gdn is not None:
             g = L.gdn
@@ -452,13 +450,13 @@ class Q4Prompt(MoePrompt):
         else:
             o = self.attention_qsa(li, L, y, T, pos0, proj)
         self.hc.write(xs, o, inj, rows=T)
-        y = self.hc.read_rows(xs, L.hc_ffn, inj, T, proj)
+        y = self.hc.read_rows(xs, L.hc_ffn, inj, T)
         p._mark("other")
         o = cp.zeros((T, self.cfg.n_embd), dtype=cp.float32)
         self.moe(li, L, y, o, T)
         self.hc.write(xs, o, inj, rows=T)
         if li == self.cfg.n_layer - 1:     # the final HC read into the pass's x, which the output head reads
-            x[...] = self.hc.read_rows(xs, p.weights.hc_out, None, T, proj)
+            x[...] = self.hc.read_rows(xs, p.weights.hc_out, None, T)
             self.xs = None
             p._mark("other")
 
@@ -466,7 +464,7 @@ class Q4Prompt(MoePrompt):
         p = self.p
         q, gate, k, v = (proj(W, y) for W in (L.wq, L.qsa.gate, L.wk, L.wv))
         p._mark("dense")
-        att = self.qsa.prompt(li, L, q, k, v, gate, y, p.kv, p.step.rope, T, pos0, proj)     # gated
+        att = self.qsa.prompt(li, L, q, k, v, gate, y, p.step.rope, T, pos0, proj)     # gated
         p._mark("attention")
         o = proj(L.wo, att)
         p._mark("dense")
