@@ -2,7 +2,7 @@
 
     python strata_worker.py --model M.gguf [--ctx N] [--backend cpu|cuda|auto] [--prompt-chunk N]
         [--checkpoint-every N] [--checkpoint-mib M] [--draft off|ngram|mtp|auto] [--draft-window N]
-        [--draft-sampled] [cuda flags]
+        [--draft-sampled] [cuda flags: --gpus auto|I,J --layer-split auto|N,M --show-split ...]
 
 stdout carries protocol lines only; everything a person reads goes to stderr. Exit status: 0 after QUIT or the end
 of stdin, 2 for a bad model or a bad flag (one line on stderr), 1 when the engine breaks (the reason on stderr).
@@ -353,6 +353,14 @@ def main(argv=None) -> int:
                 return 2
             backend_name, reason_short = "cpu", "arch_cpu_only"
             reason_long = f"auto: a GPU is here, but the CUDA backend does not run {cfg.arch} yet"
+        gpu_flags = [f for f, v in (("--gpus", getattr(args, "gpus", None)),
+                                    ("--layer-split", getattr(args, "layer_split", None)),
+                                    ("--show-split", getattr(args, "show_split", None))) if v]
+        if backend_name == "cpu" and gpu_flags:
+            print(f"strata_worker: {' and '.join(gpu_flags)} choose GPUs for the CUDA backend, and this worker runs "
+                  f"the CPU backend ({reason_long}); drop {'them' if len(gpu_flags) > 1 else 'it'}",
+                  file=sys.stderr, flush=True)
+            return 2
         phase("loading")    # after the header checks: a file refused at once leaves stdout empty
         n_ctx_train = int(getattr(cfg, "n_ctx_train", 0) or 0)
         ctx = args.ctx if args.ctx is not None else min(n_ctx_train or 4096, 4096)
@@ -364,6 +372,10 @@ def main(argv=None) -> int:
         else:
             cuda, _ = _cuda_module()
             drop_unusable_own_profile(args, cfg)
+            from engine.cuda.gpus import before_start
+            status = before_start(args, model, ctx, log)     # --gpus / --layer-split: the GPU, or the plan
+            if status is not None:
+                return status
             backend = cuda.create_backend(model, ctx, args, phase=phase)
     except ModelError as e:
         print(f"strata_worker: {e}", file=sys.stderr, flush=True)

@@ -1,14 +1,16 @@
 """Where a decode step's time goes at one VRAM budget: a kernel timeline of a few steps, summarized per stream.
 
     python -m bench.decode_trace [--budget 12] [--steps 16] [--prefetch on|off] [--prefetch-depth 1|2]
-                                 [--fetch-misses on|off] [--trace trace.json]
+                                 [--fetch-misses on|off] [--pipeline on|off] [--trace trace.json]
 
 bench.decode's per-kind profile replays a graph of one kind of kernel at a time, so it cannot show what the step
 waits on when experts cross PCIe: the main stream idling until a prefetch copy lands, a copy idling until the next
 prediction exists. Here CUPTI (through PyTorch's profiler, which sees every kernel of the process, CuPy's graph
 nodes included) records each kernel's start, end and stream over a few replayed steps of the real graph. Printed:
 per stream its busy time per step; per kernel name its time per step and the main stream's idle time right before
-it (what that kernel waited for: an event from the copy stream, or the host); the copy kernel's rate.
+it (what that kernel waited for: an event from the copy stream, or the host); the copy kernel's rate; the host gap
+per step: the main stream's idle time between one step's last kernel and the next step's first (its embed), which
+the decode pipeline (engine/cuda/pipeline.py, --pipeline) exists to remove.
 Needs PyTorch (the GPU machine has it); the model is bench.decode's.
 """
 from __future__ import annotations
@@ -50,6 +52,10 @@ def summarize(ev: list[dict], steps: int) -> list[str]:
                    f"{sum(e['dur'] for e in es) / steps:.0f} |")
     tot, idle, cnt = defaultdict(float), defaultdict(float), defaultdict(int)
     ms = sorted(by_stream[main], key=lambda e: e["ts"])
+    gaps = host_gaps(ms)
+    if gaps:
+        out.insert(1, f"host gap between steps (main stream idle before each step's embed): mean {np.mean(gaps):.0f} "
+                      f"us, max {np.max(gaps):.0f} us over {len(gaps)} gaps")
     for prev, e in zip([None] + ms[:-1], ms):
         n = short(e["name"])
         tot[n] += e["dur"]
@@ -72,6 +78,12 @@ def summarize(ev: list[dict], steps: int) -> list[str]:
     return out
 
 
+def host_gaps(ms: list[dict]) -> list[float]:
+    """The main stream's idle us before each step's first kernel (embed), the first step's excepted: ms are its
+    kernels in time order."""
+    return [max(0.0, e["ts"] - (p["ts"] + p["dur"])) for p, e in zip(ms, ms[1:]) if short(e["name"]) == "embed"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -82,6 +94,8 @@ def main(argv=None):
     ap.add_argument("--prefetch-depth", type=int, choices=(1, 2), default=None)
     ap.add_argument("--fetch-misses", choices=("on", "off"), default=None,
                     help="the late-miss copy (default: the engine's); it shows as prefetch_copy on the main stream")
+    ap.add_argument("--pipeline", choices=("on", "off"), default=None,
+                    help="launch each step before the previous pick is read (default: the engine's, on)")
     ap.add_argument("--trace", type=Path, help="write the chrome trace here")
     a = ap.parse_args(argv)
 
@@ -104,6 +118,8 @@ def main(argv=None):
         opts["prefetch_depth"] = a.prefetch_depth
     if a.fetch_misses:
         opts["fetch_misses"] = a.fetch_misses == "on"
+    if a.pipeline:
+        opts["pipeline"] = a.pipeline == "on"
     learned = Path(tempfile.mkdtemp(prefix="bench-trace-")) / "learned.profile"
     rng = np.random.default_rng(1)
     be = fresh_backend(model, a.prompt + 512, "all", learned, **opts)
@@ -118,16 +134,19 @@ def main(argv=None):
         tok = be.decode([tok], greedy)[0].id
     torch.cuda.synchronize()
     be.reset_stats()
+    last = PickSpec(more=False)             # the last step runs none ahead: the trace holds `steps` steps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(a.steps):
-            tok = be.decode([tok], greedy)[0].id
+        for i in range(a.steps):
+            tok = be.decode([tok], greedy if i < a.steps - 1 else last)[0].id
         torch.cuda.synchronize()
     st = be.get_stats()
     path = a.trace or Path("/tmp/decode_trace.json")
     prof.export_chrome_trace(str(path))
     ev = kernels_of(json.loads(path.read_text()))
     print(f"bench.decode_trace: budget {a.budget} GiB, slots {be.cache.n_slots}/{be.cache.n_total}, hit rate "
-          f"{st.hits / max(st.lookups, 1):.3f}, prefetch {'on' if be.step.prefetch else 'off'}")
+          f"{st.hits / max(st.lookups, 1):.3f}, prefetch {'on' if be.step.prefetch else 'off'}, pipeline "
+          f"{'on' if be.pipelined else 'off'} ({be.pipeline_counts.kept} steps kept of "
+          f"{be.pipeline_counts.ahead} run ahead)")
     print("\n".join(summarize(ev, a.steps)))
     be.close()
     free_vram()

@@ -407,8 +407,8 @@ __device__ __forceinline__ void q4k_finish2(const Q4KRaw (&p)[Q4K_BATCH], const 
     }
 }
 
-// Per-step values the host writes into mapped pinned memory before it launches the step graph; the first kernel
-// of a step copies them to device memory so later kernels do not cross PCIe for them.
+// Per-step values a decode step reads (device memory): written by the previous step's step_advance (sample.cu), or
+// by the host (a stream-ordered copy) before a step whose input it gives; the first kernel copies them into state.
 // params[0] = token, params[1] = position.   state[0] = token, state[1] = position, state[2..3] = argmax word.
 #define P_TOKEN 0
 #define P_POS 1

@@ -216,7 +216,7 @@ __global__ void swiglu_mv(const uint8_t* __restrict__ Wg, const uint8_t* __restr
     if (lane == 0 && r < nrows) h[r] = silu(g) * u;
 }
 
-// out[t, :] = dequant(W[tok_t]). Tokens come from `tokens` (device) or, for a decode step, from the mapped host
+// out[t, :] = dequant(W[tok_t]). Tokens come from `tokens` (device) or, for a decode step, from the step's
 // params (then block 0 also copies the step's token and position into device state and clears the argmax word).
 template <int QT>
 __global__ void embed(const uint8_t* __restrict__ W, long long row_bytes, const int* __restrict__ tokens,

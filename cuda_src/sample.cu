@@ -30,11 +30,32 @@ extern "C" __global__ void argmax_word(const float* __restrict__ logits, int n, 
     }
 }
 
-// One thread: out_host[0] = chosen id, out_host[1] = NaN count (mapped pinned memory, read after the step).
+// One thread: out[0] = chosen id, out[1] = NaN count (the step's pick buffer, or mapped pinned memory).
 extern "C" __global__ void argmax_finish(const int* __restrict__ state, int* __restrict__ out_host) {
     const unsigned long long w = reinterpret_cast<const unsigned long long*>(state + 2)[0];
     out_host[0] = (int)(0xffffffffu - (unsigned int)(w & 0xffffffffull));
     out_host[1] = state[4];
+}
+
+// One thread, a decode step's last launch (engine/cuda/decode.py): the step at position pos = state[1] publishes its
+// pick (id, status) in slot pos % n_slots of the mapped pick ring, which the host reads after the step's event, and
+// in `out` (mapped: the last step's pick, read after a whole-stream wait), and makes it the next step's input:
+// params = (id, pos + 1), so the next step can be launched before the host has read this one (the pipeline,
+// engine/cuda/backend.py). A failed pick (status != 0, or an id outside the vocabulary) feeds token 0: the host
+// discards a step launched after it. Idempotent within a step (it reads pos from state, which only the embed kernel
+// writes), so a second pick after the first (the paged modes' sampled pick after the greedy parts) may publish again.
+extern "C" __global__ void step_advance(const int* __restrict__ state, const int* __restrict__ pick,
+                                        int* __restrict__ params, int* __restrict__ ring, int* __restrict__ out,
+                                        int n_slots, int n_vocab) {
+    const int pos = state[1];
+    const int id = pick[0], status = pick[1];
+    int* slot = ring + 2 * (pos % n_slots);
+    slot[0] = id;
+    slot[1] = status;
+    out[0] = id;
+    out[1] = status;
+    params[P_TOKEN] = (status == 0 && id >= 0 && id < n_vocab) ? id : 0;
+    params[P_POS] = pos + 1;
 }
 
 // ================================================================================================================

@@ -23,6 +23,8 @@ window), the pick after position i exactly what a one-token call with spec.after
 mask limits one pick, so a call with a mask returns one. The backend reads the spec and writes nothing back: the
 mask, the penalties and the NaN rule (engine/sampling.py refuse) are applied in one place on each backend. The
 default below is the reference (forward, then engine/sampling.py pick); the CUDA backend picks on the GPU.
+spec.more is the caller's hint that a one-token call fed this pick will follow: the CUDA backend then launches that
+step before it returns this pick (engine/cuda/pipeline.py) and discards it, leaving no trace, on any other call.
 
 Verify windows (engine/speculate.py). A window is decode([last, d1..dk], spec, all_positions=True); the session then
 keeps the accepted prefix and cuts the rest. Without recurrent state that is truncate(n). With it, a backend that has

@@ -209,6 +209,10 @@ class PickSpec:
     # A window's sampled drafts: (token, q) for each fed token after the first, q the distribution it was drawn from
     # (float64 over the vocabulary); the pick after position i judges drafts[i]. Empty: no draft distribution.
     drafts: tuple = ()
+    # Whether a one-token pick fed with this pick is likely to follow (the caller's hint): a backend may then run
+    # that step ahead (engine/cuda/backend.py's pipeline) and discards it when the next call is anything else.
+    # False at a request's last token, with a grammar, and where the next call may be a verify window.
+    more: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "history", tuple(self.history))
@@ -237,11 +241,11 @@ class Sampler:
         self.seed = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
         self.draws = 0
 
-    def spec(self, history=(), mask=None, logprobs: int | None = None, drafts=()) -> PickSpec:
+    def spec(self, history=(), mask=None, logprobs: int | None = None, drafts=(), more: bool = True) -> PickSpec:
         """The spec of the next pick; history: the sequence so far (oldest first) before the tokens the decode
-        call feeds; drafts: a window's sampled drafts (PickSpec.drafts)."""
+        call feeds; drafts: a window's sampled drafts (PickSpec.drafts); more: PickSpec.more."""
         return PickSpec(self.params, self.seed, self.draws, self.params.counted(history), mask, logprobs,
-                        tuple(drafts))
+                        tuple(drafts), more)
 
     def advance(self, picks: int = 1) -> None:
         """`picks` picks were made (a window's included): each sampled one used a draw."""

@@ -199,7 +199,8 @@ class Session:
                 part = prompt[pos:cut]
                 if cut == len(prompt) and req.max_new > 0:
                     # The backend picks the first new token with the prompt's last logits (on the GPU for cuda).
-                    first = self._pick(part, sampler, constraint, req.logprobs)
+                    first = self._pick(part, sampler, constraint, req.logprobs,
+                                       more=req.max_new > 1 and self.drafter is None)
                 else:
                     backend.forward(part)
                 self._fed(part)
@@ -256,8 +257,10 @@ class Session:
         drafts = draft.tokens[:k] if draft is not None else []
         probs = tuple(zip(drafts, draft.probs)) if drafts and draft.probs is not None \
             and self.backend.judges_drafts else ()
+        # more: after these picks the next call feeds the last of them alone (no drafter: no window may follow),
+        # so the backend may run that step ahead; a grammar needs its mask from the host first
         spec = sampler.spec(self.tokens, mask=constraint.mask() if constraint is not None else None,
-                            logprobs=logprobs, drafts=probs)
+                            logprobs=logprobs, drafts=probs, more=room > 0 and d is None and constraint is None)
         win = verify(self.backend, [last] + drafts, spec, hidden=d is not None and d.needs_hidden)
         a = win.accepted
         for j in range(a):              # an end of generation among the accepted picks ends the request there
@@ -274,11 +277,12 @@ class Session:
             rule.record(len(drafts), win.accepted)
         return win.picks[:a + 1]
 
-    def _pick(self, part, sampler: Sampler, constraint, logprobs: int | None) -> Pick:
+    def _pick(self, part, sampler: Sampler, constraint, logprobs: int | None, more: bool = False) -> Pick:
         """Feed part and pick the next token. The penalty history is the sequence the backend holds before part
-        (self.tokens: the prompt so far, then the generated tokens fed back), so it is never kept twice."""
+        (self.tokens: the prompt so far, then the generated tokens fed back), so it is never kept twice. more:
+        PickSpec.more (a grammar's picks never run ahead)."""
         spec = sampler.spec(self.tokens, mask=constraint.mask() if constraint is not None else None,
-                            logprobs=logprobs)
+                            logprobs=logprobs, more=more and constraint is None)
         picked = self.backend.decode(part, spec)[-1]
         sampler.advance()
         return picked

@@ -36,7 +36,7 @@ class ServerConfig:
     expert_profile_save_every: float | None = None   # minutes; None = the worker's default
     gpu: int | None = None
     gpus: list | None = None
-    layer_split: list | None = None              # docs/design.md: files; refused while the worker has no --layer-split
+    layer_split: list | None = None              # layers per GPU of `gpus` (the worker's --layer-split); None: auto
     idle_unload_s: float = 0.0                   # 0 = never unload
     load_at_start: bool = True                   # false: the worker starts at the first request (a shared GPU)
     sampling: dict = field(default_factory=dict)  # defaults for GEN keys (engine.protocol.GEN_KEYS)
@@ -51,14 +51,21 @@ class ServerConfig:
                 cmd += ["--expert-profile", str(self.expert_profile_save)]
         if self.expert_profile_save_every is not None:
             cmd += ["--expert-profile-save-every", f"{self.expert_profile_save_every:g}"]
+        if self.gpus and len(self.gpus) > 1:
+            # worker_env shows the worker exactly these GPUs, so "every GPU CUDA shows" is the config's list
+            cmd += ["--gpus", "auto"]
+            if self.layer_split:
+                cmd += ["--layer-split", ",".join(str(n) for n in self.layer_split)]
         return cmd
 
     def worker_env(self) -> dict[str, str]:
-        """Extra environment for the worker: which GPUs it sees."""
+        """Extra environment for the worker: which GPUs it sees. The indices are nvidia-smi's (setup reads them
+        there), which number the cards in PCI bus order; CUDA's own default order is fastest first, so the order is
+        set too, or a PC with two kinds of card would run on another one than the config names."""
         if self.gpus:
-            return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in self.gpus)}
+            return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in self.gpus)}
         if self.gpu is not None:
-            return {"CUDA_VISIBLE_DEVICES": str(self.gpu)}
+            return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(self.gpu)}
         return {}
 
 
@@ -80,7 +87,7 @@ _TYPES = {
     "expert_profile_save_every": ((int, float, type(None)), "a number of minutes >= 0 or null"),
     "gpu": ((int, type(None)), "a GPU index or null"),
     "gpus": ((list, type(None)), "a list of GPU indices or null"),
-    "layer_split": ((list, type(None)), "a list of integers (layers per GPU) or null"),
+    "layer_split": ((list, type(None)), "a list of layer counts, one for each GPU of 'gpus', or null (auto)"),
     "idle_unload_s": ((int, float), "a number of seconds >= 0 (0 = never)"),
     "load_at_start": ((bool,), "true (load the model when the service starts) or false (at the first request)"),
     "sampling": ((dict,), f"an object with keys among {', '.join(GEN_KEYS)}"),
@@ -102,6 +109,29 @@ def is_loopback(host: str) -> bool:
 
 def _bad(key: str, value, what: str) -> ConfigError:
     return ConfigError(f"config key {key!r}: expected {what}, got {json.dumps(value)[:80]}")
+
+
+def _check_gpus(raw: dict) -> None:
+    """gpu / gpus / layer_split together, and against the worker flags in args that say the same."""
+    gpu, gpus, split = raw.get("gpu"), raw.get("gpus"), raw.get("layer_split")
+    if gpu is not None and gpus is not None:
+        raise ConfigError(f"config keys 'gpu' ({gpu}) and 'gpus' ({json.dumps(gpus)}) both choose the GPUs: keep "
+                          f"one (gpu: one card; gpus: several, their layers split)")
+    if gpus is not None and (not gpus or len(set(gpus)) != len(gpus)):
+        raise _bad("gpus", gpus, "a list of distinct GPU indices (nvidia-smi's), or null")
+    if split is not None:
+        if not gpus or len(gpus) < 2:
+            raise ConfigError(f"config key 'layer_split' ({json.dumps(split)}) splits the layers over several GPUs: "
+                              f"name them in 'gpus' (one count each), or set it to null")
+        if len(split) != len(gpus) or any(n < 1 for n in split):
+            raise ConfigError(f"config key 'layer_split': expected one layer count >= 1 for each of the "
+                              f"{len(gpus)} GPUs of 'gpus' {json.dumps(gpus)}, got {json.dumps(split)}")
+    args = raw.get("args", [])
+    for flag, key in (("--gpus", "gpus"), ("--layer-split", "layer_split")):
+        named = key if raw.get(key) is not None else ("gpu" if gpu is not None else None)
+        if named and any(a == flag or a.startswith(flag + "=") for a in args):
+            raise ConfigError(f"config key 'args' has {flag} and the config sets '{named}': keep one (the config's "
+                              f"keys are what setup writes)")
 
 
 def validate(raw: dict, base_dir: Path | None = None) -> ServerConfig:
@@ -129,9 +159,7 @@ def validate(raw: dict, base_dir: Path | None = None) -> ServerConfig:
     for key in ("engine_silence_s", "idle_unload_s", "expert_profile_save_every"):
         if raw.get(key) is not None and raw[key] < 0:
             raise _bad(key, raw[key], _TYPES[key][1])
-    if raw.get("layer_split"):
-        raise ConfigError("config key 'layer_split': the worker has no layer split yet (it runs on one GPU, the one "
-                          "'gpu' names); set it to null")
+    _check_gpus(raw)
     if "port" in raw and not 0 <= raw["port"] <= 65535:
         raise _bad("port", raw["port"], _TYPES["port"][1])
     for k, v in raw.get("sampling", {}).items():

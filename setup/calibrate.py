@@ -6,6 +6,7 @@ understands, the arg.<flag> choices that reach the config's args) is in docs/des
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -78,10 +79,13 @@ def chosen_args(result: dict) -> list[str]:
     return args
 
 
-def run(worker: list[str], model: Path, args: list[str], cwd: Path, timeout: float = 900) -> dict:
+def run(worker: list[str], model: Path, args: list[str], cwd: Path, timeout: float = 900,
+        env: dict | None = None) -> dict:
+    """env: added to this process's environment (the GPU the service will run on: server/config.py worker_env)."""
     cmd = [*worker, "--model", str(model), *args, "--calibrate"]
     try:
-        res = subprocess.run(cmd, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(cmd, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
+                             env={**os.environ, **env} if env else None)
     except subprocess.TimeoutExpired:
         raise CalibrationError(f"calibration did not finish within {timeout:.0f} s: {shlex.join(cmd)}") from None
     except OSError as e:

@@ -4,7 +4,8 @@ Nothing beyond those keys goes in (the server refuses unknown keys); what setup 
 memory mode, the VRAM reserve, the context) is read back from the worker `args` it wrote.
 The expert profile is one file, strata-<model>.profile.bin: `expert_profile_save` names it, and the server's worker
 command loads it (--expert-profile) whenever it exists, so what a QUIT saved is what the next start fills VRAM from.
-`layer_split` is not written: the worker has no layer split yet (one GPU, the one `gpu` names).
+The GPUs are `gpu` (one card: nvidia-smi's index) or `gpus` (several; the worker splits the layers, its auto split
+unless the person wrote a `layer_split`, which a rerun keeps while `gpus` stays the same).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class Choices:
     resident_gib: int = 0
     vram_reserve_mib: int | None = None     # None: the worker's default (700)
     calibrated_args: list[str] = field(default_factory=list)
+    gpu: int | None = None                  # the one card chosen (None: the card with the most VRAM)
+    gpus: list[int] | None = None           # several cards chosen: the layers split across them
 
 
 def config_path(config_dir: Path, model_name: str) -> Path:
@@ -77,7 +80,7 @@ def choices_from_args(args: list[str]) -> Choices:
 
 def build(model_name: str, model_path: Path, choices: Choices, config_dir: Path, *, host: str = "127.0.0.1",
           port: int = 8080, api_key: str | None = None, gpu: int | None = None, moe: bool = False,
-          previous: dict | None = None) -> dict:
+          previous: dict | None = None, gpus: list[int] | None = None) -> dict:
     """The config dict. `previous` (an earlier config) keeps the person's own edits to keys setup does not decide."""
     config_dir = Path(config_dir).resolve()
     profile = profile_path(config_dir, model_name) if moe and choices.backend == "cuda" else None
@@ -95,8 +98,8 @@ def build(model_name: str, model_path: Path, choices: Choices, config_dir: Path,
         "engine_silence_s": 300,
         "expert_profile_save": str(profile) if profile else None,
         "expert_profile_save_every": 10,
-        "gpu": gpu if choices.backend == "cuda" else None,
-        "gpus": None,
+        "gpu": gpu if choices.backend == "cuda" and not gpus else None,
+        "gpus": list(gpus) if choices.backend == "cuda" and gpus else None,
         "idle_unload_s": 0,
         "load_at_start": True,
         "sampling": {},
@@ -107,6 +110,9 @@ def build(model_name: str, model_path: Path, choices: Choices, config_dir: Path,
                     "load_at_start", "sampling", "reasoning_budget_tokens"):
             if key in previous:
                 cfg[key] = previous[key]
+        # a split the person wrote holds for the cards it was written for
+        if cfg["gpus"] and previous.get("layer_split") and previous.get("gpus") == cfg["gpus"]:
+            cfg["layer_split"] = previous["layer_split"]
     return cfg
 
 

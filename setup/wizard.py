@@ -21,6 +21,7 @@ from pathlib import Path
 
 from . import calibrate as cal
 from . import config as cfgmod
+from . import gpus as gpumod
 from . import packages as pkgs
 from .catalog import (CatalogError, CatalogModel, Needs, assess, best_gpu, find_model, fmt_gb, fmt_gib, load_catalog,
                       memory_mode, model_from_gguf, recommend, unsupported_reason)
@@ -400,6 +401,57 @@ def step_memory(ui: UI, a, p: Paths, n: Needs, m: Machine) -> cfgmod.Choices:
     return c
 
 
+# --- step 4b: several GPUs ----------------------------------------------------------------------------------
+
+def step_gpus(ui: UI, a, p: Paths, n: Needs, m: Machine, c: cfgmod.Choices) -> None:
+    """A PC with several NVIDIA cards: one card, or the layers split across several. Asked with the config's earlier
+    answer (else one card) as the default, so --yes keeps one card unless the config already says otherwise; the
+    recommendation is said, never taken on its own (setup/gpus.py)."""
+    if c.backend != "cuda" or len(m.gpus) < 2:
+        return
+    ui.step("GPUs")
+    best = best_gpu(m).index
+    ui.say(f"this PC has {len(m.gpus)} NVIDIA GPUs: " + "; ".join(
+        f"GPU {g.index} {g.name} ({g.vram_total_mib / 1024:.1f} GiB)" for g in m.gpus))
+    path = cfgmod.config_path(p.config_dir, n.model.name)
+    try:
+        previous = cfgmod.read(path) if path.is_file() else None
+    except (OSError, ValueError):
+        previous = None
+    before, warning = gpumod.remembered(previous, m)
+    if warning:
+        ui.warn(warning)
+    if not gpumod.stages_built():
+        if before and len(before) > 1:
+            ui.warn(f"the config asks for GPUs {','.join(map(str, before))}, but the worker's layer split across "
+                    f"GPUs is not built yet: it runs on one")
+        c.gpu = before[0] if before and len(before) == 1 else best
+        ui.ok(f"the service runs on GPU {c.gpu} (the layer split across GPUs is not built yet)")
+        return
+    reserve = c.vram_reserve_mib if c.vram_reserve_mib is not None else 700
+    rec, why = gpumod.recommend(m, n.expert_bytes if n.model.is_moe else 0, n.dense_bytes, n.kv_bytes, reserve)
+    ui.ok(f"recommended: {'GPU ' + str(rec[0]) + ' alone' if len(rec) == 1 else 'GPUs ' + ','.join(map(str, rec))}"
+          f": {why}")
+    default = "one" if not before or before == [best] else ",".join(map(str, before))
+    pick = None
+    for _ in range(5):
+        got = gpumod.parse_answer(ui.ask("Which GPUs? (one, all, or indices such as 0,1)", default), m)
+        if isinstance(got, str):
+            ui.warn(got)
+            continue
+        pick = got
+        break
+    if pick is None:
+        pick = gpumod.parse_answer(default, m)
+        ui.warn(f"no answer understood; keeping {default}")
+    if len(pick) > 1:
+        c.gpus, c.gpu = pick, None
+        ui.ok(f"GPUs {','.join(map(str, pick))}: the worker splits the layers across them (its auto split)")
+    else:
+        c.gpu, c.gpus = pick[0], None
+        ui.ok(f"one card: GPU {pick[0]}")
+
+
 # --- step 5 -------------------------------------------------------------------------------------------------
 
 def gguf_magic(path: Path) -> bool:
@@ -545,9 +597,9 @@ def step_calibrate(ui: UI, a, p: Paths, name: str, model_path: Path, c: cfgmod.C
         ui.say("measuring the host-to-device link (four 256 MiB bursts), the free VRAM, a short decode and prompt "
                f"run, then decoding {cal.CHAT_TOKENS} tokens of typical chats so the VRAM cache learns which experts "
                "they use; this takes a minute or two ...")
-        result = calibrate_runs(ui, worker, model_path, c, cal.profile_args(profile, chats))
+        result = calibrate_runs(ui, worker, model_path, c, cal.profile_args(profile, chats), m)
         if result is not None and chats is not None and profile.is_file() and cal.prefetch_matters(result):
-            compare_prefetch(ui, worker, model_path, c, result, profile, chats, Path(tmp))
+            compare_prefetch(ui, worker, model_path, c, result, profile, chats, Path(tmp), m)
     if result is None:
         ui.warn("the config is written without calibration; the worker chooses its own settings when it starts. "
                 "Run python -m setup --calibrate to try again")
@@ -580,7 +632,7 @@ def reuse_calibration(ui: UI, c: cfgmod.Choices, earlier: dict) -> None:
 
 
 def compare_prefetch(ui: UI, worker, model_path: Path, c: cfgmod.Choices, result: dict, profile: Path, chats: Path,
-                     tmp: Path) -> None:
+                     tmp: Path, m: Machine) -> None:
     """Some experts have no VRAM slot: decode the chats with the prefetch off and on, both from the profile just
     learned, and pin the other setting (result["arg.tune"]: --tune prefetch=) only when it is clearly faster
     (cal.prefetch_choice)."""
@@ -591,8 +643,9 @@ def compare_prefetch(ui: UI, worker, model_path: Path, c: cfgmod.Choices, result
     rates = {}
     for flag in ("off", "on"):
         try:
-            args = cfgmod.worker_args(choices) + cal.ab_args(profile, chats, tmp / "ab.bin", flag)
-            r = cal.run(worker, model_path, args, ROOT)
+            args = cfgmod.worker_args(choices) + calib_gpu_args(c, m) + cal.ab_args(profile, chats, tmp / "ab.bin",
+                                                                                    flag)
+            r = cal.run(worker, model_path, args, ROOT, env=calib_env(c, m))
         except cal.CalibrationError as e:
             ui.warn(f"the prefetch comparison stopped ({e}); the worker's default stays")
             return
@@ -604,7 +657,20 @@ def compare_prefetch(ui: UI, worker, model_path: Path, c: cfgmod.Choices, result
     result["why"] = f"{result['why']}; {why}" if result.get("why") else why
 
 
-def calibrate_runs(ui: UI, worker: list[str], model_path: Path, c: cfgmod.Choices, extra: list[str]) -> dict | None:
+def calib_env(c: cfgmod.Choices, m: Machine) -> dict:
+    """The cards the service will run on (the config's gpu / gpus), for the calibration: on a PC with several, CUDA's
+    device 0 need not be the card the config names."""
+    if len(m.gpus) < 2:
+        return {}
+    return gpumod.env_for(c.gpus or [c.gpu if c.gpu is not None else best_gpu(m).index])
+
+
+def calib_gpu_args(c: cfgmod.Choices, m: Machine) -> list[str]:
+    return ["--gpus", "auto"] if c.gpus and len(c.gpus) > 1 else []
+
+
+def calibrate_runs(ui: UI, worker: list[str], model_path: Path, c: cfgmod.Choices, extra: list[str],
+                   m: Machine) -> dict | None:
     """The worker's --calibrate at the chosen settings; a context that does not fit in VRAM is halved (down to
     cal.MIN_CTX) and tried again: measured, not estimated, the context this card holds is a setting the calibration
     chooses (c.ctx). None when it failed (said)."""
@@ -612,7 +678,8 @@ def calibrate_runs(ui: UI, worker: list[str], model_path: Path, c: cfgmod.Choice
         choices = cfgmod.Choices(backend="cuda", ctx=c.ctx, mode=c.mode, resident_gib=c.resident_gib,
                                  vram_reserve_mib=c.vram_reserve_mib)
         try:
-            return cal.run(worker, model_path, cfgmod.worker_args(choices) + extra, ROOT)
+            return cal.run(worker, model_path, cfgmod.worker_args(choices) + calib_gpu_args(c, m) + extra, ROOT,
+                           env=calib_env(c, m))
         except cal.CalibrationError as e:
             if "out of VRAM" in str(e) and c.ctx > cal.MIN_CTX:
                 ui.warn(f"context {c.ctx} does not fit in this GPU's VRAM; trying {c.ctx // 2}")
@@ -631,8 +698,8 @@ def build_config(a, p: Paths, name: str, model_path: Path, c: cfgmod.Choices, m:
     return cfgmod.build(name, model_path, c, p.config_dir, host=a.host or prev.get("host", "127.0.0.1"),
                         port=a.port or prev.get("port", 8080),
                         api_key=a.api_key if a.api_key is not None else prev.get("api_key"),
-                        gpu=best_gpu(m).index if c.backend == "cuda" and m.has_gpu else None, moe=moe,
-                        previous=previous)
+                        gpu=(c.gpu if c.gpu is not None else best_gpu(m).index) if c.backend == "cuda" and m.has_gpu
+                        else None, gpus=c.gpus, moe=moe, previous=previous)
 
 
 def step_config_and_start(ui: UI, a, p: Paths, n: Needs, model_path: Path, c: cfgmod.Choices, m: Machine) -> int:
@@ -729,6 +796,15 @@ def run_update(ui: UI, a, p: Paths, m: Machine, catalog: list[CatalogModel]) -> 
                 ui.failed.append(name)
                 continue
         c = cfgmod.choices_from_args(prev.get("args", []))
+        keep, warning = gpumod.remembered(prev, m)
+        if warning:
+            ui.warn(f"{name}: {warning.replace('choosing again', 'using the card with the most VRAM')}")
+        elif keep and len(keep) > 1 and not gpumod.stages_built():
+            ui.warn(f"{name}: the config asks for GPUs {','.join(map(str, keep))}, but the worker's layer split "
+                    f"across GPUs is not built yet: it runs on one")
+            keep = None
+        if keep:
+            c.gpus, c.gpu = (keep, None) if len(keep) > 1 else (None, keep[0])
         if a.vram_reserve_mib is not None:
             c.vram_reserve_mib = a.vram_reserve_mib
         if c.backend == "cuda" and not m.has_gpu:
@@ -805,6 +881,7 @@ def run(argv: list[str] | None = None, machine: Machine | None = None, ask=None,
             return run_update(ui, a, p, m, catalog)
         n = step_model(ui, a, p, m, catalog)
         c = step_memory(ui, a, p, n, m)
+        step_gpus(ui, a, p, n, m, c)
         model_path = step_download(ui, a, p, n)
         if not n.supported:
             ui.warn(f"{n.model.name} is downloaded to {model_path} but not configured: this engine does not run "

@@ -237,7 +237,8 @@ def test_the_first_decode_step_after_a_prompt_gives_the_lent_slots_back_once():
     be.cache = NS(poll=lambda stream: calls.append("poll"))
     be.prefill = Prefill()
     be.decoder = NS(launch=lambda token, pos, pick, use_graph: calls.append(("launch", token, pos)))
-    be.step = NS(result=lambda: (7, 0))
+    be.step = NS(pick_at=lambda pos: (7, 0))
+    be._ahead = None
     be.prefill.lent = [3, 5]                 # a streamed prompt borrowed two slots
     for t in range(3):
         assert be._step(10 + t, "greedy") == (7, 0)

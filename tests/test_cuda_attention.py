@@ -1,5 +1,5 @@
-"""The decode step's attention (cuda_src/attention.cu attn_gqa_f16 / attn_gqa_i8 through engine/cuda/kv.py's
-DecodeAttention) against NumPy: fresh random caches, every output and the split buffers poisoned (NaN) before each
+"""The decode step's attention of attention.cu (attn_gqa_f16 / attn_gqa_i8 through engine/cuda/kv.py's
+DecodeAttention with split=False; the default split kernels are tests/test_cuda_attn_split.py's) against NumPy: fresh random caches, every output and the split buffers poisoned (NaN) before each
 launch, cache rows past the live positions poisoned too (NaN fp16 values, NaN int8 scales), so a row read that should
 not be read shows. Then the way decode uses it: store + attend captured once as a CUDA graph and replayed at increasing
 positions. The host-side sizing rules run without a GPU."""
@@ -124,7 +124,7 @@ def run_attend(K, dtype, hd, group, n_pos, n_kv=2, max_ctx=None, n_split=None, u
     kv = KVCache(cfg, max_ctx, dtype)
     li = 1                                            # not the first layer: the layer offsets count
     fill_cache(kv, li, n_pos, rng)
-    att = DecodeAttention(K, cfg, kv, n_split=n_split)
+    att = DecodeAttention(K, cfg, kv, n_split=n_split, split=False)
     q = (rng.standard_normal(cfg.n_head * hd) * q_gain).astype(np.float32)
     out = cp.full(cfg.n_head * hd, np.nan, dtype=cp.float32)
     att.part.fill(np.nan)
@@ -209,7 +209,7 @@ def test_graph_replayed_at_increasing_positions(K, dtype, hd, group, neox, norm,
     nq, nk = cfg.n_head * hd, n_kv * hd
     kv = KVCache(cfg, max_ctx, dtype)
     fill_cache(kv, li, max_ctx, rng)                  # earlier positions hold valid rows; each step writes its own
-    att = DecodeAttention(K, cfg, kv, fused=fused)
+    att = DecodeAttention(K, cfg, kv, fused=fused, split=False)
     qn = cp.asarray(rng.standard_normal(hd).astype(np.float32)) if norm else None
     kn = cp.asarray(rng.standard_normal(hd).astype(np.float32)) if norm else None
     ang = rng.uniform(0, 6, size=(max_ctx, n_rot // 2))

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("cupy")
 
-from engine.cuda.decode import PICKS, DecodeStep  # noqa: E402
+from engine.cuda.decode import PICKS, RING, DecodeStep  # noqa: E402
 from engine.cuda.trace import KindFilter  # noqa: E402
 
 
@@ -31,7 +31,9 @@ def _step(sampler=True):
     log = []
     st = DecodeStep.__new__(DecodeStep)
     st.stream, st.sampler, st.tracer = _Stream(), (object() if sampler else None), None
-    st.params = NS(view=[0, 0])
+    st.params = NS(view=[0, 0], push=lambda stream: log.append(("push", *st.params.view)), wait=lambda: None)
+    st.events = [NS(record=lambda stream, i=i: log.append(("event", i))) for i in range(RING)]
+    st.last_pos = -1
     st.inputs = []                  # the family's host-side inputs (set_inputs) of each launch
     st.layers = NS(set_inputs=lambda token, pos: st.inputs.append((token, pos)))
     st.prefetch = None
@@ -51,19 +53,28 @@ def test_one_graph_per_pick_mode():
 
 
 def test_launch_takes_the_picks_graph_or_launches_eagerly():
+    """launch(): the inputs copied in stream order, then the pick mode's graph (or the eager launches), then the
+    position's event; launch_next(): the same without the inputs (the step before wrote them on the device)."""
     st, log = _step()
     st.capture()
     st.launch(7, 3, "sampled")
     st.launch(8, 4)
-    assert log == [("graph", "sampled"), ("graph", "greedy")] and st.params.view == [8, 4]
+    assert log == [("push", 7, 3), ("graph", "sampled"), ("event", 3), ("push", 8, 4), ("graph", "greedy"),
+                   ("event", 0)]
     assert st.inputs == [(7, 3), (8, 4)]        # the family's host inputs before each launch (qwen4exp's PLE)
     log.clear()
+    st.launch_next(5, "sampled")
+    assert log == [("graph", "sampled"), ("event", 1)] and st.last_pos == 5
+    assert st.inputs == [(7, 3), (8, 4)]        # a step fed on the device has none (families that run ahead)
+    with pytest.raises(ValueError, match="the step after position 5 is at 6, not 8"):
+        st.launch_next(8)
+    log.clear()
     st.launch(9, 5, "sampled", use_graph=False)
-    assert log == [("eager", "sampled")]
+    assert log == [("push", 9, 5), ("eager", "sampled"), ("event", 1)]
     st.graphs = {}                              # --no-graph: nothing captured
     log.clear()
     st.launch(1, 2)
-    assert log == [("eager", "greedy")]
+    assert log == [("push", 1, 2), ("eager", "greedy")] + [("event", 2)]
 
 
 def test_the_program_runs_the_familys_phases_in_order():

@@ -124,6 +124,8 @@ def test_decode_attention_sinks_window_ring(K, dtype, n_kv, group, hd, n_swa, ch
             state[1] = pos
             out = cp.full(c.n_head * hd, np.nan, cp.float32)
             att.part.fill(np.nan)
+            if att.split:
+                att.part_ml.fill(np.nan)
             att.step(K, li, cp.asarray(q), cp.asarray(k), cp.asarray(v), None, None, rope_d, out, state, F32(scale))
             if pos % 7 and pos < n_pos - 3:       # every position is written; most are checked
                 continue
@@ -134,7 +136,8 @@ def test_decode_attention_sinks_window_ring(K, dtype, n_kv, group, hd, n_swa, ch
             assert np.isfinite(got).all(), (li, pos)
             worst = max(worst, rel(got, want))
         assert worst < tol, (li, worst)
-        assert not att.counters.get().any()
+        if not att.split:                         # attention.cu's last-block counters
+            assert not att.counters.get().any()
 
 
 @gpu

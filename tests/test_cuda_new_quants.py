@@ -47,11 +47,9 @@ def backend(model, share):
     return CUDABackend(model, CTX, CudaOptions(**opts), tracer=RouteRecorder())
 
 
-# The first files (`--routing spread`: attention gain 3) parted 0.073-0.096 on the H200 (docs/experiments.md,
-# 2026-12-02), which the rounding model reproduces with no kernel error (0.07-0.11: tools/cuda_roundings.py); at
-# new_quant_models.ATTN_GAIN it gives 0.003-0.004. Not yet run on a GPU at that gain: the backend refuses these types
-# at load (engine/cuda/quant_types.py NOT_VALIDATED) until this passes; strict, so that a pass shows here.
-@pytest.mark.xfail(strict=True, reason="not yet run on a GPU with the files of new_quant_models.ATTN_GAIN (issue 35)")
+# The first files (`--routing spread`: attention gain 3) parted 0.073-0.096 on the H200, which the rounding model
+# reproduces with no kernel error (0.07-0.11: tools/cuda_roundings.py; docs/experiments.md); at
+# new_quant_models.ATTN_GAIN it gives 0.003-0.004, and the backend passes on the H200 at all three shares.
 @pytest.mark.parametrize("share", ["all", "some", "none"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_new_quant_types_match_cpu(runs, name, share):

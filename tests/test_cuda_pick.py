@@ -128,7 +128,9 @@ class _SimSampler(GpuSampler):
 
 
 class _FakeStep:
-    """DecodeStep's surface: launch() runs the fake model on the held tokens, then the graph's pick."""
+    """DecodeStep's surface: launch() runs the fake model on the held tokens (the device's K/V: a step at pos drops
+    what lies past it), then the graph's pick and step_advance: the pick by position, and the next step's input
+    (launch_next reads it, as the embed kernel reads params)."""
 
     def __init__(self, be):
         self.be = be
@@ -137,8 +139,21 @@ class _FakeStep:
         self.words = [0, 0]
         self.launches = []
         self.prefetch = None
+        self.ring = {}                  # position -> (id, status): the mapped pick ring
+        self.inp = [0, 0]               # params: the next step's token and position
+        self.last_pos = -1
 
     def launch(self, token, pos, pick, use_graph=True):
+        self.inp = [token, pos]
+        self._run(pick)
+
+    def launch_next(self, pos, pick, use_graph=True):
+        assert pos == self.inp[1] == self.last_pos + 1
+        self.launches.append("next")
+        self._run(pick)
+
+    def _run(self, pick):
+        token, pos = self.inp
         held = self.be.held
         del held[pos:]
         held.append(token)
@@ -149,8 +164,16 @@ class _FakeStep:
             self.words[:] = [int(np.argmax(x)), int(np.isnan(self.logits).sum())]
         else:
             self.be.gpu_sampler.enqueue(None, self.logits, self.out.dptr)
+        tok, status = self.words
+        self.ring[pos] = (tok, status)                          # step_advance
+        self.inp = [tok if status == 0 and 0 <= tok < V else 0, pos + 1]
+        self.last_pos = pos
+        self.be.on_step(pos)
 
-    def result(self):
+    def pick_at(self, pos):
+        return self.ring[pos]
+
+    def result(self):                   # `out`: the last pick made, the step's or a sampler chain's after it
         return tuple(self.words)
 
 
@@ -170,14 +193,20 @@ class _FakePrefill:
         return np.stack(rows if all_logits else rows[-1:]).view(_Arr)
 
 
-def fake_cuda(monkeypatch, ring_cap=200):
-    """A CUDABackend whose step, prompt pass and sampler device are the fakes above (cp: NumPy)."""
+def fake_cuda(monkeypatch, ring_cap=200, pipelined=True):
+    """A CUDABackend whose step, prompt pass and sampler device are the fakes above (cp: NumPy); pipelined: decode
+    steps run ahead (engine/cuda/pipeline.py), as they do by default."""
     monkeypatch.setattr(lm, "cp", _Shim)
     monkeypatch.setattr(lm, "_kernel", _fake_kernel)
     monkeypatch.setattr(cuda_backend, "cp", _Shim)
     be = cuda_backend.CUDABackend.__new__(cuda_backend.CUDABackend)
     Backend.__init__(be, SimpleNamespace(config=SimpleNamespace(n_vocab=V, n_ctx_train=512)), 400)
     be.opts = SimpleNamespace(no_graph=False)
+    be.pipelined = pipelined
+    be._ahead = None
+    be._restorable = []
+    be.pipeline_counts = cuda_backend.PipelineCounts()
+    be.on_step = lambda pos: None       # the fake device ran the step at pos
     be.cache = None
     be.mem = None
     be.recurrent_state = None
@@ -333,8 +362,9 @@ def test_a_mask_limits_one_pick(monkeypatch):
 
 def test_plain_picks_stay_in_the_steps_graphs(monkeypatch):
     """Plain greedy uses the greedy graph, everything else without a mask the sampled graph (logprobs included);
-    a mask goes off the graphs (the greedy step's logits, masked on a copy)."""
-    be = fake_cuda(monkeypatch)
+    a mask goes off the graphs (the greedy step's logits, masked on a copy). (Unpipelined: a step run ahead would
+    show among the launches; tests/test_cuda_pipeline.py has those.)"""
+    be = fake_cuda(monkeypatch, pipelined=False)
     be.decode([1, 2], PickSpec())
     be.decode([3], PickSpec())
     be.decode([4], PickSpec(logprobs=3))

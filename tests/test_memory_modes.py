@@ -275,6 +275,9 @@ class FakeStep:
     def set_inputs(self, token, pos):
         self.params.view[:] = [token, pos]
 
+    def note_launch(self, pos):
+        self.calls.append(("launched", pos))
+
     def program(self, pick="greedy"):
         """DecodeStep.program's parts over the fake launches."""
         parts = [("head", -1, self.enqueue_embed)]
@@ -352,7 +355,7 @@ def test_paged_decode_stages_each_layer_before_its_experts(model):
     assert pd.launch(7, 3) == "paged"
     assert step.params.view == [7, 3]
     assert step.calls == ["embed"] + sum(([f"attn{i}", f"router{i}", f"experts{i}"] for i in range(4)), []) + \
-        ["output", "pick"]
+        ["output", "pick", ("launched", 3)]   # the step's event after its last part
     # layer 0: expert 0 read (1 is pinned); layer 1: 2 and 3; layer 2: 0 is in VRAM, 1 read; layer 3: 4 and 5
     assert cache.on_entries == [[0], [E + 2, E + 3], [2 * E + 1], [3 * E + 4, 3 * E + 5]]
     assert pd.decode_file_blobs == 6 and src.file_blobs == 6
@@ -367,7 +370,7 @@ def test_paged_decode_stages_each_layer_before_its_experts(model):
     assert pd.decode_file_blobs == 7 and src.addr(3 * E + 4) == 0 and src.addr(0) != 0
     # a sampled pick: the per-layer parts pick greedily, the sampled pick follows on the same stream
     step.calls.clear()
-    assert pd.launch(10, 6, "sampled") == "paged" and step.calls[-2:] == ["pick", "pick sampled"]
+    assert pd.launch(10, 6, "sampled") == "paged" and step.calls[-3:] == ["pick", "pick sampled", ("launched", 6)]
 
 
 def test_paged_decode_uses_the_whole_step_graph_when_everything_is_reachable(model):

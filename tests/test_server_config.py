@@ -58,7 +58,7 @@ def test_worker_flags_from_config(tmp_path, fixtures_dir):
     assert cmd[cmd.index("--ctx") + 1] == "2048" and cmd[cmd.index("--expert-profile-save") + 1] == saved
     assert cmd[cmd.index("--expert-profile-save-every") + 1] == "5"
     assert "--expert-profile" not in cmd          # nothing saved yet: the first start learns from scratch
-    assert cfg.worker_env() == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert cfg.worker_env() == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1"}
     (tmp_path / "p.bin").write_bytes(b"STRP")     # what a QUIT saved ...
     cmd = cfg.worker_command()
     assert cmd[cmd.index("--expert-profile") + 1] == saved     # ... is what the next start loads
@@ -71,10 +71,37 @@ def test_a_profile_named_in_args_wins(tmp_path, fixtures_dir):
     assert cfg.worker_command().count("--expert-profile") == 1
 
 
-def test_layer_split_is_refused_while_the_worker_has_none(tmp_path, fixtures_dir):
-    with pytest.raises(ConfigError, match="layer_split.*no layer split"):
-        validate(base(fixtures_dir, layer_split=[24, 24]), tmp_path)
-    assert "--layer-split" not in validate(base(fixtures_dir, layer_split=None), tmp_path).worker_command()
+def test_gpus_and_layer_split_reach_the_worker(tmp_path, fixtures_dir):
+    cfg = validate(base(fixtures_dir, gpus=[2, 0], layer_split=[30, 18]), tmp_path)
+    cmd = cfg.worker_command()
+    # the worker sees exactly the config's GPUs, in its order, numbered as nvidia-smi numbers them
+    assert cfg.worker_env() == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,0"}
+    assert cmd[cmd.index("--gpus") + 1] == "auto" and cmd[cmd.index("--layer-split") + 1] == "30,18"
+    auto = validate(base(fixtures_dir, gpus=[0, 1]), tmp_path).worker_command()
+    assert "--gpus" in auto and "--layer-split" not in auto          # the worker's auto split
+    one = validate(base(fixtures_dir, gpus=[1]), tmp_path)
+    assert "--gpus" not in one.worker_command() and one.worker_env()["CUDA_VISIBLE_DEVICES"] == "1"
+    single = validate(base(fixtures_dir, gpu=1), tmp_path)
+    assert single.worker_env() == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}
+    assert "--gpus" not in single.worker_command()
+    assert validate(base(fixtures_dir), tmp_path).worker_env() == {}
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(gpu=0, gpus=[0, 1]), r"'gpu' \(0\) and 'gpus' \(\[0, 1\]\) both choose the GPUs"),
+    (dict(gpus=[]), r"'gpus': expected a list of distinct GPU indices"),
+    (dict(gpus=[1, 1]), r"'gpus': expected a list of distinct GPU indices"),
+    (dict(layer_split=[24, 24]), r"'layer_split' \(\[24, 24\]\) splits the layers over several GPUs: name them"),
+    (dict(gpus=[0], layer_split=[48]), r"'layer_split' .*name them in 'gpus'"),
+    (dict(gpus=[0, 1], layer_split=[24, 12, 12]), r"one layer count >= 1 for each of the 2 GPUs"),
+    (dict(gpus=[0, 1], layer_split=[48, 0]), r"one layer count >= 1 for each of the 2 GPUs"),
+    (dict(gpus=[0, 1], args=["--gpus", "0,1"]), r"'args' has --gpus and the config sets 'gpus'"),
+    (dict(gpu=0, args=["--gpus=1"]), r"'args' has --gpus and the config sets 'gpu'"),
+    (dict(gpus=[0, 1], layer_split=[1, 1], args=["--layer-split", "1,1"]), r"'args' has --layer-split"),
+])
+def test_gpu_keys_that_disagree_are_refused(tmp_path, fixtures_dir, kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        validate(base(fixtures_dir, **kw), tmp_path)
 
 
 def test_bad_file_messages(tmp_path):

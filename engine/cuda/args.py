@@ -25,6 +25,9 @@ class CudaOptions:
     prefill_chunk: int | None = None        # prompt tokens per chunk (None: the largest that fits, 1024 and up)
     no_graph: bool = False                  # decode kernel by kernel instead of replaying the graph (debugging)
     calibrate: bool = False                 # measure the PCIe copy rate at start (INFO pcie_gbps)
+    gpus: tuple | str | None = None         # --gpus: device indices or "auto" (every one CUDA shows); None: device 0
+    layer_split: tuple | str | None = None  # --layer-split: layers per GPU, or "auto" (engine/cuda/layer_split.py)
+    show_split: bool = False                # print the split's plan and exit (a dry run)
     # --- tuning (--tune KEY=VALUE): measured defaults, docs/design.md "Decode" and "The prompt pass" ---------------
     prefetch: bool | None = None            # next-layer expert prefetch; None: on below 95% of the experts in VRAM
     prefetch_depth: int = 2                 # predict the layer after next (2) or the next one (1)
@@ -33,6 +36,7 @@ class CudaOptions:
     adapt_every: int = 32                   # decode tokens between rounds of the adaptive expert tier (0: off)
     ring: int | None = None                 # the prompt pass's own ring slots (None: borrow expert-cache slots)
     stream_min: int = 1024                  # chunks of at least this many tokens stream experts through the ring
+    pipeline: bool = True                   # launch the next decode step before reading this one's pick
     # --- tests only ---------------------------------------------------------------------------------------------
     staging_slots: int | None = None        # memory modes: staging LRU slots (None: sized from the model)
 
@@ -94,6 +98,35 @@ def _gib(v: str) -> float:
     return x
 
 
+def _gpus(v: str) -> tuple | str:
+    """--gpus auto | I[,J...]: distinct device indices >= 0."""
+    if v == "auto":
+        return v
+    try:
+        ids = tuple(int(x) for x in v.split(","))
+    except ValueError:
+        ids = ()
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"--gpus takes auto or GPU indices such as 0,1; got {v!r}")
+    if len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"--gpus {v} names a GPU twice")
+    return ids
+
+
+def _layer_split(v: str) -> tuple | str:
+    """--layer-split auto | N[,M...]: layers per GPU, each >= 1."""
+    if v == "auto":
+        return v
+    try:
+        counts = tuple(int(x) for x in v.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"--layer-split takes auto or layer counts >= 1 a GPU such as 24,24; "
+                                         f"got {v!r}")
+    return counts
+
+
 # --tune's keys: (parser of the value, what it does)
 TUNING = {
     "prefetch": (_auto_switch, "auto|on|off: decode predicts each next layer's experts and copies the ones not in "
@@ -108,6 +141,9 @@ TUNING = {
     "ring": (_at_least(2), "N: the prompt pass's own expert ring slots (default: borrow the coldest cache slots)"),
     "stream_min": (_at_least(1), "N: prompt chunks of at least N tokens stream experts through the ring; shorter "
                                  "ones read them in place (default 1024)"),
+    "pipeline": (_switch, "on|off: decode launches the next step, fed on the GPU by this step's pick, before the "
+                          "host reads and prints the pick; not with a grammar, logprobs, drafts or the memory modes, "
+                          "nor at a request's last token (default on)"),
 }
 
 
@@ -134,6 +170,24 @@ def check_cuda_args(args) -> str | None:
     if tune.get("fetch_misses") is True and tune.get("prefetch") is False:
         return ("--tune fetch_misses=on is part of the decode prefetch: drop --tune prefetch=off "
                 "(or --tune fetch_misses=on)")
+    return check_split_args(getattr(args, "gpus", None), getattr(args, "layer_split", None))
+
+
+def check_split_args(gpus, split) -> str | None:
+    """--gpus and --layer-split together: a one-line message for a combination that names no split, else None.
+    (Counts against the model's layers and indices against the PC's GPUs are checked once those are known.)"""
+    if not isinstance(split, tuple):
+        return None
+    shown = ",".join(str(n) for n in split)
+    if len(split) == 1:
+        return (f"--layer-split {shown} gives every layer to one GPU: a split takes one count a GPU, two or more "
+                f"(with --gpus naming as many), or auto")
+    if gpus is None:
+        return f"--layer-split {shown} needs --gpus naming its {len(split)} GPUs (e.g. --gpus " \
+               f"{','.join(str(i) for i in range(len(split)))})"
+    if isinstance(gpus, tuple) and len(gpus) != len(split):
+        return (f"--layer-split {shown} gives {len(split)} stages and --gpus {','.join(map(str, gpus))} names "
+                f"{len(gpus)} GPU(s): give one count a GPU")
     return None
 
 
@@ -170,6 +224,14 @@ def add_cuda_args(parser) -> None:
     g.add_argument("--calibrate-chats", default=None, metavar="FILE",
                    help="with --calibrate: a JSON list of prompts (lists of token ids, typical chats) decoded after "
                         "the timing, so the adaptive tier learns the routing; --expert-profile-save keeps it")
+    g.add_argument("--gpus", type=_gpus, default=None, metavar="auto|I,J",
+                   help="the GPUs this worker uses, by CUDA index (auto: every GPU CUDA shows; default: GPU 0); "
+                        "several split the layers (--layer-split), which is planned but not built yet")
+    g.add_argument("--layer-split", type=_layer_split, default=None, metavar="auto|N,M",
+                   help="layers per GPU of --gpus, in order (auto: from each GPU's free VRAM and measured link "
+                        "rate, balancing the step time; engine/cuda/layer_split.py)")
+    g.add_argument("--show-split", action="store_true", default=None,
+                   help="print the layer split's plan for --gpus (stages, caches, predicted step time) and exit")
     g.add_argument("--tune", action=_Tune, default=None, metavar="KEY=VALUE",
                    help="tuning and A/B switches, repeatable: " + "; ".join(f"{k}={d}" for k, (_, d) in TUNING.items())
                    .replace("%", "%%"))

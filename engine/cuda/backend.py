@@ -1,10 +1,12 @@
 """The CUDA backend (engine/backend.py's contract): weights and KV cache in VRAM, experts in a pinned host arena with
 the hottest cached in VRAM, decode steps replayed from one CUDA graph with the pick on the GPU, the prompt pass as
-tensor-core GEMMs in chunks (engine/cuda/prefill.py)."""
+tensor-core GEMMs in chunks (engine/cuda/prefill.py). Decode steps are pipelined (engine/cuda/pipeline.py): the next
+step, fed on the GPU by this one's pick, is launched before the host reads the pick."""
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 
 import cupy as cp
 import numpy as np
@@ -23,6 +25,7 @@ from engine.cuda.prefetch import wanted as prefetch_wanted
 from engine.cuda.prefill import Prefill, reserve_bytes, target_chunk
 from engine.cuda.kernels import ENGINE_FILES, Kernels
 from engine.cuda.logits_mask import masked_copy, top_logprobs
+from engine.cuda.pipeline import Ahead, DeviceCopy, PipelineCounts, watches_steps
 from engine.cuda.sampler import GpuSampler
 from engine.cuda.trace import Tracer
 from engine.profile import from_flat, load_profile, save_profile
@@ -34,6 +37,14 @@ STEP_HEADROOM = 64 * MiB        # the prompt pass's scratch beyond what is alloc
 
 def _log(msg: str) -> None:
     print(f"strata cuda: {msg}", file=sys.stderr, flush=True)
+
+
+def _host_inputs(layers) -> bool:
+    """Whether a family's decode layers compute a step's inputs on the host from its token (they override the
+    plain layers' set_inputs, e.g. qwen4exp's n-gram rows): such a step cannot be launched before the pick is read."""
+    from engine.cuda.families.moe import MoeDecode
+    own = getattr(type(layers), "set_inputs", None)
+    return own is not None and own is not getattr(MoeDecode, "set_inputs", None)
 
 
 class CUDABackend(Backend):
@@ -64,6 +75,10 @@ class CUDABackend(Backend):
         self.stats = ExpertStats()
         self._tokens_since_adapt = 0
         self._kv_high = 0           # the most positions written since the cache was last empty (truncate)
+        self.pipelined = False      # decode steps run ahead (engine/cuda/pipeline.py): set once the step is built
+        self._ahead: Ahead | None = None        # the step launched ahead, not yet kept or discarded
+        self._restorable: list = []             # DeviceCopy of what a step changes besides K/V
+        self.pipeline_counts = PipelineCounts()
         self._last_save = time.monotonic()
         pool = cp.get_default_memory_pool()
         free0, total = cp.cuda.runtime.memGetInfo()
@@ -75,6 +90,13 @@ class CUDABackend(Backend):
                 self.kv = fam.kv_cache(max_context, opts.kv, target_chunk(opts, max_context), log)
                 self.rope = cp.asarray(fam.rope_table(max_context))
                 self.recurrent_state = fam.recurrent_state(self.stream)
+                # a step run ahead must leave the recurrent state restorable: a spare of its one device buffer
+                # (`mem`), allocated before the expert cache takes the free VRAM (the memory modes never pipeline)
+                state_copy = None
+                if self.recurrent_state is not None and opts.pipeline and not opts.mmap_experts \
+                        and opts.resident_budget_gib is None:
+                    mem = getattr(self.recurrent_state, "mem", None)
+                    state_copy = DeviceCopy(mem, self.stream) if mem is not None else False
                 self.layout = blob_layout(model) if cfg.is_moe else None
                 if self.layout:
                     fam.check_experts(self.layout)
@@ -96,6 +118,7 @@ class CUDABackend(Backend):
                         self.mem.attach_cache(model, self.arena, self.cache, self.stream, opts, log)
                 self.gpu_sampler = GpuSampler(self.kernels, cfg.n_vocab, max_context + 1, self.stream)
                 self._build_step()
+                self._plan_pipeline(state_copy)
                 self.stream.synchronize()
         except cp.cuda.memory.OutOfMemoryError as e:
             self.close()
@@ -181,6 +204,32 @@ class CUDABackend(Backend):
                                ring_device=self.mem.ring_device if self.mem else None)
         self.decoder = self.mem.paged_decode(self.step, use_graphs=not opts.no_graph) if self.mem else self.step
 
+    def _plan_pipeline(self, state_copy):
+        """Pipelined decode unless --tune pipeline=off, a memory mode (its per-layer path waits on the host for each
+        layer's routing), a tracer that follows each step's launch and read in turn, or a recurrent state that cannot
+        be restored (state_copy False; None: no recurrent state)."""
+        self.pipelined = bool(self.opts.pipeline) and self.mem is None and not watches_steps(self.tracer)
+        if self.pipelined and not self.family.run_ahead:
+            self.pipelined = False
+            self.log(f"decode pipeline off: the {self.family.name} family's steps are not yet held to the "
+                     f"unpipelined ones on a GPU (engine/cuda/families/{self.family.name}.py run_ahead)")
+        if self.pipelined and state_copy is False:
+            self.pipelined = False
+            self.log(f"decode pipeline off: {type(self.recurrent_state).__name__} keeps its state in no single "
+                     f"device buffer (`mem`) that a discarded step could be undone from")
+        if self.pipelined and _host_inputs(self.step.layers):
+            self.pipelined = False
+            self.log(f"decode pipeline off: {type(self.step.layers).__name__} gives each step host-side inputs from "
+                     f"its token (set_inputs), which a step fed on the GPU cannot have")
+        if not self.pipelined:
+            return
+        keep = [state_copy] if state_copy is not None else []
+        if self.cache is not None:
+            keep.append(DeviceCopy(self.cache.stats, self.stream))          # DONE's hits and lookups
+        if self.step.prefetch is not None:
+            keep.append(DeviceCopy(self.step.prefetch.stats, self.stream))
+        self._restorable = keep
+
     def _prefill_scratch_bytes(self) -> int:
         stride = self.layout.stride if self.layout else 0
         return reserve_bytes(self.config, stride, self.config.n_layer * self.config.n_expert,
@@ -231,6 +280,7 @@ class CUDABackend(Backend):
         KV ring (gpt-oss, kv.py) keeps only `spare` rows beyond its window, so after positions more than that past n
         were written the window before n is gone: the cache then restarts empty (n_cached 0) and the session feeds
         the prompt again."""
+        self._settle()
         if self.recurrent and n not in (0, self.n_cached):
             raise ValueError(f"cannot truncate to {n} of {self.n_cached}: a recurrent state cannot be rewound; "
                              f"restore_state() a snapshot taken at or before {n}, or truncate(0)")
@@ -253,11 +303,13 @@ class CUDABackend(Backend):
         return self.recurrent_state.nbytes if self.recurrent else 0
 
     def snapshot_state(self) -> RecurrentSnapshot:
+        self._settle()
         if not self.recurrent:
             return super().snapshot_state()
         return RecurrentSnapshot(self.n_cached, self.recurrent_state.nbytes, self.recurrent_state.snapshot())
 
     def restore_state(self, snap: RecurrentSnapshot) -> None:
+        self._settle()
         super().restore_state(snap)
         if self.recurrent:
             self.recurrent_state.restore(snap.data)
@@ -267,6 +319,7 @@ class CUDABackend(Backend):
             raise ValueError(f"{self.n_cached} cached + {n} new tokens exceed the context of {self.max_context}")
 
     def _prefill(self, tokens, all_logits: bool) -> cp.ndarray:
+        self._settle()
         self._room(len(tokens))
         out = []
         step = self.prompt_chunk_size()
@@ -301,14 +354,17 @@ class CUDABackend(Backend):
         greedy, else engine/cuda/sampler.py's chain (engine/sampling.py's chain and kept sets, its own seeded random
         source) from the state GpuSampler.prepare keeps in step with the spec. After a prompt chunk, or with a mask,
         it is made from the logits left in VRAM (_pick_from_logits). Log-probabilities are read from the logits the
-        pick saw (masked when there was a mask). A window (all_positions) is one step a token for now."""
+        pick saw (masked when there was a mask). A window (all_positions) is one step a token for now, none run
+        ahead (the next one is fed a draft, not the pick)."""
         tokens = decode_tokens(tokens, spec, all_positions)
         if all_positions and len(tokens) > 1:
-            return [self.decode([t], spec.after(tokens[:i]))[0] for i, t in enumerate(tokens)]
+            self._settle()          # a window runs nothing ahead, and whatever runs it starts from n_cached
+            return [self.decode([t], replace(spec.after(tokens[:i]), more=False))[0] for i, t in enumerate(tokens)]
         pick = "greedy" if spec.params.plain_greedy else "sampled"
         if len(tokens) == 1 and spec.mask is None:
             tok, status, logits = self._pick_in_step(tokens[0], spec, pick)
         else:
+            self._settle()
             tok, status, logits = self._pick_from_logits(tokens, spec, pick)
         refuse(status, masked=spec.mask is not None)
         if spec.logprobs is None:
@@ -318,14 +374,68 @@ class CUDABackend(Backend):
         return [Pick(tok, lp, tuple(top))]
 
     def _pick_in_step(self, token: int, spec: PickSpec, pick: str) -> tuple[int, int, cp.ndarray]:
-        """One step with its own pick; (id, status, the step's logits)."""
-        if pick == "sampled":
-            with self.stream:
-                self.gpu_sampler.prepare(spec, [token])
-        tok, status = self._step(token, pick)
+        """One step with its own pick; (id, status, the step's logits). The step is the one run ahead when that
+        assumed this call (_keeps), else launched now; then, when the spec allows (_may_run_ahead), the next step
+        is launched before this one's pick is read."""
+        pos = self.n_cached
+        if not self._keeps(token, pos, pick, spec):
+            self._settle()
+            if pick == "sampled":
+                with self.stream:
+                    self.gpu_sampler.prepare(spec, [token])
+            self._launch(token, pos, pick)
+        if self._may_run_ahead(spec):
+            self._run_ahead(pos + 1, pick)
+        tok, status = self._read(token, pos)
         if pick == "sampled":
             self.gpu_sampler.picked(tok, status)
+        if self._ahead is not None:
+            if status:
+                self._settle()          # fed a failed pick: discarded before the refusal
+            else:
+                self._ahead.token = tok
         return tok, status, self.step.logits
+
+    # --- the pipeline (engine/cuda/pipeline.py) --------------------------------------------------------------
+    def _keeps(self, token: int, pos: int, pick: str, spec: PickSpec) -> bool:
+        """Whether the step run ahead is this call's: at pos, fed this token, in this pick mode, and (sampled)
+        from the device state this spec needs, which GpuSampler.picked followed. Kept: it is no longer ahead."""
+        a = self._ahead
+        if a is None or a.pos != pos or a.token != token or a.pick != pick:
+            return False
+        if pick == "sampled" and self.gpu_sampler.state_for(spec, [token]) != self.gpu_sampler.held:
+            return False
+        self._ahead = None
+        self.pipeline_counts.kept += 1
+        return True
+
+    def _may_run_ahead(self, spec: PickSpec) -> bool:
+        """The next step may be launched now: the caller expects one (spec.more: not the request's last token, no
+        grammar), this pick's logits need not outlive the next step (no logprobs), and the context has room."""
+        return (self.pipelined and spec.more and spec.logprobs is None and spec.mask is None and not spec.drafts
+                and self.n_cached + 2 <= self.max_context)
+
+    def _run_ahead(self, pos: int, pick: str) -> None:
+        """Launch the step at pos, fed on the device by the pick of the step at pos - 1, with what it changes
+        besides K/V copied aside first."""
+        for r in self._restorable:
+            r.save()
+        self._launch(None, pos, pick)
+        self._ahead = Ahead(pos, pick)
+        self.pipeline_counts.ahead += 1
+
+    def _settle(self) -> None:
+        """Discard the step run ahead, if any (pipeline.py: it leaves no trace); nothing waits for it."""
+        a = self._ahead
+        if a is None:
+            return
+        self._ahead = None
+        self._kv_high = max(self._kv_high, a.pos + 1)       # its K/V row was written (a window ring lost one)
+        for r in self._restorable:
+            r.restore()
+        if a.pick == "sampled":
+            self.gpu_sampler.held = None        # its pick advanced the device's RNG counter and penalty window
+        self.pipeline_counts.discarded += 1
 
     def _pick_from_logits(self, tokens, spec: PickSpec, pick: str) -> tuple[int, int, cp.ndarray]:
         """The prompt pass's last row, or a greedy step's logits (its own argmax unused), masked on a copy
@@ -352,16 +462,29 @@ class CUDABackend(Backend):
         """One decode step: `token` at the next position through every layer, then the step's pick ("greedy": the
         argmax; "sampled": the GPU sampler's chain from the state it holds). Returns (id, status) as the step wrote
         them (status: the NaN count, or -1 when every logit was -inf; engine/sampling.py refuse reads it)."""
-        self._room(1)
+        self._settle()
+        pos = self.n_cached
+        self._launch(token, pos, pick)
+        return self._read(token, pos)
+
+    def _launch(self, token: int | None, pos: int, pick: str) -> None:
+        """Enqueue the step at pos fed `token` (None: fed on the device by the step before, launched ahead)."""
+        if token is not None:
+            self._room(1)               # (a step run ahead: _may_run_ahead checked its room)
         if self.cache is not None:
             if self.prefill.lent:                   # the first step after a streamed prompt ends it: once
                 self.prefill.give_back(self.stream)     # the ring's lent cache slots back
             self.cache.poll(self.stream)            # the adaptive tier's landed swaps into the table
-        pos = self.n_cached
         self.tracer.before_step(self)
-        self.decoder.launch(token, pos, pick, use_graph=not self.opts.no_graph)
+        if token is None:
+            self.step.launch_next(pos, pick, use_graph=not self.opts.no_graph)
+        else:
+            self.decoder.launch(token, pos, pick, use_graph=not self.opts.no_graph)
         self.tracer.launched(self)
-        tok, nan = self.step.result()
+
+    def _read(self, token: int, pos: int) -> tuple[int, int]:
+        """The pick of the step at pos (fed `token`), waiting for that step alone; the position advances."""
+        tok, nan = self.step.pick_at(pos)
         self.tracer.after_step(self, token, pos)
         self.n_cached += 1
         self._tick()
@@ -371,14 +494,20 @@ class CUDABackend(Backend):
         if self.cache is None:
             return
         self._tokens_since_adapt += 1
-        if self.opts.adapt_every and self._tokens_since_adapt >= self.opts.adapt_every:
-            self._tokens_since_adapt = 0
-            self.cache.adapt(self.stream)
+        cache = self.cache
+        if self.opts.adapt_every:       # a round in two halves that wait for nothing (expert_cache.py)
+            if cache.counts_taken:
+                if cache.counts_landed():
+                    cache.adapt_finish(self.stream)
+            elif self._tokens_since_adapt >= self.opts.adapt_every:
+                self._tokens_since_adapt = 0
+                cache.adapt_start(self.stream)
         every = self.opts.expert_profile_save_every
         if self.opts.expert_profile_save and every and time.monotonic() - self._last_save > every * 60:
             self.save_profile()
 
     def save_profile(self, path=None):
+        self._settle()
         path = path or self.opts.expert_profile_save
         if self.cache is None or not path:
             return
@@ -388,6 +517,7 @@ class CUDABackend(Backend):
         self._last_save = time.monotonic()
 
     def reset_stats(self) -> None:
+        self._settle()
         self.stats = ExpertStats()
         if self.cache is not None:
             self.cache.reset_stats(self.stream)
@@ -402,6 +532,7 @@ class CUDABackend(Backend):
         return self.family.request_info()
 
     def get_stats(self) -> ExpertStats:
+        self._settle()
         if self.cache is None:
             return ExpertStats()
         hits, lookups = self.cache.read_stats(self.stream)
@@ -413,6 +544,7 @@ class CUDABackend(Backend):
     def prefetch_stats(self):
         """engine/cuda/prefetch.py's PrefetchStats since the last reset_stats(), or None when the step does not
         prefetch."""
+        self._settle()
         prefetch = self.step.prefetch if self.step is not None else None
         return prefetch.read_stats() if prefetch is not None else None
 
@@ -421,6 +553,7 @@ class CUDABackend(Backend):
         props = cp.cuda.runtime.getDeviceProperties(dev.id)
         out = {"gpu": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
                "kv": self.kv.dtype, "graph": "off" if self.opts.no_graph else "on",
+               "pipeline": "on" if self.pipelined else "off",
                "vram_free_mib": int(self.vram_free_mib), "embed": self.weights.tok_embd.where}
         if self.cache is not None:
             out.update(expert_slots=self.cache.n_slots, experts_total=self.cache.n_total,
@@ -447,6 +580,8 @@ class CUDABackend(Backend):
 
     def close(self) -> None:
         try:
+            if self.step is not None:
+                self._settle()
             if self.opts.expert_profile_save and getattr(self, "cache", None) is not None:
                 self.save_profile()
         finally:

@@ -1,7 +1,13 @@
 """One decode step (one token through every layer, the next token picked on the GPU) as a fixed sequence of kernel
 launches, captured as CUDA graphs and replayed. Nothing that changes between steps is a kernel argument: the token and
-position are read from mapped pinned memory by the first kernel, the experts through the pointer table, so the same
-graph serves every step and every cache state (docs/design.md, "Decode").
+position are read from device memory (`params`) by the first kernel, the experts through the pointer table, so the
+same graph serves every step and every cache state (docs/design.md, "Decode").
+
+The step's last launch (step_advance) publishes the pick in a ring of mapped pinned slots, one per position mod RING,
+and writes it with the next position into `params`: the next step may be launched before the host has read this
+one's pick (launch_next; the backend's pipeline), and the host reads a step's pick after that step's own event
+(pick_at), never waiting for the steps queued behind it. The host gives a step's inputs itself (launch, set_inputs)
+as a stream-ordered copy, so it never writes what a queued step is about to read.
 
 The step is built with its collaborators (weights, KV cache, expert cache, family, prefetch plan) and changes none
 of them afterwards. What each layer launches is the family's decode program (engine/cuda/families/: `layers`); the
@@ -25,6 +31,35 @@ import cupy as cp
 from engine.cuda.launch import I32, Launcher, MappedInts, ptr, skipped
 
 PICKS = ("greedy", "sampled")
+RING = 4            # pick slots (and step events): a step's pick stays readable while the one launched after it runs
+
+
+class StepInputs:
+    """The token and position the next step reads (int32[2] in VRAM, `dptr` for the embed kernel): written by the
+    previous step's step_advance, or by the host through `view` and push(): a copy from pinned memory ordered on the
+    stream. Before `view` is written again the previous copy must have run (wait(), normally long done: every step
+    launched with host inputs has its pick read before the next is)."""
+
+    def __init__(self, stream):
+        with stream:
+            self.dev = cp.zeros(2, dtype=cp.int32)
+        self.dptr = ptr(self.dev)
+        self.host = MappedInts(2)
+        self.view = self.host.view
+        self.copied = cp.cuda.Event(disable_timing=True)
+        self.copied.record(stream)
+
+    def wait(self) -> None:
+        self.copied.synchronize()
+
+    def push(self, stream) -> None:
+        cp.cuda.runtime.memcpyAsync(int(self.dptr), self.host.hptr, 8, cp.cuda.runtime.memcpyHostToDevice,
+                                    stream.ptr)
+        self.copied.record(stream)
+
+    def close(self):
+        self.host.close()
+        self.dev = None
 
 
 class DecodeStep:
@@ -53,8 +88,13 @@ class DecodeStep:
             self.logits = f32(c.n_vocab)
             self.state = cp.zeros(8, dtype=cp.int32)
             self.counter = cp.zeros(1, dtype=cp.int32)          # router_fused's "last block" counter
-        self.params = MappedInts(2)     # token, position: read by the embed kernel and attention
-        self.out = MappedInts(2)        # the pick: id, NaN count (or -1: every logit -inf)
+            self.pick = cp.zeros(2, dtype=cp.int32)            # the step's pick: id, NaN count (or -1: all -inf)
+        self.params = StepInputs(stream)    # token, position: read by the embed kernel (then from state)
+        self.pick_ring = MappedInts(2 * RING)   # the picks by position mod RING (step_advance), read by pick_at
+        self.events = [cp.cuda.Event(disable_timing=True) for _ in range(RING)]    # recorded after each step
+        self.last_pos = -1                  # the position of the step launched last
+        self.out = MappedInts(2)        # the last pick made: the last step's (step_advance), or a sampler chain's
+                                        # on other logits (the masked pick's) written there: result() reads it
         self.graphs: dict = {}          # pick mode -> captured graph
         self.tracer = None              # the tracer of the enqueue in progress (record / enqueue)
         self.layers = family.decode_layers(self, recurrent)    # its buffers, its kernels compiled now
@@ -115,13 +155,16 @@ class DecodeStep:
             self.tracer = None
 
     def enqueue_pick(self, pick: str = "greedy"):
-        """The next token from self.logits into self.out: the argmax ("greedy"), or the GPU sampler's penalties /
-        top_k / top_p / min_p / temperature and seeded draw ("sampled")."""
+        """The next token from self.logits into self.pick: the argmax ("greedy"), or the GPU sampler's penalties /
+        top_k / top_p / min_p / temperature and seeded draw ("sampled"); then step_advance publishes it (the ring
+        slot of this step's position) and makes it the next step's input."""
         if pick == "sampled":
-            self.sampler.enqueue(self.kernel, self.logits, self.out.dptr)
-            return
-        self.kernel("argmax_word")((264,), (256,), (ptr(self.logits), I32(self.cfg.n_vocab), ptr(self.state)))
-        self.kernel("argmax_finish")((1,), (1,), (ptr(self.state), self.out.dptr))
+            self.sampler.enqueue(self.kernel, self.logits, ptr(self.pick))
+        else:
+            self.kernel("argmax_word")((264,), (256,), (ptr(self.logits), I32(self.cfg.n_vocab), ptr(self.state)))
+            self.kernel("argmax_finish")((1,), (1,), (ptr(self.state), ptr(self.pick)))
+        self.kernel("step_advance")((1,), (1,), (ptr(self.state), ptr(self.pick), self.params.dptr,
+                                                 self.pick_ring.dptr, self.out.dptr, I32(RING), I32(self.cfg.n_vocab)))
 
     # --- running ---------------------------------------------------------------------------------------------
     def picks(self) -> tuple[str, ...]:
@@ -145,25 +188,52 @@ class DecodeStep:
         self.graphs = {pick: self.record(pick) for pick in self.picks()}
 
     def set_inputs(self, token: int, pos: int) -> None:
-        """The token and position the next launch reads (mapped host memory: no copy, read by the embed kernel and
-        attention)."""
-        self.params.view[0], self.params.view[1] = token, pos
-        self.layers.set_inputs(token, pos)      # the family's host-side inputs of the step (qwen4exp: its PLE rows)
+        """The token and position the next launch reads, copied in stream order (StepInputs.push); then the family's
+        host-side inputs of the step (qwen4exp: its PLE rows; a family with those does not run ahead)."""
+        self.params.wait()
+        v = self.params.view
+        v[0], v[1] = token, pos
+        self.params.push(self.stream)
+        self.last_pos = pos
+        self.layers.set_inputs(token, pos)
 
     def launch(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True):
-        """Enqueue the whole step, its graph for this pick mode or the launches one by one; result() waits for it.
-        (The memory modes' PagedDecode.launch runs it part by part while some expert has no address the GPU can
-        read.)"""
+        """Enqueue the whole step, its graph for this pick mode or the launches one by one; pick_at(pos) or
+        result() waits for it. (The memory modes' PagedDecode.launch runs it part by part while some expert has no
+        address the GPU can read.)"""
         self.set_inputs(token, pos)
+        self._run(pick, use_graph, pos)
+
+    def launch_next(self, pos: int, pick: str = "greedy", use_graph: bool = True):
+        """Enqueue the step after the last one launched, fed on the device by that step's pick (step_advance wrote
+        it and pos into params): nothing waits for the host. pos: that position, for pick_at."""
+        if pos != self.last_pos + 1:
+            raise ValueError(f"the step after position {self.last_pos} is at {self.last_pos + 1}, not {pos}")
+        self._run(pick, use_graph, pos)
+
+    def _run(self, pick: str, use_graph: bool, pos: int):
         graph = self.graphs.get(pick) if use_graph else None
         if graph is not None:
             graph.launch(self.stream)
         else:
             with self.stream:
                 self.enqueue(pick)
+        self.note_launch(pos)
+
+    def note_launch(self, pos: int) -> None:
+        """The step at pos is enqueued (its last launch, step_advance, included): its event follows it."""
+        self.events[pos % RING].record(self.stream)
+        self.last_pos = pos
+
+    def pick_at(self, pos: int) -> tuple[int, int]:
+        """(picked id, NaN count) of the step at pos, one of the last RING launched; waits for that step only."""
+        self.events[pos % RING].synchronize()
+        v, i = self.pick_ring.view, 2 * (pos % RING)
+        return int(v[i]), int(v[i + 1])
 
     def result(self) -> tuple[int, int]:
-        """(picked id, NaN count) of the last launched step; waits for it."""
+        """(picked id, NaN count) of the last pick enqueued (the last launched step's, or a sampler chain's into
+        `out` after it); waits for everything enqueued."""
         self.stream.synchronize()
         return int(self.out.view[0]), int(self.out.view[1])
 
@@ -171,4 +241,5 @@ class DecodeStep:
         self.graphs = {}
         self.prefetch = self.sampler = None
         self.params.close()
+        self.pick_ring.close()
         self.out.close()

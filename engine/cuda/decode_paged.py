@@ -52,7 +52,7 @@ class PagedDecode:
     # --- one step --------------------------------------------------------------------------------------------
     def launch(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True) -> str:
         """Enqueue one step (in place of DecodeStep.launch); returns "graph" or "paged". The caller waits with
-        step.result()."""
+        step.pick_at(pos) or step.result()."""
         st = self.step
         if self.cache.reachable():
             st.launch(token, pos, pick, use_graph)
@@ -66,6 +66,7 @@ class PagedDecode:
             self._run(graphs, s)
             if pick != "greedy":        # the per-layer parts pick greedily: the sampled pick follows, stream-ordered
                 st.enqueue_pick(pick)
+        st.note_launch(pos)
         self.paged_steps += 1
         return "paged"
 

@@ -12,6 +12,11 @@ In the memory modes (`source`: engine/cuda/expert_source.py) an expert outside V
 staging slot while the staging LRU holds it, or unreachable (entry 0; the paged decode step stages it first). The
 tier then swaps in only experts reachable from pinned memory (the hot ones were staged when they were routed).
 
+Decode runs a round in two halves so that it never waits for the GPU (a wait there would idle the GPU while the host
+chooses swaps, with the next step already queued behind the pipelined one): adapt_start copies the counts into
+pinned host memory and zeroes them, ordered on the stream; a later token's adapt_finish, once that copy has landed
+(counts_landed), makes the round from them. adapt() and take_counts() add a started round's counts to theirs.
+
 Lending (the streamed prompt pass's ring, engine/cuda/prefill.py): `lend` takes slots out of the cache,
 free ones first, then the coldest occupied ones (never one a pending swap is filling); their experts' entries go
 back to their home addresses on the main stream before the ring's copy stream may write the slots (the ring waits
@@ -105,6 +110,10 @@ class ExpertCache:
         self.swaps = 0
         self.bytes_swapped = 0
         self.source = None            # ExpertSource in the memory modes (set_source)
+        import cupyx
+        self._counts_host = cupyx.empty_pinned((self.n_total,), dtype=np.int32)   # adapt_start's copy
+        self._counts_ev = cp.cuda.Event(disable_timing=True)
+        self.counts_taken = False     # adapt_start's counts are in _counts_host (or on their way) for adapt_finish
 
     def _make_slots(self, per_pool):
         """Slot numbers pool by pool (ascending stride); slot_addr is relative to the slots' base until __init__
@@ -236,16 +245,43 @@ class ExpertCache:
 
     # --- the adaptive tier -----------------------------------------------------------------------------------
     def take_counts(self, stream) -> np.ndarray:
+        """The routing counted since they were last taken (a started round's included), zeroed on the device."""
         with stream:
             c = self.counts.get(stream=stream)
             self.counts.fill(0)
         stream.synchronize()
-        return c
+        return c + self._taken_counts() if self.counts_taken else c
+
+    def adapt_start(self, stream) -> None:
+        """A round's first half: the counts copied to pinned host memory and zeroed, after everything on `stream`;
+        nothing waits (adapt_finish makes the round once counts_landed())."""
+        if self.counts_taken:
+            return
+        cp.cuda.runtime.memcpyAsync(self._counts_host.ctypes.data, self.counts.data.ptr, self.counts.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        cp.cuda.runtime.memsetAsync(self.counts.data.ptr, 0, self.counts.nbytes, stream.ptr)
+        self._counts_ev.record(stream)
+        self.counts_taken = True
+
+    def counts_landed(self) -> bool:
+        return self.counts_taken and self._counts_ev.done
+
+    def _taken_counts(self) -> np.ndarray:
+        self._counts_ev.synchronize()
+        self.counts_taken = False
+        return self._counts_host.astype(np.int32)
+
+    def adapt_finish(self, stream) -> int:
+        """A round's second half, from adapt_start's counts (waiting for their copy if it has not landed)."""
+        self.poll(stream)
+        return self._round(self._taken_counts(), stream)
 
     def adapt(self, stream) -> int:
         """One round: decay heat, add new counts, start swaps. Returns the number of swaps started."""
         self.poll(stream)
-        c = self.take_counts(stream)
+        return self._round(self.take_counts(stream), stream)
+
+    def _round(self, c, stream) -> int:
         self.heat *= DECAY
         self.heat += c
         if self._pending is not None or self.n_slots == 0:

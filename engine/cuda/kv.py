@@ -183,13 +183,77 @@ class AttnVariant:
 PLAIN = AttnVariant()
 
 
+# cuda_src/attn_split.cu (flash-decoding on tensor cores; keep in step with the #defines there)
+AS_CMIN = 128             # fewest keys a chunk
+AS_MAX_CHUNKS = 128
+AS_MAX_ROWS = 64          # n_q * G query rows per KV head
+AS_MAX_WARPS = 8
+AS_MAX_NQ = 8             # query tokens per launch (speculative verify windows)
+# The decode attention's kernels: attn_split.cu's (True) or attention.cu's attn_gqa_* (False; bench.attn_decode's
+# "old" side). Measured at 32K on the H200: see docs/experiments.md "Flash-decoding".
+SPLIT_ATTN = True
+
+
+def split_tile(head_dim: int) -> int:
+    """Keys per tile of attn_split.cu (AS_BN)."""
+    return 32 if head_dim > 128 else 64
+
+
+def split_warps(group: int, n_q: int, head_dim: int) -> tuple[int, int]:
+    """(m-tiles, warps per m-tile) of an attn_split block: a warp per 8 query rows (its 16-row mma tile holds each
+    row's fp16 hi and lo parts), and up to 4 warps in all sharing each tile's 16-key slices when the rows are few."""
+    rows = n_q * group
+    if not 1 <= rows <= AS_MAX_ROWS:
+        raise ValueError(f"the split decode attention takes 1 to {AS_MAX_ROWS} query rows per KV head "
+                         f"(n_q * group = {n_q} * {group})")
+    mt = -(-rows // 8)
+    ks = max(1, min(4 // mt, split_tile(head_dim) // 16))
+    return mt, ks
+
+
+def split_chunks(n_head_kv: int, max_ctx: int, n_sm: int, per_sm: int = 2) -> int:
+    """Most chunks per KV head (the grid's second dimension; the device uses as many as the position needs, each at
+    least AS_CMIN keys): one wave of blocks at long contexts (per_sm blocks an SM fit), never more than the context
+    has AS_CMIN spans."""
+    return max(1, min(AS_MAX_CHUNKS, -(-per_sm * n_sm // n_head_kv), -(-max_ctx // AS_CMIN)))
+
+
+SM_SMEM = 233472          # shared memory an H100 / H200 SM holds (228 KiB), of which 1 KiB a block is reserved
+
+
+def split_per_sm(smem: int) -> int:
+    """attn_split blocks an SM holds by shared memory (registers and threads allow 4 at 4 warps a block)."""
+    return max(1, min(4, SM_SMEM // (smem + 1024)))
+
+
+def split_range(P0: int, n_q: int, n_swa: int, max_chunks: int, head_dim: int) -> tuple[int, int, int, int]:
+    """attn_split.cu's as_range, for the host (bench, tests): the window at position P0 reads keys kb .. kend - 1 in
+    n chunks of clen keys (whole tiles; the last may be shorter). (kb, kend, clen, n)."""
+    bn = split_tile(head_dim)
+    kb = max(0, P0 - n_swa + 1) if n_swa > 0 else 0
+    kend = P0 + n_q
+    span = kend - kb
+    n = min(max_chunks, max(1, -(-span // AS_CMIN)))
+    clen = -(-(-(-span // n)) // bn) * bn
+    return kb, kend, clen, -(-span // clen)
+
+
+def split_module(head_dim: int):
+    """attn_split.cu built for this head dim (compile-time in its mma loops)."""
+    from engine.cuda import kernels as loader
+    return loader.load("attn_split", {"AS_HD": head_dim})
+
+
 class DecodeAttention:
     """The decode step's attention over a KVCache, for one token at position state[1]: `step` norms and rotates q
-    and k, writes K/V there and attends, in one launch (fused) or two (`store`, then `attend`). Buffers are sized
-    once from max_ctx; the position is read on the device, so a captured graph serves every step."""
+    and k, writes K/V there and attends, in one launch (fused) or two (`store`, then `attend`); `attend` also takes a
+    window of n_q <= n_q_max tokens at consecutive positions (causal among them). Buffers are sized once from max_ctx;
+    the position is read on the device, so a captured graph serves every step.
+    split (default SPLIT_ATTN): attn_split.cu, chunks over the sequence merged by attn_split_reduce (n_split: the
+    most chunks a KV head); else attention.cu's attn_gqa_* (n_split: its splits; n_q 1 only)."""
 
     def __init__(self, kernels, cfg, kv: KVCache, n_split: int | None = None, fused: bool | None = None,
-                 variant: AttnVariant = PLAIN):
+                 variant: AttnVariant = PLAIN, n_q_max: int = 1, split: bool | None = None):
         G = cfg.n_head // cfg.n_head_kv
         if cfg.n_head % cfg.n_head_kv or not 1 <= G <= AT_MAX_G:
             raise ValueError(f"the CUDA decode attention takes 1 to {AT_MAX_G} q heads per KV head "
@@ -198,6 +262,16 @@ class DecodeAttention:
             raise ValueError(f"the CUDA decode attention needs head_dim a multiple of 32, <= 256 "
                              f"(this model: {cfg.head_dim}); use --backend cpu")
         self.cfg, self.kv, self.group = cfg, kv, G
+        self.split = SPLIT_ATTN if split is None else split
+        self.fused = variant.fused_only or (FUSED_STORE if fused is None else fused)
+        self.variant = variant
+        self.n_q_max = n_q_max
+        dt = "f16" if kv.dtype == "f16" else "i8"
+        if self.split:
+            self._init_split(kernels, cfg, kv, n_split, n_q_max, dt)
+            return
+        if n_q_max != 1:
+            raise ValueError("attention.cu's attn_gqa_* take one query token; windows need split=True")
         if n_split is None:
             n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
             n_split = attn_splits(cfg.n_head_kv, kv.max_ctx, n_sm)
@@ -206,16 +280,99 @@ class DecodeAttention:
         self.n_split = n_split
         self.block = attn_block(G)
         self.smem = attn_smem(kv.dtype, G, cfg.head_dim)
-        self.fused = variant.fused_only or (FUSED_STORE if fused is None else fused)
-        self.name = "attn_gqa_f16" if kv.dtype == "f16" else "attn_gqa_i8"
-        self.name_fused = f"attn_gqa_rope{variant.suffix}_{'f16' if kv.dtype == 'f16' else 'i8'}"
-        self.variant = variant
+        self.name = f"attn_gqa_{dt}"
+        self.name_fused = f"attn_gqa_rope{variant.suffix}_{dt}"
         self.part = cp.zeros(cfg.n_head * n_split * (cfg.head_dim + 2), dtype=cp.float32)
         self.counters = cp.zeros(cfg.n_head_kv, dtype=cp.int32)
         # past 48 KiB (head_dim 256) a block must opt in; set before any capture, harmless below
         kernels(self.name).max_dynamic_shared_size_bytes = self.smem
         kernels(self.name_fused).max_dynamic_shared_size_bytes = self.smem
         kernels("qk_rope_store" if kv.dtype == "f16" else "qk_rope_store_kv8")     # loaded now, not mid-capture
+
+    def _init_split(self, kernels, cfg, kv, n_split, n_q_max, dt) -> None:
+        if not 1 <= n_q_max <= AS_MAX_NQ:
+            raise ValueError(f"n_q_max must be 1..{AS_MAX_NQ}, got {n_q_max}")
+        split_warps(self.group, n_q_max, cfg.head_dim)           # the widest window fits (or a clear error)
+        mod = split_module(cfg.head_dim)
+        sfx, hd = self.variant.suffix, cfg.head_dim
+        self.fn = mod.get_function(f"attn_split{sfx}_{dt}")
+        self.fn_fused = mod.get_function(f"attn_split_rope{sfx}_{dt}")
+        self.fn_reduce = mod.get_function("attn_split_reduce")
+        # into the engine's table under names with the build's head dim, so the step launches them as its own (a
+        # tracer's kind filter sees them: bench.decode's profile) and builds of two head dims never collide
+        self.names = (f"attn_split{sfx}_{dt}:hd{hd}", f"attn_split_rope{sfx}_{dt}:hd{hd}", f"attn_split_reduce:hd{hd}")
+        for name, fn in zip(self.names, (self.fn, self.fn_fused, self.fn_reduce)):
+            kernels.register(name, None, fn)
+        # launch shapes per window size, shared memory asked of the build (attn_split_shape)
+        shape = cp.zeros(5, cp.int32)
+
+        def smem(fuse, mt, nw):
+            mod.get_function("attn_split_shape")((1,), (1,), (shape, I32(dt == "i8"), I32(fuse), I32(mt), I32(nw)))
+            return int(shape.get()[0])
+        self.shapes = {}              # n_q -> (warps an m-tile, threads, shared memory); the fused launch: n_q 1
+        for n_q in range(1, n_q_max + 1):
+            mt, ks = split_warps(self.group, n_q, cfg.head_dim)
+            self.shapes[n_q] = (ks, 32 * mt * ks, smem(0, mt, mt * ks))
+        mt, ks = split_warps(self.group, 1, cfg.head_dim)
+        self.smem_fused = smem(1, mt, mt * ks)
+        bn, cmin, max_chunks, max_rows = (int(x) for x in shape.get()[1:])
+        if (bn, cmin, max_chunks, max_rows) != (split_tile(cfg.head_dim), AS_CMIN, AS_MAX_CHUNKS, AS_MAX_ROWS):
+            raise RuntimeError(f"attn_split.cu's constants {bn, cmin, max_chunks, max_rows} differ from kv.py's")
+        if n_split is None:
+            # one wave of blocks at each window size (a wider window's blocks hold more shared memory: fewer an SM;
+            # each n_q has its own launch, so its chunk limit is a fixed number of its own)
+            n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+            self.chunks = {n_q: split_chunks(cfg.n_head_kv, kv.max_ctx, n_sm, split_per_sm(sh[2]))
+                           for n_q, sh in self.shapes.items()}
+            self.chunks[1] = split_chunks(cfg.n_head_kv, kv.max_ctx, n_sm,
+                                          split_per_sm(max(self.shapes[1][2], self.smem_fused)))
+        else:
+            if not 1 <= n_split <= AS_MAX_CHUNKS:
+                raise ValueError(f"n_split (chunks) must be 1..{AS_MAX_CHUNKS}, got {n_split}")
+            self.chunks = {n_q: n_split for n_q in self.shapes}
+        self.n_split = n_split = max(self.chunks.values())       # the scratch's chunk count
+        # past 48 KiB a block must opt in; set before any capture, never lowered (the function is the module's,
+        # shared with any other DecodeAttention of this head dim, e.g. a verify window's wider one)
+        for fn, need in ((self.fn, max(s[2] for s in self.shapes.values())), (self.fn_fused, self.smem_fused)):
+            if getattr(fn, "max_dynamic_shared_size_bytes", 0) < need:
+                fn.max_dynamic_shared_size_bytes = need
+        rows = n_q_max * self.group
+        self.part = cp.zeros(n_split * cfg.n_head_kv * rows * cfg.head_dim, dtype=cp.float32)
+        self.part_ml = cp.zeros(n_split * cfg.n_head_kv * rows * 2, dtype=cp.float32)
+        kernels("qk_rope_store" if kv.dtype == "f16" else "qk_rope_store_kv8")     # loaded now, not mid-capture
+
+    def _cache(self, li) -> tuple:
+        """Layer li's cache addresses in the split kernels' order (k, v, k_scale, v_scale; null scales for fp16)."""
+        if self.kv.dtype == "f16":
+            k, v = self.kv.layer(li)
+            return U64(k), U64(v), U64(0), U64(0)
+        k, ks, v, vs = self.kv.layer_i8(li)
+        return U64(k), U64(v), U64(ks), U64(vs)
+
+    def _layer_extra(self, li) -> tuple:
+        """(sinks, window) of layer li: the variant's, or none."""
+        extra = tuple(self.variant.layer_args(li))
+        return extra if extra else (U64(0), I32(0))
+
+    def _split_launch(self, kernels, li, q, out, state, pos0, n_q, scale, fused_args=None) -> None:
+        c = self.cfg
+        if not 1 <= n_q <= self.n_q_max:
+            raise ValueError(f"n_q must be 1..{self.n_q_max} (this DecodeAttention's n_q_max), got {n_q}")
+        ks, block, smem = self.shapes[n_q]
+        sinks, n_swa = self._layer_extra(li)
+        n_ch = self.chunks[n_q]
+        args = (_ptr(q), *self._cache(li), _ptr(state), I32(pos0), I32(n_q), _ptr(self.part), _ptr(self.part_ml),
+                _ptr(out), I32(c.n_head_kv), I32(self.group), I32(self.kv.rows[li]), F32(scale), I32(n_ch),
+                I32(ks), sinks, n_swa)
+        if fused_args is None:
+            kernels(self.names[0])((c.n_head_kv, n_ch), (block,), args, shared_mem=smem)
+        else:
+            kernels(self.names[1])((c.n_head_kv, n_ch), (block,), args + fused_args, shared_mem=self.smem_fused)
+        if n_ch == 1:                 # never more than one chunk (a fixed bound, not the position): no merge
+            return
+        kernels(self.names[2])((n_q * self.group, c.n_head_kv), (512,),
+                               (_ptr(self.part), _ptr(self.part_ml), _ptr(state), I32(pos0), I32(n_q), I32(n_ch),
+                                _ptr(out), I32(c.n_head_kv), I32(self.group), sinks, n_swa))
 
     def step(self, kernels, li, q, k_rows, v, q_norm, k_norm, rope, out, state, scale) -> None:
         """This step's attention block between the Q/K/V projections (q, k_rows, v: raw, fp32) and wo: out gets the
@@ -225,9 +382,13 @@ class DecodeAttention:
             self.attend(kernels, li, q, out, state, scale)
             return
         c = self.cfg
+        rotary = (_ptr(rope), I32(c.n_rot), I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps))
+        if self.split:
+            self._split_launch(kernels, li, q, out, state, 0, 1, scale,
+                               (_ptr(k_rows), _ptr(v), _ptr(q_norm), _ptr(k_norm), *rotary))
+            return
         addrs = self.kv.layer(li) if self.kv.dtype == "f16" else self.kv.layer_i8(li)
         rows = (_ptr(q), _ptr(k_rows), _ptr(v), _ptr(q_norm), _ptr(k_norm))
-        rotary = (_ptr(rope), I32(c.n_rot), I32(1 if c.rope_type == "neox" else 0), F32(c.rms_eps))
         cache = tuple(U64(a) for a in addrs)
         work = (_ptr(state), _ptr(self.part), _ptr(self.counters), _ptr(out))
         shape = (I32(c.n_head_kv), I32(self.group), I32(c.head_dim), I32(self.kv.rows[li]), F32(scale))
@@ -235,14 +396,21 @@ class DecodeAttention:
                                  (*rows, *rotary, *cache, *work, *shape, *self.variant.layer_args(li)),
                                  shared_mem=self.smem)
 
-    def store(self, kernels, li, q, k_rows, v, q_norm, k_norm, rope, state) -> None:
-        """K/V of this step's token at position state[1] (KVCache.store)."""
-        self.kv.store(kernels, self.cfg, li, q, k_rows, v, q_norm, k_norm, rope, state)
+    def store(self, kernels, li, q, k_rows, v, q_norm, k_norm, rope, state, pos0: int = 0, T: int = 1) -> None:
+        """K/V of this step's T tokens at positions pos0 + t (+ state[1]) (KVCache.store)."""
+        self.kv.store(kernels, self.cfg, li, q, k_rows, v, q_norm, k_norm, rope, state, pos0=pos0, T=T)
 
-    def attend(self, kernels, li, q, out, state, scale, n_fixed: int = 0) -> None:
-        """out (n_head * head_dim) = softmax(q K^T * scale) V over positions 0 .. state[1] (0 .. n_fixed - 1 when state
-        is None) of layer li, for the rotated q (n_head * head_dim)."""
+    def attend(self, kernels, li, q, out, state, scale, n_fixed: int = 0, n_q: int = 1, pos0: int = 0) -> None:
+        """out (n_q, n_head * head_dim) = softmax(q K^T * scale) V for the rotated q (n_q, n_head * head_dim) of n_q
+        tokens at positions P0 + t, P0 = pos0 + state[1] (state None: n_fixed - 1 + pos0), token t over positions
+        0 .. P0 + t of layer li (a window layer: its last n_swa of them; gpt-oss's sinks join the softmax)."""
         c = self.cfg
+        if self.split:
+            self._split_launch(kernels, li, q, out, state, pos0 + (0 if state is not None else n_fixed - 1), n_q,
+                               scale)
+            return
+        if n_q != 1 or pos0:
+            raise ValueError("attention.cu's attn_gqa_* take one query token at state[1] or n_fixed - 1")
         addrs = self.kv.layer(li) if self.kv.dtype == "f16" else self.kv.layer_i8(li)
         kernels(self.name)((c.n_head_kv, self.n_split), (self.block,),
                            (_ptr(q), *(U64(a) for a in addrs), _ptr(state), I32(n_fixed), _ptr(self.part),

@@ -3,8 +3,8 @@
 The kernels (cuda_src/quant.cuh) use the same ids as ggml; block sizes come from engine.quant_types.SIZES (gguf's
 table plus Q2_0), except that F32/F16/BF16 (block size 1 in ggml) use pseudo-blocks of 8 elements in the kernels, so
 every row is a whole number of 8-element chunks. Every type the engine reads (engine.quant_types.READ_TYPES) has
-kernels, Q2_0, Q1_0 and NVFP4 included. refuse_kernelless turns away, at load and with one line, a file holding a
-type with no kernel, or one whose kernels have not yet agreed with the CPU backend on whole models (NOT_VALIDATED).
+kernels, Q2_0, Q1_0 and NVFP4 included (their whole models agree with the CPU backend: tests/test_cuda_new_quants.py).
+refuse_kernelless turns away, at load and with one line, a file holding a type with no kernel.
 """
 from __future__ import annotations
 
@@ -73,14 +73,6 @@ def qtype(t) -> QType:
     return q
 
 
-# Types whose kernels each match their NumPy references (tests/test_cuda_quant.py, test_cuda_kernels.py,
-# test_cuda_prefill_kernels.py) but whose whole models have not yet agreed with the CPU backend on a GPU. The first
-# run's files (attention gain 3) parted 7-20%, which tools/cuda_roundings.py's model of the backend's fp16 steps gives
-# on them with no kernel error (docs/experiments.md, 2026-12-02); tests/test_cuda_new_quants.py now holds the backend
-# to files that leave room. Until it passes on a GPU, such files run on the CPU backend.
-NOT_VALIDATED = frozenset({"Q2_0", "Q1_0", "NVFP4"})
-
-
 def refuse_kernelless(model) -> None:
     """ModelError naming the first tensor (in the model's order) whose quant type the CUDA backend does not run, before
     any VRAM is taken: the CPU backend reads every type the engine opens."""
@@ -92,13 +84,6 @@ def refuse_kernelless(model) -> None:
         raise ModelError(f"{model.path.name}: tensor {name} is {q.name}, a quant type the CUDA backend has no kernels "
                          f"for yet ({len(missing)} tensors of {', '.join(kinds)}); use --backend cpu until the CUDA "
                          f"kernels for it land")
-    pending = [(n, model.tensor(n).qtype) for n in names if model.tensor(n).qtype.name in NOT_VALIDATED]
-    if pending:
-        name, q = pending[0]
-        kinds = sorted({m.name for _, m in pending})
-        raise ModelError(f"{model.path.name}: tensor {name} is {q.name}, whose CUDA kernels do not yet agree with the "
-                         f"CPU backend on whole models ({len(pending)} tensors of {', '.join(kinds)}); use --backend "
-                         f"cpu until they do")
 
 
 def random_rows(t, n_rows: int, ncols: int, rng: np.random.Generator, scale: float = 0.02) -> np.ndarray:

@@ -52,6 +52,9 @@ class GptOssFamily(MoeFamily):
     archs = ("gpt-oss",)
     kernel_files = ("moe_oss.cu",)
     ffn_norm = "post_attention_norm.weight"
+    # On the H200 the step after a discarded run-ahead came out 4e-4 (relative) from the unpipelined backend's (the
+    # window ring's rows): not run ahead until tests/test_cuda_pipeline.py passes for it.
+    run_ahead = False
 
     def load_layer(self, up, i: int) -> OssLayer:
         b = f"blk.{i}."

@@ -222,6 +222,9 @@ class HybridFamily(MoeFamily):
     name = "hybrid"
     archs = ("qwen3next", "qwen35moe")
     ffn_norm = "post_attention_norm.weight"
+    # On the H200 a pipelined tiny qwen3next parted from the unpipelined run at the first token, greedy and sampled
+    # (recurrent state 2e-4 of its largest value apart): not run ahead until tests/test_cuda_pipeline.py passes.
+    run_ahead = False
 
     def load_layer(self, up, i: int) -> HybridLayer:
         L = hybrid_layer(up, self.cfg, i)

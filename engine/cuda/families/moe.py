@@ -80,6 +80,9 @@ class MoeFamily:
     archs: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
     kernel_files: tuple[str, ...] = ()      # engine kernel files beyond kernels.ENGINE_FILES
     ffn_norm = "ffn_norm.weight"            # llama.cpp's name of the FFN norm
+    # Decode steps may run one ahead of the pick's read (engine/cuda/pipeline.py): held to the unpipelined run on
+    # the H200 (tests/test_cuda_pipeline.py) for this family only; a family that has not passed there says False.
+    run_ahead = True
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -241,6 +241,9 @@ class Qwen4ExpFamily(MoeFamily):
     archs = ("qwen4exp",)
     kernel_files = ("qwen4exp.cu",)
     ffn_norm = None
+    # A step's PLE rows are hashed on the host from its token (Q4Decode.set_inputs), which a step fed on the device
+    # by the one before (engine/cuda/pipeline.py) does not give: never run ahead.
+    run_ahead = False
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -1,0 +1,138 @@
+"""Which GPUs the worker runs on (`--gpus`, `--layer-split`, `--show-split`), before the CUDA backend starts.
+
+`before_start` resolves --gpus against the GPUs CUDA shows, probes each one (`probe_cards`: free VRAM within the
+reserve and budget, and its host -> device copy rate), plans the layer split (engine/cuda/layer_split.py) and logs
+it. One GPU: the backend starts on it. Several: the stages are not built yet, so the worker says so and exits
+(never a silent run on one of them); --show-split prints the plan and exits either way.
+
+CuPy is imported inside the functions: the worker imports this module only on the CUDA path.
+"""
+from __future__ import annotations
+
+import time
+
+from engine.cuda import layer_split as ls
+
+MiB = 2 ** 20
+# The CUDA backend runs one stage. When the stages are built this turns True, and setup then asks whether to use
+# several GPUs (setup/gpus.py).
+STAGES_BUILT = False
+PROBE_BYTES = 64 * MiB      # a probe copy: large enough that the link's rate, not the copy's latency, is timed
+PROBE_REPEATS = 4
+NOT_BUILT = ("the multi-GPU stages are not built yet (issue 32): the worker runs on one GPU. The split above is what "
+             "they will run; name one GPU (--gpus 0), or --show-split to print the plan only")
+
+
+class GpuError(ValueError):
+    """A --gpus / --layer-split this PC cannot run; one line, with what to change."""
+
+
+def device_count() -> int:
+    import cupy as cp
+    return int(cp.cuda.runtime.getDeviceCount())
+
+
+def resolve(gpus, n_devices: int) -> list[int]:
+    """--gpus (None, "auto" or indices) as device indices, checked against the n_devices CUDA shows."""
+    if n_devices < 1:
+        raise GpuError("CUDA shows no GPU here; --gpus needs one (or --backend cpu)")
+    if gpus is None:
+        return [0]
+    if gpus == "auto":
+        return list(range(n_devices))
+    bad = [i for i in gpus if i >= n_devices]
+    if bad:
+        shown = ",".join(str(i) for i in gpus)
+        have = "GPU 0" if n_devices == 1 else f"GPUs 0-{n_devices - 1}"
+        raise GpuError(f"--gpus {shown}: there is no GPU {bad[0]}; CUDA shows {n_devices} here ({have})")
+    return list(gpus)
+
+
+def probe_cards(ids: list[int], reserve_mib: int, budget_mib: int | None) -> list[ls.Card]:
+    """Each GPU's name, the VRAM this worker may take on it (free less the reserve, at most the budget: with
+    several GPUs --vram-budget-mib caps each one) and its host -> device copy rate (pinned host memory, like the
+    expert arena's)."""
+    import cupy as cp
+    rt = cp.cuda.runtime
+    cards = []
+    host = rt.hostAlloc(PROBE_BYTES, 0x01)          # cudaHostAllocPortable: every GPU copies from it at full rate
+    try:
+        for i in ids:
+            with cp.cuda.Device(i):
+                props = rt.getDeviceProperties(i)
+                name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+                free, _ = rt.memGetInfo()
+                take = max(0, free - reserve_mib * MiB)
+                if budget_mib is not None:
+                    take = min(take, budget_mib * MiB)
+                dst = cp.empty(PROBE_BYTES, dtype=cp.uint8)
+                stream = cp.cuda.Stream(non_blocking=True)
+                rt.memcpyAsync(dst.data.ptr, host, PROBE_BYTES, rt.memcpyHostToDevice, stream.ptr)   # warm-up
+                stream.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(PROBE_REPEATS):
+                    rt.memcpyAsync(dst.data.ptr, host, PROBE_BYTES, rt.memcpyHostToDevice, stream.ptr)
+                stream.synchronize()
+                gbps = PROBE_REPEATS * PROBE_BYTES / (time.perf_counter() - t0) / 1e9
+                del dst
+                cp.get_default_memory_pool().free_all_blocks()
+            cards.append(ls.Card(i, name, int(take), gbps))
+    finally:
+        rt.freeHost(host)
+    return cards
+
+
+def plan_for(args, model, ctx: int, cards: list[ls.Card]) -> ls.SplitPlan:
+    """The split of `model` at `ctx` over `cards` as --layer-split asks (auto when not given)."""
+    from engine.cuda.chunk_plan import chunk_bytes
+    cfg = model.config
+    costs = ls.model_layer_costs(model, ctx, getattr(args, "kv", None) or "f16")
+    chunk = min(getattr(args, "prefill_chunk", None) or 4096, ctx)   # prefill.py AUTO_TARGET: 4,096 targeted
+    split = getattr(args, "layer_split", None) or "auto"
+    return costs.plan(cards, split, work_bytes=chunk_bytes(cfg, chunk))
+
+
+def before_start(args, model, ctx: int, log) -> int | None:
+    """None: start the backend (on the one GPU named, now the current device); else the worker's exit status, the
+    reason already printed."""
+    gpus, split = getattr(args, "gpus", None), getattr(args, "layer_split", None)
+    show = bool(getattr(args, "show_split", False))
+    if gpus is None and split is None and not show:
+        return None
+    from engine.cuda import _signals_stay_with_python
+    with _signals_stay_with_python():       # a context on another card starts driver threads too
+        return _before_start(args, model, ctx, log, gpus, split, show)
+
+
+def _before_start(args, model, ctx, log, gpus, split, show) -> int | None:
+    try:
+        ids = resolve(gpus, device_count())
+        if isinstance(split, tuple) and len(split) != len(ids):
+            raise GpuError(f"--layer-split {','.join(map(str, split))} gives {len(split)} stages for {len(ids)} "
+                           f"GPU(s) ({','.join(map(str, ids))}): give one count a GPU")
+        several = len(ids) > 1
+        if several or show:
+            from engine.cuda.args import CudaOptions
+            reserve = getattr(args, "vram_reserve_mib", None)
+            reserve = CudaOptions().vram_reserve_mib if reserve is None else reserve
+            cards = probe_cards(ids, reserve, getattr(args, "vram_budget_mib", None))
+            plan = plan_for(args, model, ctx, cards)
+            for line in ls.format_plan(plan):
+                log(line)
+    except (GpuError, ls.SplitError) as e:
+        print(f"strata_worker: {e}", flush=True, file=_stderr())
+        return 2
+    if show:
+        return 0
+    if several:     # the stages start here once built (and STAGES_BUILT turns True with them)
+        print(f"strata_worker: {NOT_BUILT}", flush=True, file=_stderr())
+        return 2
+    import cupy as cp
+    cp.cuda.Device(ids[0]).use()
+    log(f"GPU {ids[0]} (--gpus)")
+    return None
+
+
+def _stderr():
+    import sys
+    return sys.stderr
