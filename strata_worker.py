@@ -370,7 +370,7 @@ def main(argv=None) -> int:
         model = open_model(args.model)
         cfg = model.config
         from engine.supported import runs_on
-        if backend_name == "cuda" and not runs_on(cfg.arch, "cuda"):
+        if backend_name == "cuda" and not runs_on(cfg.arch, "cuda", preview=True):
             if args.backend == "cuda":
                 print(f"strata_worker: the CUDA backend does not run {cfg.arch} yet; use --backend cpu",
                       file=sys.stderr, flush=True)

@@ -34,6 +34,8 @@ def _step(sampler=True):
     st.params = NS(view=[0, 0], push=lambda stream: log.append(("push", *st.params.view)), wait=lambda: None)
     st.events = [NS(record=lambda stream, i=i: log.append(("event", i))) for i in range(RING)]
     st.last_pos = -1
+    st.inputs = []                  # the family's host-side inputs (set_inputs) of each launch
+    st.layers = NS(set_inputs=lambda token, pos: st.inputs.append((token, pos)))
     st.prefetch = None
     st.graphs = {}
     st.enqueue = lambda pick="greedy", tracer=None: log.append(("eager", pick))
@@ -59,9 +61,11 @@ def test_launch_takes_the_picks_graph_or_launches_eagerly():
     st.launch(8, 4)
     assert log == [("push", 7, 3), ("graph", "sampled"), ("event", 3), ("push", 8, 4), ("graph", "greedy"),
                    ("event", 0)]
+    assert st.inputs == [(7, 3), (8, 4)]        # the family's host inputs before each launch (qwen4exp's PLE)
     log.clear()
     st.launch_next(5, "sampled")
     assert log == [("graph", "sampled"), ("event", 1)] and st.last_pos == 5
+    assert st.inputs == [(7, 3), (8, 4)]        # a step fed on the device has none (families that run ahead)
     with pytest.raises(ValueError, match="the step after position 5 is at 6, not 8"):
         st.launch_next(8)
     log.clear()

@@ -210,6 +210,9 @@ def fake_cuda(monkeypatch, ring_cap=200, pipelined=True):
     be.cache = None
     be.mem = None
     be.recurrent_state = None
+    # the family's own counters and facts (families/moe.py: none)
+    be.family = SimpleNamespace(reset_stats=lambda: None, request_info=lambda: {}, info=lambda: {},
+                                close=lambda: None)
     be.kv = SimpleNamespace()
     be._kv_high = 0
     be.tracer = Tracer()

@@ -36,7 +36,7 @@ BACKEND = os.environ.get("STRATA_TEST_BACKEND", "cpu")
 def skip_unless_backend_runs(stem: str) -> None:
     from engine.supported import runs_on
     arch = ARCH.get(stem.removesuffix(".gguf"))
-    if arch is not None and not runs_on(arch, BACKEND):
+    if arch is not None and not runs_on(arch, BACKEND, preview=True):
         pytest.skip(f"the {BACKEND} backend does not run {arch} (engine/supported.py)")
 
 

@@ -525,6 +525,11 @@ class CUDABackend(Backend):
             self.step.prefetch.reset_stats()
         if self.mem:
             self.mem.reset_stats()
+        self.family.reset_stats()
+
+    def request_info(self) -> dict:
+        """The family's counters since reset_stats() (qwen4exp: ple_row_lookups, ple_row_hits)."""
+        return self.family.request_info()
 
     def get_stats(self) -> ExpertStats:
         self._settle()
@@ -559,6 +564,7 @@ class CUDABackend(Backend):
             out["expert_profile"] = self.opts.expert_profile      # the profile this start filled the cache from
         if self.pcie_gbps is not None:
             out["pcie_gbps"] = round(self.pcie_gbps, 1)
+        out.update(self.family.info())
         if self.recurrent:                  # what one checkpoint takes (pinned host memory)
             out["recurrent_state_mib"] = round(self.recurrent_state.nbytes / MiB, 1)
         if self.prefill is not None:
@@ -596,6 +602,7 @@ class CUDABackend(Backend):
             if getattr(self, "weights", None) is not None:
                 self.stream.synchronize()           # the last step may still read a host-resident embedding
                 self.weights.close()
+            self.family.close()
             # a closed backend holds no device memory, whoever still refers to it: a bench builds the next one in the
             # same process, and its expert cache is sized from the VRAM free then
             self.weights = self.kv = self.rope = self.cache = self.prefill = None

@@ -188,12 +188,14 @@ class DecodeStep:
         self.graphs = {pick: self.record(pick) for pick in self.picks()}
 
     def set_inputs(self, token: int, pos: int) -> None:
-        """The token and position the next launch reads, copied in stream order (StepInputs.push)."""
+        """The token and position the next launch reads, copied in stream order (StepInputs.push); then the family's
+        host-side inputs of the step (qwen4exp: its PLE rows; a family with those does not run ahead)."""
         self.params.wait()
         v = self.params.view
         v[0], v[1] = token, pos
         self.params.push(self.stream)
         self.last_pos = pos
+        self.layers.set_inputs(token, pos)
 
     def launch(self, token: int, pos: int, pick: str = "greedy", use_graph: bool = True):
         """Enqueue the whole step, its graph for this pick mode or the launches one by one; pick_at(pos) or

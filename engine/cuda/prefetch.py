@@ -251,7 +251,8 @@ class Prefetcher:
         return f if self.step.keeps(kind) else skipped
 
     def _ptr(self, a, off_bytes: int = 0):
-        return np.uint64(a.data.ptr + off_bytes)
+        """a's address (+ off_bytes); None (a family's FFN input with no norm weights, qwen4exp) is NULL."""
+        return np.uint64(0 if a is None else a.data.ptr + off_bytes)
 
     def _pred_out(self, m: int):
         """Where the prediction for layer m is written: pred[m], or the tracer's pred_sink (bench.prefetch_oracle)."""

@@ -389,6 +389,7 @@ class Prefill:
                 src_of = getattr(self.dev, "source_of", None) or (lambda li, e: int(arena[li * c.n_expert + e]))
                 runner.begin_chunk(batches, src_of)
         self._chunk = (groups, runner, ring_views)
+        self.layers.begin_chunk(tokens, pos0)   # the family's per-chunk host inputs (qwen4exp: its PLE rows)
         self._mark("other")
         # bench: the link's busy share counts from the first layer that streams experts to the end of the last one
         streamed = [li for li in range(c.n_layer) if ring_views[li]] if window and self.tracer.copy_timing else []
@@ -409,8 +410,10 @@ class Prefill:
             facts = dict(ring=0, lent=0, bytes=0, runner=None, window=None)
         facts.update(tokens=T, host_ms=(time.perf_counter() - t0) * 1000)
         if all_logits:
-            xo = cp.empty_like(x)
-            mv.rmsnorm(x, w.output_norm, xo, rows=T)
+            xo = x      # a family without an output norm (qwen4exp) leaves x normed by its own last step
+            if w.output_norm is not None:
+                xo = cp.empty_like(x)
+                mv.rmsnorm(x, w.output_norm, xo, rows=T)
             out = self.linear(w.output, xo)
         else:   # the last row: the decode step's mat-vec (norm fused) on the quantized head, no fp32 copy of it
             out = cp.empty((1, c.n_vocab), dtype=cp.float32)

@@ -124,6 +124,20 @@ class MoeFamily:
     def prompt_layers(self, prefill, recurrent=None) -> "MoePrompt":
         return MoePrompt(prefill)
 
+    def request_info(self) -> dict:
+        """The family's own counters for the INFO line before DONE, since reset_stats() (Backend.request_info)."""
+        return {}
+
+    def reset_stats(self) -> None:
+        pass
+
+    def info(self) -> dict:
+        """The family's own facts for the INFO lines (Backend.info)."""
+        return {}
+
+    def close(self) -> None:
+        """What the family holds beyond the backend's buffers (files it reads)."""
+
 
 # --- the decode layer -------------------------------------------------------------------------------------------
 
@@ -147,6 +161,9 @@ class MoeDecode:
             self.h = f32(max(c.n_ff, top_k * c.n_ff_exp, 8))
             self.h2 = f32(max(c.n_ff_shexp, 8))
             self.sgate = f32(1)
+
+    def set_inputs(self, token: int, pos: int) -> None:
+        """The host's part of a step's inputs, before its launch (DecodeStep.set_inputs): none here."""
 
     # The RMSNorms have no launches: each kernel that reads a normed vector stages rmsnorm(x) * w per block (the
     # consumer recomputes sum(x^2); no inter-block sync), measured faster than the producer writing the next norm.
@@ -279,6 +296,9 @@ class MoePrompt:
 
     def __init__(self, prefill):
         self.p, self.cfg = prefill, prefill.cfg
+
+    def begin_chunk(self, tokens, pos0: int) -> None:
+        """Before a chunk's first layer (Prefill.forward), with its token ids: nothing here."""
 
     def layer(self, li, layer, x, xn, T: int, pos0: int) -> None:
         """x (T, n_embd) through layer li for a chunk of T tokens at positions pos0...; xn: scratch of x's shape."""

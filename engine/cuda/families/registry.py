@@ -4,8 +4,9 @@ from __future__ import annotations
 from engine.cuda.families.gptoss import GptOssFamily
 from engine.cuda.families.hybrid import HybridFamily
 from engine.cuda.families.moe import MoeFamily
+from engine.cuda.families.qwen4exp import Qwen4ExpFamily
 
-FAMILIES = (MoeFamily, HybridFamily, GptOssFamily)
+FAMILIES = (MoeFamily, HybridFamily, GptOssFamily, Qwen4ExpFamily)
 FAMILY_OF = {arch: fam for fam in FAMILIES for arch in fam.archs}
 
 
