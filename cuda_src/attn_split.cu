@@ -44,9 +44,10 @@
 #error "AS_HD must be a multiple of 32 and at most 256"
 #endif
 #define AS_BN (AS_HD > 128 ? 32 : 64)    // keys per tile
-#define AS_NST 3                          // stages: tiles t + 1 and t + 2 load while t is multiplied (int8: raw)
-// int8 dequantizes into one fp16 stage (two barriers a tile) rather than two: ~104 KB of shared memory at head_dim
-// 128, two blocks an SM (two fp16 stages and four raw ones, 159 KB, held one an SM: 23% of the read rate at 32K)
+#define AS_NST 3                          // fp16 stages: tiles t + 1 and t + 2 load while t is multiplied
+// int8 raw stages: three tiles in flight (its tiles are half the bytes, and its shared memory allows one block an SM
+// at head_dim 128, so one block must keep ~50 KB in flight by itself)
+#define AS_NST_I8 4
 #define AS_CMIN 128                       // fewest keys a chunk (two tiles load at once: no slower than one)
 #define AS_MAX_CHUNKS 128
 #define AS_MAX_ROWS 64                    // query rows per KV head (n_q * G): 8 m-tiles, a warp each
@@ -58,9 +59,8 @@
 #define AS_RAW_B (2 * AS_RCH * 16 + 2 * AS_RCH * 4)    // int8 K, V, then one scale per chunk of each
 #define AS_LOG2E 1.4426950408889634f
 
-// the merge of a block's warps reuses the stages: every (key slice, row) o plus its (m, l)
-static_assert(AS_STAGE_B + AS_NST * AS_RAW_B >= AS_MAX_WARPS * 8 * (AS_HD + 2) * 4, "the warp merge does not fit");
-static_assert(AS_NST * AS_STAGE_B >= AS_MAX_WARPS * 8 * (AS_HD + 2) * 4, "the warp merge does not fit");
+// the merge of a block's warps reuses the fp16 stages: every (key slice, row) o plus its (m, l)
+static_assert(2 * AS_STAGE_B >= AS_MAX_WARPS * 8 * (AS_HD + 2) * 4, "the warp merge does not fit the stages");
 
 // The chunks of a window at position P0: keys kb .. kend - 1 in n chunks of clen keys (the last may be shorter).
 struct AsRange {
@@ -81,8 +81,8 @@ __device__ __forceinline__ AsRange as_range(int P0, int n_q, int n_swa, int max_
 
 // Dynamic shared memory of a block: fp16 stages, (int8) raw stages, q (hi/lo rows per m-tile), (FUSE) the new K and
 // V rows and a row of scratch a warp. attn_split_shape reports it, so the host never disagrees.
-__device__ __forceinline__ int as_off_raw(bool i8) { return (i8 ? 1 : AS_NST) * AS_STAGE_B; }
-__device__ __forceinline__ int as_off_q(bool i8) { return as_off_raw(i8) + (i8 ? AS_NST * AS_RAW_B : 0); }
+__device__ __forceinline__ int as_off_raw(bool i8) { return (i8 ? 2 : AS_NST) * AS_STAGE_B; }
+__device__ __forceinline__ int as_off_q(bool i8) { return as_off_raw(i8) + (i8 ? AS_NST_I8 * AS_RAW_B : 0); }
 __device__ __forceinline__ int as_off_new(bool i8, int mt) { return as_off_q(i8) + mt * 16 * AS_LD * 2; }
 __device__ __forceinline__ int as_smem(bool i8, bool fuse, int mt, int nw) {
     return as_off_new(i8, mt) + (fuse ? (2 + nw) * AS_HD * 4 : 0);
@@ -364,7 +364,7 @@ __device__ __forceinline__ void as_body(const float* __restrict__ q, const void*
     const long long head0 = (long long)kvh * rows;
     const uint32_t sm0 = smem_u32(as_sm);
     const int raw0 = as_off_raw(I8), q0 = as_off_q(I8), x0 = as_off_new(I8, MT);
-    constexpr int NST = AS_NST;                               // ring stages (int8: raw ones)
+    constexpr int NST = I8 ? AS_NST_I8 : AS_NST;              // ring stages (int8: raw ones)
 
     auto issue = [&](int stage, int p) {
         if (I8)
@@ -438,13 +438,14 @@ __device__ __forceinline__ void as_body(const float* __restrict__ q, const void*
             as_commit();
             cur = t % NST;
         } else {
-            as_wait<NST - 2>();                               // this thread's raw chunks of tile t are in
-            __syncthreads();                                  // everyone is done with tile t - 1's fp16 stage
-            as_dequant(as_sm + raw0 + (t % NST) * AS_RAW_B, as_sm);   // its own chunks into the one fp16 stage
+            // this thread's raw chunks of tile t into fp16 stage t % 2, which tile t - 2 used: every warp finished
+            // that before the previous barrier
+            as_wait<NST - 2>();
+            as_dequant(as_sm + raw0 + (t % NST) * AS_RAW_B, as_sm + (t & 1) * AS_STAGE_B);
             __syncthreads();
-            if (t + NST - 1 < n_tiles) issue((t + NST - 1) % NST, p + (NST - 1) * AS_BN);   // tile t - 1's raw stage
+            if (t + NST - 1 < n_tiles) issue((t + NST - 1) % NST, p + (NST - 1) * AS_BN);
             as_commit();
-            cur = 0;
+            cur = t & 1;
         }
         if (FUSE && holds_new && P0 >= p && P0 < p + AS_BN) {   // block-uniform: the new row into the tile
             if (warp == 0) {

@@ -318,19 +318,12 @@ class DecodeAttention:
         bn, cmin, max_chunks, max_rows = (int(x) for x in shape.get()[1:])
         if (bn, cmin, max_chunks, max_rows) != (split_tile(cfg.head_dim), AS_CMIN, AS_MAX_CHUNKS, AS_MAX_ROWS):
             raise RuntimeError(f"attn_split.cu's constants {bn, cmin, max_chunks, max_rows} differ from kv.py's")
-        if n_split is None:
-            # one wave of blocks at each window size (a wider window's blocks hold more shared memory: fewer an SM;
-            # each n_q has its own launch, so its chunk limit is a fixed number of its own)
+        if n_split is None:       # one wave of the one-token step's blocks
             n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-            self.chunks = {n_q: split_chunks(cfg.n_head_kv, kv.max_ctx, n_sm, split_per_sm(sh[2]))
-                           for n_q, sh in self.shapes.items()}
-            self.chunks[1] = split_chunks(cfg.n_head_kv, kv.max_ctx, n_sm,
-                                          split_per_sm(max(self.shapes[1][2], self.smem_fused)))
-        else:
-            if not 1 <= n_split <= AS_MAX_CHUNKS:
-                raise ValueError(f"n_split (chunks) must be 1..{AS_MAX_CHUNKS}, got {n_split}")
-            self.chunks = {n_q: n_split for n_q in self.shapes}
-        self.n_split = n_split = max(self.chunks.values())       # the scratch's chunk count
+            n_split = split_chunks(cfg.n_head_kv, kv.max_ctx, n_sm, split_per_sm(self.smem_fused))
+        if not 1 <= n_split <= AS_MAX_CHUNKS:
+            raise ValueError(f"n_split (chunks) must be 1..{AS_MAX_CHUNKS}, got {n_split}")
+        self.n_split = n_split
         # past 48 KiB a block must opt in; set before any capture, never lowered (the function is the module's,
         # shared with any other DecodeAttention of this head dim, e.g. a verify window's wider one)
         for fn, need in ((self.fn, max(s[2] for s in self.shapes.values())), (self.fn_fused, self.smem_fused)):
@@ -360,19 +353,19 @@ class DecodeAttention:
             raise ValueError(f"n_q must be 1..{self.n_q_max} (this DecodeAttention's n_q_max), got {n_q}")
         ks, block, smem = self.shapes[n_q]
         sinks, n_swa = self._layer_extra(li)
-        n_ch = self.chunks[n_q]
         args = (_ptr(q), *self._cache(li), _ptr(state), I32(pos0), I32(n_q), _ptr(self.part), _ptr(self.part_ml),
-                _ptr(out), I32(c.n_head_kv), I32(self.group), I32(self.kv.rows[li]), F32(scale), I32(n_ch),
+                _ptr(out), I32(c.n_head_kv), I32(self.group), I32(self.kv.rows[li]), F32(scale), I32(self.n_split),
                 I32(ks), sinks, n_swa)
         if fused_args is None:
-            kernels(self.names[0])((c.n_head_kv, n_ch), (block,), args, shared_mem=smem)
+            kernels(self.names[0])((c.n_head_kv, self.n_split), (block,), args, shared_mem=smem)
         else:
-            kernels(self.names[1])((c.n_head_kv, n_ch), (block,), args + fused_args, shared_mem=self.smem_fused)
-        if n_ch == 1:                 # never more than one chunk (a fixed bound, not the position): no merge
+            kernels(self.names[1])((c.n_head_kv, self.n_split), (block,), args + fused_args,
+                                   shared_mem=self.smem_fused)
+        if self.n_split == 1:         # never more than one chunk (a fixed bound, not the position): no merge
             return
         kernels(self.names[2])((n_q * self.group, c.n_head_kv), (512,),
-                               (_ptr(self.part), _ptr(self.part_ml), _ptr(state), I32(pos0), I32(n_q), I32(n_ch),
-                                _ptr(out), I32(c.n_head_kv), I32(self.group), sinks, n_swa))
+                               (_ptr(self.part), _ptr(self.part_ml), _ptr(state), I32(pos0), I32(n_q),
+                                I32(self.n_split), _ptr(out), I32(c.n_head_kv), I32(self.group), sinks, n_swa))
 
     def step(self, kernels, li, q, k_rows, v, q_norm, k_norm, rope, out, state, scale) -> None:
         """This step's attention block between the Q/K/V projections (q, k_rows, v: raw, fp32) and wo: out gets the
