@@ -55,7 +55,8 @@ class Layer:
     indexer keys (the pooled keys of their complete blocks by the reference), the rest NaN."""
 
     def __init__(self, name: str, max_ctx: int, hist: int, rng):
-        self.name, self.s = name, s = SHAPES[name]
+        self.name, self.s = name, SHAPES[name]
+        s = self.s
         self.k = kern(name)
         self.max_ctx = max_ctx
         r32 = lambda a: np.asarray(a, np.float32).astype(np.float64)     # noqa: E731
