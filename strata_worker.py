@@ -1,7 +1,7 @@
 """The engine as a subprocess speaking the line protocol of docs/design.md (engine/protocol.py has the formats).
 
     python strata_worker.py --model M.gguf [--ctx N] [--backend cpu|cuda|auto] [--prompt-chunk N]
-        [--checkpoint-every N] [--checkpoint-mib M] [--draft off|ngram|mtp|auto] [--draft-window N]
+        [--checkpoint-every N] [--checkpoint-mib M] [--draft off|ngram|mtp|auto] [--draft-window N] [--draft-fixed]
         [--draft-sampled] [cuda flags: --gpus auto|I,J --layer-split auto|N,M --show-split ...]
 
 stdout carries protocol lines only; everything a person reads goes to stderr. Exit status: 0 after QUIT or the end
@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-window", type=int, default=8, metavar="N",
                    help="the longest verify window, in tokens (2..8; the window rule picks each one's length from "
                         "the measured acceptance; default 8)")
+    p.add_argument("--draft-fixed", action="store_true",
+                   help="every verify window --draft-window tokens long, whatever the acceptance (tests, benches: "
+                        "on the cpu backend a window costs one step a token, so the rule offers no drafts there)")
     cuda, _ = _cuda_module()
     if cuda is not None:
         cuda.add_cuda_args(p.add_argument_group("CUDA backend"))
@@ -426,6 +429,7 @@ def main(argv=None) -> int:
     from engine.tokenizer import Tokenizer
     grammars = Grammars(lambda: Tokenizer.from_metadata(model.metadata), eog)   # llguidance's vocabulary, on first use
     from engine.drafters import DraftError, make_drafter
+    from engine.speculate import FixedWindow
     try:
         drafter = make_drafter(args.draft, backend, model, sampled=args.draft_sampled)
     except DraftError as e:
@@ -433,7 +437,8 @@ def main(argv=None) -> int:
         backend.close()
         return 2
     session = Session(backend, eog, prompt_chunk=chunk, grammars=grammars, checkpoint_every=args.checkpoint_every,
-                      checkpoint_mib=args.checkpoint_mib, drafter=drafter, max_window=args.draft_window)
+                      checkpoint_mib=args.checkpoint_mib, drafter=drafter, max_window=args.draft_window,
+                      rule=FixedWindow(args.draft_window) if args.draft_fixed else None)
     if drafter is not None:
         log(f"speculative decoding: {drafter.name} drafts, windows of up to {args.draft_window} tokens")
     if session.checkpoints is not None:

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class ExpertUnion(Observer):
     """Each forward's routed experts (the family's router, top-k, recomputed from the FFN's input): the union over
-    the call's rows, summed over layers. A forward starts where layer 0's attention input arrives."""
+    the call's rows, summed over layers. A forward starts where layer 0's attention input arrives; a verify window,
+    which the CPU backend runs as one-token forwards (engine/backend_cpu.py), counts as one call of its rows."""
 
     def __init__(self, model):
         cfg = model.config
@@ -47,21 +48,40 @@ class ExpertUnion(Observer):
             if model.has(name):
                 bias = f"blk.{il}.ffn_gate_inp.bias"
                 self.routers[il] = (model.dequant(name), model.dequant(bias) if model.has(bias) else None)
-        self.calls: list[tuple[int, int]] = []      # (rows, union summed over layers) per forward
+        self._calls: list[tuple[int, dict]] = []     # (rows, layer -> the experts its rows routed to) per call
+        self._pending = 0                           # one-row forwards of the current window still to come
+
+    @property
+    def calls(self) -> list[tuple[int, int]]:
+        """(rows, union summed over layers) per call."""
+        return [(rows, sum(len(ids) for ids in layers.values())) for rows, layers in self._calls]
+
+    @calls.setter
+    def calls(self, value) -> None:
+        if value:
+            raise ValueError("ExpertUnion.calls can only be cleared")
+        self._calls, self._pending = [], 0
+
+    def window(self, n):
+        self._calls.append((n, {}))
+        self._pending = n
 
     def attention_input(self, il, x):
-        if il == 0:
-            self.calls.append((len(x), 0))
+        if il != 0:
+            return
+        if self._pending:
+            self._pending -= 1
+        else:
+            self._calls.append((len(x), {}))
 
     def ffn_input(self, il, x):
         router = self.routers.get(il)
-        if router is None or not self.calls:
+        if router is None or not self._calls:
             return
         w, b = router
         logits = x @ w.T + (b if b is not None else 0.0)
         ids = np.argsort(-logits, axis=-1, kind="stable")[:, :self.k]
-        rows, total = self.calls[-1]
-        self.calls[-1] = (rows, total + len(np.unique(ids)))
+        self._calls[-1][1].setdefault(il, set()).update(int(e) for e in ids.ravel())
 
 
 def timed(be, prompt, n_new, drafter=None, rule=None):

@@ -28,7 +28,7 @@ def spec_server(tmp_path_factory, fixtures_dir):
     model = fixtures_dir / "reference" / MODEL
     tmp = tmp_path_factory.mktemp("spec_server")
     cfg = validate(dict(model=str(model), worker=[sys.executable, str(ROOT / "strata_worker.py")],
-                        args=["--backend", "cpu", "--ctx", "512", "--draft", "ngram"], port=0,
+                        args=["--backend", "cpu", "--ctx", "512", "--draft", "ngram", "--draft-fixed"], port=0,
                         log=str(tmp / "worker.log"), engine_silence_s=120), tmp)
     with running_server(cfg, TextCodec.from_gguf(model)) as (httpd, base):
         yield httpd, base

@@ -177,6 +177,9 @@ class Observer:
     def ffn_input(self, il: int, x: np.ndarray) -> None:
         pass
 
+    def window(self, n: int) -> None:
+        """The next n forwards, of one row each, are one verify window's tokens (engine/backend_cpu.py)."""
+
 
 class Transformer:
     """A pre-norm decoder: attention then a feed-forward block per layer. Families override ffn()."""

@@ -153,7 +153,7 @@ def check_tensors(model) -> None:
 
 class HybridCache:
     # A verify window (engine/backend.py): while tracking, each GDN layer keeps its conv inputs and its delta state
-    # after every position of the forward, so rewind(n) finds the state after any of them without reading it again.
+    # after every position of the window (its one-token forwards), so rewind(n) finds the state after any of them.
     per_position = True
 
     def __init__(self, cfg, max_context: int, dtype=np.float32):
@@ -162,7 +162,7 @@ class HybridCache:
         self.gdn_layers = [i for i, r in enumerate(cfg.recurrent_layers) if r]
         self.kv = KVCache(cfg, max_context, [i for i, r in enumerate(cfg.recurrent_layers) if not r], dtype)
         self.conv_dim = 2 * cfg.ssm_k_heads * cfg.ssm_state + cfg.ssm_inner
-        self.window = None      # while tracking: layer -> (past + the forward's conv inputs, [delta after 0..T])
+        self.window = None      # while tracking: layer -> (past + the window's conv inputs, [delta after 0..T])
         self.reset_state()
 
     def track(self, on: bool) -> None:
@@ -378,9 +378,12 @@ class Qwen3Next(Transformer):
         qkv, z = self.qkv_z(il, x)
         pre_b, pre_a = self.beta_alpha(il, x)
         states = None
-        if cache.window is not None:        # a verify window: the state after each position (HybridCache.rewind)
-            states = [cache.delta[il]]
-            cache.window[il] = (np.concatenate([cache.conv[il], qkv]), states)
+        if cache.window is not None:        # a verify window: the state after each position (HybridCache.rewind),
+            seen = cache.window.get(il)     # gathered over its one-token forwards (engine/backend_cpu.py)
+            if seen is None:
+                seen = (cache.conv[il], [cache.delta[il]])
+            states = seen[1]
+            cache.window[il] = (np.concatenate([seen[0], qkv]), states)
         out, cache.conv[il], cache.delta[il] = gated_delta_net(
             self.w, f"blk.{il}.", self.cfg, qkv, z, pre_b, pre_a, cache.conv[il], cache.delta[il],
             self.cfg.family_params.tiled_heads, silu, states)
