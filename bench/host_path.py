@@ -42,6 +42,8 @@ def stub_backend(pipelined: bool, n_vocab: int = 1000):
     be._kv_high = be._tokens_since_adapt = 0
     be.kv, be.prefill, be.tracer = NS(), NS(lent=False, chunk=16), Tracer()
     be.step = be.decoder = _StubStep()
+    # the family's own counters and facts (families/moe.py: none)
+    be.family = NS(reset_stats=lambda: None, request_info=lambda: {}, info=lambda: {}, close=lambda: None)
     return be
 
 
