@@ -64,6 +64,17 @@ settle() {   # wait for the background test processes, then report them in the o
     for name in "${pending[@]}"; do report "$name"; done
     pending=()
 }
+summary() {
+    echo "==== summary ===="
+    for f in "$LOG"/t-*.log "$LOG"/worker-cuda.log; do [[ -f $f ]] && echo "$(basename "$f" .log): $(tail -n 1 "$f")"; done
+    for f in "$LOG"/bench.log "$LOG"/prefill*.log; do [[ -f $f ]] && sed -n "/^model /,\$p" "$f"; done
+    for f in "$LOG"/gemm*.log; do [[ -f $f ]] && grep -E "^bench.moe_gemm|^\| [0-9]" "$f"; done
+    [[ -f $LOG/sampler.log ]] && cat "$LOG/sampler.log"
+    mkdir -p "$OUT" && tar -czf "$OUT/gpu-logs.tgz" -C "$LOG" .
+}
+# killed by an outer timeout (the device call's limit): still print and pack what finished, so a long suite's
+# results are never lost with its last file
+trap 'trap - TERM INT; echo "==== interrupted: the files still running have no result ===="; summary; exit 124' TERM INT
 PT="python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short"
 for what in "$@"; do
     case $what in
@@ -104,10 +115,5 @@ for what in "$@"; do
     esac
 done
 settle
-echo "==== summary ===="
-for f in "$LOG"/t-*.log "$LOG"/worker-cuda.log; do [[ -f $f ]] && echo "$(basename "$f" .log): $(tail -n 1 "$f")"; done
-for f in "$LOG"/bench.log "$LOG"/prefill*.log; do [[ -f $f ]] && sed -n "/^model /,\$p" "$f"; done
-for f in "$LOG"/gemm*.log; do [[ -f $f ]] && grep -E "^bench.moe_gemm|^\| [0-9]" "$f"; done
-[[ -f $LOG/sampler.log ]] && cat "$LOG/sampler.log"
-mkdir -p "$OUT" && tar -czf "$OUT/gpu-logs.tgz" -C "$LOG" .
+summary
 exit $status
