@@ -215,6 +215,9 @@ def main(argv=None):
                     help="prefetch depth (default: the engine's default); both: each prefetching budget at 1 and 2")
     ap.add_argument("--fetch-misses", choices=("on", "off", "both"), default=None,
                     help="late-miss copy (default: the engine's default); both: each prefetching row on and off")
+    ap.add_argument("--pipeline", choices=("on", "off", "both"), default=None,
+                    help="the pipelined decode (engine/cuda/pipeline.py; default: the engine's default); both: each "
+                         "row on and off")
     ap.add_argument("--out", type=Path, help="the rows as JSON, rewritten as each one is measured")
     ap.add_argument("--resident-budget-gib", metavar="GIB|auto",
                     help="pin only this many GiB of experts in host RAM, the rest read from the model file "
@@ -257,6 +260,8 @@ def main(argv=None):
     depths = [1, 2] if a.prefetch_depth == "both" else [int(a.prefetch_depth or default.prefetch_depth)]
     fetches = [True, False] if a.fetch_misses == "both" else [on_off[a.fetch_misses]]
     fetches = [default.fetch_misses if f is None else f for f in fetches]
+    pipes = [True, False] if a.pipeline == "both" else [on_off[a.pipeline]]
+    pipes = [default.pipeline if p is None else p for p in pipes]
     budgets = a.budgets.split(",")
     rows = []
     rng = np.random.default_rng(a.seed)
@@ -291,9 +296,9 @@ def main(argv=None):
     runs = [(b, mode, d, f, ad) for b in budgets for mode in (modes[:1] if b == "all" else modes)
             for d in (depths[:1] if b == "all" or mode is False else depths)
             for f in (fetches[:1] if b == "all" or mode is False else fetches)
-            for ad in (adapts[:1] if b == "all" else adapts)]
-    for b, mode, depth, fetch, adapt in runs:
-        row_opts = dict(prefetch=mode, prefetch_depth=depth, fetch_misses=fetch)
+            for ad in (adapts[:1] if b == "all" else adapts) for pipe in pipes]
+    for b, mode, depth, fetch, adapt, pipe in runs:
+        row_opts = dict(prefetch=mode, prefetch_depth=depth, fetch_misses=fetch, pipeline=pipe)
         be = start(b, adapt_every=a.adapt_every, **row_opts)
         blob = facts["blob"]
         touched = touched_bytes(model, model.config.n_expert_used, blob)
@@ -324,6 +329,7 @@ def main(argv=None):
                          pcie_ceiling_tok_s=round(pcie_ceiling, 1), hbm_ceiling_tok_s=round(hbm_ceiling, 1),
                          of_pcie_ceiling=round(tps / pcie_ceiling, 3), of_hbm_ceiling=round(tps / hbm_ceiling, 3),
                          prompt_tok_s=round(a.prompt / m["prompt_s"], 1), adapt=adapt,
+                         pipeline="on" if be.pipelined else "off",
                          swaps=be.cache.swaps - swaps0,
                          prefetch="on" if ps else "off", prefetch_depth=be.step.prefetch.depth if ps else None,
                          fetch_misses=("on" if be.step.prefetch.fetch_misses else "off") if ps else None,
@@ -351,14 +357,14 @@ def main(argv=None):
     dump(a.out, facts, rows)
     print(f"model {a.model.name}: prompt {a.prompt}, {a.new} new tokens, ceilings PCIe {PCIE_BPS / 1e9:.0f} GB/s, "
           f"HBM {HBM_BPS / 1e12:.1f} TB/s; {json.dumps(facts)}")
-    print("| budget GiB | prefetch | depth | late copy | adapt (swaps) | slots | hit rate | tok/s | PCIe MB/tok "
+    print("| budget GiB | prefetch | depth | late copy | adapt (swaps) | pipeline | slots | hit rate | tok/s | PCIe MB/tok "
           "| PCIe GB/s | PCIe ceiling | of it | HBM ceiling | of it | prompt tok/s | acc d1 | acc d2 | prefetch MB/tok "
           "| wasted | late MB/tok | link MB/tok | link GB/s |")
-    print("| --- | --- | --- | --- | --- |" + " ---: |" * 17)
+    print("| --- | --- | --- | --- | --- | --- |" + " ---: |" * 17)
     opt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
         print(f"| {r['budget']} | {r['prefetch']} | {r['prefetch_depth'] or '-'} | {r['fetch_misses'] or '-'} | "
-              f"{r['adapt']} ({r['swaps']}) | "
+              f"{r['adapt']} ({r['swaps']}) | {r['pipeline']} | "
               f"{r['slots']}/{r['experts_total']} | "
               f"{r['hit_rate']:.3f} | "
               f"{r['tok_s']:.1f} | {r['pcie_mb_per_token']:.1f} | {r['pcie_gbps']:.1f} | "
