@@ -27,3 +27,8 @@ def test_a_before_folder_without_the_file_says_what_to_give(tmp_path):
 def test_copies_defeat_the_l2():
     assert copies_for(12_533_760) * 12_533_760 >= 400e6      # attn_output at Q8_0
     assert copies_for(10 ** 9) == 1
+
+
+def test_the_qwen3_expert_cases_are_offered():
+    a = parse(["--only", "q3_gate_up,q3_down,q3_router"])
+    assert a.cases == ["q3_gate_up", "q3_down", "q3_router"]
