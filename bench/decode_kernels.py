@@ -12,8 +12,8 @@ both, with the largest difference between their outputs (0 where the change keep
 this tree's variant with a define (e.g. ROUTER_F4=16), never the --before build.
 
 The q3_* cases are Qwen3-30B-A3B's (the Q4_K_M recipe: n_embd 2048, 128 experts of n_ff 768, top 8): q3_gate_up
-(moe.cu moe_gate_up, Q4_K gate and up, the FFN norm fused), q3_down (moe_down, Q6_K ffn_down, the weighted sum
-added to x) and q3_router (router.cu router_fused, 128 x 2048 F32, top 8 renormalized). Their experts are 128 blobs
+(moe.cu moe_gate_up, Q4_K gate and up, the FFN norm fused), q3_down (moe_down, or moe_down_q6k where the
+tree has it, as the family picks: Q6_K ffn_down, the weighted sum added to x) and q3_router (router.cu router_fused, 128 x 2048 F32, top 8 renormalized). Their experts are 128 blobs
 laid out as the engine's (gate | up | down, 256-byte stride), 392 MB; launch i routes to the eight experts 8i..8i+7
 (mod 128), so consecutive launches read disjoint experts and the L2 serves none of them.
 """
@@ -74,6 +74,12 @@ def build(cp, src: Path, name: str, qt_ids, defines: dict):
     mod = cp.RawModule(code=path.read_text(), options=opts, name_expressions=instances)
     mod.compile()
     return mod
+
+
+def kernel_names(src: Path) -> set:
+    """The kernels the .cu files of a cuda_src folder define (a newer kernel is timed where the folder has it)."""
+    from engine.cuda.kernels import _GLOBAL_RE
+    return {n for p in sorted(src.glob("*.cu")) for n in _GLOBAL_RE.findall(p.read_text())}
 
 
 def graph_time(cp, launch, n, reps=5):
@@ -169,6 +175,12 @@ class Case:
                 self.grid, self.smem = ((Q3_EMBD + MV_WARPS - 1) // MV_WARPS, 1), staged_bytes(Q3_K * Q3_FF)
                 self.args = lambda ids: (table, ids, wts, i64(down_off), i64(rb_d), h, self.y, i32(Q3_EMBD),
                                          i32(Q3_FF), i32(Q3_K), i32(1))
+                # a tree whose moe.cu has moe_down_q6k launches that (as the family does), with its own geometry
+                from engine.cuda.launch import MOE_DOWN_TILE_ROWS, moe_down_tiled_bytes
+                self.tiled = ("moe_down_q6k", (Q3_EMBD // MOE_DOWN_TILE_ROWS, 1), (256,),
+                              moe_down_tiled_bytes(Q3_K, Q3_FF, rb_d),
+                              lambda ids: (table, ids, wts, i64(down_off), i64(rb_d), h, self.y, i32(Q3_EMBD),
+                                           i32(Q3_FF), i32(Q3_K)))
         elif which == "q3_router":
             self.what, self.qt, self.kernel = "router 128 x 2048 F32, top 8 renormalized", f32, "router_fused"
             one = cp.asarray(random_rows("F32", Q3_EXPERT, Q3_EMBD, rng, 0.05))
@@ -187,15 +199,24 @@ class Case:
             raise ValueError(which)
         self.block = (32 * MV_WARPS,)
 
-    def fn(self, mods):
-        mod = mods[MODULE[self.kernel]]
-        f = mod.get_function(f"{self.kernel}<{self.qt.id}>")
-        if self.smem > 48 * 1024:
-            f.max_dynamic_shared_size_bytes = self.smem
-        return f
+    tiled = None        # (kernel, grid, block, shared memory, args) of a newer kernel for the same launch
 
-    def run(self, f, i):
-        f(self.grid, self.block, self.args(self.ws[i % len(self.ws)]), shared_mem=self.smem)
+    def fn(self, mods):
+        """The launch in the build mods: (function, grid, block, shared memory, args of a copy)."""
+        mod = mods[MODULE[self.kernel]]
+        if self.tiled is not None and self.tiled[0] in mods["_kernels"]:
+            name, grid, block, smem, args = self.tiled
+            f = mod.get_function(name)
+        else:
+            f = mod.get_function(f"{self.kernel}<{self.qt.id}>")
+            grid, block, smem, args = self.grid, self.block, self.smem, self.args
+        if smem > 48 * 1024:
+            f.max_dynamic_shared_size_bytes = smem
+        return f, grid, block, smem, args
+
+    def run(self, launch, i):
+        f, grid, block, smem, args = launch
+        f(grid, block, args(self.ws[i % len(self.ws)]), shared_mem=smem)
 
     def out(self, f):
         """The output of one launch on copy 0 (an accumulating launch starts from the same y each time)."""
@@ -231,8 +252,10 @@ def main(argv=None):
     qt_ids = [qtype(t).id for t in QTS]
     mods = sorted(set(MODULE.values()))
     builds = {"after": {n: build(cp, CUDA_SRC, n, qt_ids, a.defines) for n in mods}}
+    builds["after"]["_kernels"] = kernel_names(CUDA_SRC)
     if a.before:
         builds = {"before": {n: build(cp, a.before, n, qt_ids, {}) for n in mods}, **builds}
+        builds["before"]["_kernels"] = kernel_names(a.before)
     rng = np.random.default_rng(0)
     print(f"# this tree's defines: {a.defines or 'none'}; before: {a.before or '-'}")
     print(f"{'case':8s} {'MB':>7s} " + " ".join(f"{k + ' us':>10s}" for k in builds) + f" {'of HBM':>7s}"
