@@ -9,7 +9,8 @@ output norm fused). Timed as bench/matvec.py times: a replayed CUDA graph cyclin
 (>= 400 MB together, so that the 50 MB L2 serves none of them), best of five. --before DIR compiles the same
 kernels from DIR (a cuda_src/ of an earlier commit: `git archive <commit> cuda_src | tar -x -C DIR/..`) and prints
 both, with the largest difference between their outputs (0 where the change keeps the arithmetic). --define builds
-this tree's variant with a define (e.g. ROUTER_F4=16), never the --before build.
+this tree's variant with a define (e.g. ROUTER_F4=16, or MOE_GU_RPW=2: moe_gate_up's rows a warp, the q3_gate_up
+grid following it), never the --before build.
 
 The q3_* cases are Qwen3-30B-A3B's (the Q4_K_M recipe: n_embd 2048, 128 experts of n_ff 768, top 8): q3_gate_up
 (moe.cu moe_gate_up, Q4_K gate and up, the FFN norm fused), q3_down (moe_down, or moe_down_q6k where the
@@ -210,6 +211,9 @@ class Case:
         else:
             f = mod.get_function(f"{self.kernel}<{self.qt.id}>")
             grid, block, smem, args = self.grid, self.block, self.smem, self.args
+            if self.kernel == "moe_gate_up":     # MOE_GU_RPW rows a warp (moe.cu): the grid shrinks with it
+                rpw = int(mods["_defines"].get("MOE_GU_RPW", 1))
+                grid = ((Q3_FF + block[0] // 32 * rpw - 1) // (block[0] // 32 * rpw), *grid[1:])
         if smem > 48 * 1024:
             f.max_dynamic_shared_size_bytes = smem
         return f, grid, block, smem, args
@@ -252,10 +256,10 @@ def main(argv=None):
     qt_ids = [qtype(t).id for t in QTS]
     mods = sorted(set(MODULE.values()))
     builds = {"after": {n: build(cp, CUDA_SRC, n, qt_ids, a.defines) for n in mods}}
-    builds["after"]["_kernels"] = kernel_names(CUDA_SRC)
+    builds["after"].update(_kernels=kernel_names(CUDA_SRC), _defines=a.defines)
     if a.before:
         builds = {"before": {n: build(cp, a.before, n, qt_ids, {}) for n in mods}, **builds}
-        builds["before"]["_kernels"] = kernel_names(a.before)
+        builds["before"].update(_kernels=kernel_names(a.before), _defines={})
     rng = np.random.default_rng(0)
     print(f"# this tree's defines: {a.defines or 'none'}; before: {a.before or '-'}")
     print(f"{'case':8s} {'MB':>7s} " + " ".join(f"{k + ' us':>10s}" for k in builds) + f" {'of HBM':>7s}"

@@ -9,34 +9,52 @@
 #include "quant.cuh"
 #include "common.cuh"
 
-// Grid (ceil(n_ff / warps per block), k, T); dynamic shared memory staged_bytes(ncols).
+// Grid (ceil(n_ff / (warps per block * MOE_GU_RPW)), k, T); dynamic shared memory staged_bytes(ncols).
 // h[t, j, r] = silu(gate_e[r] . xn_t) * (up_e[r] . xn_t), e = ids[t, j], xn_t = rmsnorm(x_t) * norm_w (the FFN
-// norm, done here per block; x_t as is when norm_w is NULL).
+// norm, done here per block; x_t as is when norm_w is NULL). A warp computes MOE_GU_RPW consecutive rows: every
+// block stages (and norms) x, ~3 x n_embd floats from L2 against 4 rows' 9 KB of Q4_K weights at n_embd 2048, so
+// more rows a block amortize that (a define: bench.decode_kernels --define MOE_GU_RPW=2 times it; the engine's
+// launch keeps 1 until a measurement says otherwise).
+#ifndef MOE_GU_RPW
+#define MOE_GU_RPW 1
+#endif
 template <int QT>
 __global__ void moe_gate_up(const unsigned long long* __restrict__ table, const int* __restrict__ ids,
                             long long up_off, long long row_bytes, const float* __restrict__ x,
                             const float* __restrict__ norm_w, float eps, float* __restrict__ h, int n_ff, int ncols,
                             int k) {
     const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int r0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * MOE_GU_RPW;
     const int j = blockIdx.y, t = blockIdx.z;
     const uint8_t* base = reinterpret_cast<const uint8_t*>(table[ids[t * k + j]]);
-    const uint8_t* rg = base + (long long)min(r, n_ff - 1) * row_bytes;   // a tail warp re-reads the last row
-    const uint8_t* ru = rg + up_off;
-    float g, u;
+    const uint8_t* rg[MOE_GU_RPW];
+    const uint8_t* ru[MOE_GU_RPW];
+#pragma unroll
+    for (int i = 0; i < MOE_GU_RPW; ++i) {
+        rg[i] = base + (long long)min(r0 + i, n_ff - 1) * row_bytes;   // a tail warp re-reads the last row
+        ru[i] = rg[i] + up_off;
+    }
+    float g[MOE_GU_RPW], u[MOE_GU_RPW];
     if constexpr (QT == STRATA_Q_Q4_K) {       // the first units' loads go out before the staging
-        Q4KRaw p[Q4K_BATCH], q[Q4K_BATCH];
-        q4k_preload(rg, ncols, lane, p);
-        q4k_preload(ru, ncols, lane, q);
+        Q4KRaw p[MOE_GU_RPW][Q4K_BATCH], q[MOE_GU_RPW][Q4K_BATCH];
+#pragma unroll
+        for (int i = 0; i < MOE_GU_RPW; ++i) {
+            q4k_preload(rg[i], ncols, lane, p[i]);
+            q4k_preload(ru[i], ncols, lane, q[i]);
+        }
         const float* xs = stage_x<QT>(x + (long long)t * ncols, norm_w, eps, ncols);
-        q4k_finish2(p, q, rg, ru, xs, ncols, lane, g, u);
+#pragma unroll
+        for (int i = 0; i < MOE_GU_RPW; ++i) q4k_finish2(p[i], q[i], rg[i], ru[i], xs, ncols, lane, g[i], u[i]);
     } else {
         const float* xs = stage_x<QT>(x + (long long)t * ncols, norm_w, eps, ncols);
-        dot2_s<QT>(rg, ru, xs, ncols, lane, g, u);
+#pragma unroll
+        for (int i = 0; i < MOE_GU_RPW; ++i) dot2_s<QT>(rg[i], ru[i], xs, ncols, lane, g[i], u[i]);
     }
-    g = warp_sum(g);
-    u = warp_sum(u);
-    if (lane == 0 && r < n_ff) h[((long long)t * k + j) * n_ff + r] = silu(g) * u;
+#pragma unroll
+    for (int i = 0; i < MOE_GU_RPW; ++i) {
+        const float gi = warp_sum(g[i]), ui = warp_sum(u[i]);
+        if (lane == 0 && r0 + i < n_ff) h[((long long)t * k + j) * n_ff + r0 + i] = silu(gi) * ui;
+    }
 }
 
 // Grid, block and shared memory as moe_gate_up's, for a layer whose gate and up differ in quant type (community
