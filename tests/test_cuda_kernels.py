@@ -294,6 +294,66 @@ def test_moe_through_table(K, qg, qd, n_embd, n_ff, k, T):
         cp.cuda.runtime.freeHost(hp)
 
 
+def q6k_down_ref(n_expert, n_embd, n_ff, k, T, rng):
+    """Random Q6_K ffn_down blobs (behind a gate | up region of random bytes, as a Q4_K_M recipe's blob lies) and
+    the NumPy result of out0 + sum_j w_j * down_{ids_j} @ h_j: (device pool, table, ids, w, h, out0, ref, scale,
+    down_off, row_bytes)."""
+    down_off = 2 * n_ff * qtype("Q4_K").row_bytes(n_embd)
+    rb = qtype("Q6_K").row_bytes(n_ff)
+    stride = (down_off + n_embd * rb + 255) // 256 * 256
+    pool = rng.integers(0, 256, size=(n_expert, stride), dtype=np.uint8)     # gate/up and padding: noise
+    Wds = []
+    for e in range(n_expert):
+        raw, Wd = rand_matrix("Q6_K", n_embd, n_ff, rng)
+        pool[e, down_off:down_off + raw.size] = raw.ravel()
+        Wds.append(Wd.astype(np.float64))
+    ids = np.stack([rng.choice(n_expert, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.uniform(0.1, 1, size=(T, k)).astype(np.float32)
+    h = (rng.standard_normal((T, k, n_ff)) * rng.uniform(0.1, 3)).astype(np.float32)
+    out0 = rng.standard_normal((T, n_embd)).astype(np.float32)
+    ref, scale = out0.astype(np.float64), np.abs(out0).astype(np.float64)
+    for t in range(T):
+        for j in range(k):
+            Wd = Wds[ids[t, j]]
+            ref[t] += w[t, j] * (Wd @ h[t, j])
+            scale[t] += w[t, j] * (np.abs(Wd) @ np.abs(h[t, j]))
+    return pool, ids, w, h, out0, ref, scale, down_off, rb
+
+
+@pytest.mark.parametrize("n_embd,n_ff,k,T", [(8, 256, 1, 1), (256, 256, 2, 1), (2048, 768, 8, 1),
+                                             (512, 1536, 8, 2), (136, 512, 4, 3), (1024, 768, 16, 1)])
+def test_moe_down_q6k_tiles(K, n_embd, n_ff, k, T):
+    """moe_down_q6k (Q6_K ffn_down through shared-memory tiles) against NumPy, through the pointer table; out starts
+    from a random residual (it adds), the tiles' shared memory poisoned (NaN bytes) by an earlier launch's h."""
+    from engine.cuda.launch import MOE_DOWN_TILE_ROWS, moe_down_tiled_bytes, moe_down_tiled_fits
+    assert moe_down_tiled_fits("Q6_K", n_embd, n_ff, k)
+    rng = np.random.default_rng()
+    n_expert = max(k, 12)
+    pool, ids, w, h, out0, ref, scale, down_off, rb = q6k_down_ref(n_expert, n_embd, n_ff, k, T, rng)
+    dev = cp.asarray(pool)
+    table = cp.asarray(np.uint64(dev.data.ptr) + np.arange(n_expert, dtype=np.uint64) * np.uint64(pool.shape[1]))
+    f = K("moe_down_q6k")
+    sm = moe_down_tiled_bytes(k, n_ff, rb)
+    if sm > 48 * 1024:
+        f.max_dynamic_shared_size_bytes = sm
+    out = cp.asarray(out0)
+    d_ids, d_w, d_h = cp.asarray(ids), cp.asarray(w), cp.asarray(h)
+    args = (ptr(table), ptr(d_ids), ptr(d_w), I64(down_off), I64(rb), ptr(d_h), ptr(out), I32(n_embd), I32(n_ff),
+            I32(k))
+    grid = (n_embd // MOE_DOWN_TILE_ROWS, T)
+    nan_h = poisoned((T, k, n_ff))           # a first launch on NaN h leaves NaN in shared memory and in scratch
+    scratch = poisoned((T, n_embd))
+    f(grid, (256,), (*args[:5], ptr(nan_h), ptr(scratch), *args[7:]), shared_mem=sm)
+    f(grid, (256,), args, shared_mem=sm)
+    got = out.get()
+    assert np.isfinite(got).all()
+    assert rel_to(got, ref, scale) < 1e-5
+    # bit for bit the same on a second run (a fixed order of sums)
+    out2 = cp.asarray(out0)
+    f(grid, (256,), (*args[:6], ptr(out2), *args[7:]), shared_mem=sm)
+    assert np.array_equal(out2.get(), got)
+
+
 @pytest.mark.parametrize("qg,qu", [("Q4_K", "Q5_K"), ("Q6_K", "Q4_K"), ("F16", "Q6_K"), ("Q8_0", "Q4_K"),
                                    ("Q2_0", "NVFP4"), ("Q1_0", "Q2_0")])
 @pytest.mark.parametrize("n_embd,n_ff,k,T", [(256, 256, 2, 1), (512, 768, 8, 1), (256, 512, 4, 3)])

@@ -19,6 +19,23 @@ def staged_bytes(n: int) -> int:
     return 4 * (n + 4 * (n // 64))
 
 
+MOE_DOWN_TILE_ROWS = 8       # moe.cu moe_down_q6k: rows of every expert one block computes
+
+
+def moe_down_tiled_bytes(k: int, n_ff: int, row_bytes: int) -> int:
+    """moe.cu moe_down_q6k's dynamic shared memory: the k experts' tiles of MOE_DOWN_TILE_ROWS rows (rounded up to
+    16 bytes), then h (k * n_ff floats)."""
+    return (k * MOE_DOWN_TILE_ROWS * row_bytes + 15) // 16 * 16 + 4 * k * n_ff
+
+
+def moe_down_tiled_fits(qt_name: str, n_embd: int, n_ff: int, k: int) -> bool:
+    """Whether a layer's ffn_down takes moe_down_q6k: Q6_K, n_embd a multiple of the tile's rows (a tile never
+    reads past its expert), k <= 32 (a lane per expert) and the tiles within the opt-in shared memory."""
+    from engine.cuda.quant_types import qtype
+    return (qt_name == "Q6_K" and n_embd % MOE_DOWN_TILE_ROWS == 0 and n_ff % 256 == 0 and 0 < k <= 32
+            and moe_down_tiled_bytes(k, n_ff, qtype("Q6_K").row_bytes(n_ff)) <= SMEM_MAX)
+
+
 U64, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
 NULL = U64(0)
 MV_WARPS = 4           # rows per block in the mat-vec kernels (one warp each)

@@ -14,8 +14,10 @@ import cupy as cp
 import numpy as np
 
 from engine.cuda.kv import PLAIN, DecodeAttention, KVCache
-from engine.cuda.launch import F32, I32, I64, MV_WARPS, NULL, U64, ptr
+from engine.cuda.launch import (F32, I32, I64, MOE_DOWN_TILE_ROWS, MV_WARPS, NULL, SMEM_DEFAULT, U64,
+                               moe_down_tiled_bytes, moe_down_tiled_fits, ptr)
 from engine.cuda.prefill import attn_kernel
+from engine.cuda.quant_types import qtype
 from engine.cuda.rope import rope_table
 from engine.cuda.weights import DevMatrix, load_weights
 
@@ -261,12 +263,21 @@ class MoeDecode:
             if layer.sh_gate_inp is not None:
                 mv.mv(layer.sh_gate_inp, x, self.sgate, tag="shexp", norm=norm)
             mv.swiglu(layer.sh_gate, layer.sh_up, x, self.h2, norm=norm, tag="shexp")
-        f = st.kernel("moe_down", blob.qt_down)
-        sm = mv.smem(f, top_k * blob.n_ff, False, optional_max=100 * 1024)   # e.g. 8 x 1536 (Qwen3-235B): 50 KiB
-        f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,),
-          (table, ptr(st.ids), ptr(st.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(out),
-           I32(c.n_embd), I32(blob.n_ff), I32(top_k), I32(1 if sm else 0)),
-          shared_mem=sm)
+        down_args = (table, ptr(st.ids), ptr(st.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(out),
+                     I32(c.n_embd), I32(blob.n_ff), I32(top_k))
+        if moe_down_tiled_fits(qtype(blob.qt_down).name, c.n_embd, blob.n_ff, top_k):
+            # Q6_K rows are 2-byte aligned: moe_down_q6k copies 8 rows of each expert as 16-byte loads into shared
+            # memory (bench.decode_kernels q3_down: Qwen3-30B-A3B's layer, 18.2 us with moe_down on the H200)
+            f = st.kernel("moe_down_q6k", None, "moe_down")
+            sm = moe_down_tiled_bytes(top_k, blob.n_ff, blob.rb_down)
+            if sm > SMEM_DEFAULT and getattr(f, "max_dynamic_shared_size_bytes", 0) < sm:
+                f.max_dynamic_shared_size_bytes = sm
+            f((c.n_embd // MOE_DOWN_TILE_ROWS, 1), (256,), down_args, shared_mem=sm)
+        else:
+            f = st.kernel("moe_down", blob.qt_down)
+            sm = mv.smem(f, top_k * blob.n_ff, False, optional_max=100 * 1024)   # e.g. 8 x 1536 (Qwen3-235B): 50 KiB
+            f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, 1), (32 * MV_WARPS,), (*down_args, I32(1 if sm else 0)),
+              shared_mem=sm)
         if shared:
             mv.mv(layer.sh_down, self.h2, out, gate_logit=self.sgate if layer.sh_gate_inp is not None else None,
                   accumulate=True, tag="shexp")
