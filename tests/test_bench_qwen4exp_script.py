@@ -39,21 +39,22 @@ def test_short_call_makes_the_pack_and_benches_every_budget(tmp_path):
     assert list(s) == ["make", "strata", "llama-bench"]
     model = "/dev/shm/qwen3.8-flash-next-q2_0-ple14400000.gguf"
     assert "--preset qwen3.8-flash-next --pack q2_0 --ple-rows 14400000 --out " + model in s["make"]
-    for want in ("bench.decode", f"--model {model}", "--budgets all,24,12,8", "--prompt 512", "--prefill-prompts 4096",
+    for want in ("bench.decode", f"--model {model}", "--budgets all,12,8,24", "--prompt 512", "--prefill-prompts 4096",
                  "--prefill-out"):
         assert want in s["strata"]
-    for want in ("--budgets all,24,12,8", "--prompt 4096", "--gen 128", "--probe --reps 1"):
+    for want in ("--budgets all,12,8,24", "--prompt 4096", "--gen 128", "--probe --reps 1"):
         assert want in s["llama-bench"]
-    assert "--depth" not in s["llama-bench"]
+    assert "--depth" not in s["llama-bench"] and "--routing" not in s["make"]
     # llama-bench keeps the last 230 s but for the clean-up's 15
     assert _limit(s["strata"]) <= 540 - 230 and _limit(s["llama-bench"]) <= 540 - 15
 
 
 def test_long_call_is_one_budget_at_the_deep_contexts(tmp_path):
-    s = _steps(_run(["long"], tmp_path, PACK="iq2_xs", PLE_ROWS="4000000", DEADLINE="500"))
+    s = _steps(_run(["long"], tmp_path, PACK="iq2_xs", PLE_ROWS="4000000", DEADLINE="500", ROUTING="trained"))
     assert list(s) == ["make", "strata-32k", "strata-128k", "llama-bench-d32768", "llama-bench-d131072",
                        "llama-bench-d32768-12"]
-    assert "--pack iq2_xs --ple-rows 4000000" in s["make"]
+    assert "--pack iq2_xs --ple-rows 4000000 --routing trained --out " in s["make"]
+    assert "/dev/shm/qwen3.8-flash-next-iq2_xs-ple4000000-trained.gguf" in s["strata-128k"]
     assert "--budgets 12 --prompt 32768 --prefill-prompts 4096,32768" in s["strata-32k"]
     assert "--budgets 12 --prompt 131072" in s["strata-128k"]
     assert "--budgets all" in s["llama-bench-d131072"] and "--depth 131072" in s["llama-bench-d131072"]
@@ -64,7 +65,8 @@ def test_long_call_is_one_budget_at_the_deep_contexts(tmp_path):
 def test_bad_arguments(tmp_path):
     for args, env, msg in ((["medium"], {}, "short or long"), (["long", "12,8"], {}, "one budget"),
                            (["short"], {"PACK": "q4_k_m"}, "PACK is q2_0 or iq2_xs"),
-                           (["short"], {"PLE_ROWS": "many"}, "PLE_ROWS is a row count")):
+                           (["short"], {"PLE_ROWS": "many"}, "PLE_ROWS is a row count"),
+                           (["short"], {"ROUTING": "sticky"}, "ROUTING is trained or spread")):
         p = _run(args, tmp_path, **env)
         assert p.returncode == 2 and msg in p.stdout
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Qwen3.8-Flash-Next (qwen4exp) on the GPU machine, Strata beside llama.cpp on the same file (issue 35, item 6):
 #   bash tools/gpu_bench_qwen4exp.sh short [BUDGETS]   decode at a ~0 context (512-token prompt) and the 4K prompt at
-#                                                       each budget (default all,24,12,8)
+#                                                       each budget (default all,12,8,24: in that order, so a run
+#                                                       cut at the deadline loses 24 first; all first learns the
+#                                                       profile on a measured row instead of an extra pass)
 #   bash tools/gpu_bench_qwen4exp.sh long  [BUDGET]    at one budget (default 12): decode at 32K and 128K contexts,
 #                                                       prompts of 4K and 32K; llama-bench at -d 32768 / 131072
 # Each is one device call of DEADLINE seconds (default 540): it makes the model in /dev/shm (a warm machine keeps
@@ -12,6 +14,7 @@
 # table; the published 320,001,536 rows are 26.8 GiB, which with the 35 GiB of the rest would not leave the pinned
 # arena room in 128 GiB of RAM beside /dev/shm). A smaller table changes which rows n-grams share and the row
 # cache's hit rate, not the bytes a token reads (16 rows of 90 bytes) nor any other tensor.
+# ROUTING=trained|spread: make_moe --routing (unset: the preset's own); the file's name says which.
 # llama-bench: LLAMA_BENCH (default /tmp/llama-bench, else .anchors/llama-bench.{xz,gz} carried into the checkout).
 # DRY_RUN=1 prints the steps and runs none.
 set -o pipefail
@@ -22,18 +25,19 @@ PLE_ROWS=${PLE_ROWS:-14400000}
 OUT=${OUT:-gpu-out}
 DEADLINE=${DEADLINE:-540}
 case $CALL in
-    short) BUDGETS=${2:-all,24,12,8} ;;
+    short) BUDGETS=${2:-all,12,8,24} ;;
     long) BUDGETS=${2:-12}
           [[ $BUDGETS == *,* ]] && { echo "gpu_bench_qwen4exp: long takes one budget, not $BUDGETS"; exit 2; } ;;
     *) echo "gpu_bench_qwen4exp: the call is short or long, not $CALL"; exit 2 ;;
 esac
 case $PACK in q2_0|iq2_xs) ;; *) echo "gpu_bench_qwen4exp: PACK is q2_0 or iq2_xs, not $PACK"; exit 2 ;; esac
+case ${ROUTING:-} in ""|trained|spread) ;; *) echo "gpu_bench_qwen4exp: ROUTING is trained or spread, not $ROUTING"; exit 2 ;; esac
 [[ $PLE_ROWS =~ ^[0-9]+$ ]] || { echo "gpu_bench_qwen4exp: PLE_ROWS is a row count, not $PLE_ROWS"; exit 2; }
-NAME=qwen3.8-flash-next-$PACK-ple$PLE_ROWS
+NAME=qwen3.8-flash-next-$PACK-ple$PLE_ROWS${ROUTING:+-$ROUTING}
 MODEL=/dev/shm/$NAME.gguf
 BENCH=${LLAMA_BENCH:-/tmp/llama-bench}
 for cand in "$BENCH" .lbench/llama-bench.xz .anchors/llama-bench.xz .anchors/llama-bench.gz; do [[ -f $cand ]] && { BENCH=$cand; break; }; done
-MAKE=(python3 -m tools.make_moe --preset qwen3.8-flash-next --pack "$PACK" --ple-rows "$PLE_ROWS")
+MAKE=(python3 -m tools.make_moe --preset qwen3.8-flash-next --pack "$PACK" --ple-rows "$PLE_ROWS" ${ROUTING:+--routing "$ROUTING"})
 mkdir -p "$OUT"
 T0=$(date +%s)
 say() { echo "[gpu_bench_qwen4exp t+$(( $(date +%s) - T0 ))s] $*"; }
