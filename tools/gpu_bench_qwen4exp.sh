@@ -6,6 +6,7 @@
 #                                                       profile on a measured row instead of an extra pass)
 #   bash tools/gpu_bench_qwen4exp.sh long  [BUDGET]    at one budget (default 12): decode at 32K and 128K contexts,
 #                                                       prompts of 4K and 32K; llama-bench at -d 32768 / 131072
+#                                                       with every expert in VRAM (at the budget: minutes a rep)
 # Each is one device call of DEADLINE seconds (default 540): it makes the model in /dev/shm (a warm machine keeps
 # /dev/shm files only ~30 s between calls), benches it and deletes it, on a failure too; every bench's rows are
 # written as they are measured and a step that runs out of time is cut, so partial rows still print.
@@ -85,25 +86,22 @@ if [[ $CALL == short ]]; then
         "$OUT/$NAME-llama.jsonl"
 else
     # Strata: the 32K context with the 4K and 32K prompts on its backend, then the 128K context (each row prefills its
-    # prompt three times: the learning pass with every expert in VRAM, the row's own learning pass, the measured one)
-    step strata-32k $(min 150 $(( $(left) - 330 ))) "$OUT/$NAME-ctx32k.log" python3 -m bench.decode "${C[@]}" \
+    # prompt three times: the learning pass with every expert in VRAM, the row's own learning pass, the measured one;
+    # the host reads 16 PLE rows a prompt token, ~5 us a row through engine/row_cache.py on the 2-core dev box)
+    step strata-32k $(min 130 $(( $(left) - 340 ))) "$OUT/$NAME-ctx32k.log" python3 -m bench.decode "${C[@]}" \
         --budgets "$BUDGETS" --prompt 32768 --prefill-prompts 4096,32768 --prefill-out "$OUT/$NAME-prefill.json" \
         --out "$OUT/$NAME-ctx32k.json" || status=1
-    step strata-128k $(( $(left) - 200 )) "$OUT/$NAME-ctx128k.log" python3 -m bench.decode "${C[@]}" \
+    step strata-128k $(min 200 $(( $(left) - 140 ))) "$OUT/$NAME-ctx128k.log" python3 -m bench.decode "${C[@]}" \
         --budgets "$BUDGETS" --prompt 131072 --out "$OUT/$NAME-ctx128k.json" || status=1
-    # llama.cpp at the depths: all in VRAM first (its prompt pass at the budget, ~150 tok/s on the anchors' file,
-    # would take 3.6 min for the 32K depth alone, and 15 for the 128K), then the budget at 32K with what is left
+    # llama.cpp at the depths with every expert in VRAM only: at the budget its prompt pass (~150 tok/s on the
+    # anchors' file at 11.7 GiB) would take 3.6 min for the 32K depth and 15 for the 128K, each rep
     rm -f "$OUT/$NAME-llama-d32768.jsonl" "$OUT/$NAME-llama-d131072.jsonl"
     for d in 32768 131072; do
-        lt=$(min 120 $(( $(left) - 80 )))
+        if (( d == 32768 )); then lt=$(min 70 $(( $(left) - 70 ))); else lt=$(( $(left) - 15 )); fi
         step "llama-bench-d$d" "$lt" "$OUT/$NAME-llama-d$d.log" python3 -m bench.llama_bench --model "$MODEL" \
             --bench "$BENCH" --budgets all --prompt 0 --gen 128 --depth "$d" --reps 1 \
             --timeout "$(( lt > 20 ? lt - 10 : 10 ))" --out "$OUT/$NAME-llama-d$d.jsonl" || status=1
     done
-    lt=$(( $(left) - 15 ))
-    step "llama-bench-d32768-$BUDGETS" "$lt" "$OUT/$NAME-llama-d32768-b.log" python3 -m bench.llama_bench \
-        --model "$MODEL" --bench "$BENCH" --budgets "$BUDGETS" --prompt 0 --gen 128 --depth 32768 --probe --reps 1 \
-        --timeout "$(( lt > 20 ? lt - 10 : 10 ))" --out "$OUT/$NAME-llama-d32768.jsonl" || status=1
     cleanup
     echo "==== $NAME: Strata beside llama.cpp at long contexts (budget $BUDGETS GiB) ===="
     [[ ${DRY_RUN:-0} == 1 ]] || python3 -m bench.vs_llama_ctx --budget "$BUDGETS" \
