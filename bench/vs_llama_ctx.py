@@ -35,8 +35,8 @@ def _f(v, fmt):
 
 
 def table(budget: str, decode: dict[int, Path], llama: dict[int, Path], prefill: Path | None) -> str:
-    out = ["| what | Strata tok/s | hit rate | llama.cpp tok/s | its budget | -ncmoe | its VRAM GiB | ratio |",
-           "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    out = ["| what | Strata tok/s | ceiling | hit rate | llama.cpp tok/s | its budget | -ncmoe | its VRAM GiB | ratio |",
+           "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for n in sorted(set(decode) | set(llama)):
         s = next((r for r in _rows(decode[n]) if str(r["budget"]) == budget), {}) if n in decode else {}
         refs = _rows(llama[n]) if n in llama else []
@@ -46,12 +46,15 @@ def table(budget: str, decode: dict[int, Path], llama: dict[int, Path], prefill:
         same = str(ref.get("budget")) == budget
         tg = ref.get("tg_tok_s")
         ratio = f"{s['tok_s'] / tg:.2f}x" if same and s.get("tok_s") and tg else "-"
-        out.append(f"| decode at {n:,} | {_f(s.get('tok_s'), '.1f')} | {_f(s.get('hit_rate'), '.3f')} | "
+        # bench.decode's ceilings: the link's for the row's misses, HBM's for the bytes a step reads
+        caps = [s[k] for k in ("pcie_ceiling_tok_s", "hbm_ceiling_tok_s") if s.get(k) is not None]
+        out.append(f"| decode at {n:,} | {_f(s.get('tok_s'), '.1f')} | {_f(min(caps, default=None), ',.0f')} | "
+                   f"{_f(s.get('hit_rate'), '.3f')} | "
                    f"{_f(tg, '.1f')} | {ref.get('budget', '-')} | {_f(ref.get('ncmoe'), 'd')} | "
                    f"{_f(ref.get('vram_gib'), '.1f')} | {ratio} |")
     for r in _rows(prefill) if prefill else []:
         if str(r["budget"]) == budget:
-            out.append(f"| prompt {r['prompt']:,} | {r['tok_s']:,.0f} | - | - | - | - | - | - |")
+            out.append(f"| prompt {r['prompt']:,} | {r['tok_s']:,.0f} | - | - | - | - | - | - | - |")
     return "\n".join(out)
 
 

@@ -74,7 +74,8 @@ def test_bad_arguments(tmp_path):
 
 def test_vs_llama_ctx_table(tmp_path, capsys):
     dec = tmp_path / "d.json"
-    dec.write_text(json.dumps({"facts": {}, "rows": [{"budget": "12", "tok_s": 80.0, "hit_rate": 0.9}]}))
+    dec.write_text(json.dumps({"facts": {}, "rows": [{"budget": "12", "tok_s": 80.0, "hit_rate": 0.9,
+                                                                "pcie_ceiling_tok_s": 150.0, "hbm_ceiling_tok_s": 1300.0}]}))
     deep = tmp_path / "d2.json"
     deep.write_text(json.dumps({"facts": {}, "rows": [{"budget": "12", "tok_s": 70.0, "hit_rate": 0.88}]}))
     l32 = tmp_path / "l32.jsonl"
@@ -88,7 +89,7 @@ def test_vs_llama_ctx_table(tmp_path, capsys):
     assert vs_llama_ctx.main(["--budget", "12", "--decode", f"32768={dec}", "--decode", f"131072={deep}",
                               "--llama", f"32768={l32}", "--llama", f"131072={l128}", "--prefill", str(pre)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[2] == "| decode at 32,768 | 80.0 | 0.900 | 20.0 | 12 | 40 | 11.5 | 4.00x |"
+    assert out[2] == "| decode at 32,768 | 80.0 | 150 | 0.900 | 20.0 | 12 | 40 | 11.5 | 4.00x |"
     # llama.cpp only reached the 128K depth with everything in VRAM: beside it, no ratio
-    assert out[3] == "| decode at 131,072 | 70.0 | 0.880 | 50.0 | all | 0 | 44.0 | - |"
-    assert out[4] == "| prompt 32,768 | 5,100 | - | - | - | - | - | - |"
+    assert out[3] == "| decode at 131,072 | 70.0 | - | 0.880 | 50.0 | all | 0 | 44.0 | - |"
+    assert out[4] == "| prompt 32,768 | 5,100 | - | - | - | - | - | - | - |"

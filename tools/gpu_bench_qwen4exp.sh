@@ -84,6 +84,8 @@ if [[ $CALL == short ]]; then
     echo "==== $NAME: Strata beside llama.cpp (decode after a 512-token prompt, prompt 4K) ===="
     [[ ${DRY_RUN:-0} == 1 ]] || python3 -m bench.vs_llama "$OUT/$NAME-decode.json" "$OUT/$NAME-prefill.json" \
         "$OUT/$NAME-llama.jsonl"
+    # bench.decode's own table: each row's PCIe and HBM ceilings (printed when its step finished)
+    [[ ${DRY_RUN:-0} == 1 ]] || grep -E '^(model |\| )' "$OUT/$NAME-decode.log" | head -n 12
 else
     # Strata: the 32K context with the 4K and 32K prompts on its backend, then the 128K context (each row prefills its
     # prompt three times: the learning pass with every expert in VRAM, the row's own learning pass, the measured one;
