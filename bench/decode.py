@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.arch import qwen4exp
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "data" / "models" / "qwen3-30b-a3b-q4k-g3.gguf"
 PCIE_BPS = 51e9
@@ -125,11 +127,16 @@ def dump(path, facts: dict, rows: list) -> None:
 
 
 def touched_bytes(model, k_used: int, expert_bytes: int) -> int:
-    """Weight bytes one decode step reads: every non-expert matrix once, k experts per layer, one embedding row."""
+    """Weight bytes one decode step reads: every non-expert matrix once, k experts per layer, one embedding row, and
+    of a hashed n-gram table (qwen4exp's PLE) the rows a token hashes to (one per PLE head), not the table: it is
+    read by row from the host (a 1.3 GB table counted whole put the HBM ceiling at a few hundred tok/s)."""
     total = 0
     for name in model.tensor_names():
         t = model.tensor(name)
         if "_exps." in name:
+            continue
+        if name == qwen4exp.PLE_TABLE:
+            total += model.config.family_params.n_ple_heads * (t.nbytes // t.shape[0])
             continue
         if name == "token_embd.weight":
             total += t.nbytes // t.shape[0]

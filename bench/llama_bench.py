@@ -123,6 +123,8 @@ def run_bench(binary: Path, model: Path, ncmoe: int, a, probe: bool = False) -> 
     p, n, r = (PROBE_PROMPT, 0, 1) if probe else (a.prompt, a.gen, a.reps)
     cmd = [str(binary), "-m", str(model), "-ngl", "99", "-fa", "on", "-ncmoe", str(ncmoe), "-p", str(p),
            "-n", str(n), "-r", str(r), "-t", str(a.threads), "-o", "json"] + (["--no-warmup"] if probe else [])
+    if a.depth and not probe:   # the probe picks -ncmoe: a depth's KV is small beside the experts it moves
+        cmd += ["-d", str(a.depth)]
     print("bench.llama_bench:", " ".join(cmd), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with PeakVram() as vram:
@@ -131,7 +133,7 @@ def run_bench(binary: Path, model: Path, ncmoe: int, a, probe: bool = False) -> 
         raise SystemExit(f"bench.llama_bench: llama-bench exited {p.returncode}: {p.stderr.strip()[-800:]}")
     rows = json.loads(p.stdout)
     ts = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in rows}
-    return {"ncmoe": ncmoe, "vram_gib": round(vram.gib, 2), **({"probe": True} if probe else {}), "pp_tok_s": round(ts.get("pp", 0.0), 1),
+    return {"ncmoe": ncmoe, "vram_gib": round(vram.gib, 2), **({"depth": a.depth} if a.depth and not probe else {}), **({"probe": True} if probe else {}), "pp_tok_s": round(ts.get("pp", 0.0), 1),
             "tg_tok_s": round(ts.get("tg", 0.0), 1), "wall_s": round(time.perf_counter() - t0, 1)}
 
 
@@ -143,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama-bench, or its .gz/.xz (../shared/anchors/llama-bench.gz)")
     ap.add_argument("--prompt", type=int, default=4096, help="llama-bench -p")
     ap.add_argument("--gen", type=int, default=128, help="llama-bench -n")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="llama-bench -d: the context already in the KV cache before each pp and tg test (each rep "
+                         "prefills it again, so a deep run at a small budget takes minutes)")
     ap.add_argument("--reps", type=int, default=2, help="llama-bench -r")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 16, help="llama-bench -t")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_bench(binary, a.model, n, a)
         emit({"budget": b, **r})
     print(f"llama.cpp on {a.model.name} ({len(per_layer)} MoE layers, {sum(per_layer) / GIB:.2f} GiB of experts; "
-          f"-p {a.prompt} -n {a.gen} -r {a.reps} -t {a.threads})")
+          f"-p {a.prompt} -n {a.gen} -r {a.reps} -t {a.threads}{f' -d {a.depth}' if a.depth else ''})")
     print("| budget GiB | -ncmoe | VRAM used GiB | pp tok/s | tg tok/s |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:

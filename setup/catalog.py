@@ -14,6 +14,9 @@ The arithmetic, in one place so the wizard's advice can be checked against it:
 - A hashed n-gram table (qwen4exp's per_layer_token_embd, table bytes = file bytes x table_share) is never loaded:
   each token reads its 16 rows from the file through a bounded row cache (TABLE_ROW_CACHE of RAM), so it needs
   disk only, neither RAM nor VRAM; dense bytes exclude it.
+- A CUDA preview (engine/supported.py CUDA_PREVIEW_ARCHS: the worker runs it on CUDA, its speed not yet measured
+  on the GPU machine) is offered where the PC fits it, said so in the offer, and never recommended automatically:
+  the person names or picks it.
 - The CPU backend (no GPU) holds the whole model plus KV in RAM; it is the NumPy reference, so a model beyond a few
   GiB does not "fit" there in any useful sense (tokens would take many seconds each), and the wizard says so.
 """
@@ -25,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.supported import SUPPORTED_ARCHS, archs_for, runs_on
+from engine.supported import CUDA_PREVIEW_ARCHS, SUPPORTED_ARCHS, archs_for, runs_on
 
 from .machine import GIB, MIB, Machine
 
@@ -227,8 +230,14 @@ class Needs:
 
     @property
     def supported(self) -> bool:
-        """Whether the backend this PC would use runs the model's architecture (engine/supported.py)."""
-        return runs_on(self.model.arch, self.backend)
+        """Whether the backend this PC would use runs the model's architecture (engine/supported.py), a CUDA
+        preview counted: the worker runs it there (strata_worker.py checks runs_on(..., preview=True))."""
+        return runs_on(self.model.arch, self.backend) or self.preview
+
+    @property
+    def preview(self) -> bool:
+        """Whether the CUDA backend runs this architecture only as a preview (not yet measured on a GPU)."""
+        return is_preview(self.model.arch, self.backend)
 
     @property
     def ram_need(self) -> int:
@@ -241,6 +250,14 @@ class Needs:
         if self.mode == "budget":
             return self.resident_gib * GIB + own
         return own
+
+
+def is_preview(arch: str, backend: str) -> bool:
+    return backend == "cuda" and arch in CUDA_PREVIEW_ARCHS and not runs_on(arch, backend)
+
+
+PREVIEW_NOTE = ("CUDA support for {arch} is a preview: the service runs it on the GPU, but its speed at this size "
+                "has not been measured yet (engine/supported.py CUDA_PREVIEW_ARCHS), so it is offered, not recommended")
 
 
 def unsupported_reason(arch: str, backend: str) -> str:
@@ -299,6 +316,8 @@ def assess(model: CatalogModel, m: Machine, backend: str | None = None, ctx: int
         n.warnings.append(f"context {ctx} is beyond what the model was trained for ({model.ctx_train})")
     if not n.supported:
         n.problems.append(unsupported_reason(model.arch, backend))
+    elif n.preview:
+        n.warnings.insert(0, PREVIEW_NOTE.format(arch=model.arch))
     if backend == "cuda":
         if not m.has_gpu:
             n.problems.append("the CUDA backend needs an NVIDIA GPU and none was found")
@@ -337,8 +356,10 @@ def assess(model: CatalogModel, m: Machine, backend: str | None = None, ctx: int
 
 
 def recommend(needs: list[Needs]) -> Needs:
-    """The model to suggest: the most preferred one that fits with every expert in RAM; else the default model."""
-    good = [n for n in needs if n.fits and n.supported and n.mode in ("ram", "cpu") and n.model.preference > 0]
+    """The model to suggest: the most preferred one that fits with every expert in RAM; else the default model.
+    A CUDA preview is never suggested: it is offered, for the person to pick."""
+    good = [n for n in needs if n.fits and n.supported and not n.preview and n.mode in ("ram", "cpu")
+            and n.model.preference > 0]
     if good:
         return max(good, key=lambda n: n.model.preference)
     default = [n for n in needs if n.model.source == "pypi"]

@@ -193,8 +193,9 @@ def short_verdict(n: Needs) -> str:
             if word in text:
                 return verdict
         return "no: RAM"
-    return {"ram": "yes", "cpu": "yes", "budget": f"yes (RAM budget {n.resident_gib} GiB)",
-            "mmap": "yes (experts from disk: slow)"}[n.mode]
+    yes = {"ram": "yes", "cpu": "yes", "budget": f"yes (RAM budget {n.resident_gib} GiB)",
+           "mmap": "yes (experts from disk: slow)"}[n.mode]
+    return f"{yes}, CUDA preview" if n.preview else yes
 
 
 def show_table(ui: UI, rows: list[Needs], rec: Needs | None) -> None:
@@ -206,6 +207,10 @@ def show_table(ui: UI, rows: list[Needs], rec: Needs | None) -> None:
                f"{fmt_gib(n.ram_need):>9} {vram:>9}  {short_verdict(n)}")
     if rec is not None:
         ui.say("  * recommended. Sizes marked approximate in data/catalog.json are the hub's rounded listings.")
+    previews = sorted({n.model.arch for n in rows if n.preview and n.fits})
+    if previews:
+        ui.say(f"  CUDA preview ({', '.join(previews)}): the service runs these on the GPU, their speed not yet "
+               f"measured; offered, never recommended.")
 
 
 def why_recommended(n: Needs, m: Machine) -> str:

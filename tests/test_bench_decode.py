@@ -41,3 +41,19 @@ def test_fresh_backend_without_a_tracer(monkeypatch, tmp_path):
     monkeypatch.setattr(decode, "free_vram", lambda: None)
     be = decode.fresh_backend(None, 64, "all", tmp_path / "p")
     assert be.tracer is None and be.opts.vram_budget_mib is None
+
+
+def test_touched_bytes_reads_a_token_s_ple_rows_not_the_table():
+    """qwen4exp's n-gram table is read by row (one per PLE head a token), so the HBM ceiling counts those rows; every
+    other non-expert tensor once, the embedding's one row, k experts a layer."""
+    from engine.gguf_model import open_model
+    model = open_model(Path(__file__).resolve().parent / "fixtures" / "qwen4exp" / "tiny-qwen4exp-q2_0.gguf")
+    table = model.tensor("per_layer_token_embd.weight")
+    heads = model.config.family_params.n_ple_heads
+    assert heads == 16 and table.shape[0] > 4000
+    rest = sum(model.tensor(n).nbytes for n in model.tensor_names()
+               if "_exps." not in n and n not in ("per_layer_token_embd.weight", "token_embd.weight"))
+    embd = model.tensor("token_embd.weight")
+    want = rest + embd.nbytes // embd.shape[0] + (embd.nbytes if model.config.tied_embeddings else 0)
+    want += heads * table.nbytes // table.shape[0] + model.config.n_layer * 2 * 1000
+    assert decode.touched_bytes(model, 2, 1000) == want

@@ -88,10 +88,12 @@ print(json.dumps([{{"n_prompt": 4096, "n_gen": 0, "avg_ts": 1000.0 - n}}, {{"n_p
     assert "| 3.2 | 4 | 2.5 |" in capsys.readouterr().out
 
 
-def test_probe_picks_layers_by_short_runs_then_measures_once(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("depth", [0, 32768])
+def test_probe_picks_layers_by_short_runs_then_measures_once(tiny, tmp_path, monkeypatch, depth):
     """--probe: the VRAM peaks come from one-batch runs (-p 512 -n 0 -r 1 --no-warmup) and each budget gets one
     measured run at the layer count they picked, whose own peak is the row's; rows reach --out as they are
-    measured. The fake's VRAM model is the test above's (3.2 GiB: 3 layers over, 4 under)."""
+    measured. The fake's VRAM model is the test above's (3.2 GiB: 3 layers over, 4 under). --depth: the measured
+    run alone gets -d (the probes pick layers by the experts' bytes) and its row says the depth."""
     state, calls = tmp_path / "vram", tmp_path / "calls"
     state.write_text("1000")
     monkeypatch.setattr(lb, "expert_bytes", lambda path: [lb.GIB] * 8)
@@ -111,14 +113,16 @@ print(json.dumps(rows))
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     out = tmp_path / "rows.jsonl"
     assert lb.main(["--model", str(tiny), "--bench", str(tmp_path / "llama-bench"), "--budgets", "3.2",
-                    "--probe", "--reps", "1", "--out", str(out)]) == 0
+                    "--probe", "--reps", "1", "--out", str(out)] + (["--depth", str(depth)] if depth else [])) == 0
     runs = calls.read_text().splitlines()
     probes = [r for r in runs if "--no-warmup" in r]
-    assert len(probes) == 3 and all("-p 512 -n 0 -r 1" in r for r in probes)
+    assert len(probes) == 3 and all("-p 512 -n 0 -r 1" in r and " -d " not in r for r in probes)
     assert [r.split("-ncmoe ")[1].split()[0] for r in probes] == ["0", "3", "4"]     # 3 lands over: 4
     measured = [r for r in runs if "--no-warmup" not in r]
     assert len(measured) == 1 and "-ncmoe 4 -p 4096 -n 128 -r 1" in measured[0]
+    assert measured[0].endswith(f" -d {depth}") if depth else " -d " not in measured[0]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0].get("depth") == (depth or None)
     assert len(rows) == 1 and rows[0]["budget"] == "3.2" and rows[0]["ncmoe"] == 4
     assert "probe" not in rows[0] and rows[0]["tg_tok_s"] == 46.0
     assert rows[0]["vram_gib"] == pytest.approx(2.5, abs=0.01)

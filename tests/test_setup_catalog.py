@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine.supported import CUDA_ARCHS, SUPPORTED_ARCHS, runs_on
+from engine.supported import CUDA_ARCHS, CUDA_PREVIEW_ARCHS, SUPPORTED_ARCHS, runs_on
 from setup.catalog import (GIB, CatalogError, assess, best_gpu, find_model, load_catalog, memory_mode, model_from_gguf,
                            ram_budget, recommend, split_parts)
 from setup.machine import GPU, Machine
@@ -58,7 +58,8 @@ def test_catalog_is_complete_and_honest(catalog):
 
 def test_every_entry_is_checked_against_the_engines_architectures(catalog):
     """'runs' is the engine's own list (engine/supported.py, what open_model checks): an entry is offered as runnable
-    exactly when its architecture is on it, and each one that runs is a family the engine builds a forward for."""
+    exactly when its architecture is on it (on the GPU: CUDA_ARCHS, or CUDA_PREVIEW_ARCHS offered as a preview), and
+    each one that runs is a family the engine builds a forward for."""
     from engine.arch import family
     from engine.gguf_model import SUPPORTED_ARCHS as OPEN_MODEL_ARCHS
     assert OPEN_MODEL_ARCHS is SUPPORTED_ARCHS
@@ -68,8 +69,9 @@ def test_every_entry_is_checked_against_the_engines_architectures(catalog):
     assert len([m for m in runs if m.is_moe and m.arch in CUDA_ARCHS]) >= 6   # the MoE models people offload today
     for m in catalog:
         n = assess(m, big)                                  # a GPU: the CUDA backend's list decides
-        if m.arch in CUDA_ARCHS:
+        if m.arch in CUDA_ARCHS or m.arch in CUDA_PREVIEW_ARCHS:
             assert n.fits and not any("not supported" in p for p in n.problems), (m.name, n.problems)
+            assert n.preview == (m.arch not in CUDA_ARCHS), m.name
             assert family(m.arch, m.is_moe) is not None, m.name
         else:
             assert not n.fits and not n.supported and any(

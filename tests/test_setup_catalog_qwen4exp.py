@@ -1,6 +1,7 @@
 """Qwen3.8-Flash-Next (qwen4exp) in the catalog (issue 29 item 6): the published files with their sizes, what each
-needs (experts in pinned RAM, the n-gram table read by row from the disk), "not supported yet" while the CUDA
-backend does not run the architecture, and recommended only where the PC fits them once it does."""
+needs (experts in pinned RAM, the n-gram table read by row from the disk), offered as a CUDA preview (issue 35)
+where the PC fits them and never recommended while the CUDA backend runs the architecture as a preview only, and
+recommended only where the PC fits them once it graduates."""
 from pathlib import Path
 
 import pytest
@@ -34,22 +35,41 @@ def test_the_published_files_are_listed(catalog):
         assert m.kv_bytes_per_token == 12 * (2 * 2 * 256 + 128) * 2      # K, V and the indexer's keys, f16
 
 
-def test_not_supported_yet_and_never_recommended_today(catalog):
+def test_offered_as_a_cuda_preview_where_the_pc_fits_it_never_recommended(catalog):
+    """engine/supported.py lists qwen4exp as a CUDA preview: on a GPU it is runnable (the worker takes it with
+    --backend cuda, which setup's config passes), fits where RAM and VRAM hold it, says it is a preview, and is never
+    the automatic recommendation."""
+    fitted = set()
     for profile, m in GOLDEN.items():
         for model in flash(catalog):
             n = assess(model, m)
-            assert not n.fits
-            if m.gpus:      # the CUDA backend does not run qwen4exp yet
-                assert not n.supported
-                assert any(p.startswith("not supported yet") for p in n.problems), (profile, n.problems)
+            if m.gpus:
+                assert n.supported and n.preview and n.backend == "cuda", profile
+                assert n.warnings[0] == catalog_mod.PREVIEW_NOTE.format(arch="qwen4exp")
+                assert not any(p.startswith("not supported yet") for p in n.problems), (profile, n.problems)
+                if n.fits:
+                    fitted.add((profile, model.recipe, n.mode))
             else:           # the CPU backend runs it, but not at this size
+                assert not n.fits and not n.preview
                 assert any(p.startswith("too large for the CPU backend") for p in n.problems), (profile, n.problems)
         assert recommend([assess(model, m) for model in catalog]).model.arch != "qwen4exp"
+    # the published Q2_0 and IQ2_XS packs (31.1 and 32.6 GiB of experts, 7.8 GiB of VRAM at 32K): 24 GiB of their
+    # experts pinned in the 27 GiB a 32 GiB PC lets Strata use (the rest read from the disk), all of them from 64 GiB
+    # up; not on a disk with 12 GB free
+    for recipe in ("Q2_0", "IQ2_XS"):
+        assert {f for f in fitted if f[1] == recipe} == {("one_12gb_32gb", recipe, "budget"),
+                                                       ("one_24gb_64gb", recipe, "ram"), ("two_cards", recipe, "ram")}
+
+
+def test_a_preview_that_does_not_fit_says_why(catalog):
+    small = machine((6,), 128)      # attention, HC and KV at 32K need ~7.8 GiB of VRAM
+    n = assess(next(m for m in flash(catalog) if m.recipe == "Q2_0"), small)
+    assert n.preview and not n.fits and any("GiB of VRAM" in p for p in n.problems)
 
 
 @pytest.fixture()
 def cuda_runs_qwen4exp(monkeypatch):
-    """As setup will see it once engine/supported.py lists qwen4exp for the CUDA backend."""
+    """As setup will see it once engine/supported.py lists qwen4exp in CUDA_ARCHS (no longer a preview)."""
     real = catalog_mod.runs_on
     monkeypatch.setattr(catalog_mod, "runs_on", lambda arch, backend: arch == "qwen4exp" or real(arch, backend))
 

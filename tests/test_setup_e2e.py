@@ -105,3 +105,53 @@ def test_setup_yes_starts_the_server_itself_and_a_rerun_finds_it_running(tmp_pat
                 os.killpg(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+
+TINY_FLASH = ROOT / "tests" / "fixtures" / "qwen4exp" / "tiny-qwen4exp-q2_0.gguf"
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=pytest.mark.slow),
+                                     pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_setup_with_a_qwen4exp_file_then_the_server_answers_through_it(tmp_path, backend):
+    """Issue 35's "the service answers through them": a qwen4exp GGUF (the tiny Q2_0 fixture, a published pack's
+    types) through `python -m setup --gguf`, on the CPU backend and on CUDA, where qwen4exp is a preview (setup says
+    so and calibrates it on the GPU); the server from the written config answers a chat through it."""
+    port, env = _new_user(tmp_path)
+    res = subprocess.run([sys.executable, "-m", "setup", "--yes", "--no-start", "--data-dir", str(tmp_path),
+                          "--port", str(port), "--backend", backend, "--gguf", str(TINY_FLASH)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ("CUDA support for qwen4exp is a preview" in res.stdout) == (backend == "cuda")
+    cfg_path = next(tmp_path.glob("strata-*.json"))
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["args"][cfg["args"].index("--backend") + 1] == backend
+    log = open(tmp_path / "server.out", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(cfg_path)], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.out").read_text()
+            try:
+                if requests.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "the server did not answer within 300 s"
+            time.sleep(0.3)
+        r = requests.post(url + "/v1/chat/completions", timeout=600, json={
+            "model": cfg["model_name"], "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] >= 1, body
+        assert isinstance(body["choices"][0]["message"]["content"], str), body
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()

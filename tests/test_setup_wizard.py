@@ -4,6 +4,7 @@ import json
 import shutil
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from setup.machine import GPU, Machine
 from test_setup_download import FakeHub
 
 GB = 10 ** 9
+OWN_FIXTURES = Path(__file__).resolve().parent / "fixtures"     # the repository's (tests/fixtures), not ../shared's
 REPO = "test-org/Tiny-MoE-GGUF"
 
 
@@ -454,3 +456,28 @@ def test_a_lazy_load_chosen_in_the_config_survives_a_rerun(env):
     path.write_text(json.dumps({**cfg, "load_at_start": False}))
     rc, out, _ = go(env, "--yes", "--no-start", machine_=machine((), 16))
     assert rc == 0 and config_of(env, "smollm2-135m")["load_at_start"] is False
+
+
+def test_a_cuda_preview_is_offered_said_so_and_installed_only_when_picked(env, hub, monkeypatch):
+    """A qwen4exp file (engine/supported.py CUDA_PREVIEW_ARCHS) on a GPU PC: the table offers it as "yes, CUDA
+    preview", the recommendation passes it over though it is preferred, and naming it downloads, calibrates and
+    configures it for the CUDA backend (the worker runs a preview with --backend cuda) with the preview said."""
+    flash = (OWN_FIXTURES / "qwen4exp" / "tiny-qwen4exp-q2_0.gguf").read_bytes()
+    hub.add(REPO, "tiny-flash-Q2_0.gguf", flash)
+    cat = json.loads((env / "catalog.json").read_text())
+    cat["models"].append(dict(cat["models"][1], name="tiny-flash", arch="qwen4exp", recipe="Q2_0", preference=99,
+                              files=[{"name": "tiny-flash-Q2_0.gguf", "size": len(flash), "sha256": None}],
+                              table_share=0.01))
+    (env / "catalog.json").write_text(json.dumps(cat))
+    rc, out, _ = go(env, "--check", machine_=machine((12,), 32))
+    assert rc == 0
+    row = next(ln for ln in out.splitlines() if " tiny-flash " in ln)
+    assert row.rstrip().endswith("yes, CUDA preview") and not row.startswith("*")
+    assert "[ok] recommended: tiny-moe" in out and "CUDA preview (qwen4exp): the service runs these" in out
+    monkeypatch.setattr(cal, "default_worker", lambda: calibrating(env))
+    rc, out, _ = go(env, "--yes", "--no-start", "--model", "tiny-flash", machine_=machine((12,), 32))
+    assert rc == 0, out
+    assert "CUDA support for qwen4exp is a preview" in out
+    assert (env / "data" / "models" / "tiny-flash-Q2_0.gguf").read_bytes() == flash
+    args = config_of(env, "tiny-flash")["args"]
+    assert args[args.index("--backend") + 1] == "cuda"
