@@ -33,6 +33,7 @@ class CudaOptions:
     adapt_every: int = 32                   # decode tokens between rounds of the adaptive expert tier (0: off)
     ring: int | None = None                 # the prompt pass's own ring slots (None: borrow expert-cache slots)
     stream_min: int = 1024                  # chunks of at least this many tokens stream experts through the ring
+    windows: bool = True                    # a verify window as one step of window kernels (off: a step a token)
     # --- tests only ---------------------------------------------------------------------------------------------
     staging_slots: int | None = None        # memory modes: staging LRU slots (None: sized from the model)
 
@@ -108,6 +109,9 @@ TUNING = {
     "ring": (_at_least(2), "N: the prompt pass's own expert ring slots (default: borrow the coldest cache slots)"),
     "stream_min": (_at_least(1), "N: prompt chunks of at least N tokens stream experts through the ring; shorter "
                                  "ones read them in place (default 1024)"),
+    "windows": (_switch, "on|off: a speculative verify window runs as one step of window kernels, each weight and "
+                         "expert read once for its tokens (engine/cuda/decode_window.py; default on), or one step a "
+                         "token"),
 }
 
 

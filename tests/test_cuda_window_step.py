@@ -1,0 +1,144 @@
+"""The CUDA backend's window step (engine/cuda/decode_window.py) end to end on the tiny llama / qwen3moe / qwen2moe
+files, with the expert cache holding all, half and none of the experts: the logits of a window of K tokens against
+K one-token steps at the same positions (within DESIGN section 7's bound, and bit for bit: the window kernels keep
+the one-token arithmetic per token), windows following windows (the K/V a window writes is what later tokens
+read), its greedy and sampled picks the one-token calls' picks, and the families without a window program on one
+step a token. Greedy speculative decoding with the n-gram and oracle drafters is tests/test_cuda_speculate.py's."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.gguf_model import open_model
+from engine.sampling import PickSpec, Sampler
+
+pytestmark = pytest.mark.gpu
+
+HERE = Path(__file__).resolve().parent
+MODELS = ("tiny-llama-legacy", "tiny-llama-kquants", "tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed")
+CTX = 256
+BOUND = 1e-2            # DESIGN section 7: CUDA logits within 1e-2 relative
+
+
+def backend(fixtures_dir, name, share, **opts):
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    model = open_model(fixtures_dir / "reference" / f"{name}.gguf")
+    cfg = model.config
+    if cfg.is_moe:
+        total = cfg.n_layer * cfg.n_expert
+        opts.setdefault("expert_slots", {"none": 0, "half": total // 2, "all": total}[share])
+    elif share != "all":
+        pytest.skip("a dense model has no experts to place")
+    return CUDABackend(model, CTX, CudaOptions(**opts))
+
+
+def rel_rows(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def window_logits(be, toks, spec):
+    picks = be.decode(toks, spec, all_positions=True)
+    return be.window.logits[:len(toks)].get(), [p.id for p in picks]
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("share", ["none", "half", "all"])
+def test_window_logits_are_one_token_steps(fixtures_dir, name, share):
+    be = backend(fixtures_dir, name, share)
+    try:
+        rng = np.random.default_rng(5)
+        V, spec = be.config.n_vocab, PickSpec()
+        prompt = rng.integers(1, V, 40).tolist()
+        be.decode(prompt, spec)
+        n0 = be.n_cached
+        assert be.window_step() is not None, "the moe family has a window program"
+        for K in (2, 3, 5, 8):
+            toks = rng.integers(1, V, K).tolist()
+            be.truncate(n0)
+            win, picks = window_logits(be, toks, spec)
+            assert be.n_cached == n0 + K
+            be.truncate(n0)
+            one = np.stack([be.forward([t]) for t in toks])
+            err = rel_rows(win, one)
+            assert err.max() < BOUND, (K, err)
+            assert picks == [int(np.argmax(r)) for r in one], K
+            np.testing.assert_array_equal(win, one, err_msg=f"K={K}: max relative {err.max():.2e}")
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("name", ("tiny-qwen3moe-q4k", "tiny-qwen2moe-mixed", "tiny-llama-kquants"))
+def test_windows_after_windows(fixtures_dir, name):
+    """Windows of several lengths back to back across 32-position attention tiles, against the same tokens one step
+    at a time; int8 K/V as well."""
+    for kv in ("f16", "int8"):
+        be = backend(fixtures_dir, name, "half", kv=kv)
+        try:
+            rng = np.random.default_rng(9)
+            V, spec = be.config.n_vocab, PickSpec()
+            prompt = rng.integers(1, V, 29).tolist()
+            be.decode(prompt, spec)
+            n0 = be.n_cached
+            sizes = [3, 8, 2, 7, 4, 8, 5, 6, 8]
+            toks = rng.integers(1, V, sum(sizes)).tolist()
+            rows, i = [], 0
+            for K in sizes:
+                rows.append(window_logits(be, toks[i:i + K], spec)[0])
+                i += K
+            win = np.concatenate(rows)
+            be.truncate(n0)
+            one = np.stack([be.forward([t]) for t in toks])
+            err = rel_rows(win, one)
+            assert err.max() < BOUND, (kv, err)
+            np.testing.assert_array_equal(win, one, err_msg=f"kv {kv}: max relative {err.max():.2e}")
+        finally:
+            be.close()
+
+
+@pytest.mark.parametrize("name", ("tiny-qwen3moe-q4k", "tiny-llama-legacy"))
+def test_window_picks_are_the_one_token_picks(fixtures_dir, name):
+    """Sampled (seeded, with top_k / top_p) and greedy with log-probabilities: the pick after each position of a window
+    is the one a one-token call with spec.after(the tokens before it) makes."""
+    be = backend(fixtures_dir, name, "all")
+    try:
+        rng = np.random.default_rng(2)
+        V = be.config.n_vocab
+        prompt = rng.integers(1, V, 30).tolist()
+        for params in ({"temperature": 0.9, "top_k": 40, "top_p": 0.9, "seed": 4}, {"logprobs": 3}):
+            lp = params.get("logprobs")
+            spec = Sampler({k: v for k, v in params.items() if k != "logprobs"}).spec(logprobs=lp)
+            be.truncate(0)
+            be.decode(prompt, PickSpec())
+            n0 = be.n_cached
+            toks = rng.integers(1, V, 6).tolist()
+            got = be.decode(toks, spec, all_positions=True)
+            be.truncate(n0)
+            want = [be.decode([t], spec.after(toks[:i]))[0] for i, t in enumerate(toks)]
+            assert [p.id for p in got] == [p.id for p in want], params
+            if lp:
+                for a, b in zip(got, want):
+                    assert a.logprob == pytest.approx(b.logprob, abs=1e-6) and a.top == b.top
+    finally:
+        be.close()
+
+
+def test_windows_off_and_families_without_a_program(fixtures_dir):
+    """--tune windows=off, and a hybrid (GDN state), take one step a token: the same picks, no window step."""
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    be = backend(fixtures_dir, "tiny-qwen3moe-q4k", "all", windows=False)
+    try:
+        rng = np.random.default_rng(1)
+        toks = rng.integers(1, be.config.n_vocab, 5).tolist()
+        be.decode(rng.integers(1, be.config.n_vocab, 12).tolist(), PickSpec())
+        picks = be.decode(toks, PickSpec(), all_positions=True)
+        assert be.window is False and len(picks) == 5
+    finally:
+        be.close()
+    model = open_model(HERE / "fixtures" / "hybrid" / "tiny-qwen35moe-q4_k_m.gguf")
+    be = CUDABackend(model, CTX, CudaOptions())
+    try:
+        be.decode([1, 2, 3], PickSpec())
+        assert len(be.decode([4, 5, 6], PickSpec(), all_positions=True)) == 3 and be.window is False
+    finally:
+        be.close()
