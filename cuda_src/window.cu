@@ -14,6 +14,7 @@
 // in shared memory (sl = n + 4 * (n / 64): stage_x's padded layout), so a launch passes T * staged_bytes(n).
 #include "quant.cuh"
 #include "common.cuh"
+#include "router.cu"     // route_block, ROUTER_F4 (its kernels compile here too, unused)
 
 #define WIN_MAX 8           // tokens a window (engine/backend.py MAX_WINDOW)
 #define WIN_MAX_PAIRS 128   // (token, expert) pairs of a window: WIN_MAX * ROUTER_MAX_K
@@ -365,7 +366,8 @@ __global__ void swiglu_win(const uint8_t* __restrict__ Wg, const uint8_t* __rest
 // pairs t * k + j with ids[t, j] == expert, in token order (a token routes to an expert at most once). One block of
 // WIN_MAX_PAIRS threads; T * k <= WIN_MAX_PAIRS.
 #define WIN_REC (2 + WIN_MAX)
-extern "C" __global__ void win_union(const int* __restrict__ ids, int n_pairs, int* __restrict__ uni) {
+// The body, for the whole block (every thread calls it; blockDim.x == WIN_MAX_PAIRS): ids complete and visible.
+__device__ __forceinline__ void win_union_block(const int* __restrict__ ids, int n_pairs, int* __restrict__ uni) {
     __shared__ int e_of[WIN_MAX_PAIRS];
     __shared__ int first_of[WIN_MAX_PAIRS];     // pair i -> the first pair with its expert
     __shared__ int slot_of[WIN_MAX_PAIRS];      // a first pair -> its union slot
@@ -398,6 +400,75 @@ extern "C" __global__ void win_union(const int* __restrict__ ids, int n_pairs, i
             rec[1] = cnt;
         }
         rec[2 + rank] = i;
+    }
+}
+
+extern "C" __global__ void win_union(const int* __restrict__ ids, int n_pairs, int* __restrict__ uni) {
+    win_union_block(ids, n_pairs, uni);
+}
+
+// router.cu router_fused for a window: the router logits of T tokens (each router row read once, x of every token
+// staged normed: the same sums as router_fused's row_dot), then in the last block the routing of each token in turn
+// (route_block: ids, weights, counts and hit statistics as T router_fused launches give them) and, with uni given,
+// the window's expert union (win_union's records). logits: (T, n_expert); ids, weights: (T, k). Grid
+// ceil(n_expert / warps per block), blockDim WIN_MAX_PAIRS (4 warps); dynamic shared memory T * staged_bytes(ncols).
+template <int QT>
+__global__ void router_win(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x, int ldx,
+                           const float* __restrict__ norm_w, float eps, int ncols, float* __restrict__ logits,
+                           int n_expert, int k, int renorm, float scale, int* __restrict__ ids,
+                           float* __restrict__ weights, const unsigned long long* __restrict__ table,
+                           unsigned long long slot_lo, unsigned long long slot_hi, int* __restrict__ counts,
+                           unsigned long long* __restrict__ stats, int* __restrict__ counter, int* __restrict__ uni,
+                           int T) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const uint8_t* row = W + (long long)min(r, n_expert - 1) * row_bytes;
+    const float* xp[WIN_MAX];
+#pragma unroll
+    for (int i = 0; i < WIN_MAX; ++i) xp[i] = x + (long long)min(i, T - 1) * ldx;
+    float acc[WIN_MAX];
+    const float* xs[WIN_MAX];
+    if constexpr (QT == STRATA_Q_F32) {         // router.cu row_dot's F32 path: the row's float4s before the staging
+        const float4* w4 = reinterpret_cast<const float4*>(row);
+        const int nf = ncols / 4;
+        float4 wv[ROUTER_F4];
+#pragma unroll
+        for (int i = 0; i < ROUTER_F4; ++i)
+            if (lane + 32 * i < nf) wv[i] = w4[lane + 32 * i];
+        win_staged_ptrs(win_stage<QT>(xp, T, norm_w, eps, ncols), win_sl(ncols), xs);
+#pragma unroll
+        for (int t = 0; t < WIN_MAX; ++t) {
+            acc[t] = 0.f;
+            if (t >= T) continue;
+            const float4* x4 = reinterpret_cast<const float4*>(xs[t]);
+#pragma unroll
+            for (int i = 0; i < ROUTER_F4; ++i)
+                if (lane + 32 * i < nf) {
+                    const float4 a = x4[lane + 32 * i];
+                    acc[t] += wv[i].x * a.x + wv[i].y * a.y + wv[i].z * a.z + wv[i].w * a.w;
+                }
+            for (int f = lane + 32 * ROUTER_F4; f < nf; f += 32) {
+                const float4 w = w4[f], a = x4[f];
+                acc[t] += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
+            }
+        }
+    } else {
+        win_staged_ptrs(win_stage<QT>(xp, T, norm_w, eps, ncols), win_sl(ncols), xs);
+        win_dot_s<QT>(row, xs, T, ncols, lane, acc);
+    }
+#pragma unroll
+    for (int t = 0; t < WIN_MAX; ++t) {
+        if (t >= T) break;
+        const float s = warp_sum(acc[t]);
+        if (lane == 0 && r < n_expert) logits[(long long)t * n_expert + r] = s;
+    }
+    if (last_block(counter)) {
+        for (int t = 0; t < T; ++t) {
+            route_block(logits + (long long)t * n_expert, n_expert, k, renorm, scale, ids + t * k, weights + t * k,
+                        table, slot_lo, slot_hi, counts, stats);
+            __syncthreads();
+        }
+        if (uni) win_union_block(ids, T * k, uni);
     }
 }
 

@@ -137,19 +137,18 @@ def test_every_launch_matches_its_kernel(fixtures_dir, name, monkeypatch):
         rows = [e.state for e in log if e.name == "attention"]
         assert rows == [int(win.state[t].ctypes.data) for t in range(T)] * cfg.n_layer
         if cfg.is_moe:
-            assert names.count("router_fused") == T * cfg.n_layer
-            assert names.count("win_union") == names.count("moe_gate_up_win") == names.count("moe_down_win") \
+            assert names.count("router_win") == names.count("moe_gate_up_win") == names.count("moe_down_win") \
                 == cfg.n_layer
             for i, nm in enumerate(names):
-                if nm == "moe_gate_up_win":
-                    assert names[i - 1] == "win_union" and log[i].grid[1] == T * cfg.n_expert_used
-                    assert names[i - 1 - T:i - 1] == ["router_fused"] * T
+                if nm == "moe_gate_up_win":     # the router's union, then the window's experts
+                    assert names[i - 1] == "router_win" and log[i].grid[1] == T * cfg.n_expert_used
+                    assert log[i - 1].args[-1] == T and log[i - 1].args[-2] == log[i].args[1]
             if cfg.shared_expert:
                 assert names.count("swiglu_win") == cfg.n_layer
         else:
             assert names.count("swiglu_win") == cfg.n_layer
         for e in log:
-            if e.name in ("mv_win", "mv3_win", "swiglu_win"):
+            if e.name in ("mv_win", "mv3_win", "swiglu_win", "router_win"):
                 assert e.args[-1] == T, e.name          # one launch takes the whole window at these widths
     with pytest.raises(ValueError, match="1 to 8 tokens"):
         win.enqueue(9)

@@ -38,7 +38,7 @@ from engine.cuda.launch import (BIG_ROWS, F32, I32, I64, MV_WARPS, NULL, SMEM_DE
                                 ptr, staged_bytes)
 
 WIN_FILES = ("window.cu",)
-WIN_MAX_PAIRS = 128         # window.cu: (token, expert) pairs a window, one win_union thread each
+WIN_MAX_PAIRS = 128         # window.cu: (token, expert) pairs a window; router_win's block (4 warps)
 WIN_REC = 2 + MAX_WINDOW    # window.cu: ints of one union record (expert, count, pairs)
 DOWN_STAGE_MAX = 100 * 1024     # moe_down's optional staging limit (families/moe.py MoeDecode.experts)
 ROW_STATE = 8               # ints of one token's state row (the one-token step's state layout)
@@ -210,20 +210,19 @@ class WindowStep:
         self.mv(layer.wo, self.att, self.x, T, accumulate=True)
 
     def router(self, li, layer, T):
-        """router_fused once per token (MoeDecode.router's arguments with token t's rows)."""
+        """router_win: the T tokens' router logits, each token's routing (router_fused's, counts and hit statistics
+        included) and the window's expert union (self.uni) in one launch."""
         st, c, cache = self.step, self.cfg, self.step.cache
         R = layer.router
-        f = self.kernels("router_fused", R.qt)
-        renorm = c.expert_weights_norm
+        f = self.kw("router_win", R.qt)
         table = (U64(cache.table.data.ptr + 8 * li * c.n_expert), U64(cache.slot_lo), U64(cache.slot_hi),
                  U64(cache.counts.data.ptr + 4 * li * c.n_expert), ptr(cache.stats))
-        sm = st.launcher.smem(f, R.cols, True)
-        for t in range(T):
-            f(((R.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
-              (U64(R.ptr), I64(R.row_bytes), ptr(self.x[t]), ptr(layer.ffn_norm), F32(c.rms_eps), I32(R.cols),
-               ptr(self.rlogits[t]), I32(c.n_expert), I32(c.n_expert_used), I32(1 if renorm else 0),
-               F32(c.expert_weights_scale), ptr(self.ids[t]), ptr(self.wts[t]), *table, ptr(st.counter)),
-              shared_mem=sm)
+        f(((R.rows + MV_WARPS - 1) // MV_WARPS,), (WIN_MAX_PAIRS,),
+          (U64(R.ptr), I64(R.row_bytes), ptr(self.x), I32(ld(self.x)), ptr(layer.ffn_norm), F32(c.rms_eps),
+           I32(R.cols), ptr(self.rlogits), I32(c.n_expert), I32(c.n_expert_used),
+           I32(1 if c.expert_weights_norm else 0), F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts), *table,
+           ptr(st.counter), ptr(self.uni), I32(T)),
+          shared_mem=self._smem(f, T * staged_bytes(R.cols)))
 
     def experts(self, li, layer, T):
         """The routed experts of the window (each read once for its tokens) and the shared expert, added to x in
@@ -232,7 +231,6 @@ class WindowStep:
         blob, cache = st.layout.layer(li), st.cache
         table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
         k, norm = c.n_expert_used, layer.ffn_norm
-        self.kw("win_union")((1,), (WIN_MAX_PAIRS,), (ptr(self.ids), I32(T * k), ptr(self.uni)))
         f = self.kw("moe_gate_up_win", blob.qt_gate_up)
         f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, T * k), (32 * MV_WARPS,),
           (table, ptr(self.uni), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(norm), F32(c.rms_eps),
