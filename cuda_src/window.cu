@@ -97,6 +97,55 @@ __device__ __forceinline__ void win_dot_row(const uint8_t* __restrict__ row, con
     for (; c < nchunks; c += 32) win_dot_step<QT, 1>(row, xp, n, c, acc);
 }
 
+// win_dot_row for two rows, each against its own vectors: both rows' chunks loaded before the arithmetic (two
+// experts' rows in flight in moe_down_win). A lane takes its chunks in ascending order whatever the step, so every
+// (row, vector) sum is win_dot_row's.
+template <int QT, int U>
+__device__ __forceinline__ void win_dot_step2(const uint8_t* __restrict__ ra, const float* const (&xa)[WIN_MAX],
+                                              int na, const uint8_t* __restrict__ rb,
+                                              const float* const (&xb)[WIN_MAX], int nb, int c0,
+                                              float (&aa)[WIN_MAX], float (&ab)[WIN_MAX]) {
+    constexpr int CPB = QTraits<QT>::QK / 8, BYTES = QTraits<QT>::BYTES;
+    float wa[U][8], wb[U][8];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int c = c0 + 32 * u;
+        dequant8<QT>(ra + (c / CPB) * BYTES, c % CPB, wa[u]);
+        dequant8<QT>(rb + (c / CPB) * BYTES, c % CPB, wb[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+#pragma unroll
+        for (int i = 0; i < WIN_MAX; i++) {
+            if (i >= na) break;
+            float xv[8];
+            strata_load8(xa[i] + (c0 + 32 * u) * 8, xv);
+#pragma unroll
+            for (int k = 0; k < 8; k++) aa[i] += wa[u][k] * xv[k];
+        }
+#pragma unroll
+        for (int i = 0; i < WIN_MAX; i++) {
+            if (i >= nb) break;
+            float xv[8];
+            strata_load8(xb[i] + (c0 + 32 * u) * 8, xv);
+#pragma unroll
+            for (int k = 0; k < 8; k++) ab[i] += wb[u][k] * xv[k];
+        }
+    }
+}
+template <int QT>
+__device__ __forceinline__ void win_dot_row2(const uint8_t* __restrict__ ra, const float* const (&xa)[WIN_MAX],
+                                             int na, const uint8_t* __restrict__ rb,
+                                             const float* const (&xb)[WIN_MAX], int nb, int ncols, int lane,
+                                             float (&aa)[WIN_MAX], float (&ab)[WIN_MAX]) {
+#pragma unroll
+    for (int i = 0; i < WIN_MAX; ++i) aa[i] = ab[i] = 0.f;
+    const int nchunks = ncols >> 3;
+    int c = lane;
+    for (; c + 32 < nchunks; c += 64) win_dot_step2<QT, 2>(ra, xa, na, rb, xb, nb, c, aa, ab);
+    for (; c < nchunks; c += 32) win_dot_step2<QT, 1>(ra, xa, na, rb, xb, nb, c, aa, ab);
+}
+
 // Q4_K: q4k_dot of one loaded unit against staged x (padded layout) or an unpadded vector (global memory): the
 // unit's 32 values sit in one 64-float stretch either way, so the floats read and the sums are the same.
 __device__ __forceinline__ float win_q4k_dot(const Q4KRaw& r, const float4* x0, int u) {
@@ -472,8 +521,8 @@ __global__ void router_win(const uint8_t* __restrict__ W, long long row_bytes, c
     }
 }
 
-// moe.cu moe_gate_up for a window: grid (ceil(n_ff / warps per block), T * k); block y is a slot of the union
-// (blocks past its size exit at once), and its rows of the slot's expert are read once for the tokens routed there:
+// moe.cu moe_gate_up for a window: grid (ceil(n_ff / warps per block), min(T * k, n_expert)); block y is a slot of
+// the union (blocks past its size exit at once), and its rows of the slot's expert are read once for the tokens there:
 // h[t, j, r] = silu(gate_e[r] . xn_t) * (up_e[r] . xn_t) for each pair (t, j) of the slot. x: T rows of ncols;
 // dynamic shared memory T * staged_bytes(ncols) (the tokens of one slot, at most T).
 template <int QT>
@@ -509,13 +558,15 @@ __global__ void moe_gate_up_win(const unsigned long long* __restrict__ table, co
 // moe.cu moe_down for a window: out[t, r] += sum_j w[t, j] * (down_{ids[t, j]}[r] . h[t, j]) for every token of the
 // window, grid ceil(n_embd / warps per block), one warp a row. The warp walks the union's experts, reading each
 // one's row once, and parks each (token, pair) partial in shared memory; then it sums every token's partials in the
-// order the one-token moe_down sums them:
+// order the one-token moe_down sums them (the slots' table reads all issued first, one slot a lane):
 //   pairs (Q4_K with stage): a lane sums pairs p = lane + 32 i of the token's k * nu (expert, unit) list, nu = n_ff / 32
 //     (shared memory per warp T * k * nu floats);
 //   lanes (other types, or no staging): a lane sums its own partial of each expert j in order (T * k * 32 floats).
 // stage: as the one-token launch (staged_bytes(k * n_ff) within moe_down's limit); the h values are read from
 // global memory here (the staged layout holds the same floats). Dynamic shared memory: warps * that per-warp count
 // * 4 bytes (decode_window.py down_smem). k <= 16.
+#define WIN_DOWN_BATCH 6    // (slot, unit) pairs a lane has in flight (moe.cu MOE_DOWN_BATCH)
+#define WIN_SLOT_REGS (WIN_MAX_PAIRS / 32)
 template <int QT>
 __global__ void moe_down_win(const unsigned long long* __restrict__ table, const int* __restrict__ uni,
                              const float* __restrict__ weights, long long down_off, long long row_bytes,
@@ -528,40 +579,92 @@ __global__ void moe_down_win(const unsigned long long* __restrict__ table, const
     const int per_tok = pairs ? k * nu : k * 32;
     float* part = reinterpret_cast<float*>(strata_smem4) + (long long)warp * T * per_tok;
     const int n_uni = uni[0];
-    const long long rr = min(r, n_embd - 1);
-    for (int s = 0; s < n_uni; ++s) {
-        const int* rec = uni + 1 + s * WIN_REC;
-        const int n = rec[1];
-        const uint8_t* row = reinterpret_cast<const uint8_t*>(table[rec[0]]) + down_off + rr * row_bytes;
-        int pr[WIN_MAX];
-        const float* xp[WIN_MAX];
+    const unsigned long long row_at = down_off + (unsigned long long)min(r, n_embd - 1) * row_bytes;
+    // lane s holds the row address of slots s, s + 32, ...: every slot's table read in flight at once
+    unsigned long long addr[WIN_SLOT_REGS];
 #pragma unroll
-        for (int i = 0; i < WIN_MAX; ++i) {
-            pr[i] = rec[2 + min(i, n - 1)];
-            xp[i] = h + (long long)pr[i] * n_ff;
+    for (int i = 0; i < WIN_SLOT_REGS; ++i) {
+        const int s = lane + 32 * i;
+        addr[i] = s < n_uni ? table[uni[1 + s * WIN_REC]] + row_at : 0ull;
+    }
+    auto slot_row = [&](int s) {         // every lane calls it (shuffles); s is this lane's slot
+        unsigned long long a = 0;
+#pragma unroll
+        for (int i = 0; i < WIN_SLOT_REGS; ++i) {
+            const unsigned long long o = __shfl_sync(0xffffffffu, addr[i], s & 31);
+            if ((s >> 5) == i) a = o;
         }
-        if (pairs) {
-            if constexpr (QT == STRATA_Q_Q4_K) {
-                for (int u = lane; u < nu; u += 32) {
-                    const Q4KRaw raw = q4k_load(row, u);
+        return reinterpret_cast<const uint8_t*>(a);
+    };
+    if (pairs) {
+        if constexpr (QT == STRATA_Q_Q4_K) {
+            // the (slot, unit) pairs over the 32 lanes, WIN_DOWN_BATCH loads a lane in flight before the arithmetic
+            const int total = n_uni * nu;
+            for (int base = 0; base < total; base += 32 * WIN_DOWN_BATCH) {
+                Q4KRaw raw[WIN_DOWN_BATCH];
+                int ps[WIN_DOWN_BATCH];
 #pragma unroll
-                    for (int i = 0; i < WIN_MAX; ++i) {
-                        if (i >= n) break;
-                        const int t = pr[i] / k, j = pr[i] - t * k;
-                        part[t * per_tok + j * nu + u] = win_q4k_dot(raw, win_q4k_flat(xp[i], u), u);
+                for (int b = 0; b < WIN_DOWN_BATCH; ++b) {
+                    const int p = base + lane + 32 * b, s = min(p / nu, n_uni - 1);
+                    ps[b] = s;
+                    const uint8_t* row = slot_row(s);
+                    if (p < total) raw[b] = q4k_load(row, p - s * nu);
+                }
+#pragma unroll
+                for (int b = 0; b < WIN_DOWN_BATCH; ++b) {
+                    const int p = base + lane + 32 * b, s = ps[b], u = p - s * nu;
+                    if (p >= total) continue;
+                    const int* rec = uni + 1 + s * WIN_REC;
+                    const int n = rec[1];
+                    for (int i = 0; i < n; ++i) {
+                        const int pr = rec[2 + i], t = pr / k, j = pr - t * k;
+                        part[t * per_tok + j * nu + u] =
+                            win_q4k_dot(raw[b], win_q4k_flat(h + (long long)pr * n_ff, u), u);
                     }
                 }
             }
-        } else {
-            float acc[WIN_MAX];
-            if (stage) win_dot_s<QT>(row, xp, n, n_ff, lane, acc);      // dot_s = dot_row for these types
-            else win_dotw<QT>(row, xp, n, n_ff, lane, acc);
+        }
+    } else {
+        // a slot's pairs and their h rows
+        auto slot_in = [&](int s, int (&pr)[WIN_MAX], const float* (&xp)[WIN_MAX]) {
+            const int* rec = uni + 1 + s * WIN_REC;
+            const int n = rec[1];
+#pragma unroll
+            for (int i = 0; i < WIN_MAX; ++i) {
+                pr[i] = rec[2 + min(i, n - 1)];
+                xp[i] = h + (long long)pr[i] * n_ff;
+            }
+            return n;
+        };
+        auto park = [&](const int (&pr)[WIN_MAX], int n, const float (&acc)[WIN_MAX]) {
 #pragma unroll
             for (int i = 0; i < WIN_MAX; ++i) {
                 if (i >= n) break;
                 const int t = pr[i] / k, j = pr[i] - t * k;
                 part[t * per_tok + j * 32 + lane] = acc[i];
             }
+        };
+        int s = 0;
+        if constexpr (QT != STRATA_Q_Q4_K) {    // two slots at a time (dot_s = dotw = dot_row for these types)
+            for (; s + 1 < n_uni; s += 2) {
+                int pa[WIN_MAX], pb[WIN_MAX];
+                const float *xa[WIN_MAX], *xb[WIN_MAX];
+                const int na = slot_in(s, pa, xa), nb = slot_in(s + 1, pb, xb);
+                float aa[WIN_MAX], ab[WIN_MAX];
+                win_dot_row2<QT>(slot_row(s), xa, na, slot_row(s + 1), xb, nb, n_ff, lane, aa, ab);
+                park(pa, na, aa);
+                park(pb, nb, ab);
+            }
+        }
+        for (; s < n_uni; ++s) {
+            int pr[WIN_MAX];
+            const float* xp[WIN_MAX];
+            const int n = slot_in(s, pr, xp);
+            const uint8_t* row = slot_row(s);
+            float acc[WIN_MAX];
+            if (stage) win_dot_s<QT>(row, xp, n, n_ff, lane, acc);
+            else win_dotw<QT>(row, xp, n, n_ff, lane, acc);
+            park(pr, n, acc);
         }
     }
     __syncwarp();

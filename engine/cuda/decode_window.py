@@ -232,7 +232,7 @@ class WindowStep:
         table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
         k, norm = c.n_expert_used, layer.ffn_norm
         f = self.kw("moe_gate_up_win", blob.qt_gate_up)
-        f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, T * k), (32 * MV_WARPS,),
+        f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, min(T * k, c.n_expert)), (32 * MV_WARPS,),   # union slots
           (table, ptr(self.uni), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(norm), F32(c.rms_eps),
            ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k)),
           shared_mem=self._smem(f, T * staged_bytes(c.n_embd)))
