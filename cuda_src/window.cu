@@ -459,7 +459,8 @@ extern "C" __global__ void win_union(const int* __restrict__ ids, int n_pairs, i
 // router.cu router_fused for a window: the router logits of T tokens (each router row read once, x of every token
 // staged normed: the same sums as router_fused's row_dot), then in the last block the routing of each token in turn
 // (route_block: ids, weights, counts and hit statistics as T router_fused launches give them) and, with uni given,
-// the window's expert union (win_union's records). logits: (T, n_expert); ids, weights: (T, k). Grid
+// the window's expert union (win_union's records). With bias (gpt-oss), router_fused_bias's: the router's bias
+// added to the logits before the routing. logits: (T, n_expert); ids, weights: (T, k). Grid
 // ceil(n_expert / warps per block), blockDim WIN_MAX_PAIRS (4 warps); dynamic shared memory T * staged_bytes(ncols).
 template <int QT>
 __global__ void router_win(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x, int ldx,
@@ -468,7 +469,7 @@ __global__ void router_win(const uint8_t* __restrict__ W, long long row_bytes, c
                            float* __restrict__ weights, const unsigned long long* __restrict__ table,
                            unsigned long long slot_lo, unsigned long long slot_hi, int* __restrict__ counts,
                            unsigned long long* __restrict__ stats, int* __restrict__ counter, int* __restrict__ uni,
-                           int T) {
+                           int T, const float* __restrict__ bias) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const uint8_t* row = W + (long long)min(r, n_expert - 1) * row_bytes;
@@ -509,7 +510,7 @@ __global__ void router_win(const uint8_t* __restrict__ W, long long row_bytes, c
     for (int t = 0; t < WIN_MAX; ++t) {
         if (t >= T) break;
         const float s = warp_sum(acc[t]);
-        if (lane == 0 && r < n_expert) logits[(long long)t * n_expert + r] = s;
+        if (lane == 0 && r < n_expert) logits[(long long)t * n_expert + r] = bias ? s + bias[r] : s;
     }
     if (last_block(counter)) {
         for (int t = 0; t < T; ++t) {

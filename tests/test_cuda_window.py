@@ -341,10 +341,11 @@ def test_moe_win(K, qg, qd, n_embd, n_ff, k, n_expert):
 @pytest.mark.parametrize("name", ("F32", "Q8_0", "Q4_K", "Q6_K", *NEW))
 @pytest.mark.parametrize("n_expert,k,ncols,renorm", [(8, 2, 256, 1), (128, 8, 2048, 1), (60, 4, 512, 0),
                                                      (512, 16, 1024, 1), (128, 8, 4608, 0)])
-def test_router_win(K, name, n_expert, k, ncols, renorm):
+@pytest.mark.parametrize("biased", [False, True])
+def test_router_win(K, name, n_expert, k, ncols, renorm, biased):
     """The window's router logits, routing and expert union in one launch: NumPy's ranking on its logits, and
-    router_fused once per token, bit for bit (logits, ids, weights), with the same counts and hit statistics; twice,
-    so the last-block counter must be back at zero."""
+    router_fused (router_fused_bias with a bias) once per token, bit for bit (logits, ids, weights), with the same
+    counts and hit statistics; twice, so the last-block counter must be back at zero."""
     rng = np.random.default_rng()
     raw, W = rand_matrix(name, n_expert, ncols, rng)
     Wd = W.astype(np.float64)
@@ -352,6 +353,7 @@ def test_router_win(K, name, n_expert, k, ncols, renorm):
     nw = cp.asarray(rng.uniform(0.5, 1.5, ncols).astype(np.float32))
     table = cp.asarray(rng.choice([1500, 5000], size=n_expert).astype(np.uint64))   # 1500: inside the slot range
     counter = cp.zeros(1, dtype=cp.int32)
+    bias = cp.asarray(rng.standard_normal(n_expert).astype(np.float32))
     f = K("router_win", qtype(name).id)
     for T in WINDOWS:
         if T * k > 128:
@@ -364,11 +366,12 @@ def test_router_win(K, name, n_expert, k, ncols, renorm):
             f(((n_expert + 3) // 4,), (128,),
               (d_raw, I64(raw.shape[1]), x, I32(ncols), nw, F32(1e-6), I32(ncols), ptr(logits), I32(n_expert),
                I32(k), I32(renorm), F32(1.5), ptr(ids), ptr(wts), table, U64(1000), U64(2000), ptr(counts),
-               ptr(stats), ptr(counter), ptr(uni), I32(T)),
+               ptr(stats), ptr(counter), ptr(uni), I32(T), ptr(bias) if biased else NULL),
               shared_mem=smem(f, T * staged_bytes(ncols)))
         assert int(counter.get()[0]) == 0
         xn = rms_ref(x.get(), nw.get())
-        assert rel_to(logits.get(), xn @ Wd.T, np.abs(xn) @ np.abs(Wd).T) < 1e-5, T
+        b = bias.get() if biased else 0.0
+        assert rel_to(logits.get(), xn @ Wd.T + b, np.abs(xn) @ np.abs(Wd).T + np.abs(b)) < 1e-5, T
         lg = logits.get().astype(np.float64)
         got_ids = ids.get()
         for t in range(T):
@@ -379,13 +382,12 @@ def test_router_win(K, name, n_expert, k, ncols, renorm):
         c1, s1 = cp.zeros(n_expert, dtype=cp.int32), cp.zeros(2, dtype=cp.uint64)
         for _ in range(2):
             for t in range(T):
-                K("router_fused", qtype(name).id)(((n_expert + 3) // 4,), (128,),
-                                                  (d_raw, I64(raw.shape[1]), x[t], nw, F32(1e-6), I32(ncols),
-                                                   ptr(l1[t]), I32(n_expert), I32(k), I32(renorm), F32(1.5),
-                                                   ptr(i1[t]), ptr(w1[t]), table, U64(1000), U64(2000), ptr(c1),
-                                                   ptr(s1), ptr(counter)),
-                                                  shared_mem=smem(K("router_fused", qtype(name).id),
-                                                                  staged_bytes(ncols)))
+                one = K("router_fused_bias" if biased else "router_fused", qtype(name).id)
+                one(((n_expert + 3) // 4,), (128,),
+                    (d_raw, I64(raw.shape[1]), x[t], nw, F32(1e-6), I32(ncols), ptr(l1[t]), I32(n_expert), I32(k),
+                     I32(renorm), F32(1.5), ptr(i1[t]), ptr(w1[t]), table, U64(1000), U64(2000), ptr(c1), ptr(s1),
+                     ptr(counter), *((bias,) if biased else ())),
+                    shared_mem=smem(one, staged_bytes(ncols)))
         np.testing.assert_array_equal(logits.get(), l1.get())
         np.testing.assert_array_equal(got_ids, i1.get())
         np.testing.assert_array_equal(wts.get(), w1.get())

@@ -142,14 +142,16 @@ def test_every_launch_matches_its_kernel(fixtures_dir, name, monkeypatch):
             for i, nm in enumerate(names):
                 if nm == "moe_gate_up_win":     # the router's union, then the window's experts
                     assert names[i - 1] == "router_win" and log[i].grid[1] == min(T * cfg.n_expert_used, cfg.n_expert)
-                    assert log[i - 1].args[-1] == T and log[i - 1].args[-2] == log[i].args[1]
+                    assert log[i - 1].args[-2] == T and log[i - 1].args[-3] == log[i].args[1]
             if cfg.shared_expert:
                 assert names.count("swiglu_win") == cfg.n_layer
         else:
             assert names.count("swiglu_win") == cfg.n_layer
         for e in log:
-            if e.name in ("mv_win", "mv3_win", "swiglu_win", "router_win"):
+            if e.name in ("mv_win", "mv3_win", "swiglu_win"):
                 assert e.args[-1] == T, e.name          # one launch takes the whole window at these widths
+            if e.name == "router_win":
+                assert e.args[-2] == T and e.args[-1] == 0      # no router bias here
     with pytest.raises(ValueError, match="1 to 8 tokens"):
         win.enqueue(9)
 

@@ -83,6 +83,8 @@ def down_smem(T: int, k: int, n_ff: int, pairs: bool) -> int:
 
 
 class WindowStep:
+    biased_router = False       # the router's logits get a bias, and its top k a softmax of their own (gpt-oss)
+
     def __init__(self, step, kernels: Kernels | None = None):
         self.step = step
         self.cfg = c = step.cfg
@@ -220,9 +222,14 @@ class WindowStep:
         f(((R.rows + MV_WARPS - 1) // MV_WARPS,), (WIN_MAX_PAIRS,),
           (U64(R.ptr), I64(R.row_bytes), ptr(self.x), I32(ld(self.x)), ptr(layer.ffn_norm), F32(c.rms_eps),
            I32(R.cols), ptr(self.rlogits), I32(c.n_expert), I32(c.n_expert_used),
-           I32(1 if c.expert_weights_norm else 0), F32(c.expert_weights_scale), ptr(self.ids), ptr(self.wts), *table,
-           ptr(st.counter), ptr(self.uni), I32(T)),
+           I32(1 if c.expert_weights_norm or self.biased_router else 0), F32(c.expert_weights_scale),
+           ptr(self.ids), ptr(self.wts), *table,
+           ptr(st.counter), ptr(self.uni), I32(T), ptr(self.router_bias(layer))),
           shared_mem=self._smem(f, T * staged_bytes(R.cols)))
+
+    def router_bias(self, layer):
+        """The router's bias added to its logits (None: none; gpt-oss's OssWindowStep has one)."""
+        return None
 
     def experts(self, li, layer, T):
         """The routed experts of the window (each read once for its tokens) and the shared expert, added to x in
