@@ -1,6 +1,7 @@
-"""The window kernels (cuda_src/window.cu: a decode step over 1-8 tokens) against NumPy on fresh random data at
+"""The window kernels (cuda_src/window.cu, window_oss.cu: a decode step over 1-8 tokens) against NumPy on fresh random data at
 several sizes and every window length 1-8, outputs poisoned (NaN) first, and against the one-token kernels they
-mirror (dense.cu mv / mv3 / swiglu_mv, moe.cu moe_gate_up / moe_down) run for each token: the window kernels share
+mirror (dense.cu mv / mv3 / swiglu_mv, router.cu router_fused, moe.cu moe_gate_up / moe_down, moe_oss.cu's
+gpt-oss experts) run for each token: the window kernels share
 only the weight loads, so their outputs must be those kernels' bit for bit."""
 import ctypes
 
@@ -25,9 +26,9 @@ SMEM_MAX = 227 * 1024
 @pytest.fixture(scope="module")
 def K():
     """The one-token kernels and the window kernels, in one lookup: K(name, qt)."""
-    from engine.cuda.kernels import Kernels
-    ids = {qtype(n).id for n in QTS}
-    one, win = Kernels(ids), Kernels(ids, ("window.cu",))
+    from engine.cuda.kernels import ENGINE_FILES, Kernels
+    ids = {qtype(n).id for n in (*QTS, "MXFP4")}
+    one, win = Kernels(ids, ENGINE_FILES + ("moe_oss.cu",)), Kernels(ids, ("window.cu", "window_oss.cu"))
 
     def get(name, qt=None):
         f = (win if name in win.file_of else one)(name, qt)
@@ -393,3 +394,81 @@ def test_router_win(K, name, n_expert, k, ncols, renorm, biased):
         np.testing.assert_array_equal(wts.get(), w1.get())
         np.testing.assert_array_equal(counts.get(), c1.get())
         np.testing.assert_array_equal(stats.get(), s1.get())
+
+
+
+def swiglu_oai_ref(g, u):
+    x, y = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+    return x / (1 + np.exp(-1.702 * x)) * (y + 1)
+
+
+@pytest.mark.parametrize("qg,qd", [("MXFP4", "MXFP4"), ("F16", "F16"), ("Q4_K", "Q4_K"), ("Q8_0", "Q6_K")])
+@pytest.mark.parametrize("n_embd,n_ff,k,n_expert", [(256, 256, 4, 16), (512, 768, 4, 12), (1024, 256, 8, 20),
+                                                    (256, 8192, 4, 6)])
+def test_moe_oss_win(K, qg, qd, n_embd, n_ff, k, n_expert):
+    """gpt-oss's experts over the window's union: biases and SWIGLU_OAI, NumPy and the one-token moe_gate_up_oai /
+    moe_down_bias over the same tokens, bit for bit (h staged in the down projection, and from global memory at
+    k * n_ff = 32768)."""
+    rng = np.random.default_rng()
+    ex = Experts(qg, qd, n_expert, n_embd, n_ff, rng)
+    try:
+        nw = cp.asarray(rng.standard_normal(n_embd).astype(np.float32))
+        bg, bu = (rng.standard_normal((n_expert, n_ff)).astype(np.float32) for _ in range(2))
+        bd = rng.standard_normal((n_expert, n_embd)).astype(np.float32)
+        d_bg, d_bu, d_bd = cp.asarray(bg), cp.asarray(bu), cp.asarray(bd)
+        stage = staged_bytes(k * n_ff) <= 100 * 1024
+        f_gu, f_dn = K("moe_gate_up_oai_win", qtype(qg).id), K("moe_down_bias_win", qtype(qd).id)
+        for T in WINDOWS:
+            ids = np.stack([rng.choice(n_expert, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+            w = rng.uniform(0.1, 1, size=(T, k)).astype(np.float32)
+            x = rng.standard_normal((T, n_embd)).astype(np.float32)
+            d_ids, d_w, d_x = cp.asarray(ids), cp.asarray(w), cp.asarray(x)
+            uni = cp.zeros(1 + 128 * 10, dtype=cp.int32)
+            K("win_union")((1,), (128,), (d_ids, I32(T * k), ptr(uni)))
+            h = poisoned((T, k, n_ff))
+            f_gu(((n_ff + 3) // 4, min(T * k, n_expert)), (128,),
+                 (ex.table, uni, I64(ex.up_off), I64(ex.rb_g), d_x, nw, F32(1e-6), ptr(h), I32(n_ff), I32(n_embd),
+                  I32(k), d_bg, d_bu),
+                 shared_mem=smem(f_gu, T * staged_bytes(n_embd)))
+            xn = rms_ref(x, nw.get())
+            ref_h = np.zeros((T, k, n_ff))
+            for t in range(T):
+                for j in range(k):
+                    e = ids[t, j]
+                    Wg, Wu, _ = ex.refs[e]
+                    ref_h[t, j] = swiglu_oai_ref(Wg @ xn[t] + bg[e], Wu @ xn[t] + bu[e])
+            got_h = h.get()
+            assert rel(got_h, ref_h) < 1e-4, T
+            h1 = poisoned((T, k, n_ff))
+            f1 = K("moe_gate_up_oai", qtype(qg).id)
+            f1(((n_ff + 3) // 4, k, T), (128,),
+               (ex.table, d_ids, I64(ex.up_off), I64(ex.rb_g), d_x, nw, F32(1e-6), ptr(h1), I32(n_ff), I32(n_embd),
+                I32(k), d_bg, d_bu),
+               shared_mem=smem(f1, staged_bytes(n_embd)))
+            np.testing.assert_array_equal(got_h, h1.get(), err_msg=f"gate/up T={T}")
+            out0 = rng.standard_normal((T, n_embd)).astype(np.float32)
+            ref = out0.astype(np.float64).copy()
+            scale = np.abs(out0).astype(np.float64)
+            for t in range(T):
+                for j in range(k):
+                    e = ids[t, j]
+                    Wd = ex.refs[e][2]
+                    ref[t] += w[t, j] * (Wd @ got_h[t, j] + bd[e])
+                    scale[t] += w[t, j] * (np.abs(Wd) @ np.abs(got_h[t, j]) + np.abs(bd[e]))
+            out = cp.asarray(out0)
+            per = n_ff // 32 if qd == "MXFP4" else 32
+            f_dn(((n_embd + 3) // 4,), (128,),
+                 (ex.table, uni, d_ids, d_w, I64(2 * ex.up_off), I64(ex.rb_d), ptr(h), ptr(out), I32(n_embd),
+                  I32(n_ff), I32(k), I32(T), I32(1 if stage else 0), d_bd),
+                 shared_mem=smem(f_dn, 4 * T * k * per * 4))
+            got = out.get()
+            assert rel_to(got, ref, scale) < 1e-5, T
+            out1 = cp.asarray(out0)
+            f1 = K("moe_down_bias", qtype(qd).id)
+            f1(((n_embd + 3) // 4, T), (128,),
+               (ex.table, d_ids, d_w, I64(2 * ex.up_off), I64(ex.rb_d), ptr(h), ptr(out1), I32(n_embd), I32(n_ff),
+                I32(k), I32(1 if stage else 0), d_bd),
+               shared_mem=smem(f1, staged_bytes(k * n_ff)) if stage else 0)
+            np.testing.assert_array_equal(got, out1.get(), err_msg=f"down T={T} stage={stage}")
+    finally:
+        ex.close()

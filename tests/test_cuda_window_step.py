@@ -1,5 +1,5 @@
 """The CUDA backend's window step (engine/cuda/decode_window.py) end to end on the tiny llama / qwen3moe / qwen2moe
-files, with the expert cache holding all, half and none of the experts: the logits of a window of K tokens against
+and gpt-oss files, with the expert cache holding all, half and none of the experts: the logits of a window of K tokens against
 K one-token steps at the same positions (within DESIGN section 7's bound, and bit for bit: the window kernels keep
 the one-token arithmetic per token), windows following windows (the K/V a window writes is what later tokens
 read), its greedy and sampled picks the one-token calls' picks, and the families without a window program on one
@@ -140,5 +140,55 @@ def test_windows_off_and_families_without_a_program(fixtures_dir):
     try:
         be.decode([1, 2, 3], PickSpec())
         assert len(be.decode([4, 5, 6], PickSpec(), all_positions=True)) == 3 and be.window is False
+    finally:
+        be.close()
+
+
+@pytest.fixture(scope="module")
+def oss_models(tmp_path_factory):
+    """The tiny gpt-oss files (tools/gptoss_ref.PRESET): published types (MXFP4 experts) and F16."""
+    from test_cuda_gptoss import F16_TYPES
+    from tools import make_moe
+    from tools.gptoss_ref import PRESET
+    d = tmp_path_factory.mktemp("oss-windows")
+    out = {}
+    for kind, types in (("f16", F16_TYPES), ("mxfp4", [])):
+        path = d / f"gpt-oss-tiny-{kind}.gguf"
+        assert make_moe.main([*PRESET, "--norm", "F32", "--out", str(path), *types]) == 0
+        out[kind] = open_model(path)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["f16", "mxfp4"])
+@pytest.mark.parametrize("share", ["none", "half", "all"])
+def test_gptoss_windows(oss_models, kind, share):
+    """gpt-oss's window program (sinks, window layers' KV rings wrapping inside the windows, router and expert biases,
+    SWIGLU_OAI): windows back to back against the same tokens one step at a time, bit for bit."""
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.cuda.decode_window import OssWindowStep
+    model = oss_models[kind]
+    cfg = model.config
+    total = cfg.n_layer * cfg.n_expert
+    be = CUDABackend(model, CTX, CudaOptions(expert_slots={"none": 0, "half": total // 2, "all": total}[share],
+                                             prefill_chunk=40))
+    try:
+        assert min(be.kv.rows) < 100          # the windows below wrap the window layers' rings
+        rng = np.random.default_rng(4)
+        spec = PickSpec()
+        be.decode(rng.integers(1, 1000, 60).tolist(), spec)
+        n0 = be.n_cached
+        sizes = [3, 8, 2, 7, 8, 5, 8]
+        toks = rng.integers(1, 1000, sum(sizes)).tolist()
+        rows, i = [], 0
+        for K in sizes:
+            rows.append(window_logits(be, toks[i:i + K], spec)[0])
+            i += K
+        assert isinstance(be.window, OssWindowStep)
+        win = np.concatenate(rows)
+        be.truncate(n0)
+        one = np.stack([be.forward([t]) for t in toks])
+        err = rel_rows(win, one)
+        assert err.max() < BOUND, err
+        np.testing.assert_array_equal(win, one, err_msg=f"max relative {err.max():.2e}")
     finally:
         be.close()

@@ -194,6 +194,9 @@ def test_why_not():
     assert "recurrent" in dw.why_not(_backend(recurrent=True))
     assert "memory modes" in dw.why_not(_backend(mem=object()))
     assert "gate and up" in dw.why_not(_backend(layout=NS(layer=lambda li: NS(qt_up=14))))
-    assert "ring" in dw.why_not(_backend(kv=NS(max_ctx=64, rows=[64, 32])))
+    from engine.cuda.families.gptoss import GptOssDecode, GptOssFamily
     from engine.cuda.families.hybrid import HybridFamily
     assert "family" in dw.why_not(_backend(family=HybridFamily.__new__(HybridFamily)))
+    oss = GptOssFamily.__new__(GptOssFamily)
+    assert "family" in dw.why_not(_backend(family=oss))      # its family with another family's layers
+    assert dw.why_not(_backend(family=oss, step=NS(layers=GptOssDecode.__new__(GptOssDecode)))) is None

@@ -14,6 +14,7 @@ from engine.cuda.arena import ExpertArena, blob_layout
 from engine.cuda.args import CudaOptions
 from engine.cuda.decode import DecodeStep
 from engine.cuda.decode_window import WindowStep, why_not
+from engine.cuda.decode_window import build as build_window
 from engine.cuda.embed_place import embed_placement
 from engine.cuda.expert_cache import ExpertCache, SlotPools
 from engine.cuda.families.registry import family_for
@@ -332,7 +333,7 @@ class CUDABackend(Backend):
                 self.log(f"verify windows run one step a token: {why}")
                 self.window = False
             else:
-                self.window = WindowStep(self.step)
+                self.window = build_window(self.step, self.family)
         return self.window or None
 
     def _decode_window(self, tokens, spec: PickSpec) -> list[Pick]:

@@ -23,9 +23,10 @@ window (its predictions are one token's), nor do the memory modes' paged layers:
 there (CUDABackend.window_step).
 
 The K/V written past the accepted prefix of a window stays in the cache until later positions overwrite it (the
-cache's length is the host's n_cached). Families whose state is not K/V alone (the hybrids' GDN state would need the
-state after every position of the window) and those with their own attention or experts (gpt-oss) keep one step a
-token: `supported` says which.
+cache's length is the host's n_cached; gpt-oss's window layers write their ring rows as one-token steps do). The moe
+family (WindowStep) and gpt-oss (OssWindowStep: sinks, windows, the biases, SWIGLU_OAI) have a window program;
+the hybrids keep one step a token (their GDN state would need the state after every position of the window, which
+their decode kernels do not keep yet), as do the other cases `why_not` names.
 """
 from __future__ import annotations
 
@@ -42,14 +43,22 @@ WIN_MAX_PAIRS = 128         # window.cu: (token, expert) pairs a window; router_
 WIN_REC = 2 + MAX_WINDOW    # window.cu: ints of one union record (expert, count, pairs)
 DOWN_STAGE_MAX = 100 * 1024     # moe_down's optional staging limit (families/moe.py MoeDecode.experts)
 ROW_STATE = 8               # ints of one token's state row (the one-token step's state layout)
+Q4_K, MXFP4 = 12, 39        # ggml type ids (engine/cuda/quant_types.py)
+
+
+def _programs() -> dict:
+    """family class -> (its decode layer class, its window step class): the families with a window program."""
+    from engine.cuda.families.gptoss import GptOssDecode, GptOssFamily
+    from engine.cuda.families.moe import MoeDecode, MoeFamily
+    return {MoeFamily: (MoeDecode, WindowStep), GptOssFamily: (GptOssDecode, OssWindowStep)}
 
 
 def why_not(backend) -> str | None:
     """Why this backend keeps one step a token for a window (None: window steps run)."""
-    from engine.cuda.families.moe import MoeDecode, MoeFamily
     if not backend.opts.windows:
         return "--tune windows=off"
-    if type(backend.family) is not MoeFamily or type(backend.step.layers) is not MoeDecode:
+    prog = _programs().get(type(backend.family))
+    if prog is None or type(backend.step.layers) is not prog[0]:
         return f"the {backend.family.name} family's layers have no window program"
     if backend.recurrent:
         return "a recurrent state would need a state per window position"
@@ -61,9 +70,12 @@ def why_not(backend) -> str | None:
             return "a layer's expert gate and up differ in type"
         if MAX_WINDOW * cfg.n_expert_used > WIN_MAX_PAIRS:
             return f"{cfg.n_expert_used} experts a token exceed the window's {WIN_MAX_PAIRS} pairs"
-    if any(r != backend.kv.max_ctx for r in backend.kv.rows):
-        return "a window layer's KV ring"
     return None
+
+
+def build(step, family) -> "WindowStep":
+    """The window step of the family's program over the one-token step (why_not has said yes)."""
+    return _programs()[type(family)][1](step)
 
 
 def window_tokens(cfg) -> int:
@@ -84,12 +96,13 @@ def down_smem(T: int, k: int, n_ff: int, pairs: bool) -> int:
 
 class WindowStep:
     biased_router = False       # the router's logits get a bias, and its top k a softmax of their own (gpt-oss)
+    files = WIN_FILES           # the kernel files of its table
 
     def __init__(self, step, kernels: Kernels | None = None):
         self.step = step
         self.cfg = c = step.cfg
         self.kernels = step.kernels
-        self.kw = kernels or Kernels(step.kernels.qtype_ids, WIN_FILES)
+        self.kw = kernels or Kernels(step.kernels.qtype_ids, self.files)
         self.stream = step.stream
         self.layers = step.layers               # the one-token layer program: its attention is shared
         self.max_t = window_tokens(c)
@@ -209,7 +222,11 @@ class WindowStep:
         for t in range(T):      # token t's K/V stored, then its query over 0 .. pos0 + t (state row t)
             attn.step(self.kernels, li, self.q[t], self.k_new[t], self.v_new[t], layer.q_norm, layer.k_norm,
                       self.step.rope, self.att[t], self.state[t], scale)
-        self.mv(layer.wo, self.att, self.x, T, accumulate=True)
+        self.mv(layer.wo, self.att, self.x, T, bias=self.out_bias(layer), accumulate=True)
+
+    def out_bias(self, layer):
+        """The output projection's bias (None: none; gpt-oss's attn_output.bias)."""
+        return None
 
     def router(self, li, layer, T):
         """router_win: the T tokens' router logits, each token's routing (router_fused's, counts and hit statistics
@@ -250,7 +267,7 @@ class WindowStep:
             self.swiglu(layer.sh_gate, layer.sh_up, self.x, self.rows(self.h2, layer.sh_gate.rows), T, norm)
         f = self.kw("moe_down_win", blob.qt_down)
         stage = staged_bytes(k * blob.n_ff) <= DOWN_STAGE_MAX
-        pairs = stage and blob.qt_down == 12        # Q4_K: moe_down's (expert, unit) pairs
+        pairs = stage and blob.qt_down == Q4_K      # moe_down's (expert, unit) pairs
         f(((c.n_embd + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
           (table, ptr(self.uni), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(self.x),
            I32(c.n_embd), I32(blob.n_ff), I32(k), I32(T), I32(1 if stage else 0)),
@@ -297,3 +314,36 @@ class WindowStep:
         self.graphs = {}
         for m in (self.tokens, self.params, self.out):
             m.close()
+
+
+class OssWindowStep(WindowStep):
+    """gpt-oss's window program (families/gptoss.py GptOssDecode): attention with its sinks and window (the one-token
+    step's DecodeAttention variant, each token's K/V into the ring rows at its position) and the output bias; the
+    router's bias; the experts' biases and SWIGLU_OAI (cuda_src/window_oss.cu). No shared expert."""
+    biased_router = True
+    files = WIN_FILES + ("window_oss.cu",)
+
+    def out_bias(self, layer):
+        return layer.bo
+
+    def router_bias(self, layer):
+        return layer.router_bias
+
+    def experts(self, li, layer, T):
+        st, c = self.step, self.cfg
+        blob, cache = st.layout.layer(li), st.cache
+        table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
+        k = c.n_expert_used
+        bg, bu, bd = layer.exp_bias
+        f = self.kw("moe_gate_up_oai_win", blob.qt_gate_up)
+        f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, min(T * k, c.n_expert)), (32 * MV_WARPS,),
+          (table, ptr(self.uni), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(layer.ffn_norm),
+           F32(c.rms_eps), ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k), ptr(bg), ptr(bu)),
+          shared_mem=self._smem(f, T * staged_bytes(c.n_embd)))
+        f = self.kw("moe_down_bias_win", blob.qt_down)
+        stage = staged_bytes(k * blob.n_ff) <= DOWN_STAGE_MAX
+        per = blob.n_ff // 32 if blob.qt_down == MXFP4 else 32      # MXFP4: (expert, block) pairs
+        f(((c.n_embd + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+          (table, ptr(self.uni), ptr(self.ids), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h),
+           ptr(self.x), I32(c.n_embd), I32(blob.n_ff), I32(k), I32(T), I32(1 if stage else 0), ptr(bd)),
+          shared_mem=self._smem(f, MV_WARPS * T * k * per * 4))
