@@ -94,17 +94,20 @@ class _Stream:
         return False
 
 
-def window_step(fixtures_dir, name, monkeypatch):
+def window_step(fixtures_dir, name, monkeypatch, path=None):
     from engine.cuda.arena import blob_layout
+    from engine.cuda.families.gptoss import GptOssFamily
     from engine.cuda.families.moe import MoeFamily
     from engine.cuda.weights import Upload
     from engine.gguf_model import open_model
     monkeypatch.setattr(dw, "cp", NS(zeros=dev_zeros, float32=np.float32, int32=np.int32))
     monkeypatch.setattr(dw, "MappedInts", Mapped)
-    model = open_model(fixtures_dir / "reference" / f"{name}.gguf")
+    model = open_model(path or fixtures_dir / "reference" / f"{name}.gguf")
     cfg = model.config
     log = []
-    weights = MoeFamily(cfg).load_weights(model, Upload(model, lambda a: np.asarray(a).view(Dev)))
+    oss = cfg.arch == "gpt-oss"
+    fam = (GptOssFamily if oss else MoeFamily)(cfg)
+    weights = fam.load_weights(model, Upload(model, lambda a: np.asarray(a).view(Dev)))
     attn_calls = []
 
     def attn_step(kernels, li, q, k, v, qn, kn, rope, out, state, scale):
@@ -118,7 +121,7 @@ def window_step(fixtures_dir, name, monkeypatch):
     step = NS(cfg=cfg, kernels=Table(log), stream=_Stream(), weights=weights, cache=cache,
               layout=blob_layout(model) if cfg.is_moe else None, rope=dev_zeros(8), counter=dev_zeros(1, np.int32),
               layers=NS(attn=NS(step=attn_step)), launcher=Launcher(None, cfg))
-    return dw.WindowStep(step, kernels=Table(log)), log
+    return (dw.OssWindowStep if oss else dw.WindowStep)(step, kernels=Table(log)), log
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -200,3 +203,24 @@ def test_why_not():
     oss = GptOssFamily.__new__(GptOssFamily)
     assert "family" in dw.why_not(_backend(family=oss))      # its family with another family's layers
     assert dw.why_not(_backend(family=oss, step=NS(layers=GptOssDecode.__new__(GptOssDecode)))) is None
+
+
+def test_gptoss_program(fixtures_dir, monkeypatch, tmp_path):
+    """gpt-oss's window program on the tiny preset (MXFP4 experts): its own expert kernels with the biases, the
+    router's bias and the output projection's."""
+    from tools import make_moe
+    from tools.gptoss_ref import PRESET
+    path = tmp_path / "oss.gguf"
+    assert make_moe.main([*PRESET, "--norm", "F32", "--out", str(path)]) == 0
+    win, log = window_step(fixtures_dir, None, monkeypatch, path)
+    cfg = win.cfg
+    for T in range(1, 9):
+        log.clear()
+        win.enqueue(T)
+        names = [e.name for e in log]
+        assert names.count("moe_gate_up_oai_win") == names.count("moe_down_bias_win") == cfg.n_layer
+        assert "moe_gate_up_win" not in names and "moe_down_win" not in names
+        wo = [e for e in log if e.name == "mv_win" and e.args[9] == cfg.n_head * cfg.head_dim
+              and e.args[8] == cfg.n_embd]
+        assert len(wo) == cfg.n_layer and all(e.args[6] != 0 for e in wo)     # wo with attn_output.bias
+        assert all(e.args[-1] != 0 for e in log if e.name == "router_win")    # the router's bias
