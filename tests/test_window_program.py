@@ -160,11 +160,16 @@ def test_every_launch_matches_its_kernel(fixtures_dir, name, monkeypatch):
 
 
 def test_launches_split_the_tokens_where_their_staging_does_not_fit(fixtures_dir, monkeypatch):
-    """A 16384-wide input staged for 8 tokens would need 557 KiB: the window's tokens go in launches of 3."""
+    """A 16384-wide input staged for 8 tokens would need 557 KiB: the window's tokens go in launches of as many as
+    stage_budget holds (1 at half the shared memory, 3 at all of it)."""
     win, log = window_step(fixtures_dir, "tiny-llama-legacy", monkeypatch)
     W = NS(qt=12, rows=64, cols=16384, row_bytes=16384 // 256 * 144, ptr=0)
     x, y = dev_zeros((8, 16384)), dev_zeros((8, 64))
     norm = dev_zeros(16384)
+    win.mv(W, x, y, 8, norm=norm)
+    assert [e.args[-1] for e in log] == [1] * 8
+    log.clear()
+    win.stage_budget = SMEM_MAX
     win.mv(W, x, y, 8, norm=norm)
     assert [e.args[-1] for e in log] == [3, 3, 2]
     assert [e.args[2] for e in log] == [x[t].ctypes.data for t in (0, 3, 6)]

@@ -97,6 +97,9 @@ def down_smem(T: int, k: int, n_ff: int, pairs: bool) -> int:
 class WindowStep:
     biased_router = False       # the router's logits get a bias, and its top k a softmax of their own (gpt-oss)
     files = WIN_FILES           # the kernel files of its table
+    # shared memory a dense window launch stages its tokens in: two blocks an SM at least (not measured yet; the
+    # expert gate/up and the router stage all T tokens whatever this is)
+    stage_budget = SMEM_MAX // 2
 
     def __init__(self, step, kernels: Kernels | None = None):
         self.step = step
@@ -139,8 +142,10 @@ class WindowStep:
         return nbytes
 
     def _groups(self, T: int, n: int):
-        """(first token, tokens) of the launches a staged input of n floats takes (as many tokens a launch as fit)."""
-        g = max(1, min(T, SMEM_MAX // staged_bytes(n)))
+        """(first token, tokens) of the launches a staged input of n floats takes: as many tokens a launch as fit in
+        stage_budget bytes (a block staging all 8 tokens of a 4096-wide input would leave one block an SM; a second
+        launch re-reads the matrix from L2)."""
+        g = max(1, min(T, self.stage_budget // staged_bytes(n)))
         return [(t, min(g, T - t)) for t in range(0, T, g)]
 
     def mv(self, W, x, y, T, bias=None, gate=None, accumulate=False, norm=None):
