@@ -19,8 +19,9 @@ missed copied into VRAM before the layer's expert kernels, or read in place by t
 --adapt-measured off|both measures each row with the adaptive tier frozen during the measured pass (its swaps cross the
 link too: the swaps column counts them): a backend built with adapt_every 0 after the learning pass's, filled from
 the profile that pass saved.
---window K[,K...] also times verify windows of K tokens on each row's backend (engine/cuda/decode_window.py): a window
-step's graph replayed beside the one-token step's graph (its cost in one-token steps: issue 34 asks <= 1.4 for K = 4
+--window K[,K...] also times verify windows of K tokens on each row's backend (engine/cuda/decode_window.py), with
+each of --window-modes' kernels (tokens: the default; shared: the token-serial ones): a window step's graph replayed
+beside the one-token step's graph (its cost in one-token steps: issue 34 asks <= 1.4 for K = 4
 with every expert in VRAM), and windows of K random tokens through CUDABackend.decode(all_positions=True) (wall time,
 the picks included): tok/s of the window beside the row's one-token tok/s.
 """
@@ -169,13 +170,27 @@ def _time_graph(step, graph, reps: int) -> float:
     return cp.cuda.get_elapsed_time(a, b) * 1000.0 / reps
 
 
-def window_rows(be, rng, sizes, n_prompt: int, reps: int = 20) -> list[dict]:
-    """Per window length K: the window graph's replay time beside the one-token graph's, and decode() windows of K
-    random tokens after a prompt (wall clock). [] where the backend keeps one step a token for windows."""
-    from engine.sampling import PickSpec
+MODES = {"tokens": ("tokens", "tokens"), "shared": ("shared", "union")}    # WindowStep (dense_mode, expert_mode)
+
+
+def window_rows(be, rng, sizes, n_prompt: int, modes=("tokens",), reps: int = 20) -> list[dict]:
+    """Per window mode (MODES) and length K: the window graph's replay time beside the one-token graph's, and
+    decode() windows of K random tokens after a prompt (wall clock). [] where the backend keeps one step a token."""
     win = be.window_step()
     if win is None or be.opts.no_graph:
         return []
+    out = []
+    for mode in modes:
+        win.dense_mode, win.expert_mode = MODES[mode]
+        win.graphs = {}
+        out += [dict(mode=mode, **r) for r in _window_rows(be, win, rng, sizes, n_prompt, reps)]
+    win.dense_mode, win.expert_mode = MODES["tokens"]
+    win.graphs = {}
+    return out
+
+
+def _window_rows(be, win, rng, sizes, n_prompt: int, reps: int) -> list[dict]:
+    from engine.sampling import PickSpec
     cfg, spec = be.config, PickSpec()
     out = []
     for K in sizes:
@@ -262,6 +277,9 @@ def main(argv=None):
                     help="also time a sampled pass (temperature/top_k/top_p/min_p, seeded) at the first budget")
     ap.add_argument("--window", default="", metavar="K[,K...]",
                     help="also time verify windows of these lengths (1-8) on each row's backend")
+    ap.add_argument("--window-modes", default="tokens,shared",
+                    help="the window kernels to time: tokens (the one-token kernels' blocks for every token side by "
+                         "side, the default) and/or shared (each weight row loaded once a warp for the tokens)")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="time each kind of kernel in the step graph (default on)")
     a = ap.parse_args(argv)
@@ -372,7 +390,7 @@ def main(argv=None):
         if a.profile:
             rows[-1]["profile_us"] = {k: round(v, 1) for k, v in kernel_profile(be.step).items()}
         if windows:
-            rows[-1]["windows"] = window_rows(be, rng, windows, a.prompt)
+            rows[-1]["windows"] = window_rows(be, rng, windows, a.prompt, a.window_modes.split(","))
         rows[-1].update(memory_facts(be))
         if be.mem is not None:      # the memory modes: what decode read from the model file (not pinned RAM)
             rows[-1]["file_mb_per_token"] = round(m["file_mb"] * 2**20 / 1e6 / m["steps"], 2)
@@ -414,16 +432,16 @@ def main(argv=None):
     if windows:
         print("\nverify windows (decode_window.py): graph replay beside the one-token step's, and decode() windows "
               "of random tokens (wall clock, picks included)")
-        print("| budget | K | window graph us | one-token graph us | cost (one-token steps) | window tok/s "
+        print("| budget | kernels | K | window graph us | one-token graph us | cost (one-token steps) | window tok/s "
               "| one-token tok/s |")
-        print("| --- |" + " ---: |" * 6)
+        print("| --- | --- |" + " ---: |" * 6)
         for r, w in wins:
-            print(f"| {r['budget']} | {w['window']} | {opt(w['window_graph_us'], '.1f')} | "
+            print(f"| {r['budget']} | {w['mode']} | {w['window']} | {opt(w['window_graph_us'], '.1f')} | "
                   f"{w['one_token_graph_us']:.1f} | {opt(w['cost_in_steps'], '.3f')} | {w['window_tok_s']:.1f} | "
                   f"{r['tok_s']:.1f} |")
         for r in rows:
             if not r.get("windows"):
-                print(f"| {r['budget']} | - | windows run one step a token here (the backend's log says why) |")
+                print(f"| {r['budget']} | - | - | windows run one step a token here (the backend's log says why) |")
     prof = [r for r in rows if "profile_us" in r]
     if prof:
         kinds = list(dict.fromkeys(k for r in prof for k in r["profile_us"]))

@@ -128,6 +128,14 @@ def test_mv_win(K, name, rows, cols, rpw):
                                      I32(acc), ptr(d_nw) if norm else NULL, F32(1e-6), I32(stage), I32(rpw), I32(T)),
                       shared_mem=smem(f_win, sm))
                 got = y.get()
+                yt = cp.asarray(y0) if acc else poisoned((T, rows))       # the token-parallel mv_tok
+                f_tok = K("mv_tok", qtype(name).id)
+                f_tok((grid[0], T), (128,), (ptr(d_raw), I64(rb), ptr(d_x), I32(ldx), ptr(yt), I32(rows),
+                                             ptr(d_b) if acc else NULL, ptr(d_g) if acc else NULL, I32(rows),
+                                             I32(cols), I32(acc), ptr(d_nw) if norm else NULL, F32(1e-6), I32(stage),
+                                             I32(rpw)),
+                      shared_mem=smem(f_tok, staged_bytes(cols) if stage else 0))
+                got_tok = yt.get()
                 if acc:
                     gate = (1 / (1 + np.exp(-g.astype(np.float64))))[:, None]
                     want = y0 + (ref + bias) * gate
@@ -142,6 +150,7 @@ def test_mv_win(K, name, rows, cols, rpw):
                           shared_mem=smem(f_one, staged_bytes(cols) if stage else 0))
                     sc = (np.abs(y0[t]) + (scale[t] + np.abs(bias)) * gate[t]) if acc else scale[t]
                     near(got[t], y1.get(), sc, f"T={T} t={t} stage={stage} norm={norm} acc={acc}")
+                    near(got_tok[t], y1.get(), sc, f"mv_tok T={T} t={t} stage={stage} norm={norm} acc={acc}")
 
 
 @pytest.mark.parametrize("name", ("Q4_K", "Q8_0", "Q5_K", "Q6_K", *NEW))
@@ -169,14 +178,20 @@ def test_mv3_win(K, name, n0, n1, n2, bias, cols, norm):
             Wd = W.astype(np.float64)
             ref = xin @ Wd.T + (b.get() if bias else 0)
             assert rel_to(y.get(), ref, np.abs(xin) @ np.abs(Wd).T + (np.abs(b.get()) if bias else 0)) < 1e-5, T
+        yt = [poisoned((T, m)) for m in (n0, n1, n2)]
+        K("mv3_tok", qtype(name).id)(((n + 3) // 4, T), (128,),
+                                     (*ds, I64(rb), x, I32(cols), nw if norm else NULL, F32(1e-6), *yt,
+                                      *((b if bias else NULL) for b in bs), I32(n0), I32(n1), I32(n2), I32(cols)),
+                                     shared_mem=staged_bytes(cols))
         for t in range(T):
             y1 = [poisoned(m) for m in (n0, n1, n2)]
             K("mv3", qtype(name).id)(((n + 3) // 4,), (128,),
                                      (*ds, I64(rb), x[t], nw if norm else NULL, F32(1e-6), *y1,
                                       *((b if bias else NULL) for b in bs), I32(n0), I32(n1), I32(n2), I32(cols)),
                                      shared_mem=staged_bytes(cols))
-            for a, b in zip(ys, y1):
+            for a, c, b in zip(ys, yt, y1):
                 near(a.get()[t], b.get(), np.abs(b.get()), f"T={T} t={t}")
+                near(c.get()[t], b.get(), np.abs(b.get()), f"mv3_tok T={T} t={t}")
 
 
 @pytest.mark.parametrize("name", ("F32", "Q8_0", "Q4_K", "Q6_K", *NEW))
@@ -200,6 +215,11 @@ def test_swiglu_win(K, name, rows, cols, norm):
         xin = rms_ref(x, nw) if norm else x.astype(np.float64)
         g, u = xin @ Wg.astype(np.float64).T, xin @ Wu.astype(np.float64).T
         assert rel(h.get(), g / (1 + np.exp(-g)) * u) < 1e-4, T
+        ht = poisoned((T, rows))
+        K("swiglu_tok", qtype(name).id)(((rows + 3) // 4, T), (128,),
+                                        (d_g, d_u, I64(rg.shape[1]), d_x, I32(cols), d_nw if norm else NULL,
+                                         F32(1e-6), ptr(ht), I32(rows), I32(cols)),
+                                        shared_mem=smem(K("swiglu_tok", qtype(name).id), staged_bytes(cols)))
         for t in range(T):
             h1 = poisoned(rows)
             K("swiglu_mv", qtype(name).id)(((rows + 3) // 4,), (128,),
@@ -207,6 +227,7 @@ def test_swiglu_win(K, name, rows, cols, norm):
                                             ptr(h1), I32(rows), I32(cols)),
                                            shared_mem=smem(K("swiglu_mv", qtype(name).id), staged_bytes(cols)))
             near(h.get()[t], h1.get(), np.abs(h1.get()), f"T={T} t={t}")
+            near(ht.get()[t], h1.get(), np.abs(h1.get()), f"swiglu_tok T={T} t={t}")
 
 
 # --- the window's experts ------------------------------------------------------------------------------------------

@@ -125,10 +125,13 @@ def window_step(fixtures_dir, name, monkeypatch, path=None):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_every_launch_matches_its_kernel(fixtures_dir, name, monkeypatch):
+@pytest.mark.parametrize("mode", ["tokens", "shared"])
+def test_every_launch_matches_its_kernel(fixtures_dir, name, mode, monkeypatch):
     win, log = window_step(fixtures_dir, name, monkeypatch)
+    win.dense_mode, win.expert_mode = (mode, "tokens") if mode == "tokens" else ("shared", "union")
     cfg = win.cfg
     assert win.max_t == 8
+    sfx = "_tok" if mode == "tokens" else "_win"
     for T in range(1, 9):
         log.clear()
         win.enqueue(T)
@@ -139,22 +142,31 @@ def test_every_launch_matches_its_kernel(fixtures_dir, name, monkeypatch):
         # token t's attention reads state row t, after the layer's Q/K/V launch
         rows = [e.state for e in log if e.name == "attention"]
         assert rows == [int(win.state[t].ctypes.data) for t in range(T)] * cfg.n_layer
+        assert not any(nm.endswith("_win" if mode == "tokens" else "_tok") and nm != "router_win" for nm in names)
         if cfg.is_moe:
-            assert names.count("router_win") == names.count("moe_gate_up_win") == names.count("moe_down_win") \
-                == cfg.n_layer
+            gu, dn = ("moe_gate_up", "moe_down") if mode == "tokens" else ("moe_gate_up_win", "moe_down_win")
+            assert names.count("router_win") == names.count(gu) == names.count(dn) == cfg.n_layer
             for i, nm in enumerate(names):
-                if nm == "moe_gate_up_win":     # the router's union, then the window's experts
-                    assert names[i - 1] == "router_win" and log[i].grid[1] == min(T * cfg.n_expert_used, cfg.n_expert)
-                    assert log[i - 1].args[-2] == T and log[i - 1].args[-3] == log[i].args[1]
+                if nm == gu:            # the router's routing (and union), then the window's experts
+                    assert names[i - 1] == "router_win"
+                    r = log[i - 1]
+                    if mode == "tokens":
+                        assert log[i].grid[1:] == (cfg.n_expert_used, T) and r.args[-3] == 0
+                    else:
+                        assert log[i].grid[1] == min(T * cfg.n_expert_used, cfg.n_expert)
+                        assert r.args[-3] == log[i].args[1]
+                    assert r.args[-2] == T and r.args[-1] == 0      # no router bias here
+                if nm == dn and mode == "tokens":
+                    assert log[i].grid[1] == T
             if cfg.shared_expert:
-                assert names.count("swiglu_win") == cfg.n_layer
+                assert names.count("swiglu" + sfx) == cfg.n_layer
         else:
-            assert names.count("swiglu_win") == cfg.n_layer
+            assert names.count("swiglu" + sfx) == cfg.n_layer
         for e in log:
             if e.name in ("mv_win", "mv3_win", "swiglu_win"):
                 assert e.args[-1] == T, e.name          # one launch takes the whole window at these widths
-            if e.name == "router_win":
-                assert e.args[-2] == T and e.args[-1] == 0      # no router bias here
+            if e.name in ("mv_tok", "mv3_tok", "swiglu_tok"):
+                assert e.grid[1] == T, e.name           # the tokens' blocks side by side
     with pytest.raises(ValueError, match="1 to 8 tokens"):
         win.enqueue(9)
 
@@ -163,6 +175,7 @@ def test_launches_split_the_tokens_where_their_staging_does_not_fit(fixtures_dir
     """A 16384-wide input staged for 8 tokens would need 557 KiB: the window's tokens go in launches of as many as
     stage_budget holds (1 at half the shared memory, 3 at all of it)."""
     win, log = window_step(fixtures_dir, "tiny-llama-legacy", monkeypatch)
+    win.dense_mode = "shared"
     W = NS(qt=12, rows=64, cols=16384, row_bytes=16384 // 256 * 144, ptr=0)
     x, y = dev_zeros((8, 16384)), dev_zeros((8, 64))
     norm = dev_zeros(16384)
@@ -219,13 +232,16 @@ def test_gptoss_program(fixtures_dir, monkeypatch, tmp_path):
     assert make_moe.main([*PRESET, "--norm", "F32", "--out", str(path)]) == 0
     win, log = window_step(fixtures_dir, None, monkeypatch, path)
     cfg = win.cfg
-    for T in range(1, 9):
+    for T, mode in [(T, m) for T in range(1, 9) for m in ("tokens", "union")]:
+        win.expert_mode = mode
         log.clear()
         win.enqueue(T)
         names = [e.name for e in log]
-        assert names.count("moe_gate_up_oai_win") == names.count("moe_down_bias_win") == cfg.n_layer
-        assert "moe_gate_up_win" not in names and "moe_down_win" not in names
-        wo = [e for e in log if e.name == "mv_win" and e.args[9] == cfg.n_head * cfg.head_dim
+        gu, dn = ("moe_gate_up_oai", "moe_down_bias") if mode == "tokens" else ("moe_gate_up_oai_win",
+                                                                                "moe_down_bias_win")
+        assert names.count(gu) == names.count(dn) == cfg.n_layer
+        assert "moe_gate_up_win" not in names and "moe_down_win" not in names and "moe_gate_up" not in names
+        wo = [e for e in log if e.name in ("mv_win", "mv_tok") and e.args[9] == cfg.n_head * cfg.head_dim
               and e.args[8] == cfg.n_embd]
         assert len(wo) == cfg.n_layer and all(e.args[6] != 0 for e in wo)     # wo with attn_output.bias
         assert all(e.args[-1] != 0 for e in log if e.name == "router_win")    # the router's bias

@@ -100,6 +100,13 @@ class WindowStep:
     # shared memory a dense window launch stages its tokens in: two blocks an SM at least (not measured yet; the
     # expert gate/up and the router stage all T tokens whatever this is)
     stage_budget = SMEM_MAX // 2
+    # How the window's tokens share the kernels. "tokens": the one-token kernels' blocks for every token side by side
+    # (grid y / z = T: window.cu mv_tok / mv3_tok / swiglu_tok, moe.cu's own moe_gate_up / moe_down), the weights'
+    # second and later reads from L2. "shared" / "union": window.cu's token-serial kernels, each weight row (each
+    # routed expert) loaded once a warp and the tokens' sums one after the other: the H200 measured those at about T
+    # one-token steps a window (the one-token step is bound by latency, not by HBM: 12% of its bandwidth).
+    dense_mode = "tokens"       # "tokens" | "shared"
+    expert_mode = "tokens"      # "tokens" | "union"
 
     def __init__(self, step, kernels: Kernels | None = None):
         self.step = step
@@ -150,10 +157,18 @@ class WindowStep:
 
     def mv(self, W, x, y, T, bias=None, gate=None, accumulate=False, norm=None):
         """y[t] (+)= W @ xn_t for the window's T rows of x (Launcher.mv's staging rule and rows a warp)."""
-        f = self.kw("mv_win", W.qt)
         stage = norm is not None or staged_bytes(W.cols) <= SMEM_DEFAULT
         rpw = min(8, max(1, W.rows // BIG_ROWS))
         grid = ((W.rows + MV_WARPS * rpw - 1) // (MV_WARPS * rpw),)
+        if self.dense_mode == "tokens":
+            f = self.kw("mv_tok", W.qt)
+            f((grid[0], T), (32 * MV_WARPS,),
+              (U64(W.ptr), I64(W.row_bytes), ptr(x), I32(ld(x)), ptr(y), I32(ld(y)), ptr(bias), ptr(gate),
+               I32(W.rows), I32(W.cols), I32(1 if accumulate else 0), ptr(norm), F32(self.cfg.rms_eps),
+               I32(1 if stage else 0), I32(rpw)),
+              shared_mem=self._smem(f, staged_bytes(W.cols)) if stage else 0)
+            return
+        f = self.kw("mv_win", W.qt)
         groups = self._groups(T, W.cols) if stage else [(0, T)]
         for t0, n in groups:
             sm = self._smem(f, n * staged_bytes(W.cols)) if stage else 0
@@ -170,6 +185,14 @@ class WindowStep:
                 self.mv(W, x, y, T, bias=b, norm=norm)
             return
         n = sum(W.rows for W in Ws)
+        if self.dense_mode == "tokens":
+            f = self.kw("mv3_tok", Ws[0].qt)
+            f(((n + MV_WARPS - 1) // MV_WARPS, T), (32 * MV_WARPS,),
+              (*(U64(W.ptr) for W in Ws), I64(Ws[0].row_bytes), ptr(x), I32(ld(x)), ptr(norm),
+               F32(self.cfg.rms_eps), *(ptr(y) for y in ys), *(ptr(b) for b in biases), *(I32(W.rows) for W in Ws),
+               I32(Ws[0].cols)),
+              shared_mem=self._smem(f, staged_bytes(Ws[0].cols)))
+            return
         f = self.kw("mv3_win", Ws[0].qt)
         for t0, m in self._groups(T, Ws[0].cols):
             f(((n + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
@@ -182,6 +205,13 @@ class WindowStep:
         """h[t] = silu(Wg @ xn_t) * (Wu @ xn_t); h: (at least T, Wg.rows)."""
         if h.shape[1] != Wg.rows:
             raise ValueError(f"swiglu's h rows hold {h.shape[1]} values, the FFN {Wg.rows}")
+        if self.dense_mode == "tokens":
+            f = self.kw("swiglu_tok", Wg.qt)
+            f(((Wg.rows + MV_WARPS - 1) // MV_WARPS, T), (32 * MV_WARPS,),
+              (U64(Wg.ptr), U64(Wu.ptr), I64(Wg.row_bytes), ptr(x), I32(ld(x)), ptr(norm), F32(self.cfg.rms_eps),
+               ptr(h), I32(Wg.rows), I32(Wg.cols)),
+              shared_mem=self._smem(f, staged_bytes(Wg.cols)))
+            return
         f = self.kw("swiglu_win", Wg.qt)
         for t0, m in self._groups(T, Wg.cols):
             f(((Wg.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
@@ -246,7 +276,8 @@ class WindowStep:
            I32(R.cols), ptr(self.rlogits), I32(c.n_expert), I32(c.n_expert_used),
            I32(1 if c.expert_weights_norm or self.biased_router else 0), F32(c.expert_weights_scale),
            ptr(self.ids), ptr(self.wts), *table,
-           ptr(st.counter), ptr(self.uni), I32(T), ptr(self.router_bias(layer))),
+           ptr(st.counter), ptr(self.uni) if self.expert_mode == "union" else NULL, I32(T),
+           ptr(self.router_bias(layer))),
           shared_mem=self._smem(f, T * staged_bytes(R.cols)))
 
     def router_bias(self, layer):
@@ -260,6 +291,9 @@ class WindowStep:
         blob, cache = st.layout.layer(li), st.cache
         table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
         k, norm = c.n_expert_used, layer.ffn_norm
+        if self.expert_mode == "tokens":
+            self.expert_tokens(li, layer, T)
+            return
         f = self.kw("moe_gate_up_win", blob.qt_gate_up)
         f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, min(T * k, c.n_expert)), (32 * MV_WARPS,),   # union slots
           (table, ptr(self.uni), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(norm), F32(c.rms_eps),
@@ -280,6 +314,32 @@ class WindowStep:
         if shared:
             self.mv(layer.sh_down, self.rows(self.h2, layer.sh_gate.rows), self.x, T, gate=self.sgate if layer.sh_gate_inp is not None else None,
                     accumulate=True)
+
+    def expert_tokens(self, li, layer, T):
+        """families/moe.py MoeDecode.experts with the window's T tokens in the grid (moe.cu's kernels take them)."""
+        st, c, mv = self.step, self.cfg, self.step.launcher
+        blob = st.layout.layer(li)
+        table = U64(st.cache.table.data.ptr + 8 * li * c.n_expert)
+        k, norm, x = c.n_expert_used, layer.ffn_norm, self.x
+        f = self.kernels("moe_gate_up", blob.qt_gate_up)
+        f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, k, T), (32 * MV_WARPS,),
+          (table, ptr(self.ids), I64(blob.up_off), I64(blob.rb_gate_up), ptr(x), ptr(norm), F32(c.rms_eps),
+           ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k)),
+          shared_mem=mv.smem(f, c.n_embd, True))
+        shared = layer.sh_up is not None
+        if shared:
+            if layer.sh_gate_inp is not None:
+                self.mv(layer.sh_gate_inp, x, self.sgate[:, None], T, norm=norm)
+            self.swiglu(layer.sh_gate, layer.sh_up, x, self.rows(self.h2, layer.sh_gate.rows), T, norm)
+        f = self.kernels("moe_down", blob.qt_down)
+        sm = mv.smem(f, k * blob.n_ff, False, optional_max=DOWN_STAGE_MAX)
+        f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, T), (32 * MV_WARPS,),
+          (table, ptr(self.ids), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(x),
+           I32(c.n_embd), I32(blob.n_ff), I32(k), I32(1 if sm else 0)),
+          shared_mem=sm)
+        if shared:
+            self.mv(layer.sh_down, self.rows(self.h2, layer.sh_gate.rows), x, T,
+                    gate=self.sgate if layer.sh_gate_inp is not None else None, accumulate=True)
 
     # --- running ---------------------------------------------------------------------------------------------
     def record(self, T: int):
@@ -340,6 +400,20 @@ class OssWindowStep(WindowStep):
         table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
         k = c.n_expert_used
         bg, bu, bd = layer.exp_bias
+        if self.expert_mode == "tokens":    # GptOssDecode.experts with the T tokens in the grid
+            mv = st.launcher
+            f = self.kernels("moe_gate_up_oai", blob.qt_gate_up)
+            f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, k, T), (32 * MV_WARPS,),
+              (table, ptr(self.ids), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(layer.ffn_norm),
+               F32(c.rms_eps), ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k), ptr(bg), ptr(bu)),
+              shared_mem=mv.smem(f, c.n_embd, True))
+            f = self.kernels("moe_down_bias", blob.qt_down)
+            sm = mv.smem(f, k * blob.n_ff, False, optional_max=DOWN_STAGE_MAX)
+            f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, T), (32 * MV_WARPS,),
+              (table, ptr(self.ids), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(self.x),
+               I32(c.n_embd), I32(blob.n_ff), I32(k), I32(1 if sm else 0), ptr(bd)),
+              shared_mem=sm)
+            return
         f = self.kw("moe_gate_up_oai_win", blob.qt_gate_up)
         f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, min(T * k, c.n_expert)), (32 * MV_WARPS,),
           (table, ptr(self.uni), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(layer.ffn_norm),
