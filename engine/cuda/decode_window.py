@@ -1,7 +1,11 @@
 """A decode step over a window of T = 1..MAX_WINDOW tokens at consecutive positions (a speculative verify window,
-issue 34 item 4): the T tokens go through every layer in one launch sequence, each weight row and each routed expert
-read once for the window (cuda_src/window.cu), with logits and the greedy pick for every position. One CUDA graph per
-window length, captured the first time that length runs.
+issue 34 item 4): the T tokens go through every layer in one launch sequence, with logits and the greedy pick for
+every position. One CUDA graph per window length, captured the first time that length runs. By default each launch
+runs the one-token kernel's blocks for all T tokens side by side (`dense_mode` / `expert_mode` "tokens": window.cu's
+mv_tok / mv3_tok / swiglu_tok, moe.cu's kernels with T in their grid), so a matrix comes from HBM about once and the
+other tokens' reads of it from L2; "shared" / "union" are window.cu's token-serial kernels (each weight row and each
+routed expert loaded once a warp, the tokens' sums one after the other), which the H200 measured at about T
+one-token steps a window (bench.decode --window: 4 tokens 14.3 ms against 3.7 ms for one).
 
 It is built over a one-token DecodeStep (engine/cuda/decode.py) and shares its weights, KV cache, expert cache and
 pointer table, RoPE table and its attention's split buffers; it owns the window's buffers (T rows of each of the
@@ -9,14 +13,15 @@ step's) and reads the tokens and the first position from mapped host memory, so 
 its length.
 
 Per layer, in the order and with the per-token arithmetic of the one-token step (families/moe.py MoeDecode), so that
-token t's logits are the ones a one-token step at position pos0 + t gives:
-  - Q/K/V for the T tokens (window.cu mv3_win, or mv_win per matrix when their types differ);
+token t's logits are the ones a one-token step at position pos0 + t gives (within fp32 rounding where the compiler
+contracts a kernel's Q4_K sums otherwise):
+  - Q/K/V for the T tokens (mv3, or mv per matrix when their types differ);
   - attention per token, with the one-token kernel: token t's K/V written at pos0 + t, then its query over positions
     0 .. pos0 + t (it reads state row t; the window's earlier tokens were stored by their own launches first);
     a split-K attention of 1-8 queries can take these launches over;
-  - wo, the router of each token (router_fused, its counts and hit statistics as one-token steps count them), the
-    union of the window's routed experts (win_union), gate/up and down each reading an expert once for the tokens
-    routed to it, the shared expert, or the dense FFN;
+  - wo; the router (router_win: the T tokens' logits, each one's routing as router_fused routes it, counts and hit
+    statistics as one-token steps count them, and in "union" mode the union of the window's routed experts); the
+    experts' gate/up and down; the shared expert; or the dense FFN;
   - the output head and an argmax per token.
 Experts outside VRAM are read in place through the table, as in the one-token step. The prefetch does not run in a
 window (its predictions are one token's), nor do the memory modes' paged layers: the backend keeps one-token steps
