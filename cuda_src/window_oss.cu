@@ -3,7 +3,7 @@
 // of those kernels (the same staging, lane schedules and fp32 sum orders, MXFP4's lane-rotated float4 walk included:
 // a (token, pair) partial is computed with the lane the one-token kernel gives that pair), so a window's outputs are
 // T one-token launches' bit for bit. Loaded by engine/cuda/decode_window.py's OssWindowStep.
-#include "window.cu"
+#include "window.cuh"
 #include "moe_oss.cu"
 
 // moe_gate_up_oai for a window: grid (ceil(n_ff / warps per block), min(T * k, n_expert)), block y a union slot;

@@ -44,6 +44,7 @@ from engine.cuda.launch import (BIG_ROWS, F32, I32, I64, MV_WARPS, NULL, SMEM_DE
                                 ptr, staged_bytes)
 
 WIN_FILES = ("window.cu",)
+SERIAL_FILES = ("window_serial.cu",)     # the token-serial kernels: loaded when a mode asks for them
 WIN_MAX_PAIRS = 128         # window.cu: (token, expert) pairs a window; router_win's block (4 warps)
 WIN_REC = 2 + MAX_WINDOW    # window.cu: ints of one union record (expert, count, pairs)
 DOWN_STAGE_MAX = 100 * 1024     # moe_down's optional staging limit (families/moe.py MoeDecode.experts)
@@ -118,6 +119,7 @@ class WindowStep:
         self.cfg = c = step.cfg
         self.kernels = step.kernels
         self.kw = kernels or Kernels(step.kernels.qtype_ids, self.files)
+        self._serial = kernels      # the token-serial kernels' table (the tests pass one table for all)
         self.stream = step.stream
         self.layers = step.layers               # the one-token layer program: its attention is shared
         self.max_t = window_tokens(c)
@@ -144,6 +146,14 @@ class WindowStep:
         self.params = MappedInts(2)     # [1]: the first position (common.cuh P_POS)
         self.out = MappedInts(2 * W)    # per token: the greedy pick, NaN count (argmax_finish)
         self.graphs: dict[int, object] = {}
+
+    serial_files = SERIAL_FILES
+
+    def serial(self, name: str, qt=None):
+        """A token-serial kernel (window_serial.cu; gpt-oss: window_oss.cu), its table compiled at the first ask."""
+        if self._serial is None:
+            self._serial = Kernels(self.kw.qtype_ids, self.serial_files)
+        return self._serial(name, qt)
 
     # --- launches --------------------------------------------------------------------------------------------
     def _smem(self, f, nbytes: int) -> int:
@@ -173,7 +183,7 @@ class WindowStep:
                I32(1 if stage else 0), I32(rpw)),
               shared_mem=self._smem(f, staged_bytes(W.cols)) if stage else 0)
             return
-        f = self.kw("mv_win", W.qt)
+        f = self.serial("mv_win", W.qt)
         groups = self._groups(T, W.cols) if stage else [(0, T)]
         for t0, n in groups:
             sm = self._smem(f, n * staged_bytes(W.cols)) if stage else 0
@@ -198,7 +208,7 @@ class WindowStep:
                I32(Ws[0].cols)),
               shared_mem=self._smem(f, staged_bytes(Ws[0].cols)))
             return
-        f = self.kw("mv3_win", Ws[0].qt)
+        f = self.serial("mv3_win", Ws[0].qt)
         for t0, m in self._groups(T, Ws[0].cols):
             f(((n + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
               (*(U64(W.ptr) for W in Ws), I64(Ws[0].row_bytes), ptr(x[t0]), I32(ld(x)), ptr(norm),
@@ -217,7 +227,7 @@ class WindowStep:
                ptr(h), I32(Wg.rows), I32(Wg.cols)),
               shared_mem=self._smem(f, staged_bytes(Wg.cols)))
             return
-        f = self.kw("swiglu_win", Wg.qt)
+        f = self.serial("swiglu_win", Wg.qt)
         for t0, m in self._groups(T, Wg.cols):
             f(((Wg.rows + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
               (U64(Wg.ptr), U64(Wu.ptr), I64(Wg.row_bytes), ptr(x[t0]), I32(ld(x)), ptr(norm),
@@ -299,7 +309,7 @@ class WindowStep:
         if self.expert_mode == "tokens":
             self.expert_tokens(li, layer, T)
             return
-        f = self.kw("moe_gate_up_win", blob.qt_gate_up)
+        f = self.serial("moe_gate_up_win", blob.qt_gate_up)
         f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, min(T * k, c.n_expert)), (32 * MV_WARPS,),   # union slots
           (table, ptr(self.uni), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(norm), F32(c.rms_eps),
            ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k)),
@@ -309,7 +319,7 @@ class WindowStep:
             if layer.sh_gate_inp is not None:
                 self.mv(layer.sh_gate_inp, self.x, self.sgate[:, None], T, norm=norm)
             self.swiglu(layer.sh_gate, layer.sh_up, self.x, self.rows(self.h2, layer.sh_gate.rows), T, norm)
-        f = self.kw("moe_down_win", blob.qt_down)
+        f = self.serial("moe_down_win", blob.qt_down)
         stage = staged_bytes(k * blob.n_ff) <= DOWN_STAGE_MAX
         pairs = stage and blob.qt_down == Q4_K      # moe_down's (expert, unit) pairs
         f(((c.n_embd + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
@@ -391,7 +401,7 @@ class OssWindowStep(WindowStep):
     step's DecodeAttention variant, each token's K/V into the ring rows at its position) and the output bias; the
     router's bias; the experts' biases and SWIGLU_OAI (cuda_src/window_oss.cu). No shared expert."""
     biased_router = True
-    files = WIN_FILES + ("window_oss.cu",)
+    serial_files = SERIAL_FILES + ("window_oss.cu",)
 
     def out_bias(self, layer):
         return layer.bo
@@ -419,12 +429,12 @@ class OssWindowStep(WindowStep):
                I32(c.n_embd), I32(blob.n_ff), I32(k), I32(1 if sm else 0), ptr(bd)),
               shared_mem=sm)
             return
-        f = self.kw("moe_gate_up_oai_win", blob.qt_gate_up)
+        f = self.serial("moe_gate_up_oai_win", blob.qt_gate_up)
         f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, min(T * k, c.n_expert)), (32 * MV_WARPS,),
           (table, ptr(self.uni), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(layer.ffn_norm),
            F32(c.rms_eps), ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k), ptr(bg), ptr(bu)),
           shared_mem=self._smem(f, T * staged_bytes(c.n_embd)))
-        f = self.kw("moe_down_bias_win", blob.qt_down)
+        f = self.serial("moe_down_bias_win", blob.qt_down)
         stage = staged_bytes(k * blob.n_ff) <= DOWN_STAGE_MAX
         per = blob.n_ff // 32 if blob.qt_down == MXFP4 else 32      # MXFP4: (expert, block) pairs
         f(((c.n_embd + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
