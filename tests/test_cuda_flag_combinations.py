@@ -21,7 +21,8 @@ def test_every_tune_key_is_an_option_and_sets_it():
     names = {f.name for f in dataclasses.fields(CudaOptions)}
     assert set(TUNING) <= names
     samples = dict(prefetch=("off", False), prefetch_depth=("1", 1), fetch_misses=("off", False),
-                   embed_host=("on", True), adapt_every=("0", 0), ring=("8", 8), stream_min=("16", 16))
+                   embed_host=("on", True), adapt_every=("0", 0), ring=("8", 8), stream_min=("16", 16),
+                   windows=("off", False))
     assert set(samples) == set(TUNING)
     for key, (raw, typed) in samples.items():
         assert getattr(options("--tune", f"{key}={raw}"), key) == typed

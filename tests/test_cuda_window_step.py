@@ -166,7 +166,7 @@ def test_gptoss_windows(oss_models, kind, share):
     """gpt-oss's window program (sinks, window layers' KV rings wrapping inside the windows, router and expert biases,
     SWIGLU_OAI): windows back to back against the same tokens one step at a time."""
     from engine.cuda.backend import CUDABackend, CudaOptions
-    from engine.cuda.decode_window import OssWindowStep
+    from engine.cuda.families.gptoss import OssWindowStep
     model = oss_models[kind]
     cfg = model.config
     total = cfg.n_layer * cfg.n_expert

@@ -121,7 +121,7 @@ def window_step(fixtures_dir, name, monkeypatch, path=None):
     step = NS(cfg=cfg, kernels=Table(log), stream=_Stream(), weights=weights, cache=cache,
               layout=blob_layout(model) if cfg.is_moe else None, rope=dev_zeros(8), counter=dev_zeros(1, np.int32),
               layers=NS(attn=NS(step=attn_step)), launcher=Launcher(None, cfg))
-    return (dw.OssWindowStep if oss else dw.WindowStep)(step, kernels=Table(log)), log
+    return fam.window_program()[1](step, kernels=Table(log)), log
 
 
 @pytest.mark.parametrize("name", MODELS)

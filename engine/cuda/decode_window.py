@@ -29,7 +29,8 @@ there (CUDABackend.window_step).
 
 The K/V written past the accepted prefix of a window stays in the cache until later positions overwrite it (the
 cache's length is the host's n_cached; gpt-oss's window layers write their ring rows as one-token steps do). The moe
-family (WindowStep) and gpt-oss (OssWindowStep: sinks, windows, the biases, SWIGLU_OAI) have a window program;
+family (WindowStep) and gpt-oss (families/gptoss.py OssWindowStep: sinks, windows, the biases, SWIGLU_OAI) have a
+window program (the family's window_program());
 the hybrids keep one step a token (their GDN state would need the state after every position of the window, which
 their decode kernels do not keep yet), as do the other cases `why_not` names.
 """
@@ -52,18 +53,11 @@ ROW_STATE = 8               # ints of one token's state row (the one-token step'
 Q4_K, MXFP4 = 12, 39        # ggml type ids (engine/cuda/quant_types.py)
 
 
-def _programs() -> dict:
-    """family class -> (its decode layer class, its window step class): the families with a window program."""
-    from engine.cuda.families.gptoss import GptOssDecode, GptOssFamily
-    from engine.cuda.families.moe import MoeDecode, MoeFamily
-    return {MoeFamily: (MoeDecode, WindowStep), GptOssFamily: (GptOssDecode, OssWindowStep)}
-
-
 def why_not(backend) -> str | None:
     """Why this backend keeps one step a token for a window (None: window steps run)."""
     if not backend.opts.windows:
         return "--tune windows=off"
-    prog = _programs().get(type(backend.family))
+    prog = backend.family.window_program()
     if prog is None or type(backend.step.layers) is not prog[0]:
         return f"the {backend.family.name} family's layers have no window program"
     if backend.recurrent:
@@ -81,7 +75,7 @@ def why_not(backend) -> str | None:
 
 def build(step, family) -> "WindowStep":
     """The window step of the family's program over the one-token step (why_not has said yes)."""
-    return _programs()[type(family)][1](step)
+    return family.window_program()[1](step)
 
 
 def window_tokens(cfg) -> int:
@@ -292,10 +286,10 @@ class WindowStep:
            I32(1 if c.expert_weights_norm or self.biased_router else 0), F32(c.expert_weights_scale),
            ptr(self.ids), ptr(self.wts), *table,
            ptr(st.counter), ptr(self.uni) if self.expert_mode == "union" else NULL, I32(T),
-           ptr(self.router_bias(layer))),
+           ptr(self.logit_bias(layer))),
           shared_mem=self._smem(f, T * staged_bytes(R.cols)))
 
-    def router_bias(self, layer):
+    def logit_bias(self, layer):
         """The router's bias added to its logits (None: none; gpt-oss's OssWindowStep has one)."""
         return None
 
@@ -395,49 +389,3 @@ class WindowStep:
         for m in (self.tokens, self.params, self.out):
             m.close()
 
-
-class OssWindowStep(WindowStep):
-    """gpt-oss's window program (families/gptoss.py GptOssDecode): attention with its sinks and window (the one-token
-    step's DecodeAttention variant, each token's K/V into the ring rows at its position) and the output bias; the
-    router's bias; the experts' biases and SWIGLU_OAI (cuda_src/window_oss.cu). No shared expert."""
-    biased_router = True
-    serial_files = SERIAL_FILES + ("window_oss.cu",)
-
-    def out_bias(self, layer):
-        return layer.bo
-
-    def router_bias(self, layer):
-        return layer.router_bias
-
-    def experts(self, li, layer, T):
-        st, c = self.step, self.cfg
-        blob, cache = st.layout.layer(li), st.cache
-        table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
-        k = c.n_expert_used
-        bg, bu, bd = layer.exp_bias
-        if self.expert_mode == "tokens":    # GptOssDecode.experts with the T tokens in the grid
-            mv = st.launcher
-            f = self.kernels("moe_gate_up_oai", blob.qt_gate_up)
-            f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, k, T), (32 * MV_WARPS,),
-              (table, ptr(self.ids), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(layer.ffn_norm),
-               F32(c.rms_eps), ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k), ptr(bg), ptr(bu)),
-              shared_mem=mv.smem(f, c.n_embd, True))
-            f = self.kernels("moe_down_bias", blob.qt_down)
-            sm = mv.smem(f, k * blob.n_ff, False, optional_max=DOWN_STAGE_MAX)
-            f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, T), (32 * MV_WARPS,),
-              (table, ptr(self.ids), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(self.x),
-               I32(c.n_embd), I32(blob.n_ff), I32(k), I32(1 if sm else 0), ptr(bd)),
-              shared_mem=sm)
-            return
-        f = self.serial("moe_gate_up_oai_win", blob.qt_gate_up)
-        f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, min(T * k, c.n_expert)), (32 * MV_WARPS,),
-          (table, ptr(self.uni), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(layer.ffn_norm),
-           F32(c.rms_eps), ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k), ptr(bg), ptr(bu)),
-          shared_mem=self._smem(f, T * staged_bytes(c.n_embd)))
-        f = self.serial("moe_down_bias_win", blob.qt_down)
-        stage = staged_bytes(k * blob.n_ff) <= DOWN_STAGE_MAX
-        per = blob.n_ff // 32 if blob.qt_down == MXFP4 else 32      # MXFP4: (expert, block) pairs
-        f(((c.n_embd + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
-          (table, ptr(self.uni), ptr(self.ids), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h),
-           ptr(self.x), I32(c.n_embd), I32(blob.n_ff), I32(k), I32(T), I32(1 if stage else 0), ptr(bd)),
-          shared_mem=self._smem(f, MV_WARPS * T * k * per * 4))
