@@ -15,6 +15,7 @@ engine asks it, and never tests the architecture:
     kernel_files, prompt_attention(mod, int8)                  the kernel variants it compiles
     decode_layers(step, recurrent)     its decode layer program: embed, per layer mixer / router / ffn, output
     prompt_layers(prefill, recurrent)  its prompt layer program: layer(li, ...) per chunk
+    window_program()                   (decode layer class, its verify-window step class: decode_window.py), or None
 The decode program's phases are split where the routing is known: the prefetch may launch the router instead (and
 runs before the ffn), the paged memory modes stage the routed experts there. docs/design.md, "How to add a family".
 """
