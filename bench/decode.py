@@ -19,6 +19,11 @@ missed copied into VRAM before the layer's expert kernels, or read in place by t
 --adapt-measured off|both measures each row with the adaptive tier frozen during the measured pass (its swaps cross the
 link too: the swaps column counts them): a backend built with adapt_every 0 after the learning pass's, filled from
 the profile that pass saved.
+--window K[,K...] also times verify windows of K tokens on each row's backend (engine/cuda/decode_window.py), with
+each of --window-modes' kernels (tokens: the default; shared: the token-serial ones): a window step's graph replayed
+beside the one-token step's graph (its cost in one-token steps: issue 34 asks <= 1.4 for K = 4
+with every expert in VRAM), and windows of K random tokens through CUDABackend.decode(all_positions=True) (wall time,
+the picks included): tok/s of the window beside the row's one-token tok/s.
 """
 from __future__ import annotations
 
@@ -165,6 +170,48 @@ def _time_graph(step, graph, reps: int) -> float:
     return cp.cuda.get_elapsed_time(a, b) * 1000.0 / reps
 
 
+MODES = {"tokens": ("tokens", "tokens"), "shared": ("shared", "union")}    # WindowStep (dense_mode, expert_mode)
+
+
+def window_rows(be, rng, sizes, n_prompt: int, modes=("tokens",), reps: int = 20) -> list[dict]:
+    """Per window mode (MODES) and length K: the window graph's replay time beside the one-token graph's, and
+    decode() windows of K random tokens after a prompt (wall clock). [] where the backend keeps one step a token."""
+    win = be.window_step()
+    if win is None or be.opts.no_graph:
+        return []
+    out = []
+    for mode in modes:
+        win.dense_mode, win.expert_mode = MODES[mode]
+        win.graphs = {}
+        out += [dict(mode=mode, **r) for r in _window_rows(be, win, rng, sizes, n_prompt, reps)]
+    win.dense_mode, win.expert_mode = MODES["tokens"]
+    win.graphs = {}
+    return out
+
+
+def _window_rows(be, win, rng, sizes, n_prompt: int, reps: int) -> list[dict]:
+    from engine.sampling import PickSpec
+    cfg, spec = be.config, PickSpec()
+    out = []
+    for K in sizes:
+        be.truncate(0)
+        be.decode(rng.integers(0, cfg.n_vocab, size=n_prompt).tolist(), spec)
+        one_us = _time_graph(be.step, be.step.graphs["greedy"], reps)    # at the prompt's last position
+        n = max(1, min(32, (be.max_context - be.n_cached - 1) // K))
+        be.decode(rng.integers(0, cfg.n_vocab, size=K).tolist(), spec, all_positions=True)    # captures K's graph
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            be.decode(rng.integers(0, cfg.n_vocab, size=K).tolist(), spec, all_positions=True)
+        dt = (time.perf_counter() - t0) / max(n - 1, 1)
+        graph = (win.graphs.get(K) or win.graphs.setdefault(K, win.record(K))) if K <= win.max_t else None
+        graph_us = _time_graph(win, graph, reps) if graph is not None else None
+        out.append(dict(window=K, windows=n - 1, window_ms=round(dt * 1e3, 3), window_tok_s=round(K / dt, 1),
+                        window_graph_us=None if graph_us is None else round(graph_us, 1),
+                        one_token_graph_us=round(one_us, 1),
+                        cost_in_steps=None if graph_us is None else round(graph_us / one_us, 3)))
+    return out
+
+
 # The sampled row's settings: a typical chat request (the GPU sampler's top_k/top_p passes are its costliest path).
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 7}
 
@@ -231,6 +278,11 @@ def main(argv=None):
                          "whose profile fills the first budget's cache (default on)")
     ap.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
                     help="also time a sampled pass (temperature/top_k/top_p/min_p, seeded) at the first budget")
+    ap.add_argument("--window", default="", metavar="K[,K...]",
+                    help="also time verify windows of these lengths (1-8) on each row's backend")
+    ap.add_argument("--window-modes", default="tokens,shared",
+                    help="the window kernels to time: tokens (the one-token kernels' blocks for every token side by "
+                         "side, the default) and/or shared (each weight row loaded once a warp for the tokens)")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="time each kind of kernel in the step graph (default on)")
     a = ap.parse_args(argv)
@@ -245,6 +297,9 @@ def main(argv=None):
                                                        preset=a.make_preset), 1)
     model = open_model(a.model)
     lengths = [int(x) for x in a.prefill_prompts.split(",") if x.strip()]
+    windows = [int(x) for x in a.window.split(",") if x.strip()]
+    if any(not 1 <= k <= 8 for k in windows):
+        ap.error(f"--window takes lengths of 1 to 8 tokens, got {a.window!r}")
     ctx = max(a.prompt + a.new, max(lengths, default=0)) + 16
     log = lambda m: print(f"bench.decode: {m}", file=sys.stderr, flush=True)
     memory = resident_budget(a.resident_budget_gib, model, log)
@@ -340,6 +395,8 @@ def main(argv=None):
             rows[-1]["sampled_tok_s"] = round(smp["steps"] / smp["decode_s"], 1)
         if a.profile:
             rows[-1]["profile_us"] = {k: round(v, 1) for k, v in kernel_profile(be.step).items()}
+        if windows:
+            rows[-1]["windows"] = window_rows(be, rng, windows, a.prompt, a.window_modes.split(","))
         rows[-1].update(memory_facts(be))
         if be.mem is not None:      # the memory modes: what decode read from the model file (not pinned RAM)
             rows[-1]["file_mb_per_token"] = round(m["file_mb"] * 2**20 / 1e6 / m["steps"], 2)
@@ -377,6 +434,20 @@ def main(argv=None):
         if "sampled_tok_s" in r:
             print(f"\nsampled decode ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())}) at budget {r['budget']}: "
                   f"{r['sampled_tok_s']:.1f} tok/s (greedy {r['tok_s']:.1f})")
+    wins = [(r, w) for r in rows for w in r.get("windows", [])]
+    if windows:
+        print("\nverify windows (decode_window.py): graph replay beside the one-token step's, and decode() windows "
+              "of random tokens (wall clock, picks included)")
+        print("| budget | kernels | K | window graph us | one-token graph us | cost (one-token steps) | window tok/s "
+              "| one-token tok/s |")
+        print("| --- | --- |" + " ---: |" * 6)
+        for r, w in wins:
+            print(f"| {r['budget']} | {w['mode']} | {w['window']} | {opt(w['window_graph_us'], '.1f')} | "
+                  f"{w['one_token_graph_us']:.1f} | {opt(w['cost_in_steps'], '.3f')} | {w['window_tok_s']:.1f} | "
+                  f"{r['tok_s']:.1f} |")
+        for r in rows:
+            if not r.get("windows"):
+                print(f"| {r['budget']} | - | - | windows run one step a token here (the backend's log says why) |")
     prof = [r for r in rows if "profile_us" in r]
     if prof:
         kinds = list(dict.fromkeys(k for r in prof for k in r["profile_us"]))

@@ -1,8 +1,9 @@
 """Speculative decoding on the CUDA backend (GPU machine): with every drafter the tokens are the CUDA backend's own
 plain tokens, greedy and sampled at a seed, whatever share of the experts sits in VRAM (none, half, all), on each
-family's tiny fixture. A window runs one step a token there for now (engine/cuda/backend.py decode), so the K/V of
-attention models is cut back by truncate, and the hybrids' state by the session's snapshot and replay; both keep
-one-token decoding's arithmetic, so the tokens must be equal, not only near."""
+family's tiny fixture. On the moe family's files a window is one window step (engine/cuda/decode_window.py), whose
+kernels keep one-token decoding's arithmetic per token, and its K/V past the accepted prefix is cut back by truncate;
+the hybrids run one step a token, their state cut back by the session's snapshot and replay. Either way the tokens
+must be equal, not only near."""
 from pathlib import Path
 
 import numpy as np
