@@ -149,15 +149,31 @@ def kernel_profile(step, reps: int = 20) -> dict[str, float]:
     The full step comes as 'step'; the kinds' sum exceeds it by the launch gaps the full graph overlaps."""
     from engine.cuda.trace import KindFilter
     probe = KindFilter()
+    pos = at_room(step, step.last_pos + 1, reps)     # the replays' positions: inside the context
     with step.stream:
         step.enqueue(tracer=probe)      # eager: records the kinds, and leaves state as a real step would
-    out = {"step": _time_graph(step, step.record(), reps)}
-    for kind in sorted(probe.seen):
-        out[kind] = _time_graph(step, step.record(tracer=KindFilter(kind)), reps)
+    graphs = {"step": step.record()}
+    graphs.update((kind, step.record(tracer=KindFilter(kind))) for kind in sorted(probe.seen))
+    out = {}
+    for kind, graph in graphs.items():
+        at_room(step, pos, reps)
+        out[kind] = _time_graph(step, graph, reps)
     return out
 
 
+def at_room(step, pos: int, reps: int) -> int:
+    """Sets the one-token step's device inputs (token 0) to the latest position <= pos from which reps + 1 replays of
+    its graph stay inside the context; returns that position (nothing here counts as the backend's n_cached)."""
+    pos = max(0, min(pos, step.kv.max_ctx - reps - 2))
+    step.set_inputs(0, pos)
+    return pos
+
+
 def _time_graph(step, graph, reps: int) -> float:
+    """Microseconds a replay of graph, over reps replays after one warm-up. A one-token step's graph advances its
+    own position on the device at each replay (sample.cu step_advance): the caller first sets a position with
+    reps + 1 rows of room (at_room), or the replays write K/V and read RoPE rows past the context (on main that
+    corrupted the cache: the NaN logits of the first window after this timing)."""
     import cupy as cp
     s = step.stream
     graph.launch(s)
@@ -196,7 +212,9 @@ def _window_rows(be, win, rng, sizes, n_prompt: int, reps: int) -> list[dict]:
     for K in sizes:
         be.truncate(0)
         be.decode(rng.integers(0, cfg.n_vocab, size=n_prompt).tolist(), spec)
-        one_us = _time_graph(be.step, be.step.graphs["greedy"], reps)    # at the prompt's last position
+        be._settle()            # (a prompt runs nothing ahead; the replays below must not meet a step that did)
+        at_room(be.step, be.n_cached, reps)     # the replays at the positions after the prompt, past n_cached
+        one_us = _time_graph(be.step, be.step.graphs["greedy"], reps)
         n = max(1, min(32, (be.max_context - be.n_cached - 1) // K))
         be.decode(rng.integers(0, cfg.n_vocab, size=K).tolist(), spec, all_positions=True)    # captures K's graph
         t0 = time.perf_counter()
@@ -204,6 +222,8 @@ def _window_rows(be, win, rng, sizes, n_prompt: int, reps: int) -> list[dict]:
             be.decode(rng.integers(0, cfg.n_vocab, size=K).tolist(), spec, all_positions=True)
         dt = (time.perf_counter() - t0) / max(n - 1, 1)
         graph = (win.graphs.get(K) or win.graphs.setdefault(K, win.record(K))) if K <= win.max_t else None
+        if graph is not None:       # replays of the window at the last window's place (K = 1: none ran; the prompt's)
+            win.params.view[1] = min(be.n_cached, be.max_context - K)
         graph_us = _time_graph(win, graph, reps) if graph is not None else None
         out.append(dict(window=K, windows=n - 1, window_ms=round(dt * 1e3, 3), window_tok_s=round(K / dt, 1),
                         window_graph_us=None if graph_us is None else round(graph_us, 1),
@@ -300,7 +320,8 @@ def main(argv=None):
     windows = [int(x) for x in a.window.split(",") if x.strip()]
     if any(not 1 <= k <= 8 for k in windows):
         ap.error(f"--window takes lengths of 1 to 8 tokens, got {a.window!r}")
-    ctx = max(a.prompt + a.new, max(lengths, default=0)) + 16
+    # the windows' rows: up to 32 windows of each length after the prompt (and the graph replays' 21 rows)
+    ctx = max(a.prompt + a.new, a.prompt + 32 * max(windows, default=0), max(lengths, default=0)) + 16
     log = lambda m: print(f"bench.decode: {m}", file=sys.stderr, flush=True)
     memory = resident_budget(a.resident_budget_gib, model, log)
     tracer = None
@@ -394,6 +415,7 @@ def main(argv=None):
             smp = run_pass(be, rng, a.prompt, a.new, SAMPLED)
             rows[-1]["sampled_tok_s"] = round(smp["steps"] / smp["decode_s"], 1)
         if a.profile:
+            be._settle()        # no step left running ahead under the profile's replays
             rows[-1]["profile_us"] = {k: round(v, 1) for k, v in kernel_profile(be.step).items()}
         if windows:
             rows[-1]["windows"] = window_rows(be, rng, windows, a.prompt, a.window_modes.split(","))
