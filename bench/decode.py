@@ -186,7 +186,10 @@ def _time_graph(step, graph, reps: int) -> float:
     return cp.cuda.get_elapsed_time(a, b) * 1000.0 / reps
 
 
-MODES = {"tokens": ("tokens", "tokens"), "shared": ("shared", "union")}    # WindowStep (dense_mode, expert_mode)
+# WindowStep (dense_mode, expert_mode, attn_mode): the default; its attention a launch a token; the routed experts'
+# union (window_serial.cu: each expert read once, a warp its tokens in turn); everything token-serial
+MODES = {"tokens": ("tokens", "tokens", "window"), "attn-tokens": ("tokens", "tokens", "tokens"),
+         "union": ("tokens", "union", "window"), "shared": ("shared", "union", "tokens")}
 
 
 def window_rows(be, rng, sizes, n_prompt: int, modes=("tokens",), reps: int = 20) -> list[dict]:
@@ -197,10 +200,10 @@ def window_rows(be, rng, sizes, n_prompt: int, modes=("tokens",), reps: int = 20
         return []
     out = []
     for mode in modes:
-        win.dense_mode, win.expert_mode = MODES[mode]
+        win.dense_mode, win.expert_mode, win.attn_mode = MODES[mode]
         win.graphs = {}
         out += [dict(mode=mode, **r) for r in _window_rows(be, win, rng, sizes, n_prompt, reps)]
-    win.dense_mode, win.expert_mode = MODES["tokens"]
+    win.dense_mode, win.expert_mode, win.attn_mode = MODES["tokens"]
     win.graphs = {}
     return out
 
@@ -301,8 +304,9 @@ def main(argv=None):
     ap.add_argument("--window", default="", metavar="K[,K...]",
                     help="also time verify windows of these lengths (1-8) on each row's backend")
     ap.add_argument("--window-modes", default="tokens,shared",
-                    help="the window kernels to time: tokens (the one-token kernels' blocks for every token side by "
-                         "side, the default) and/or shared (each weight row loaded once a warp for the tokens)")
+                    help="the window kernels to time (MODES): tokens (the one-token kernels' blocks for every token "
+                         "side by side, the default), attn-tokens (its attention a launch a token), union (the "
+                         "routed experts' union, each read once), shared (each weight row loaded once a warp)")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="time each kind of kernel in the step graph (default on)")
     a = ap.parse_args(argv)

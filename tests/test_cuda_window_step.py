@@ -39,8 +39,22 @@ def rel_rows(a, b):
 
 
 def window_logits(be, toks, spec):
-    picks = be.decode(toks, spec, all_positions=True)
+    """The window step's logits and picks for toks; one token too (decode() takes a one-token step for it: the
+    window of one is called as decode() calls a window)."""
+    if len(toks) == 1:
+        be._settle()
+        assert be.window_step() is not None
+        picks = be._decode_window(toks, spec)
+    else:
+        picks = be.decode(toks, spec, all_positions=True)
     return be.window.logits[:len(toks)].get(), [p.id for p in picks]
+
+
+def poison(be):
+    """The window's outputs NaN before it runs: a row it leaves unwritten shows."""
+    win = be.window_step()
+    for a in (win.logits, win.x, win.q, win.att, win.h, win.rlogits):
+        a.fill(np.nan)
 
 
 # all, half and none of the experts cached on one MoE file, all on the others (the file has a GPU minute)
@@ -56,9 +70,10 @@ def test_window_logits_are_one_token_steps(fixtures_dir, name, share):
         be.decode(prompt, spec)
         n0 = be.n_cached
         assert be.window_step() is not None, "the moe family has a window program"
-        for K in (2, 5, 8):
+        for K in (range(1, 9) if share == "half" else (1, 2, 5, 8)):
             toks = rng.integers(1, V, K).tolist()
             be.truncate(n0)
+            poison(be)
             win, picks = window_logits(be, toks, spec)
             assert be.n_cached == n0 + K
             be.truncate(n0)
@@ -82,10 +97,11 @@ def test_windows_after_windows(fixtures_dir, name, kv):
         prompt = rng.integers(1, V, 29).tolist()
         be.decode(prompt, spec)
         n0 = be.n_cached
-        sizes = [3, 8, 2, 7, 4, 8, 5, 6, 8]
+        sizes = [3, 8, 1, 2, 7, 4, 8, 5, 6, 8, 1]
         toks = rng.integers(1, V, sum(sizes)).tolist()
         rows, i = [], 0
         for K in sizes:
+            poison(be)
             rows.append(window_logits(be, toks[i:i + K], spec)[0])
             i += K
         win = np.concatenate(rows)
@@ -191,5 +207,35 @@ def test_gptoss_windows(oss_models, kind, share):
         err = rel_rows(win, one)
         assert err.max() < BOUND, err
         assert err.max() < ROUNDING, err
+    finally:
+        be.close()
+
+
+# (dense_mode, expert_mode, attn_mode): the default, then each alternative alone, then the token-serial kernels
+MODES = [("tokens", "tokens", "window"), ("tokens", "tokens", "tokens"), ("tokens", "union", "window"),
+         ("shared", "union", "tokens")]
+
+
+@pytest.mark.parametrize("modes", MODES, ids=["-".join(m) for m in MODES])
+def test_window_modes_are_one_token_steps(fixtures_dir, modes):
+    """Every kernel choice of the window step (bench.decode --window-modes times them) within fp32 rounding of one-token
+    steps, windows of 1, 4 and 8 tokens."""
+    be = backend(fixtures_dir, "tiny-qwen3moe-q4k", "half")
+    try:
+        rng = np.random.default_rng(6)
+        V, spec = be.config.n_vocab, PickSpec()
+        be.decode(rng.integers(1, V, 33).tolist(), spec)
+        n0 = be.n_cached
+        win = be.window_step()
+        win.dense_mode, win.expert_mode, win.attn_mode = modes
+        for K in (1, 4, 8):
+            toks = rng.integers(1, V, K).tolist()
+            be.truncate(n0)
+            poison(be)
+            got, _ = window_logits(be, toks, spec)
+            be.truncate(n0)
+            one = np.stack([be.forward([t]) for t in toks])
+            err = rel_rows(got, one)
+            assert err.max() < ROUNDING, (modes, K, err)
     finally:
         be.close()

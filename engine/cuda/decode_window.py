@@ -107,6 +107,12 @@ class WindowStep:
     # one-token steps a window (the one-token step is bound by latency, not by HBM: 12% of its bandwidth).
     dense_mode = "tokens"       # "tokens" | "shared"
     expert_mode = "tokens"      # "tokens" | "union"
+    # "window": the T tokens' K/V stored in one launch (qk_rope_store), then one attn_split launch of n_q = T queries
+    # (causal among them) and its merge: 2-3 launches a layer instead of 1-2 a token (the one-token step's fused
+    # launch is ~6 us at short contexts, 48 layers: at K = 4 the per-token launches alone were ~1.7 ms, half a step).
+    # "tokens": the one-token step's fused launch once a token (token t's K/V written, then its query over 0 .. pos0
+    # + t). Window layers' rings (gpt-oss) keep "tokens": kv.store takes no ring at a device position.
+    attn_mode = "window"        # "window" | "tokens"
 
     def __init__(self, step, kernels: Kernels | None = None):
         self.step = step
@@ -140,6 +146,19 @@ class WindowStep:
         self.params = MappedInts(2)     # [1]: the first position (common.cuh P_POS)
         self.out = MappedInts(2 * W)    # per token: the greedy pick, NaN count (argmax_finish)
         self.graphs: dict[int, object] = {}
+        self.wattn = self._window_attention()
+
+    def _window_attention(self):
+        """A DecodeAttention of n_q up to max_t over the step's cache, sharing its kernels and chunk bound (None: the
+        one-token attention serves every token, attn_mode "tokens" only)."""
+        a, kv = self.layers.attn, self.step.kv
+        if not a.split or a.variant.fused_only or any(r != kv.max_ctx for r in kv.rows):
+            return None
+        from engine.cuda.kv import AS_MAX_ROWS, DecodeAttention
+        n_q = min(self.max_t, AS_MAX_ROWS // a.group)       # query rows a KV head a launch: n_q * group <= 64
+        with self.stream:
+            return DecodeAttention(self.step.kernels, self.cfg, kv, n_split=a.n_split, fused=False, variant=a.variant,
+                                   n_q_max=n_q, split=True)
 
     serial_files = SERIAL_FILES
 
@@ -262,10 +281,19 @@ class WindowStep:
         scale = F32(c.attn_scale or 1.0 / np.sqrt(c.head_dim))
         self.mv3((layer.wq, layer.wk, layer.wv), self.x, (self.q, self.k_new, self.v_new),
                  (layer.bq, layer.bk, layer.bv), T, layer.attn_norm)
-        attn = self.layers.attn
-        for t in range(T):      # token t's K/V stored, then its query over 0 .. pos0 + t (state row t)
-            attn.step(self.kernels, li, self.q[t], self.k_new[t], self.v_new[t], layer.q_norm, layer.k_norm,
-                      self.step.rope, self.att[t], self.state[t], scale)
+        wa = self.wattn
+        if wa is not None and self.attn_mode == "window":
+            # the T tokens' K/V at state row 0's position + t (q rotated in place), then their queries at once
+            wa.store(self.kernels, li, self.q, self.k_new, self.v_new, layer.q_norm, layer.k_norm, self.step.rope,
+                     self.state, pos0=0, T=T)
+            for t0 in range(0, T, wa.n_q_max):     # (one launch unless group * T > 64 query rows)
+                wa.attend(self.kernels, li, self.q[t0:], self.att[t0:], self.state, scale, n_q=min(wa.n_q_max, T - t0),
+                          pos0=t0)
+        else:
+            attn = self.layers.attn
+            for t in range(T):      # token t's K/V stored, then its query over 0 .. pos0 + t (state row t)
+                attn.step(self.kernels, li, self.q[t], self.k_new[t], self.v_new[t], layer.q_norm, layer.k_norm,
+                          self.step.rope, self.att[t], self.state[t], scale)
         self.mv(layer.wo, self.att, self.x, T, bias=self.out_bias(layer), accumulate=True)
 
     def out_bias(self, layer):
