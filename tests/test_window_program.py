@@ -115,12 +115,31 @@ def window_step(fixtures_dir, name, monkeypatch, path=None):
         assert out.shape == q.shape and state.shape == (dw.ROW_STATE,)
         log.append(NS(name="attention", li=li, q=q.ctypes.data, state=state.ctypes.data, args=()))
         attn_calls.append((li, state.ctypes.data))
+    class WindowAttention:
+        """kv.DecodeAttention of a window's queries, faked: its store / attend calls logged."""
+
+        def __init__(self, kernels, cfg_, kv, n_split, fused, variant, n_q_max, split):
+            assert n_split == 3 and split and not fused and n_q_max * G <= 64
+            self.n_q_max = n_q_max
+
+        def store(self, kernels, li, q, k, v, qn, kn, rope, state, pos0=0, T=1):
+            assert q.shape[1] == cfg.n_head * cfg.head_dim and k.shape[1] == v.shape[1] == cfg.n_head_kv * cfg.head_dim
+            log.append(NS(name="attn_store", li=li, T=T, pos0=pos0, q=q.ctypes.data, state=state.ctypes.data, args=()))
+
+        def attend(self, kernels, li, q, out, state, scale, n_fixed=0, n_q=1, pos0=0):
+            log.append(NS(name="attn_window", li=li, n_q=n_q, pos0=pos0, q=q.ctypes.data, out=out.ctypes.data,
+                          state=state.ctypes.data, args=()))
+    monkeypatch.setattr(dw, "DecodeAttention", WindowAttention)
+    G = cfg.n_head // cfg.n_head_kv
     n = cfg.n_layer * max(cfg.n_expert, 1)
     cache = NS(table=dev_zeros(n, np.uint64), slot_lo=0, slot_hi=0, counts=dev_zeros(n, np.int32),
                stats=dev_zeros(2, np.uint64)) if cfg.is_moe else None
-    step = NS(cfg=cfg, kernels=Table(log), stream=_Stream(), weights=weights, cache=cache,
+    attn = NS(step=attn_step, split=True, variant=NS(fused_only=oss), group=G, n_split=3)
+    ctx = 64
+    kv = NS(max_ctx=ctx, rows=[ctx // 2 if oss and li % 2 == 0 else ctx for li in range(cfg.n_layer)])
+    step = NS(cfg=cfg, kernels=Table(log), stream=_Stream(), weights=weights, cache=cache, kv=kv,
               layout=blob_layout(model) if cfg.is_moe else None, rope=dev_zeros(8), counter=dev_zeros(1, np.int32),
-              layers=NS(attn=NS(step=attn_step)), launcher=Launcher(None, cfg))
+              layers=NS(attn=attn), launcher=Launcher(None, cfg))
     return fam.window_program()[1](step, kernels=Table(log)), log
 
 
@@ -129,6 +148,7 @@ def window_step(fixtures_dir, name, monkeypatch, path=None):
 def test_every_launch_matches_its_kernel(fixtures_dir, name, mode, monkeypatch):
     win, log = window_step(fixtures_dir, name, monkeypatch)
     win.dense_mode, win.expert_mode = (mode, "tokens") if mode == "tokens" else ("shared", "union")
+    win.attn_mode = "tokens"        # the one-token attention a token (the window's own: the test below)
     cfg = win.cfg
     assert win.max_t == 8
     sfx = "_tok" if mode == "tokens" else "_win"
@@ -169,6 +189,33 @@ def test_every_launch_matches_its_kernel(fixtures_dir, name, mode, monkeypatch):
                 assert e.grid[1] == T, e.name           # the tokens' blocks side by side
     with pytest.raises(ValueError, match="1 to 8 tokens"):
         win.enqueue(9)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_window_attention_takes_the_window_at_once(fixtures_dir, name, monkeypatch):
+    """attn_mode "window" (the default): per layer one K/V store of the T tokens at state row 0's position, then the
+    T queries in one attend (launches of at most n_q_max when the group is wide), after Q/K/V and before wo."""
+    win, log = window_step(fixtures_dir, name, monkeypatch)
+    assert win.attn_mode == "window" and win.wattn is not None
+    cfg = win.cfg
+    row0 = int(win.state.ctypes.data)
+    for T in range(1, 9):
+        log.clear()
+        win.enqueue(T)
+        names = [e.name for e in log]
+        assert "attention" not in names
+        stores = [e for e in log if e.name == "attn_store"]
+        assert [e.li for e in stores] == list(range(cfg.n_layer))
+        assert all(e.T == T and e.pos0 == 0 and e.state == row0 and e.q == win.q.ctypes.data for e in stores)
+        for i, nm in enumerate(names):
+            if nm == "attn_store":
+                assert names[i - 1] in ("mv3_tok", "mv_tok") and names[i + 1] == "attn_window"
+        att = [e for e in log if e.name == "attn_window"]
+        n = win.wattn.n_q_max
+        assert len(att) == cfg.n_layer * -(-T // n)
+        for e in att:
+            assert e.state == row0 and e.n_q == min(n, T - e.pos0)
+            assert e.q == win.q[e.pos0].ctypes.data and e.out == win.att[e.pos0].ctypes.data
 
 
 def test_launches_split_the_tokens_where_their_staging_does_not_fit(fixtures_dir, monkeypatch):

@@ -41,6 +41,7 @@ import numpy as np
 
 from engine.backend import MAX_WINDOW
 from engine.cuda.kernels import Kernels
+from engine.cuda.kv import AS_MAX_ROWS, DecodeAttention
 from engine.cuda.launch import (BIG_ROWS, F32, I32, I64, MV_WARPS, NULL, SMEM_DEFAULT, SMEM_MAX, U64, MappedInts,
                                 ptr, staged_bytes)
 
@@ -154,7 +155,6 @@ class WindowStep:
         a, kv = self.layers.attn, self.step.kv
         if not a.split or a.variant.fused_only or any(r != kv.max_ctx for r in kv.rows):
             return None
-        from engine.cuda.kv import AS_MAX_ROWS, DecodeAttention
         n_q = min(self.max_t, AS_MAX_ROWS // a.group)       # query rows a KV head a launch: n_q * group <= 64
         with self.stream:
             return DecodeAttention(self.step.kernels, self.cfg, kv, n_split=a.n_split, fused=False, variant=a.variant,
