@@ -186,10 +186,11 @@ def _time_graph(step, graph, reps: int) -> float:
     return cp.cuda.get_elapsed_time(a, b) * 1000.0 / reps
 
 
-# WindowStep (dense_mode, expert_mode, attn_mode): the default; its attention a launch a token; the routed experts'
-# union (window_serial.cu: each expert read once, a warp its tokens in turn); everything token-serial
+# WindowStep (dense_mode, expert_mode, attn_mode): the one-token kernels' blocks for every token; with the attention
+# a launch a token; with each routed expert's gate/up read once for its tokens (the window's union); everything
+# token-serial (the first H200 figures: about K one-token steps a window)
 MODES = {"tokens": ("tokens", "tokens", "window"), "attn-tokens": ("tokens", "tokens", "tokens"),
-         "union": ("tokens", "union", "window"), "shared": ("shared", "union", "tokens")}
+         "union": ("tokens", "union", "window"), "shared": ("shared", "serial", "tokens")}
 
 
 def window_rows(be, rng, sizes, n_prompt: int, modes=("tokens",), reps: int = 20) -> list[dict]:

@@ -144,14 +144,15 @@ def window_step(fixtures_dir, name, monkeypatch, path=None):
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("mode", ["tokens", "shared"])
+@pytest.mark.parametrize("mode", ["tokens", "union", "shared"])
 def test_every_launch_matches_its_kernel(fixtures_dir, name, mode, monkeypatch):
     win, log = window_step(fixtures_dir, name, monkeypatch)
-    win.dense_mode, win.expert_mode = (mode, "tokens") if mode == "tokens" else ("shared", "union")
+    win.dense_mode, win.expert_mode = {"tokens": ("tokens", "tokens"), "union": ("tokens", "union"),
+                                       "shared": ("shared", "serial")}[mode]
     win.attn_mode = "tokens"        # the one-token attention a token (the window's own: the test below)
     cfg = win.cfg
     assert win.max_t == 8
-    sfx = "_tok" if mode == "tokens" else "_win"
+    sfx = "_win" if mode == "shared" else "_tok"
     for T in range(1, 9):
         log.clear()
         win.enqueue(T)
@@ -162,9 +163,11 @@ def test_every_launch_matches_its_kernel(fixtures_dir, name, mode, monkeypatch):
         # token t's attention reads state row t, after the layer's Q/K/V launch
         rows = [e.state for e in log if e.name == "attention"]
         assert rows == [int(win.state[t].ctypes.data) for t in range(T)] * cfg.n_layer
-        assert not any(nm.endswith("_win" if mode == "tokens" else "_tok") and nm != "router_win" for nm in names)
+        assert not any(nm.endswith("_tok" if mode == "shared" else "_win") and nm not in ("router_win", "moe_gate_up_win")
+                       for nm in names)
         if cfg.is_moe:
-            gu, dn = ("moe_gate_up", "moe_down") if mode == "tokens" else ("moe_gate_up_win", "moe_down_win")
+            gu, dn = {"tokens": ("moe_gate_up", "moe_down"), "union": ("moe_gate_up_win", "moe_down"),
+                      "shared": ("moe_gate_up_win", "moe_down_win")}[mode]
             assert names.count("router_win") == names.count(gu) == names.count(dn) == cfg.n_layer
             for i, nm in enumerate(names):
                 if nm == gu:            # the router's routing (and union), then the window's experts
@@ -176,8 +179,10 @@ def test_every_launch_matches_its_kernel(fixtures_dir, name, mode, monkeypatch):
                         assert log[i].grid[1] == min(T * cfg.n_expert_used, cfg.n_expert)
                         assert r.args[-3] == log[i].args[1]
                     assert r.args[-2] == T and r.args[-1] == 0      # no router bias here
-                if nm == dn and mode == "tokens":
+                if nm == dn and mode != "shared":
                     assert log[i].grid[1] == T
+            if mode == "tokens":
+                assert "moe_gate_up_win" not in names
             if cfg.shared_expert:
                 assert names.count("swiglu" + sfx) == cfg.n_layer
         else:
@@ -279,13 +284,13 @@ def test_gptoss_program(fixtures_dir, monkeypatch, tmp_path):
     assert make_moe.main([*PRESET, "--norm", "F32", "--out", str(path)]) == 0
     win, log = window_step(fixtures_dir, None, monkeypatch, path)
     cfg = win.cfg
-    for T, mode in [(T, m) for T in range(1, 9) for m in ("tokens", "union")]:
+    for T, mode in [(T, m) for T in range(1, 9) for m in ("tokens", "union", "serial")]:
         win.expert_mode = mode
         log.clear()
         win.enqueue(T)
         names = [e.name for e in log]
-        gu, dn = ("moe_gate_up_oai", "moe_down_bias") if mode == "tokens" else ("moe_gate_up_oai_win",
-                                                                                "moe_down_bias_win")
+        gu, dn = {"tokens": ("moe_gate_up_oai", "moe_down_bias"), "union": ("moe_gate_up_oai_win", "moe_down_bias"),
+                  "serial": ("moe_gate_up_oai_win", "moe_down_bias_win")}[mode]
         assert names.count(gu) == names.count(dn) == cfg.n_layer
         assert "moe_gate_up_win" not in names and "moe_down_win" not in names and "moe_gate_up" not in names
         wo = [e for e in log if e.name in ("mv_win", "mv_tok") and e.args[9] == cfg.n_head * cfg.head_dim

@@ -107,7 +107,7 @@ class WindowStep:
     # routed expert) loaded once a warp and the tokens' sums one after the other: the H200 measured those at about T
     # one-token steps a window (the one-token step is bound by latency, not by HBM: 12% of its bandwidth).
     dense_mode = "tokens"       # "tokens" | "shared"
-    expert_mode = "tokens"      # "tokens" | "union"
+    expert_mode = "tokens"      # "tokens" | "union" | "serial" (experts())
     # "window": the T tokens' K/V stored in one launch (qk_rope_store), then one attn_split launch of n_q = T queries
     # (causal among them) and its merge: 2-3 launches a layer instead of 1-2 a token (the one-token step's fused
     # launch is ~6 us at short contexts, 48 layers: at K = 4 the per-token launches alone were ~1.7 ms, half a step).
@@ -313,7 +313,7 @@ class WindowStep:
            I32(R.cols), ptr(self.rlogits), I32(c.n_expert), I32(c.n_expert_used),
            I32(1 if c.expert_weights_norm or self.biased_router else 0), F32(c.expert_weights_scale),
            ptr(self.ids), ptr(self.wts), *table,
-           ptr(st.counter), ptr(self.uni) if self.expert_mode == "union" else NULL, I32(T),
+           ptr(st.counter), NULL if self.expert_mode == "tokens" else ptr(self.uni), I32(T),
            ptr(self.logit_bias(layer))),
           shared_mem=self._smem(f, T * staged_bytes(R.cols)))
 
@@ -322,58 +322,51 @@ class WindowStep:
         return None
 
     def experts(self, li, layer, T):
-        """The routed experts of the window (each read once for its tokens) and the shared expert, added to x in
-        the one-token step's order: moe_down's sums, then the shared expert's."""
-        st, c = self.step, self.cfg
-        blob, cache = st.layout.layer(li), st.cache
-        table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
-        k, norm = c.n_expert_used, layer.ffn_norm
-        if self.expert_mode == "tokens":
-            self.expert_tokens(li, layer, T)
-            return
-        f = self.serial("moe_gate_up_win", blob.qt_gate_up)
-        f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, min(T * k, c.n_expert)), (32 * MV_WARPS,),   # union slots
-          (table, ptr(self.uni), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(norm), F32(c.rms_eps),
-           ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k)),
-          shared_mem=self._smem(f, T * staged_bytes(c.n_embd)))
-        shared = layer.sh_up is not None
-        if shared:
-            if layer.sh_gate_inp is not None:
-                self.mv(layer.sh_gate_inp, self.x, self.sgate[:, None], T, norm=norm)
-            self.swiglu(layer.sh_gate, layer.sh_up, self.x, self.rows(self.h2, layer.sh_gate.rows), T, norm)
-        f = self.serial("moe_down_win", blob.qt_down)
-        stage = staged_bytes(k * blob.n_ff) <= DOWN_STAGE_MAX
-        pairs = stage and blob.qt_down == Q4_K      # moe_down's (expert, unit) pairs
-        f(((c.n_embd + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
-          (table, ptr(self.uni), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(self.x),
-           I32(c.n_embd), I32(blob.n_ff), I32(k), I32(T), I32(1 if stage else 0)),
-          shared_mem=self._smem(f, down_smem(T, k, blob.n_ff, pairs)))
-        if shared:
-            self.mv(layer.sh_down, self.rows(self.h2, layer.sh_gate.rows), self.x, T, gate=self.sgate if layer.sh_gate_inp is not None else None,
-                    accumulate=True)
-
-    def expert_tokens(self, li, layer, T):
-        """families/moe.py MoeDecode.experts with the window's T tokens in the grid (moe.cu's kernels take them)."""
+        """The routed experts of the window and the shared expert, added to x in the one-token step's order:
+        moe_down's sums, then the shared expert's. expert_mode: "tokens", moe.cu's kernels with the T tokens in the
+        grid (a block a (token, expert) pair: an expert two tokens chose is read twice, the second time mostly from
+        L2); "union", the gate/up of each expert of the window's union read once for its tokens (window_serial.cu
+        moe_gate_up_win: a warp's row against each of those tokens in turn, usually one or two), the down as
+        "tokens" (a third of the bytes; a warp a (token, row) as the one-token moe_down); "serial", both over the
+        union (moe_down_win: a warp walks every pair of the window for its row)."""
         st, c, mv = self.step, self.cfg, self.step.launcher
         blob = st.layout.layer(li)
         table = U64(st.cache.table.data.ptr + 8 * li * c.n_expert)
         k, norm, x = c.n_expert_used, layer.ffn_norm, self.x
-        f = self.kernels("moe_gate_up", blob.qt_gate_up)
-        f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, k, T), (32 * MV_WARPS,),
-          (table, ptr(self.ids), I64(blob.up_off), I64(blob.rb_gate_up), ptr(x), ptr(norm), F32(c.rms_eps),
-           ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k)),
-          shared_mem=mv.smem(f, c.n_embd, True))
+        mode = self.expert_mode
+        if mode not in ("tokens", "union", "serial"):
+            raise ValueError(f"expert_mode is tokens, union or serial, not {mode!r}")
+        gate_up = (table, None, I64(blob.up_off), I64(blob.rb_gate_up), ptr(x), ptr(norm), F32(c.rms_eps),
+                   ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k))
+        rows = (blob.n_ff + MV_WARPS - 1) // MV_WARPS
+        if mode == "tokens":
+            f = self.kernels("moe_gate_up", blob.qt_gate_up)
+            f((rows, k, T), (32 * MV_WARPS,), (gate_up[0], ptr(self.ids), *gate_up[2:]),
+              shared_mem=mv.smem(f, c.n_embd, True))
+        else:
+            f = self.serial("moe_gate_up_win", blob.qt_gate_up)
+            f((rows, min(T * k, c.n_expert)), (32 * MV_WARPS,), (gate_up[0], ptr(self.uni), *gate_up[2:]),  # slots
+              shared_mem=self._smem(f, T * staged_bytes(c.n_embd)))
         shared = layer.sh_up is not None
-        if shared:
+        if shared:      # the shared expert reads x before moe_down adds to it
             if layer.sh_gate_inp is not None:
                 self.mv(layer.sh_gate_inp, x, self.sgate[:, None], T, norm=norm)
             self.swiglu(layer.sh_gate, layer.sh_up, x, self.rows(self.h2, layer.sh_gate.rows), T, norm)
-        f = self.kernels("moe_down", blob.qt_down)
-        sm = mv.smem(f, k * blob.n_ff, False, optional_max=DOWN_STAGE_MAX)
-        f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, T), (32 * MV_WARPS,),
-          (table, ptr(self.ids), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(x),
-           I32(c.n_embd), I32(blob.n_ff), I32(k), I32(1 if sm else 0)),
-          shared_mem=sm)
+        if mode == "serial":
+            f = self.serial("moe_down_win", blob.qt_down)
+            stage = staged_bytes(k * blob.n_ff) <= DOWN_STAGE_MAX
+            pairs = stage and blob.qt_down == Q4_K      # moe_down's (expert, unit) pairs
+            f(((c.n_embd + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+              (table, ptr(self.uni), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(x),
+               I32(c.n_embd), I32(blob.n_ff), I32(k), I32(T), I32(1 if stage else 0)),
+              shared_mem=self._smem(f, down_smem(T, k, blob.n_ff, pairs)))
+        else:
+            f = self.kernels("moe_down", blob.qt_down)
+            sm = mv.smem(f, k * blob.n_ff, False, optional_max=DOWN_STAGE_MAX)
+            f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, T), (32 * MV_WARPS,),
+              (table, ptr(self.ids), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(x),
+               I32(c.n_embd), I32(blob.n_ff), I32(k), I32(1 if sm else 0)),
+              shared_mem=sm)
         if shared:
             self.mv(layer.sh_down, self.rows(self.h2, layer.sh_gate.rows), x, T,
                     gate=self.sgate if layer.sh_gate_inp is not None else None, accumulate=True)

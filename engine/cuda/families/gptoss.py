@@ -166,18 +166,26 @@ class OssWindowStep(WindowStep):
         return layer.router_bias
 
     def experts(self, li, layer, T):
-        st, c = self.step, self.cfg
+        """GptOssDecode.experts for the window, in WindowStep.experts' modes (tokens / union / serial)."""
+        st, c, mv = self.step, self.cfg, self.step.launcher
         blob, cache = st.layout.layer(li), st.cache
         table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
         k = c.n_expert_used
         bg, bu, bd = layer.exp_bias
-        if self.expert_mode == "tokens":    # GptOssDecode.experts with the T tokens in the grid
-            mv = st.launcher
+        mode = self.expert_mode
+        if mode not in ("tokens", "union", "serial"):
+            raise ValueError(f"expert_mode is tokens, union or serial, not {mode!r}")
+        rows = (blob.n_ff + MV_WARPS - 1) // MV_WARPS
+        rest = (I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(layer.ffn_norm), F32(c.rms_eps),
+                ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k), ptr(bg), ptr(bu))
+        if mode == "tokens":                # GptOssDecode.experts with the T tokens in the grid
             f = self.kernels("moe_gate_up_oai", blob.qt_gate_up)
-            f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, k, T), (32 * MV_WARPS,),
-              (table, ptr(self.ids), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(layer.ffn_norm),
-               F32(c.rms_eps), ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k), ptr(bg), ptr(bu)),
-              shared_mem=mv.smem(f, c.n_embd, True))
+            f((rows, k, T), (32 * MV_WARPS,), (table, ptr(self.ids), *rest), shared_mem=mv.smem(f, c.n_embd, True))
+        else:                               # each expert of the window's union read once for its tokens
+            f = self.serial("moe_gate_up_oai_win", blob.qt_gate_up)
+            f((rows, min(T * k, c.n_expert)), (32 * MV_WARPS,), (table, ptr(self.uni), *rest),
+              shared_mem=self._smem(f, T * staged_bytes(c.n_embd)))
+        if mode != "serial":
             f = self.kernels("moe_down_bias", blob.qt_down)
             sm = mv.smem(f, k * blob.n_ff, False, optional_max=DOWN_STAGE_MAX)
             f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, T), (32 * MV_WARPS,),
@@ -185,11 +193,6 @@ class OssWindowStep(WindowStep):
                I32(c.n_embd), I32(blob.n_ff), I32(k), I32(1 if sm else 0), ptr(bd)),
               shared_mem=sm)
             return
-        f = self.serial("moe_gate_up_oai_win", blob.qt_gate_up)
-        f(((blob.n_ff + MV_WARPS - 1) // MV_WARPS, min(T * k, c.n_expert)), (32 * MV_WARPS,),
-          (table, ptr(self.uni), I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(layer.ffn_norm),
-           F32(c.rms_eps), ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k), ptr(bg), ptr(bu)),
-          shared_mem=self._smem(f, T * staged_bytes(c.n_embd)))
         f = self.serial("moe_down_bias_win", blob.qt_down)
         stage = staged_bytes(k * blob.n_ff) <= DOWN_STAGE_MAX
         per = blob.n_ff // 32 if blob.qt_down == MXFP4 else 32      # MXFP4: (expert, block) pairs
