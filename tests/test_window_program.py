@@ -297,3 +297,16 @@ def test_gptoss_program(fixtures_dir, monkeypatch, tmp_path):
               and e.args[8] == cfg.n_embd]
         assert len(wo) == cfg.n_layer and all(e.args[6] != 0 for e in wo)     # wo with attn_output.bias
         assert all(e.args[-1] != 0 for e in log if e.name == "router_win")    # the router's bias
+
+
+def test_window_cost_from_the_measured_table():
+    """The speculation rule's cost of a window (CUDABackend.window_cost): a step a token with no table; else the
+    table's lengths, linear between them, windows past max_t as several launches."""
+    assert dw.window_cost(5, 8, {}) == 5.0
+    table = {2: 1.2, 4: 1.5, 8: 2.5}
+    assert dw.window_cost(1, 8, table) == 1.0
+    assert dw.window_cost(4, 8, table) == 1.5
+    assert dw.window_cost(3, 8, table) == pytest.approx(1.35)
+    assert dw.window_cost(6, 8, table) == pytest.approx(2.0)
+    assert dw.window_cost(10, 8, table) == pytest.approx(2.5 + 1.2)
+    assert dw.window_cost(9, 7, table) == pytest.approx(2.25 + 1.2)

@@ -15,7 +15,7 @@ from engine.backend import Backend, ExpertStats, RecurrentSnapshot, decode_token
 from engine.cuda.arena import ExpertArena, blob_layout
 from engine.cuda.args import CudaOptions
 from engine.cuda.decode import DecodeStep
-from engine.cuda.decode_window import WindowStep, why_not
+from engine.cuda.decode_window import WindowStep, why_not, window_cost
 from engine.cuda.decode_window import build as build_window
 from engine.cuda.embed_place import embed_placement
 from engine.cuda.expert_cache import ExpertCache, SlotPools
@@ -380,6 +380,15 @@ class CUDABackend(Backend):
         return [Pick(tok, lp, tuple(top))]
 
     # --- verify windows (engine/cuda/decode_window.py) ------------------------------------------------------
+    def window_cost(self, n_tokens: int) -> float:
+        """A window of n tokens in one-token steps (the speculation rule's cost): the window step's measured cost
+        (decode_window.window_cost), or n where windows run one step a token. Not the clock: a fixed table, so a
+        request's windows follow from its tokens (engine/speculate.py)."""
+        if n_tokens <= 1:
+            return float(n_tokens)
+        win = self.window_step()
+        return float(n_tokens) if win is None else window_cost(n_tokens, win.max_t)
+
     def window_step(self) -> WindowStep | None:
         """The window step, built (its kernels compiled) at the first window; None where a window runs one step a
         token (decode_window.why_not says why, in one log line)."""

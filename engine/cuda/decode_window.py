@@ -54,6 +54,30 @@ ROW_STATE = 8               # ints of one token's state row (the one-token step'
 Q4_K, MXFP4 = 12, 39        # ggml type ids (engine/cuda/quant_types.py)
 
 
+# What a window launch of K tokens costs in one-token steps (the window graph's replay over the one-token graph's,
+# bench.decode --window, every expert in VRAM: docs/experiments.md "windows of tokens on CUDA"), for K measured;
+# others interpolated (window_cost). None until measured: the rule then counts a step a token and offers no drafts.
+MEASURED_COST: dict[int, float] | None = None
+
+
+def window_cost(n: int, max_t: int, measured: dict[int, float] | None = None) -> float:
+    """One-token steps a window of n tokens costs as launches of at most max_t (the measured table, linear between
+    its lengths; n where there is none)."""
+    table = MEASURED_COST if measured is None else measured
+    if not table:
+        return float(n)
+    pts = sorted({1: 1.0, **table}.items())
+
+    def one(m: int) -> float:
+        for (k0, c0), (k1, c1) in zip(pts, pts[1:]):
+            if k0 <= m <= k1:
+                return c0 + (c1 - c0) * (m - k0) / (k1 - k0)
+        k0, c0 = pts[-1]
+        return c0 * m / k0          # past the table: per token as its longest window
+    full, rest = divmod(n, max_t)
+    return full * one(max_t) + (one(rest) if rest else 0.0)
+
+
 def why_not(backend) -> str | None:
     """Why this backend keeps one step a token for a window (None: window steps run)."""
     if not backend.opts.windows:
