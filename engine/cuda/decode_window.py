@@ -16,12 +16,13 @@ Per layer, in the order and with the per-token arithmetic of the one-token step 
 token t's logits are the ones a one-token step at position pos0 + t gives (within fp32 rounding where the compiler
 contracts a kernel's Q4_K sums otherwise):
   - Q/K/V for the T tokens (mv3, or mv per matrix when their types differ);
-  - attention per token, with the one-token kernel: token t's K/V written at pos0 + t, then its query over positions
-    0 .. pos0 + t (it reads state row t; the window's earlier tokens were stored by their own launches first);
-    a split-K attention of 1-8 queries can take these launches over;
+  - attention (attn_mode "window"): the T tokens' K/V stored at pos0 + t in one launch, then one attn_split launch of
+    the T queries, token t over positions 0 .. pos0 + t; or ("tokens", and gpt-oss's window rings) the one-token
+    fused launch once a token, on state row t;
   - wo; the router (router_win: the T tokens' logits, each one's routing as router_fused routes it, counts and hit
-    statistics as one-token steps count them, and in "union" mode the union of the window's routed experts); the
-    experts' gate/up and down; the shared expert; or the dense FFN;
+    statistics as one-token steps count them, and outside "tokens" mode the union of the window's routed experts);
+    the experts' gate/up and down (experts(): per (token, expert) pair, or gate/up once per expert of the union);
+    the shared expert; or the dense FFN;
   - the output head and an argmax per token.
 Experts outside VRAM are read in place through the table, as in the one-token step. The prefetch does not run in a
 window (its predictions are one token's), nor do the memory modes' paged layers: the backend keeps one-token steps
