@@ -11,10 +11,11 @@
 #include "dense.cu"      // staged_row_dot, mv_store: the token-parallel kernels below are dense.cu's bodies
 
 // ---- token-parallel dense mat-vecs ------------------------------------------------------------------------------
-// dense.cu's mv / mv3 / swiglu_mv with the window's token t in block y (grid (their grid, T)): each block is the
-// one-token kernel's block on token t's rows, so the outputs are the one-token kernel's, and the T tokens' blocks run
-// side by side (the one-token step leaves most of the GPU idle; a matrix's rows come from HBM about once, the other
-// tokens' reads of them from L2). The H200 measured the token-serial kernels (window_serial.cu: the weights loaded
+// dense.cu's mv / mv3 / swiglu_mv with the window's token t in block x and the one-token grid's block in y (grid (T,
+// their grid)): each block is the one-token kernel's block on token t's rows, so the outputs are the one-token
+// kernel's, and the T tokens' blocks of the same rows are dispatched one after another (x first), so they run side
+// by side and a row comes from HBM once, the other tokens' reads from L1/L2. With the token in y instead, the output
+// head (~250 MB at Q6_K, beyond L2) would stream from HBM once per token. The H200 measured the token-serial kernels (window_serial.cu: the weights loaded
 // once a warp, the tokens' sums one after the other) at about T one-token steps a window. Shared memory
 // staged_bytes(ncols).
 template <int QT>
@@ -22,12 +23,12 @@ __global__ void mv_tok(const uint8_t* __restrict__ W, long long row_bytes, const
                        float* __restrict__ y, int ldy, const float* __restrict__ bias,
                        const float* __restrict__ gate_logit, int nrows, int ncols, int accumulate,
                        const float* __restrict__ norm_w, float eps, int stage, int rows_per_warp) {
-    const int t = blockIdx.y;
+    const int t = blockIdx.x;
     x += (long long)t * ldx;
     y += (long long)t * ldy;
     if (gate_logit) gate_logit += t;
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int r0 = blockIdx.x * rows_per_warp * nw + (threadIdx.x >> 5);
+    const int r0 = blockIdx.y * rows_per_warp * nw + (threadIdx.x >> 5);
     if (stage) {
         const float* xs;
         const float s = warp_sum(staged_row_dot<QT, 4>(W + (long long)min(r0, nrows - 1) * row_bytes, x, norm_w,
@@ -55,10 +56,10 @@ __global__ void mv3_tok(const uint8_t* __restrict__ W0, const uint8_t* __restric
                         const float* __restrict__ norm_w, float eps, float* __restrict__ y0, float* __restrict__ y1,
                         float* __restrict__ y2, const float* __restrict__ b0, const float* __restrict__ b1,
                         const float* __restrict__ b2, int n0, int n1, int n2, int ncols) {
-    const int t = blockIdx.y;
+    const int t = blockIdx.x;
     x += (long long)t * ldx;
     const int lane = threadIdx.x & 31;
-    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int r = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const bool valid = r < n0 + n1 + n2;
     if (!valid) r = n0 + n1 + n2 - 1;
     const uint8_t* W = W0;
@@ -81,11 +82,11 @@ template <int QT>
 __global__ void swiglu_tok(const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long row_bytes,
                            const float* __restrict__ x, int ldx, const float* __restrict__ norm_w, float eps,
                            float* __restrict__ h, int nrows, int ncols) {
-    const int t = blockIdx.y;
+    const int t = blockIdx.x;
     x += (long long)t * ldx;
     h += (long long)t * nrows;
     const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int r = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const uint8_t* rg = Wg + (long long)min(r, nrows - 1) * row_bytes;
     const uint8_t* ru = Wu + (long long)min(r, nrows - 1) * row_bytes;
     float g, u;

@@ -134,7 +134,7 @@ def test_mv_win(K, name, rows, cols, rpw, Ts):
                 got = y.get()
                 yt = cp.asarray(y0) if acc else poisoned((T, rows))       # the token-parallel mv_tok
                 f_tok = K("mv_tok", qtype(name).id)
-                f_tok((grid[0], T), (128,), (ptr(d_raw), I64(rb), ptr(d_x), I32(ldx), ptr(yt), I32(rows),
+                f_tok((T, grid[0]), (128,), (ptr(d_raw), I64(rb), ptr(d_x), I32(ldx), ptr(yt), I32(rows),
                                              ptr(d_b) if acc else NULL, ptr(d_g) if acc else NULL, I32(rows),
                                              I32(cols), I32(acc), ptr(d_nw) if norm else NULL, F32(1e-6), I32(stage),
                                              I32(rpw)),
@@ -184,7 +184,7 @@ def test_mv3_win(K, name, n0, n1, n2, bias, cols, norm):
             ref = xin @ Wd.T + (b.get() if bias else 0)
             assert rel_to(y.get(), ref, np.abs(xin) @ np.abs(Wd).T + (np.abs(b.get()) if bias else 0)) < 1e-5, T
         yt = [poisoned((T, m)) for m in (n0, n1, n2)]
-        K("mv3_tok", qtype(name).id)(((n + 3) // 4, T), (128,),
+        K("mv3_tok", qtype(name).id)((T, (n + 3) // 4), (128,),
                                      (*ds, I64(rb), x, I32(cols), nw if norm else NULL, F32(1e-6), *yt,
                                       *((b if bias else NULL) for b in bs), I32(n0), I32(n1), I32(n2), I32(cols)),
                                      shared_mem=staged_bytes(cols))
@@ -221,7 +221,7 @@ def test_swiglu_win(K, name, rows, cols, norm):
         g, u = xin @ Wg.astype(np.float64).T, xin @ Wu.astype(np.float64).T
         assert rel(h.get(), g / (1 + np.exp(-g)) * u) < 1e-4, T
         ht = poisoned((T, rows))
-        K("swiglu_tok", qtype(name).id)(((rows + 3) // 4, T), (128,),
+        K("swiglu_tok", qtype(name).id)((T, (rows + 3) // 4), (128,),
                                         (d_g, d_u, I64(rg.shape[1]), d_x, I32(cols), d_nw if norm else NULL,
                                          F32(1e-6), ptr(ht), I32(rows), I32(cols)),
                                         shared_mem=smem(K("swiglu_tok", qtype(name).id), staged_bytes(cols)))

@@ -215,7 +215,7 @@ class WindowStep:
         grid = ((W.rows + MV_WARPS * rpw - 1) // (MV_WARPS * rpw),)
         if self.dense_mode == "tokens":
             f = self.kw("mv_tok", W.qt)
-            f((grid[0], T), (32 * MV_WARPS,),
+            f((T, grid[0]), (32 * MV_WARPS,),       # a block's T tokens dispatched together (window.cu)
               (U64(W.ptr), I64(W.row_bytes), ptr(x), I32(ld(x)), ptr(y), I32(ld(y)), ptr(bias), ptr(gate),
                I32(W.rows), I32(W.cols), I32(1 if accumulate else 0), ptr(norm), F32(self.cfg.rms_eps),
                I32(1 if stage else 0), I32(rpw)),
@@ -240,7 +240,7 @@ class WindowStep:
         n = sum(W.rows for W in Ws)
         if self.dense_mode == "tokens":
             f = self.kw("mv3_tok", Ws[0].qt)
-            f(((n + MV_WARPS - 1) // MV_WARPS, T), (32 * MV_WARPS,),
+            f((T, (n + MV_WARPS - 1) // MV_WARPS), (32 * MV_WARPS,),
               (*(U64(W.ptr) for W in Ws), I64(Ws[0].row_bytes), ptr(x), I32(ld(x)), ptr(norm),
                F32(self.cfg.rms_eps), *(ptr(y) for y in ys), *(ptr(b) for b in biases), *(I32(W.rows) for W in Ws),
                I32(Ws[0].cols)),
@@ -260,7 +260,7 @@ class WindowStep:
             raise ValueError(f"swiglu's h rows hold {h.shape[1]} values, the FFN {Wg.rows}")
         if self.dense_mode == "tokens":
             f = self.kw("swiglu_tok", Wg.qt)
-            f(((Wg.rows + MV_WARPS - 1) // MV_WARPS, T), (32 * MV_WARPS,),
+            f((T, (Wg.rows + MV_WARPS - 1) // MV_WARPS), (32 * MV_WARPS,),
               (U64(Wg.ptr), U64(Wu.ptr), I64(Wg.row_bytes), ptr(x), I32(ld(x)), ptr(norm), F32(self.cfg.rms_eps),
                ptr(h), I32(Wg.rows), I32(Wg.cols)),
               shared_mem=self._smem(f, staged_bytes(Wg.cols)))
