@@ -374,7 +374,7 @@ def main(argv=None):
         be.close()      # saves the profile
     # everything resident never prefetches: one row for it; prefetch off: one row whatever the depth and late copy
     adapts = ["on", "off"] if a.adapt_measured == "both" else [a.adapt_measured]
-    runs = [(b, mode, d, f, ad) for b in budgets for mode in (modes[:1] if b == "all" else modes)
+    runs = [(b, mode, d, f, ad, pipe) for b in budgets for mode in (modes[:1] if b == "all" else modes)
             for d in (depths[:1] if b == "all" or mode is False else depths)
             for f in (fetches[:1] if b == "all" or mode is False else fetches)
             for ad in (adapts[:1] if b == "all" else adapts) for pipe in pipes]

@@ -10,10 +10,13 @@ def test_parse_defaults_and_lists():
     assert a.nq == [1, 8] and a.reps == 5
     a = parse(["--shape", "gptoss", "--kv", "int8", "--ctx", "4096", "--nq", "1,2,3"])
     assert a.shape == "gptoss" and a.kv == ["int8"] and a.ctx == [4096] and a.nq == [1, 2, 3]
+    assert a.chunks == [None]           # the engine's rule
+    assert parse(["--chunks", "33,128"]).chunks == [33, 128]
 
 
 @pytest.mark.parametrize("argv", [["--kv", "fp8"], ["--ctx", "x"], ["--ctx", "0"], ["--nq", "9"], ["--nq", ""],
-                                  ["--shape", "llama"], ["--reps", "0"]])
+                                  ["--shape", "llama"], ["--reps", "0"], ["--chunks", "0"], ["--chunks", "129"],
+                                  ["--chunks", "x"]])
 def test_parse_refuses_bad_input(argv):
     with pytest.raises(SystemExit):
         parse(argv)

@@ -55,7 +55,7 @@ def test_oracle_replays_compute_the_real_tokens(cpu_runs):
     be = CUDABackend(model, CTX, opts, tracer=OracleReplays())
     try:
         rows = oracle_pass(be, prompt, 24, [0.0, 1.0])
-        np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+        np.testing.assert_array_equal(be.cache.table.get(stream=be.stream), be.cache.table_host)
         out = {r["row"]: r for r in summarize(rows, be.layout.nbytes)}
     finally:
         be.close()

@@ -135,7 +135,7 @@ def test_prefetch_matches_cpu(runs, resident_decode, kind, share, depth, graph):
         assert set(p.f_router_predict_bias) == set(p.f_predict_bias) == {int(L.router.qt) for L in be.weights.layers}
         assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, cpu_logits)
         be.stream.synchronize()
-        np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+        np.testing.assert_array_equal(be.cache.table.get(stream=be.stream), be.cache.table_host)
         assert (p.rec.get()[:, 1] == 0).all() and (p.miss_rec.get()[:, 1] == 0).all()
         ps, st = be.prefetch_stats(), be.get_stats()
         steps, k = N_GREEDY - 1, cfg.n_expert_used

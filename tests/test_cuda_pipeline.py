@@ -435,7 +435,8 @@ def test_gpu_step_advance_kernel(n_slots, n_vocab):
             ring.view[:] = rng.integers(-100, -50, size=2 * n_slots)    # poisoned
             out.view[:] = -3
             want_ring, want_params = advance_ref(pos, pick, np.array(ring.view), n_slots, n_vocab)
-            f((1,), (1,), (ptr(state), ptr(cp.asarray(pick)), ptr(params), ring.dptr, out.dptr, I32(n_slots),
+            pick_d = cp.asarray(pick)       # named: a temporary's memory could be reused before the kernel runs
+            f((1,), (1,), (ptr(state), ptr(pick_d), ptr(params), ring.dptr, out.dptr, I32(n_slots),
                            I32(n_vocab)))
             cp.cuda.runtime.deviceSynchronize()
             np.testing.assert_array_equal(np.array(ring.view), want_ring)

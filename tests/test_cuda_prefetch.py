@@ -1217,7 +1217,7 @@ def test_prefetch_answer_matches_cpu(cpu_runs, name, share, graph, depth):
         got = greedy(be, prompt, N_GREEDY)
         assert_same_greedy(got, toks, cpu_logits)
         be.stream.synchronize()
-        np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)   # clean between steps
+        np.testing.assert_array_equal(be.cache.table.get(stream=be.stream), be.cache.table_host)   # clean between steps
         assert (be.step.prefetch.rec.get()[:, 1] == 0).all()                       # every bank restored
         ps, st = be.prefetch_stats(), be.get_stats()
         steps = N_GREEDY - 1
@@ -1254,12 +1254,12 @@ def test_table_after_a_step_equals_before(cpu_runs, depth, fetch):
         before_staged, before_fetched = be.prefetch_stats().staged, be.prefetch_stats().fetched
         tok = toks[0]
         for _ in range(8):
-            before = be.cache.table.get()
+            before = be.cache.table.get(stream=be.stream)
             be.step.launch(tok, be.n_cached)
             tok, _ = be.step.result()
             be.n_cached += 1
-            np.testing.assert_array_equal(be.cache.table.get(), before)
-            np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+            np.testing.assert_array_equal(be.cache.table.get(stream=be.stream), before)
+            np.testing.assert_array_equal(be.cache.table.get(stream=be.stream), be.cache.table_host)
             assert (be.step.prefetch.miss_rec.get()[:, 1] == 0).all()
         assert be.prefetch_stats().staged > before_staged
         assert (be.prefetch_stats().fetched > before_fetched) == (fetch == "on")
@@ -1314,7 +1314,7 @@ def test_sampled_variant_at_depth_2_restores_the_table_and_matches_depth_1(fixtu
             runs[depth] = _sampled(be, prompt, params)
             assert set(be.step.graphs) == {"greedy", "sampled"}
             be.stream.synchronize()
-            np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+            np.testing.assert_array_equal(be.cache.table.get(stream=be.stream), be.cache.table_host)
             assert (be.step.prefetch.rec.get()[:, 1] == 0).all()
             ps = be.prefetch_stats()
             assert ps.staged > 0 and (ps.predicted2 > 0) == (depth == 2)
@@ -1364,7 +1364,7 @@ def test_fetch_misses_changes_no_token_or_logit(cpu_runs, name, depth):
                 got = greedy(be, prompt, N_GREEDY)
                 assert got == ref_toks, (fetch, slots)
                 be.stream.synchronize()
-                np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+                np.testing.assert_array_equal(be.cache.table.get(stream=be.stream), be.cache.table_host)
                 assert (p.rec.get()[:, 1] == 0).all() and (p.miss_rec.get()[:, 1] == 0).all()
                 ps, st = be.prefetch_stats(), be.get_stats()
                 misses = st.lookups - st.hits
@@ -1418,7 +1418,7 @@ def test_fetch_misses_in_the_memory_modes(cpu_runs, mode, depth, tmp_path):
         be.reset_stats()
         assert_same_greedy(greedy(be, prompt, N_GREEDY), toks, cpu_logits)
         be.stream.synchronize()
-        np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+        np.testing.assert_array_equal(be.cache.table.get(stream=be.stream), be.cache.table_host)
         p = be.step.prefetch
         assert (p.rec.get()[:, 1] == 0).all() and (p.miss_rec.get()[:, 1] == 0).all()
         ps, st = be.prefetch_stats(), be.get_stats()

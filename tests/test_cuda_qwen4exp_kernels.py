@@ -40,11 +40,14 @@ def test_group_rmsnorm_and_broadcast(rows, N, H):
     gamma = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
     e = rng.standard_normal((rows, N)).astype(np.float32)
     u = poisoned(rows * D)
-    fn("q4_group_rmsnorm")((rows * H,), (256,), (ptr(cp.asarray(x)), ptr(cp.asarray(gamma)), ptr(u), I32(N), I32(H),
-                                                 F32(1e-6)))
+    # the device copies are named: a temporary's memory returns to the pool once ptr() has read it, and the next
+    # cp.asarray would reuse it before the kernel runs
+    xd, gd = cp.asarray(x), cp.asarray(gamma)
+    fn("q4_group_rmsnorm")((rows * H,), (256,), (ptr(xd), ptr(gd), ptr(u), I32(N), I32(H), F32(1e-6)))
     close(u.get().reshape(rows, D), q4ops.ref_group_rmsnorm(x.astype(np.float64), gamma, H, 1e-6))
     b = poisoned(rows * D)
-    fn("q4_broadcast")((max(1, rows * D // 256),), (256,), (ptr(cp.asarray(e)), ptr(b), I32(N), I32(H), I64(rows)))
+    ed = cp.asarray(e)
+    fn("q4_broadcast")((max(1, rows * D // 256),), (256,), (ptr(ed), ptr(b), I32(N), I32(H), I64(rows)))
     close(b.get().reshape(rows, D), np.tile(e, (1, H)))
 
 

@@ -646,10 +646,10 @@ def test_sampled_variant_with_prefetch_restores_the_table_and_reproduces(fixture
         assert be.step.prefetch is not None
         a = _sampled(be, prompt, params)
         assert set(be.step.graphs) == {"greedy", "sampled"}
-        np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+        np.testing.assert_array_equal(be.cache.table.get(stream=be.stream), be.cache.table_host)
         assert be.prefetch_stats().predicted > 0
         be.truncate(0)
         assert _sampled(be, prompt, params) == a
-        np.testing.assert_array_equal(be.cache.table.get(), be.cache.table_host)
+        np.testing.assert_array_equal(be.cache.table.get(stream=be.stream), be.cache.table_host)
     finally:
         be.close()

@@ -211,19 +211,12 @@ def split_warps(group: int, n_q: int, head_dim: int) -> tuple[int, int]:
     return mt, ks
 
 
-def split_chunks(n_head_kv: int, max_ctx: int, n_sm: int, per_sm: int = 2) -> int:
+def split_chunks(n_head_kv: int, max_ctx: int, n_sm: int, per_sm: int = 1) -> int:
     """Most chunks per KV head (the grid's second dimension; the device uses as many as the position needs, each at
-    least AS_CMIN keys): one wave of blocks at long contexts (per_sm blocks an SM fit), never more than the context
-    has AS_CMIN spans."""
+    least AS_CMIN keys): one block an SM at long contexts, never more than the context has AS_CMIN spans. One block
+    an SM beat the two that fit (bench.attn_decode --chunks, Qwen3 shape on the H200: 33 against 66 chunks, f16
+    30.8 / 32.1 us at 32K, int8 36.6 / 43.0; fewer, longer chunks keep more of each block's cp.async ring busy)."""
     return max(1, min(AS_MAX_CHUNKS, -(-per_sm * n_sm // n_head_kv), -(-max_ctx // AS_CMIN)))
-
-
-SM_SMEM = 233472          # shared memory an H100 / H200 SM holds (228 KiB), of which 1 KiB a block is reserved
-
-
-def split_per_sm(smem: int) -> int:
-    """attn_split blocks an SM holds by shared memory (registers and threads allow 4 at 4 warps a block)."""
-    return max(1, min(4, SM_SMEM // (smem + 1024)))
 
 
 def split_range(P0: int, n_q: int, n_swa: int, max_chunks: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -320,7 +313,7 @@ class DecodeAttention:
             raise RuntimeError(f"attn_split.cu's constants {bn, cmin, max_chunks, max_rows} differ from kv.py's")
         if n_split is None:       # one wave of the one-token step's blocks
             n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-            n_split = split_chunks(cfg.n_head_kv, kv.max_ctx, n_sm, split_per_sm(self.smem_fused))
+            n_split = split_chunks(cfg.n_head_kv, kv.max_ctx, n_sm)
         if not 1 <= n_split <= AS_MAX_CHUNKS:
             raise ValueError(f"n_split (chunks) must be 1..{AS_MAX_CHUNKS}, got {n_split}")
         self.n_split = n_split
