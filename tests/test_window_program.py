@@ -163,8 +163,8 @@ def test_every_launch_matches_its_kernel(fixtures_dir, name, mode, monkeypatch):
         # token t's attention reads state row t, after the layer's Q/K/V launch
         rows = [e.state for e in log if e.name == "attention"]
         assert rows == [int(win.state[t].ctypes.data) for t in range(T)] * cfg.n_layer
-        assert not any(nm.endswith("_tok" if mode == "shared" else "_win") and nm not in ("router_win", "moe_gate_up_win")
-                       for nm in names)
+        other = "_tok" if mode == "shared" else "_win"
+        assert not any(nm.endswith(other) and nm not in ("router_win", "moe_gate_up_win") for nm in names)
         if cfg.is_moe:
             gu, dn = {"tokens": ("moe_gate_up", "moe_down"), "union": ("moe_gate_up_win", "moe_down"),
                       "shared": ("moe_gate_up_win", "moe_down_win")}[mode]

@@ -314,8 +314,8 @@ class WindowStep:
             wa.store(self.kernels, li, self.q, self.k_new, self.v_new, layer.q_norm, layer.k_norm, self.step.rope,
                      self.state, pos0=0, T=T)
             for t0 in range(0, T, wa.n_q_max):     # (one launch unless group * T > 64 query rows)
-                wa.attend(self.kernels, li, self.q[t0:], self.att[t0:], self.state, scale, n_q=min(wa.n_q_max, T - t0),
-                          pos0=t0)
+                wa.attend(self.kernels, li, self.q[t0:], self.att[t0:], self.state, scale,
+                          n_q=min(wa.n_q_max, T - t0), pos0=t0)
         else:
             attn = self.layers.attn
             for t in range(T):      # token t's K/V stored, then its query over 0 .. pos0 + t (state row t)
