@@ -153,13 +153,18 @@ def test_windows_off_and_families_without_a_program(fixtures_dir):
         assert be.window is False and len(picks) == 5
     finally:
         be.close()
-    model = open_model(HERE / "fixtures" / "hybrid" / "tiny-qwen35moe-q4_k_m.gguf")
-    be = CUDABackend(model, CTX, CudaOptions())
-    try:
-        be.decode([1, 2, 3], PickSpec())
-        assert len(be.decode([4, 5, 6], PickSpec(), all_positions=True)) == 3 and be.window is False
-    finally:
-        be.close()
+    for path in (HERE / "fixtures" / "hybrid" / "tiny-qwen35moe-q4_k_m.gguf",
+                 HERE / "fixtures" / "qwen4exp" / "tiny-qwen4exp-f16.gguf"):
+        be = CUDABackend(open_model(path), CTX, CudaOptions())
+        try:
+            be.decode([1, 2, 3], PickSpec())
+            got = be.decode([4, 5, 6], PickSpec(), all_positions=True)
+            assert len(got) == 3 and be.window is False and be.window_cost(3) == 3.0, path.name
+            be.truncate(3)
+            want = [be.decode([t], PickSpec())[0].id for t in (4, 5, 6)]
+            assert [p.id for p in got] == want, path.name
+        finally:
+            be.close()
 
 
 @pytest.fixture(scope="module")
