@@ -160,7 +160,8 @@ def test_windows_off_and_families_without_a_program(fixtures_dir):
             be.decode([1, 2, 3], PickSpec())
             got = be.decode([4, 5, 6], PickSpec(), all_positions=True)
             assert len(got) == 3 and be.window is False and be.window_cost(3) == 3.0, path.name
-            be.truncate(3)
+            be.truncate(0)              # (a recurrent state is not cut back inside a window: from the start)
+            be.decode([1, 2, 3], PickSpec())
             want = [be.decode([t], PickSpec())[0].id for t in (4, 5, 6)]
             assert [p.id for p in got] == want, path.name
         finally:
