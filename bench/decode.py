@@ -19,6 +19,11 @@ missed copied into VRAM before the layer's expert kernels, or read in place by t
 --adapt-measured off|both measures each row with the adaptive tier frozen during the measured pass (its swaps cross the
 link too: the swaps column counts them): a backend built with adapt_every 0 after the learning pass's, filled from
 the profile that pass saved.
+--window K[,K...] also times verify windows of K tokens on each row's backend (engine/cuda/decode_window.py), with
+each of --window-modes' kernels (tokens: the default; shared: the token-serial ones): a window step's graph replayed
+beside the one-token step's graph (its cost in one-token steps: issue 34 asks <= 1.4 for K = 4
+with every expert in VRAM), and windows of K random tokens through CUDABackend.decode(all_positions=True) (wall time,
+the picks included): tok/s of the window beside the row's one-token tok/s.
 """
 from __future__ import annotations
 
@@ -151,15 +156,31 @@ def kernel_profile(step, reps: int = 20) -> dict[str, float]:
     The full step comes as 'step'; the kinds' sum exceeds it by the launch gaps the full graph overlaps."""
     from engine.cuda.trace import KindFilter
     probe = KindFilter()
+    pos = at_room(step, step.last_pos + 1, reps)     # the replays' positions: inside the context
     with step.stream:
         step.enqueue(tracer=probe)      # eager: records the kinds, and leaves state as a real step would
-    out = {"step": _time_graph(step, step.record(), reps)}
-    for kind in sorted(probe.seen):
-        out[kind] = _time_graph(step, step.record(tracer=KindFilter(kind)), reps)
+    graphs = {"step": step.record()}
+    graphs.update((kind, step.record(tracer=KindFilter(kind))) for kind in sorted(probe.seen))
+    out = {}
+    for kind, graph in graphs.items():
+        at_room(step, pos, reps)
+        out[kind] = _time_graph(step, graph, reps)
     return out
 
 
+def at_room(step, pos: int, reps: int) -> int:
+    """Sets the one-token step's device inputs (token 0) to the latest position <= pos from which reps + 1 replays of
+    its graph stay inside the context; returns that position (nothing here counts as the backend's n_cached)."""
+    pos = max(0, min(pos, step.kv.max_ctx - reps - 2))
+    step.set_inputs(0, pos)
+    return pos
+
+
 def _time_graph(step, graph, reps: int) -> float:
+    """Microseconds a replay of graph, over reps replays after one warm-up. A one-token step's graph advances its
+    own position on the device at each replay (sample.cu step_advance): the caller first sets a position with
+    reps + 1 rows of room (at_room), or the replays write K/V and read RoPE rows past the context (on main that
+    corrupted the cache: the NaN logits of the first window after this timing)."""
     import cupy as cp
     s = step.stream
     graph.launch(s)
@@ -170,6 +191,56 @@ def _time_graph(step, graph, reps: int) -> float:
     b.record(s)
     b.synchronize()
     return cp.cuda.get_elapsed_time(a, b) * 1000.0 / reps
+
+
+# WindowStep (dense_mode, expert_mode, attn_mode): the one-token kernels' blocks for every token; with the attention
+# a launch a token; with each routed expert's gate/up read once for its tokens (the window's union); everything
+# token-serial (the first H200 figures: about K one-token steps a window)
+MODES = {"tokens": ("tokens", "tokens", "window"), "attn-tokens": ("tokens", "tokens", "tokens"),
+         "union": ("tokens", "union", "window"), "shared": ("shared", "serial", "tokens")}
+
+
+def window_rows(be, rng, sizes, n_prompt: int, modes=("tokens",), reps: int = 20) -> list[dict]:
+    """Per window mode (MODES) and length K: the window graph's replay time beside the one-token graph's, and
+    decode() windows of K random tokens after a prompt (wall clock). [] where the backend keeps one step a token."""
+    win = be.window_step()
+    if win is None or be.opts.no_graph:
+        return []
+    out = []
+    for mode in modes:
+        win.dense_mode, win.expert_mode, win.attn_mode = MODES[mode]
+        win.graphs = {}
+        out += [dict(mode=mode, **r) for r in _window_rows(be, win, rng, sizes, n_prompt, reps)]
+    win.dense_mode, win.expert_mode, win.attn_mode = MODES["tokens"]
+    win.graphs = {}
+    return out
+
+
+def _window_rows(be, win, rng, sizes, n_prompt: int, reps: int) -> list[dict]:
+    from engine.sampling import PickSpec
+    cfg, spec = be.config, PickSpec()
+    out = []
+    for K in sizes:
+        be.truncate(0)
+        be.decode(rng.integers(0, cfg.n_vocab, size=n_prompt).tolist(), spec)
+        be._settle()            # (a prompt runs nothing ahead; the replays below must not meet a step that did)
+        at_room(be.step, be.n_cached, reps)     # the replays at the positions after the prompt, past n_cached
+        one_us = _time_graph(be.step, be.step.graphs["greedy"], reps)
+        n = max(1, min(32, (be.max_context - be.n_cached - 1) // K))
+        be.decode(rng.integers(0, cfg.n_vocab, size=K).tolist(), spec, all_positions=True)    # captures K's graph
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            be.decode(rng.integers(0, cfg.n_vocab, size=K).tolist(), spec, all_positions=True)
+        dt = (time.perf_counter() - t0) / max(n - 1, 1)
+        graph = (win.graphs.get(K) or win.graphs.setdefault(K, win.record(K))) if K <= win.max_t else None
+        if graph is not None:       # replays of the window at the last window's place (K = 1: none ran; the prompt's)
+            win.params.view[1] = min(be.n_cached, be.max_context - K)
+        graph_us = _time_graph(win, graph, reps) if graph is not None else None
+        out.append(dict(window=K, windows=n - 1, window_ms=round(dt * 1e3, 3), window_tok_s=round(K / dt, 1),
+                        window_graph_us=None if graph_us is None else round(graph_us, 1),
+                        one_token_graph_us=round(one_us, 1),
+                        cost_in_steps=None if graph_us is None else round(graph_us / one_us, 3)))
+    return out
 
 
 # The sampled row's settings: a typical chat request (the GPU sampler's top_k/top_p passes are its costliest path).
@@ -238,6 +309,12 @@ def main(argv=None):
                          "whose profile fills the first budget's cache (default on)")
     ap.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
                     help="also time a sampled pass (temperature/top_k/top_p/min_p, seeded) at the first budget")
+    ap.add_argument("--window", default="", metavar="K[,K...]",
+                    help="also time verify windows of these lengths (1-8) on each row's backend")
+    ap.add_argument("--window-modes", default="tokens,shared",
+                    help="the window kernels to time (MODES): tokens (the one-token kernels' blocks for every token "
+                         "side by side, the default), attn-tokens (its attention a launch a token), union (the "
+                         "routed experts' union, each read once), shared (each weight row loaded once a warp)")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="time each kind of kernel in the step graph (default on)")
     a = ap.parse_args(argv)
@@ -252,7 +329,11 @@ def main(argv=None):
                                                        preset=a.make_preset), 1)
     model = open_model(a.model)
     lengths = [int(x) for x in a.prefill_prompts.split(",") if x.strip()]
-    ctx = max(a.prompt + a.new, max(lengths, default=0)) + 16
+    windows = [int(x) for x in a.window.split(",") if x.strip()]
+    if any(not 1 <= k <= 8 for k in windows):
+        ap.error(f"--window takes lengths of 1 to 8 tokens, got {a.window!r}")
+    # the windows' rows: up to 32 windows of each length after the prompt (and the graph replays' 21 rows)
+    ctx = max(a.prompt + a.new, a.prompt + 32 * max(windows, default=0), max(lengths, default=0)) + 16
     log = lambda m: print(f"bench.decode: {m}", file=sys.stderr, flush=True)
     memory = resident_budget(a.resident_budget_gib, model, log)
     tracer = None
@@ -346,7 +427,10 @@ def main(argv=None):
             smp = run_pass(be, rng, a.prompt, a.new, SAMPLED)
             rows[-1]["sampled_tok_s"] = round(smp["steps"] / smp["decode_s"], 1)
         if a.profile:
+            be._settle()        # no step left running ahead under the profile's replays
             rows[-1]["profile_us"] = {k: round(v, 1) for k, v in kernel_profile(be.step).items()}
+        if windows:
+            rows[-1]["windows"] = window_rows(be, rng, windows, a.prompt, a.window_modes.split(","))
         rows[-1].update(memory_facts(be))
         if be.mem is not None:      # the memory modes: what decode read from the model file (not pinned RAM)
             rows[-1]["file_mb_per_token"] = round(m["file_mb"] * 2**20 / 1e6 / m["steps"], 2)
@@ -384,6 +468,20 @@ def main(argv=None):
         if "sampled_tok_s" in r:
             print(f"\nsampled decode ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())}) at budget {r['budget']}: "
                   f"{r['sampled_tok_s']:.1f} tok/s (greedy {r['tok_s']:.1f})")
+    wins = [(r, w) for r in rows for w in r.get("windows", [])]
+    if windows:
+        print("\nverify windows (decode_window.py): graph replay beside the one-token step's, and decode() windows "
+              "of random tokens (wall clock, picks included)")
+        print("| budget | kernels | K | window graph us | one-token graph us | cost (one-token steps) | window tok/s "
+              "| one-token tok/s |")
+        print("| --- | --- |" + " ---: |" * 6)
+        for r, w in wins:
+            print(f"| {r['budget']} | {w['mode']} | {w['window']} | {opt(w['window_graph_us'], '.1f')} | "
+                  f"{w['one_token_graph_us']:.1f} | {opt(w['cost_in_steps'], '.3f')} | {w['window_tok_s']:.1f} | "
+                  f"{r['tok_s']:.1f} |")
+        for r in rows:
+            if not r.get("windows"):
+                print(f"| {r['budget']} | - | - | windows run one step a token here (the backend's log says why) |")
     prof = [r for r in rows if "profile_us" in r]
     if prof:
         kinds = list(dict.fromkeys(k for r in prof for k in r["profile_us"]))

@@ -23,7 +23,8 @@ def test_every_tune_key_is_an_option_and_sets_it():
     samples = dict(prefetch=("off", False), prefetch_depth=("1", 1), fetch_misses=("off", False),
                    embed_host=("on", True), adapt_every=("0", 0), ring=("8", 8), stream_min=("16", 16),
                    pipeline=("off", False),
-                   cpu_share=("0.25", 0.25), cpu_gbps=("25.5", 25.5), link_gbps=("49", 49.0), cpu_threads=("15", 15))
+                   cpu_share=("0.25", 0.25), cpu_gbps=("25.5", 25.5), link_gbps=("49", 49.0), cpu_threads=("15", 15),
+                   windows=("off", False))
     assert set(samples) == set(TUNING)
     for key, (raw, typed) in samples.items():
         assert getattr(options("--tune", f"{key}={raw}"), key) == typed

@@ -222,6 +222,7 @@ def fake_cuda(monkeypatch, ring_cap=200, pipelined=True):
     be.nan_at = None                    # a position whose logits come out NaN
     be.model_logits = lambda seq: np.full(V, np.nan, np.float32) if len(seq) == be.nan_at else logits_of(seq)
     be.step = be.decoder = _FakeStep(be)
+    be.window = False                   # no window step (decode_window.py): a window is one fake step a token
     be.prefill = _FakePrefill(be)
     be.gpu_sampler = _SimSampler(V, ring_cap, be.step.words)
     return be

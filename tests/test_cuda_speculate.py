@@ -1,8 +1,9 @@
 """Speculative decoding on the CUDA backend (GPU machine): with every drafter the tokens are the CUDA backend's own
 plain tokens, greedy and sampled at a seed, whatever share of the experts sits in VRAM (none, half, all), on each
-family's tiny fixture. A window runs one step a token there for now (engine/cuda/backend.py decode), so the K/V of
-attention models is cut back by truncate, and the hybrids' state by the session's snapshot and replay; both keep
-one-token decoding's arithmetic, so the tokens must be equal, not only near."""
+family's tiny fixture. On the moe family's files a window is one window step (engine/cuda/decode_window.py), whose
+kernels keep one-token decoding's arithmetic per token, and its K/V past the accepted prefix is cut back by truncate;
+the hybrids run one step a token, their state cut back by the session's snapshot and replay. Either way the tokens
+must be equal, not only near."""
 from pathlib import Path
 
 import numpy as np
@@ -78,5 +79,23 @@ def test_the_cuda_backend_has_no_mtp_drafter_yet(fixtures_dir):
         with pytest.raises(DraftError, match="gives no hidden rows"):
             make_drafter("mtp", be, model)
         assert make_drafter("auto", be, model).name == "ngram"
+    finally:
+        be.close()
+
+
+def test_the_rule_sizes_windows_from_the_window_cost(fixtures_dir, monkeypatch):
+    """Without --draft-fixed the window rule reads CUDABackend.window_cost: with window steps cheaper than a step a
+    token (a table like the H200's) it offers drafts, and the tokens are still the plain ones."""
+    from engine.cuda import decode_window as dw
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    monkeypatch.setattr(dw, "MEASURED_COST", {2: 1.1, 4: 1.3, 8: 1.9})
+    model = open_model(path_of("ref:tiny-qwen3moe-q4k", fixtures_dir))
+    be = CUDABackend(model, CTX, CudaOptions())
+    try:
+        assert be.window_cost(4) == pytest.approx(1.3) and be.window_cost(1) == 1.0
+        prompt = [int(t) for t in np.random.default_rng(4).integers(1, model.config.n_vocab, 24)]
+        plain, _ = run(be, prompt, 40)
+        got, done = run(be, prompt, 40, OracleDrafter(prompt + plain, 0.9, model.config.n_vocab, 5))
+        assert got == plain and done.drafts_offered > 8
     finally:
         be.close()

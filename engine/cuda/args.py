@@ -46,6 +46,7 @@ class CudaOptions:
     cpu_gbps: float | None = None           # CPU experts' GB/s of expert bytes at cpu_threads
     link_gbps: float | None = None          # the host-to-device link's GB/s (None: the start's own pcie_gbps)
     cpu_threads: int | None = None          # CPU expert threads (None: every core but the decode loop's)
+    windows: bool = True                    # a verify window as one step of window kernels (off: a step a token)
     # --- tests only ---------------------------------------------------------------------------------------------
     staging_slots: int | None = None        # memory modes: staging LRU slots (None: sized from the model)
 
@@ -167,6 +168,9 @@ TUNING = {
     "cpu_gbps": (_rate, "GB/s: the CPU experts' measured rate (--calibrate's cpu_gbps), cpu_share=auto's input"),
     "link_gbps": (_rate, "GB/s: the link's measured rate for cpu_share=auto (default: the start's own pcie_gbps)"),
     "cpu_threads": (_at_least(1), "N: threads computing CPU experts (default: every core but one)"),
+    "windows": (_switch, "on|off: a speculative verify window runs as one step of window kernels, each weight and "
+                         "expert read once for its tokens (engine/cuda/decode_window.py; default on), or one step a "
+                         "token"),
 }
 
 

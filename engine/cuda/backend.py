@@ -15,6 +15,8 @@ from engine.backend import Backend, ExpertStats, RecurrentSnapshot, decode_token
 from engine.cuda.arena import ExpertArena, blob_layout
 from engine.cuda.args import CudaOptions
 from engine.cuda.decode import DecodeStep
+from engine.cuda.decode_window import WindowStep, why_not, window_cost
+from engine.cuda.decode_window import build as build_window
 from engine.cuda.embed_place import embed_placement
 from engine.cuda.expert_cache import ExpertCache, SlotPools
 from engine.cuda.families.registry import family_for
@@ -70,6 +72,7 @@ class CUDABackend(Backend):
         self.arena = None
         self.step = None
         self.decoder = None         # what runs a decode step: the step, or the memory modes' PagedDecode over it
+        self.window = None          # engine/cuda/decode_window.py's step, built at the first window (False: none)
         self.gpu_sampler = None     # engine/cuda/sampler.py: every pick but plain greedy
         self.mem = None             # engine/cuda/memory_mode.py: --mmap-experts / --resident-budget-gib
         self.stats = ExpertStats()
@@ -354,11 +357,14 @@ class CUDABackend(Backend):
         greedy, else engine/cuda/sampler.py's chain (engine/sampling.py's chain and kept sets, its own seeded random
         source) from the state GpuSampler.prepare keeps in step with the spec. After a prompt chunk, or with a mask,
         it is made from the logits left in VRAM (_pick_from_logits). Log-probabilities are read from the logits the
-        pick saw (masked when there was a mask). A window (all_positions) is one step a token for now, none run
-        ahead (the next one is fed a draft, not the pick)."""
+        pick saw (masked when there was a mask). A window (all_positions) is one window step (_decode_window) where
+        the family has a window program, else one step a token; none runs ahead (the next one is fed a draft, not
+        the pick)."""
         tokens = decode_tokens(tokens, spec, all_positions)
         if all_positions and len(tokens) > 1:
             self._settle()          # a window runs nothing ahead, and whatever runs it starts from n_cached
+            if self.window_step() is not None:
+                return self._decode_window(tokens, spec)
             return [self.decode([t], replace(spec.after(tokens[:i]), more=False))[0] for i, t in enumerate(tokens)]
         pick = "greedy" if spec.params.plain_greedy else "sampled"
         if len(tokens) == 1 and spec.mask is None:
@@ -372,6 +378,67 @@ class CUDABackend(Backend):
         with self.stream:
             lp, top = top_logprobs(logits, tok, spec.logprobs)
         return [Pick(tok, lp, tuple(top))]
+
+    # --- verify windows (engine/cuda/decode_window.py) ------------------------------------------------------
+    def window_cost(self, n_tokens: int) -> float:
+        """A window of n tokens in one-token steps (the speculation rule's cost): the window step's measured cost
+        (decode_window.window_cost), or n where windows run one step a token. Not the clock: a fixed table, so a
+        request's windows follow from its tokens (engine/speculate.py)."""
+        if n_tokens <= 1:
+            return float(n_tokens)
+        win = self.window_step()
+        return float(n_tokens) if win is None else window_cost(n_tokens, win.max_t)
+
+    def window_step(self) -> WindowStep | None:
+        """The window step, built (its kernels compiled) at the first window; None where a window runs one step a
+        token (decode_window.why_not says why, in one log line)."""
+        if self.window is None:
+            why = why_not(self)
+            if why is not None:
+                self.log(f"verify windows run one step a token: {why}")
+                self.window = False
+            else:
+                self.window = build_window(self.step, self.family)
+        return self.window or None
+
+    def _decode_window(self, tokens, spec: PickSpec) -> list[Pick]:
+        """The window's tokens through the window step (launches of up to its max_t tokens), then the pick after
+        each position: the step's argmax for plain greedy, else the GPU sampler's chain on that position's logits
+        with spec.after(the tokens before it), as the one-token calls of the same window pick. The trace hooks of
+        one-token steps (before_step / after_step) are not called for windows."""
+        win = self.window
+        self._room(len(tokens))
+        picks = []
+        for i0 in range(0, len(tokens), win.max_t):
+            part = tokens[i0:i0 + win.max_t]
+            if self.cache is not None:
+                if self.prefill.lent:
+                    self.prefill.give_back(self.stream)
+                self.cache.poll(self.stream)
+            win.launch(part, self.n_cached, use_graph=not self.opts.no_graph)
+            greedy = win.result(len(part))
+            self.n_cached += len(part)
+            for _ in part:
+                self._tick()
+            for i, t in enumerate(part):
+                picks.append(self._window_pick(win.logits[i], t, spec.after(tokens[:i0 + i]), greedy[i]))
+        return picks
+
+    def _window_pick(self, logits, token: int, spec: PickSpec, greedy: tuple[int, int]) -> Pick:
+        if spec.params.plain_greedy:
+            tok, status = greedy
+        else:
+            with self.stream:
+                self.gpu_sampler.prepare(spec, [token])
+                self.gpu_sampler.enqueue(self.kernels, logits, self.step.out.dptr)
+            tok, status = self.step.result()
+            self.gpu_sampler.picked(tok, status)
+        refuse(status, masked=False)
+        if spec.logprobs is None:
+            return Pick(tok)
+        with self.stream:
+            lp, top = top_logprobs(logits, tok, spec.logprobs)
+        return Pick(tok, lp, tuple(top))
 
     def _pick_in_step(self, token: int, spec: PickSpec, pick: str) -> tuple[int, int, cp.ndarray]:
         """One step with its own pick; (id, status, the step's logits). The step is the one run ahead when that
@@ -588,6 +655,9 @@ class CUDABackend(Backend):
             if self.gpu_sampler is not None:
                 self.gpu_sampler.close()
                 self.gpu_sampler = None
+            if self.window:
+                self.window.close()
+                self.window = None
             if self.step is not None:
                 self.step.close()
                 self.step = self.decoder = None

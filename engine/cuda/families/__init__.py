@@ -18,6 +18,7 @@ engine asks it, and never tests the architecture:
     decode_layers(step, recurrent)     its decode layer program: embed, per layer mixer / router / ffn, output
     prompt_layers(prefill, recurrent)  its prompt layer program: layer(li, ...) per chunk
     request_info(), reset_stats(), info(), close()   its own counters, facts and files (none in moe.py)
+    window_program()                   (decode layer class, its verify-window step class: decode_window.py), or None
 The layer programs' host hooks: the decode program's set_inputs(token, pos) before each launch, the prompt
 program's begin_chunk(tokens, pos0) before each chunk (qwen4exp reads its n-gram rows there).
 The decode program's phases are split where the routing is known: the prefetch may launch the router instead (and

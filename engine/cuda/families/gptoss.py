@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import cupy as cp
 
+from engine.cuda.decode_window import DOWN_STAGE_MAX, MXFP4, SERIAL_FILES, WindowStep
 from engine.cuda.families.moe import ExpertGemms, MoeDecode, MoeFamily, MoeLayer, MoePrompt, attention_fields, \
     load_ffn
 from engine.cuda.kv import AttnVariant, KVCache, ring_rows
-from engine.cuda.launch import F32, I32, I64, MV_WARPS, ptr
+from engine.cuda.launch import F32, I32, I64, MV_WARPS, U64, ptr, staged_bytes
 from engine.cuda.prefill import attn_kernel
 
 MiB = 1 << 20
@@ -88,6 +89,9 @@ class GptOssFamily(MoeFamily):
     def decode_layers(self, step, recurrent=None) -> "GptOssDecode":
         return GptOssDecode(step)
 
+    def window_program(self):
+        return GptOssDecode, OssWindowStep
+
     def prompt_layers(self, prefill, recurrent=None) -> "GptOssPrompt":
         return GptOssPrompt(prefill)
 
@@ -145,3 +149,54 @@ class GptOssPrompt(MoePrompt):
         return ExpertGemms(mod.get_function(f"moe_gemm_gate_up_oai<{blob.qt_gate_up}>"), (I64(blob.rb_gate_up),),
                            mod.get_function(f"moe_gemm_down_bias<{blob.qt_down}>"),
                            tuple(ptr(b) for b in layer.exp_bias[:2]), (ptr(layer.exp_bias[2]),))
+
+
+class OssWindowStep(WindowStep):
+    """gpt-oss's window program (families/gptoss.py GptOssDecode): attention with its sinks and window (the one-token
+    step's DecodeAttention variant, each token's K/V into the ring rows at its position) and the output bias; the
+    router's bias; the experts' biases and SWIGLU_OAI (cuda_src/window_oss.cu). No shared expert."""
+    biased_router = True
+    serial_files = SERIAL_FILES + ("window_oss.cu",)
+
+
+    def out_bias(self, layer):
+        return layer.bo
+
+    def logit_bias(self, layer):
+        return layer.router_bias
+
+    def experts(self, li, layer, T):
+        """GptOssDecode.experts for the window, in WindowStep.experts' modes (tokens / union / serial)."""
+        st, c, mv = self.step, self.cfg, self.step.launcher
+        blob, cache = st.layout.layer(li), st.cache
+        table = U64(cache.table.data.ptr + 8 * li * c.n_expert)
+        k = c.n_expert_used
+        bg, bu, bd = layer.exp_bias
+        mode = self.expert_mode
+        if mode not in ("tokens", "union", "serial"):
+            raise ValueError(f"expert_mode is tokens, union or serial, not {mode!r}")
+        rows = (blob.n_ff + MV_WARPS - 1) // MV_WARPS
+        rest = (I64(blob.up_off), I64(blob.rb_gate_up), ptr(self.x), ptr(layer.ffn_norm), F32(c.rms_eps),
+                ptr(self.h), I32(blob.n_ff), I32(c.n_embd), I32(k), ptr(bg), ptr(bu))
+        if mode == "tokens":                # GptOssDecode.experts with the T tokens in the grid
+            f = self.kernels("moe_gate_up_oai", blob.qt_gate_up)
+            f((rows, k, T), (32 * MV_WARPS,), (table, ptr(self.ids), *rest), shared_mem=mv.smem(f, c.n_embd, True))
+        else:                               # each expert of the window's union read once for its tokens
+            f = self.serial("moe_gate_up_oai_win", blob.qt_gate_up)
+            f((rows, min(T * k, c.n_expert)), (32 * MV_WARPS,), (table, ptr(self.uni), *rest),
+              shared_mem=self._smem(f, T * staged_bytes(c.n_embd)))
+        if mode != "serial":
+            f = self.kernels("moe_down_bias", blob.qt_down)
+            sm = mv.smem(f, k * blob.n_ff, False, optional_max=DOWN_STAGE_MAX)
+            f(((c.n_embd + MV_WARPS - 1) // MV_WARPS, T), (32 * MV_WARPS,),
+              (table, ptr(self.ids), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h), ptr(self.x),
+               I32(c.n_embd), I32(blob.n_ff), I32(k), I32(1 if sm else 0), ptr(bd)),
+              shared_mem=sm)
+            return
+        f = self.serial("moe_down_bias_win", blob.qt_down)
+        stage = staged_bytes(k * blob.n_ff) <= DOWN_STAGE_MAX
+        per = blob.n_ff // 32 if blob.qt_down == MXFP4 else 32      # MXFP4: (expert, block) pairs
+        f(((c.n_embd + MV_WARPS - 1) // MV_WARPS,), (32 * MV_WARPS,),
+          (table, ptr(self.uni), ptr(self.ids), ptr(self.wts), I64(blob.down_off), I64(blob.rb_down), ptr(self.h),
+           ptr(self.x), I32(c.n_embd), I32(blob.n_ff), I32(k), I32(T), I32(1 if stage else 0), ptr(bd)),
+          shared_mem=self._smem(f, MV_WARPS * T * k * per * 4))

@@ -253,6 +253,10 @@ class HybridFamily(MoeFamily):
     def decode_layers(self, step, recurrent=None) -> "HybridDecode":
         return HybridDecode(step, recurrent, gdn_kernels(self.cfg))
 
+    def window_program(self):
+        """None: a window runs one step a token (the GDN state would need the state after each window position)."""
+        return None
+
     def prompt_layers(self, prefill, recurrent=None) -> "HybridPrompt":
         return HybridPrompt(prefill, recurrent, gdn_kernels(self.cfg))
 

@@ -123,6 +123,12 @@ class MoeFamily:
     def decode_layers(self, step, recurrent=None) -> "MoeDecode":
         return MoeDecode(step)
 
+    def window_program(self):
+        """(the decode layer class, the window step class of engine/cuda/decode_window.py standing for it), or None
+        where a verify window runs one step a token (decode_window.why_not checks the step's layers are that class)."""
+        from engine.cuda.decode_window import WindowStep
+        return MoeDecode, WindowStep
+
     def prompt_layers(self, prefill, recurrent=None) -> "MoePrompt":
         return MoePrompt(prefill)
 
