@@ -88,3 +88,103 @@ def test_a_handoff_refuses_a_chunk_its_buffers_cannot_hold():
         h.send(src)
     with pytest.raises(ValueError, match="hand-off of 2 rows"):
         h.send(src.astype(cp.float16), 2)
+
+
+# --- two (three) stages of the decode step on one device agree with the unsplit step ------------------------------
+
+def _tiny_model(family, tmp, fixtures_dir):
+    """(model, prompt) of the family's tiny fixture, as tests/test_cuda_pipeline.py builds them."""
+    import json
+    from pathlib import Path
+
+    from engine.gguf_model import open_model
+    if family == "moe":
+        ref = json.loads((fixtures_dir / "reference" / "tiny-qwen3moe-q4k.json").read_text())
+        return (open_model(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf"),
+                list(ref["cases"][0]["prompt_ids"]))
+    if family == "hybrid":
+        here = Path(__file__).resolve().parent / "fixtures" / "hybrid"
+        ref = json.loads((here / "tiny-qwen3next-q4_k_m.json").read_text())
+        return open_model(here / "tiny-qwen3next-q4_k_m.gguf"), list(ref["cases"][0]["prompt_ids"])
+    from tools import make_moe
+    from tools.gptoss_ref import PRESET
+    here = Path(__file__).resolve().parent / "fixtures" / "gptoss"
+    case = json.loads((here / "gpt-oss-tiny-f16.json").read_text())["cases"][0]
+    path = tmp / "gpt-oss-tiny.gguf"
+    if not path.exists():
+        assert make_moe.main([*PRESET, "--norm", "F32", "--out", str(path)]) == 0
+    return open_model(path), list(case["prompt_ids"])
+
+
+def _run(step, be, tokens, use_graph):
+    """Teacher-forced decode from position 0 through `step` (the backend's DecodeStep or a StagedDecode): each
+    position's greedy pick and logits. The recurrent state starts from zero; the K/V rows are rewritten in order."""
+    if be.recurrent_state is not None:
+        be.recurrent_state.zero()
+    import cupy as cp
+    cp.cuda.Device().synchronize()
+    picks, logits = [], []
+    for pos, tok in enumerate(tokens):
+        step.launch(tok, pos, "greedy", use_graph)
+        picks.append(step.pick_at(pos))
+        with be.stream:
+            logits.append(step.logits.get(stream=be.stream))
+    return picks, np.stack(logits)
+
+
+@pytest.mark.parametrize("family", ["moe", "hybrid", "gptoss"])
+@pytest.mark.parametrize("cache", ["all", "part"])
+def test_stages_on_one_device_agree_with_the_unsplit_step(family, cache, tmp_path, fixtures_dir):
+    import cupy as cp
+
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.cuda.staged_decode import StagedDecode
+    model, prompt = _tiny_model(family, tmp_path, fixtures_dir)
+    cfg = model.config
+    slots = None if cache == "all" else max(1, cfg.n_layer * cfg.n_expert // 3)
+    # no prefetch: the staged steps have none (its staging slots would rewrite the shared cache's table mid-step)
+    be = CUDABackend(model, 256, CudaOptions(pipeline=False, prefill_chunk=64, expert_slots=slots,
+                                             adapt_every=0, prefetch=False))
+    try:
+        if cache == "part" and be.cache is not None:
+            assert be.cache.n_slots < be.cache.n_total
+        tokens = list(prompt[:12])
+        n = cfg.n_layer
+        splits = [[n // 2, n - n // 2]] + ([[1, n - 2, 1]] if n >= 3 else [])
+        for use_graph in (False, True):
+            ref_picks, ref_logits = _run(be.step, be, tokens, use_graph)
+            assert np.isfinite(ref_logits).all()
+            for counts in splits:
+                specs = st.stage_specs([cp.cuda.Device().id] * len(counts), counts, n)
+                staged = StagedDecode(be, specs)
+                try:
+                    assert [s.layers_run for s in staged.steps] == [s.layers for s in specs]
+                    assert [s.embeds for s in staged.steps] == [True] + [False] * (len(counts) - 1)
+                    assert [s.heads for s in staged.steps] == [False] * (len(counts) - 1) + [True]
+                    if use_graph:
+                        staged.capture()
+                    picks, logits = _run(staged, be, tokens, use_graph)
+                finally:
+                    staged.close()
+                assert picks == ref_picks, (counts, use_graph)
+                np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5, err_msg=str(counts))
+    finally:
+        be.close()
+
+
+def test_the_staged_decode_refuses_a_stage_on_another_device_or_a_gap(fixtures_dir, tmp_path):
+    import cupy as cp
+
+    from engine.cuda.backend import CUDABackend, CudaOptions
+    from engine.cuda.staged_decode import StagedDecode
+    model, _ = _tiny_model("moe", tmp_path, fixtures_dir)
+    n = model.config.n_layer
+    be = CUDABackend(model, 128, CudaOptions(pipeline=False, prefill_chunk=64))
+    try:
+        here = cp.cuda.Device().id
+        with pytest.raises(st.StageError, match=f"stage 1 is on GPU {here + 1}"):
+            StagedDecode(be, st.stage_specs([here, here + 1], [1, n - 1], n))
+        with pytest.raises(st.StageError, match="cover the model's layers"):
+            StagedDecode(be, st.stage_specs([here], [n - 1], n - 1))
+    finally:
+        be.close()

@@ -108,6 +108,23 @@ def profile_shares(profile, specs: list[StageSpec]) -> list:
     return out
 
 
+def copy_after(dst, dst_device: int, dst_stream, src, src_device: int, src_stream, event, nbytes: int | None = None):
+    """Copy src (on src_device) into dst (on dst_device) after everything enqueued on src_stream so far: `event` is
+    recorded there and dst_stream waits on it, then copies (a peer copy across devices, a plain device copy on one).
+    Later work on dst_stream runs after the copy."""
+    import cupy as cp
+    rt = cp.cuda.runtime
+    nbytes = src.nbytes if nbytes is None else nbytes
+    with cp.cuda.Device(src_device):
+        event.record(src_stream)
+    with cp.cuda.Device(dst_device):
+        dst_stream.wait_event(event)
+        if src_device != dst_device:
+            rt.memcpyPeerAsync(dst.data.ptr, dst_device, src.data.ptr, src_device, nbytes, dst_stream.ptr)
+        else:
+            rt.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, rt.memcpyDeviceToDevice, dst_stream.ptr)
+
+
 class Handoff:
     """The hidden state (or a chunk's rows of it) from one stage to the next: `send(src, rows)` orders the copy
     after everything enqueued on the sender's stream, into the next of two receive buffers on the receiver's device,
@@ -149,17 +166,9 @@ class Handoff:
             raise ValueError(f"hand-off of {n} rows of {src.shape[1:]} {src.dtype} into "
                              f"{dst.shape} {dst.dtype}")
         nbytes = n * (src.nbytes // max(src.shape[0], 1)) if src.ndim else src.nbytes
-        with cp.cuda.Device(self.src_device):
-            self.sent.record(self.src_stream)
+        # the buffer's previous contents have been read: the receiver's reads of it are on dst_stream, in order
+        copy_after(dst, self.dst_device, self.dst_stream, src, self.src_device, self.src_stream, self.sent, nbytes)
         with cp.cuda.Device(self.dst_device):
-            # the buffer's previous copy has been read: the receiver's stream ran past it (same stream, in order)
-            self.dst_stream.wait_event(self.sent)
-            if self.peer:
-                cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, self.dst_device, src.data.ptr, self.src_device,
-                                                nbytes, self.dst_stream.ptr)
-            else:
-                cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes,
-                                            cp.cuda.runtime.memcpyDeviceToDevice, self.dst_stream.ptr)
             self.landed[self.turn].record(self.dst_stream)
         self.turn ^= 1
         return dst
