@@ -167,7 +167,9 @@ def test_stages_on_one_device_agree_with_the_unsplit_step(family, cache, tmp_pat
                 finally:
                     staged.close()
                 assert picks == ref_picks, (counts, use_graph)
-                np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5, err_msg=str(counts))
+                # the same kernels on the same inputs; only the order of float atomics (expert sums) may differ
+                scale = float(np.abs(ref_logits).max())
+                np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4 * scale, err_msg=str(counts))
     finally:
         be.close()
 

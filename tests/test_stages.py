@@ -60,3 +60,11 @@ def test_each_stage_gets_the_profile_of_its_own_layers_hottest_first():
         want = [tuple(r) for r in order if s.owns(int(r[0]))]          # the global order, kept
         assert [tuple(r) for r in p.order] == want
     assert sum(len(p.order) for p in parts) == len(order)
+
+
+def test_every_cuda_family_says_whether_a_stage_may_end_after_any_layer():
+    pytest.importorskip("cupy")     # the family modules import CuPy (no GPU needed)
+    from engine.cuda.families.registry import FAMILIES
+    split = {fam.name: fam.stage_split for fam in FAMILIES}
+    assert split["moe"] and split["hybrid"] and split["gptoss"]
+    assert split["qwen4exp"] is False       # its hyper-connection streams cross layers besides x

@@ -27,6 +27,9 @@ class StagedDecode:
                              f"on the backend's GPU ({here}) only for now (issue 32)")
         if not specs or specs[-1].end != len(backend.weights.layers) or specs[0].first != 0:
             raise StageError("the stages must cover the model's layers from the first to the last")
+        if len(specs) > 1 and not backend.family.stage_split:
+            raise StageError(f"the {backend.family.name} family's decode layers carry more than x from one layer to "
+                             f"the next (engine/cuda/families/{backend.family.name}.py stage_split): no stages yet")
         b = self.backend = backend
         self.specs = specs
         self.steps: list[DecodeStep] = []
