@@ -63,8 +63,10 @@ class StepInputs:
 
 
 class DecodeStep:
+    layer_range: range | None = None
+
     def __init__(self, kernels, cfg, weights, kv, rope_cs, cache, layout, stream, family, recurrent=None,
-                 sampler=None, prefetch=None):
+                 sampler=None, prefetch=None, layer_range: range | None = None):
         self.kernels = kernels          # the kernel table (engine/cuda/kernels.Kernels)
         self.launcher = Launcher(self.kernel, cfg)
         self.cfg = cfg
@@ -77,6 +79,7 @@ class DecodeStep:
         self.sampler = sampler          # GpuSampler: the "sampled" pick (None: greedy only)
         self.family = family            # engine/cuda/families/: what its layers launch
         self.recurrent = recurrent      # the family's recurrent state (the hybrids' GdnState), or None
+        self.layer_range = layer_range  # a pipeline stage's layers (engine/cuda/staged_decode.py); None: all
         c = cfg
         f32 = lambda n: cp.zeros(n, dtype=cp.float32)      # noqa: E731
         with stream:
@@ -113,6 +116,21 @@ class DecodeStep:
         return self.tracer is None or self.tracer.keeps(kind)
 
     # --- the launch sequence ---------------------------------------------------------------------------------
+    @property
+    def layers_run(self) -> range:
+        """The layers this step runs: a stage's range, else every layer."""
+        return range(len(self.weights.layers)) if self.layer_range is None else self.layer_range
+
+    @property
+    def embeds(self) -> bool:
+        """The step starts at layer 0, so it embeds the token (a later stage gets x from the one before)."""
+        return self.layers_run.start == 0
+
+    @property
+    def heads(self) -> bool:
+        """The step ends at the last layer, so it runs the output head and the pick."""
+        return self.layers_run.stop == len(self.weights.layers)
+
     def program(self, pick: str = "greedy", prefetch=None) -> list:
         """The step as its parts in launch order, (kind, layer, enqueue): ("head", -1) the embedding; per layer
         ("route", li), the family's mixer and router, after which the step's ids hold layer li's routing, and
@@ -120,11 +138,12 @@ class DecodeStep:
         hooks, which may launch a layer's router and run before its ffn (the whole step's graphs); None: the
         family's launches alone (the paged memory modes' per-layer graphs)."""
         L = self.layers
-        parts = [("head", -1, L.embed)]
-        for li in range(len(self.weights.layers)):
+        parts = [("head", -1, L.embed)] if self.embeds else []
+        for li in self.layers_run:
             parts.append(("route", li, partial(self._route, li, prefetch)))
             parts.append(("ffn", li, partial(self._ffn, li, prefetch)))
-        parts.append(("tail", -1, partial(self._tail, pick, prefetch)))
+        if self.heads:
+            parts.append(("tail", -1, partial(self._tail, pick, prefetch)))
         return parts
 
     def _route(self, li: int, prefetch) -> None:

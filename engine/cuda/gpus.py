@@ -19,8 +19,10 @@ MiB = 2 ** 20
 STAGES_BUILT = False
 PROBE_BYTES = 64 * MiB      # a probe copy: large enough that the link's rate, not the copy's latency, is timed
 PROBE_REPEATS = 4
-NOT_BUILT = ("the multi-GPU stages are not built yet (issue 32): the worker runs on one GPU. The split above is what "
-             "they will run; name one GPU (--gpus 0), or --show-split to print the plan only")
+NOT_BUILT = ("the multi-GPU stages are not built yet (issue 32): only the decode step runs as stages, on one GPU "
+             "and in tests (engine/cuda/staged_decode.py), with no staged prompt pass and no per-card weights or "
+             "expert caches, so the worker runs on one GPU. The split above is what they will run; name one GPU "
+             "(--gpus 0), or --show-split to print the plan only")
 
 
 class GpuError(ValueError):

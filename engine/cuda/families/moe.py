@@ -85,6 +85,9 @@ class MoeFamily:
     # Decode steps may run one ahead of the pick's read (engine/cuda/pipeline.py): held to the unpipelined run on
     # the H200 (tests/test_cuda_pipeline.py) for this family only; a family that has not passed there says False.
     run_ahead = True
+    # A decode layer hands the next one only the residual x (and the step state): a pipeline stage may end after any
+    # layer (engine/cuda/staged_decode.py copies those two). A family carrying more across layers says False.
+    stage_split = True
 
     def __init__(self, cfg):
         self.cfg = cfg

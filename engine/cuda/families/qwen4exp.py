@@ -244,6 +244,8 @@ class Qwen4ExpFamily(MoeFamily):
     # A step's PLE rows are hashed on the host from its token (Q4Decode.set_inputs), which a step fed on the device
     # by the one before (engine/cuda/pipeline.py) does not give: never run ahead.
     run_ahead = False
+    # Its hyper-connection streams (xs) and the PLE rows (eta) cross layers besides x: no stage boundary yet.
+    stage_split = False
 
     def __init__(self, cfg):
         super().__init__(cfg)
