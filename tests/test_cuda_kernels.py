@@ -298,7 +298,8 @@ def q6k_down_ref(n_expert, n_embd, n_ff, k, T, rng):
     """Random Q6_K ffn_down blobs (behind a gate | up region of random bytes, as a Q4_K_M recipe's blob lies) and
     the NumPy result of out0 + sum_j w_j * down_{ids_j} @ h_j: (device pool, table, ids, w, h, out0, ref, scale,
     down_off, row_bytes)."""
-    down_off = 2 * n_ff * qtype("Q4_K").row_bytes(n_embd)
+    # gate and up as a recipe lays them: Q4_K rows where n_embd allows, else F16 (the small test widths)
+    down_off = 2 * n_ff * (qtype("Q4_K").row_bytes(n_embd) if n_embd % 256 == 0 else 2 * n_embd)
     rb = qtype("Q6_K").row_bytes(n_ff)
     stride = (down_off + n_embd * rb + 255) // 256 * 256
     pool = rng.integers(0, 256, size=(n_expert, stride), dtype=np.uint8)     # gate/up and padding: noise

@@ -135,8 +135,12 @@ def test_window_picks_are_the_one_token_picks(fixtures_dir, name):
             want = [be.decode([t], spec.after(toks[:i]))[0] for i, t in enumerate(toks)]
             assert [p.id for p in got] == [p.id for p in want], params
             if lp:
+                # the window attends its T queries in one pass (another fp32 summation order than T one-token
+                # steps): the H200 measured 1.3e-6 apart on a logprob of -1.12
                 for a, b in zip(got, want):
-                    assert a.logprob == pytest.approx(b.logprob, abs=1e-6) and a.top == b.top
+                    assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-5)
+                    assert [t for t, _ in a.top] == [t for t, _ in b.top]
+                    assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], rel=1e-5, abs=1e-5)
     finally:
         be.close()
 

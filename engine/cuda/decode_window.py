@@ -56,11 +56,11 @@ Q4_K, MXFP4 = 12, 39        # ggml type ids (engine/cuda/quant_types.py)
 
 
 # What a window launch of K tokens costs in one-token steps (the window graph's replay over the one-token graph's,
-# bench.decode --window, every expert in VRAM: docs/experiments.md "windows of tokens on CUDA"), for K measured;
-# others interpolated (window_cost). Empty: the rule counts a step a token and offers no drafts. These are the
-# token-parallel kernels with the attention a launch a token (the H200, Qwen3-30B-A3B Q4_K_M recipe); the window
-# attention and the union's gate/up are not in them yet, so the rule errs towards shorter windows.
-MEASURED_COST: dict[int, float] | None = {2: 1.640, 4: 2.815, 8: 5.227}
+# bench.decode --window, every expert in VRAM: docs/experiments.md "verify windows on the merged tree"), for K
+# measured; others interpolated (window_cost). Empty: the rule counts a step a token and offers no drafts. The H200,
+# Qwen3-30B-A3B Q4_K_M recipe: K = 2 and 4 with the window attention in one pass (the default kernels); K = 8 from
+# the run before it (attention a launch a token), so the rule errs towards shorter windows there.
+MEASURED_COST: dict[int, float] | None = {2: 1.636, 4: 2.684, 8: 5.227}
 
 
 def window_cost(n: int, max_t: int, measured: dict[int, float] | None = None) -> float:
