@@ -14,7 +14,9 @@ grid following it), never the --before build.
 
 The q3_* cases are Qwen3-30B-A3B's (the Q4_K_M recipe: n_embd 2048, 128 experts of n_ff 768, top 8): q3_gate_up
 (moe.cu moe_gate_up, Q4_K gate and up, the FFN norm fused), q3_down (moe_down, or moe_down_q6k where the
-tree has it, as the family picks: Q6_K ffn_down, the weighted sum added to x) and q3_router (router.cu router_fused, 128 x 2048 F32, top 8 renormalized). Their experts are 128 blobs
+tree has it, as the family picks: Q6_K ffn_down, the weighted sum added to x) and q3_router (router.cu router_fused,
+128 x 2048 F32, top 8 renormalized); q4_router is Qwen3.8-Flash-Next's (512 x 2560 F32, top 10 renormalized) and
+q35_router Qwen3.5-35B-A3B's (256 x 2048 F32, top 8). Their experts are 128 blobs
 laid out as the engine's (gate | up | down, 256-byte stride), 392 MB; launch i routes to the eight experts 8i..8i+7
 (mod 128), so consecutive launches read disjoint experts and the L2 serves none of them.
 """
@@ -36,7 +38,9 @@ from engine.cuda.quant_types import qtype, random_rows  # noqa: E402
 
 HBM = 4.4e12     # bytes/s (docs/design.md "Measured facts")
 N_EMBD, N_HEAD, N_KV, HEAD_DIM, N_VOCAB, N_EXPERT, K = 2880, 64, 8, 64, 201088, 32, 4
-CASES = ("mv_wo", "mv3", "router", "head", "q3_gate_up", "q3_down", "q3_router")
+CASES = ("mv_wo", "mv3", "router", "head", "q3_gate_up", "q3_down", "q3_router", "q4_router", "q35_router")
+# (experts, n_embd, top k) of the routers beside q3_router's
+ROUTERS = {"q3_router": (128, 2048, 8), "q4_router": (512, 2560, 10), "q35_router": (256, 2048, 8)}
 Q3_EMBD, Q3_FF, Q3_EXPERT, Q3_K = 2048, 768, 128, 8
 MODULE = {"mv": "dense", "mv3": "dense", "router_fused_bias": "router", "router_fused": "router",
           "moe_gate_up": "moe", "moe_down": "moe"}
@@ -182,18 +186,19 @@ class Case:
                               moe_down_tiled_bytes(Q3_K, Q3_FF, rb_d),
                               lambda ids: (table, ids, wts, i64(down_off), i64(rb_d), h, self.y, i32(Q3_EMBD),
                                            i32(Q3_FF), i32(Q3_K)))
-        elif which == "q3_router":
-            self.what, self.qt, self.kernel = "router 128 x 2048 F32, top 8 renormalized", f32, "router_fused"
-            one = cp.asarray(random_rows("F32", Q3_EXPERT, Q3_EMBD, rng, 0.05))
+        elif which in ROUTERS:
+            n_e, n_in, k = ROUTERS[which]
+            self.what, self.qt, self.kernel = f"router {n_e} x {n_in} F32, top {k} renormalized", f32, "router_fused"
+            one = cp.asarray(random_rows("F32", n_e, n_in, rng, 0.05))
             self.nbytes = one.nbytes
             self.ws = [one] + [one.copy() for _ in range(copies_for(one.nbytes) - 1)]
-            x, nw = a(rng.standard_normal(Q3_EMBD)), a(rng.uniform(0.5, 1.5, Q3_EMBD))
-            self.logits = a(np.zeros(Q3_EXPERT))
-            self.ids, self.wts = cp.zeros(Q3_K, cp.int32), a(np.zeros(Q3_K))
+            x, nw = a(rng.standard_normal(n_in)), a(rng.uniform(0.5, 1.5, n_in))
+            self.logits = a(np.zeros(n_e))
+            self.ids, self.wts = cp.zeros(k, cp.int32), a(np.zeros(k))
             self.counter = cp.zeros(1, cp.int32)
             rb = one.shape[1]
-            self.grid, self.smem = ((Q3_EXPERT + MV_WARPS - 1) // MV_WARPS,), staged_bytes(Q3_EMBD)
-            self.args = lambda w: (w, i64(rb), x, nw, f(1e-6), i32(Q3_EMBD), self.logits, i32(Q3_EXPERT), i32(Q3_K),
+            self.grid, self.smem = ((n_e + MV_WARPS - 1) // MV_WARPS,), staged_bytes(n_in)
+            self.args = lambda w: (w, i64(rb), x, nw, f(1e-6), i32(n_in), self.logits, i32(n_e), i32(k),
                                    i32(1), f(1.0), self.ids, self.wts, NULL, np.uint64(0), np.uint64(0), NULL, NULL,
                                    self.counter)
         else:
@@ -230,7 +235,7 @@ class Case:
         self.cp.cuda.Device().synchronize()
         if self.which == "mv3":
             return np.concatenate([y.get() for y in self.ys])
-        if self.which in ("router", "q3_router"):
+        if self.which == "router" or self.which in ROUTERS:
             return np.concatenate([self.logits.get(), self.wts.get(), self.ids.get().astype(np.float32)])
         return self.y.get()
 

@@ -96,6 +96,17 @@ __device__ __forceinline__ void restore_bank(unsigned long long* __restrict__ ta
 // rounds of warp argmax. Ranked on the logits themselves, as router.cu's route_block (exp(logit - max) underflows to
 // 0 far below the max and the ranks among those zeros would fall back to ids).
 __device__ __forceinline__ void rank_topk(const float* logits, int n, int k, int* __restrict__ out) {
+    if (n > RANK_MAX_EXPERTS) {                    // block-uniform: one warp's argmax rounds (router.cu warp_topk)
+        if (threadIdx.x < 32) {
+            int chosen[ROUTER_MAX_K];
+            float chosen_l[ROUTER_MAX_K], mx, s;
+            warp_topk(logits, n, k, chosen, chosen_l, mx, s);
+#pragma unroll
+            for (int j = 0; j < ROUTER_MAX_K; ++j)
+                if (j < k && (threadIdx.x & 31) == j) out[j] = chosen[j];
+        }
+        return;
+    }
     __shared__ float4 v4[PF_MAX_EXPERTS / 4];
     float* v = reinterpret_cast<float*>(v4);
     const int n4 = (n + 3) / 4;

@@ -9,16 +9,15 @@
 // stats[0] += hits, stats[1] += k (when stats given).
 #define ROUTER_MAX_PER_LANE 16
 #define ROUTER_MAX_K 16
-// The routing of token t by one warp.
-__device__ __forceinline__ void route_warp(int t, const float* logits, int n_expert, int k, int renorm, float scale,
-                                           int* __restrict__ ids, float* __restrict__ weights,
-                                           const unsigned long long* __restrict__ table, unsigned long long slot_lo,
-                                           unsigned long long slot_hi, int* __restrict__ counts,
-                                           unsigned long long* __restrict__ stats) {
+// The k largest of lg[0..n_expert) by one warp (every lane gets the same): their ids into chosen[0..k), largest
+// first, ties to the lower id, NaN ranked last; their logits into chosen_l; the row's max into mx and the sum of
+// exp(l - mx) over its real logits into s. Each lane holds n_expert / 32 logits in registers, so the k rounds of
+// argmax are shuffles only.
+__device__ __forceinline__ void warp_topk(const float* lg, int n_expert, int k, int* chosen, float* chosen_l,
+                                          float& mx, float& s) {
     const int lane = threadIdx.x & 31;
-    const float* lg = logits + (long long)t * n_expert;
     float v[ROUTER_MAX_PER_LANE];
-    float mx = NEG_INF;
+    mx = NEG_INF;
 #pragma unroll
     for (int i = 0; i < ROUTER_MAX_PER_LANE; ++i) {
         const int e = lane + 32 * i;
@@ -27,7 +26,7 @@ __device__ __forceinline__ void route_warp(int t, const float* logits, int n_exp
     }
     mx = warp_max(mx);
     // Ranked on the logits (as route_block): exp(logit - max) underflows to ties far below the max.
-    float s = 0.f;
+    s = 0.f;
     unsigned free_mask = 0;                             // bit i: v[i] is a real expert not chosen yet
 #pragma unroll
     for (int i = 0; i < ROUTER_MAX_PER_LANE; ++i) {
@@ -39,9 +38,6 @@ __device__ __forceinline__ void route_warp(int t, const float* logits, int n_exp
         }
     }
     s = warp_sum(s);
-    int chosen[ROUTER_MAX_K];
-    float chosen_v[ROUTER_MAX_K];
-    float tot = 0.f;
 #pragma unroll
     for (int j = 0; j < ROUTER_MAX_K; ++j) {
         if (j >= k) break;
@@ -59,9 +55,28 @@ __device__ __forceinline__ void route_warp(int t, const float* logits, int n_exp
             if (ook && (!bok || ov > bv || (ov == bv && oi < bi))) { bok = true; bv = ov; bi = oi; }
         }
         chosen[j] = bi;
-        chosen_v[j] = expf(bv - mx);
-        tot += chosen_v[j];
+        chosen_l[j] = bv;
         if ((bi & 31) == lane) free_mask &= ~(1u << (bi >> 5));
+    }
+}
+
+// The routing of token t by one warp.
+__device__ __forceinline__ void route_warp(int t, const float* logits, int n_expert, int k, int renorm, float scale,
+                                           int* __restrict__ ids, float* __restrict__ weights,
+                                           const unsigned long long* __restrict__ table, unsigned long long slot_lo,
+                                           unsigned long long slot_hi, int* __restrict__ counts,
+                                           unsigned long long* __restrict__ stats) {
+    const int lane = threadIdx.x & 31;
+    int chosen[ROUTER_MAX_K];
+    float chosen_v[ROUTER_MAX_K];
+    float mx, s;
+    warp_topk(logits + (long long)t * n_expert, n_expert, k, chosen, chosen_v, mx, s);
+    float tot = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUTER_MAX_K; ++j) {
+        if (j >= k) break;
+        chosen_v[j] = expf(chosen_v[j] - mx);
+        tot += chosen_v[j];
     }
     // lane j < k writes choice j: the k counter updates and table reads run side by side
     const float div = renorm ? tot : s;
@@ -101,6 +116,12 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int n_e
 // norm needs no launch of its own) and, in the last block, the routing. Grid ceil(n_expert / warps per block),
 // dynamic shared memory staged_bytes(ncols); n_expert <= ROUTER_MAX_EXPERTS, k <= ROUTER_MAX_K.
 #define ROUTER_MAX_EXPERTS 512
+// Most experts a block ranks (route_block, prefetch.cu's rank_topk); more go to one warp's argmax rounds. 128
+// ranked: a thread an expert, 32 float4 compares each; 512 ranked took 4 experts a thread and 128 float4 each
+// (router_fused 24 us a layer of Qwen3.8-Flash-Next's 512 experts on the H200, beside 7 for 128 experts).
+#ifndef RANK_MAX_EXPERTS
+#define RANK_MAX_EXPERTS 128
+#endif
 // float4 of an F32 row per lane in flight at once. 24: a 3072-wide row in one round (gpt-oss's 2880; at 16 its last
 // 832 columns went through the loop below, seven dependent HBM round trips of one float4 a lane, ~5 of the launch's
 // ~11 us on the H200). The sum's order is the same at any value (the loop continues where the batch ends), so the
@@ -126,12 +147,19 @@ __device__ __forceinline__ int rank_among(const float4* v4, int n4, float ve, in
 
 // The routing of one token by a whole block (after every logit is written): each expert's rank among the logits
 // counted against all others in shared memory (ties: the lower id first, as route_warp's argmax
-// rounds pick), so the k choices come out in one pass instead of k rounds of warp shuffles.
+// rounds pick), so the k choices come out in one pass instead of k rounds of warp shuffles. Above RANK_MAX_EXPERTS
+// the ranking's n^2 / blockDim compares cost more than the rounds: warp 0 routes by route_warp (same ids, same
+// weights with renorm; without it the softmax's sum is added in another order).
 __device__ __forceinline__ void route_block(const float* logits, int n_expert, int k, int renorm, float scale,
                                             int* __restrict__ ids, float* __restrict__ weights,
                                             const unsigned long long* __restrict__ table, unsigned long long slot_lo,
                                             unsigned long long slot_hi, int* __restrict__ counts,
                                             unsigned long long* __restrict__ stats) {
+    if (n_expert > RANK_MAX_EXPERTS) {             // block-uniform
+        if (threadIdx.x < 32)
+            route_warp(0, logits, n_expert, k, renorm, scale, ids, weights, table, slot_lo, slot_hi, counts, stats);
+        return;
+    }
     __shared__ float4 v4[ROUTER_MAX_EXPERTS / 4];
     __shared__ float red[32];
     __shared__ int sel[ROUTER_MAX_K];

@@ -446,7 +446,8 @@ def test_mv3(K, name, n0, n1, n2, bias, cols, norm):
 
 @pytest.mark.parametrize("name", ("F32", "Q8_0", "Q4_K", *NEW))
 @pytest.mark.parametrize("n_expert,k,ncols,renorm", [(8, 2, 256, 1), (128, 8, 2048, 1), (60, 4, 512, 0),
-                                                     (512, 16, 1024, 1), (128, 8, 4608, 0)])
+                                                     (512, 16, 1024, 1), (128, 8, 4608, 0), (512, 10, 2560, 1),
+                                                     (256, 8, 2048, 0), (129, 4, 256, 1)])
 def test_router_fused(K, name, n_expert, k, ncols, renorm):
     """Router logits of the FFN-normed x (norm per block) and the routing in one launch (the last block routes);
     twice, so the last-block counter must be back at zero and the counts add up."""

@@ -208,3 +208,44 @@ def test_ple_row_counts_are_the_cpu_backends():
         finally:
             be.close()
     assert counts[0] == counts[1] and counts[0]["ple_row_lookups"] == 16 * (len(prompt) + 3)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """make_moe's tiny-qwen4exp: GDN heads of 128 (the fixtures' are 16), so the GDN layers run on gdn.cu's sigmoid
+    build as the published models' do (engine/cuda/families/q4ops.py Gdn)."""
+    from tools import make_moe
+    path = tmp_path_factory.mktemp("q4wide") / "tiny-qwen4exp-128.gguf"
+    make_moe.main(["--preset", "tiny-qwen4exp", "--out", str(path)])
+    model = open_model(path)
+    assert model.config.ssm_state == 128
+    return model
+
+
+@pytest.mark.parametrize("share", ["none", "all"])
+def test_gdn_cu_layers_match_cpu(wide_model, share):
+    """Teacher-forced logits of a 40-token prompt in chunks of 8 (the chunked delta rule carried across them) and
+    the greedy continuation through the decode graph (mv_many's conv epilogue, gdn_delta_decode) against the NumPy
+    backend, the expert cache holding none or all of the experts."""
+    model = wide_model
+    cfg = model.config
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, cfg.n_vocab, 40)]
+    toks, cpu_logits = cpu_continuation(model, prompt, N_GREEDY)
+    slots = {"none": 0, "all": cfg.n_layer * cfg.n_expert}[share]
+    be = cuda_backend(model, expert_slots=slots, stream_min=1)
+    try:
+        assert be.step.layers.gdn.gk is not None          # both programs' GDN layers on gdn.cu
+        assert be.prefill.layers.gdn.prompt_scratch.max_tokens >= CHUNK
+        seq = prompt + toks[:-1]
+        lg, ref = routed_reference(be, model, lambda: be.forward(seq, all_logits=True))
+        try:
+            want = ref.forward(seq, all_logits=True)
+        finally:
+            ref.close()
+        assert ref.clear_parts() == [], ref.parted
+        assert np.isfinite(lg).all()
+        assert rel_rows(lg, want).max() < REL_PROMPT
+        be.truncate(0)
+        assert_routed_greedy(be, model, lambda: greedy(be, prompt, N_GREEDY), prompt, N_GREEDY)
+    finally:
+        be.close()

@@ -51,8 +51,11 @@ def test_group_rmsnorm_and_broadcast(rows, N, H):
     close(b.get().reshape(rows, D), np.tile(e, (1, H)))
 
 
-@pytest.mark.parametrize("T,n_k,n_v,D,K", [(1, 2, 4, 16, 4), (7, 2, 6, 64, 4), (70, 16, 48, 128, 4), (3, 1, 1, 32, 2)])
-def test_gdn_matches_the_token_by_token_reference(T, n_k, n_v, D, K):
+@pytest.mark.parametrize("T,n_k,n_v,D,K", [(1, 2, 6, 128, 4), (7, 2, 6, 128, 4), (70, 16, 48, 128, 4),
+                                           (130, 1, 3, 128, 2)])
+def test_gdn_prompt_matches_the_token_by_token_reference(T, n_k, n_v, D, K):
+    """Gdn.prompt on gdn.cu's sigmoid build (tiled value heads, beta and alpha apart) against ref_gdn over T tokens,
+    across chunks of 64; conv state and S carried in place."""
     rng = np.random.default_rng(T + D)
     C = (2 * n_k + n_v) * D
     qkv = rng.standard_normal((T, C)).astype(np.float32)
@@ -68,15 +71,22 @@ def test_gdn_matches_the_token_by_token_reference(T, n_k, n_v, D, K):
     want, conv1, S1 = q4ops.ref_gdn(qkv.astype(np.float64), conv0, conv_w, b, a, dt, ssm_a, S0, z, norm_w, n_k, D,
                                     1e-6)
     from types import SimpleNamespace as NS
-    cfg = NS(ssm_k_heads=n_k, ssm_v_heads=n_v, ssm_state=D, ssm_conv=K, ssm_inner=n_v * D)
+    cfg = NS(arch="qwen4exp", ssm_k_heads=n_k, ssm_v_heads=n_v, ssm_state=D, ssm_conv=K, ssm_inner=n_v * D,
+             rms_eps=1e-6)
     g = q4ops.Gdn(kern, None, q4ops.Q4Shape(8, 2, 8, 1e-6, cfg))
-    gw = NS(conv=cp.asarray(conv_w), dt_bias=cp.asarray(dt), a=cp.asarray(ssm_a), norm=cp.asarray(norm_w))
+    g.prompt_scratch = g.gk.scratch(T)
+    # proj(W, y) hands back each projection's rows: the weights here are names
+    rows = {name: cp.asarray(v) for name, v in (("qkv", qkv), ("z", z), ("beta", b), ("alpha", a))}
+    gw = NS(qkv="qkv", z="z", beta="beta", alpha="alpha", conv=cp.asarray(conv_w), dt_bias=cp.asarray(dt),
+            a=cp.asarray(ssm_a), norm=cp.asarray(norm_w))
     conv, S = cp.asarray(conv0), cp.asarray(S0)
-    act, out = poisoned((T, C)), poisoned((T, n_v * D))
-    g._core(cp.asarray(qkv), act, cp.asarray(z), cp.asarray(b), cp.asarray(a), gw, conv, S, out, T)
-    close(out.get(), want, 1e-4)
+    out = g.prompt(gw, None, conv, S, T, lambda W, y: rows[W])
+    # fp16 mma inputs in the chunked rule: tests/test_cuda_gdn.py's relative (Frobenius) bound
+    rel = lambda got, ref: float(np.linalg.norm(got - ref) / np.linalg.norm(ref))     # noqa: E731
+    got = out.get()
+    assert np.isfinite(got).all()
+    assert rel(got, want) < 3e-3 and rel(S.get(), S1) < 3e-3
     close(conv.get(), conv1)
-    close(S.get(), S1, 1e-4)
 
 
 @pytest.mark.parametrize("T,N,H,K,dil", [(1, 256, 4, 4, 3), (9, 64, 4, 4, 3), (13, 2560, 4, 4, 3), (4, 32, 2, 3, 2)])

@@ -15,6 +15,7 @@ pytest.importorskip("cupy")
 
 from engine.cuda import kernels as kernel_loader  # noqa: E402
 from engine.cuda import launch  # noqa: E402
+from engine.cuda.families import gdn as gdn_mod  # noqa: E402
 from engine.cuda.families import hybrid, moe, q4ops  # noqa: E402
 from engine.cuda.families import qwen4exp as fam_mod  # noqa: E402
 from engine.cuda.families.registry import family_for  # noqa: E402
@@ -90,9 +91,40 @@ class FakeLauncher:
         assert x.size == W.cols and y.size == W.rows, (tag, W.rows, W.cols, x.shape, y.shape)
         self.rec.calls.append(f"mv:{tag}")
 
+    def mv_many(self, Ws, x, ys, norm=None, conv=None, tag="mv4", mixed=False):
+        assert len(Ws) == len(ys) and all(x.size == W.cols and y.size == W.rows for W, y in zip(Ws, ys)), tag
+        if conv is not None:
+            state, taps, d_conv = conv
+            assert state.shape == (d_conv - 1, Ws[0].rows) and taps.shape == (Ws[0].rows, d_conv), tag
+        self.rec.calls.append(f"mv_many:{tag}")
+
     def mv_gated(self, W, x, gate, y, tag="wo"):
         assert x.size == gate.size == W.cols and y.size == W.rows
         self.rec.calls.append(f"mv_gated:{tag}")
+
+
+class FakeGdnKernels:
+    """engine/cuda/families/gdn.py's GdnKernels as the family calls it: every array's size checked, each call noted."""
+
+    def __init__(self, rec, shape):
+        self.rec, self.sh = rec, shape
+
+    def delta_decode(self, act, b, a, dt_bias, ssm_a, S, z, norm_w, out, qk_norm=False):
+        sh = self.sh
+        assert act.size == sh.channels and b.size == a.size == dt_bias.size == ssm_a.size == sh.n_v_heads
+        assert S.shape == (sh.n_v_heads, sh.head_dim, sh.head_dim) and z.size == out.size == sh.n_v_heads * sh.head_dim
+        assert norm_w.size == sh.head_dim and qk_norm     # act straight from mv_many's conv epilogue
+        self.rec.calls.append("gdn_delta_decode")
+
+    def scratch(self, max_tokens):
+        return NS(max_tokens=max_tokens)
+
+    def prefill(self, qkv, z, b, a, dt_bias, ssm_a, conv_w, norm_w, conv_state, S, out, scratch, T):
+        sh = self.sh
+        assert T <= scratch.max_tokens and qkv.shape == (T, sh.channels) and out.shape == z.shape == (T, sh.n_v_heads * sh.head_dim)
+        assert b.shape == a.shape == (T, sh.n_v_heads) and conv_state.shape == (sh.conv_kernel - 1, sh.channels)
+        assert conv_w.shape == (sh.channels, sh.conv_kernel) and S.shape == (sh.n_v_heads, sh.head_dim, sh.head_dim)
+        self.rec.calls.append("gdn_prefill")
 
 
 class FakeKV:
@@ -115,8 +147,7 @@ class FakeKV:
         self.stored.append((li, pos0, T))
 
 
-@pytest.fixture()
-def faked(monkeypatch):
+def _faked(monkeypatch, path):
     rec = Launches()
     fcp = fake_cupy(rec)
     monkeypatch.setitem(sys.modules, "cupy", fcp)
@@ -131,18 +162,39 @@ def faked(monkeypatch):
     monkeypatch.setattr(kernel_loader, "load", lambda name, defines=None, qtypes=None, pairs=None: NS(
         get_function=rec.fn))
     monkeypatch.setattr(kernel_loader, "function", lambda name, kernel, defines=None: rec.fn(kernel))
-    model = open_model(FIXTURE)
+    monkeypatch.setattr(gdn_mod, "GdnKernels", lambda shape: FakeGdnKernels(rec, shape))
+    monkeypatch.setattr(fam_mod, "load_mixed", lambda table, pairs: rec.calls.append("load_mixed"))
+    model = open_model(path)
     fam = family_for(model.config)
     w = fam.load_weights(model, Upload(model, np.asarray))
-    yield NS(rec=rec, model=model, fam=fam, w=w)
-    fam.close()
+    return NS(rec=rec, model=model, fam=fam, w=w)
+
+
+@pytest.fixture()
+def faked(monkeypatch):
+    """The tiny fixture: GDN heads of 16, which gdn.cu is not built for (qwen4exp.cu's q4_gdn_* kernels)."""
+    f = _faked(monkeypatch, FIXTURE)
+    yield f
+    f.fam.close()
+
+
+@pytest.fixture()
+def faked_wide(monkeypatch, tmp_path):
+    """make_moe's tiny-qwen4exp: GDN heads of 128, as the published models' (gdn.cu's sigmoid build)."""
+    from tools import make_moe
+    path = tmp_path / "tiny-qwen4exp-128.gguf"
+    assert make_moe.main(["--preset", "tiny-qwen4exp", "--out", str(path)]) in (0, None)
+    f = _faked(monkeypatch, path)
+    assert f.model.config.ssm_state == 128
+    yield f
+    f.fam.close()
 
 
 def _step(f, ctx=64):
     cfg = f.model.config
     kv = FakeKV(cfg, ctx)
     st = NS(cfg=cfg, weights=f.w, kv=kv, stream=FakeStream(), launcher=FakeLauncher(f.rec), kernel=f.rec.kern,
-            kernels=f.rec.kern, x=np.zeros(cfg.n_embd, np.float32), state=np.zeros(8, np.int32),
+            kernels=f.rec.kern, keeps=lambda kind: True, x=np.zeros(cfg.n_embd, np.float32), state=np.zeros(8, np.int32),
             rope=np.zeros((ctx, cfg.n_rot // 2, 2), np.float32), logits=np.zeros(cfg.n_vocab, np.float32))
     return st, fam_mod.Q4State(cfg, FakeStream())
 
@@ -174,8 +226,34 @@ def test_the_decode_program_launches_what_the_sources_declare(faked, monkeypatch
     assert calls.count("hc_up_mix") == 2 * cfg.n_layer + 1
 
 
+def test_gdn_layers_of_the_published_width_run_on_gdn_cu(faked_wide, monkeypatch):
+    """Heads of 128: each GDN layer's decode is one mv_many (the conv in its epilogue) and gdn_delta_decode, its
+    prompt GdnKernels.prefill over a scratch the prompt program holds; the mixed-type kernels load before capture."""
+    f = faked_wide
+    st, state = _step(f)
+    cfg = f.model.config
+    dec = fam_mod.Q4Decode(st, state, f.fam)
+    monkeypatch.setattr(moe.MoeDecode, "embed", lambda self: f.rec.calls.append("embed"))
+    monkeypatch.setattr(fam_mod.Q4Decode, "experts", lambda self, li, layer, out=None: None)
+    assert f.rec.calls == ["load_mixed"]
+    dec.set_inputs(7, 0)
+    dec.embed()
+    for li in range(cfg.n_layer):
+        dec.mixer(li)
+        dec.ffn(li)
+    n_gdn = sum(cfg.recurrent_layers)
+    assert f.rec.calls.count("gdn_delta_decode") == f.rec.calls.count("mv_many:gdn_in") == n_gdn
+    assert "q4_gdn_delta" not in f.rec.calls and f.rec.calls.count("mv:gdn_out") == n_gdn
+    names = [b.name for b in f.fam.prompt_buffers(64)]
+    assert names == ["q4_prompt", "gdn_scratch"]
+    narrow = family_for(open_model(FIXTURE).config)
+    assert [b.name for b in narrow.prompt_buffers(64)] == ["q4_prompt"]
+
+
 @pytest.mark.parametrize("T,pos0", [(8, 0), (8, 16), (5, 3)])
-def test_the_prompt_program_runs_a_chunk(faked, monkeypatch, T, pos0):
+@pytest.mark.parametrize("which", ["faked", "faked_wide"])
+def test_the_prompt_program_runs_a_chunk(request, monkeypatch, which, T, pos0):
+    faked = request.getfixturevalue(which)
     st, state = _step(faked)
     cfg = faked.model.config
     N, D = cfg.n_embd, cfg.n_embd * cfg.family_params.hc_count
@@ -214,4 +292,5 @@ def test_the_prompt_program_runs_a_chunk(faked, monkeypatch, T, pos0):
     r = cfg.family_params.compress_ratios[3]
     assert rec.calls.count("qsa_prep") == 1 and rec.calls.count("hc_mix_rows") == 2 * cfg.n_layer + 1
     assert rec.calls.count("qsa_pool") == (1 if (pos0 + T) // r > pos0 // r else 0)
-    assert rec.calls.count("q4_gdn_conv") == sum(cfg.recurrent_layers) and D == 4 * N
+    gdn_launch = "gdn_prefill" if which == "faked_wide" else "q4_gdn_conv"
+    assert rec.calls.count(gdn_launch) == sum(cfg.recurrent_layers) and D == 4 * N

@@ -1,8 +1,8 @@
 """qwen4exp's parts on the GPU, each one call of the family's layer programs (engine/cuda/families/qwen4exp.py): the
 HC read / write (Hc: cuda_src/hc.cu, engine/cuda/hc.py), QSA (Qsa: cuda_src/qsa.cu, engine/cuda/qsa.py), the Gated
-DeltaNet with the sigmoid gate (Gdn) and the PLE add-back (Ple) on cuda_src/qwen4exp.cu, with the engine's mat-vecs
-(decode) or the prompt pass's projections (`proj(W, X)`: X @ W^T for T rows). Beside them, qwen4exp.cu's kernels'
-NumPy references (ref_*), in the kernels' layouts, for the tests.
+DeltaNet with the sigmoid gate (Gdn: cuda_src/gdn.cu, engine/cuda/families/gdn.py) and the PLE add-back (Ple) on
+cuda_src/qwen4exp.cu, with the engine's mat-vecs (decode) or the prompt pass's projections (`proj(W, X)`: X @ W^T
+for T rows). Beside them, the parts' NumPy references (ref_*), in the kernels' layouts, for the tests.
 
 Launches go on the current CuPy stream; the decode calls allocate nothing and read the position from state[1], so
 the decode step captures them in its graph. `kern(name)` is the engine's kernel table (the decode step's filtering
@@ -128,18 +128,43 @@ class GdnScratch:
     out: object
 
 
+def gdn_cu_shape(cfg, eps: float):
+    """The GdnShape gdn.cu runs this model's GDN layers at (tiled value heads, the sigmoid gate), or None where it
+    is not built for their width (Gdn then takes qwen4exp.cu's generic kernels)."""
+    from engine.cuda.families.gdn import GdnShape
+    try:
+        return GdnShape(cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_conv, False, eps, True)
+    except ValueError:
+        return None
+
+
 class Gdn:
-    """Spec 4.5 with the sigmoid gate: q4_gdn_conv, q4_gdn_qk_norm, q4_gdn_delta on the state in place (the
-    projections before and ssm_out after are the caller's: decode mat-vecs here, the prompt's proj)."""
+    """Spec 4.5 with the sigmoid gate. Where cuda_src/gdn.cu is built for the head width (its GDN_GATE_SIGMOID build:
+    128, the published models'), the hybrids' kernels through engine/cuda/families/gdn.py: decode, the four
+    projections in one shared-input launch with the conv in its epilogue (Launcher.mv_many), then the delta rule
+    with the q/k l2 norms and the gated norm (gdn_delta_decode); prompt, the conv and the chunked delta rule on tensor
+    cores (GdnKernels.prefill); value head h reads key head h % n_k (not grouped: the GGUF's tiled order). Other
+    widths (the tiny test models' 16) take cuda_src/qwen4exp.cu's q4_gdn_conv, q4_gdn_qk_norm and q4_gdn_delta, a
+    thread a state row over the tokens in order: at the real shape on the H200 that took 1.8 ms of a decode step and
+    most of a 4K prompt's 9 s (docs/experiments.md). ssm_out is the caller's."""
 
     def __init__(self, kern, launcher, shape: Q4Shape):
+        from engine.cuda.families.gdn import GdnKernels
         self.k, self.mv, self.sh = kern, launcher, shape
         c = shape.cfg
         self.n_k, self.n_v, self.S, self.K = c.ssm_k_heads, c.ssm_v_heads, c.ssm_state, c.ssm_conv
         self.C, self.inner = 2 * self.n_k * self.S + c.ssm_inner, c.ssm_inner
         self.threads = max(32, -(-self.S // 32) * 32)
-        if self.threads > 1024:
+        gshape = gdn_cu_shape(c, shape.eps)
+        self.gk = None if gshape is None else GdnKernels(gshape)
+        if self.gk is None and self.threads > 1024:
             raise ValueError(f"GDN heads of {self.S}: q4_gdn_delta takes a head a block, at most 1024 wide")
+        self.prompt_scratch = None      # gdn.cu's prompt: a GdnScratch for the longest chunk (the prompt program's)
+
+    @staticmethod
+    def projections(g) -> tuple:
+        """A GDN layer's decode projections in mv_many's order (qkv first: the conv is its epilogue)."""
+        return g.qkv, g.z, g.beta, g.alpha
 
     def scratch(self, rows: int) -> GdnScratch:
         import cupy as cp
@@ -159,19 +184,31 @@ class Gdn:
                                 I32(self.n_k), I32(self.S), F32(self.sh.eps), I32(1)),
                                shared_mem=8 * self.S)
 
-    def decode(self, g, y, conv_state, S, sc: GdnScratch) -> None:
-        """sc.out (n_v D,) = the mixer before ssm_out of the block input y (N,)."""
-        for W, out in ((g.qkv, sc.qkv), (g.z, sc.z), (g.beta, sc.beta), (g.alpha, sc.alpha)):
-            self.mv.mv(W, y, out, tag="gdn_in")
-        self._core(sc.qkv, sc.act, sc.z, sc.beta, sc.alpha, g, conv_state, S, sc.out, 1)
+    def decode(self, g, y, conv_state, S, sc: GdnScratch, keeps=lambda kind: True) -> None:
+        """sc.out (n_v D,) = the mixer before ssm_out of the block input y (N,). keeps: the decode step's filter of
+        launch kinds (its per-kind profile), which gdn.py's kernels ask as the hybrids' do."""
+        if self.gk is None:
+            for W, out in zip(self.projections(g), (sc.qkv, sc.z, sc.beta, sc.alpha)):
+                self.mv.mv(W, y, out, tag="gdn_in")
+            self._core(sc.qkv, sc.act, sc.z, sc.beta, sc.alpha, g, conv_state, S, sc.out, 1)
+            return
+        self.mv.mv_many(self.projections(g), y, (sc.qkv, sc.z, sc.beta, sc.alpha),
+                        conv=(conv_state, g.conv, g.conv.shape[1]), tag="gdn_in", mixed=True)
+        if keeps("gdn"):
+            self.gk.delta_decode(sc.qkv, sc.beta, sc.alpha, g.dt_bias, g.a, S, sc.z, g.norm, sc.out, qk_norm=True)
 
     def prompt(self, g, y, conv_state, S, T: int, proj):
         """(T, n_v D) the mixer before ssm_out of the chunk's block inputs y (T, N)."""
         import cupy as cp
-        qkv, z, beta, alpha = (proj(W, y) for W in (g.qkv, g.z, g.beta, g.alpha))
-        act = cp.empty_like(qkv)
+        qkv, z, beta, alpha = (proj(W, y) for W in self.projections(g))
         out = cp.empty((T, self.inner), dtype=cp.float32)
-        self._core(qkv, act, z, beta, alpha, g, conv_state, S, out, T)
+        if self.gk is None:
+            self._core(qkv, cp.empty_like(qkv), z, beta, alpha, g, conv_state, S, out, T)
+            return out
+        if self.prompt_scratch is None or self.prompt_scratch.max_tokens < T:
+            raise ValueError(f"a GDN prompt chunk of {T} tokens without a gdn.cu scratch for it (Gdn.prompt_scratch)")
+        self.gk.prefill(qkv, z, beta, alpha, g.dt_bias, g.a, g.conv, g.norm, conv_state, S, out,
+                        self.prompt_scratch, T)
         return out
 
 
@@ -303,8 +340,9 @@ def ref_group_rmsnorm(x, gamma, H: int, eps: float):
 
 
 def ref_gdn(qkv, conv_state, conv_w, b, a, dt_bias, ssm_a, S, z, norm_w, n_k: int, D: int, eps: float):
-    """q4_gdn_conv + q4_gdn_qk_norm + q4_gdn_delta over T tokens: (out (T, n_v D), new conv_state, new S), as
-    engine/arch/qwen3next.py gated_delta_net token by token with the sigmoid gate and tiled value heads."""
+    """Gdn's mixer before ssm_out over T tokens (q4_gdn_conv + q4_gdn_qk_norm + q4_gdn_delta, or gdn.cu's): (out
+    (T, n_v D), new conv_state, new S), as engine/arch/qwen3next.py gated_delta_net token by token with the sigmoid
+    gate and tiled value heads."""
     qkv, b, a, z = (np.atleast_2d(v) for v in (qkv, b, a, z))
     T, n_v = len(qkv), b.shape[1]
     x, conv_state = causal_conv(qkv, conv_state, conv_w)

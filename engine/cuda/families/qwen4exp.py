@@ -33,10 +33,11 @@ import numpy as np
 
 from engine.arch import qwen4exp as ref
 from engine.cuda.chunk_plan import Buffer
+from engine.cuda.families.gdn import scratch_bytes
 from engine.cuda.families.hybrid import GdnLayer, HybridKV, attn_q_rows
 from engine.cuda.families.moe import MoeDecode, MoeFamily, MoeLayer, MoePrompt, load_ffn
-from engine.cuda.families.q4ops import Gdn, Hc, HcWeights, Ple, Qsa, q4_shape
-from engine.cuda.launch import ptr
+from engine.cuda.families.q4ops import Gdn, Hc, HcWeights, Ple, Qsa, gdn_cu_shape, q4_shape
+from engine.cuda.launch import load_mixed, mixed_pairs, ptr
 from engine.cuda.weights import DeviceWeights, DevMatrix, Upload
 from engine.row_cache import RowCache
 
@@ -278,14 +279,19 @@ class Qwen4ExpFamily(MoeFamily):
     def prompt_buffers(self, T: int) -> list[Buffer]:
         """The prompt layer's CuPy temporaries (transient): a few (T, H N) arrays for the HC reads and the PLE, the
         GDN projections and outputs, the QSA projections and qsa.py's prompt scratch (its block scores of a sub-batch
-        of queries: Qsa.PROMPT_SCORE_BYTES at most)."""
+        of queries: Qsa.PROMPT_SCORE_BYTES at most); where gdn.cu runs the GDN layers, its chunk scratch (allocated by
+        Q4Prompt)."""
         c, p = self.cfg, self.cfg.family_params
         D = c.n_embd * p.hc_count
         conv = 2 * c.ssm_k_heads * c.ssm_state + c.ssm_inner
         gdn = 2 * conv + 2 * c.ssm_inner + 2 * c.ssm_v_heads
         qsa = 3 * c.n_head * c.head_dim + 2 * (p.indexer_heads * p.indexer_dim + p.indexer_dim)
         per_token = 4 * (5 * D + max(gdn, qsa) + 4 * c.n_embd)
-        return [Buffer("q4_prompt", T * per_token + Qsa.PROMPT_SCORE_BYTES, 1, False)]
+        bufs = [Buffer("q4_prompt", T * per_token + Qsa.PROMPT_SCORE_BYTES, 1, False)]
+        gshape = gdn_cu_shape(c, float(c.rms_eps))
+        if any(c.recurrent_layers) and gshape is not None:
+            bufs.append(Buffer("gdn_scratch", scratch_bytes(gshape, T), 1, False))
+        return bufs
 
     def decode_layers(self, step, recurrent=None) -> "Q4Decode":
         return Q4Decode(step, recurrent, self)
@@ -340,6 +346,9 @@ class Q4Decode(MoeDecode):
         self.hc = Hc(kern, step.launcher, self.shape, hc_up_types(step.weights))
         self.qsa = Qsa(step.launcher, self.shape, step.kv)
         self.gdn = Gdn(kern, step.launcher, self.shape)
+        # the two-type projection kernels of the GDN layers' shared-input launches, compiled now (before any capture)
+        if self.gdn.gk is not None:
+            load_mixed(step.kernels, mixed_pairs(Gdn.projections(L.gdn) for L in step.weights.layers if L.gdn))
         self.ple_op = Ple(kern, step.launcher, self.shape)
         N, D, H = c.n_embd, self.shape.D, self.shape.H
         f32 = lambda n: cp.zeros(n, dtype=cp.float32)      # noqa: E731
@@ -382,7 +391,7 @@ class Q4Decode(MoeDecode):
         self.hc.read(self.xs, L.hc_attn, st.x, self.inj_attn, self.hc_sc)
         if L.gdn is not None:
             g = L.gdn
-            self.gdn.decode(g, st.x, self.state.conv(g.slot), self.state.delta(g.slot), self.gdn_sc)
+            self.gdn.decode(g, st.x, self.state.conv(g.slot), self.state.delta(g.slot), self.gdn_sc, keeps=st.keeps)
             st.launcher.mv(g.out, self.gdn_sc.out, self.o, tag="gdn_out")
         else:
             self.attention_qsa(li, L)
@@ -426,6 +435,9 @@ class Q4Prompt(MoePrompt):
         self.hc = Hc(kern, prefill.launcher, self.shape, hc_up_types(prefill.weights), prefill)
         self.qsa = Qsa(prefill.launcher, self.shape, prefill.kv, prefill.chunk)
         self.gdn = Gdn(kern, prefill.launcher, self.shape)
+        if self.gdn.gk is not None and any(L.gdn is not None for L in prefill.weights.layers):
+            with prefill.step.stream:
+                self.gdn.prompt_scratch = self.gdn.gk.scratch(prefill.chunk)     # prompt_buffers' "gdn_scratch"
         self.ple_op = Ple(kern, prefill.launcher, self.shape)
         self.xs = self.eta = None
 
