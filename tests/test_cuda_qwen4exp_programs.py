@@ -222,8 +222,11 @@ def test_the_decode_program_launches_what_the_sources_declare(faked, monkeypatch
     assert calls.count("q4_gdn_delta") == n_gdn and calls.count("q4_ple_conv") == 1
     assert calls.count("mv:wo") == n_qsa and calls[-1] == "mv:output"
     assert calls.count("qsa_attn") == n_qsa and calls.count("qsa_prep") == n_qsa
-    assert calls.count("hc_write_norm") == 4 * cfg.n_layer + 1     # per half-layer a write and a read's norm
+    # per half-layer one write_norm (the last write fused into the next read's norm), one more before the PLE layer
+    n_ple = sum(L.ple is not None for L in faked.w.layers)
+    assert calls.count("hc_write_norm") == 2 * cfg.n_layer + 1 + n_ple
     assert calls.count("hc_up_mix") == 2 * cfg.n_layer + 1
+    assert calls.count("mv_many:hc_down") == 2 * cfg.n_layer and calls.count("mv:hc_down") == 1    # the head: no W_inj
 
 
 def test_gdn_layers_of_the_published_width_run_on_gdn_cu(faked_wide, monkeypatch):

@@ -357,6 +357,7 @@ class Q4Decode(MoeDecode):
             self.o = f32(N)
             self.inj_attn, self.inj_ffn = f32(H), f32(H)
             self.hc_sc = self.hc.scratch()
+            self.pending = None         # the last half-layer's HC write (o, iota), until the next read runs it
             self.gdn_sc = self.gdn.scratch(1)
             self.qsa_sc = self.qsa.decode_scratch()
             self.gate = f32(c.n_head * c.head_dim)
@@ -377,26 +378,42 @@ class Q4Decode(MoeDecode):
         self.eta_host[:] = eta.reshape(-1)
 
     def embed(self):
+        self.pending = None
         super().embed()                                        # st.x = the token's embedding row
         self.hc.broadcast(self.step.x, self.xs, 1)             # every stream a copy
         if self.ple_layer is not None:
             cp.cuda.runtime.memcpyAsync(int(ptr(self.eta)), self.eta_host.ctypes.data, self.eta.nbytes,
                                         cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
 
+    # Each half-layer's HC write (x_c += iota_c o) waits for the next read and runs in its GroupNorm's launch
+    # (engine/cuda/hc.py read_decode: write_norm, one mv_many of [W_down; W_inj], up_mix): 3 launches a half-layer
+    # instead of 5. The PLE layer reads x before its read (its query norm), so the write lands before it there.
+    def hc_read(self, w, y, iota) -> None:
+        o, iota_prev = self.pending or (None, None)
+        self.pending = None
+        self.hc.hk.read_decode(self.step.launcher, self.xs, w, self.hc_sc, y, iota=iota, o=o, iota_prev=iota_prev)
+
+    def hc_flush(self) -> None:
+        if self.pending is not None:
+            o, iota = self.pending
+            self.pending = None
+            self.hc.write(self.xs, o, iota, rows=1)
+
     def mixer(self, li):
         st = self.step
         L = st.weights.layers[li]
         if L.ple is not None:
+            self.hc_flush()
             self.ple_op.decode(L.ple, self.eta, self.xs, self.state.ple_conv, self.ple_sc)
-        self.hc.read(self.xs, L.hc_attn, st.x, self.inj_attn, self.hc_sc)
+        self.hc_read(L.hc_attn, st.x, self.inj_attn)
         if L.gdn is not None:
             g = L.gdn
             self.gdn.decode(g, st.x, self.state.conv(g.slot), self.state.delta(g.slot), self.gdn_sc, keeps=st.keeps)
             st.launcher.mv(g.out, self.gdn_sc.out, self.o, tag="gdn_out")
         else:
             self.attention_qsa(li, L)
-        self.hc.write(self.xs, self.o, self.inj_attn, rows=1)
-        self.hc.read(self.xs, L.hc_ffn, st.x, self.inj_ffn, self.hc_sc)    # the FFN input, in st.x
+        self.pending = (self.o, self.inj_attn)
+        self.hc_read(L.hc_ffn, st.x, self.inj_ffn)    # the FFN input, in st.x (the write above fused in)
 
     def attention_qsa(self, li, L) -> None:
         st, mv = self.step, self.step.launcher
@@ -411,12 +428,12 @@ class Q4Decode(MoeDecode):
         L = self.step.weights.layers[li]
         _zero(self.o)
         self.experts(li, L, out=self.o)     # routed + sigmoid-gated shared expert of st.x (no norm) into o
-        self.hc.write(self.xs, self.o, self.inj_ffn, rows=1)
+        self.pending = (self.o, self.inj_ffn)      # written by the next read (hc_read)
 
     def output(self):
         """The final HC read (no inject) is the output norm: its y into st.x, then the head's mat-vec."""
         st = self.step
-        self.hc.read(self.xs, st.weights.hc_out, st.x, None, self.hc_sc)
+        self.hc_read(st.weights.hc_out, st.x, None)     # the last FFN write fused in
         st.launcher.mv(st.weights.output, st.x, st.logits, tag="output")
 
 
