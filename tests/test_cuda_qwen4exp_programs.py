@@ -216,11 +216,14 @@ def test_the_decode_program_launches_what_the_sources_declare(faked, monkeypatch
         dec.ffn(li)
     dec.output()
     calls = faked.rec.calls
+    assert calls[0] == "load_mixed"                                 # the two-type kernels, before any capture
+    calls = calls[1:]
     assert calls[:3] == ["embed", "q4_broadcast", "memcpy"]         # the PLE rows uploaded at the step's start
     assert experts == [(li, True) for li in range(cfg.n_layer)]
     n_gdn, n_qsa = sum(cfg.recurrent_layers), cfg.n_layer - sum(cfg.recurrent_layers)
     assert calls.count("q4_gdn_delta") == n_gdn and calls.count("q4_ple_conv") == 1
     assert calls.count("mv:wo") == n_qsa and calls[-1] == "mv:output"
+    assert calls.count("mv_many:qkv") == calls.count("mv_many:qsa") == n_qsa and "mv:qkv" not in calls
     assert calls.count("qsa_attn") == n_qsa and calls.count("qsa_prep") == n_qsa
     # per half-layer one write_norm (the last write fused into the next read's norm), one more before the PLE layer
     n_ple = sum(L.ple is not None for L in faked.w.layers)

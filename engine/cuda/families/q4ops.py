@@ -317,8 +317,7 @@ class Qsa:
         """att (n_head head_dim,) = the attention of the step's token at state[1] times sigmoid(gate), from its raw
         projections q, k, v, gate (each head's query and gate apart) and its block input y (the indexer's input); its
         K/V and indexer key stored."""
-        self.mv.mv(L.qsa.idx_q, y, sc.qi, tag="qsa")
-        self.mv.mv(L.qsa.idx_k, y, sc.kraw, tag="qsa")
+        self.mv.mv_many((L.qsa.idx_q, L.qsa.idx_k), y, (sc.qi, sc.kraw), tag="qsa")
         self.qk[li].decode(state, q, k, v, sc.qi, sc.kraw, self.norms(L), rope, self.cache(li), sc.dsc, att,
                            gate=gate, gate_hs=self.hd, q_hs=self.hd)
 

@@ -346,9 +346,12 @@ class Q4Decode(MoeDecode):
         self.hc = Hc(kern, step.launcher, self.shape, hc_up_types(step.weights))
         self.qsa = Qsa(step.launcher, self.shape, step.kv)
         self.gdn = Gdn(kern, step.launcher, self.shape)
-        # the two-type projection kernels of the GDN layers' shared-input launches, compiled now (before any capture)
+        # the two-type kernels of the shared-input launches (GDN projections, QSA's q / gate / k / v), compiled now
+        # (before any capture)
+        shared = [self.qsa_projections(L) for L in step.weights.layers if L.gdn is None]
         if self.gdn.gk is not None:
-            load_mixed(step.kernels, mixed_pairs(Gdn.projections(L.gdn) for L in step.weights.layers if L.gdn))
+            shared += [Gdn.projections(L.gdn) for L in step.weights.layers if L.gdn is not None]
+        load_mixed(step.kernels, mixed_pairs(shared))
         self.ple_op = Ple(kern, step.launcher, self.shape)
         N, D, H = c.n_embd, self.shape.D, self.shape.H
         f32 = lambda n: cp.zeros(n, dtype=cp.float32)      # noqa: E731
@@ -415,10 +418,14 @@ class Q4Decode(MoeDecode):
         self.pending = (self.o, self.inj_attn)
         self.hc_read(L.hc_ffn, st.x, self.inj_ffn)    # the FFN input, in st.x (the write above fused in)
 
+    @staticmethod
+    def qsa_projections(L) -> tuple:
+        """A QSA layer's projections of its block input, in attention_qsa's order (one mv_many)."""
+        return L.wq, L.qsa.gate, L.wk, L.wv
+
     def attention_qsa(self, li, L) -> None:
         st, mv = self.step, self.step.launcher
-        for W, y in ((L.wq, self.q), (L.qsa.gate, self.gate), (L.wk, self.k_new), (L.wv, self.v_new)):
-            mv.mv(W, st.x, y, tag="qkv")
+        mv.mv_many(self.qsa_projections(L), st.x, (self.q, self.gate, self.k_new, self.v_new), tag="qkv", mixed=True)
         # K/V stored at state[1], att = the attention over the kept positions * sigmoid(gate)
         self.qsa.decode(li, L, self.q, self.k_new, self.v_new, self.gate, st.x, st.rope, st.state, self.att,
                         self.qsa_sc)
