@@ -77,7 +77,34 @@ def print_tables(rows) -> None:
             cells = " | ".join(f"{ph[n]:.1f} ({100 * ph[n] / gpu:.0f}%)" for n in names)
             print(f"| {r['budget']} | {r['prompt']} | {cells} | {gpu:.1f} | {1000 * r['prompt'] / r['tok_s']:.1f} "
                   f"| {r['host_ms_per_chunk']:.1f} |")
+    split = [r for r in rows if "host_split_ms" in r]
+    if split:
+        print("\nhost ms per chunk (bench/prompt_pass.py host_split): groups = expert tables, begin = the family's "
+              "inputs (qwen4exp: PLE rows taken; gather = their gather, on the worker when ahead; wait = begin "
+              "waiting for it), layers = enqueuing the layers (blocks when the GPU is behind), after = last layer "
+              "enqueued to logits on the host:")
+        print("| budget GiB | prompt | chunks | host/chunk | groups | begin | rows gather | rows wait | chunks ahead "
+              "| layers | after |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in split:
+            h = r["host_split_ms"]
+            print(f"| {r['budget']} | {r['prompt']} | {r['chunks']} | {r['host_ms_per_chunk']:.1f} | "
+                  f"{h['groups_ms']:.1f} | {h['begin_ms']:.1f} | {h['rows_gather_ms']:.1f} | {h['rows_wait_ms']:.1f} "
+                  f"| {h['rows_ahead']} | {h['layers_ms']:.1f} | {h['after_ms']:.1f} |")
 
+
+
+def host_profiled(fn, top: int, what: str):
+    """fn() under cProfile; its `top` costliest functions by own time printed (stdout), its result returned."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    out = prof.runcall(fn)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    print(f"\nhost profile ({what}), by own time:\n{buf.getvalue()}", flush=True)
+    return out
 
 
 def main(argv=None):
@@ -108,6 +135,9 @@ def main(argv=None):
                     help="pin only this many GiB of experts in host RAM, the rest read from the model file "
                          "(engine/cuda/memory_mode.py); auto: what RAM holds beside the file (bench/host_ram.py)")
     ap.add_argument("--out", type=Path, help="the rows as JSON, rewritten as each one is measured")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="cProfile the first measured prompt of each budget and print its N costliest functions by "
+                         "own time (where the host's time goes: Python, or launches blocked behind the GPU)")
     a = ap.parse_args(argv)
 
     import shutil
@@ -161,8 +191,12 @@ def main(argv=None):
             log(f"budget {b}: {e}")
             continue
         warm(be, rng)
-        for n in lengths:
-            row = prompt_row(be, tracer, b, n, rng, profile=not a.no_profile)
+        for i, n in enumerate(lengths):
+            if a.host_profile and i == 0:
+                row = host_profiled(lambda: prompt_row(be, tracer, b, n, rng, profile=not a.no_profile),
+                                    a.host_profile, f"budget {b}, prompt {n}")
+            else:
+                row = prompt_row(be, tracer, b, n, rng, profile=not a.no_profile)
             rows.append(row)
             log(json.dumps(row))
             dump(a.out, facts, rows)
