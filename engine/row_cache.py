@@ -6,8 +6,8 @@ touched through a map count in the process's RSS until the kernel drops them, po
 page cache only, so RSS stays the slab's size whatever the table's.
 
 A call is vectorized (docs/experiments.md, "The PLE row gather, vectorized": the per-row Python loop cost 3-5 us a
-row): its distinct rows once (np.unique), the cached ones looked up in one dict pass and copied from the slab by
-one fancy index, the misses sorted and read one pread per run of adjacent rows by a numba loop that holds no GIL
+row): its distinct rows once (np.unique), the cached ones looked up at once (engine/row_index.py, a numba hash
+table) and copied from the slab by one fancy index, the misses sorted and read one pread per run of adjacent rows by a numba loop that holds no GIL
 (engine/row_read.py; a prompt chunk's misses split over a few threads), then every row placed by one take.
 
 Counts, per look-up: a row asked for in a call is a hit when the cache held it before the call or it came earlier
@@ -26,7 +26,8 @@ import threading
 import numpy as np
 
 from engine.quant_types import dequantize
-from engine.row_read import read_runs
+from engine.row_index import RowIndex
+from engine.row_read import read_rows
 
 EVICT_SHARE = 1 / 64        # the least part of the slab one eviction frees
 _FREE = np.iinfo(np.int64).max   # a free slot's use stamp: never the least recent
@@ -43,17 +44,18 @@ class RowCache:
         self.row_bytes = int(tensor.data.shape[-1])
         self.capacity = max(1, int(capacity_bytes) // self.row_bytes)
         self._slab = np.empty((self.capacity, self.row_bytes), np.uint8)
-        self._slot: dict[int, int] = {}                             # row -> slab slot
+        self._index = RowIndex(self.capacity)                       # row -> slab slot
         self._row = np.full(self.capacity, -1, np.int64)            # slot -> row (-1: free)
         self._used = np.full(self.capacity, _FREE, np.int64)   # slot -> last use (free: max)
-        self._free = list(range(self.capacity - 1, -1, -1))
+        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)   # free slots: a stack of n_free
+        self.n_free = self.capacity
         self._clock = 0                                             # look-ups so far: the use stamps' time
         self._lock = threading.Lock()
         self._fd = os.open(tensor.path, os.O_RDONLY)
         self.hits = 0
         self.lookups = 0
-        read_runs(self._fd, 0, self.row_bytes, np.zeros(0, np.int64), np.zeros(0, np.int64), self._slab[:0],
-                  np.zeros(0, np.int64))     # compiled now, not at the first prompt
+        read_rows(self._fd, 0, self.row_bytes, np.zeros(0, np.int64), np.zeros(0, np.int64),
+                  self._slab[:0])     # compiled now, not at the first prompt
 
     @property
     def nbytes(self) -> int:
@@ -96,8 +98,7 @@ class RowCache:
         last = (n - 1 - last_rev).astype(np.int64)
         inv = inv_rev.reshape(-1)[::-1]
         with self._lock:
-            get = self._slot.get
-            slots = np.fromiter((get(r, -1) for r in u.tolist()), np.int64, len(u))
+            slots = self._index.lookup(u)
             held = slots >= 0
             miss = np.flatnonzero(~held)
             data = np.empty((len(u), self.row_bytes), np.uint8)
@@ -127,43 +128,36 @@ class RowCache:
         else:
             n_held = int(held.sum())
         k = len(miss)
-        if k > len(self._free):
+        if k > self.n_free:
             # evict the least recent (this call's hits are the most recent: never among them while it fits)
-            evictable = self.capacity - len(self._free) - n_held
-            e = min(evictable, max(k - len(self._free), int(self.capacity * EVICT_SHARE)))
+            evictable = self.capacity - self.n_free - n_held
+            e = min(evictable, max(k - self.n_free, int(self.capacity * EVICT_SHARE)))
             if e > 0:
                 self._drop(np.argpartition(self._used, e - 1)[:e] if e < self.capacity else np.arange(self.capacity))
-        take = self._free[len(self._free) - k:]
-        del self._free[len(self._free) - k:]
-        to = np.asarray(take, np.int64)
+        self.n_free -= k
+        to = self._free[self.n_free:self.n_free + k].copy()
         rows = u[miss]
         self._slab[to] = data[miss]
         self._row[to] = rows
         self._used[to] = stamp[miss]
-        self._slot.update(zip(rows.tolist(), take))
+        self._index.insert(rows, to)
 
     def _drop(self, slots: np.ndarray) -> None:
         """Free these occupied slots."""
-        pop = self._slot.pop
-        for r in self._row[slots].tolist():
-            pop(r)
+        self._index.delete(self._row[slots])
         self._row[slots] = -1
         self._used[slots] = _FREE
-        self._free.extend(slots.tolist())
+        self._free[self.n_free:self.n_free + len(slots)] = slots
+        self.n_free += len(slots)
 
     def _read(self, rows: np.ndarray, dst: np.ndarray, at: np.ndarray) -> None:
-        """dst[at[i]] = row rows[i] from the file (rows sorted, distinct): one pread per run of adjacent rows whose
-        places are adjacent too."""
-        brk = np.flatnonzero((np.diff(rows) != 1) | (np.diff(at) != 1)) + 1
-        starts = np.concatenate([[0], brk]).astype(np.int64)
-        lens = np.diff(np.concatenate([starts, [len(rows)]])).astype(np.int64)
-        bad = read_runs(self._fd, self.tensor.offset, self.row_bytes, rows[starts], lens, dst, at[starts])
+        """dst[at[i]] = row rows[i] from the file (rows sorted, distinct)."""
+        bad = read_rows(self._fd, self.tensor.offset, self.row_bytes, rows, at, dst)
         if bad >= 0:
-            row = int(rows[starts[bad]])
+            row = int(rows[bad])
             at_byte = self.tensor.offset + row * self.row_bytes
             raise OSError(f"{self.tensor.path}: a read of row {row} of {self.tensor.name} at byte {at_byte:,} "
-                          f"returned less than its {int(lens[bad]) * self.row_bytes} bytes; the file was cut short "
-                          f"after it was opened")
+                          f"came back short; the file was cut short after it was opened")
 
     def close(self) -> None:
         if self._fd >= 0:

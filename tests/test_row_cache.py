@@ -123,7 +123,7 @@ def test_calls_agree_with_the_lru_rule_and_the_file(tmp_path, capacity):
         model.call(ids.tolist())
         np.testing.assert_array_equal(got, want[ids])
         assert (cache.lookups, cache.hits) == (model.lookups, model.hits)
-        assert set(cache._slot) == set(model.order)
+        assert set(cache._index.items()) == set(model.order)
     held = np.array(list(model.order))
     before = cache.hits
     cache.raw(held)
@@ -139,15 +139,16 @@ def test_a_full_slab_evicts_in_batches_and_stays_right(tmp_path):
     rng = np.random.default_rng(3)
     for _ in range(200):
         ids = rng.integers(0, 3000, int(rng.integers(1, 50)))
-        held = np.isin(ids, np.fromiter(cache._slot, np.int64, len(cache._slot)))
+        held = np.isin(ids, np.array(list(cache._index.items()), np.int64))
         h0 = cache.hits
         np.testing.assert_array_equal(cache.raw(ids), want[ids])
         first = np.zeros(len(ids), bool)
         first[np.unique(ids, return_index=True)[1]] = True
         assert cache.hits - h0 == len(ids) - int((first & ~held).sum())
-        assert len(cache._slot) <= cache.capacity
-        assert len(cache._slot) + len(cache._free) == cache.capacity
-        assert all(cache._row[s] == r for r, s in cache._slot.items())
+        slots = cache._index.items()
+        assert len(slots) == len(cache._index) <= cache.capacity
+        assert len(slots) + cache.n_free == cache.capacity
+        assert all(cache._row[s] == r for r, s in slots.items())
 
 
 def test_rows_go_into_a_given_buffer_and_uncounted_gathers_count_later(tmp_path):
@@ -170,7 +171,7 @@ def test_reads_split_over_threads_give_the_same_rows(tmp_path, monkeypatch):
     t = table(tmp_path, Q.Q8_0, 5000, 32)
     ids = np.random.default_rng(4).permutation(5000)[:3000]
     whole = RowCache(t, 1 << 20).raw(ids)
-    monkeypatch.setattr(row_read, "SPLIT_RUNS", 50)
+    monkeypatch.setattr(row_read, "SPLIT_ROWS", 50)
     monkeypatch.setattr(row_read, "_threads", lambda: 3)
     np.testing.assert_array_equal(RowCache(t, 1 << 20).raw(ids), whole)
     np.testing.assert_array_equal(whole, np.asarray(t.data)[ids])
