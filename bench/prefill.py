@@ -2,7 +2,7 @@
 
     python -m bench.prefill [--model data/models/qwen3-30b-a3b-q4k-g3.gguf] [--budgets all,16,12]
                             [--prompts 1024,4096,8192,32768] [--chunk auto] [--ring N] [--out prefill.json]
-                            [--no-profile] [--lend-floor N]
+                            [--no-profile] [--lend-floor N] [--host-profile N]
 
 One process, a backend per budget (--vram-budget-mib semantics: weights, KV cache, expert cache and the prompt
 pass's buffers all count; bench.decode's fresh_backend: built once the last one gave its VRAM back, filled from the
@@ -14,7 +14,9 @@ ring batch's copies), and that share within the streamed layers only (from the f
 last one's end, per chunk: the issue's "link busy >= 80% in streamed layers"). A second table splits the
 GPU time by phase (dense projections, attention, router, expert sort, gate/up, down, ring waits, other) from CUDA
 events recorded between phases, with the host's time to enqueue a chunk beside it (a launch-bound pass shows GPU
-time well under the wall time).
+time well under the wall time). A third table splits each chunk's host time (bench/prompt_pass.py host_split:
+the expert tables, the family's inputs such as qwen4exp's PLE rows, the layers' launches, what follows the last
+one); --host-profile N prints a cProfile of each budget's first prompt (Python, or launches blocked behind the GPU).
 Targets (issue 5, against llama.cpp on the same machine): 12 GiB, 4K >= 6,500 tok/s with the link >= 80% busy;
 everything resident, 4K >= 9,840 tok/s. The KV cache is sized for the longest prompt: at 32K it takes ~6 GiB of a
 budget (reported), so run `--prompts 1024,4096,8192` separately for the 4K target at 12 GiB.

@@ -1,9 +1,9 @@
 """A prompt chunk's table rows hashed and gathered on a worker thread while the chunk before runs (issue 35 item 4).
 
 qwen4exp's prompt pass needs a chunk's n-gram rows (16 a token) before its PLE layer; read when the chunk starts they
-hold the host for ~60 ms a 4K chunk even vectorized (docs/experiments.md, "The PLE row gather, vectorized"). RowsAhead
-gathers the raw rows of the chunk that comes next (ahead()) into one of two host buffers (pinned where the CUDA pass
-uploads from them) while the GPU runs this one; take() hands them over when they are the rows asked for (the same
+hold the host for ~50-150 ms a 4K chunk even vectorized (docs/experiments.md, "qwen4exp's prompt-pass host time").
+RowsAhead gathers the raw rows of the chunk that comes next (ahead()) into one of two host buffers (pinned where the
+CUDA pass uploads from them) while the GPU runs this one; take() hands them over when they are the rows asked for (the same
 tokens after the same context), else gathers now. Either way the bytes are RowCache's for the same ids, so what the
 pass computes does not change. A buffer is written again only after its fence (the consumer's upload finished).
 

@@ -5,10 +5,11 @@ come from the file by positioned reads (pread into the caller's buffer), not thr
 touched through a map count in the process's RSS until the kernel drops them, positioned reads leave them in the
 page cache only, so RSS stays the slab's size whatever the table's.
 
-A call is vectorized (docs/experiments.md, "The PLE row gather, vectorized": the per-row Python loop cost 3-5 us a
-row): its distinct rows once (np.unique), the cached ones looked up at once (engine/row_index.py, a numba hash
-table) and copied from the slab by one fancy index, the misses sorted and read one pread per run of adjacent rows by a numba loop that holds no GIL
-(engine/row_read.py; a prompt chunk's misses split over a few threads), then every row placed by one take.
+A call is vectorized (docs/experiments.md, "qwen4exp's prompt-pass host time": the per-row Python loop cost 3-5 us
+a row): its distinct rows once (np.unique), the cached ones looked up at once (engine/row_index.py, a numba hash
+table) and copied from the slab by one fancy index, the misses sorted and read one pread per run of adjacent rows
+by a numba loop that holds no GIL (engine/row_read.py; a prompt chunk's misses split over a few threads), then
+every row placed by one take.
 
 Counts, per look-up: a row asked for in a call is a hit when the cache held it before the call or it came earlier
 in the same call (a row asked for twice in one call is a miss, then a hit), so `lookups - hits` is the number of

@@ -1,8 +1,8 @@
 """Positioned reads of many runs of rows from one file, without the GIL (engine/row_cache.py's misses).
 
-A numba loop calls libc's pread once per run of adjacent rows: ~0.5 us a row of 90 bytes from the page cache on the 2-core dev box,
-against ~1.2 us for os.preadv from a Python loop and ~4 us for the row cache's old per-row path
-(docs/experiments.md, "The PLE row gather, vectorized"). Calls of many runs are split over a few threads (a
+A numba loop calls libc's pread once per run of adjacent rows: ~0.5 us a row of 90 bytes from the page cache on
+the 2-core dev box, against ~1.2 us for os.preadv from a Python loop and ~4 us for the row cache's old per-row path
+(docs/experiments.md, "qwen4exp's prompt-pass host time"). Calls of many rows are split over a few threads (a
 prompt chunk's 65,536 rows; a decode token's 16 stay on the caller's thread). Without numba (the CPU backend's
 requirement, so normally present) the same reads run as an os.preadv loop.
 """
