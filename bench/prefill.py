@@ -2,7 +2,7 @@
 
     python -m bench.prefill [--model data/models/qwen3-30b-a3b-q4k-g3.gguf] [--budgets all,16,12]
                             [--prompts 1024,4096,8192,32768] [--chunk auto] [--ring N] [--out prefill.json]
-                            [--no-profile] [--lend-floor N]
+                            [--no-profile] [--lend-floor N] [--host-profile N]
 
 One process, a backend per budget (--vram-budget-mib semantics: weights, KV cache, expert cache and the prompt
 pass's buffers all count; bench.decode's fresh_backend: built once the last one gave its VRAM back, filled from the
@@ -14,7 +14,9 @@ ring batch's copies), and that share within the streamed layers only (from the f
 last one's end, per chunk: the issue's "link busy >= 80% in streamed layers"). A second table splits the
 GPU time by phase (dense projections, attention, router, expert sort, gate/up, down, ring waits, other) from CUDA
 events recorded between phases, with the host's time to enqueue a chunk beside it (a launch-bound pass shows GPU
-time well under the wall time).
+time well under the wall time). A third table splits each chunk's host time (bench/prompt_pass.py host_split:
+the expert tables, the family's inputs such as qwen4exp's PLE rows, the layers' launches, what follows the last
+one); --host-profile N prints a cProfile of each budget's first prompt (Python, or launches blocked behind the GPU).
 Targets (issue 5, against llama.cpp on the same machine): 12 GiB, 4K >= 6,500 tok/s with the link >= 80% busy;
 everything resident, 4K >= 9,840 tok/s. The KV cache is sized for the longest prompt: at 32K it takes ~6 GiB of a
 budget (reported), so run `--prompts 1024,4096,8192` separately for the 4K target at 12 GiB.
@@ -77,7 +79,34 @@ def print_tables(rows) -> None:
             cells = " | ".join(f"{ph[n]:.1f} ({100 * ph[n] / gpu:.0f}%)" for n in names)
             print(f"| {r['budget']} | {r['prompt']} | {cells} | {gpu:.1f} | {1000 * r['prompt'] / r['tok_s']:.1f} "
                   f"| {r['host_ms_per_chunk']:.1f} |")
+    split = [r for r in rows if "host_split_ms" in r]
+    if split:
+        print("\nhost ms per chunk (bench/prompt_pass.py host_split): groups = expert tables, begin = the family's "
+              "inputs (qwen4exp: PLE rows taken; gather = their gather, on the worker when ahead; wait = begin "
+              "waiting for it), layers = enqueuing the layers (blocks when the GPU is behind), after = last layer "
+              "enqueued to logits on the host:")
+        print("| budget GiB | prompt | chunks | host/chunk | groups | begin | rows gather | rows wait | chunks ahead "
+              "| layers | after |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in split:
+            h = r["host_split_ms"]
+            print(f"| {r['budget']} | {r['prompt']} | {r['chunks']} | {r['host_ms_per_chunk']:.1f} | "
+                  f"{h['groups_ms']:.1f} | {h['begin_ms']:.1f} | {h['rows_gather_ms']:.1f} | {h['rows_wait_ms']:.1f} "
+                  f"| {h['rows_ahead']} | {h['layers_ms']:.1f} | {h['after_ms']:.1f} |")
 
+
+
+def host_profiled(fn, top: int, what: str):
+    """fn() under cProfile; its `top` costliest functions by own time printed (stdout), its result returned."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    out = prof.runcall(fn)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    print(f"\nhost profile ({what}), by own time:\n{buf.getvalue()}", flush=True)
+    return out
 
 
 def main(argv=None):
@@ -108,6 +137,9 @@ def main(argv=None):
                     help="pin only this many GiB of experts in host RAM, the rest read from the model file "
                          "(engine/cuda/memory_mode.py); auto: what RAM holds beside the file (bench/host_ram.py)")
     ap.add_argument("--out", type=Path, help="the rows as JSON, rewritten as each one is measured")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="cProfile the first measured prompt of each budget and print its N costliest functions by "
+                         "own time (where the host's time goes: Python, or launches blocked behind the GPU)")
     a = ap.parse_args(argv)
 
     import shutil
@@ -161,8 +193,12 @@ def main(argv=None):
             log(f"budget {b}: {e}")
             continue
         warm(be, rng)
-        for n in lengths:
-            row = prompt_row(be, tracer, b, n, rng, profile=not a.no_profile)
+        for i, n in enumerate(lengths):
+            if a.host_profile and i == 0:
+                row = host_profiled(lambda: prompt_row(be, tracer, b, n, rng, profile=not a.no_profile),
+                                    a.host_profile, f"budget {b}, prompt {n}")
+            else:
+                row = prompt_row(be, tracer, b, n, rng, profile=not a.no_profile)
             rows.append(row)
             log(json.dumps(row))
             dump(a.out, facts, rows)

@@ -19,6 +19,8 @@ def read_prompt(be, tracer, prompt, profile=True):
     for i in range(0, len(prompt), step):
         part = prompt[i:i + step]
         c0 = time.perf_counter()
+        if i + step < len(prompt):
+            be.read_ahead(prompt[i + step:i + 2 * step])      # as the session hints the next part
         be.forward(part)                      # returns the last logits on the host: the chunk has finished
         dt = time.perf_counter() - c0
         last = dict(tracer.last)
@@ -30,10 +32,28 @@ def read_prompt(be, tracer, prompt, profile=True):
         busy_w, win = runner.busy_within_ms(*window) if window is not None else (0.0, 0.0)
         chunks.append(dict(tokens=len(part), s=dt, ring=last["ring"], lent=last.get("lent", 0), bytes=last["bytes"],
                            busy_s=busy, busy_streamed_s=busy_w / 1000, streamed_s=win / 1000,
-                           host_ms=last.get("host_ms", 0.0), phases=timer.totals() if timer is not None else None))
+                           host_ms=last.get("host_ms", 0.0), phases=timer.totals() if timer is not None else None,
+                           host={k: last[k] for k in HOST_KEYS if k in last}))
     total = time.perf_counter() - t0
     tracer.copy_timing = tracer.phase_timing = False
     return total, chunks
+
+
+# Prefill.forward's host split of a chunk (ms) and qwen4exp's PLE rows (families/qwen4exp.py Q4Prompt.host_facts)
+HOST_KEYS = ("groups_ms", "begin_ms", "layers_ms", "rows_gather_ms", "rows_wait_ms", "rows_ahead")
+
+
+def host_split(chunks) -> dict:
+    """Per chunk, averaged: the host's ms in each part of Prefill.forward (groups: the expert tables; begin: the
+    family's per-chunk inputs, qwen4exp's PLE rows taken or gathered; layers: enqueuing the layers, which blocks
+    once the GPU is far enough behind), the PLE gather's own ms (on the worker when ahead) and how long begin waited
+    for it, the chunks whose rows were gathered ahead, and after_ms: from the last layer enqueued to the logits on
+    the host (the GPU's backlog then, plus the output head)."""
+    n = max(len(chunks), 1)
+    out = {k: round(sum(c["host"].get(k, 0.0) for c in chunks) / n, 1) for k in HOST_KEYS if k != "rows_ahead"}
+    out["rows_ahead"] = sum(bool(c["host"].get("rows_ahead")) for c in chunks)
+    out["after_ms"] = round(sum(1000 * c["s"] - c["host_ms"] for c in chunks) / n, 1)
+    return out
 
 
 def streamed_busy(chunks) -> float:
@@ -59,7 +79,8 @@ def prompt_row(be, tracer, budget, n: int, rng, profile: bool = True) -> dict:
                link_gbps_avg=round(nbytes / total / 1e9, 1),
                copy_busy_share=round(busy / total, 3),
                link_busy_streamed=round(streamed_busy(chunks), 3), first_chunk_s=round(chunks[0]["s"], 3),
-               host_ms_per_chunk=round(sum(c["host_ms"] for c in chunks) / len(chunks), 1))
+               host_ms_per_chunk=round(sum(c["host_ms"] for c in chunks) / len(chunks), 1),
+               host_split_ms=host_split(chunks))
     if all(c["phases"] for c in chunks):
         row["phase_ms"] = {p: round(sum(c["phases"][p] for c in chunks), 2) for p in chunks[0]["phases"]}
     return row

@@ -109,6 +109,11 @@ class Backend:
         self.n_cached = snap.n_tokens
 
     # --- may override ----------------------------------------------------------------------------------------
+    def read_ahead(self, tokens) -> None:
+        """A hint: the forward()/decode() call after the next one will start with these tokens, so a backend may
+        gather their host-side inputs while the next call runs (the CUDA qwen4exp pass: its n-gram rows). What is
+        computed must not depend on it. Nothing here."""
+
     def prompt_chunk_size(self) -> int:
         """Largest number of prompt tokens forward() takes at once (the session splits prompts by this)."""
         return 256

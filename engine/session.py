@@ -197,6 +197,9 @@ class Session:
                 # A checkpoint position inside the chunk splits it (one PP still follows the whole chunk).
                 cut = min([m for m in marks if pos < m < end], default=end)
                 part = prompt[pos:cut]
+                after = _next_part(prompt, cut, end, chunk, marks)
+                if len(after):
+                    backend.read_ahead(after)      # e.g. its host inputs gathered while this part runs
                 if cut == len(prompt) and req.max_new > 0:
                     # The backend picks the first new token with the prompt's last logits (on the GPU for cuda).
                     first = self._pick(part, sampler, constraint, req.logprobs,
@@ -304,6 +307,14 @@ class Session:
                     file_blobs=st.file_blobs, file_mb=float(st.file_mb), prompt_read=read)
         emit(protocol.format_done(done))
         return done
+
+
+def _next_part(prompt, cut: int, end: int, chunk: int, marks) -> list:
+    """The part of the prompt the loop in Session.run feeds after prompt[..cut] (end: the current chunk's end)."""
+    if cut >= len(prompt):
+        return []
+    nxt_end = end if cut < end else min(cut + chunk, len(prompt))
+    return prompt[cut:min([m for m in marks if cut < m < nxt_end], default=nxt_end)]
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

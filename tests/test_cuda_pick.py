@@ -183,7 +183,7 @@ class _FakePrefill:
     def __init__(self, be):
         self.be = be
 
-    def forward(self, part, pos, all_logits):
+    def forward(self, part, pos, all_logits, ahead=None):
         held = self.be.held
         del held[pos:]
         rows = []

@@ -62,7 +62,7 @@ class _Copy:
 
 
 class _RecurrentPrefill(tp._FakePrefill):
-    def forward(self, part, pos, all_logits):
+    def forward(self, part, pos, all_logits, ahead=None):
         rows = []
         for i, t in enumerate(part):
             rows.append(super().forward([t], pos + i, True)[0])

@@ -71,13 +71,34 @@ class FakeStream:
         pass
 
 
+class FakeDevice:
+    attributes = {"MultiProcessorCount": 132}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class FakeEvent:
+    def __init__(self, disable_timing=False):
+        self.recorded = 0
+
+    def record(self, stream=None):
+        self.recorded += 1
+
+    def synchronize(self):
+        assert self.recorded
+
+
 def fake_cupy(rec):
     def empty(shape, dtype=np.float32):
         return np.full(shape, np.nan, dtype=dtype) if np.dtype(dtype).kind == "f" else np.zeros(shape, dtype)
     runtime = NS(memcpyAsync=lambda *a: rec.calls.append("memcpy"), memsetAsync=lambda *a: rec.calls.append("memset"),
                  memcpyHostToDevice=1)
     cuda = NS(runtime=runtime, get_current_stream=lambda: FakeStream(),
-              Device=lambda *a: NS(attributes={"MultiProcessorCount": 132}))
+              Device=lambda *a: FakeDevice(), Event=FakeEvent)
     return NS(float32=np.float32, float16=np.float16, uint8=np.uint8, int32=np.int32, uint64=np.uint64,
               zeros=np.zeros, empty=empty, full=np.full, asarray=np.asarray, empty_like=np.empty_like, exp=np.exp,
               ndarray=np.ndarray, cuda=cuda)
@@ -274,7 +295,15 @@ def test_the_prompt_program_runs_a_chunk(request, monkeypatch, which, T, pos0):
         return out
 
     routed = []
+    table = faked.fam.rows
+
+    def dequant(addr, qt, row_bytes, rows, cols):
+        assert (qt, row_bytes, cols) == (int(table.tensor.qtype), table.row_bytes, table.width)
+        rec.calls.append("dequant_rows")
+        return np.zeros((rows, cols), np.float32)
+
     prefill = NS(cfg=cfg, kernels=rec.kern, launcher=FakeLauncher(rec), weights=faked.w, kv=st.kv, step=st,
+                 dequant=dequant,
                  chunk=16, linear=linear, linear_f16=linear_f16, _mark=lambda phase: None,
                  linear_into=lambda W, X, out: out, _view=lambda name, T, width: np.zeros((T, width), np.float32),
                  route=lambda li, logits, T, renorm: routed.append((li, logits.shape, renorm)),
@@ -287,8 +316,13 @@ def test_the_prompt_program_runs_a_chunk(request, monkeypatch, which, T, pos0):
     prog = fam_mod.Q4Prompt(prefill, state, faked.fam)
     toks = list(range(100, 100 + T))
     prog.begin_chunk(toks, pos0)
-    assert prog.eta.shape == (T, cfg.family_params.n_ple_heads * cfg.family_params.ple_width)
-    assert list(state.ids) == toks[-2:]
+    p = cfg.family_params
+    assert prog.eta.shape == (T, p.n_ple_heads * p.ple_width)
+    assert rec.calls[-2:] == ["memcpy", "dequant_rows"]          # the raw rows uploaded, dequantized on the GPU
+    assert list(state.ids) == toks[-2:] and table.lookups == T * p.n_ple_heads
+    assert prog.host_facts()["rows_ahead"] is False
+    nxt = list(range(300, 300 + T))
+    prog.read_ahead(nxt)                                         # the next chunk's rows gathered on the worker
     x, xn = np.zeros((T, N), np.float32), np.zeros((T, N), np.float32)
     for li, L in enumerate(faked.w.layers):
         prog.layer(li, L, x, xn, T, pos0)
@@ -300,3 +334,11 @@ def test_the_prompt_program_runs_a_chunk(request, monkeypatch, which, T, pos0):
     assert rec.calls.count("qsa_pool") == (1 if (pos0 + T) // r > pos0 // r else 0)
     gdn_launch = "gdn_prefill" if which == "faked_wide" else "q4_gdn_conv"
     assert rec.calls.count(gdn_launch) == sum(cfg.recurrent_layers) and D == 4 * N
+    # the next chunk: its rows are the ones gathered ahead, counted once taken
+    prog.begin_chunk(nxt, pos0 + T)
+    assert prog.host_facts()["rows_ahead"] is True and list(state.ids) == nxt[-2:]
+    assert table.lookups == 2 * T * p.n_ple_heads
+    # a chunk other than the one named ahead: gathered when asked
+    prog.read_ahead(list(range(500, 500 + T)))
+    prog.begin_chunk(list(range(700, 700 + T)), pos0 + 2 * T)
+    assert prog.host_facts()["rows_ahead"] is False and table.lookups == 3 * T * p.n_ple_heads

@@ -329,16 +329,25 @@ class CUDABackend(Backend):
         with self.stream:
             if self.cache is not None:
                 self.cache.poll(self.stream)
+            hint, self._hint = self._hint, None
             for i in range(0, len(tokens), step):
                 part = list(tokens[i:i + step])
                 last = i + step >= len(tokens)
-                lg = self.prefill.forward(part, self.n_cached, all_logits)
+                ahead = hint if last else list(tokens[i + step:i + 2 * step])
+                lg = self.prefill.forward(part, self.n_cached, all_logits, ahead=ahead)
                 self.n_cached += len(part)
                 if all_logits or last:
                     out.append(lg)
             if self.cache is not None and self.opts.adapt_every:
                 self.cache.adapt(self.stream)    # the prompt's routing fills free slots and warms the tier
             return out[0] if len(out) == 1 else cp.concatenate(out, axis=0)
+
+    _hint = None        # read_ahead's tokens, for the next prompt pass's last chunk
+
+    def read_ahead(self, tokens) -> None:
+        """As Backend.read_ahead: the next prompt pass's last chunk hands these tokens (at most a chunk) to the family's
+        prompt program, which gathers their host inputs while the GPU runs (qwen4exp: the n-gram rows)."""
+        self._hint = [int(t) for t in tokens][:self.prompt_chunk_size()] or None
 
     def forward(self, tokens, all_logits: bool = False) -> np.ndarray:
         tokens = [int(t) for t in tokens]

@@ -362,7 +362,14 @@ class Prefill:
             v = self._views[name, width] = self.buf[name][:T * width].reshape(T, width)
         return v
 
-    def forward(self, tokens, pos0: int, all_logits: bool) -> cp.ndarray:
+    def forward(self, tokens, pos0: int, all_logits: bool, ahead=None) -> cp.ndarray:
+        """The chunk `tokens` at positions pos0.. through every layer: its logits (all, or the last row's). ahead: the
+        token ids of the chunk that will follow, when known (the family gathers its host inputs meanwhile).
+
+        The chunk's facts for the tracer: host_ms from the start to the last layer enqueued (launches block once
+        the GPU is far enough behind, so on a GPU-bound pass this is close to the wall time too), begin_ms of it in
+        the family's per-chunk host inputs (qwen4exp: its PLE rows, rows_* in host_facts), groups_ms in the expert
+        groups' tables, layers_ms enqueuing the layers."""
         c, w, mv = self.cfg, self.weights, self.launcher
         T = len(tokens)
         if T > self.chunk:
@@ -375,6 +382,7 @@ class Prefill:
         self.kernels("embed", te.qt)((T,), (256,), (U64(te.ptr), I64(te.row_bytes), ptr(tok), NULL, NULL, ptr(x),
                                             I32(c.n_embd)))
         groups = runner = ring_views = window = None
+        t_groups = time.perf_counter()
         if c.is_moe:
             groups, ring_views, runner, batches = self._groups(T)
             if runner is not None:
@@ -389,7 +397,11 @@ class Prefill:
                 src_of = getattr(self.dev, "source_of", None) or (lambda li, e: int(arena[li * c.n_expert + e]))
                 runner.begin_chunk(batches, src_of)
         self._chunk = (groups, runner, ring_views)
+        t_begin = time.perf_counter()
         self.layers.begin_chunk(tokens, pos0)   # the family's per-chunk host inputs (qwen4exp: its PLE rows)
+        if ahead is not None:
+            self.layers.read_ahead(ahead)       # ... and the next chunk's, gathered while this one runs
+        t_layers = time.perf_counter()
         self._mark("other")
         # bench: the link's busy share counts from the first layer that streams experts to the end of the last one
         streamed = [li for li in range(c.n_layer) if ring_views[li]] if window and self.tracer.copy_timing else []
@@ -408,7 +420,10 @@ class Prefill:
                          window=tuple(window) if streamed else None)
         else:
             facts = dict(ring=0, lent=0, bytes=0, runner=None, window=None)
-        facts.update(tokens=T, host_ms=(time.perf_counter() - t0) * 1000)
+        t_end = time.perf_counter()
+        facts.update(tokens=T, host_ms=(t_end - t0) * 1000, groups_ms=(t_begin - t_groups) * 1000,
+                     begin_ms=(t_layers - t_begin) * 1000, layers_ms=(t_end - t_layers) * 1000,
+                     **self.layers.host_facts())
         if all_logits:
             xo = x      # a family without an output norm (qwen4exp) leaves x normed by its own last step
             if w.output_norm is not None:

@@ -20,7 +20,8 @@ engine asks it, and never tests the architecture:
     request_info(), reset_stats(), info(), close()   its own counters, facts and files (none in moe.py)
     window_program()                   (decode layer class, its verify-window step class: decode_window.py), or None
 The layer programs' host hooks: the decode program's set_inputs(token, pos) before each launch, the prompt
-program's begin_chunk(tokens, pos0) before each chunk (qwen4exp reads its n-gram rows there).
+program's begin_chunk(tokens, pos0) before each chunk (qwen4exp reads its n-gram rows there), then read_ahead(tokens)
+when the next chunk is known (qwen4exp gathers its rows on a worker meanwhile), and host_facts() for the benches.
 The decode program's phases are split where the routing is known: the prefetch may launch the router instead (and
 runs before the ffn), the paged memory modes stage the routed experts there. docs/design.md, "How to add a family".
 """

@@ -320,6 +320,14 @@ class MoePrompt:
     def begin_chunk(self, tokens, pos0: int) -> None:
         """Before a chunk's first layer (Prefill.forward), with its token ids: nothing here."""
 
+    def read_ahead(self, tokens) -> None:
+        """After begin_chunk, when the chunk after this one is known (its token ids): nothing here (qwen4exp gathers
+        its n-gram rows meanwhile)."""
+
+    def host_facts(self) -> dict:
+        """The last chunk's host-side facts for the prompt benches (Prefill.forward's facts): none here."""
+        return {}
+
     def layer(self, li, layer, x, xn, T: int, pos0: int) -> None:
         """x (T, n_embd) through layer li for a chunk of T tokens at positions pos0...; xn: scratch of x's shape."""
         self.mixer(li, layer, x, xn, T, pos0)

@@ -12,10 +12,13 @@ modes) with
   beside the K/V of the attention layers), block scores, the top budget/r blocks plus the tail, attention over
   those positions (dense while at most budget/r blocks are complete); the position is read on the device, so the
   decode graph serves both regimes;
-- the PLE n-gram embedding at its layer: rows hashed on the host from the token n-grams (ple_rows: exact uint64, the
-  EOS reset) and read through engine/row_cache.py's bounded LRU, into a pinned buffer the decode graph uploads at
-  its start (the prompt: per chunk); then its projections, gates and dilated conv with history on the GPU. The row
-  counts go out as INFO ple_row_lookups / ple_row_hits (request_info).
+- the PLE n-gram embedding at its layer: rows hashed on the host from the token n-grams (ple_ids: exact uint64, the
+  EOS reset) and read through engine/row_cache.py's bounded LRU. Decode: dequantized on the host into a pinned
+  buffer the decode graph uploads at its start. Prompt: a chunk's raw rows gathered into a pinned buffer, on a
+  worker thread while the chunk before runs when the next chunk is known (engine/row_ahead.py), uploaded raw (a
+  ninth of the float32 bytes at Q4_0) and dequantized on the GPU by the engine's dequant_rows; then its
+  projections, gates and dilated conv with history on the GPU. The row counts go out as INFO ple_row_lookups /
+  ple_row_hits (request_info).
 - the recurrent state (Q4State): every GDN layer's conv window and delta matrices, the PLE conv history (VRAM) and
   the PLE token context (host), snapshot and restored whole by the worker's checkpoints. QSA's indexer keys and
   pooled keys are per position like K/V: a rewind keeps the positions before it, and the blocks they complete.
@@ -39,6 +42,7 @@ from engine.cuda.families.moe import MoeDecode, MoeFamily, MoeLayer, MoePrompt, 
 from engine.cuda.families.q4ops import Gdn, Hc, HcWeights, Ple, Qsa, gdn_cu_shape, q4_shape
 from engine.cuda.launch import load_mixed, mixed_pairs, ptr
 from engine.cuda.weights import DeviceWeights, DevMatrix, Upload
+from engine.row_ahead import RowsAhead
 from engine.row_cache import RowCache
 
 MiB = 1 << 20
@@ -91,11 +95,14 @@ class Q4Layer(MoeLayer):
 
 @dataclass
 class Q4Weights(DeviceWeights):
-    """DeviceWeights with the final HC read (output_hc_*) in place of output_norm (None)."""
+    """DeviceWeights with the final HC read (output_hc_*) in place of output_norm (None); ple_qt: the n-gram table's
+    quant type (the prompt pass dequantizes its rows with dequant_rows), None without a PLE layer."""
     hc_out: HcWeights | None = None
+    ple_qt: int | None = None
 
     def qtype_ids(self) -> set[int]:
-        return super().qtype_ids() | {m.qt for m in self.hc_out.matrices()}
+        ids = super().qtype_ids() | {m.qt for m in self.hc_out.matrices()}
+        return ids | ({int(self.ple_qt)} if self.ple_qt is not None else set())
 
 
 def hc_weights(up, prefix: str, inject: bool = True) -> HcWeights:
@@ -132,16 +139,22 @@ def q4_layer(up, cfg, il: int) -> Q4Layer:
 
 # --- the PLE rows (host) ----------------------------------------------------------------------------------------
 
-def ple_rows(p, rows: RowCache, tokens, before) -> tuple[np.ndarray, np.ndarray]:
-    """The n-gram embedding of tokens (T, P) float32 (spec 4.8: the context of each token with the EOS reset, the
-    rows hashed in exact uint64, read through the row cache in head order), and the last ngram_size - 1 ids after
-    them (the context the next tokens continue). before: the ids ahead of tokens (EOS at the sequence start)."""
+def ple_ids(p, tokens, before) -> tuple[np.ndarray, np.ndarray]:
+    """The table rows of tokens (T, heads) int64 in head order (spec 4.8: the context of each token with the EOS
+    reset, hashed in exact uint64), and the last ngram_size - 1 ids after them (the context the next tokens
+    continue). before: the ids ahead of tokens (EOS at the sequence start)."""
     tokens = np.asarray(tokens, np.int64).reshape(-1)
     ctx = ref.ple_context(tokens, before, p.ple_eos)
     ids = ref.ple_row_ids(ctx, p.multipliers, p.head_sizes, p.head_offsets, p.heads_per_ngram)
-    eta = rows.rows(ids).reshape(len(tokens), -1).astype(np.float32)
     after = np.concatenate([np.asarray(before, np.int64), tokens])[-(p.ngram_size - 1):]
-    return eta, after
+    return ids, after
+
+
+def ple_rows(p, rows: RowCache, tokens, before) -> tuple[np.ndarray, np.ndarray]:
+    """The n-gram embedding of tokens (T, P) float32, read through the row cache, and the context after them
+    (ple_ids)."""
+    ids, after = ple_ids(p, tokens, before)
+    return rows.rows(ids).reshape(len(ids), -1), after
 
 
 # --- the KV cache with QSA's indexer keys -----------------------------------------------------------------------
@@ -251,6 +264,7 @@ class Qwen4ExpFamily(MoeFamily):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.rows: RowCache | None = None       # the n-gram table's row cache (load_weights opens it)
+        self.ahead: RowsAhead | None = None     # the prompt pass's rows gathered ahead (rows_ahead() makes it)
 
     def load_layer(self, up, i: int) -> Q4Layer:
         L = q4_layer(up, self.cfg, i)
@@ -265,10 +279,18 @@ class Qwen4ExpFamily(MoeFamily):
         w = Q4Weights(tok_embd=tok, output=out, output_norm=None, hc_out=hc_weights(up, "output_hc", inject=False))
         for i in range(cfg.n_layer):
             w.layers.append(self.load_layer(up, i))
-        if self.rows is not None:
-            self.rows.close()
+        self.close()
         self.rows = RowCache(model.tensor(ref.PLE_TABLE), ref.PLE_CACHE_BYTES)
+        w.ple_qt = int(self.rows.tensor.qtype)
         return w
+
+    def rows_ahead(self, alloc=None) -> RowsAhead:
+        """The prompt pass's RowsAhead over the row cache (made at the first call; alloc: its buffers', pinned on
+        CUDA)."""
+        if self.ahead is None:
+            self.ahead = RowsAhead(self.rows, lambda tokens, before: ple_ids(self.cfg.family_params, tokens, before),
+                                   alloc)
+        return self.ahead
 
     def kv_cache(self, max_ctx: int, dtype: str, chunk: int, log) -> Q4KV:
         return Q4KV(self.cfg, max_ctx, dtype)
@@ -286,7 +308,9 @@ class Qwen4ExpFamily(MoeFamily):
         conv = 2 * c.ssm_k_heads * c.ssm_state + c.ssm_inner
         gdn = 2 * conv + 2 * c.ssm_inner + 2 * c.ssm_v_heads
         qsa = 3 * c.n_head * c.head_dim + 2 * (p.indexer_heads * p.indexer_dim + p.indexer_dim)
-        per_token = 4 * (5 * D + max(gdn, qsa) + 4 * c.n_embd)
+        # + the chunk's raw n-gram rows (uploaded, then dequantized into one of the (T, H N)-or-smaller arrays)
+        raw = p.n_ple_heads * (self.rows.row_bytes if self.rows is not None else 4 * p.ple_width)
+        per_token = 4 * (5 * D + max(gdn, qsa) + 4 * c.n_embd) + raw
         bufs = [Buffer("q4_prompt", T * per_token + Qsa.PROMPT_SCORE_BYTES, 1, False)]
         gshape = gdn_cu_shape(c, float(c.rms_eps))
         if any(c.recurrent_layers) and gshape is not None:
@@ -313,6 +337,9 @@ class Qwen4ExpFamily(MoeFamily):
         return {"ple_row_cache_mib": round(self.rows.nbytes / MiB)} if self.rows else {}
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
         if self.rows is not None:
             self.rows.close()
             self.rows = None
@@ -464,12 +491,54 @@ class Q4Prompt(MoePrompt):
                 self.gdn.prompt_scratch = self.gdn.gk.scratch(prefill.chunk)     # prompt_buffers' "gdn_scratch"
         self.ple_op = Ple(kern, prefill.launcher, self.shape)
         self.xs = self.eta = None
+        self.has_ple = any(L.ple is not None for L in prefill.weights.layers)
+        self._raw = None              # the chunk's raw rows in VRAM (grown to the largest chunk's)
+        self._facts = {}
+        if self.has_ple:
+            import cupyx
+            self._dev = dev = cp.cuda.Device()      # the worker thread allocates and waits on this device's behalf
+
+            def pinned(n):
+                with dev:
+                    return cupyx.empty_pinned((n,), dtype=np.uint8)
+            self.ahead = fam.rows_ahead(pinned)
 
     def begin_chunk(self, tokens, pos0: int) -> None:
-        """Before the chunk's first layer (prefill.py): the chunk's n-gram rows, uploaded (the PLE context moves on)."""
-        if any(L.ple is not None for L in self.p.weights.layers):
-            eta, self.state.ids = self.fam.ple_rows(tokens, self.state.ids)
-            self.eta = cp.asarray(eta)
+        """Before the chunk's first layer (prefill.py): the chunk's n-gram rows (gathered ahead when read_ahead named
+        this chunk), uploaded raw from their pinned buffer and dequantized on the GPU into eta (T, P); the PLE
+        context moves on."""
+        if not self.has_ple:
+            return
+        g = self.ahead.take(tokens, self.state.ids)
+        self.state.ids = g.after
+        self.fam.rows.count(g.lookups, g.hits)
+        rows = self.fam.rows
+        n = g.raw.size
+        if self._raw is None or self._raw.size < n:
+            self._raw = None
+            self._raw = cp.empty(n, dtype=cp.uint8)
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(int(ptr(self._raw)), g.raw.ctypes.data, n, cp.cuda.runtime.memcpyHostToDevice,
+                                    stream.ptr)
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(stream)
+
+        def fence(dev=self._dev):
+            with dev:
+                done.synchronize()
+        self.ahead.fence(g, fence)                # the pinned buffer is written again only after the copy
+        self.eta = self.p.dequant(int(ptr(self._raw)), int(rows.tensor.qtype), rows.row_bytes, g.lookups,
+                                  rows.width).reshape(len(tokens), -1)
+        self._facts = dict(rows_gather_ms=g.gather_s * 1000, rows_wait_ms=g.wait_s * 1000, rows_ahead=g.ahead)
+
+    def read_ahead(self, tokens) -> None:
+        """After begin_chunk: the next chunk will be `tokens`; gather its rows on the worker meanwhile."""
+        if self.has_ple and len(tokens):
+            self.ahead.ahead(tokens, self.state.ids)
+
+    def host_facts(self) -> dict:
+        """The last chunk's PLE rows: the gather's ms, how long begin_chunk waited for it, whether it ran ahead."""
+        return dict(self._facts)
 
     def layer(self, li, layer, x, xn, T: int, pos0: int) -> None:
         p, L, H = self.p, layer, self.shape.H
