@@ -191,3 +191,48 @@ def test_worker_with_two_stages_on_one_gpu_generates_what_one_stage_does(fixture
         finally:
             w.kill()
     assert runs["two"] == runs["one"] and runs["three"] == runs["one"], runs
+
+
+SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "penalty_repeat": 1.3, "penalty_last_n": 8}
+
+
+def _sampled(be, prompt, n):
+    """n seeded sampled picks after prompt (the GPU sampler's chain on the last stage), penalties over the output."""
+    from engine.sampling import Sampler
+    be.truncate(0)
+    s = Sampler(SAMPLED)
+    out = []
+    toks, history = list(prompt), []
+    for _ in range(n):
+        tok = be.decode(toks, s.spec(history=history))[0].id
+        s.advance()
+        history += toks
+        out.append(tok)
+        toks = [tok]
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_staged_backend_samples_what_one_stage_samples(family, tmp_path, fixtures_dir):
+    """The sampled pick runs in the last stage's graph (its sampler on the backend's stream): seeded, the same
+    tokens as the unsplit backend's over a prompt of several chunks."""
+    import cupy as cp
+
+    from engine.cuda.backend import CUDABackend
+    from engine.cuda.staged_backend import StagedBackend
+    model, prompt = tiny_model(family, tmp_path, fixtures_dir)
+    cfg = model.config
+    prompt = _prompt(prompt)
+    ref = CUDABackend(model, CTX, _options(cfg, "all", None))
+    try:
+        want = _sampled(ref, prompt, N_NEW)
+    finally:
+        ref.close()
+    n = cfg.n_layer
+    here = cp.cuda.Device().id
+    be = StagedBackend(model, CTX, _options(cfg, "all", None, gpus=(here, here), layer_split=(n // 2, n - n // 2)))
+    try:
+        got = _sampled(be, prompt, N_NEW)
+    finally:
+        be.close()
+    assert got == want

@@ -263,6 +263,8 @@ class StagedBackend(CUDABackend):
         opts, cfg = self.opts, self.config
         prof = load_profile(opts.expert_profile, cfg.n_layer, cfg.n_expert) if opts.expert_profile else None
         shares = profile_shares(prof, self.specs) if prof is not None else [None] * len(self.specs)
+        gib = sum(c.nbytes for c in self.stage_caches) / 2**30
+        self.phase("cache", done=0.0, gib=gib)
         for s, c, stream, share in zip(self.specs, self.stage_caches, self._streams(), shares):
             t0 = time.perf_counter()
             if share is not None:
@@ -276,6 +278,7 @@ class StagedBackend(CUDABackend):
                 n = c.fill(order, stream)
                 self.log(f"stage {s.index}: expert cache filled from {src}: {n} experts in "
                          f"{time.perf_counter() - t0:.1f} s")
+        self.phase("cache", done=1.0, gib=gib)
 
     # --- the contract ----------------------------------------------------------------------------------------
     def _prefill(self, tokens, all_logits: bool):
