@@ -174,3 +174,54 @@ def test_stages_of_takes_the_resolved_split():
         stages_of(CudaOptions(gpus=(0,), layer_split=(4,)), 4)
     with pytest.raises(st.StageError, match="covers 5 layers; this model has 4"):
         stages_of(CudaOptions(gpus=(0, 0), layer_split=(3, 2)), 4)
+
+
+def test_the_staged_prompt_pass_hands_each_chunk_on_and_never_waits_for_a_later_stage():
+    """StagedPrefill.forward's order of work (fakes for the stages' passes, streams and hand-offs): each chunk goes
+    through the stages in order, each stage's rows to the next through its hand-off, and a stage waits only for its
+    own previous rows' copy (wait_landed) before writing the next chunk's, never for a later stage: on two cards
+    stage s runs chunk c + 1 while stage s + 1 runs chunk c."""
+    pytest.importorskip("cupy")
+    from engine.cuda.staged_backend import StagedPrefill
+    log = []
+
+    class Stream:
+        def __init__(self, i):
+            self.i = i
+
+        def __enter__(self):
+            log.append(("on", self.i))
+
+        def __exit__(self, *a):
+            return False
+
+    class Pass:
+        def __init__(self, i):
+            self.i, self.step = i, type("Step", (), {"stream": Stream(i)})()
+
+        def forward(self, tokens, pos0, all_logits, x_in=None):
+            log.append(("forward", self.i, pos0, x_in))
+            return f"rows{self.i}@{pos0}"
+
+    class Hand:
+        def __init__(self, i):
+            self.i = i
+
+        def wait_landed(self):
+            log.append(("wait_landed", self.i))
+
+        def send(self, src, rows):
+            log.append(("send", self.i, src, rows))
+            return f"buf{self.i}:{src}"
+
+    sp = StagedPrefill.__new__(StagedPrefill)
+    sp.stages, sp.handoffs = [Pass(0), Pass(1), Pass(2)], [Hand(0), Hand(1)]
+    for pos0 in (0, 16):
+        assert sp.forward(list(range(16)), pos0, False) == f"rows2@{pos0}"
+    want = []
+    for pos0 in (0, 16):
+        want += [("on", 0), ("wait_landed", 0), ("forward", 0, pos0, None), ("send", 0, f"rows0@{pos0}", 16),
+                 ("on", 1), ("wait_landed", 1), ("forward", 1, pos0, f"buf0:rows0@{pos0}"),
+                 ("send", 1, f"rows1@{pos0}", 16),
+                 ("on", 2), ("forward", 2, pos0, f"buf1:rows1@{pos0}")]
+    assert log == want
