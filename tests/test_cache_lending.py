@@ -79,6 +79,7 @@ def fake_cache(n_slots, expert_stride=None):
     c.owner = np.full(n_slots, FREE, dtype=np.int64)
     c.heat = np.zeros(N_TOTAL)
     c.prior = np.full(N_TOTAL, -1, dtype=np.int64)
+    c.serves, c.n_served = np.ones(N_TOTAL, dtype=bool), N_TOTAL       # every layer's experts (no stage)
     c._pending, c.source, c.swaps, c.bytes_swapped = None, None, 0, 0
     c.uploads, c.copies = [], []
     c._upload_table = lambda stream: c.uploads.append(c.table_host.copy())
@@ -244,3 +245,29 @@ def test_the_first_decode_step_after_a_prompt_gives_the_lent_slots_back_once():
         assert be._step(10 + t, "greedy") == (7, 0)
     assert calls == [("give_back", [3, 5]), "poll", ("launch", 10, 0), "poll", ("launch", 11, 1), "poll",
                      ("launch", 12, 2)]
+
+
+def test_a_stage_cache_takes_only_its_own_layers_experts(monkeypatch):
+    """A pipeline stage's cache (serves: its layers' experts, engine/cuda/staged_backend.py): fill skips the others,
+    the adaptive tier never swaps one in however hot, give_back refills lent slots only with its own."""
+    import engine.cuda.expert_cache as ec
+    monkeypatch.setattr(ec.cp.cuda.runtime, "memcpyAsync", lambda *a: None)
+
+    class S:
+        ptr = 0
+
+        def synchronize(self):
+            pass
+    c = fake_cache(4)
+    c.max_swaps = 64
+    c.serves = np.arange(N_TOTAL) >= N_EXPERT          # layers 1-2 (experts 8..23)
+    c.n_served = int(c.serves.sum())
+    assert c.fill([0, 1, 8, 2, 9], S()) == 2 and sorted(c.owner.tolist()) == [-1, -1, 8, 9]
+    c.heat[:] = 0.0
+    c.heat[[0, 3]] = 50.0                              # hot, but layer 0's: another stage's
+    c.heat[12] = 5.0
+    assert c._round(np.zeros(N_TOTAL), S()) == 1 and c.copies[-1][0] == [12]
+    c._pending = None
+    c.heat[[10, 11]] = [7.0, 6.0]
+    lent = c.lend(1, stream=None)
+    assert c.give_back(lent, stream=None) == 1 and c.copies[-1][0] == [10]

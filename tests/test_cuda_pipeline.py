@@ -20,6 +20,7 @@ from engine.protocol import GenRequest  # noqa: E402
 from engine.sampling import PickSpec, Sampler  # noqa: E402
 from engine.session import Session  # noqa: E402
 import test_cuda_pick as tp  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
 
 EOG = 10 ** 6                   # an id no fake pick makes: no end of generation unless a test names one
 PARAMS = [{}, {"penalty_repeat": 1.8, "penalty_last_n": 4}, {"temperature": 1.3, "top_k": 20, "seed": 5},
@@ -237,31 +238,6 @@ RUN_AHEAD = ("moe",)
 GPU_PARAMS = [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7, "penalty_repeat": 1.3, "penalty_last_n": 8}]
 
 
-def _tiny_model(family, tmp, fixtures_dir):
-    """(model, prompt) of the family's tiny fixture: tiny-qwen3moe-q4k, the hybrid tiny-qwen3next-q4_k_m, make_moe's
-    gpt-oss-tiny in the published files' types."""
-    import json
-    from pathlib import Path
-
-    from engine.gguf_model import open_model
-    if family == "moe":
-        ref = json.loads((fixtures_dir / "reference" / "tiny-qwen3moe-q4k.json").read_text())
-        return (open_model(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf"),
-                list(ref["cases"][0]["prompt_ids"]))
-    if family == "hybrid":
-        here = Path(__file__).resolve().parent / "fixtures" / "hybrid"
-        ref = json.loads((here / "tiny-qwen3next-q4_k_m.json").read_text())
-        return open_model(here / "tiny-qwen3next-q4_k_m.gguf"), list(ref["cases"][0]["prompt_ids"])
-    from tools import make_moe
-    from tools.gptoss_ref import PRESET
-    here = Path(__file__).resolve().parent / "fixtures" / "gptoss"
-    case = json.loads((here / "gpt-oss-tiny-f16.json").read_text())["cases"][0]
-    path = tmp / "gpt-oss-tiny.gguf"
-    if not path.exists():
-        assert make_moe.main([*PRESET, "--norm", "F32", "--out", str(path)]) == 0
-    return open_model(path), list(case["prompt_ids"])
-
-
 def _gpu_backend(model, pipeline):
     from engine.cuda.backend import CUDABackend, CudaOptions
     return CUDABackend(model, 512, CudaOptions(pipeline=pipeline, prefill_chunk=64))
@@ -308,7 +284,7 @@ def test_gpu_pipelined_conversation_equals_unpipelined(family, params, tmp_path,
     and by a cancel mid-run (a step ran ahead each time) and a next request reusing the prefix pick token for token
     what the unpipelined backend picks; the expert cache's counters and the recurrent state (hybrid) are the same
     after each request."""
-    model, prompt = _tiny_model(family, tmp_path, fixtures_dir)
+    model, prompt = tiny_model(family, tmp_path, fixtures_dir)
     if family not in RUN_AHEAD:
         _assert_not_run_ahead(model)
         return
@@ -335,7 +311,7 @@ def test_gpu_pipelined_conversation_equals_unpipelined(family, params, tmp_path,
 def test_gpu_decode_loop_run_ahead_then_discarded(family, tmp_path, fixtures_dir):
     """The backend alone: a greedy loop whose every call runs the next step ahead, then a truncate / snapshot (which
     discard it): the tokens and the logits of one more step equal the unpipelined backend's."""
-    model, prompt = _tiny_model(family, tmp_path, fixtures_dir)
+    model, prompt = tiny_model(family, tmp_path, fixtures_dir)
     if family not in RUN_AHEAD:
         _assert_not_run_ahead(model)
         return

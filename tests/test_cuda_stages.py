@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from engine.cuda import stages as st
+from tiny_models import tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -92,30 +93,6 @@ def test_a_handoff_refuses_a_chunk_its_buffers_cannot_hold():
 
 # --- two (three) stages of the decode step on one device agree with the unsplit step ------------------------------
 
-def _tiny_model(family, tmp, fixtures_dir):
-    """(model, prompt) of the family's tiny fixture, as tests/test_cuda_pipeline.py builds them."""
-    import json
-    from pathlib import Path
-
-    from engine.gguf_model import open_model
-    if family == "moe":
-        ref = json.loads((fixtures_dir / "reference" / "tiny-qwen3moe-q4k.json").read_text())
-        return (open_model(fixtures_dir / "reference" / "tiny-qwen3moe-q4k.gguf"),
-                list(ref["cases"][0]["prompt_ids"]))
-    if family == "hybrid":
-        here = Path(__file__).resolve().parent / "fixtures" / "hybrid"
-        ref = json.loads((here / "tiny-qwen3next-q4_k_m.json").read_text())
-        return open_model(here / "tiny-qwen3next-q4_k_m.gguf"), list(ref["cases"][0]["prompt_ids"])
-    from tools import make_moe
-    from tools.gptoss_ref import PRESET
-    here = Path(__file__).resolve().parent / "fixtures" / "gptoss"
-    case = json.loads((here / "gpt-oss-tiny-f16.json").read_text())["cases"][0]
-    path = tmp / "gpt-oss-tiny.gguf"
-    if not path.exists():
-        assert make_moe.main([*PRESET, "--norm", "F32", "--out", str(path)]) == 0
-    return open_model(path), list(case["prompt_ids"])
-
-
 def _run(step, be, tokens, use_graph):
     """Teacher-forced decode from position 0 through `step` (the backend's DecodeStep or a StagedDecode): each
     position's greedy pick and logits. The recurrent state starts from zero; the K/V rows are rewritten in order."""
@@ -139,7 +116,7 @@ def test_stages_on_one_device_agree_with_the_unsplit_step(family, cache, tmp_pat
 
     from engine.cuda.backend import CUDABackend, CudaOptions
     from engine.cuda.staged_decode import StagedDecode
-    model, prompt = _tiny_model(family, tmp_path, fixtures_dir)
+    model, prompt = tiny_model(family, tmp_path, fixtures_dir)
     cfg = model.config
     slots = None if cache == "all" else max(1, cfg.n_layer * cfg.n_expert // 3)
     # no prefetch: the staged steps have none (its staging slots would rewrite the shared cache's table mid-step)
@@ -179,7 +156,7 @@ def test_the_staged_decode_refuses_a_stage_on_another_device_or_a_gap(fixtures_d
 
     from engine.cuda.backend import CUDABackend, CudaOptions
     from engine.cuda.staged_decode import StagedDecode
-    model, _ = _tiny_model("moe", tmp_path, fixtures_dir)
+    model, _ = tiny_model("moe", tmp_path, fixtures_dir)
     n = model.config.n_layer
     be = CUDABackend(model, 128, CudaOptions(pipeline=False, prefill_chunk=64))
     try:

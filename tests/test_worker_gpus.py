@@ -29,6 +29,14 @@ def probe(ids, reserve, budget):
         out.append(ls.Card(i, "Fake GPU %d" % i, take if budget is None else min(take, budget * 2**20), cards[i][1]))
     return out
 gpus.probe_cards = probe
+gpus.use_device = lambda i: print("use GPU %d" % i, file=sys.stderr)
+import engine.cuda as cuda
+def create_backend(model, ctx, args, phase=None):     # what the backend would start with, then exit 3
+    from engine.cuda.args import CudaOptions
+    o = CudaOptions.from_args(args)
+    print("BACKEND gpus=%s layer_split=%s" % (o.gpus, o.layer_split), file=sys.stderr)
+    sys.exit(3)
+cuda.create_backend = create_backend
 sys.exit(strata_worker.main())
 """
 
@@ -93,7 +101,8 @@ def test_what_cannot_run_is_one_line_and_exit_2(model, cards, flags, line):
     (["--layer-split", "4"], "--layer-split 4 gives every layer to one GPU"),
     (["--layer-split", "2,2"], "--layer-split 2,2 needs --gpus naming its 2 GPUs (e.g. --gpus 0,1)"),
     (["--gpus", "0,1,2", "--layer-split", "2,2"], "--layer-split 2,2 gives 2 stages and --gpus 0,1,2 names 3"),
-    (["--gpus", "0,0"], "--gpus 0,0 names a GPU twice"),
+    (["--gpus", "0,1,0"], "--gpus 0,1,0 names a GPU twice beside another: several stages on one GPU (the test "
+                          "mode) name only that GPU, e.g. --gpus 0,0"),
     (["--gpus", "one"], "--gpus takes auto or GPU indices such as 0,1; got 'one'"),
     (["--layer-split", "24,0"], "--layer-split takes auto or layer counts >= 1"),
 ])
@@ -123,3 +132,36 @@ def test_check_split_args_and_resolve():
         gpus.resolve((0, 2), 2)
     with pytest.raises(gpus.GpuError, match="CUDA shows no GPU"):
         gpus.resolve("auto", 0)
+
+
+def test_stages_on_one_gpu_start_the_staged_backend_with_the_plans_counts(model):
+    """--gpus 0,0 (the test mode): the plan over GPU 0's VRAM halved for each stage, then the backend's options
+    carry the stage devices and the plan's counts (engine/cuda/__init__.py builds StagedBackend from them)."""
+    pytest.importorskip("cupy")         # the family check imports the CUDA families (no GPU needed)
+    rc, out, err = worker(model, [[2, 25]], "--gpus", "0,0")
+    assert rc == 3 and "READY" not in out, err
+    assert any("layer split (auto): 2,2 over GPUs 0,0" in l for l in err)
+    assert any("2 stages on GPU 0 (--gpus 0,0: the test mode" in l for l in err)
+    assert err[-1] == "BACKEND gpus=(0, 0) layer_split=(2, 2)"
+    rc, _, err = worker(model, [[2, 25]], "--gpus", "0,0,0", "--layer-split", "1,1,2")
+    assert rc == 3 and err[-1] == "BACKEND gpus=(0, 0, 0) layer_split=(1, 1, 2)"
+    assert any("layer split (given): 1,1,2 over GPUs 0,0,0" in l for l in err)
+    # each stage's card is a share of the one GPU: 1/2 of it for two stages
+    free = [l for l in err if "GPU 0 (Fake GPU 0)" in l]
+    # (2 GiB less the 700 MiB reserve) / 3 = 0.44 GiB
+    assert len(free) == 3 and all("GiB of 0.44 GiB free" in l for l in free), free
+
+
+def test_one_gpu_listed_once_starts_the_plain_backend(model):
+    rc, _, err = worker(model, [[1, 25], [1, 25]], "--gpus", "1")
+    assert rc == 3 and "use GPU 1" in err and err[-1] == "BACKEND gpus=(1,) layer_split=None"
+
+
+def test_a_family_that_cannot_split_is_refused_with_what_to_do():
+    pytest.importorskip("cupy")
+    q4 = ROOT / "tests" / "fixtures" / "qwen4exp" / "tiny-qwen4exp-q2_0.gguf"
+    for flags in (["--gpus", "0,0"], ["--gpus", "0,1", "--layer-split", "1,1"]):
+        rc, out, err = worker(q4, [[2, 25], [2, 25]], *flags)
+        assert rc == 2 and "READY" not in out
+        assert err[-1].startswith("strata_worker: the qwen4exp family (qwen4exp) cannot be split into stages: "), err
+        assert err[-1].endswith("run it on one GPU: drop --layer-split and name one GPU (--gpus 0)")

@@ -1,7 +1,8 @@
 """The CUDA engine (CuPy). strata_worker.py uses three names, and importing this package needs no CuPy:
 
     add_cuda_args(parser)                      the backend's flags
-    create_backend(model, max_context, args, phase)  -> engine.cuda.backend.CUDABackend
+    create_backend(model, max_context, args, phase)  -> engine.cuda.backend.CUDABackend (staged_backend's
+                                               StagedBackend for several --gpus stages)
     available() -> (bool, reason)              whether CuPy finds a usable GPU
 """
 from __future__ import annotations
@@ -45,8 +46,11 @@ def create_backend(model, max_context: int, args=None, phase=None):
     refuse_kernelless(model)        # a ModelError, before CuPy or any VRAM: the worker prints it as one line
     with _signals_stay_with_python():
         from engine.cuda.backend import CUDABackend, CudaOptions
-        return CUDABackend(model, max_context, CudaOptions.from_args(args) if args is not None else None,
-                           phase=phase)
+        opts = CudaOptions.from_args(args) if args is not None else None
+        if opts is not None and isinstance(opts.gpus, tuple) and len(opts.gpus) > 1:
+            from engine.cuda.staged_backend import StagedBackend
+            return StagedBackend(model, max_context, opts, phase=phase)
+        return CUDABackend(model, max_context, opts, phase=phase)
 
 
 __all__ = ["add_cuda_args", "available", "create_backend"]

@@ -119,7 +119,8 @@ def _gib(v: str) -> float:
 
 
 def _gpus(v: str) -> tuple | str:
-    """--gpus auto | I[,J...]: distinct device indices >= 0."""
+    """--gpus auto | I[,J...]: device indices >= 0; one listed more than once runs several stages on that GPU (the
+    test mode, --gpus 0,0), never beside another GPU."""
     if v == "auto":
         return v
     try:
@@ -128,8 +129,9 @@ def _gpus(v: str) -> tuple | str:
         ids = ()
     if not ids or any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"--gpus takes auto or GPU indices such as 0,1; got {v!r}")
-    if len(set(ids)) != len(ids):
-        raise argparse.ArgumentTypeError(f"--gpus {v} names a GPU twice")
+    if len(set(ids)) != len(ids) and len(set(ids)) > 1:
+        raise argparse.ArgumentTypeError(f"--gpus {v} names a GPU twice beside another: several stages on one GPU "
+                                         f"(the test mode) name only that GPU, e.g. --gpus {ids[0]},{ids[0]}")
     return ids
 
 
@@ -253,7 +255,8 @@ def add_cuda_args(parser) -> None:
                         "the timing, so the adaptive tier learns the routing; --expert-profile-save keeps it")
     g.add_argument("--gpus", type=_gpus, default=None, metavar="auto|I,J",
                    help="the GPUs this worker uses, by CUDA index (auto: every GPU CUDA shows; default: GPU 0); "
-                        "several split the layers (--layer-split), which is planned but not built yet")
+                        "several split the layers (--layer-split), which runs only as stages on one GPU (a test "
+                        "mode: --gpus 0,0) for now")
     g.add_argument("--layer-split", type=_layer_split, default=None, metavar="auto|N,M",
                    help="layers per GPU of --gpus, in order (auto: from each GPU's free VRAM and measured link "
                         "rate, balancing the step time; engine/cuda/layer_split.py)")

@@ -116,7 +116,7 @@ class CUDABackend(Backend):
                     self.arena = ExpertArena(model, log=log, pinned=self.mem.pinned if self.mem else None,
                                              progress=lambda d, t, s: self.phase("arena", done=d / t, gib=t / 2**30,
                                                                                  gib_s=d / 2**30 / max(s, 1e-9)))
-                    self.cache = ExpertCache(self.arena, n_slots)
+                    self.cache = self._make_cache(n_slots)
                     if self.mem:
                         self.mem.attach_cache(model, self.arena, self.cache, self.stream, opts, log)
                 self.gpu_sampler = GpuSampler(self.kernels, cfg.n_vocab, max_context + 1, self.stream)
@@ -159,6 +159,10 @@ class CUDABackend(Backend):
         place = "pinned host memory, read in place over PCIe" if w.tok_embd.where == "host" else "VRAM"
         self.log(f"token embedding ({nbytes / MiB:.0f} MiB) in {place}: {why}")
         return self._slot_count(pool)
+
+    def _make_cache(self, n_slots: int):
+        """The VRAM expert cache of n_slots over the arena (the staged backend's: one a stage)."""
+        return ExpertCache(self.arena, n_slots)
 
     def _slot_count(self, pool, extra: int = 0, quiet: bool = False) -> int:
         """extra: VRAM a placement not yet made would add (negative: free); quiet: a what-if, with no log line and no

@@ -31,6 +31,11 @@ in proportion to their experts (every layer gets about the same share of its exp
 up k times a token, and a hit saves its blob's bytes of PCIe for its blob's bytes of VRAM, so for layers with the
 same routing skew no other split saves more transfer per byte. Slots of the largest pool (stride = the largest blob)
 are the ones lent to the prompt pass's ring. A uniform file has one pool: the cache as before.
+
+A pipeline stage's cache (engine/cuda/staged_backend.py, issue 32) serves only its layers' experts (`serves`): its
+slots are split among the pools of those experts alone, and fill, the adaptive tier and give_back never put another
+stage's expert in them. Its table still has an entry for every expert (the kernels index it by the global id); the
+other stages' entries stay at their arena addresses and are never read by this stage's kernels.
 """
 from __future__ import annotations
 
@@ -84,14 +89,45 @@ def refill_order(slot_of, heat, prior, readable) -> np.ndarray:
     return gs[np.lexsort((gs, rank, -heat[gs]))]
 
 
+def served_split(pools: SlotPools, expert_stride, serves, n: int) -> np.ndarray:
+    """Slots per pool of `pools` (every expert's) for a cache of n slots that holds only the experts `serves` marks:
+    split as SlotPools would split a cache of those experts alone (a pool none of them is in gets none)."""
+    out = np.zeros(pools.n_pools, dtype=np.int64)
+    serves = np.asarray(serves, dtype=bool)
+    if serves.any():
+        mine = SlotPools(np.asarray(expert_stride, dtype=np.int64)[serves])
+        out[np.searchsorted(pools.strides, mine.strides)] = mine.split(n)
+    return out
+
+
+def learned_order(slot_of, heat, prior) -> np.ndarray:
+    """Resident first (hottest first), then counted routing, then the prior order: the profile to save."""
+    res = np.flatnonzero(slot_of >= 0)
+    res = res[np.argsort(-heat[res], kind="stable")]
+    rest = np.flatnonzero((slot_of < 0) & (heat > 0))
+    rest = rest[np.argsort(-heat[rest], kind="stable")]
+    seen = np.zeros(len(slot_of), dtype=bool)
+    seen[res] = True
+    seen[rest] = True
+    pri = np.flatnonzero((prior >= 0) & ~seen)
+    pri = pri[np.argsort(prior[pri], kind="stable")]
+    return np.concatenate([res, rest, pri]).astype(np.int64)
+
+
 class ExpertCache:
-    def __init__(self, arena, n_slots: int, max_swaps: int = 64):
+    def __init__(self, arena, n_slots: int, max_swaps: int = 64, serves=None):
         self.arena = arena
         self.n_layer, self.n_expert, self.n_total = arena.n_layer, arena.n_expert, arena.n_total
         self.stride = arena.layout.stride           # the largest blob's (the lent slots')
         self.pools = SlotPools(arena.expert_stride)
-        self.n_slots = int(min(n_slots, self.n_total))
-        self._make_slots(self.pools.split(self.n_slots))
+        # the experts this cache may hold (a stage's layers'; all by default)
+        self.serves = np.ones(self.n_total, dtype=bool) if serves is None else np.asarray(serves, dtype=bool).copy()
+        if self.serves.shape != (self.n_total,):
+            raise ValueError(f"serves: {self.serves.shape} flags for {self.n_total} experts")
+        self.n_served = int(self.serves.sum())
+        self.n_slots = int(min(n_slots, self.n_served))
+        self._make_slots(self.pools.split(self.n_slots) if serves is None else
+                         served_split(self.pools, arena.expert_stride, self.serves, self.n_slots))
         self.slots = cp.empty(max(self.nbytes, 1), dtype=cp.uint8)
         self.slot_lo = int(self.slots.data.ptr)
         self.slot_hi = self.slot_lo + self.nbytes
@@ -214,7 +250,7 @@ class ExpertCache:
         for g in order:             # each expert into a free slot of its own pool (lowest first), while any is left
             g = int(g)
             f = per_pool[self.exp_pool[g]]
-            if f and self.slot_of[g] < 0:
+            if f and self.slot_of[g] < 0 and self.serves[g]:
                 ids.append(g)
                 free.append(int(f.pop()))
         if self.source is not None:       # file-only experts staged a batch at a time (read in parallel)
@@ -287,7 +323,7 @@ class ExpertCache:
         if self._pending is not None or self.n_slots == 0:
             return 0
         res = self.slot_of >= 0
-        cand = np.flatnonzero(~res & (self.heat > 0))
+        cand = np.flatnonzero(~res & (self.heat > 0) & self.serves)
         if self.source is not None:          # only what pinned memory holds: a file read would stall the step
             cand = cand[self.table_host[cand] != 0]
         if not len(cand):
@@ -385,7 +421,7 @@ class ExpertCache:
             self.poll(stream, wait=True)
         self.owner[slots] = FREE
         ids, into = [], []
-        readable = self.table_host != 0
+        readable = (self.table_host != 0) & self.serves
         for p in sorted({int(self.slot_pool[s]) for s in slots}):     # each slot refilled from its own pool
             mine = [s for s in slots if self.slot_pool[s] == p]
             got = refill_order(self.slot_of, self.heat, self.prior, readable & (self.exp_pool == p))[:len(mine)]
@@ -424,16 +460,7 @@ class ExpertCache:
 
     def learned_order(self) -> np.ndarray:
         """Resident first (hottest first), then counted routing, then the prior order: the profile to save."""
-        res = np.flatnonzero(self.slot_of >= 0)
-        res = res[np.argsort(-self.heat[res], kind="stable")]
-        rest = np.flatnonzero((self.slot_of < 0) & (self.heat > 0))
-        rest = rest[np.argsort(-self.heat[rest], kind="stable")]
-        seen = np.zeros(self.n_total, dtype=bool)
-        seen[res] = True
-        seen[rest] = True
-        pri = np.flatnonzero((self.prior >= 0) & ~seen)
-        pri = pri[np.argsort(self.prior[pri], kind="stable")]
-        return np.concatenate([res, rest, pri]).astype(np.int64)
+        return learned_order(self.slot_of, self.heat, self.prior)
 
     def heat_u8(self) -> np.ndarray:
         """Heat scaled to 0..255 (the hottest expert 255), one byte per expert, for the CACHE line."""

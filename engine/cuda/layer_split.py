@@ -189,8 +189,9 @@ def _head_us(stage: Stage, head_bytes: int) -> None:
 
 def plan_layer_split(layer_costs: list[LayerCost], cards: list[Card], split="auto", *, embd_bytes: int = 0,
                      head_bytes: int = 0, tied: bool = False, work_bytes: int = 0,
-                     handoff_us: float = HANDOFF_US) -> SplitPlan:
+                     handoff_us: float = HANDOFF_US, shared: bool = False) -> SplitPlan:
     """The stages for `cards` in their order: `split` is "auto" or a list of layer counts, one a card.
+    shared: a card may be listed more than once, each entry a stage's share of it (the one-GPU test mode).
 
     embd_bytes: the token embedding (the first stage holds it; 0 when it sits in host memory); head_bytes: the output
     norm and head (the last stage); tied: the head is the embedding (the last stage holds and reads it as well);
@@ -200,7 +201,7 @@ def plan_layer_split(layer_costs: list[LayerCost], cards: list[Card], split="aut
     S = len(cards)
     if not S:
         raise SplitError("no GPU to split the layers over")
-    if len({c.index for c in cards}) != S:
+    if len({c.index for c in cards}) != S and not shared:
         raise SplitError(f"GPU {sorted(c.index for c in cards)} names a card twice")
     if S > L.n:
         raise SplitError(f"{S} GPUs for {L.n} layers: every GPU needs at least one layer")

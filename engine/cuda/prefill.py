@@ -160,9 +160,14 @@ class PhaseTimer:
 
 class Prefill:
     """The prompt pass over a DecodeStep's weights, caches and family. ring_device(dev) -> dev: what the ring copies
-    through (the memory modes stage file-only experts: memory_mode.MemoryMode.ring_device); None: dev itself."""
+    through (the memory modes stage file-only experts: memory_mode.MemoryMode.ring_device); None: dev itself.
+    free: the VRAM bytes its buffers and ring may take (a pipeline stage's share); None: vram_left(opts).
 
-    def __init__(self, step, opts, log=lambda m: None, tracer=None, ring_device=None):
+    A pipeline stage's step (DecodeStep.layer_range, engine/cuda/staged_backend.py) makes a stage's pass: only its
+    layers run (and stream experts through its ring), the first stage embeds the chunk, a later one starts from the
+    rows handed to forward(x_in=), and every stage but the last returns its chunk's rows instead of logits."""
+
+    def __init__(self, step, opts, log=lambda m: None, tracer=None, ring_device=None, free: int | None = None):
         self.step, self.opts, self.log = step, opts, log
         self.tracer = tracer or Tracer()
         self.kernels, self.cfg, self.weights, self.kv, self.cache, self.layout = (
@@ -177,8 +182,8 @@ class Prefill:
         self.moe_mod = moe_module(qts, pairs=pairs)          # also to_half and dequant_rows_f16
         stride = blob.stride if blob else 0
         # at least the experts the cache has no slot for stream; the ring borrows cache slots on top of its own
-        n_stream = self.cache.n_total - self.cache.n_slots if self.cache is not None else 0
-        free = vram_left(opts)
+        n_stream = self.cache.n_served - self.cache.n_slots if self.cache is not None else 0
+        free = vram_left(opts) if free is None else int(free)
         self.plan = plan_chunk(c, free, chunk=parse_chunk(opts.prefill_chunk), ring=opts.ring, stride=stride,
                                n_stream=n_stream, max_tokens=getattr(self.kv, "chunk_cap", self.kv.max_ctx),
                                lendable=self.cache.lendable if self.cache is not None else 0,
@@ -233,7 +238,10 @@ class Prefill:
         """Per layer the in-place group (sel, ptrs, n): the resident experts when the ring streams the rest, else every
         expert through the pointer table. With the ring: its runner and, per layer, its (batch, (sel, ptrs, n))."""
         c, cache = self.cfg, self.cache
-        resident = (cache.slot_of >= 0).reshape(c.n_layer, c.n_expert)
+        # a stage's pass runs only its layers: the others count as resident, so none of their experts streams
+        others = np.ones(c.n_layer, dtype=bool)
+        others[self.step.layers_run.start:self.step.layers_run.stop] = False
+        resident = (cache.slot_of >= 0).reshape(c.n_layer, c.n_expert) | others[:, None]
         stream = T >= self.opts.stream_min and not resident.all()
         slots = []
         if stream:
@@ -241,7 +249,7 @@ class Prefill:
             slots = own + self.borrow()
             stream = len(slots) >= RING_MIN
             # lending evicted experts: they stream too
-            resident = (cache.slot_of >= 0).reshape(c.n_layer, c.n_expert)
+            resident = (cache.slot_of >= 0).reshape(c.n_layer, c.n_expert) | others[:, None]
         key = (stream, resident.tobytes(), tuple(slots), cache.table_host.tobytes())
         if self._groups_key == key:       # the same placement as the last chunk: the same tables and batches
             groups, per_layer, batches = self._groups_val
@@ -252,6 +260,8 @@ class Prefill:
         sel_all, ptr_all, spans = [], [], []
         for li in range(c.n_layer):
             es = np.flatnonzero(resident[li]) if stream else np.arange(c.n_expert)
+            if others[li]:
+                es = es[:0]             # another stage's layer: never run here
             spans.append((len(sel_all), len(es)))
             sel_all += es.tolist()
             ptr_all += table[li, es].tolist()
@@ -362,9 +372,12 @@ class Prefill:
             v = self._views[name, width] = self.buf[name][:T * width].reshape(T, width)
         return v
 
-    def forward(self, tokens, pos0: int, all_logits: bool, ahead=None) -> cp.ndarray:
-        """The chunk `tokens` at positions pos0.. through every layer: its logits (all, or the last row's). ahead: the
-        token ids of the chunk that will follow, when known (the family gathers its host inputs meanwhile).
+    def forward(self, tokens, pos0: int, all_logits: bool, ahead=None, x_in=None) -> cp.ndarray:
+        """The chunk `tokens` at positions pos0.. through this pass's layers on the current stream: its logits (all
+        rows, or the last row's) when the pass ends at the model's last layer, else its hidden rows (the "x" buffer's
+        view: valid until the next chunk; a stage hands them on). ahead: the token ids of the chunk that will follow,
+        when known (the family gathers its host inputs meanwhile). x_in: the rows a later stage starts from (its first
+        T rows are copied into "x"); None: the first stage embeds `tokens`.
 
         The chunk's facts for the tracer: host_ms from the start to the last layer enqueued (launches block once
         the GPU is far enough behind, so on a GPU-bound pass this is close to the wall time too), begin_ms of it in
@@ -374,13 +387,21 @@ class Prefill:
         T = len(tokens)
         if T > self.chunk:
             raise ValueError(f"a chunk of {T} tokens is longer than the streamed pass's {self.chunk}")
+        if (x_in is None) != self.step.embeds:
+            raise ValueError("a pass that starts at layer 0 embeds its tokens; a later stage's needs the rows "
+                             "handed to it (x_in)")
         t0 = time.perf_counter()
         x, xn = self._view("x", T, c.n_embd), self._view("xn", T, c.n_embd)
         self._tm = PhaseTimer(self.step.stream) if self.tracer.phase_timing else None
-        tok = cp.asarray(np.asarray(tokens, dtype=np.int32))
-        te = w.tok_embd
-        self.kernels("embed", te.qt)((T,), (256,), (U64(te.ptr), I64(te.row_bytes), ptr(tok), NULL, NULL, ptr(x),
-                                            I32(c.n_embd)))
+        if x_in is None:
+            tok = cp.asarray(np.asarray(tokens, dtype=np.int32))
+            te = w.tok_embd
+            self.kernels("embed", te.qt)((T,), (256,), (U64(te.ptr), I64(te.row_bytes), ptr(tok), NULL, NULL,
+                                                ptr(x), I32(c.n_embd)))
+        else:
+            if x_in.dtype != x.dtype or x_in.ndim != 2 or x_in.shape[0] < T or x_in.shape[1] != c.n_embd:
+                raise ValueError(f"x_in {x_in.shape} {x_in.dtype} for a chunk of {T} rows of {c.n_embd}")
+            x[...] = x_in[:T]
         groups = runner = ring_views = window = None
         t_groups = time.perf_counter()
         if c.is_moe:
@@ -404,8 +425,10 @@ class Prefill:
         t_layers = time.perf_counter()
         self._mark("other")
         # bench: the link's busy share counts from the first layer that streams experts to the end of the last one
-        streamed = [li for li in range(c.n_layer) if ring_views[li]] if window and self.tracer.copy_timing else []
-        for li, layer in enumerate(w.layers):
+        run = self.step.layers_run
+        streamed = [li for li in run if ring_views[li]] if window and self.tracer.copy_timing else []
+        for li in run:
+            layer = w.layers[li]
             if streamed and li == streamed[0]:
                 window[1] = self._timing_event()
             self.layers.layer(li, layer, x, xn, T, pos0)        # the family's: x through layer li
@@ -424,6 +447,12 @@ class Prefill:
         facts.update(tokens=T, host_ms=(t_end - t0) * 1000, groups_ms=(t_begin - t_groups) * 1000,
                      begin_ms=(t_layers - t_begin) * 1000, layers_ms=(t_end - t_layers) * 1000,
                      **self.layers.host_facts())
+        if not self.step.heads:         # a stage before the last: its rows go on to the next stage
+            self._mark("other")
+            if self._tm is not None:
+                facts["phases"], self._tm = self._tm, None
+            self.tracer.prefill_chunk(facts)
+            return x
         if all_logits:
             xo = x      # a family without an output norm (qwen4exp) leaves x normed by its own last step
             if w.output_norm is not None:
