@@ -311,4 +311,3 @@ __device__ __forceinline__ void win_union_block(const int* __restrict__ ids, int
 }
 
 #define WIN_DOWN_BATCH 6    // (slot, unit) pairs a lane has in flight (moe.cu MOE_DOWN_BATCH)
-#define WIN_SLOT_REGS (WIN_MAX_PAIRS / 32)
