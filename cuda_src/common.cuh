@@ -133,12 +133,12 @@ extern __shared__ float4 strata_smem4[];   // dynamic shared memory: the launch 
 
 template <int QT> __device__ __forceinline__ int xs_at(int i) { return QT == STRATA_Q_Q4_K ? i + ((i >> 6) << 2) : i; }
 
-// Stage x[0, n) into shared memory, as x / rms(x) * w when w is given (x16-byte aligned, n a multiple of 4). Every
-// thread of the block calls it (it synchronises); returns the staged vector, laid out for readers of type QT.
+// Stage x[0, n) into xs (any offset of the dynamic shared memory), as x / rms(x) * w when w is given (x 16-byte
+// aligned, n a multiple of 4); red: 32 floats of shared memory for the block sum. Every thread of the block calls it;
+// it does not synchronise after the writes (stage_x does; window.cuh win_stage stages several tokens, then does).
 template <int QT>
-__device__ __forceinline__ const float* stage_x(const float* x, const float* __restrict__ w, float eps, int n) {
-    __shared__ float red[32];
-    float* xs = reinterpret_cast<float*>(strata_smem4);
+__device__ __forceinline__ void stage_x_to(const float* x, const float* __restrict__ w, float eps, int n, float* xs,
+                                           float* red) {
     float inv = 1.f;
     if (w) {
         float s = 0.f;
@@ -159,6 +159,15 @@ __device__ __forceinline__ const float* stage_x(const float* x, const float* __r
         }
         *reinterpret_cast<float4*>(xs + xs_at<QT>(i)) = v;
     }
+}
+
+// Stage x[0, n) into shared memory, as x / rms(x) * w when w is given (x16-byte aligned, n a multiple of 4). Every
+// thread of the block calls it (it synchronises); returns the staged vector, laid out for readers of type QT.
+template <int QT>
+__device__ __forceinline__ const float* stage_x(const float* x, const float* __restrict__ w, float eps, int n) {
+    __shared__ float red[32];
+    float* xs = reinterpret_cast<float*>(strata_smem4);
+    stage_x_to<QT>(x, w, eps, n, xs, red);
     __syncthreads();
     return xs;
 }

@@ -39,13 +39,16 @@ __device__ __forceinline__ float staged_row_dot(const uint8_t* __restrict__ row,
 // xn = x, or staged (stage != 0) and then normed when norm_w is given. One warp per row, rows_per_warp rows in turn
 // (one staging serves them all: the output head has ~150k rows); blockDim.x = 32 * warps, grid
 // ceil(nrows / (warps * rows_per_warp)).
+// mv_block is the body for the rows of grid block blk (mv: blockIdx.x; window.cu's mv_tok: blockIdx.y, with x, y and
+// gate_logit at its token); every thread of the block calls it (the staging).
 template <int QT>
-__global__ void mv(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
-                   float* __restrict__ y, const float* __restrict__ bias, const float* __restrict__ gate_logit,
-                   int nrows, int ncols, int accumulate, const float* __restrict__ norm_w, float eps, int stage,
-                   int rows_per_warp) {
+__device__ __forceinline__ void mv_block(int blk, const uint8_t* __restrict__ W, long long row_bytes,
+                                         const float* __restrict__ x, float* __restrict__ y,
+                                         const float* __restrict__ bias, const float* __restrict__ gate_logit,
+                                         int nrows, int ncols, int accumulate, const float* __restrict__ norm_w,
+                                         float eps, int stage, int rows_per_warp) {
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int r0 = blockIdx.x * rows_per_warp * nw + (threadIdx.x >> 5);
+    const int r0 = blk * rows_per_warp * nw + (threadIdx.x >> 5);
     if (stage) {
         const float* xs;
         // 4 units a lane up front: wo's 4096-wide rows in one round (mv3, with 2048, keeps 2 and its registers)
@@ -68,32 +71,53 @@ __global__ void mv(const uint8_t* __restrict__ W, long long row_bytes, const flo
     }
 }
 
+template <int QT>
+__global__ void mv(const uint8_t* __restrict__ W, long long row_bytes, const float* __restrict__ x,
+                   float* __restrict__ y, const float* __restrict__ bias, const float* __restrict__ gate_logit,
+                   int nrows, int ncols, int accumulate, const float* __restrict__ norm_w, float eps, int stage,
+                   int rows_per_warp) {
+    mv_block<QT>(blockIdx.x, W, row_bytes, x, y, bias, gate_logit, nrows, ncols, accumulate, norm_w, eps, stage,
+                 rows_per_warp);
+}
+
 // The Q, K and V projections in one launch (one quant type): rows [0, n0) of W0, then W1, then W2; bias optional.
 // x staged (normed by norm_w when given); dynamic shared memory staged_bytes(ncols).
+// mv3_block: the body for grid block blk (mv3: blockIdx.x, t = 0; window.cu's mv3_tok: blockIdx.y, x at its token t,
+// outputs at y0 + t * n0, y1 + t * n1, y2 + t * n2); every thread of the block calls it (the staging).
+template <int QT>
+__device__ __forceinline__ void mv3_block(int blk, const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1,
+                                          const uint8_t* __restrict__ W2, long long row_bytes,
+                                          const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
+                                          float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
+                                          const float* __restrict__ b0, const float* __restrict__ b1,
+                                          const float* __restrict__ b2, int n0, int n1, int n2, int ncols, int t) {
+    const int lane = threadIdx.x & 31;
+    int r = blk * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const bool valid = r < n0 + n1 + n2;
+    if (!valid) r = n0 + n1 + n2 - 1;            // a tail warp re-reads the last row (it must join the staging)
+    const uint8_t* W = W0;
+    float* y = y0 + (long long)t * n0;
+    const float* b = b0;
+    if (r >= n0) {
+        r -= n0;
+        W = W1; y = y1 + (long long)t * n1; b = b1;
+        if (r >= n1) {
+            r -= n1;
+            W = W2; y = y2 + (long long)t * n2; b = b2;
+        }
+    }
+    const float* xs;
+    const float s = warp_sum(staged_row_dot<QT>(W + (long long)r * row_bytes, x, norm_w, eps, ncols, lane, xs));
+    if (lane == 0 && valid) y[r] = b ? s + b[r] : s;
+}
+
 template <int QT>
 __global__ void mv3(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,
                     long long row_bytes, const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
                     float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
                     const float* __restrict__ b0, const float* __restrict__ b1, const float* __restrict__ b2, int n0,
                     int n1, int n2, int ncols) {
-    const int lane = threadIdx.x & 31;
-    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const bool valid = r < n0 + n1 + n2;
-    if (!valid) r = n0 + n1 + n2 - 1;            // a tail warp re-reads the last row (it must join the staging)
-    const uint8_t* W = W0;
-    float* y = y0;
-    const float* b = b0;
-    if (r >= n0) {
-        r -= n0;
-        W = W1; y = y1; b = b1;
-        if (r >= n1) {
-            r -= n1;
-            W = W2; y = y2; b = b2;
-        }
-    }
-    const float* xs;
-    const float s = warp_sum(staged_row_dot<QT>(W + (long long)r * row_bytes, x, norm_w, eps, ncols, lane, xs));
-    if (lane == 0 && valid) y[r] = b ? s + b[r] : s;
+    mv3_block<QT>(blockIdx.x, W0, W1, W2, row_bytes, x, norm_w, eps, y0, y1, y2, b0, b1, b2, n0, n1, n2, ncols, 0);
 }
 
 // Up to four projections of one input in one launch (one quant type and width; the decode step's hybrid mixers,
@@ -192,12 +216,15 @@ __global__ void mv_gated(const uint8_t* __restrict__ W, long long row_bytes, con
 
 // h[r] = silu(Wg[r] . xn) * (Wu[r] . xn): the gate and up halves of a SwiGLU FFN in one pass. x staged (normed by
 // norm_w when given); dynamic shared memory staged_bytes(ncols).
+// swiglu_block: the body for grid block blk (swiglu_mv: blockIdx.x; window.cu's swiglu_tok: blockIdx.y, with x and
+// h at its token); every thread of the block calls it (the staging).
 template <int QT>
-__global__ void swiglu_mv(const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long row_bytes,
-                          const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
-                          float* __restrict__ h, int nrows, int ncols) {
+__device__ __forceinline__ void swiglu_block(int blk, const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu,
+                                             long long row_bytes, const float* __restrict__ x,
+                                             const float* __restrict__ norm_w, float eps, float* __restrict__ h,
+                                             int nrows, int ncols) {
     const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int r = blk * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const uint8_t* rg = Wg + (long long)min(r, nrows - 1) * row_bytes;
     const uint8_t* ru = Wu + (long long)min(r, nrows - 1) * row_bytes;
     float g, u;
@@ -214,6 +241,13 @@ __global__ void swiglu_mv(const uint8_t* __restrict__ Wg, const uint8_t* __restr
     g = warp_sum(g);
     u = warp_sum(u);
     if (lane == 0 && r < nrows) h[r] = silu(g) * u;
+}
+
+template <int QT>
+__global__ void swiglu_mv(const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long row_bytes,
+                          const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
+                          float* __restrict__ h, int nrows, int ncols) {
+    swiglu_block<QT>(blockIdx.x, Wg, Wu, row_bytes, x, norm_w, eps, h, nrows, ncols);
 }
 
 // out[t, :] = dequant(W[tok_t]). Tokens come from `tokens` (device) or, for a decode step, from the step's

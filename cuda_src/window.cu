@@ -8,7 +8,7 @@
 // Inputs of T tokens are rows of ldx floats (x + t * ldx); outputs rows of ldy.
 #include "window.cuh"
 #include "router.cu"     // route_block, ROUTER_F4 (its kernels compile here too, unused)
-#include "dense.cu"      // staged_row_dot, mv_store: the token-parallel kernels below are dense.cu's bodies
+#include "dense.cu"      // mv_block, mv3_block, swiglu_block: the token-parallel kernels below are their calls
 
 // ---- token-parallel dense mat-vecs ------------------------------------------------------------------------------
 // dense.cu's mv / mv3 / swiglu_mv with the window's token t in block x and the one-token grid's block in y (grid (T,
@@ -24,30 +24,9 @@ __global__ void mv_tok(const uint8_t* __restrict__ W, long long row_bytes, const
                        const float* __restrict__ gate_logit, int nrows, int ncols, int accumulate,
                        const float* __restrict__ norm_w, float eps, int stage, int rows_per_warp) {
     const int t = blockIdx.x;
-    x += (long long)t * ldx;
-    y += (long long)t * ldy;
-    if (gate_logit) gate_logit += t;
-    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int r0 = blockIdx.y * rows_per_warp * nw + (threadIdx.x >> 5);
-    if (stage) {
-        const float* xs;
-        const float s = warp_sum(staged_row_dot<QT, 4>(W + (long long)min(r0, nrows - 1) * row_bytes, x, norm_w,
-                                                       eps, ncols, lane, xs));
-        if (lane == 0 && r0 < nrows) mv_store(r0, s, y, bias, gate_logit, accumulate);
-        for (int i = 1; i < rows_per_warp; ++i) {
-            const int r = r0 + i * nw;
-            if (r >= nrows) break;
-            const float u = warp_sum(dot_s<QT>(W + (long long)r * row_bytes, xs, ncols, lane));
-            if (lane == 0) mv_store(r, u, y, bias, gate_logit, accumulate);
-        }
-    } else {
-        for (int i = 0; i < rows_per_warp; ++i) {
-            const int r = r0 + i * nw;
-            if (r >= nrows) break;
-            const float u = warp_sum(dotw<QT>(W + (long long)r * row_bytes, x, ncols, lane));
-            if (lane == 0) mv_store(r, u, y, bias, gate_logit, accumulate);
-        }
-    }
+    mv_block<QT>(blockIdx.y, W, row_bytes, x + (long long)t * ldx, y + (long long)t * ldy, bias,
+                 gate_logit ? gate_logit + t : nullptr, nrows, ncols, accumulate, norm_w, eps, stage,
+                 rows_per_warp);
 }
 
 template <int QT>
@@ -57,25 +36,8 @@ __global__ void mv3_tok(const uint8_t* __restrict__ W0, const uint8_t* __restric
                         float* __restrict__ y2, const float* __restrict__ b0, const float* __restrict__ b1,
                         const float* __restrict__ b2, int n0, int n1, int n2, int ncols) {
     const int t = blockIdx.x;
-    x += (long long)t * ldx;
-    const int lane = threadIdx.x & 31;
-    int r = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const bool valid = r < n0 + n1 + n2;
-    if (!valid) r = n0 + n1 + n2 - 1;
-    const uint8_t* W = W0;
-    float* y = y0 + (long long)t * n0;
-    const float* b = b0;
-    if (r >= n0) {
-        r -= n0;
-        W = W1; y = y1 + (long long)t * n1; b = b1;
-        if (r >= n1) {
-            r -= n1;
-            W = W2; y = y2 + (long long)t * n2; b = b2;
-        }
-    }
-    const float* xs;
-    const float s = warp_sum(staged_row_dot<QT>(W + (long long)r * row_bytes, x, norm_w, eps, ncols, lane, xs));
-    if (lane == 0 && valid) y[r] = b ? s + b[r] : s;
+    mv3_block<QT>(blockIdx.y, W0, W1, W2, row_bytes, x + (long long)t * ldx, norm_w, eps, y0, y1, y2, b0, b1, b2, n0,
+                  n1, n2, ncols, t);
 }
 
 template <int QT>
@@ -83,26 +45,8 @@ __global__ void swiglu_tok(const uint8_t* __restrict__ Wg, const uint8_t* __rest
                            const float* __restrict__ x, int ldx, const float* __restrict__ norm_w, float eps,
                            float* __restrict__ h, int nrows, int ncols) {
     const int t = blockIdx.x;
-    x += (long long)t * ldx;
-    h += (long long)t * nrows;
-    const int lane = threadIdx.x & 31;
-    const int r = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const uint8_t* rg = Wg + (long long)min(r, nrows - 1) * row_bytes;
-    const uint8_t* ru = Wu + (long long)min(r, nrows - 1) * row_bytes;
-    float g, u;
-    if constexpr (QT == STRATA_Q_Q4_K) {
-        Q4KRaw p[Q4K_BATCH], q[Q4K_BATCH];
-        q4k_preload(rg, ncols, lane, p);
-        q4k_preload(ru, ncols, lane, q);
-        const float* xs = stage_x<QT>(x, norm_w, eps, ncols);
-        q4k_finish2(p, q, rg, ru, xs, ncols, lane, g, u);
-    } else {
-        const float* xs = stage_x<QT>(x, norm_w, eps, ncols);
-        dot2_s<QT>(rg, ru, xs, ncols, lane, g, u);
-    }
-    g = warp_sum(g);
-    u = warp_sum(u);
-    if (lane == 0 && r < nrows) h[r] = silu(g) * u;
+    swiglu_block<QT>(blockIdx.y, Wg, Wu, row_bytes, x + (long long)t * ldx, norm_w, eps, h + (long long)t * nrows,
+                     nrows, ncols);
 }
 
 extern "C" __global__ void win_union(const int* __restrict__ ids, int n_pairs, int* __restrict__ uni) {

@@ -1,6 +1,6 @@
 // Device helpers of the window kernels (window.cu, window_serial.cu, window_oss.cu): a window of T = 1..WIN_MAX
-// tokens staged in shared memory as common.cuh stage_x stages one, lane partials of a row against several
-// vectors in the one-token kernels' schedules, and the union of a window's routed experts.
+// tokens staged in shared memory as common.cuh stage_x stages one (its stage_x_to), lane partials of a row against
+// several vectors in the one-token kernels' schedules, and the union of a window's routed experts.
 #pragma once
 #include "quant.cuh"
 #include "common.cuh"
@@ -9,32 +9,6 @@
 #define WIN_MAX_PAIRS 128   // (token, expert) pairs of a window: WIN_MAX * ROUTER_MAX_K
 
 __device__ __forceinline__ int win_sl(int n) { return n + 4 * (n >> 6); }
-
-// stage_x for one token into xs (any offset of the dynamic shared memory): the same sums in the same order.
-template <int QT>
-__device__ __forceinline__ void win_stage_one(const float* x, const float* __restrict__ w, float eps, int n,
-                                              float* xs, float* red) {
-    float inv = 1.f;
-    if (w) {
-        float s = 0.f;
-        for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) {
-            const float4 v = *reinterpret_cast<const float4*>(x + i);
-            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-        inv = rsqrtf(block_sum(s, red) / n + eps);
-    }
-    for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) {
-        float4 v = *reinterpret_cast<const float4*>(x + i);
-        if (w) {
-            const float4 g = *reinterpret_cast<const float4*>(w + i);
-            v.x = v.x * inv * g.x;
-            v.y = v.y * inv * g.y;
-            v.z = v.z * inv * g.z;
-            v.w = v.w * inv * g.w;
-        }
-        *reinterpret_cast<float4*>(xs + xs_at<QT>(i)) = v;
-    }
-}
 
 // Tokens xp[0..n) staged one after the other (token i at xs + i * win_sl(ncols)); every thread calls it.
 template <int QT>
@@ -45,7 +19,7 @@ __device__ __forceinline__ const float* win_stage(const float* const (&xp)[WIN_M
     const int sl = win_sl(ncols);
 #pragma unroll
     for (int i = 0; i < WIN_MAX; ++i)
-        if (i < n) win_stage_one<QT>(xp[i], norm_w, eps, ncols, xs + i * sl, red);
+        if (i < n) stage_x_to<QT>(xp[i], norm_w, eps, ncols, xs + i * sl, red);
     __syncthreads();
     return xs;
 }
@@ -337,4 +311,3 @@ __device__ __forceinline__ void win_union_block(const int* __restrict__ ids, int
 }
 
 #define WIN_DOWN_BATCH 6    // (slot, unit) pairs a lane has in flight (moe.cu MOE_DOWN_BATCH)
-#define WIN_SLOT_REGS (WIN_MAX_PAIRS / 32)

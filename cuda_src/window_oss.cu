@@ -3,7 +3,7 @@
 // of those kernels (the same staging, lane schedules and fp32 sum orders, MXFP4's lane-rotated float4 walk included:
 // a (token, pair) partial is computed with the lane the one-token kernel gives that pair), so a window's outputs are
 // T one-token launches' bit for bit. Loaded by engine/cuda/decode_window.py's OssWindowStep.
-#include "window.cuh"
+#include "window_moe.cuh"
 #include "moe_oss.cu"
 
 // moe_gate_up_oai for a window: grid (ceil(n_ff / warps per block), min(T * k, n_expert)), block y a union slot;
@@ -18,16 +18,12 @@ __global__ __launch_bounds__(128) void moe_gate_up_oai_win(
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int* rec = uni + 1 + blockIdx.y * WIN_REC;
-    const int e = rec[0], n = rec[1];
-    const uint8_t* rg = reinterpret_cast<const uint8_t*>(table[e]) + (long long)min(r, n_ff - 1) * row_bytes;
+    const int e = rec[0];
+    const uint8_t* rg = win_slot_expert_row(table, rec, r, n_ff, row_bytes);
     const uint8_t* ru = rg + up_off;
     int pair[WIN_MAX];
     const float* xp[WIN_MAX];
-#pragma unroll
-    for (int i = 0; i < WIN_MAX; ++i) {
-        pair[i] = rec[2 + min(i, n - 1)];
-        xp[i] = x + (long long)(pair[i] / k) * ncols;
-    }
+    const int n = win_slot_in<true>(rec, x, k, ncols, pair, xp);
     float g[WIN_MAX], u[WIN_MAX];
 #pragma unroll
     for (int i = 0; i < WIN_MAX; ++i) g[i] = u[i] = 0.f;
@@ -119,20 +115,8 @@ __global__ __launch_bounds__(128) void moe_down_bias_win(
     const int n_uni = uni[0];
     const unsigned long long row_at = down_off + (unsigned long long)rr * row_bytes;
     unsigned long long addr[WIN_SLOT_REGS];
-#pragma unroll
-    for (int i = 0; i < WIN_SLOT_REGS; ++i) {
-        const int s = lane + 32 * i;
-        addr[i] = s < n_uni ? table[uni[1 + s * WIN_REC]] + row_at : 0ull;
-    }
-    auto slot_row = [&](int s) {
-        unsigned long long a = 0;
-#pragma unroll
-        for (int i = 0; i < WIN_SLOT_REGS; ++i) {
-            const unsigned long long o = __shfl_sync(0xffffffffu, addr[i], s & 31);
-            if ((s >> 5) == i) a = o;
-        }
-        return reinterpret_cast<const uint8_t*>(a);
-    };
+    win_slot_addrs(table, uni, n_uni, row_at, lane, addr);
+    auto slot_row = [&](int s) { return win_slot_row(addr, s); };
     if constexpr (MX) {
         const int total = n_uni * nb;
         for (int base = 0; base < total; base += 32 * MX4_DOWN_BATCH) {
@@ -164,11 +148,7 @@ __global__ __launch_bounds__(128) void moe_down_bias_win(
             const uint8_t* row = slot_row(s);
             int pr[WIN_MAX];
             const float* xp[WIN_MAX];
-#pragma unroll
-            for (int i = 0; i < WIN_MAX; ++i) {
-                pr[i] = rec[2 + min(i, n - 1)];
-                xp[i] = h + (long long)pr[i] * n_ff;
-            }
+            win_slot_in<false>(rec, h, k, n_ff, pr, xp);
             float acc[WIN_MAX];
             if (stage) {
                 if constexpr (QT == STRATA_Q_Q4_K) {   // dot_s's batches against unpadded h: the same floats

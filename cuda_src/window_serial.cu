@@ -3,7 +3,7 @@
 // the tokens' sums one after the other in the warp, in the one-token kernels' order (window.cuh). The H200
 // measured a window of them at about T one-token steps (the step is latency-bound, not HBM-bound): the default
 // window program is window.cu's token-parallel kernels; these load only when a mode asks for them.
-#include "window.cuh"
+#include "window_moe.cuh"
 
 // dense.cu mv for T tokens: y_t[r] = (accumulate ? y_t[r] : 0) + gate_t * (W[r] . xn_t + bias[r]), gate_t =
 // sigmoid(gate_logit[t]) when given. stage: x staged (then normed when norm_w is given; dynamic shared memory
@@ -124,17 +124,11 @@ __global__ void moe_gate_up_win(const unsigned long long* __restrict__ table, co
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int* rec = uni + 1 + blockIdx.y * WIN_REC;
-    const int n = rec[1];
-    const uint8_t* base = reinterpret_cast<const uint8_t*>(table[rec[0]]);
-    const uint8_t* rg = base + (long long)min(r, n_ff - 1) * row_bytes;
+    const uint8_t* rg = win_slot_expert_row(table, rec, r, n_ff, row_bytes);
     const uint8_t* ru = rg + up_off;
     int pair[WIN_MAX];
     const float* xp[WIN_MAX];
-#pragma unroll
-    for (int i = 0; i < WIN_MAX; ++i) {
-        pair[i] = rec[2 + min(i, n - 1)];
-        xp[i] = x + (long long)(pair[i] / k) * ncols;
-    }
+    const int n = win_slot_in<true>(rec, x, k, ncols, pair, xp);
     float g[WIN_MAX], u[WIN_MAX];
     win_gate_up<QT>(rg, ru, xp, n, norm_w, eps, ncols, lane, g, u);
 #pragma unroll
@@ -168,22 +162,8 @@ __global__ void moe_down_win(const unsigned long long* __restrict__ table, const
     float* part = reinterpret_cast<float*>(strata_smem4) + (long long)warp * T * per_tok;
     const int n_uni = uni[0];
     const unsigned long long row_at = down_off + (unsigned long long)min(r, n_embd - 1) * row_bytes;
-    // lane s holds the row address of slots s, s + 32, ...: every slot's table read in flight at once
     unsigned long long addr[WIN_SLOT_REGS];
-#pragma unroll
-    for (int i = 0; i < WIN_SLOT_REGS; ++i) {
-        const int s = lane + 32 * i;
-        addr[i] = s < n_uni ? table[uni[1 + s * WIN_REC]] + row_at : 0ull;
-    }
-    auto slot_row = [&](int s) {         // every lane calls it (shuffles); s is this lane's slot
-        unsigned long long a = 0;
-#pragma unroll
-        for (int i = 0; i < WIN_SLOT_REGS; ++i) {
-            const unsigned long long o = __shfl_sync(0xffffffffu, addr[i], s & 31);
-            if ((s >> 5) == i) a = o;
-        }
-        return reinterpret_cast<const uint8_t*>(a);
-    };
+    win_slot_addrs(table, uni, n_uni, row_at, lane, addr);
     if (pairs) {
         if constexpr (QT == STRATA_Q_Q4_K) {
             // the (slot, unit) pairs over the 32 lanes, WIN_DOWN_BATCH loads a lane in flight before the arithmetic
@@ -195,7 +175,7 @@ __global__ void moe_down_win(const unsigned long long* __restrict__ table, const
                 for (int b = 0; b < WIN_DOWN_BATCH; ++b) {
                     const int p = base + lane + 32 * b, s = min(p / nu, n_uni - 1);
                     ps[b] = s;
-                    const uint8_t* row = slot_row(s);
+                    const uint8_t* row = win_slot_row(addr, s);
                     if (p < total) raw[b] = q4k_load(row, p - s * nu);
                 }
 #pragma unroll
@@ -215,22 +195,10 @@ __global__ void moe_down_win(const unsigned long long* __restrict__ table, const
     } else {
         // a slot's pairs and their h rows
         auto slot_in = [&](int s, int (&pr)[WIN_MAX], const float* (&xp)[WIN_MAX]) {
-            const int* rec = uni + 1 + s * WIN_REC;
-            const int n = rec[1];
-#pragma unroll
-            for (int i = 0; i < WIN_MAX; ++i) {
-                pr[i] = rec[2 + min(i, n - 1)];
-                xp[i] = h + (long long)pr[i] * n_ff;
-            }
-            return n;
+            return win_slot_in<false>(uni + 1 + s * WIN_REC, h, k, n_ff, pr, xp);
         };
         auto park = [&](const int (&pr)[WIN_MAX], int n, const float (&acc)[WIN_MAX]) {
-#pragma unroll
-            for (int i = 0; i < WIN_MAX; ++i) {
-                if (i >= n) break;
-                const int t = pr[i] / k, j = pr[i] - t * k;
-                part[t * per_tok + j * 32 + lane] = acc[i];
-            }
+            win_park(part, per_tok, k, lane, pr, n, acc);
         };
         int s = 0;
         if constexpr (QT != STRATA_Q_Q4_K) {    // two slots at a time (dot_s = dotw = dot_row for these types)
@@ -239,7 +207,8 @@ __global__ void moe_down_win(const unsigned long long* __restrict__ table, const
                 const float *xa[WIN_MAX], *xb[WIN_MAX];
                 const int na = slot_in(s, pa, xa), nb = slot_in(s + 1, pb, xb);
                 float aa[WIN_MAX], ab[WIN_MAX];
-                win_dot_row2<QT>(slot_row(s), xa, na, slot_row(s + 1), xb, nb, n_ff, lane, aa, ab);
+                win_dot_row2<QT>(win_slot_row(addr, s), xa, na, win_slot_row(addr, s + 1), xb, nb, n_ff, lane, aa,
+                                 ab);
                 park(pa, na, aa);
                 park(pb, nb, ab);
             }
@@ -248,24 +217,12 @@ __global__ void moe_down_win(const unsigned long long* __restrict__ table, const
             int pr[WIN_MAX];
             const float* xp[WIN_MAX];
             const int n = slot_in(s, pr, xp);
-            const uint8_t* row = slot_row(s);
+            const uint8_t* row = win_slot_row(addr, s);
             float acc[WIN_MAX];
             if (stage) win_dot_s<QT>(row, xp, n, n_ff, lane, acc);
             else win_dotw<QT>(row, xp, n, n_ff, lane, acc);
             park(pr, n, acc);
         }
     }
-    __syncwarp();
-    for (int t = 0; t < T; ++t) {
-        const float* pt = part + t * per_tok;
-        const float* wt = weights + t * k;
-        float s = 0.f;
-        if (pairs) {
-            for (int p = lane; p < per_tok; p += 32) s += wt[p / nu] * pt[p];
-        } else {
-            for (int j = 0; j < k; ++j) s += wt[j] * pt[j * 32 + lane];
-        }
-        s = warp_sum(s);
-        if (lane == 0 && r < n_embd) out[(long long)t * n_embd + r] += s;
-    }
+    win_down_sums<false>(part, per_tok, pairs, nu, weights, k, T, lane, r, n_embd, out, nullptr, nullptr);
 }

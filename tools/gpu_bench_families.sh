@@ -35,34 +35,16 @@ case $PRESET in
 esac
 case ${ROUTING:-} in ""|trained|spread) ;; *) echo "gpu_bench_families: ROUTING is trained or spread, not $ROUTING"; exit 2 ;; esac
 MODEL=$DIR/$PRESET${ROUTING:+-$ROUTING}.gguf
-BENCH=${LLAMA_BENCH:-/tmp/llama-bench}
-for cand in "$BENCH" .lbench/llama-bench.xz .anchors/llama-bench.xz .anchors/llama-bench.gz; do [[ -f $cand ]] && { BENCH=$cand; break; }; done
-mkdir -p "$OUT"
-T0=$(date +%s)
-say() { echo "[gpu_bench_families t+$(( $(date +%s) - T0 ))s] $*"; }
-left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
-# step NAME LIMIT_S LOG CMD...: the command under `timeout` (its whole process group), its log under $OUT
-step() {
-    local name=$1 limit=$2 log=$3; shift 3
-    if [[ ${DRY_RUN:-0} == 1 ]]; then echo "DRY $name (limit ${limit}s) > $log: $*"; return 0; fi
-    if (( limit < 10 )); then say "$name: skipped, ${limit}s left"; return 1; fi
-    timeout -k 10 "$limit" "$@" > "$log" 2>&1
-    local rc=$?
-    (( rc == 124 || rc == 137 )) && say "$name: stopped at its limit of ${limit}s"
-    say "$name: exit $rc"; tail -n 6 "$log"
-    return $rc
-}
+BENCH_SCRIPT=gpu_bench_families
+source tools/bench_steps.sh     # BENCH, say, left, min, step, shm_room
 cleanup() { [[ $DIR == /dev/shm && ${DRY_RUN:-0} != 1 ]] && rm -f "$MODEL" "$MODEL.part"; }
 trap cleanup EXIT
 trap 'say "interrupted"; exit 130' INT TERM
 status=0
 say "$PRESET at $BUDGETS: $MODEL (deadline ${DEADLINE}s)"
 if [[ $DIR == /dev/shm && ! -f $MODEL && ${DRY_RUN:-0} != 1 ]]; then
-    need=$(python3 -m tools.make_moe --preset "$PRESET" "${RECIPE[@]/--make-recipe/--recipe}" --dry-run | awk '$1 == "total" {print int($(NF-1) + 1)}')
-    have=$(( $(df -B1 --output=avail /dev/shm | tail -n 1) / 1000000 ))
-    say "/dev/shm: ${have} MB free, the model takes ${need} MB; RAM: $(awk '/MemAvailable/ {printf "%.1f GiB available", $2 / 2^20}' /proc/meminfo)"
-    [[ -n $need ]] || { say "tools.make_moe --dry-run gave no size: stopping"; exit 1; }
-    if (( have < need + 1000 )); then say "/dev/shm cannot hold the model: stopping"; exit 1; fi
+    shm_room "$(python3 -m tools.make_moe --preset "$PRESET" "${RECIPE[@]/--make-recipe/--recipe}" --dry-run |
+                awk '$1 == "total" {print int($(NF-1) + 1)}')"
 fi
 if [[ ! -f $MODEL ]]; then
     step make 200 "$OUT/$PRESET-make.log" python3 -c 'import sys; from pathlib import Path; from bench.decode import make_model

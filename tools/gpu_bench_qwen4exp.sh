@@ -36,36 +36,16 @@ case ${ROUTING:-} in ""|trained|spread) ;; *) echo "gpu_bench_qwen4exp: ROUTING 
 [[ $PLE_ROWS =~ ^[0-9]+$ ]] || { echo "gpu_bench_qwen4exp: PLE_ROWS is a row count, not $PLE_ROWS"; exit 2; }
 NAME=qwen3.8-flash-next-$PACK-ple$PLE_ROWS${ROUTING:+-$ROUTING}
 MODEL=/dev/shm/$NAME.gguf
-BENCH=${LLAMA_BENCH:-/tmp/llama-bench}
-for cand in "$BENCH" .lbench/llama-bench.xz .anchors/llama-bench.xz .anchors/llama-bench.gz; do [[ -f $cand ]] && { BENCH=$cand; break; }; done
 MAKE=(python3 -m tools.make_moe --preset qwen3.8-flash-next --pack "$PACK" --ple-rows "$PLE_ROWS" ${ROUTING:+--routing "$ROUTING"})
-mkdir -p "$OUT"
-T0=$(date +%s)
-say() { echo "[gpu_bench_qwen4exp t+$(( $(date +%s) - T0 ))s] $*"; }
-left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
-min() { echo $(( $1 < $2 ? $1 : $2 )); }
-# step NAME LIMIT_S LOG CMD...: the command under `timeout` (its whole process group), its log under $OUT
-step() {
-    local name=$1 limit=$2 log=$3; shift 3
-    if [[ ${DRY_RUN:-0} == 1 ]]; then echo "DRY $name (limit ${limit}s) > $log: $*"; return 0; fi
-    if (( limit < 10 )); then say "$name: skipped, ${limit}s left"; return 1; fi
-    timeout -k 10 "$limit" "$@" > "$log" 2>&1
-    local rc=$?
-    (( rc == 124 || rc == 137 )) && say "$name: stopped at its limit of ${limit}s"
-    say "$name: exit $rc"; tail -n 6 "$log"
-    return $rc
-}
+BENCH_SCRIPT=gpu_bench_qwen4exp
+source tools/bench_steps.sh     # BENCH, say, left, min, step, shm_room
 cleanup() { [[ ${DRY_RUN:-0} != 1 ]] && rm -f "$MODEL" "$MODEL.part"; }
 trap cleanup EXIT
 trap 'say "interrupted"; exit 130' INT TERM
 status=0
 say "$CALL at $BUDGETS: $MODEL (deadline ${DEADLINE}s)"
 if [[ ${DRY_RUN:-0} != 1 ]]; then
-    need=$("${MAKE[@]}" --dry-run | awk '$1 == "total" {print int($(NF-1) + 1)}')
-    have=$(( $(df -B1 --output=avail /dev/shm | tail -n 1) / 1000000 ))
-    say "/dev/shm: ${have} MB free, the model takes ${need} MB; RAM: $(awk '/MemAvailable/ {printf "%.1f GiB available", $2 / 2^20}' /proc/meminfo)"
-    [[ -n $need ]] || { say "tools.make_moe --dry-run gave no size: stopping"; exit 1; }
-    if (( have < need + 1000 )); then say "/dev/shm cannot hold the model: stopping"; exit 1; fi
+    shm_room "$("${MAKE[@]}" --dry-run | awk '$1 == "total" {print int($(NF-1) + 1)}')"
 fi
 # 39 GB; 2.6 GB (2 layers) took 16 s on 2 cores here; 16 threads on the GPU machine: ~60 s expected
 step make 240 "$OUT/$NAME-make.log" "${MAKE[@]}" --out "$MODEL" || { say "no model: stopping"; exit 1; }
