@@ -198,3 +198,35 @@ def test_ple_reference_is_the_models_mix():
     got, ghist = q4ops.ref_ple(x, eta @ wk.T, eta @ wv.T, gk, gq, gc, conv, hist, H, 3, 1e-6)
     np.testing.assert_allclose(got, x + add, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(ghist, hist1, rtol=1e-12)
+
+
+def test_the_prompt_gdn_is_the_chunked_rule_at_heads_of_128_only(loaded):
+    """families/qwen4exp.py fast_gdn: gdn.cu's sigmoid-gate build at the published heads (tiled: value head h reads key
+    head h % n_k, as q4_gdn_delta), q4_gdn_delta where it is not built (the tiny fixtures' heads of 16)."""
+    from engine.cuda.families.qwen4exp import fast_gdn
+    model, fam, _ = loaded
+    assert model.config.ssm_state != 128 and fast_gdn(model.config) is None
+    cfg = NS(arch="qwen4exp", ssm_k_heads=16, ssm_v_heads=48, ssm_state=128, ssm_conv=4, rms_eps=1e-6,
+             recurrent_layers=[True, False])
+    shape = fast_gdn(cfg)
+    assert shape.sigmoid_gate and not shape.grouped and shape.channels == 2 * 16 * 128 + 48 * 128
+    assert fast_gdn(NS(**{**vars(cfg), "recurrent_layers": [False]})) is None
+
+
+def test_the_gdn_references_agree_at_the_published_heads():
+    """q4ops.ref_gdn (q4_gdn_delta's reference) and gdn.ref_layer (gdn.cu's, sigmoid gate, tiled heads) are the same
+    arithmetic, so the chunked prompt kernels compute what the family's own did (to their fp16 tolerance)."""
+    from engine.cuda.families.gdn import GdnShape, ref_layer
+    rng = np.random.default_rng(0)
+    for nk, nv, T in ((2, 6, 5), (16, 48, 9)):
+        D, C = 128, (2 * nk + nv) * 128
+        sh = GdnShape(nk, nv, D, 4, False, 1e-6, True)
+        qkv, z = rng.standard_normal((T, C)), rng.standard_normal((T, nv * D))
+        b, a = rng.standard_normal((T, nv)), rng.standard_normal((T, nv))
+        conv_w, cs = rng.standard_normal((C, 4)) * 0.5, rng.standard_normal((3, C))
+        dt_bias, ssm_a = np.log(np.expm1(rng.uniform(0.001, 0.1, nv))), -rng.uniform(1, 16, nv)
+        norm_w, S = 1 + 0.1 * rng.standard_normal(D), 0.1 * rng.standard_normal((nv, D, D))
+        got = q4ops.ref_gdn(qkv, cs, conv_w, b, a, dt_bias, ssm_a, S, z, norm_w, nk, D, 1e-6)
+        want = ref_layer(sh, qkv, z, b, a, dt_bias, ssm_a, conv_w, norm_w, cs, S)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)

@@ -24,8 +24,10 @@ modes) with
   pooled keys are per position like K/V: a rewind keeps the positions before it, and the blocks they complete.
 
 Each part is one call into engine/cuda/families/q4ops.py: Hc and Qsa on cuda_src/hc.cu and qsa.cu (engine/cuda/hc.py,
-qsa.py), Gdn and Ple on cuda_src/qwen4exp.cu (its GDN takes any head width, the tiny fixtures' 16 included). Only
-f16 K/V (--kv f16).
+qsa.py), Gdn and Ple on cuda_src/qwen4exp.cu (its GDN takes any head width, the tiny fixtures' 16 included). The
+prompt's GDN at heads of 128 (the published model) is gdn.cu's chunked delta rule instead (engine/cuda/families/
+gdn.py, its sigmoid-gate build: fast_gdn): q4_gdn_delta walks a chunk's tokens one by one with the state in global
+memory. Only f16 K/V (--kv f16).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import numpy as np
 
 from engine.arch import qwen4exp as ref
 from engine.cuda.chunk_plan import Buffer
+from engine.cuda.families.gdn import GdnKernels, GdnShape, scratch_bytes
 from engine.cuda.families.hybrid import GdnLayer, HybridKV, attn_q_rows
 from engine.cuda.families.moe import MoeDecode, MoeFamily, MoeLayer, MoePrompt, load_ffn
 from engine.cuda.families.q4ops import Gdn, Hc, HcWeights, Ple, Qsa, q4_shape
@@ -157,6 +160,13 @@ def ple_rows(p, rows: RowCache, tokens, before) -> tuple[np.ndarray, np.ndarray]
 
 
 # --- the KV cache with QSA's indexer keys -----------------------------------------------------------------------
+
+def fast_gdn(cfg) -> GdnShape | None:
+    """The shape gdn.cu's chunked prompt kernels take for this model's GDN layers (tensor-core mma, fp16 inputs,
+    fp32 state: tests/test_cuda_gdn.py's q38-flash-sigmoid shape bounds it against the reference), or None where they
+    are not built (heads other than 128 with the sigmoid gate: the tiny fixtures), which keep q4_gdn_delta."""
+    return GdnShape.from_config(cfg) if cfg.ssm_state == 128 and any(cfg.recurrent_layers) else None
+
 
 def qsa_blocks(cfg, max_ctx: int, li: int) -> int:
     """Rows of layer li's pooled block keys: every block a context of max_ctx can complete, and one spare."""
@@ -309,7 +319,11 @@ class Qwen4ExpFamily(MoeFamily):
         # + the chunk's raw n-gram rows (uploaded, then dequantized into one of the (T, H N)-or-smaller arrays)
         raw = p.n_ple_heads * (self.rows.row_bytes if self.rows is not None else 4 * p.ple_width)
         per_token = 4 * (5 * D + max(gdn, qsa) + 4 * c.n_embd) + raw
-        return [Buffer("q4_prompt", T * per_token + Qsa.PROMPT_SCORE_BYTES, 1, False)]
+        out = [Buffer("q4_prompt", T * per_token + Qsa.PROMPT_SCORE_BYTES, 1, False)]
+        shape = fast_gdn(c)
+        if shape is not None:       # allocated by Q4Prompt, one for every GDN layer
+            out.append(Buffer("gdn_scratch", scratch_bytes(shape, T), 1, False))
+        return out
 
     def decode_layers(self, step, recurrent=None) -> "Q4Decode":
         return Q4Decode(step, recurrent, self)
@@ -453,6 +467,11 @@ class Q4Prompt(MoePrompt):
         self.hc = Hc(kern, prefill.launcher, self.shape, hc_up_types(prefill.weights), prefill)
         self.qsa = Qsa(prefill.launcher, self.shape, prefill.kv, prefill.chunk)
         self.gdn = Gdn(kern, prefill.launcher, self.shape)
+        shape = fast_gdn(self.cfg)
+        self.fast_gdn = GdnKernels(shape) if shape is not None else None
+        if self.fast_gdn is not None:
+            with prefill.step.stream:
+                self.gdn_scratch = self.fast_gdn.scratch(prefill.chunk)     # prompt_buffers' "gdn_scratch"
         self.ple_op = Ple(kern, prefill.launcher, self.shape)
         self.xs = self.eta = None
         self.has_ple = any(L.ple is not None for L in prefill.weights.layers)
@@ -493,7 +512,9 @@ class Q4Prompt(MoePrompt):
         self.ahead.fence(g, fence)                # the pinned buffer is written again only after the copy
         self.eta = self.p.dequant(int(ptr(self._raw)), int(rows.tensor.qtype), rows.row_bytes, g.lookups,
                                   rows.width).reshape(len(tokens), -1)
-        self._facts = dict(rows_gather_ms=g.gather_s * 1000, rows_wait_ms=g.wait_s * 1000, rows_ahead=g.ahead)
+        # wait: what begin_chunk spent on the rows (all of the gather when it was not ahead)
+        self._facts = dict(rows_gather_ms=g.gather_s * 1000, rows_wait_ms=(g.wait_s if g.ahead else g.gather_s) * 1000,
+                           rows_ahead=g.ahead)
 
     def read_ahead(self, tokens) -> None:
         """After begin_chunk: the next chunk will be `tokens`; gather its rows on the worker meanwhile."""
@@ -501,7 +522,7 @@ class Q4Prompt(MoePrompt):
             self.ahead.ahead(tokens, self.state.ids)
 
     def host_facts(self) -> dict:
-        """The last chunk's PLE rows: the gather's ms, how long begin_chunk waited for it, whether it ran ahead."""
+        """The last chunk's PLE rows: the gather's ms, how long begin_chunk spent on them, whether they ran ahead."""
         return dict(self._facts)
 
     def layer(self, li, layer, x, xn, T: int, pos0: int) -> None:
@@ -518,8 +539,7 @@ class Q4Prompt(MoePrompt):
         y = self.hc.read_rows(xs, L.hc_attn, inj, T)
         p._mark("other")
         if L.gdn is not None:
-            g = L.gdn
-            o = proj(g.out, self.gdn.prompt(g, y, self.state.conv(g.slot), self.state.delta(g.slot), T, proj))
+            o = proj(L.gdn.out, self.gdn_mixer(L.gdn, y, T, proj))
             p._mark("gdn")
         else:
             o = self.attention_qsa(li, L, y, T, pos0, proj)
@@ -533,6 +553,17 @@ class Q4Prompt(MoePrompt):
             x[...] = self.hc.read_rows(xs, p.weights.hc_out, None, T)
             self.xs = None
             p._mark("other")
+
+    def gdn_mixer(self, g, y, T: int, proj):
+        """(T, n_v D) the GDN mixer before ssm_out of the block inputs y, the state carried: gdn.cu's chunked rule
+        (fast_gdn) or q4_gdn_delta token by token."""
+        conv, S = self.state.conv(g.slot), self.state.delta(g.slot)
+        if self.fast_gdn is None:
+            return self.gdn.prompt(g, y, conv, S, T, proj)
+        qkv, z, beta, alpha = (proj(W, y) for W in (g.qkv, g.z, g.beta, g.alpha))
+        out = cp.empty((T, self.cfg.ssm_inner), dtype=cp.float32)
+        self.fast_gdn.prefill(qkv, z, beta, alpha, g.dt_bias, g.a, g.conv, g.norm, conv, S, out, self.gdn_scratch, T)
+        return out
 
     def attention_qsa(self, li, L, y, T: int, pos0: int, proj):
         p = self.p
