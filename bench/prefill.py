@@ -82,9 +82,9 @@ def print_tables(rows) -> None:
     split = [r for r in rows if "host_split_ms" in r]
     if split:
         print("\nhost ms per chunk (bench/prompt_pass.py host_split): groups = expert tables, begin = the family's "
-              "inputs (qwen4exp: PLE rows taken; gather = their gather, on the worker when ahead; wait = begin "
-              "waiting for it), layers = enqueuing the layers (blocks when the GPU is behind), after = last layer "
-              "enqueued to logits on the host:")
+              "inputs (qwen4exp: PLE rows taken; gather = their gather, on the worker when ahead; wait = what begin "
+              "spent on them: all of the gather when not ahead), layers = enqueuing the layers (blocks when the GPU "
+              "is behind), after = last layer enqueued to logits on the host:")
         print("| budget GiB | prompt | chunks | host/chunk | groups | begin | rows gather | rows wait | chunks ahead "
               "| layers | after |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -46,9 +46,9 @@ HOST_KEYS = ("groups_ms", "begin_ms", "layers_ms", "rows_gather_ms", "rows_wait_
 def host_split(chunks) -> dict:
     """Per chunk, averaged: the host's ms in each part of Prefill.forward (groups: the expert tables; begin: the
     family's per-chunk inputs, qwen4exp's PLE rows taken or gathered; layers: enqueuing the layers, which blocks
-    once the GPU is far enough behind), the PLE gather's own ms (on the worker when ahead) and how long begin waited
-    for it, the chunks whose rows were gathered ahead, and after_ms: from the last layer enqueued to the logits on
-    the host (the GPU's backlog then, plus the output head)."""
+    once the GPU is far enough behind), the PLE gather's own ms (on the worker when ahead) and how long begin spent
+    on the rows (all of the gather when not ahead), the chunks whose rows were gathered ahead, and after_ms: from
+    the last layer enqueued to the logits on the host (the GPU's backlog then, plus the output head)."""
     n = max(len(chunks), 1)
     out = {k: round(sum(c["host"].get(k, 0.0) for c in chunks) / n, 1) for k in HOST_KEYS if k != "rows_ahead"}
     out["rows_ahead"] = sum(bool(c["host"].get("rows_ahead")) for c in chunks)

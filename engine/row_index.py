@@ -81,6 +81,11 @@ class RowIndex:
         self._vals = np.zeros(size, np.int64)
         self.n = 0              # rows held
         self._tombs = 0
+        if self._dict is None:      # compiled (or loaded from numba's cache) now, not at the first prompt
+            none = np.zeros(0, np.int64)
+            _lookup(self._keys, self._vals, self._shift, none, none.copy())
+            _insert(self._keys, self._vals, self._shift, none, none)
+            _delete(self._keys, self._shift, none)
 
     def __len__(self) -> int:
         return self.n

@@ -198,3 +198,34 @@ def test_ple_reference_is_the_models_mix():
     got, ghist = q4ops.ref_ple(x, eta @ wk.T, eta @ wv.T, gk, gq, gc, conv, hist, H, 3, 1e-6)
     np.testing.assert_allclose(got, x + add, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(ghist, hist1, rtol=1e-12)
+
+
+def test_the_gdn_runs_on_gdn_cu_at_heads_of_128_only(loaded):
+    """q4ops.gdn_cu_shape: gdn.cu's sigmoid-gate build at the published heads (tiled: value head h reads key head
+    h % n_k, as q4_gdn_delta), None where it is not built (the tiny fixtures' heads of 16: qwen4exp.cu's kernels)."""
+    from engine.cuda.families.q4ops import gdn_cu_shape
+    model, fam, _ = loaded
+    assert model.config.ssm_state != 128 and gdn_cu_shape(model.config, 1e-6) is None
+    cfg = NS(ssm_k_heads=16, ssm_v_heads=48, ssm_state=128, ssm_conv=4)
+    shape = gdn_cu_shape(cfg, 1e-6)
+    assert shape.sigmoid_gate and not shape.grouped and shape.channels == 2 * 16 * 128 + 48 * 128
+    assert gdn_cu_shape(NS(**{**vars(cfg), "ssm_conv": 9}), 1e-6) is None
+
+
+def test_the_gdn_references_agree_at_the_published_heads():
+    """q4ops.ref_gdn (q4_gdn_delta's reference) and gdn.ref_layer (gdn.cu's, sigmoid gate, tiled heads) are the same
+    arithmetic, so the chunked prompt kernels compute what the family's own did (to their fp16 tolerance)."""
+    from engine.cuda.families.gdn import GdnShape, ref_layer
+    rng = np.random.default_rng(0)
+    for nk, nv, T in ((2, 6, 5), (16, 48, 9)):
+        D, C = 128, (2 * nk + nv) * 128
+        sh = GdnShape(nk, nv, D, 4, False, 1e-6, True)
+        qkv, z = rng.standard_normal((T, C)), rng.standard_normal((T, nv * D))
+        b, a = rng.standard_normal((T, nv)), rng.standard_normal((T, nv))
+        conv_w, cs = rng.standard_normal((C, 4)) * 0.5, rng.standard_normal((3, C))
+        dt_bias, ssm_a = np.log(np.expm1(rng.uniform(0.001, 0.1, nv))), -rng.uniform(1, 16, nv)
+        norm_w, S = 1 + 0.1 * rng.standard_normal(D), 0.1 * rng.standard_normal((nv, D, D))
+        got = q4ops.ref_gdn(qkv, cs, conv_w, b, a, dt_bias, ssm_a, S, z, norm_w, nk, D, 1e-6)
+        want = ref_layer(sh, qkv, z, b, a, dt_bias, ssm_a, conv_w, norm_w, cs, S)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)

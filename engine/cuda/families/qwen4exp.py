@@ -24,7 +24,8 @@ modes) with
   pooled keys are per position like K/V: a rewind keeps the positions before it, and the blocks they complete.
 
 Each part is one call into engine/cuda/families/q4ops.py: Hc and Qsa on cuda_src/hc.cu and qsa.cu (engine/cuda/hc.py,
-qsa.py), Gdn and Ple on cuda_src/qwen4exp.cu (its GDN takes any head width, the tiny fixtures' 16 included). Only
+qsa.py), Gdn on cuda_src/gdn.cu's sigmoid-gate build at heads of 128 (the published models': decode and the chunked
+prompt rule) or on qwen4exp.cu's generic kernels at other widths (the tiny fixtures' 16), Ple on qwen4exp.cu. Only
 f16 K/V (--kv f16).
 """
 from __future__ import annotations
@@ -529,7 +530,9 @@ class Q4Prompt(MoePrompt):
         self.ahead.fence(g, fence)                # the pinned buffer is written again only after the copy
         self.eta = self.p.dequant(int(ptr(self._raw)), int(rows.tensor.qtype), rows.row_bytes, g.lookups,
                                   rows.width).reshape(len(tokens), -1)
-        self._facts = dict(rows_gather_ms=g.gather_s * 1000, rows_wait_ms=g.wait_s * 1000, rows_ahead=g.ahead)
+        # wait: what begin_chunk spent on the rows (all of the gather when it was not ahead)
+        self._facts = dict(rows_gather_ms=g.gather_s * 1000, rows_wait_ms=(g.wait_s if g.ahead else g.gather_s) * 1000,
+                           rows_ahead=g.ahead)
 
     def read_ahead(self, tokens) -> None:
         """After begin_chunk: the next chunk will be `tokens`; gather its rows on the worker meanwhile."""
@@ -537,7 +540,7 @@ class Q4Prompt(MoePrompt):
             self.ahead.ahead(tokens, self.state.ids)
 
     def host_facts(self) -> dict:
-        """The last chunk's PLE rows: the gather's ms, how long begin_chunk waited for it, whether it ran ahead."""
+        """The last chunk's PLE rows: the gather's ms, how long begin_chunk spent on them, whether they ran ahead."""
         return dict(self._facts)
 
     def layer(self, li, layer, x, xn, T: int, pos0: int) -> None:
