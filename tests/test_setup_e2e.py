@@ -35,6 +35,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _serve_and_chat(tmp_path, cfg_path, cfg, env, port, ready_s) -> dict:
+    """The server from the written config (its output in tmp_path/server.out), answering on port within ready_s,
+    answers one greedy 8-token chat (HTTP 200); returns the response body. The server (its whole session) is stopped
+    either way."""
+    log = open(tmp_path / "server.out", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(cfg_path)], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + ready_s
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.out").read_text()
+            try:
+                if requests.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, f"the server did not answer within {ready_s} s"
+            time.sleep(0.3)
+        r = requests.post(url + "/v1/chat/completions", timeout=600, json={
+            "model": cfg["model_name"], "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200, r.text
+        return r.json()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
 @pytest.mark.slow
 def test_setup_yes_then_the_server_answers_a_chat(tmp_path):
     port, env = _new_user(tmp_path)
@@ -47,38 +81,10 @@ def test_setup_yes_then_the_server_answers_a_chat(tmp_path):
     cfg_path = tmp_path / "strata-smollm2-135m.json"
     cfg = json.loads(cfg_path.read_text())
     assert cfg["port"] == port and "--backend" in cfg["args"]
-
-    log = open(tmp_path / "server.out", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(cfg_path)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.out").read_text()
-            try:
-                if requests.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, "the server did not answer within 120 s"
-            time.sleep(0.3)
-        r = requests.post(url + "/v1/chat/completions", timeout=600, json={
-            "model": cfg["model_name"], "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        text = body["choices"][0]["message"]["content"]
-        assert isinstance(text, str) and text.strip(), body
-        assert body["usage"]["completion_tokens"] >= 1
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    body = _serve_and_chat(tmp_path, cfg_path, cfg, env, port, ready_s=120)
+    text = body["choices"][0]["message"]["content"]
+    assert isinstance(text, str) and text.strip(), body
+    assert body["usage"]["completion_tokens"] >= 1
 
 
 @pytest.mark.slow
@@ -125,33 +131,6 @@ def test_setup_with_a_qwen4exp_file_then_the_server_answers_through_it(tmp_path,
     cfg_path = next(tmp_path.glob("strata-*.json"))
     cfg = json.loads(cfg_path.read_text())
     assert cfg["args"][cfg["args"].index("--backend") + 1] == backend
-    log = open(tmp_path / "server.out", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(cfg_path)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.out").read_text()
-            try:
-                if requests.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, "the server did not answer within 300 s"
-            time.sleep(0.3)
-        r = requests.post(url + "/v1/chat/completions", timeout=600, json={
-            "model": cfg["model_name"], "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["usage"]["completion_tokens"] >= 1, body
-        assert isinstance(body["choices"][0]["message"]["content"], str), body
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    body = _serve_and_chat(tmp_path, cfg_path, cfg, env, port, ready_s=300)
+    assert body["usage"]["completion_tokens"] >= 1, body
+    assert isinstance(body["choices"][0]["message"]["content"], str), body
