@@ -19,8 +19,9 @@ MiB = 2 ** 20
 # Stages on separate GPUs (per-card weights, KV and kernels): not built. When they are this turns True, and setup
 # then asks whether to use several GPUs (setup/gpus.py).
 STAGES_BUILT = False
-# Stages sharing one GPU (--gpus 0,0): built (engine/cuda/staged_backend.py), held to one stage on every splittable
-# family's fixtures (tests/test_cuda_staged_backend.py).
+# Stages sharing one GPU (--gpus 0,0, a test mode setup never offers): engine/cuda/staged_backend.py, which
+# tests/test_cuda_staged_backend.py holds to one stage on every splittable family's fixtures (its H200 runs:
+# docs/experiments.md).
 SHARED_GPU_STAGES = True
 PROBE_BYTES = 64 * MiB      # a probe copy: large enough that the link's rate, not the copy's latency, is timed
 PROBE_REPEATS = 4

@@ -167,17 +167,18 @@ class StagedPrefill:
         Not per chunk: stage 0's chunk c + 1 would then wait for the last stage's chunk c."""
         begin_after(self.begun, stream, [p.step.stream for p in self.stages])
 
-    def forward(self, tokens, pos0: int, all_logits: bool) -> cp.ndarray:
+    def forward(self, tokens, pos0: int, all_logits: bool, ahead=None) -> cp.ndarray:
         """The chunk through every stage in order, each on its own stream: stage s + 1 starts after its rows have
         landed; stage s first waits until its previous chunk's rows were copied out (wait_landed) before writing
-        this chunk's. Returns the last stage's logits (on its stream, the backend's)."""
+        this chunk's. Returns the last stage's logits (on its stream, the backend's). ahead: the next chunk's tokens
+        when known, for each stage's family to gather its host inputs meanwhile (Prefill.forward)."""
         x, out = None, None
         last = len(self.stages) - 1
         for i, p in enumerate(self.stages):
             with p.step.stream:
                 if i < last:
                     self.handoffs[i].wait_landed()
-                out = p.forward(tokens, pos0, all_logits, x_in=x)
+                out = p.forward(tokens, pos0, all_logits, ahead=ahead, x_in=x)
                 if i < last:
                     x = self.handoffs[i].send(out, len(tokens))
         return out
