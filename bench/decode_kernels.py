@@ -15,10 +15,11 @@ grid following it), never the --before build.
 The q3_* cases are Qwen3-30B-A3B's (the Q4_K_M recipe: n_embd 2048, 128 experts of n_ff 768, top 8): q3_gate_up
 (moe.cu moe_gate_up, Q4_K gate and up, the FFN norm fused), q3_down (moe_down, or moe_down_q6k where the
 tree has it, as the family picks: Q6_K ffn_down, the weighted sum added to x) and q3_router (router.cu router_fused,
-128 x 2048 F32, top 8 renormalized); q4_router is Qwen3.8-Flash-Next's (512 x 2560 F32, top 10 renormalized) and
-q35_router Qwen3.5-35B-A3B's (256 x 2048 F32, top 8). Their experts are 128 blobs
-laid out as the engine's (gate | up | down, 256-byte stride), 392 MB; launch i routes to the eight experts 8i..8i+7
-(mod 128), so consecutive launches read disjoint experts and the L2 serves none of them.
+128 x 2048 F32, top 8 renormalized); q4_router is Qwen3.8-Flash-Next's (512 x 2560 F32, top 10 renormalized),
+q4_router_bf16 the same in BF16 (the published packs' type) and q35_router Qwen3.5-35B-A3B's (256 x 2048 F32, top
+8). The q3 experts are 128 blobs laid out as the engine's (gate | up | down, 256-byte stride), 392 MB; launch i
+routes to the eight experts 8i..8i+7 (mod 128), so consecutive launches read disjoint experts and the L2 serves
+none of them.
 """
 from __future__ import annotations
 
@@ -38,13 +39,16 @@ from engine.cuda.quant_types import qtype, random_rows  # noqa: E402
 
 HBM = 4.4e12     # bytes/s (docs/design.md "Measured facts")
 N_EMBD, N_HEAD, N_KV, HEAD_DIM, N_VOCAB, N_EXPERT, K = 2880, 64, 8, 64, 201088, 32, 4
-CASES = ("mv_wo", "mv3", "router", "head", "q3_gate_up", "q3_down", "q3_router", "q4_router", "q35_router")
-# (experts, n_embd, top k) of the routers beside q3_router's
-ROUTERS = {"q3_router": (128, 2048, 8), "q4_router": (512, 2560, 10), "q35_router": (256, 2048, 8)}
+CASES = ("mv_wo", "mv3", "router", "head", "q3_gate_up", "q3_down", "q3_router", "q4_router", "q4_router_bf16",
+         "q35_router")
+# (experts, n_embd, top k, row type) of the routers beside q3_router's; the qwen4exp packs store theirs in BF16
+# (tools/qwen4exp_plan.py)
+ROUTERS = {"q3_router": (128, 2048, 8, "F32"), "q4_router": (512, 2560, 10, "F32"),
+           "q4_router_bf16": (512, 2560, 10, "BF16"), "q35_router": (256, 2048, 8, "F32")}
 Q3_EMBD, Q3_FF, Q3_EXPERT, Q3_K = 2048, 768, 128, 8
 MODULE = {"mv": "dense", "mv3": "dense", "router_fused_bias": "router", "router_fused": "router",
           "moe_gate_up": "moe", "moe_down": "moe"}
-QTS = ("Q8_0", "F32", "Q4_K", "Q6_K")
+QTS = ("Q8_0", "F32", "Q4_K", "Q6_K", "BF16")
 
 
 def expert_pool(cp, rng, qt_gu: str, qt_down: str):
@@ -187,9 +191,10 @@ class Case:
                               lambda ids: (table, ids, wts, i64(down_off), i64(rb_d), h, self.y, i32(Q3_EMBD),
                                            i32(Q3_FF), i32(Q3_K)))
         elif which in ROUTERS:
-            n_e, n_in, k = ROUTERS[which]
-            self.what, self.qt, self.kernel = f"router {n_e} x {n_in} F32, top {k} renormalized", f32, "router_fused"
-            one = cp.asarray(random_rows("F32", n_e, n_in, rng, 0.05))
+            n_e, n_in, k, rt = ROUTERS[which]
+            self.qt, self.kernel = qtype(rt), "router_fused"
+            self.what = f"router {n_e} x {n_in} {rt}, top {k} renormalized"
+            one = cp.asarray(random_rows(rt, n_e, n_in, rng, 0.05))
             self.nbytes = one.nbytes
             self.ws = [one] + [one.copy() for _ in range(copies_for(one.nbytes) - 1)]
             x, nw = a(rng.standard_normal(n_in)), a(rng.uniform(0.5, 1.5, n_in))
