@@ -67,6 +67,20 @@ def assert_routed_greedy(be, model, got_fn, prompt, n):
     assert_same_greedy(got, want, step_logits)
 
 
+def assert_teacher_forced(be, model, seq):
+    """The CUDA backend's logits of every position of seq (one forward, the prompt pass's chunks) within REL_PROMPT
+    of the routed reference's; returns the reference's logits."""
+    lg, ref = routed_reference(be, model, lambda: be.forward(seq, all_logits=True))
+    try:
+        want = ref.forward(seq, all_logits=True)
+    finally:
+        ref.close()
+    assert ref.clear_parts() == [], ref.parted
+    assert np.isfinite(lg).all()
+    assert rel_rows(lg, want).max() < REL_PROMPT
+    return want
+
+
 def cpu_continuation(model, prompt, n):
     """The NumPy backend's greedy tokens after prompt and the logits of prompt + those tokens' rows."""
     from engine.backend_cpu import CPUBackend
@@ -106,15 +120,7 @@ def test_teacher_forced_logits_match_cpu(recipe, case):
     toks, cpu_logits = cpu_continuation(model, prompt, N_GREEDY)
     be = cuda_backend(model)
     try:
-        seq = prompt + toks[:-1]
-        lg, ref = routed_reference(be, model, lambda: be.forward(seq, all_logits=True))
-        try:
-            want = ref.forward(seq, all_logits=True)
-        finally:
-            ref.close()
-        assert ref.clear_parts() == [], ref.parted
-        assert np.isfinite(lg).all()
-        assert rel_rows(lg, want).max() < REL_PROMPT
+        want = assert_teacher_forced(be, model, prompt + toks[:-1])
         # the prompt again from a cold state, then its continuation one token at a time through the decode graph
         # (which crosses the QSA budget on at_budget): each row within reach of one valid routing
         be.truncate(0)
@@ -236,15 +242,7 @@ def test_gdn_cu_layers_match_cpu(wide_model, share):
     try:
         assert be.step.layers.gdn.gk is not None          # both programs' GDN layers on gdn.cu
         assert be.prefill.layers.gdn.prompt_scratch.max_tokens >= CHUNK
-        seq = prompt + toks[:-1]
-        lg, ref = routed_reference(be, model, lambda: be.forward(seq, all_logits=True))
-        try:
-            want = ref.forward(seq, all_logits=True)
-        finally:
-            ref.close()
-        assert ref.clear_parts() == [], ref.parted
-        assert np.isfinite(lg).all()
-        assert rel_rows(lg, want).max() < REL_PROMPT
+        assert_teacher_forced(be, model, prompt + toks[:-1])
         be.truncate(0)
         assert_routed_greedy(be, model, lambda: greedy(be, prompt, N_GREEDY), prompt, N_GREEDY)
     finally:
