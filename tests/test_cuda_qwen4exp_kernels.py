@@ -73,8 +73,7 @@ def test_gdn_prompt_matches_the_token_by_token_reference(T, n_k, n_v, D, K):
     from types import SimpleNamespace as NS
     cfg = NS(arch="qwen4exp", ssm_k_heads=n_k, ssm_v_heads=n_v, ssm_state=D, ssm_conv=K, ssm_inner=n_v * D,
              rms_eps=1e-6)
-    g = q4ops.Gdn(kern, None, q4ops.Q4Shape(8, 2, 8, 1e-6, cfg))
-    g.prompt_scratch = g.gk.scratch(T)
+    g = q4ops.Gdn(kern, None, q4ops.Q4Shape(8, 2, 8, 1e-6, cfg), prompt_chunk=T)
     # proj(W, y) hands back each projection's rows: the weights here are names
     rows = {name: cp.asarray(v) for name, v in (("qkv", qkv), ("z", z), ("beta", b), ("alpha", a))}
     gw = NS(qkv="qkv", z="z", beta="beta", alpha="alpha", conv=cp.asarray(conv_w), dt_bias=cp.asarray(dt),

@@ -148,7 +148,9 @@ class Gdn:
     thread a state row over the tokens in order: at the real shape on the H200 that took 1.8 ms of a decode step and
     most of a 4K prompt's 9 s (docs/experiments.md). ssm_out is the caller's."""
 
-    def __init__(self, kern, launcher, shape: Q4Shape):
+    def __init__(self, kern, launcher, shape: Q4Shape, prompt_chunk: int = 0):
+        """prompt_chunk: the prompt pass's longest chunk (0: the decode step's), which gdn.cu's prompt scratch is
+        sized for (allocated here, on the current stream)."""
         from engine.cuda.families.gdn import GdnKernels
         self.k, self.mv, self.sh = kern, launcher, shape
         c = shape.cfg
@@ -159,7 +161,8 @@ class Gdn:
         self.gk = None if gshape is None else GdnKernels(gshape)
         if self.gk is None and self.threads > 1024:
             raise ValueError(f"GDN heads of {self.S}: q4_gdn_delta takes a head a block, at most 1024 wide")
-        self.prompt_scratch = None      # gdn.cu's prompt: a GdnScratch for the longest chunk (the prompt program's)
+        # gdn.cu's prompt: a GdnScratch for the longest chunk (one serves every GDN layer; prompt_buffers counts it)
+        self.prompt_scratch = self.gk.scratch(prompt_chunk) if self.gk is not None and prompt_chunk else None
 
     @staticmethod
     def projections(g) -> tuple:
@@ -206,7 +209,7 @@ class Gdn:
             self._core(qkv, cp.empty_like(qkv), z, beta, alpha, g, conv_state, S, out, T)
             return out
         if self.prompt_scratch is None or self.prompt_scratch.max_tokens < T:
-            raise ValueError(f"a GDN prompt chunk of {T} tokens without a gdn.cu scratch for it (Gdn.prompt_scratch)")
+            raise ValueError(f"a GDN prompt chunk of {T} tokens without a gdn.cu scratch for it (Gdn's prompt_chunk)")
         self.gk.prefill(qkv, z, beta, alpha, g.dt_bias, g.a, g.conv, g.norm, conv_state, S, out,
                         self.prompt_scratch, T)
         return out

@@ -486,10 +486,9 @@ class Q4Prompt(MoePrompt):
         kern = prefill.kernels
         self.hc = Hc(kern, prefill.launcher, self.shape, hc_up_types(prefill.weights), prefill)
         self.qsa = Qsa(prefill.launcher, self.shape, prefill.kv, prefill.chunk)
-        self.gdn = Gdn(kern, prefill.launcher, self.shape)
-        if self.gdn.gk is not None and any(L.gdn is not None for L in prefill.weights.layers):
-            with prefill.step.stream:
-                self.gdn.prompt_scratch = self.gdn.gk.scratch(prefill.chunk)     # prompt_buffers' "gdn_scratch"
+        has_gdn = any(L.gdn is not None for L in prefill.weights.layers)
+        with prefill.step.stream:       # its prompt scratch: prompt_buffers' "gdn_scratch"
+            self.gdn = Gdn(kern, prefill.launcher, self.shape, prompt_chunk=prefill.chunk if has_gdn else 0)
         self.ple_op = Ple(kern, prefill.launcher, self.shape)
         self.xs = self.eta = None
         self.has_ple = any(L.ple is not None for L in prefill.weights.layers)
