@@ -26,15 +26,8 @@ default below is the reference (forward, then engine/sampling.py pick); the CUDA
 spec.more is the caller's hint that a one-token call fed this pick will follow: the CUDA backend then launches that
 step before it returns this pick (engine/cuda/pipeline.py) and discards it, leaving no trace, on any other call.
 
-Verify windows (engine/speculate.py). A window is decode([last, d1..dk], spec, all_positions=True); the session then
-keeps the accepted prefix and cuts the rest. Without recurrent state that is truncate(n). With it, a backend that has
-`rewinds_windows = True` keeps the recurrent state after each position of its last all_positions call (at most
-MAX_WINDOW tokens), so truncate(n) also works for any n from that call's first position to n_cached, until the next
-call that feeds tokens (the CPU backend: its family cache's per-position states; the CUDA backend can write them into
-per-position state buffers inside the window). Otherwise the session snapshots the state before the window and, when
-a draft is rejected, restores it and feeds the accepted prefix again. window_cost(n) is what a window of n tokens costs
-in one-token steps (the prior of the session's window rule). An MTP drafter reads the output-normed hidden rows of
-the tokens a call fed (hidden(), after keep_hidden(True)).
+Verify windows (engine/speculate.py; the contract: docs/design.md "Speculation"): decode(..., all_positions=True),
+`rewinds_windows`, window_cost(n), and hidden() for an MTP drafter.
 """
 from __future__ import annotations
 

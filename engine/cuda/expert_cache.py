@@ -24,18 +24,8 @@ on an event recorded after that). A lent slot's owner is LENT, so neither fill n
 `give_back` refills lent slots with the hottest experts that have none, through the adaptive tier's swap path
 (steps 2 and 3 above), after everything already enqueued on the main stream (the ring's last readers).
 
-Slot pools (SlotPools): a file whose layers differ in blob size (llama-quantize's Q4_K_M, a Q8_0 layer) has one pool
-of slots per blob stride, each slot the size of its pool's blobs, so no byte of VRAM is padding. An expert only ever
-takes a slot of its own pool; fill, the adaptive tier and give_back choose within pools. The pools split the cache
-in proportion to their experts (every layer gets about the same share of its experts in VRAM): each layer is looked
-up k times a token, and a hit saves its blob's bytes of PCIe for its blob's bytes of VRAM, so for layers with the
-same routing skew no other split saves more transfer per byte. Slots of the largest pool (stride = the largest blob)
-are the ones lent to the prompt pass's ring. A uniform file has one pool: the cache as before.
-
-A pipeline stage's cache (engine/cuda/staged_backend.py, issue 32) serves only its layers' experts (`serves`): its
-slots are split among the pools of those experts alone, and fill, the adaptive tier and give_back never put another
-stage's expert in them. Its table still has an entry for every expert (the kernels index it by the global id); the
-other stages' entries stay at their arena addresses and are never read by this stage's kernels.
+Slot pools (SlotPools: a pool per blob stride, for files whose layers differ in blob size) and a pipeline stage's
+cache (`serves`): docs/design.md "Memory".
 """
 from __future__ import annotations
 
